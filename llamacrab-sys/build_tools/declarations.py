@@ -1,0 +1,162 @@
+"""Turn the installed llama.cpp headers into cffi declarations.
+
+The preprocessor expands the real headers (attributes and GNU extensions defined away, linemarkers
+kept), pycparser parses the result, and only nodes that come from the llama/ggml/gguf/mtmd headers
+are kept. Everything cffi must not take literally (computed array sizes, enum values) is left to the
+C compiler with `...`, so API mode checks every layout and value against the headers at build time.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pycparser import c_ast, c_generator, c_parser
+
+# Headers whose declarations form the binding, in include order.
+HEADERS = ("llama.h", "gguf.h", "ggml-backend.h", "ggml-cpu.h", "mtmd.h", "mtmd-helper.h")
+# Functions whose C++ implementation may throw: each gets a noexcept shim.
+SHIMMED_HEADERS = ("llama.h", "gguf.h", "mtmd.h", "mtmd-helper.h")
+
+# Just enough of the C library for the headers to parse; cffi knows these types natively.
+_STAND_INS = {
+    "stddef.h": "typedef unsigned long size_t; typedef long ptrdiff_t;\n#define NULL ((void*)0)\n",
+    "stdint.h": "".join(
+        f"typedef {c} {n}; "
+        for n, c in [
+            ("int8_t", "signed char"),
+            ("uint8_t", "unsigned char"),
+            ("int16_t", "short"),
+            ("uint16_t", "unsigned short"),
+            ("int32_t", "int"),
+            ("uint32_t", "unsigned int"),
+            ("int64_t", "long"),
+            ("uint64_t", "unsigned long"),
+            ("intptr_t", "long"),
+            ("uintptr_t", "unsigned long"),
+        ]
+    )
+    + "\n#define INT32_MAX 2147483647\n",
+    "stdbool.h": "#define bool _Bool\n#define true 1\n#define false 0\n",
+    "stdio.h": "typedef struct _IO_FILE FILE;\n",
+    "stdarg.h": "typedef void * va_list;\n",
+    "inttypes.h": "#include <stdint.h>\n",
+}
+
+_DEFINED_AWAY = [
+    "-D__attribute__(x)=",
+    "-D__restrict=",
+    "-D__restrict__=",
+    "-D__extension__=",
+    "-D__inline=",
+    "-D__inline__=",
+    "-D__asm__(x)=",
+    "-D__declspec(x)=",
+    "-DLLAMA_SHARED",
+    "-DGGML_SHARED",
+]
+
+
+@dataclass
+class Declarations:
+    """What the headers declare, ready for cffi and the shim generator."""
+
+    cdef: str
+    functions: dict[str, c_ast.Decl] = field(default_factory=dict)
+    function_headers: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def preprocess(include_dirs: list[Path], cc: str = "cc") -> str:
+    with tempfile.TemporaryDirectory() as stand_in_dir:
+        for name, text in _STAND_INS.items():
+            (Path(stand_in_dir) / name).write_text(text)
+        umbrella = Path(stand_in_dir) / "llamacrab_all.h"
+        umbrella.write_text("".join(f'#include "{h}"\n' for h in HEADERS))
+        cmd = [cc, "-E", "-std=c11", "-nostdinc", "-undef", "-U__GNUC__", "-D__x86_64__"]
+        cmd += _DEFINED_AWAY + [f"-I{stand_in_dir}"] + [f"-I{d}" for d in include_dirs]
+        return subprocess.run(
+            [*cmd, str(umbrella)], check=True, capture_output=True, text=True
+        ).stdout
+
+
+def _from_wanted_header(node: c_ast.Node, header_names: set[str]) -> bool:
+    return node.coord is not None and Path(str(node.coord.file)).name in header_names
+
+
+def _is_literal(expr: c_ast.Node | None) -> bool:
+    return expr is None or (isinstance(expr, c_ast.Constant) and expr.type == "int")
+
+
+class _Loosen(c_ast.NodeVisitor):
+    """Hand computed array sizes and enum values to the compiler (`...`)."""
+
+    def visit_ArrayDecl(self, node: c_ast.ArrayDecl) -> None:
+        if not _is_literal(node.dim):
+            node.dim = c_ast.ID("__dotdotdot__")
+        self.generic_visit(node)
+
+    def visit_EnumeratorList(self, node: c_ast.EnumeratorList) -> None:
+        for enumerator in node.enumerators:
+            enumerator.value = None
+        node.enumerators.append(c_ast.Enumerator("__dotdotdot__", None))
+
+
+def _uses_varargs(decl: c_ast.Decl) -> bool:
+    params = decl.type.args.params if decl.type.args else []
+    return any(isinstance(p, c_ast.EllipsisParam) for p in params) or "va_list" in str(
+        c_generator.CGenerator().visit(decl)
+    )
+
+
+def extract(preprocessed: str, exported: set[str] | None) -> Declarations:
+    """Keep llama.cpp's own declarations; drop functions no linked library exports."""
+    ast = c_parser.CParser().parse(preprocessed, filename="<llamacrab>")
+    gen = c_generator.CGenerator()
+    wanted = {"llama.h", "llama-cpp.h", "gguf.h", "mtmd.h", "mtmd-helper.h"} | {
+        n for n in _header_names(preprocessed) if n.startswith("ggml")
+    }
+    out: list[str] = []
+    seen_typedefs: set[str] = set()
+    decls = Declarations(cdef="")
+    for node in ast.ext:
+        if not _from_wanted_header(node, wanted):
+            continue
+        if isinstance(node, c_ast.FuncDef):  # static inline helpers: not part of the ABI
+            continue
+        node = copy.deepcopy(node)
+        if isinstance(node, c_ast.Typedef):
+            if node.name in seen_typedefs:
+                continue
+            seen_typedefs.add(node.name)
+        if isinstance(node, c_ast.Decl) and isinstance(node.type, c_ast.FuncDecl):
+            if _uses_varargs(node):
+                decls.skipped[node.name] = "variadic"
+                continue
+            if exported is not None and node.name not in exported:
+                decls.skipped[node.name] = "not exported by the built libraries"
+                continue
+            node.storage = []
+            decls.functions[node.name] = node
+            decls.function_headers[node.name] = Path(str(node.coord.file)).name
+        elif isinstance(node, c_ast.Decl) and node.init is not None:
+            # `static const size_t X = sizeof(...)`: let the compiler supply the value.
+            node.init = None
+            node.storage = []
+            out.append("static " + gen.visit(node) + ";")
+            continue
+        _Loosen().visit(node)
+        out.append(gen.visit(node).replace("__dotdotdot__", "...") + ";")
+    decls.cdef = "\n".join(out) + "\n"
+    return decls
+
+
+def _header_names(preprocessed: str) -> set[str]:
+    names = set()
+    for line in preprocessed.splitlines():
+        if line.startswith("# ") and '"' in line:
+            names.add(Path(line.split('"')[1]).name)
+    return names

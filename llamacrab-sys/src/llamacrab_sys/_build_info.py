@@ -1,0 +1,68 @@
+"""What this llamacrab_sys was built from: llama.cpp commit, backend, options, libraries."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from llamacrab_sys._native import ffi, lib
+
+LIBRARY_DIR = Path(__file__).resolve().parent / "lib"
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    package_version: str
+    llama_cpp_commit: str
+    backend: str
+    portable: bool
+    rpc: bool
+    cmake_options: tuple[str, ...]
+    compilers: dict[str, str]
+    library_dir: Path
+    libraries: tuple[Path, ...]
+    functions: int
+    shimmed_functions: int
+    skipped_functions: dict[str, str]
+    cdef_sha256: str
+
+    @property
+    def system_info(self) -> str:
+        """llama.cpp's own summary of the CPU features and backends in use."""
+        return ffi.string(lib.llama_print_system_info()).decode("utf-8", "replace").strip()
+
+    def as_dict(self) -> dict[str, Any]:
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        fields["library_dir"] = str(self.library_dir)
+        fields["libraries"] = [str(p) for p in self.libraries]
+        fields["system_info"] = self.system_info
+        return fields
+
+
+def _load_recorded() -> dict[str, Any]:
+    text = resources.files("llamacrab_sys").joinpath("_build_info.json").read_text()
+    return json.loads(text)
+
+
+@functools.cache
+def build_info() -> BuildInfo:
+    raw = _load_recorded()
+    return BuildInfo(
+        package_version=raw["package_version"],
+        llama_cpp_commit=raw["llama_cpp_commit"],
+        backend=raw["backend"],
+        portable=raw["portable"],
+        rpc=raw["rpc"],
+        cmake_options=tuple(raw["cmake_options"]),
+        compilers=raw["compilers"],
+        library_dir=LIBRARY_DIR,
+        libraries=tuple(LIBRARY_DIR / name for name in raw["libraries"]),
+        functions=raw["functions"],
+        shimmed_functions=raw["shimmed_functions"],
+        skipped_functions=raw["skipped_functions"],
+        cdef_sha256=raw["cdef_sha256"],
+    )

@@ -1,0 +1,99 @@
+"""Write tiny random-weight GGUF models for tests: fast, deterministic, no download.
+
+Usage: python scripts/make_tiny_gguf.py OUT.gguf [--seed N]
+
+The model is a 2-layer llama-architecture decoder with a SentencePiece-style vocabulary (control
+tokens, the 256 byte tokens and a few word pieces), so tokenization, decoding and sampling all run
+through llama.cpp's real code paths. Its outputs are noise: it tests mechanics, not quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+N_EMBD = 64
+N_HEAD = 4
+N_HEAD_KV = 2
+N_LAYER = 2
+N_FF = 128
+N_CTX_TRAIN = 512
+WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁hello", "▁world", "▁is", "."]
+
+
+def vocabulary() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [gguf.TokenType.BYTE] * 256
+    tokens += ["▁", *WORDS]
+    types += [gguf.TokenType.NORMAL] * (len(WORDS) + 1)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(WORDS) + 1)]
+    return tokens, scores, [int(t) for t in types]
+
+
+def write_tiny_llama(path: Path, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = vocabulary()
+    n_vocab = len(tokens)
+    head_dim = N_EMBD // N_HEAD
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("llamacrab-tiny-llama")
+    writer.add_context_length(N_CTX_TRAIN)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+
+    # numpy shapes are (rows, cols) = GGUF ne reversed: token_embd is ne {n_embd, n_vocab}.
+    writer.add_tensor("token_embd.weight", weight(n_vocab, N_EMBD))
+    for i in range(N_LAYER):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", weight(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", weight(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(N_FF, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(N_FF, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(N_EMBD, N_FF))
+    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    writer.add_tensor("output.weight", weight(n_vocab, N_EMBD))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(write_tiny_llama(args.out, args.seed))
+
+
+if __name__ == "__main__":
+    main()

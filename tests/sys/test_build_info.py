@@ -1,0 +1,56 @@
+"""The installed llamacrab_sys: build info, shipped libraries, and the command-line report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import llamacrab_sys
+from build_tools.source import read_pin
+from llamacrab_sys import build_info
+
+
+def test_build_records_the_pinned_commit_and_backend() -> None:
+    info = build_info()
+    assert info.llama_cpp_commit == read_pin()["llama_cpp_commit"]
+    assert info.backend == "cpu"
+    assert info.package_version == llamacrab_sys.__version__
+    assert "-DBUILD_SHARED_LIBS=ON" in info.cmake_options
+
+
+def test_libraries_ship_inside_the_package_and_are_the_ones_loaded() -> None:
+    info = build_info()
+    names = {p.name for p in info.libraries}
+    assert {"libllama.so.0", "libggml.so.0", "libggml-base.so.0", "libmtmd.so.0"} <= names
+    for path in info.libraries:
+        assert path.is_file() and path.parent == info.library_dir
+    with open("/proc/self/maps") as maps:
+        mapped = maps.read()
+    assert str(info.library_dir / "libllama.so.0") in mapped
+
+
+def test_system_info_comes_from_llama_cpp() -> None:
+    assert "CPU" in build_info().system_info
+
+
+def test_python_m_llamacrab_sys_prints_build_info_as_json() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "llamacrab_sys", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    report = json.loads(out)
+    assert report["llama_cpp_commit"] == build_info().llama_cpp_commit
+    assert report["system_info"] == build_info().system_info
+    assert report["library_dir"] == str(build_info().library_dir)
+
+
+def test_only_known_functions_were_left_out() -> None:
+    # Variadic functions cannot be bound; one declared function is exported by no library.
+    assert build_info().skipped_functions == {
+        "ggml_abort": "variadic",
+        "ggml_format_name": "variadic",
+        "ggml_threadpool_get_n_threads": "not exported by the built libraries",
+    }

@@ -1,0 +1,70 @@
+"""The generated declarations cover the headers and match the pinned source they came from."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+
+from build_tools import bindings
+from build_tools.source import resolve_source
+from llamacrab_sys import build_info, ffi, lib
+
+
+@pytest.fixture(scope="module")
+def source_tree() -> Path:
+    return resolve_source().path
+
+
+def declared_functions(header: Path, api_macro: str) -> set[str]:
+    """Names of the C functions a header exports with its API macro, read from the raw text."""
+    text = re.sub(r"/\*.*?\*/|//[^\n]*", "", header.read_text(), flags=re.S)
+    # C++-only declarations (std::map returns and the like) are not part of the C API.
+    text = re.sub(r"#ifdef __cplusplus.*?#endif", "", text, flags=re.S)
+    names = set()
+    pattern = rf"(?m)^(?!\s*#).*?\b{api_macro}\b\s*(?:DEPRECATED\()?([^(;]*)\("
+    for match in re.finditer(pattern, text):
+        names.add(re.findall(r"\w+", match.group(1))[-1])
+    return names
+
+
+@pytest.mark.parametrize(
+    ("header", "macro", "at_least"),
+    [("include/llama.h", "LLAMA_API", 200), ("tools/mtmd/mtmd.h", "MTMD_API", 40)],
+)
+def test_every_api_function_of_the_header_is_reachable(
+    source_tree: Path, header: str, macro: str, at_least: int
+) -> None:
+    names = declared_functions(source_tree / header, macro)
+    assert len(names) >= at_least  # the scan itself found the header's API
+    missing = sorted(n for n in names if not hasattr(lib, n))
+    assert missing == []
+    print(f"{header}: {len(names)} {macro} functions, all reachable")
+
+
+def test_functions_of_cpp_headers_have_noexcept_shims(source_tree: Path) -> None:
+    for header, macro in [("include/llama.h", "LLAMA_API"), ("tools/mtmd/mtmd.h", "MTMD_API")]:
+        names = declared_functions(source_tree / header, macro)
+        assert sorted(n for n in names if not hasattr(lib, f"safe_{n}")) == []
+
+
+def test_struct_layouts_come_from_the_compiler() -> None:
+    # API mode: sizes and offsets are what the C compiler computed for the real headers.
+    assert ffi.sizeof("struct llama_batch") == ffi.sizeof("int32_t") * 2 + ffi.sizeof("void *") * 6
+    assert ffi.offsetof("struct llama_batch", "token") == ffi.sizeof("void *")
+    assert lib.GGML_TYPE_COUNT > lib.GGML_TYPE_Q4_K > 0
+
+
+def test_generated_declarations_are_not_stale(source_tree: Path) -> None:
+    """Regenerate from the pinned headers: the compiled module must have been built from them."""
+    include_dirs = [
+        source_tree / "include",
+        source_tree / "ggml/include",
+        source_tree / "tools/mtmd",
+    ]
+    *_, cdef = bindings.render(include_dirs, list(build_info().libraries))
+    assert hashlib.sha256(cdef.encode()).hexdigest() == build_info().cdef_sha256, (
+        "llamacrab_sys was built from other headers or another generator: reinstall llamacrab-sys"
+    )
