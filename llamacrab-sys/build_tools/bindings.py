@@ -36,6 +36,11 @@ def linked_libraries(lib_dir: Path) -> list[Path]:
     return sorted(p for p in lib_dir.glob("lib*.so") if p.is_file() or p.is_symlink())
 
 
+def backend_modules(prefix: Path) -> list[Path]:
+    """Backends built for GGML_BACKEND_DL: installed beside executables, loaded at run time."""
+    return sorted((prefix / "bin").glob("libggml-*.so"))
+
+
 def soname(library: Path) -> str:
     out = subprocess.run(
         ["objdump", "-p", str(library)], check=True, capture_output=True, text=True
@@ -70,6 +75,7 @@ def render(include_dirs: list[Path], libraries: list[Path], cc: str = "cc") -> t
 
 def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str = "") -> dict:
     libraries = linked_libraries(Path(native["lib_dir"]))
+    modules = backend_modules(Path(native["prefix"]))
     decls, shim_header, shim_source, cdef = render([Path(native["include_dir"])], libraries, cc)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +99,7 @@ def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str =
         "compilers": native["compilers"],
         "native_cache_key": native["key"],
         "libraries": [soname(p) for p in libraries],
+        "backend_modules": [p.name for p in modules],
         "cdef_sha256": hashlib.sha256(cdef.encode()).hexdigest(),
         "functions": len(decls.functions),
         "shimmed_functions": sum(h in SHIMMED_HEADERS for h in decls.function_headers.values()),
@@ -103,6 +110,7 @@ def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str =
         "set(LLAMACRAB_LINK_LIBRARIES\n" + "".join(f'  "{p}"\n' for p in libraries) + ")\n"
         "set(LLAMACRAB_SHIPPED_FILES\n" + "".join(f'  "{p.resolve()}"\n' for p in libraries) + ")\n"
         "set(LLAMACRAB_SHIPPED_NAMES\n" + "".join(f'  "{soname(p)}"\n' for p in libraries) + ")\n"
+        "set(LLAMACRAB_BACKEND_MODULES\n" + "".join(f'  "{p}"\n' for p in modules) + ")\n"
     )
     (out_dir / "_build_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
     return info

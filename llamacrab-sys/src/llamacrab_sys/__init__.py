@@ -27,6 +27,10 @@ if build_info().package_version != __version__:
         f"llamacrab_sys {__version__} found a compiled module built for "
         f"{build_info().package_version}: reinstall llamacrab-sys"
     )
+if build_info().backend_modules:
+    # A portable build links no CPU backend: register the best variant for this machine (and any
+    # other dlopen-only backend) from the package's own directory, once per process.
+    lib.ggml_backend_load_all_from_path(str(build_info().library_dir).encode())
 
 __all__ = [
     "BuildInfo",

@@ -25,6 +25,7 @@ class BuildInfo:
     compilers: dict[str, str]
     library_dir: Path
     libraries: tuple[Path, ...]
+    backend_modules: tuple[Path, ...]
     functions: int
     shimmed_functions: int
     skipped_functions: dict[str, str]
@@ -39,6 +40,7 @@ class BuildInfo:
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
         fields["library_dir"] = str(self.library_dir)
         fields["libraries"] = [str(p) for p in self.libraries]
+        fields["backend_modules"] = [str(p) for p in self.backend_modules]
         fields["system_info"] = self.system_info
         return fields
 
@@ -61,6 +63,7 @@ def build_info() -> BuildInfo:
         compilers=raw["compilers"],
         library_dir=LIBRARY_DIR,
         libraries=tuple(LIBRARY_DIR / name for name in raw["libraries"]),
+        backend_modules=tuple(LIBRARY_DIR / name for name in raw["backend_modules"]),
         functions=raw["functions"],
         shimmed_functions=raw["shimmed_functions"],
         skipped_functions=raw["skipped_functions"],
