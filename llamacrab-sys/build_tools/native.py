@@ -84,13 +84,16 @@ def _tool_identity(command: str) -> str:
     return f"{os.path.realpath(path)} {version}"
 
 
-def compilers(backend: str) -> dict[str, str]:
+def compilers(backend: str, options: list[str]) -> dict[str, str]:
+    """Identities of the compilers CMake will use (an explicit -DCMAKE_<LANG>_COMPILER wins)."""
+    chosen = dict(o[2:].split("=", 1) for o in options if o.startswith("-DCMAKE_") and "=" in o)
     ids = {
-        "cc": _tool_identity(os.environ.get("CC", "cc")),
-        "cxx": _tool_identity(os.environ.get("CXX", "c++")),
+        "cc": _tool_identity(chosen.get("CMAKE_C_COMPILER", os.environ.get("CC", "cc"))),
+        "cxx": _tool_identity(chosen.get("CMAKE_CXX_COMPILER", os.environ.get("CXX", "c++"))),
     }
     if backend == "cuda":
-        ids["nvcc"] = _tool_identity(os.environ.get("CUDACXX", "nvcc"))
+        nvcc = chosen.get("CMAKE_CUDA_COMPILER", os.environ.get("CUDACXX", "nvcc"))
+        ids["nvcc"] = _tool_identity(nvcc)
     return ids
 
 
@@ -121,7 +124,7 @@ def build(
 ) -> dict:
     source = resolve_source()
     options = cmake_options(backend, portable, rpc, extra or [])
-    ids = compilers(backend)
+    ids = compilers(backend, options)
     key = cache_key(source, backend, options, ids)
     entry = cache_root() / "native" / key
     stamp = entry / _STAMP

@@ -20,6 +20,11 @@ typedef struct llamacrab_error {
   char message[1024];    /* what(), NUL-terminated, truncated to fit */
 } llamacrab_error;
 """
+# Hand-written helpers beside the generated shims.
+HELPERS = """\
+/* An abort callback that reads a flag Python sets: cancelling a decode needs no GIL per node. */
+bool llamacrab_abort_on_flag(void *flag);
+"""
 ERROR_CODES = {"LLAMACRAB_OK": 0, "LLAMACRAB_STD_EXCEPTION": 1, "LLAMACRAB_BAD_ALLOC": 2,
                "LLAMACRAB_UNKNOWN_EXCEPTION": 3}  # fmt: skip
 
@@ -41,6 +46,10 @@ void fail(llamacrab_error *err, int code, const char *what) noexcept {
     std::snprintf(err->message, sizeof(err->message), "%s", what ? what : "");
 }
 }  // namespace
+
+extern "C" bool llamacrab_abort_on_flag(void *flag) noexcept {
+    return flag != nullptr && __atomic_load_n(static_cast<int *>(flag), __ATOMIC_RELAXED) != 0;
+}
 
 #define LLAMACRAB_CATCH(err) \\
     catch (const std::bad_alloc &e) { fail(err, LLAMACRAB_BAD_ALLOC, e.what()); } \\
@@ -109,9 +118,9 @@ def generate(decls: Declarations) -> tuple[str, str, str]:
         f"{codes}#ifdef __cplusplus\n#define LLAMACRAB_NOEXCEPT noexcept\n"
         'extern "C" {\n#else\n#define LLAMACRAB_NOEXCEPT\n#endif\n'
         + ERROR_STRUCT
-        + prototypes.replace(";\n", " LLAMACRAB_NOEXCEPT;\n")
+        + (HELPERS + prototypes).replace(";\n", " LLAMACRAB_NOEXCEPT;\n")
         + "#ifdef __cplusplus\n}\n#endif\n"
     )
     source = _CPP_PRELUDE + "\n".join(d for _, d in shims)
-    cdef = "".join(f"#define {k} {v}\n" for k, v in ERROR_CODES.items()) + ERROR_STRUCT + prototypes
+    cdef = codes + ERROR_STRUCT + HELPERS + prototypes
     return header, source, cdef
