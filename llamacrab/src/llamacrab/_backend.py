@@ -1,0 +1,43 @@
+"""llama.cpp backend lifetime: initialised once per process, freed after every live handle."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from typing import Protocol
+
+from llamacrab import _logging
+from llamacrab_sys import lib
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_lock = threading.Lock()
+_initialised = False
+# Top-level handles (models); each closes its own children before itself.
+_live_roots: weakref.WeakSet[_Closable] = weakref.WeakSet()
+
+
+def ensure_initialised() -> None:
+    global _initialised
+    with _lock:
+        if not _initialised:
+            _logging.install()
+            lib.llama_backend_init()
+            atexit.register(_shutdown)
+            _initialised = True
+
+
+def register_root(handle: _Closable) -> None:
+    _live_roots.add(handle)
+
+
+def _shutdown() -> None:
+    # atexit order between us and weakref.finalize is not ours to choose: close what is still
+    # alive explicitly (children first, through each root's close), then free the backend.
+    for handle in list(_live_roots):
+        handle.close()
+    lib.llama_backend_free()

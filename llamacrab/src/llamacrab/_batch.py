@@ -1,0 +1,66 @@
+"""Batch: a ``struct llama_batch`` over arrays Python owns, filled with numpy, no per-token loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from llamacrab._exceptions import InvalidParameterError
+from llamacrab._native import ffi
+
+
+class Batch:
+    """Room for ``capacity`` tokens of up to ``n_seq_max`` sequences (one sequence per token)."""
+
+    def __init__(self, capacity: int, n_seq_max: int = 1) -> None:
+        if capacity < 1 or n_seq_max < 1:
+            raise InvalidParameterError(f"batch capacity {capacity} / n_seq_max {n_seq_max} < 1")
+        self.capacity = capacity
+        self._tokens = np.zeros(capacity, dtype=np.int32)
+        self._positions = np.zeros(capacity, dtype=np.int32)
+        self._n_seq_id = np.ones(capacity, dtype=np.int32)
+        self._logits = np.zeros(capacity, dtype=np.int8)
+        # One cell per sequence id; each token's seq_id pointer points at the cell of its sequence.
+        self._seq_cells = np.arange(n_seq_max, dtype=np.int32)
+        self._seq_pointers = np.zeros(capacity, dtype=np.uintp)
+        self._cells_address = int(ffi.cast("uintptr_t", ffi.from_buffer(self._seq_cells)))
+        self.n_seq_max = n_seq_max
+        self.struct = ffi.new("struct llama_batch *")
+        self.struct.token = ffi.from_buffer("llama_token[]", self._tokens)
+        self.struct.pos = ffi.from_buffer("llama_pos[]", self._positions)
+        self.struct.n_seq_id = ffi.from_buffer("int32_t[]", self._n_seq_id)
+        self.struct.seq_id = ffi.cast("llama_seq_id **", ffi.from_buffer(self._seq_pointers))
+        self.struct.logits = ffi.from_buffer("int8_t[]", self._logits)
+        self.struct.embd = ffi.NULL
+        self.struct.n_tokens = 0
+
+    def set(
+        self, tokens: np.ndarray, start_pos: int, seq_id: int = 0, logits_last: bool = True
+    ) -> None:
+        """Fill with ``tokens`` at positions ``start_pos..`` of sequence ``seq_id``."""
+        n = len(tokens)
+        if not 0 < n <= self.capacity:
+            raise InvalidParameterError(f"{n} tokens do not fit a batch of {self.capacity}")
+        if not 0 <= seq_id < self.n_seq_max:
+            raise InvalidParameterError(f"seq_id {seq_id} outside 0..{self.n_seq_max - 1}")
+        self._tokens[:n] = tokens
+        self._positions[:n] = np.arange(start_pos, start_pos + n, dtype=np.int32)
+        self._seq_pointers[:n] = self._cells_address + 4 * seq_id
+        self._logits[:n] = 0
+        if logits_last:
+            self._logits[n - 1] = 1
+        self.struct.n_tokens = n
+
+    def set_one(self, token: int, pos: int, seq_id: int = 0) -> None:
+        """The per-token fast path of generation: one token, logits wanted."""
+        self._tokens[0] = token
+        self._positions[0] = pos
+        self._seq_pointers[0] = self._cells_address + 4 * seq_id
+        self._logits[0] = 1
+        self.struct.n_tokens = 1
+
+    @property
+    def value(self) -> Any:
+        """The struct itself, as llama_decode takes it (by value)."""
+        return self.struct[0]

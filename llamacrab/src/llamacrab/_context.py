@@ -1,0 +1,200 @@
+"""Context: wraps ``struct llama_context`` (KV memory, decode, logits); a child of its model."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from llamacrab._batch import Batch
+from llamacrab._exceptions import (
+    ConcurrentUseError,
+    ContextError,
+    DecodeAbortedError,
+    DecodeError,
+    InvalidParameterError,
+)
+from llamacrab._handle import NativeHandle
+from llamacrab._logging import log_lines
+from llamacrab._model import Model
+from llamacrab._native import call, ffi, lib
+
+FLASH_ATTN = {
+    "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+POOLING = {
+    "unspecified": lib.LLAMA_POOLING_TYPE_UNSPECIFIED,
+    "none": lib.LLAMA_POOLING_TYPE_NONE,
+    "mean": lib.LLAMA_POOLING_TYPE_MEAN,
+    "cls": lib.LLAMA_POOLING_TYPE_CLS,
+    "last": lib.LLAMA_POOLING_TYPE_LAST,
+    "rank": lib.LLAMA_POOLING_TYPE_RANK,
+}
+ROPE_SCALING = {
+    "unspecified": lib.LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED,
+    "none": lib.LLAMA_ROPE_SCALING_TYPE_NONE,
+    "linear": lib.LLAMA_ROPE_SCALING_TYPE_LINEAR,
+    "yarn": lib.LLAMA_ROPE_SCALING_TYPE_YARN,
+    "longrope": lib.LLAMA_ROPE_SCALING_TYPE_LONGROPE,
+}
+KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}
+
+_DECODE_STATUS = {
+    1: "no KV cache slot for the batch (the context is full)",
+    -1: "invalid batch (tokens or positions rejected)",
+}
+
+
+def _choice(name: str, value: str, table: dict[str, Any]) -> int:
+    if value not in table:
+        raise InvalidParameterError(f"{name} must be one of {sorted(table)}, not {value!r}")
+    return int(table[value])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextParams:
+    """How to create a context. ``None`` keeps llama.cpp's default."""
+
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    n_threads: int | None = None
+    n_threads_batch: int | None = None
+    flash_attn: str = "auto"
+    offload_kqv: bool = True
+    type_k: str = "f16"
+    type_v: str = "f16"
+    rope_scaling: str = "unspecified"
+    rope_freq_base: float = 0.0
+    rope_freq_scale: float = 0.0
+    yarn_ext_factor: float = -1.0
+    yarn_orig_ctx: int = 0
+    embeddings: bool = False
+    pooling: str = "unspecified"
+    swa_full: bool = True
+    kv_unified: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.n_seq_max > lib.llama_max_parallel_sequences():
+            raise InvalidParameterError(
+                f"n_seq_max {self.n_seq_max} exceeds {lib.llama_max_parallel_sequences()}"
+            )
+        for name in ("n_threads", "n_threads_batch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidParameterError(f"{name} must be at least 1, not {value}")
+        _choice("flash_attn", self.flash_attn, FLASH_ATTN)
+        _choice("pooling", self.pooling, POOLING)
+        _choice("rope_scaling", self.rope_scaling, ROPE_SCALING)
+        _choice("type_k", self.type_k, KV_TYPES)
+        _choice("type_v", self.type_v, KV_TYPES)
+
+    def to_c(self) -> Any:
+        c = lib.llama_context_default_params()
+        for name in ("n_ctx", "n_batch", "n_seq_max", "rope_freq_base", "rope_freq_scale",
+                     "yarn_ext_factor", "yarn_orig_ctx", "embeddings", "offload_kqv",
+                     "swa_full", "kv_unified"):  # fmt: skip
+            setattr(c, name, getattr(self, name))
+        c.n_ubatch = min(self.n_ubatch, self.n_batch)
+        threads = os.cpu_count() or 1
+        c.n_threads = self.n_threads or threads
+        c.n_threads_batch = self.n_threads_batch or self.n_threads or threads
+        c.flash_attn_type = FLASH_ATTN[self.flash_attn]
+        c.pooling_type = POOLING[self.pooling]
+        c.rope_scaling_type = ROPE_SCALING[self.rope_scaling]
+        c.type_k = KV_TYPES[self.type_k]
+        c.type_v = KV_TYPES[self.type_v]
+        return c
+
+
+class Context(NativeHandle):
+    """A llama.cpp context. Not for concurrent use: a second thread entering raises
+    ConcurrentUseError instead of corrupting state. ``cancel()`` may be called from any thread."""
+
+    kind = "context"
+
+    def __init__(self, model: Model, params: ContextParams | None = None) -> None:
+        params = params or ContextParams()
+        if params.n_ctx > model.n_ctx_train > 0 and params.rope_scaling == "unspecified":
+            raise InvalidParameterError(
+                f"n_ctx {params.n_ctx} exceeds the {model.n_ctx_train} tokens the model was "
+                "trained for; set rope_scaling to extend it"
+            )
+        log_lines.take_last_error()
+        pointer = call("llama_init_from_model", model.pointer, params.to_c())
+        if pointer == ffi.NULL:
+            reason = log_lines.take_last_error() or "see the llamacrab logger"
+            raise ContextError(f"llama.cpp could not create a context ({params}): {reason}")
+        # ggml polls the abort callback at every graph node: a C function reading a flag keeps
+        # that poll free of the GIL; cancel() just sets the flag.
+        self._cancel_flag = ffi.new("int *")
+        super().__init__(pointer, lib.llama_free, model, keep_alive=self._cancel_flag)
+        lib.llama_set_abort_callback(pointer, lib.llamacrab_abort_on_flag, self._cancel_flag)
+        self.model = model
+        self.params = params
+        self._busy = threading.Lock()
+        self.n_ctx = int(lib.llama_n_ctx(pointer))
+        self.n_batch = int(lib.llama_n_batch(pointer))
+        self.n_vocab = model.vocab.n_tokens
+
+    @contextmanager
+    def exclusive(self) -> Iterator[Any]:
+        """Hold the context for one thread; yields the raw pointer."""
+        if not self._busy.acquire(blocking=False):
+            raise ConcurrentUseError("this context is in use by another thread")
+        try:
+            yield self.pointer
+        finally:
+            self._busy.release()
+
+    def cancel(self) -> None:
+        """Abort the decode in progress (from any thread); it raises DecodeAbortedError."""
+        self._cancel_flag[0] = 1
+
+    def decode(self, batch: Batch) -> None:
+        with self.exclusive() as ctx:
+            self._cancel_flag[0] = 0
+            status = call("llama_decode", ctx, batch.value)
+        if status == 0:
+            return
+        if status == 2:
+            raise DecodeAbortedError("decode cancelled", status)
+        reason = _DECODE_STATUS.get(status, "llama.cpp error")
+        raise DecodeError(f"llama_decode failed with status {status}: {reason}", status)
+
+    def logits(self, index: int = -1) -> np.ndarray:
+        """A copy of the logits of output ``index`` of the last decode."""
+        with self.exclusive() as ctx:
+            row = call("llama_get_logits_ith", ctx, index)
+            if row == ffi.NULL:
+                raise InvalidParameterError(f"no logits for output {index} of the last decode")
+            view = np.frombuffer(ffi.buffer(row, 4 * self.n_vocab), np.float32)
+            logits: np.ndarray = np.array(view)  # a copy: the next decode overwrites the row
+            return logits
+
+    # -- KV memory -----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        with self.exclusive() as ctx:
+            lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+
+    def remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of a sequence (-1: all); False if the memory cannot."""
+        if p0 < 0 or (p1 >= 0 and p1 < p0):
+            raise InvalidParameterError(f"invalid position range [{p0}, {p1})")
+        with self.exclusive() as ctx:
+            return bool(call("llama_memory_seq_rm", lib.llama_get_memory(ctx), seq_id, p0, p1))
+
+    def __repr__(self) -> str:
+        return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"

@@ -1,0 +1,80 @@
+"""The exception hierarchy of llamacrab. Every error raised by the package is a LlamaError.
+
+LlamaError
+├── ClosedHandleError          a model, context or sampler was used after close()
+├── ConcurrentUseError         a context was entered from two threads at once
+├── NativeError                llama.cpp threw a C++ exception (caught by a shim)
+├── ModelLoadError             llama.cpp could not load the model
+│   └── InvalidModelError      (also ValueError) the file failed validation before loading
+├── ContextError               llama.cpp could not create a context
+├── DecodeError                llama_decode failed; .status holds its return code
+│   └── DecodeAbortedError     the abort callback stopped it (see Context.cancel)
+├── ContextOverflowError       (also ValueError) the tokens do not fit in the context
+├── TokenizeError              (also ValueError) text or tokens rejected
+├── GrammarError               (also ValueError) a grammar llama.cpp could not parse
+└── InvalidParameterError      (also ValueError) a parameter out of its range
+"""
+
+from __future__ import annotations
+
+
+class LlamaError(Exception):
+    """Base class of every llamacrab error; never raised directly."""
+
+
+class ClosedHandleError(LlamaError):
+    """A native handle was used after it was closed (or its parent was)."""
+
+
+class ConcurrentUseError(LlamaError):
+    """A context is already in use by another thread."""
+
+
+class NativeError(LlamaError):
+    """llama.cpp raised a C++ exception; the shim turned it into this error."""
+
+    def __init__(self, function: str, code: int, message: str) -> None:
+        super().__init__(f"{function} failed in C++: {message or 'no message'} (code {code})")
+        self.function = function
+        self.code = code
+        self.message = message
+
+
+class ModelLoadError(LlamaError):
+    """llama.cpp could not load a model file."""
+
+
+class InvalidModelError(ModelLoadError, ValueError):
+    """A model file is not a valid GGUF llama.cpp could load safely."""
+
+
+class ContextError(LlamaError):
+    """llama.cpp could not create a context."""
+
+
+class DecodeError(LlamaError):
+    """llama_decode returned an error status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class DecodeAbortedError(DecodeError):
+    """A decode was cancelled through the abort callback."""
+
+
+class ContextOverflowError(LlamaError, ValueError):
+    """More tokens than the context can hold."""
+
+
+class TokenizeError(LlamaError, ValueError):
+    """Text or tokens that cannot be tokenized or detokenized."""
+
+
+class GrammarError(LlamaError, ValueError):
+    """A GBNF grammar llama.cpp rejected."""
+
+
+class InvalidParameterError(LlamaError, ValueError):
+    """A parameter outside its valid range."""

@@ -1,0 +1,188 @@
+"""Model: wraps ``struct llama_model`` (load, metadata, free); parent of contexts and samplers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llamacrab import _backend
+from llamacrab._exceptions import InvalidParameterError, ModelLoadError
+from llamacrab._gguf_check import validate_gguf
+from llamacrab._handle import NativeHandle
+from llamacrab._logging import log_lines
+from llamacrab._native import c_string, call, ffi, lib, read_string
+from llamacrab._vocab import Vocab
+from llamacrab_sys import progress_callback
+
+SPLIT_MODES = {
+    "none": lib.LLAMA_SPLIT_MODE_NONE,
+    "layer": lib.LLAMA_SPLIT_MODE_LAYER,
+    "row": lib.LLAMA_SPLIT_MODE_ROW,
+}
+
+KvOverrideValue = int | float | bool | str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelParams:
+    """How to load a model. ``None`` keeps llama.cpp's default."""
+
+    n_gpu_layers: int | None = None
+    split_mode: str | None = None
+    main_gpu: int | None = None
+    tensor_split: tuple[float, ...] | None = None
+    use_mmap: bool = True
+    use_mlock: bool = False
+    vocab_only: bool = False
+    check_tensors: bool = False
+    kv_overrides: Mapping[str, KvOverrideValue] | None = None
+
+    def __post_init__(self) -> None:
+        if self.split_mode is not None and self.split_mode not in SPLIT_MODES:
+            raise InvalidParameterError(
+                f"split_mode must be one of {sorted(SPLIT_MODES)}, not {self.split_mode!r}"
+            )
+        if self.tensor_split is not None and len(self.tensor_split) > lib.llama_max_devices():
+            raise InvalidParameterError(
+                f"tensor_split has {len(self.tensor_split)} entries; this build supports "
+                f"{lib.llama_max_devices()} devices"
+            )
+
+
+def _load_mode(params: ModelParams) -> int:
+    if params.use_mmap and params.use_mlock:
+        return int(lib.LLAMA_LOAD_MODE_MMAP_MLOCK)
+    if params.use_mmap:
+        return int(lib.LLAMA_LOAD_MODE_MMAP)
+    return int(lib.LLAMA_LOAD_MODE_MLOCK if params.use_mlock else lib.LLAMA_LOAD_MODE_NONE)
+
+
+def _kv_overrides(overrides: Mapping[str, KvOverrideValue]) -> Any:
+    """A C array of overrides, terminated by an entry with an empty key."""
+    array = ffi.new("struct llama_model_kv_override[]", len(overrides) + 1)
+    for entry, (key, value) in zip(array, overrides.items(), strict=False):
+        raw_key = c_string(key, "kv_overrides key")
+        if not 0 < len(raw_key) < 128:
+            raise InvalidParameterError(f"kv_overrides key must be 1-127 bytes: {key!r}")
+        entry.key = raw_key
+        if isinstance(value, bool):
+            entry.tag, entry.val_bool = lib.LLAMA_KV_OVERRIDE_TYPE_BOOL, value
+        elif isinstance(value, int):
+            entry.tag, entry.val_i64 = lib.LLAMA_KV_OVERRIDE_TYPE_INT, value
+        elif isinstance(value, float):
+            entry.tag, entry.val_f64 = lib.LLAMA_KV_OVERRIDE_TYPE_FLOAT, value
+        elif isinstance(value, str) and len(c_string(value, "kv_overrides value")) < 128:
+            entry.tag, entry.val_str = lib.LLAMA_KV_OVERRIDE_TYPE_STR, value.encode()
+        else:
+            raise InvalidParameterError(f"kv_overrides[{key!r}] has unsupported value {value!r}")
+    return array
+
+
+class Model(NativeHandle):
+    """A loaded GGUF model. Closing it closes its contexts and samplers first."""
+
+    kind = "model"
+
+    def __init__(self, pointer: Any, path: Path) -> None:
+        super().__init__(pointer, lib.llama_model_free, None)
+        self.path = path
+        self.vocab = Vocab(self)
+        _backend.register_root(self)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        params: ModelParams | None = None,
+        progress: Callable[[float], object] | None = None,
+    ) -> Model:
+        """Load ``path``. ``progress(fraction)`` may return False to cancel loading."""
+        _backend.ensure_initialised()
+        params = params or ModelParams()
+        file = Path(path)
+        validate_gguf(file)
+        c_params = lib.llama_model_default_params()
+        for field in ("n_gpu_layers", "main_gpu"):
+            if getattr(params, field) is not None:
+                setattr(c_params, field, getattr(params, field))
+        if params.split_mode is not None:
+            c_params.split_mode = SPLIT_MODES[params.split_mode]
+        c_params.load_mode = _load_mode(params)
+        c_params.vocab_only = params.vocab_only
+        c_params.check_tensors = params.check_tensors
+        keepalive: list[Any] = []
+        if params.tensor_split is not None:
+            split = ffi.new("float[]", lib.llama_max_devices())
+            split[0 : len(params.tensor_split)] = list(params.tensor_split)
+            c_params.tensor_split = split
+            keepalive.append(split)
+        if params.kv_overrides:
+            overrides = _kv_overrides(params.kv_overrides)
+            c_params.kv_overrides = overrides
+            keepalive.append(overrides)
+        if progress is not None:
+            callback = progress_callback(lambda fraction: progress(fraction) is not False)
+            c_params.progress_callback = callback.function
+            c_params.progress_callback_user_data = callback.user_data
+            keepalive.append(callback)
+        log_lines.take_last_error()
+        pointer = call("llama_model_load_from_file", c_string(str(file), "model path"), c_params)
+        if pointer == ffi.NULL:
+            reason = log_lines.take_last_error() or "see the llamacrab logger for details"
+            raise ModelLoadError(f"llama.cpp could not load {file}: {reason}")
+        # Overrides and split arrays are read during load only; nothing C keeps points into them.
+        return cls(pointer, file)
+
+    # -- information -------------------------------------------------------------------------
+
+    @property
+    def description(self) -> str:
+        model = self.pointer
+        return read_string(lambda buf, size: lib.llama_model_desc(model, buf, size))
+
+    @property
+    def n_params(self) -> int:
+        return int(lib.llama_model_n_params(self.pointer))
+
+    @property
+    def size(self) -> int:
+        """Total size of the weights in bytes."""
+        return int(lib.llama_model_size(self.pointer))
+
+    @property
+    def n_ctx_train(self) -> int:
+        return int(lib.llama_model_n_ctx_train(self.pointer))
+
+    @property
+    def n_embd(self) -> int:
+        return int(lib.llama_model_n_embd(self.pointer))
+
+    @property
+    def n_layer(self) -> int:
+        return int(lib.llama_model_n_layer(self.pointer))
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """Every GGUF metadata key with its value as llama.cpp renders it."""
+        model = self.pointer
+        result = {}
+        for i in range(lib.llama_model_meta_count(model)):
+            key = read_string(lambda b, n, i=i: lib.llama_model_meta_key_by_index(model, i, b, n))
+            value = read_string(
+                lambda b, n, i=i: lib.llama_model_meta_val_str_by_index(model, i, b, n)
+            )
+            result[key] = value
+        return result
+
+    def chat_template(self, name: str | None = None) -> str | None:
+        """The GGUF chat template (``tokenizer.chat_template[.name]``), or None if absent."""
+        raw_name = ffi.NULL if name is None else c_string(name, "template name")
+        template = lib.llama_model_chat_template(self.pointer, raw_name)
+        return None if template == ffi.NULL else ffi.string(template).decode("utf-8", "replace")
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.description
+        return f"<Model {self.path.name} ({state})>"

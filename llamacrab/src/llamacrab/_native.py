@@ -1,0 +1,50 @@
+"""The one boundary to llamacrab_sys: calls through the noexcept shims, C++ errors as exceptions."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from llamacrab._exceptions import InvalidParameterError, NativeError
+from llamacrab_sys import ffi, lib
+
+_local = threading.local()
+
+
+def _error_slot() -> Any:
+    slot = getattr(_local, "error", None)
+    if slot is None:
+        slot = _local.error = ffi.new("llamacrab_error *")
+    return slot
+
+
+def call(name: str, *args: Any) -> Any:
+    """Call llama.cpp's ``name`` through its ``safe_`` shim; raise NativeError if it threw."""
+    err = _error_slot()
+    result = getattr(lib, "safe_" + name)(*args, err)
+    if err.code != 0:
+        raise NativeError(name, err.code, ffi.string(err.message).decode("utf-8", "replace"))
+    return result
+
+
+def c_string(text: str, what: str) -> bytes:
+    """Encode text for C: UTF-8, NUL-terminated by cffi, so an embedded NUL would truncate it."""
+    if "\0" in text:
+        raise InvalidParameterError(f"{what} contains a NUL character: {text!r}")
+    return text.encode("utf-8")
+
+
+def read_string(fill: Any, initial: int = 256) -> str:
+    """Read a string from a C function that fills a buffer and returns the full length needed."""
+    size = initial
+    while True:
+        buf = ffi.new("char[]", size)
+        needed = fill(buf, size)
+        if needed < 0:
+            return ""
+        if needed < size:
+            return bytes(ffi.buffer(buf, needed)).decode("utf-8", "replace")
+        size = needed + 1
+
+
+__all__ = ["c_string", "call", "ffi", "lib", "read_string"]

@@ -1,0 +1,203 @@
+"""SamplerChain: a native ``llama_sampler`` chain built from SamplingOptions; runs in C."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llamacrab._context import Context
+from llamacrab._exceptions import GrammarError, InvalidParameterError
+from llamacrab._handle import NativeHandle
+from llamacrab._logging import log_lines
+from llamacrab._model import Model
+from llamacrab._native import c_string, call, ffi, lib
+
+# llama.cpp's default order (common/common.h): filters first, temperature last, then `dist`.
+DEFAULT_ORDER = (
+    "penalties", "dry", "top_n_sigma", "top_k", "typical", "top_p", "min_p", "xtc", "temperature",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingOptions:
+    """Sampler settings with llama.cpp's defaults. ``temperature <= 0`` means greedy."""
+
+    temperature: float = 0.8
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    adaptive_p_target: float | None = None
+    adaptive_p_decay: float = 0.9
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    grammar: str | None = None
+    grammar_root: str = "root"
+    grammar_trigger_words: tuple[str, ...] = ()
+    seed: int | None = None
+    order: Sequence[str] = DEFAULT_ORDER
+
+    def __post_init__(self) -> None:
+        unknown = set(self.order) - set(DEFAULT_ORDER)
+        if unknown:
+            raise InvalidParameterError(f"unknown samplers in order: {sorted(unknown)}")
+        if self.mirostat not in (0, 1, 2):
+            raise InvalidParameterError(f"mirostat must be 0, 1 or 2, not {self.mirostat}")
+        if self.top_k < 0 or not 0 <= self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise InvalidParameterError(
+                f"top_k {self.top_k} / top_p {self.top_p} / min_p {self.min_p} out of range"
+            )
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise InvalidParameterError(f"seed must fit in 32 bits, not {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+class SamplerChain(NativeHandle):
+    """A native sampler chain bound to a model's vocabulary. It owns the samplers it holds."""
+
+    kind = "sampler"
+
+    def __init__(self, model: Model, options: SamplingOptions | None = None) -> None:
+        self.options = options = options or SamplingOptions()
+        pointer = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if pointer == ffi.NULL:
+            raise InvalidParameterError("llama.cpp could not create a sampler chain")
+        super().__init__(pointer, lib.llama_sampler_free, model)
+        try:
+            for sampler in _samplers(model, options):
+                lib.llama_sampler_chain_add(pointer, sampler)  # the chain owns it from here
+        except BaseException:
+            self.close()
+            raise
+
+    def sample(self, context: Context, index: int = -1) -> int:
+        """Pick a token from the logits of output ``index`` and accept it into the chain state."""
+        chain = self.pointer
+        with context.exclusive() as ctx:
+            return int(call("llama_sampler_sample", chain, ctx, index))
+
+    def accept(self, token: int) -> None:
+        call("llama_sampler_accept", self.pointer, token)
+
+    def reset(self) -> None:
+        call("llama_sampler_reset", self.pointer)
+
+
+def _checked(sampler: Any, what: str) -> Any:
+    if sampler == ffi.NULL:
+        raise InvalidParameterError(f"llama.cpp rejected the {what} sampler settings")
+    return sampler
+
+
+def _grammar(model: Model, options: SamplingOptions) -> Any:
+    assert options.grammar is not None
+    vocab = model.vocab.pointer
+    grammar = c_string(options.grammar, "grammar")
+    root = c_string(options.grammar_root, "grammar_root")
+    log_lines.take_last_error()
+    if options.grammar_trigger_words:
+        words = [
+            ffi.new("char[]", c_string(w, "trigger word")) for w in options.grammar_trigger_words
+        ]
+        c_words = ffi.new("const char *[]", words)
+        sampler = call("llama_sampler_init_grammar_lazy_patterns", vocab, grammar, root,
+                       c_words, len(words), ffi.NULL, 0)  # fmt: skip
+    else:
+        sampler = call("llama_sampler_init_grammar", vocab, grammar, root)
+    if sampler == ffi.NULL:
+        reason = log_lines.take_last_error() or "see the llamacrab logger"
+        raise GrammarError(f"invalid grammar: {reason}")
+    return sampler
+
+
+def _samplers(model: Model, o: SamplingOptions) -> Iterator[Any]:
+    """The samplers of the chain, in order; the last one picks the token. Each is handed to the
+    chain as soon as it exists, so an error part-way leaks nothing."""
+    n_vocab = model.vocab.n_tokens
+    seed = o.seed if o.seed is not None else secrets.randbits(32)
+    if o.logit_bias:
+        tokens = model.vocab.check_tokens(list(o.logit_bias))
+        bias = ffi.new("llama_logit_bias[]", len(o.logit_bias))
+        for entry, token, value in zip(bias, tokens, o.logit_bias.values(), strict=True):
+            entry.token, entry.bias = int(token), value
+        yield _checked(lib.llama_sampler_init_logit_bias(n_vocab, len(bias), bias), "logit_bias")
+    if o.grammar is not None:
+        yield _grammar(model, o)
+    if o.greedy:
+        yield _checked(lib.llama_sampler_init_greedy(), "greedy")
+        return
+    if o.mirostat:
+        yield _checked(lib.llama_sampler_init_temp(o.temperature), "temperature")
+        if o.mirostat == 1:
+            miro = lib.llama_sampler_init_mirostat(
+                n_vocab, seed, o.mirostat_tau, o.mirostat_eta, 100
+            )
+        else:
+            miro = lib.llama_sampler_init_mirostat_v2(seed, o.mirostat_tau, o.mirostat_eta)
+        yield _checked(miro, "mirostat")
+        return
+    for name in o.order:
+        for sampler in _filter(model, o, name, seed):
+            yield _checked(sampler, name)
+    if o.adaptive_p_target is not None:
+        final = lib.llama_sampler_init_adaptive_p(o.adaptive_p_target, o.adaptive_p_decay, seed)
+    else:
+        final = lib.llama_sampler_init_dist(seed)
+    yield _checked(final, "final")
+
+
+def _filter(model: Model, o: SamplingOptions, name: str, seed: int) -> list[Any]:
+    if name == "penalties":
+        if o.repeat_penalty == 1.0 and o.frequency_penalty == 0 and o.presence_penalty == 0:
+            return []
+        return [lib.llama_sampler_init_penalties(
+            model.vocab.n_tokens, o.penalty_last_n, o.repeat_penalty,
+            o.frequency_penalty, o.presence_penalty)]  # fmt: skip
+    if name == "dry":
+        if o.dry_multiplier == 0:
+            return []
+        breakers = [ffi.new("char[]", c_string(b, "dry breaker")) for b in o.dry_sequence_breakers]
+        return [call("llama_sampler_init_dry", model.vocab.pointer, o.dry_multiplier, o.dry_base,
+                     o.dry_allowed_length, o.dry_penalty_last_n,
+                     ffi.new("const char *[]", breakers), len(breakers))]  # fmt: skip
+    if name == "top_n_sigma":
+        return [] if o.top_n_sigma <= 0 else [lib.llama_sampler_init_top_n_sigma(o.top_n_sigma)]
+    if name == "top_k":
+        return [] if o.top_k <= 0 else [lib.llama_sampler_init_top_k(o.top_k)]
+    if name == "typical":
+        return [] if o.typical_p >= 1 else [lib.llama_sampler_init_typical(o.typical_p, 1)]
+    if name == "top_p":
+        return [] if o.top_p >= 1 else [lib.llama_sampler_init_top_p(o.top_p, 1)]
+    if name == "min_p":
+        return [] if o.min_p <= 0 else [lib.llama_sampler_init_min_p(o.min_p, 1)]
+    if name == "xtc":
+        if o.xtc_probability <= 0:
+            return []
+        return [lib.llama_sampler_init_xtc(o.xtc_probability, o.xtc_threshold, 1, seed)]
+    # temperature
+    if o.dynatemp_range > 0:
+        return [
+            lib.llama_sampler_init_temp_ext(o.temperature, o.dynatemp_range, o.dynatemp_exponent)
+        ]
+    return [lib.llama_sampler_init_temp(o.temperature)]

@@ -1,0 +1,140 @@
+"""Vocab: wraps ``struct llama_vocab`` (owned by its model): tokenization and detokenization."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from llamacrab._exceptions import TokenizeError
+from llamacrab._native import call, ffi, lib
+
+if TYPE_CHECKING:
+    from llamacrab._model import Model
+
+_PIECE_BUFFER = 64
+
+
+class Vocab:
+    """The tokenizer of a model. Valid while its model is open."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+        self._n_tokens: int | None = None
+
+    @property
+    def pointer(self) -> Any:
+        return lib.llama_model_get_vocab(self._model.pointer)  # raises if the model is closed
+
+    @property
+    def n_tokens(self) -> int:
+        if self._n_tokens is None:
+            self._n_tokens = int(lib.llama_vocab_n_tokens(self.pointer))
+        return self._n_tokens
+
+    def _special(self, getter: Any) -> int | None:
+        token = int(getter(self.pointer))
+        return None if token < 0 else token
+
+    @property
+    def bos(self) -> int | None:
+        return self._special(lib.llama_vocab_bos)
+
+    @property
+    def eos(self) -> int | None:
+        return self._special(lib.llama_vocab_eos)
+
+    @property
+    def eot(self) -> int | None:
+        return self._special(lib.llama_vocab_eot)
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(lib.llama_vocab_get_add_bos(self.pointer))
+
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends generation (EOS, EOT and the like)."""
+        return bool(lib.llama_vocab_is_eog(self.pointer, token))
+
+    def check_tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Tokens as an int32 array, each checked against the vocabulary size."""
+        array = np.asarray(tokens, dtype=np.int64)
+        if array.ndim != 1:
+            raise TokenizeError(f"tokens must be a flat sequence, got shape {array.shape}")
+        bad = (array < 0) | (array >= self.n_tokens)
+        if bad.any():
+            raise TokenizeError(
+                f"token {int(array[bad][0])} is outside the vocabulary (0..{self.n_tokens - 1})"
+            )
+        return array.astype(np.int32)
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        """Tokens of ``text``; ``add_special`` adds BOS/EOS as the model wants them."""
+        data = text.encode("utf-8")
+        vocab = self.pointer
+        capacity = len(data) + 8
+        for _ in range(2):  # the first call tells the size needed when it is too small
+            out = ffi.new("llama_token[]", capacity)
+            n = call(
+                "llama_tokenize", vocab, data, len(data), out, capacity, add_special, parse_special
+            )
+            if n >= 0:
+                return list(ffi.unpack(out, n))
+            if n == -(2**31):
+                raise TokenizeError(f"text of {len(data)} bytes is too long to tokenize")
+            capacity = -n
+        raise TokenizeError(f"llama_tokenize kept asking for more room for {text[:40]!r}")
+
+    def token_to_bytes(self, token: int, special: bool = False) -> bytes:
+        """The raw bytes of one token (may be part of a multi-byte character)."""
+        self.check_tokens([token])
+        vocab = self.pointer
+        size = _PIECE_BUFFER
+        while True:
+            buf = ffi.new("char[]", size)
+            n = call("llama_token_to_piece", vocab, token, buf, size, 0, special)
+            if n >= 0:
+                return bytes(ffi.buffer(buf, n))
+            size = -n
+
+    def token_to_piece(self, token: int, special: bool = False) -> str:
+        return self.token_to_bytes(token, special).decode("utf-8", "replace")
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        """Text of ``tokens``; ``special`` renders control tokens such as BOS as text."""
+        array = self.check_tokens(tokens)
+        if array.size == 0:
+            return ""
+        vocab = self.pointer
+        c_tokens = ffi.from_buffer("llama_token[]", array)
+        size = max(array.size * 8, 64)
+        while True:
+            buf = ffi.new("char[]", size)
+            n = call("llama_detokenize", vocab, c_tokens, array.size, buf, size, False, special)
+            if n >= 0:
+                return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace")
+            size = -n
+
+    def decoder(self, special: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self, special)
+
+
+class IncrementalDecoder:
+    """Turns a token stream into text without ever emitting half of a multi-byte character."""
+
+    def __init__(self, vocab: Vocab, special: bool = False) -> None:
+        self._vocab = vocab
+        self._special = special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, tokens: Iterable[int]) -> str:
+        raw = b"".join(self._vocab.token_to_bytes(t, self._special) for t in tokens)
+        return self._utf8.decode(raw)
+
+    def flush(self) -> str:
+        """Whatever bytes are left (an incomplete character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,86 @@
+"""Bad input raises a clear LlamaError; the process and every other object stay usable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llamacrab import (
+    ContextOverflowError,
+    InvalidModelError,
+    InvalidParameterError,
+    Llama,
+    LlamaError,
+    ModelLoadError,
+    TokenizeError,
+)
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        Llama(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "text.gguf"
+    path.write_text("hello, I am not a model" * 10)
+    with pytest.raises(InvalidModelError, match="GGUF magic"):
+        Llama(path)
+
+
+def test_truncated_gguf(tmp_path: Path, tiny_model_path: Path) -> None:
+    data = tiny_model_path.read_bytes()
+    for cut in (30, len(data) // 3, len(data) - 100):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(InvalidModelError):
+            Llama(path)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        ({"block_count": 7}, "block_count = 7"),  # llama.cpp: GGML_ASSERT abort at load
+        ({"block_count": 0}, "block_count = 0"),
+        ({"rms_eps": -1e-5}, "epsilon"),  # llama.cpp: GGML_ASSERT abort at the first decode
+        ({"rms_eps": 0.0}, "epsilon"),
+    ],
+)
+def test_tampered_files_that_would_abort_llama_cpp_are_rejected(
+    tmp_path: Path, tamper: dict, message: str
+) -> None:
+    path = tiny.write_tiny_llama(tmp_path / "tampered.gguf", **tamper)
+    with pytest.raises(InvalidModelError, match=message):
+        Llama(path)
+
+
+def test_context_parameters_out_of_range(tiny_model_path: Path) -> None:
+    for bad in ({"n_ctx": 0}, {"n_ctx": 100_000}, {"n_batch": 0}, {"flash_attn": "maybe"}):
+        with pytest.raises(InvalidParameterError):
+            Llama(tiny_model_path, **bad)
+    with pytest.raises(InvalidParameterError, match="unknown Llama parameters"):
+        Llama(tiny_model_path, n_ctxx=5)
+
+
+def test_bad_prompts_leave_the_llama_usable(tiny_llama: Llama) -> None:
+    with pytest.raises(InvalidParameterError, match="empty"):
+        tiny_llama.create_completion("")
+    with pytest.raises(ContextOverflowError, match="the context holds"):
+        tiny_llama.create_completion(" cat" * 200)
+    with pytest.raises(TokenizeError, match="outside the vocabulary"):
+        tiny_llama.create_completion([1, 5000])
+    with pytest.raises(InvalidParameterError, match="NUL"):
+        tiny_llama.model.chat_template("a\0b")
+    result = tiny_llama.create_completion("the cat sat", max_tokens=3, temperature=0)
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.completion_tokens == 3
+
+
+def test_every_error_is_a_llama_error() -> None:
+    for error in (ContextOverflowError, InvalidModelError, ModelLoadError, TokenizeError):
+        assert issubclass(error, LlamaError)

@@ -1,0 +1,50 @@
+"""Sampler chains: every libllama sampler configurable, grammar and logit bias enforced in C."""
+
+from __future__ import annotations
+
+import pytest
+
+from llamacrab import GrammarError, Llama, SamplingOptions
+
+VARIANTS = [
+    {},
+    {"temperature": 0.0},
+    {"top_k": 5, "top_p": 0.5, "min_p": 0.1, "typical_p": 0.9},
+    {"repeat_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+    {"dry_multiplier": 0.8},
+    {"xtc_probability": 0.5, "xtc_threshold": 0.05},
+    {"top_n_sigma": 1.5},
+    {"dynatemp_range": 0.5},
+    {"mirostat": 1},
+    {"mirostat": 2},
+    {"adaptive_p_target": 0.5},
+    {"order": ("temperature", "top_k")},
+]
+
+
+@pytest.mark.parametrize("options", VARIANTS)
+def test_every_sampler_configuration_generates(tiny_llama: Llama, options: dict) -> None:
+    result = tiny_llama.create_completion("the cat sat", max_tokens=4, seed=1, **options)
+    assert result.usage.completion_tokens >= 1
+    assert all(0 <= t < tiny_llama.vocab.n_tokens for t in result.choices[0].tokens)
+
+
+def test_grammar_constrains_the_output(tiny_llama: Llama) -> None:
+    grammar = 'root ::= " the" (" cat" | " dog") " sat"'
+    for seed in range(5):
+        result = tiny_llama.create_completion("hello", max_tokens=30, grammar=grammar, seed=seed)
+        assert result.text in (" the cat sat", " the dog sat")
+        assert result.choices[0].finish_reason == "eos"  # nothing but the end is allowed after
+
+
+def test_invalid_grammar(tiny_llama: Llama) -> None:
+    with pytest.raises(GrammarError, match="invalid grammar"):
+        tiny_llama.create_completion("hello", grammar="root ::= (")
+    assert tiny_llama.create_completion("hello", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_logit_bias_is_applied_natively(tiny_llama: Llama) -> None:
+    dog = tiny_llama.tokenize(" dog", add_special=False)[-1]
+    options = SamplingOptions(temperature=0.0, logit_bias={dog: 100.0})
+    result = tiny_llama.create_completion("the", max_tokens=3, sampling=options)
+    assert result.choices[0].tokens == (dog, dog, dog)
