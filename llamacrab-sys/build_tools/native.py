@@ -1,11 +1,13 @@
 """Build llama.cpp as shared libraries into a cache entry keyed by everything that shapes the build.
 
 Usage: python -m build_tools.native --backend cpu [--portable] [--rpc] [--cmake-arg -DX=Y ...]
-           [--cmake PATH] [--ninja PATH] [--json OUT]
+           [--tool llama-bench ...] [--cmake PATH] [--ninja PATH] [--json OUT]
 
 The key covers the llama.cpp commit, backend, CMake options and compiler identities, so a second
 build with unchanged inputs reuses the installed tree at once. A tree from a local checkout is
 rebuilt incrementally every time because its files may have changed under the same commit.
+With --tool, the named upstream programs (e.g. llama-bench, for benchmarks against native
+llama.cpp) are built instead, from the same source with the same options, and not installed.
 """
 
 from __future__ import annotations
@@ -97,16 +99,21 @@ def compilers(backend: str, options: list[str]) -> dict[str, str]:
     return ids
 
 
-def cache_key(source: Source, backend: str, options: list[str], compiler_ids: dict) -> str:
-    identity = {
+def cache_key(
+    source: Source, backend: str, options: list[str], compiler_ids: dict, tools: list[str]
+) -> str:
+    identity: dict[str, object] = {
         "commit": source.commit,
         "source": str(source.path) if source.origin == "local" else "pinned",
         "backend": backend,
         "options": options,
         "compilers": compiler_ids,
     }
+    if tools:
+        identity["tools"] = sorted(tools)
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    return f"{source.commit[:12]}-{backend}-{digest[:16]}"
+    kind = "tools" if tools else backend
+    return f"{source.commit[:12]}-{kind}-{digest[:16]}"
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> None:
@@ -121,11 +128,15 @@ def build(
     extra: list[str] | None = None,
     cmake: str = "cmake",
     ninja: str | None = None,
+    tools: list[str] | None = None,
 ) -> dict:
     source = resolve_source()
+    tools = tools or []
     options = cmake_options(backend, portable, rpc, extra or [])
+    if tools:  # later -D options win over BASE_OPTIONS
+        options += ["-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_TOOLS=ON"]
     ids = compilers(backend, options)
-    key = cache_key(source, backend, options, ids)
+    key = cache_key(source, backend, options, ids, tools)
     entry = cache_root() / "native" / key
     stamp = entry / _STAMP
     if source.immutable and stamp.is_file():
@@ -145,14 +156,17 @@ def build(
         started = time.monotonic()
         _run([cmake, "-S", str(source.path), "-B", str(build_dir), *generator,
               f"-DCMAKE_INSTALL_PREFIX={prefix}", *options], env)  # fmt: skip
-        _run([cmake, "--build", str(build_dir), "--config", "Release"], env)
-        shutil.rmtree(prefix, ignore_errors=True)
-        _run([cmake, "--install", str(build_dir), "--config", "Release"], env)
+        targets = [arg for tool in tools for arg in ("--target", tool)]
+        _run([cmake, "--build", str(build_dir), "--config", "Release", *targets], env)
+        if not tools:
+            shutil.rmtree(prefix, ignore_errors=True)
+            _run([cmake, "--install", str(build_dir), "--config", "Release"], env)
         info = {
             "key": key,
             "prefix": str(prefix),
             "include_dir": str(prefix / "include"),
             "lib_dir": str(prefix / "lib"),
+            "bin_dir": str(build_dir / "bin"),
             "commit": source.commit,
             "source": str(source.path),
             "source_origin": source.origin,
@@ -173,12 +187,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--portable", action="store_true")
     parser.add_argument("--rpc", action="store_true")
     parser.add_argument("--cmake-arg", action="append", default=[], dest="extra")
+    parser.add_argument("--tool", action="append", default=[], dest="tools")
     parser.add_argument("--cmake", default="cmake")
     parser.add_argument("--ninja")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     try:
-        info = build(args.backend, args.portable, args.rpc, args.extra, args.cmake, args.ninja)
+        info = build(
+            args.backend, args.portable, args.rpc, args.extra, args.cmake, args.ninja, args.tools
+        )
     except subprocess.CalledProcessError as exc:
         sys.exit(f"llamacrab: llama.cpp build failed: {shlex.join(map(str, exc.cmd))}")
     text = json.dumps(info, indent=2)

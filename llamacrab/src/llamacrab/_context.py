@@ -163,9 +163,15 @@ class Context(NativeHandle):
         self._cancel_flag[0] = 1
 
     def decode(self, batch: Batch) -> None:
-        with self.exclusive() as ctx:
+        # The per-token path: the lock is taken by hand, without a context manager's overhead.
+        ctx = self.pointer
+        if not self._busy.acquire(blocking=False):
+            raise ConcurrentUseError("this context is in use by another thread")
+        try:
             self._cancel_flag[0] = 0
             status = call("llama_decode", ctx, batch.value)
+        finally:
+            self._busy.release()
         if status == 0:
             return
         if status == 2:

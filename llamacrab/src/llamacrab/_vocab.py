@@ -22,16 +22,16 @@ class Vocab:
 
     def __init__(self, model: Model) -> None:
         self._model = model
-        self._n_tokens: int | None = None
+        self._pointer = lib.llama_model_get_vocab(model.pointer)
+        self._n_tokens = int(lib.llama_vocab_n_tokens(self._pointer))
 
     @property
     def pointer(self) -> Any:
-        return lib.llama_model_get_vocab(self._model.pointer)  # raises if the model is closed
+        self._model.pointer  # noqa: B018 - raises ClosedHandleError once the model is closed
+        return self._pointer
 
     @property
     def n_tokens(self) -> int:
-        if self._n_tokens is None:
-            self._n_tokens = int(lib.llama_vocab_n_tokens(self.pointer))
         return self._n_tokens
 
     def _special(self, getter: Any) -> int | None:
@@ -91,7 +91,9 @@ class Vocab:
 
     def token_to_bytes(self, token: int, special: bool = False) -> bytes:
         """The raw bytes of one token (may be part of a multi-byte character)."""
-        self.check_tokens([token])
+        if not 0 <= token < self._n_tokens:  # per-token path: no numpy here
+            last = self._n_tokens - 1
+            raise TokenizeError(f"token {token} is outside the vocabulary (0..{last})")
         vocab = self.pointer
         size = _PIECE_BUFFER
         while True:
