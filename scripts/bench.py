@@ -72,13 +72,15 @@ def native_loop(program: Path, model: Path, threads: int, n_gen: int) -> dict[st
 class LlamacrabSide:
     """The same work through llamacrab's public API, on one long-lived Llama."""
 
-    def __init__(self, model: Path, threads: int) -> None:
+    def __init__(self, model: Path, threads: int, n_gen: int) -> None:
         self.llm = Llama(
-            model, n_ctx=N_PROMPT + N_GEN + 16, n_batch=N_PROMPT, n_ubatch=N_PROMPT,
+            model, n_ctx=N_PROMPT + n_gen + 16, n_batch=N_PROMPT, n_ubatch=N_PROMPT,
             n_threads=threads, n_threads_batch=threads,
         )  # fmt: skip
         vocab = self.llm.vocab
-        self.prompt = [vocab.bos] + [1000 + i for i in range(1, N_PROMPT)]
+        # The native loop's prompt: BOS, then consecutive ids wrapping in the vocabulary.
+        wrap = vocab.n_tokens - 3
+        self.prompt = [vocab.bos] + [3 + (1000 + i) % wrap for i in range(1, N_PROMPT)]
         eog = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)]
         self.no_end = {t: float("-inf") for t in eog}
 
@@ -92,11 +94,14 @@ class LlamacrabSide:
         stream = self.llm.stream_completion(
             self.prompt, max_tokens=n_gen, temperature=0, logit_bias=self.no_end
         )
-        for _ in stream:
-            stamps.append(time.perf_counter())
-        # First to last chunk: n_gen - 1 samples and n_gen - 2 decodes (the native loop times
-        # n_gen - 1 of each): counting n_gen - 2 tokens errs against llamacrab.
-        return {"pp": N_PROMPT / prefill, "tg": (n_gen - 2) / (stamps[-1] - stamps[0])}
+        for chunk in stream:
+            if chunk.tokens:
+                stamps.append(time.perf_counter())
+        assert len(stamps) == n_gen, f"generated {len(stamps)} of {n_gen} tokens"
+        # A token's chunk comes after its sampling and the decode of it, except the last one
+        # (nothing left to decode): between the first and the next-to-last chunk lie n_gen - 2
+        # samples and decodes, as in the native loop's timed section of n_gen - 1.
+        return {"pp": N_PROMPT / prefill, "tg": (n_gen - 2) / (stamps[-2] - stamps[0])}
 
 
 def median_table(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -123,8 +128,9 @@ def main() -> None:
     from make_tiny_gguf import write_tiny_llama
 
     tiny = write_tiny_llama(Path(tempfile.mkdtemp()) / "tiny.gguf")
-    crab, crab_tiny = LlamacrabSide(args.model, args.threads), LlamacrabSide(tiny, 1)
     tiny_gen = 512
+    crab = LlamacrabSide(args.model, args.threads, N_GEN)
+    crab_tiny = LlamacrabSide(tiny, 1, tiny_gen)
     rounds = []
     for i in range(args.rounds):
         # Alternate the order within each round so drift on a noisy machine hits every side.

@@ -1,6 +1,6 @@
 """Write tiny random-weight GGUF models for tests: fast, deterministic, no download.
 
-Usage: python scripts/make_tiny_gguf.py OUT.gguf [--seed N]
+Usage: python scripts/make_tiny_gguf.py OUT.gguf [--seed N] [--lora]
 
 The model is a 2-layer llama-architecture decoder with a SentencePiece-style vocabulary (control
 tokens, the 256 byte tokens and a few word pieces), so tokenization, decoding and sampling all run
@@ -20,7 +20,7 @@ N_HEAD = 4
 N_HEAD_KV = 2
 N_LAYER = 2
 N_FF = 128
-N_CTX_TRAIN = 512
+N_CTX_TRAIN = 2048
 WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁hello", "▁world", "▁is", "."]
 
 
@@ -91,12 +91,39 @@ def write_tiny_llama(
     return path
 
 
+def write_tiny_lora(path: Path, seed: int = 1, rank: int = 4, alpha: float = 8.0) -> Path:
+    """A LoRA adapter for the tiny model: low-rank deltas on every attention query/output."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for i in range(N_LAYER):
+        for name in ("attn_q", "attn_output"):
+            # lora_a: ne {n_embd, rank}; lora_b: ne {rank, n_out}; numpy shapes are reversed.
+            writer.add_tensor(
+                f"blk.{i}.{name}.weight.lora_a",
+                (rng.standard_normal((rank, N_EMBD)) * 0.5).astype(np.float32),
+            )
+            writer.add_tensor(
+                f"blk.{i}.{name}.weight.lora_b",
+                (rng.standard_normal((N_EMBD, rank)) * 0.5).astype(np.float32),
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora", action="store_true", help="write a LoRA adapter for it instead")
     args = parser.parse_args()
-    print(write_tiny_llama(args.out, args.seed))
+    writer = write_tiny_lora if args.lora else write_tiny_llama
+    print(writer(args.out, args.seed))
 
 
 if __name__ == "__main__":

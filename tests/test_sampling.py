@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from llamacrab import GrammarError, Llama, SamplingOptions
+from llamacrab import CustomSampler, GrammarError, Llama, SamplingOptions
 
 VARIANTS = [
     {},
@@ -48,3 +49,36 @@ def test_logit_bias_is_applied_natively(tiny_llama: Llama) -> None:
     options = SamplingOptions(temperature=0.0, logit_bias={dog: 100.0})
     result = tiny_llama.create_completion("the", max_tokens=3, sampling=options)
     assert result.choices[0].tokens == (dog, dog, dog)
+
+
+class OnlyToken(CustomSampler):
+    """Allows a single token: proves a Python sampler runs inside the native chain."""
+
+    name = "only-token"
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.applied = 0
+        self.accepted: list[int] = []
+
+    def apply(self, candidates: np.ndarray) -> None:
+        self.applied += 1
+        candidates["logit"][candidates["id"] != self.token] = -np.inf
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+
+def test_custom_python_sampler_runs_in_the_chain(tiny_llama: Llama) -> None:
+    dog = tiny_llama.tokenize(" dog", add_special=False)[-1]
+    sampler = OnlyToken(dog)
+    result = tiny_llama.create_completion("the", max_tokens=4, custom_samplers=(sampler,))
+    assert result.choices[0].tokens == (dog,) * 4
+    assert sampler.applied == 4 and sampler.accepted == [dog] * 4
+    assert live_python_samplers() == 0  # freed with its chain
+
+
+def live_python_samplers() -> int:
+    from llamacrab_sys import _python_sampler
+
+    return len(_python_sampler._live)

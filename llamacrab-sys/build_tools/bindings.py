@@ -28,6 +28,11 @@ CALLBACKS_CDEF = """\
 extern "Python" void llamacrab_log_callback(enum ggml_log_level, const char *, void *);
 extern "Python" bool llamacrab_progress_callback(float, void *);
 extern "Python" bool llamacrab_abort_callback(void *);
+extern "Python" const char *llamacrab_sampler_name(const struct llama_sampler *);
+extern "Python" void llamacrab_sampler_accept(struct llama_sampler *, llama_token);
+extern "Python" void llamacrab_sampler_apply(struct llama_sampler *, llama_token_data_array *);
+extern "Python" void llamacrab_sampler_reset(struct llama_sampler *);
+extern "Python" void llamacrab_sampler_free(struct llama_sampler *);
 """
 
 

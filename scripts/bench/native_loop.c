@@ -34,12 +34,12 @@ int main(int argc, char **argv) {
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) { fprintf(stderr, "cannot create a context\n"); return 1; }
 
-    /* The same synthetic prompt as bench.py: BOS, then tokens 1000, 1001, ... */
+    /* The same synthetic prompt as bench.py: BOS, then consecutive ids wrapping in the vocab. */
+    const int n_vocab = llama_vocab_n_tokens(vocab);
     llama_token *prompt = malloc(sizeof(llama_token) * n_prompt);
     prompt[0] = llama_vocab_bos(vocab);
-    for (int i = 1; i < n_prompt; i++) prompt[i] = 1000 + i;
+    for (int i = 1; i < n_prompt; i++) prompt[i] = 3 + (1000 + i) % (n_vocab - 3);
 
-    const int n_vocab = llama_vocab_n_tokens(vocab);
     int n_bias = 0;
     llama_logit_bias *bias = malloc(sizeof(llama_logit_bias) * n_vocab);
     for (llama_token t = 0; t < n_vocab; t++) {
@@ -50,13 +50,19 @@ int main(int argc, char **argv) {
     llama_sampler_chain_add(chain, llama_sampler_init_greedy());
 
     const int64_t t0 = llama_time_us();
-    if (llama_decode(ctx, llama_batch_get_one(prompt, n_prompt)) != 0) return 1;
+    if (llama_decode(ctx, llama_batch_get_one(prompt, n_prompt)) != 0) {
+        fprintf(stderr, "prompt decode failed\n");
+        return 1;
+    }
     const int64_t t1 = llama_time_us();
 
     llama_token token = llama_sampler_sample(chain, ctx, -1);
     const int64_t t2 = llama_time_us();
     for (int i = 1; i < n_gen; i++) {
-        if (llama_decode(ctx, llama_batch_get_one(&token, 1)) != 0) return 1;
+        if (llama_decode(ctx, llama_batch_get_one(&token, 1)) != 0) {
+            fprintf(stderr, "decode %d failed\n", i);
+            return 1;
+        }
         token = llama_sampler_sample(chain, ctx, -1);
     }
     const int64_t t3 = llama_time_us();

@@ -9,6 +9,7 @@ order, thread safety, and inputs that make llama.cpp abort the process. Applicat
   ``llamacrab_error *`` that receives the exception instead of letting it cross into Python.
 - ``build_info()``: what was built and how; ``python -m llamacrab_sys`` prints it.
 - Log, progress and abort callbacks from Python: see ``set_log_handler`` and ``CallbackHandle``.
+- ``python_sampler``: a ``struct llama_sampler`` implemented in Python, for a native chain.
 """
 
 from llamacrab_sys._build_info import BuildInfo, build_info
@@ -19,6 +20,7 @@ from llamacrab_sys._callbacks import (
     set_log_handler,
 )
 from llamacrab_sys._native import ffi, lib
+from llamacrab_sys._python_sampler import SamplerCallbacks, python_sampler
 
 __version__ = "0.1.0"
 
@@ -35,11 +37,13 @@ if build_info().backend_modules:
 __all__ = [
     "BuildInfo",
     "CallbackHandle",
+    "SamplerCallbacks",
     "__version__",
     "abort_callback",
     "build_info",
     "ffi",
     "lib",
     "progress_callback",
+    "python_sampler",
     "set_log_handler",
 ]

@@ -8,8 +8,10 @@ Native objects are wrapped in handles that free themselves exactly once (childre
 a closed handle raises ClosedHandleError. llama.cpp's log goes to the ``llamacrab`` logger.
 """
 
+from llamacrab._adapter import LoraAdapter
 from llamacrab._batch import Batch
 from llamacrab._context import Context, ContextParams
+from llamacrab._custom_sampler import CustomSampler
 from llamacrab._exceptions import (
     ClosedHandleError,
     ConcurrentUseError,
@@ -28,7 +30,14 @@ from llamacrab._exceptions import (
 from llamacrab._llama import Llama
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import SamplerChain, SamplingOptions
-from llamacrab._types import Completion, CompletionChoice, CompletionChunk, FinishReason, Usage
+from llamacrab._types import (
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    FinishReason,
+    Logprobs,
+    Usage,
+)
 from llamacrab._vocab import IncrementalDecoder, Vocab
 from llamacrab_sys import BuildInfo, build_info
 
@@ -46,6 +55,7 @@ __all__ = [
     "ContextError",
     "ContextOverflowError",
     "ContextParams",
+    "CustomSampler",
     "DecodeAbortedError",
     "DecodeError",
     "FinishReason",
@@ -55,6 +65,8 @@ __all__ = [
     "InvalidParameterError",
     "Llama",
     "LlamaError",
+    "Logprobs",
+    "LoraAdapter",
     "Model",
     "ModelLoadError",
     "ModelParams",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import weakref
 from typing import Protocol
@@ -25,6 +26,9 @@ def ensure_initialised() -> None:
     global _initialised
     with _lock:
         if not _initialised:
+            # On GGML_ASSERT, ggml tries to attach a debugger for a backtrace, which can hang the
+            # process instead of aborting it. (Read by ggml at abort time; the user may override.)
+            os.environ.setdefault("GGML_NO_BACKTRACE", "1")
             _logging.install()
             lib.llama_backend_init()
             atexit.register(_shutdown)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from llamacrab._handle import NativeHandle
 from llamacrab._logging import log_lines
 from llamacrab._model import Model
 from llamacrab._native import call, ffi, lib
+
+if TYPE_CHECKING:
+    from llamacrab._adapter import LoraAdapter
 
 FLASH_ATTN = {
     "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -144,6 +147,7 @@ class Context(NativeHandle):
         self.model = model
         self.params = params
         self._busy = threading.Lock()
+        self._adapters: dict[LoraAdapter, float] = {}
         self.n_ctx = int(lib.llama_n_ctx(pointer))
         self.n_batch = int(lib.llama_n_batch(pointer))
         self.n_vocab = model.vocab.n_tokens
@@ -188,6 +192,34 @@ class Context(NativeHandle):
             view = np.frombuffer(ffi.buffer(row, 4 * self.n_vocab), np.float32)
             logits: np.ndarray = np.array(view)  # a copy: the next decode overwrites the row
             return logits
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+
+    @property
+    def lora_adapters(self) -> dict[LoraAdapter, float]:
+        return dict(self._adapters)
+
+    def set_lora_adapters(self, adapters: Mapping[LoraAdapter, float]) -> None:
+        """Apply exactly these adapters with these scales (an empty mapping removes all).
+        The KV memory was computed with the old weights: callers should clear it."""
+        for adapter in adapters:
+            if adapter.model is not self.model:
+                raise InvalidParameterError(f"{adapter!r} was loaded for another model")
+        pointers = ffi.new("struct llama_adapter_lora *[]", [a.pointer for a in adapters])
+        scales = ffi.new("float[]", [float(s) for s in adapters.values()])
+        with self.exclusive() as ctx:
+            status = call("llama_set_adapters_lora", ctx, pointers, len(adapters), scales)
+        if status != 0:
+            raise InvalidParameterError(f"llama.cpp refused the adapters (status {status})")
+        for old in self._adapters:
+            old._unused_by(self)
+        self._adapters = dict(adapters)
+        for adapter in self._adapters:
+            adapter._used_by(self)
+
+    def remove_lora_adapter(self, adapter: LoraAdapter) -> None:
+        if adapter in self._adapters and not self.closed:
+            self.set_lora_adapters({a: s for a, s in self._adapters.items() if a is not adapter})
 
     # -- KV memory -----------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ import numpy as np
 from llamacrab._batch import Batch
 from llamacrab._context import Context
 from llamacrab._exceptions import ContextOverflowError, DecodeAbortedError, InvalidParameterError
-from llamacrab._sampler import SamplerChain
+from llamacrab._logprobs import token_logprobs
+from llamacrab._sampler import Samplers
 from llamacrab._stop import StopMatcher
 from llamacrab._types import FinishReason
 from llamacrab._vocab import IncrementalDecoder
@@ -24,6 +25,37 @@ class Step:
     text: str
     token: int | None
     finish_reason: FinishReason | None = None
+    logprob: float | None = None
+    top_logprobs: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to generate from a prompt."""
+
+    prompt: Sequence[int]
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: Sequence[str] = ()
+    logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
+
+    def check(self, n_ctx: int) -> None:
+        if not self.prompt:
+            raise InvalidParameterError("the prompt is empty (no tokens to decode)")
+        if len(self.prompt) >= n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(self.prompt)} tokens; the context holds {n_ctx}"
+            )
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise InvalidParameterError(f"max_tokens must be >= 0 or None, not {self.max_tokens}")
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
+            raise InvalidParameterError(
+                f"min_tokens {self.min_tokens} must be between 0 and max_tokens {self.max_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidParameterError(f"logprobs must be between 0 and 20, not {self.logprobs}")
 
 
 class KvState:
@@ -89,62 +121,72 @@ def _rest(stops: StopMatcher, decoder: IncrementalDecoder) -> str:
 
 def generate(
     kv: KvState,
-    sampler: SamplerChain,
-    prompt: Sequence[int],
-    max_tokens: int | None,
-    stop: Sequence[str],
+    samplers: Samplers,
+    request: Request,
     session: Session,
     lock: threading.RLock,
 ) -> Iterator[Step]:
-    """Yield Steps until a finish reason. Each step holds ``lock``, so steps of concurrent
-    generations never interleave inside llama.cpp."""
+    """Yield Steps until one has a finish reason. Each step holds ``lock`` while it works in
+    llama.cpp (never while it yields), so concurrent generations never interleave there."""
     context = kv.context
-    if not prompt:
-        raise InvalidParameterError("the prompt is empty (no tokens to decode)")
-    if len(prompt) >= context.n_ctx:
-        raise ContextOverflowError(
-            f"the prompt has {len(prompt)} tokens; the context holds {context.n_ctx}"
-        )
-    if max_tokens is not None and max_tokens < 0:
-        raise InvalidParameterError(f"max_tokens must be >= 0 or None, not {max_tokens}")
+    request.check(context.n_ctx)
     vocab = context.model.vocab
     decoder = vocab.decoder()
-    stops = StopMatcher(stop)
+    stops = StopMatcher(request.stop)
     with lock:
-        keep = kv.prepare(prompt)
         try:
-            kv.decode_prompt(prompt, keep)
+            kv.decode_prompt(request.prompt, kv.prepare(request.prompt))
+            first: Step | None = None
         except DecodeAbortedError:
-            yield Step("", None, "cancelled")
-            return
+            first = Step("", None, "cancelled")
+    if first is not None:
+        yield first
+        return
     produced = 0
     while True:
         if session.superseded or session.cancelled.is_set():
             yield Step(stops.flush(), None, "cancelled")
             return
-        if max_tokens is not None and produced >= max_tokens:
+        if request.max_tokens is not None and produced >= request.max_tokens:
             yield Step(_rest(stops, decoder), None, "length")
             return
         with lock:
             if session.superseded:
                 continue
-            token = sampler.sample(context)
-            produced += 1
-            if vocab.is_eog(token):
-                yield Step(_rest(stops, decoder), None, "eos")  # the end token is not output
-                return
-            text = stops.push(decoder.feed([token]))
-            if stops.stopped:
-                yield Step(text, token, "stop")
-                return
-            at_limit = max_tokens is not None and produced >= max_tokens
-            if not at_limit:
-                if len(kv.tokens) + 1 >= context.n_ctx:
-                    yield Step(text + _rest(stops, decoder), token, "length")
-                    return
-                try:
-                    kv.decode_one(token)
-                except DecodeAbortedError:
-                    yield Step(text, token, "cancelled")
-                    return
-        yield Step(text, token)
+            step = _next_token(kv, samplers, request, produced, decoder, stops)
+        produced += 1
+        yield step
+        if step.finish_reason is not None:
+            return
+
+
+def _next_token(
+    kv: KvState,
+    samplers: Samplers,
+    request: Request,
+    produced: int,
+    decoder: IncrementalDecoder,
+    stops: StopMatcher,
+) -> Step:
+    """Sample one token, turn it into text, and decode it unless generation ends here."""
+    context = kv.context
+    token = samplers.sample(context, end_allowed=produced >= request.min_tokens)
+    logprob, top = None, None
+    if request.logprobs is not None:
+        logprob, top = token_logprobs(context, token, request.logprobs)
+    if context.model.vocab.is_eog(token):
+        return Step(_rest(stops, decoder), None, "eos")  # the end token itself is not output
+    step = Step(stops.push(decoder.feed([token])), token, None, logprob, top)
+    if stops.stopped:
+        step.finish_reason = "stop"
+    elif request.max_tokens is not None and produced + 1 >= request.max_tokens:
+        pass  # the last token: "length" is reported by the next step, nothing left to decode
+    elif len(kv.tokens) + 1 >= context.n_ctx:
+        step.text += _rest(stops, decoder)
+        step.finish_reason = "length"
+    else:
+        try:
+            kv.decode_one(token)
+        except DecodeAbortedError:
+            step.finish_reason = "cancelled"
+    return step

@@ -9,15 +9,17 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
 from typing import Any
 
+from llamacrab._adapter import LoraAdapter
 from llamacrab._context import Context, ContextParams
 from llamacrab._exceptions import InvalidParameterError
-from llamacrab._generation import KvState, Session, generate
+from llamacrab._generation import KvState, Request, Session, Step, generate
 from llamacrab._model import Model, ModelParams
-from llamacrab._sampler import SamplerChain, SamplingOptions
-from llamacrab._types import Completion, CompletionChoice, CompletionChunk, Usage
+from llamacrab._sampler import Samplers, SamplingOptions
+from llamacrab._types import Completion, CompletionChoice, CompletionChunk, Logprobs, Usage
+from llamacrab._vocab import Vocab
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelParams)}
 _CONTEXT_FIELDS = {f.name for f in dataclasses.fields(ContextParams)}
@@ -91,10 +93,24 @@ class Llama:
         with self._lock:
             self._kv.reset()
 
+    # -- adapters ------------------------------------------------------------------------------
+
+    def load_lora(self, path: str | os.PathLike[str], scale: float = 1.0) -> LoraAdapter:
+        """Load a LoRA adapter for this model and apply it (alongside any others) at ``scale``."""
+        adapter = LoraAdapter(self.model, path)
+        self.set_lora_adapters({**self.context.lora_adapters, adapter: scale})
+        return adapter
+
+    def set_lora_adapters(self, adapters: Mapping[LoraAdapter, float]) -> None:
+        """Apply exactly these adapters; the prompt cache is dropped (it used the old weights)."""
+        with self._lock:
+            self.context.set_lora_adapters(adapters)
+            self._kv.reset()
+
     # -- tokens --------------------------------------------------------------------------------
 
     @property
-    def vocab(self) -> Any:
+    def vocab(self) -> Vocab:
         return self.model.vocab
 
     def tokenize(
@@ -119,44 +135,63 @@ class Llama:
         prompt: str | Sequence[int],
         *,
         max_tokens: int | None = 16,
+        min_tokens: int = 0,
         stop: str | Sequence[str] = (),
         echo: bool = False,
+        suffix: str = "",
+        logprobs: int | None = None,
         sampling: SamplingOptions | None = None,
         **sampling_options: Any,
     ) -> Generator[CompletionChunk, None, None]:
-        """Generate text chunk by chunk. Breaking out of the loop stops generation; the Llama
-        stays usable. Keywords are SamplingOptions fields (temperature, top_k, seed, ...)."""
-        prompt_tokens, prompt_text = self._prompt(prompt)
-        sampler = self._sampler(sampling, sampling_options)
-        stops = [stop] if isinstance(stop, str) else list(stop)
-        return self._stream(prompt_tokens, prompt_text if echo else "", sampler, max_tokens, stops)
+        """Generate text chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
+
+        Breaking out of the loop stops generation; the Llama stays usable. ``max_tokens=None``
+        runs until the end of the context. ``min_tokens`` forbids ending earlier. ``logprobs=N``
+        reports each token's log-probability and its N most likely alternatives. ``suffix`` is
+        appended after the generated text. Other keywords are SamplingOptions fields
+        (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
+        """
+        tokens, text = self._prompt(prompt)
+        request = Request(tokens, max_tokens, min_tokens, [stop] if isinstance(stop, str) else stop,
+                          logprobs)  # fmt: skip
+        request.check(self.context.n_ctx)
+        options = self._sampling(sampling, sampling_options)
+        return self._stream(request, options, text if echo else "", suffix)
 
     def create_completion(
         self,
         prompt: str | Sequence[int],
         *,
-        max_tokens: int | None = 16,
-        stop: str | Sequence[str] = (),
-        echo: bool = False,
-        sampling: SamplingOptions | None = None,
-        **sampling_options: Any,
+        n: int = 1,
+        best_of: int | None = None,
+        **kwargs: Any,
     ) -> Completion:
-        """Generate a completion of ``prompt`` (text, or tokens). See ``stream_completion``."""
-        with self._lock:  # a whole completion at once: concurrent callers wait their turn
-            stream = self.stream_completion(
-                prompt,
-                max_tokens=max_tokens,
-                stop=stop,
-                echo=echo,
-                sampling=sampling,
-                **sampling_options,
-            )
-            chunks = list(stream)
-        last = chunks[-1]
-        assert last.finish_reason is not None and last.usage is not None
-        tokens = tuple(t for chunk in chunks for t in chunk.tokens)
-        choice = CompletionChoice(0, "".join(c.text for c in chunks), last.finish_reason, tokens)
-        return Completion(last.id, last.created, last.model, (choice,), last.usage)
+        """Generate ``n`` completions of ``prompt`` (text or tokens) at once.
+
+        ``best_of`` > n samples that many and keeps the n with the highest total
+        log-probability. Other keywords are those of ``stream_completion``.
+        """
+        best_of = best_of or n
+        if not 1 <= n <= best_of:
+            raise InvalidParameterError(f"need 1 <= n ({n}) <= best_of ({best_of})")
+        seed = kwargs.pop("seed", None)
+        want_logprobs = kwargs.get("logprobs")
+        if best_of > n and want_logprobs is None:
+            kwargs["logprobs"] = 0  # needed to rank the candidates
+        candidates = []
+        with self._lock:  # whole completions at once: concurrent callers wait their turn
+            for i in range(best_of):
+                run_seed = None if seed is None else (seed + i) % 2**32
+                chunks = list(self.stream_completion(prompt, seed=run_seed, **kwargs))
+                candidates.append(_choice(i, chunks, keep_logprobs=want_logprobs is not None))
+        if best_of > n:
+            candidates.sort(key=lambda c: -sum(c[1]))
+        kept = candidates[:n]
+        choices = tuple(dataclasses.replace(c, index=i) for i, (c, _, _) in enumerate(kept))
+        prompt_tokens = candidates[0][2].prompt_tokens
+        usage = Usage(prompt_tokens, sum(u.completion_tokens for _, _, u in candidates))
+        return Completion(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name,
+                          choices, usage)  # fmt: skip
 
     async def astream_completion(
         self, prompt: str | Sequence[int], **kwargs: Any
@@ -180,20 +215,17 @@ class Llama:
         tokens = self.model.vocab.check_tokens(prompt).tolist()
         return tokens, self.detokenize(tokens)
 
-    def _sampler(self, sampling: SamplingOptions | None, options: dict[str, Any]) -> SamplerChain:
+    def _sampling(
+        self, sampling: SamplingOptions | None, options: dict[str, Any]
+    ) -> SamplingOptions:
         unknown = set(options) - _SAMPLING_FIELDS
         if unknown:
             raise InvalidParameterError(f"unknown sampling options: {sorted(unknown)}")
         base = sampling or SamplingOptions(seed=self.seed)
-        return SamplerChain(self.model, dataclasses.replace(base, **options) if options else base)
+        return dataclasses.replace(base, **options) if options else base
 
     def _stream(
-        self,
-        prompt: list[int],
-        echo_text: str,
-        sampler: SamplerChain,
-        max_tokens: int | None,
-        stop: list[str],
+        self, request: Request, options: SamplingOptions, echo_text: str, suffix: str
     ) -> Generator[CompletionChunk, None, None]:
         session = Session()
         with self._lock:
@@ -201,17 +233,51 @@ class Llama:
             if previous is not None:
                 previous.superseded = True
             self._session = weakref.ref(session)
-        chunk_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        name = self.model.path.name
-        produced = 0
+        samplers = Samplers(self.model, options, request.min_tokens)
+        chunk_id, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name
+        produced, offset = 0, len(echo_text)
         try:
             if echo_text:
                 yield CompletionChunk(chunk_id, created, name, 0, echo_text)
-            for step in generate(self._kv, sampler, prompt, max_tokens, stop, session, self._lock):
+            for step in generate(self._kv, samplers, request, session, self._lock):
                 produced += step.token is not None
-                usage = Usage(len(prompt), produced) if step.finish_reason else None
+                text = step.text
+                if step.finish_reason not in (None, "cancelled"):
+                    text += suffix
+                usage = Usage(len(request.prompt), produced) if step.finish_reason else None
                 tokens = () if step.token is None else (step.token,)
-                yield CompletionChunk(chunk_id, created, name, 0, step.text,
-                                      step.finish_reason, usage, tokens)  # fmt: skip
+                logprobs = _step_logprobs(self.model.vocab, step, offset)
+                offset += len(text)
+                yield CompletionChunk(chunk_id, created, name, 0, text, step.finish_reason,
+                                      usage, tokens, logprobs)  # fmt: skip
         finally:
-            sampler.close()
+            samplers.close()
+
+
+def _step_logprobs(vocab: Vocab, step: Step, offset: int) -> Logprobs | None:
+    if step.logprob is None or step.token is None:
+        return None
+    return Logprobs(
+        (vocab.token_to_piece(step.token, special=True),),
+        (step.logprob,),
+        (step.top_logprobs or {},),
+        (offset,),
+    )
+
+
+def _choice(
+    index: int, chunks: list[CompletionChunk], keep_logprobs: bool
+) -> tuple[CompletionChoice, tuple[float, ...], Usage]:
+    """Fold a finished stream into a choice, its token log-probabilities, and its usage."""
+    last = chunks[-1]
+    assert last.finish_reason is not None and last.usage is not None
+    parts = [c.logprobs for c in chunks if c.logprobs is not None]
+    logprobs = Logprobs.join(parts) if parts else None
+    choice = CompletionChoice(
+        index,
+        "".join(c.text for c in chunks),
+        last.finish_reason,
+        tuple(t for c in chunks for t in c.tokens),
+        logprobs if keep_logprobs else None,
+    )
+    return choice, logprobs.token_logprobs if logprobs else (), last.usage

@@ -7,12 +7,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from llamacrab._context import Context
+from llamacrab._custom_sampler import CustomSampler, _Bridge
 from llamacrab._exceptions import GrammarError, InvalidParameterError
 from llamacrab._handle import NativeHandle
 from llamacrab._logging import log_lines
 from llamacrab._model import Model
 from llamacrab._native import c_string, call, ffi, lib
+from llamacrab_sys import python_sampler
 
 # llama.cpp's default order (common/common.h): filters first, temperature last, then `dist`.
 DEFAULT_ORDER = (
@@ -52,6 +56,7 @@ class SamplingOptions:
     grammar: str | None = None
     grammar_root: str = "root"
     grammar_trigger_words: tuple[str, ...] = ()
+    custom_samplers: tuple[CustomSampler, ...] = ()
     seed: int | None = None
     order: Sequence[str] = DEFAULT_ORDER
 
@@ -78,14 +83,20 @@ class SamplerChain(NativeHandle):
 
     kind = "sampler"
 
-    def __init__(self, model: Model, options: SamplingOptions | None = None) -> None:
+    def __init__(
+        self,
+        model: Model,
+        options: SamplingOptions | None = None,
+        first: Sequence[CustomSampler] = (),
+    ) -> None:
+        """``first``: Python samplers placed before everything else (see CustomSampler)."""
         self.options = options = options or SamplingOptions()
         pointer = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         if pointer == ffi.NULL:
             raise InvalidParameterError("llama.cpp could not create a sampler chain")
         super().__init__(pointer, lib.llama_sampler_free, model)
         try:
-            for sampler in _samplers(model, options):
+            for sampler in _samplers(model, options, first):
                 lib.llama_sampler_chain_add(pointer, sampler)  # the chain owns it from here
         except BaseException:
             self.close()
@@ -102,6 +113,42 @@ class SamplerChain(NativeHandle):
 
     def reset(self) -> None:
         call("llama_sampler_reset", self.pointer)
+
+
+class _EndBan(CustomSampler):
+    """Forbids end-of-generation tokens while ``active`` (min_tokens). First in the chain, where
+    the candidates are still in token-id order, so banning costs O(number of end tokens)."""
+
+    name = "min-tokens"
+
+    def __init__(self, end_tokens: tuple[int, ...]) -> None:
+        self.end_tokens = np.array(end_tokens, dtype=np.int32)
+        self.active = True
+
+    def apply(self, candidates: np.ndarray) -> None:
+        if not self.active or self.end_tokens.size == 0:
+            return
+        ids = candidates["id"]
+        if ids.size > self.end_tokens.max() and (ids[self.end_tokens] == self.end_tokens).all():
+            candidates["logit"][self.end_tokens] = -np.inf
+        else:
+            candidates["logit"][np.isin(ids, self.end_tokens)] = -np.inf
+
+
+class Samplers:
+    """The chain one generation samples with, plus the min_tokens switch."""
+
+    def __init__(self, model: Model, options: SamplingOptions, min_tokens: int = 0) -> None:
+        self.ban = _EndBan(model.vocab.eog_tokens) if min_tokens > 0 else None
+        self.main = SamplerChain(model, options, first=(self.ban,) if self.ban else ())
+
+    def sample(self, context: Context, end_allowed: bool = True) -> int:
+        if self.ban is not None:
+            self.ban.active = not end_allowed
+        return self.main.sample(context)
+
+    def close(self) -> None:
+        self.main.close()
 
 
 def _checked(sampler: Any, what: str) -> Any:
@@ -131,11 +178,14 @@ def _grammar(model: Model, options: SamplingOptions) -> Any:
     return sampler
 
 
-def _samplers(model: Model, o: SamplingOptions) -> Iterator[Any]:
+def _samplers(model: Model, o: SamplingOptions, first: Sequence[CustomSampler]) -> Iterator[Any]:
     """The samplers of the chain, in order; the last one picks the token. Each is handed to the
     chain as soon as it exists, so an error part-way leaks nothing."""
     n_vocab = model.vocab.n_tokens
     seed = o.seed if o.seed is not None else secrets.randbits(32)
+    # Python samplers see every candidate, in token-id order, before anything native runs.
+    for sampler in (*first, *o.custom_samplers):
+        yield python_sampler(_Bridge(sampler))
     if o.logit_bias:
         tokens = model.vocab.check_tokens(list(o.logit_bias))
         bias = ffi.new("llama_logit_bias[]", len(o.logit_bias))

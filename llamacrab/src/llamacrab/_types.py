@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,11 +20,32 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """Per generated token: its text, log-probability and the most likely alternatives."""
+
+    tokens: tuple[str, ...]
+    token_logprobs: tuple[float, ...]
+    top_logprobs: tuple[dict[str, float], ...]
+    text_offset: tuple[int, ...]
+
+    @staticmethod
+    def join(parts: Sequence[Logprobs]) -> Logprobs:
+        """Concatenate the logprobs of consecutive chunks (offsets are already absolute)."""
+        return Logprobs(
+            tuple(t for p in parts for t in p.tokens),
+            tuple(v for p in parts for v in p.token_logprobs),
+            tuple(d for p in parts for d in p.top_logprobs),
+            tuple(o for p in parts for o in p.text_offset),
+        )
+
+
+@dataclass(frozen=True)
 class CompletionChoice:
     index: int
     text: str
     finish_reason: FinishReason
     tokens: tuple[int, ...]
+    logprobs: Logprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -52,3 +74,4 @@ class CompletionChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     tokens: tuple[int, ...] = ()
+    logprobs: Logprobs | None = None

@@ -24,6 +24,7 @@ class Vocab:
         self._model = model
         self._pointer = lib.llama_model_get_vocab(model.pointer)
         self._n_tokens = int(lib.llama_vocab_n_tokens(self._pointer))
+        self._eog: tuple[int, ...] | None = None
 
     @property
     def pointer(self) -> Any:
@@ -49,6 +50,14 @@ class Vocab:
     @property
     def eot(self) -> int | None:
         return self._special(lib.llama_vocab_eot)
+
+    @property
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every token that ends generation (scanned once per vocabulary, then cached)."""
+        if self._eog is None:
+            vocab = self.pointer
+            self._eog = tuple(t for t in range(self._n_tokens) if lib.llama_vocab_is_eog(vocab, t))
+        return self._eog
 
     @property
     def add_bos(self) -> bool:
@@ -104,7 +113,9 @@ class Vocab:
             size = -n
 
     def token_to_piece(self, token: int, special: bool = False) -> str:
-        return self.token_to_bytes(token, special).decode("utf-8", "replace")
+        """The text of one token. Bytes that are not UTF-8 on their own (part of a character
+        split across tokens) appear escaped, as ``\\xf0``, so distinct tokens stay distinct."""
+        return self.token_to_bytes(token, special).decode("utf-8", "backslashreplace")
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
         """Text of ``tokens``; ``special`` renders control tokens such as BOS as text."""

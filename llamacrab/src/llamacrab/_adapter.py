@@ -1,0 +1,73 @@
+"""LoraAdapter: wraps ``struct llama_adapter_lora``; a child of its model, applied to contexts."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llamacrab._exceptions import ModelLoadError
+from llamacrab._gguf_check import validate_gguf
+from llamacrab._handle import NativeHandle
+from llamacrab._logging import log_lines
+from llamacrab._model import Model
+from llamacrab._native import c_string, call, ffi, lib, read_string
+
+if TYPE_CHECKING:
+    from llamacrab._context import Context
+
+
+class LoraAdapter(NativeHandle):
+    """A LoRA adapter loaded for one model. Closing it first removes it from every context
+    that applies it, so no context ever points at a freed adapter."""
+
+    kind = "LoRA adapter"
+
+    def __init__(self, model: Model, path: str | os.PathLike[str]) -> None:
+        file = Path(path)
+        validate_gguf(file)
+        log_lines.take_last_error()
+        pointer = call(
+            "llama_adapter_lora_init", model.pointer, c_string(str(file), "adapter path")
+        )
+        if pointer == ffi.NULL:
+            reason = log_lines.take_last_error() or "see the llamacrab logger"
+            raise ModelLoadError(f"llama.cpp could not load the LoRA adapter {file}: {reason}")
+        super().__init__(pointer, lib.llama_adapter_lora_free, model)
+        self.model = model
+        self.path = file
+        self._users: weakref.WeakSet[Context] = weakref.WeakSet()
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        adapter = self.pointer
+        result = {}
+        for i in range(lib.llama_adapter_meta_count(adapter)):
+            key = read_string(
+                lambda b, n, i=i: lib.llama_adapter_meta_key_by_index(adapter, i, b, n)
+            )
+            result[key] = read_string(
+                lambda b, n, i=i: lib.llama_adapter_meta_val_str_by_index(adapter, i, b, n)
+            )
+        return result
+
+    def _used_by(self, context: Context) -> None:
+        self._users.add(context)
+
+    def _unused_by(self, context: Context) -> None:
+        self._users.discard(context)
+
+    def close(self) -> None:
+        for context in list(self._users):
+            context.remove_lora_adapter(self)
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"<LoraAdapter {self.path.name}{' closed' if self.closed else ''}>"
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: Any) -> bool:
+        return self is other
