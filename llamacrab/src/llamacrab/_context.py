@@ -129,6 +129,8 @@ class Context(NativeHandle):
 
     def __init__(self, model: Model, params: ContextParams | None = None) -> None:
         params = params or ContextParams()
+        if model.params.vocab_only:
+            raise InvalidParameterError(f"{model!r} was loaded with vocab_only: it has no weights")
         if params.n_ctx > model.n_ctx_train > 0 and params.rope_scaling == "unspecified":
             raise InvalidParameterError(
                 f"n_ctx {params.n_ctx} exceeds the {model.n_ctx_train} tokens the model was "

@@ -86,9 +86,10 @@ class Model(NativeHandle):
 
     kind = "model"
 
-    def __init__(self, pointer: Any, path: Path) -> None:
+    def __init__(self, pointer: Any, path: Path, params: ModelParams) -> None:
         super().__init__(pointer, lib.llama_model_free, None)
         self.path = path
+        self.params = params
         self.vocab = Vocab(self)
         _backend.register_root(self)
 
@@ -134,7 +135,7 @@ class Model(NativeHandle):
             reason = log_lines.take_last_error() or "see the llamacrab logger for details"
             raise ModelLoadError(f"llama.cpp could not load {file}: {reason}")
         # Overrides and split arrays are read during load only; nothing C keeps points into them.
-        return cls(pointer, file)
+        return cls(pointer, file, params)
 
     # -- information -------------------------------------------------------------------------
 

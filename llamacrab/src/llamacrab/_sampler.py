@@ -56,6 +56,7 @@ class SamplingOptions:
     grammar: str | None = None
     grammar_root: str = "root"
     grammar_trigger_words: tuple[str, ...] = ()
+    infill: bool = False  # llama.cpp's infill sampler (fill-in-the-middle), before the final pick
     custom_samplers: tuple[CustomSampler, ...] = ()
     seed: int | None = None
     order: Sequence[str] = DEFAULT_ORDER
@@ -210,6 +211,8 @@ def _samplers(model: Model, o: SamplingOptions, first: Sequence[CustomSampler]) 
     for name in o.order:
         for sampler in _filter(model, o, name, seed):
             yield _checked(sampler, name)
+    if o.infill:
+        yield _checked(call("llama_sampler_init_infill", model.vocab.pointer), "infill")
     if o.adaptive_p_target is not None:
         final = lib.llama_sampler_init_adaptive_p(o.adaptive_p_target, o.adaptive_p_decay, seed)
     else:
