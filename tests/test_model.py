@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,12 @@ def test_prompt_longer_than_a_batch_is_decoded_in_chunks(tiny_llama: Llama) -> N
     assert tiny_llama.context.n_batch == 32
     result = tiny_llama.create_completion(prompt, max_tokens=2, temperature=0)
     assert result.usage.prompt_tokens == 100 and result.usage.completion_tokens == 2
+
+
+def test_llama_cpp_log_goes_to_the_llamacrab_logger(
+    tiny_model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="llamacrab"), Model.load(tiny_model_path):
+        pass
+    assert any("llamacrab-tiny-llama" in r.getMessage() for r in caplog.records)
+    assert all(r.name == "llamacrab" and "\n" not in r.getMessage() for r in caplog.records)

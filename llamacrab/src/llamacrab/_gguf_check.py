@@ -32,6 +32,7 @@ _SCALARS = {
     12: "d",
 }
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
 _MAX_DIMS = 4
 _DEFAULT_ALIGNMENT = 32
 
@@ -59,6 +60,18 @@ class _Reader:
         self.offset += length
         return raw.decode("utf-8", "replace")
 
+    def _skip_strings(self, count: int) -> None:
+        # Vocabularies hold hundreds of thousands of strings: walk their lengths only.
+        data, offset, end = self.data, self.offset, len(self.data)
+        read_length = _LENGTH.unpack_from
+        for _ in range(count):
+            if offset + 8 > end:
+                raise self.fail("a string array runs past the end of the file")
+            offset += 8 + read_length(data, offset)[0]
+        if offset > end:
+            raise self.fail("a string array runs past the end of the file")
+        self.offset = offset
+
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])
@@ -74,8 +87,7 @@ class _Reader:
                 return count
             if item_kind != _STRING:
                 raise self.fail(f"unsupported array item type {item_kind}")
-            for _ in range(count):
-                self.string()
+            self._skip_strings(count)
             return count
         raise self.fail(f"unknown metadata value type {kind}")
 
