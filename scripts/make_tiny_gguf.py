@@ -35,20 +35,8 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_llama(
-    path: Path, seed: int = 0, block_count: int = N_LAYER, rms_eps: float = 1e-5
-) -> Path:
-    """Write the model; ``block_count`` and ``rms_eps`` may be set to invalid values on purpose
-    (tests of files tampered with)."""
-    rng = np.random.default_rng(seed)
+def _metadata(writer: gguf.GGUFWriter, block_count: int, rms_eps: float) -> None:
     tokens, scores, types = vocabulary()
-    n_vocab = len(tokens)
-    head_dim = N_EMBD // N_HEAD
-
-    def weight(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
-
-    writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("llamacrab-tiny-llama")
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
@@ -56,7 +44,7 @@ def write_tiny_llama(
     writer.add_feed_forward_length(N_FF)
     writer.add_head_count(N_HEAD)
     writer.add_head_count_kv(N_HEAD_KV)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(N_EMBD // N_HEAD)
     writer.add_layer_norm_rms_eps(rms_eps)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("llama")
@@ -69,26 +57,70 @@ def write_tiny_llama(
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
 
-    # numpy shapes are (rows, cols) = GGUF ne reversed: token_embd is ne {n_embd, n_vocab}.
-    writer.add_tensor("token_embd.weight", weight(n_vocab, N_EMBD))
-    for i in range(N_LAYER):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", weight(N_EMBD, N_EMBD))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", weight(N_EMBD, N_EMBD))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(N_EMBD, N_FF))
-    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-    writer.add_tensor("output.weight", weight(n_vocab, N_EMBD))
 
+def _tensors(seed: int) -> dict[str, np.ndarray]:
+    """Random weights; numpy shapes are (rows, cols) = GGUF ne reversed."""
+    rng = np.random.default_rng(seed)
+    n_vocab, head_dim = len(vocabulary()[0]), N_EMBD // N_HEAD
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    tensors = {"token_embd.weight": weight(n_vocab, N_EMBD)}
+    for i in range(N_LAYER):
+        tensors[f"blk.{i}.attn_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+        tensors[f"blk.{i}.attn_q.weight"] = weight(N_EMBD, N_EMBD)
+        tensors[f"blk.{i}.attn_k.weight"] = weight(N_HEAD_KV * head_dim, N_EMBD)
+        tensors[f"blk.{i}.attn_v.weight"] = weight(N_HEAD_KV * head_dim, N_EMBD)
+        tensors[f"blk.{i}.attn_output.weight"] = weight(N_EMBD, N_EMBD)
+        tensors[f"blk.{i}.ffn_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+        tensors[f"blk.{i}.ffn_gate.weight"] = weight(N_FF, N_EMBD)
+        tensors[f"blk.{i}.ffn_up.weight"] = weight(N_FF, N_EMBD)
+        tensors[f"blk.{i}.ffn_down.weight"] = weight(N_EMBD, N_FF)
+    tensors["output_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+    tensors["output.weight"] = weight(n_vocab, N_EMBD)
+    return tensors
+
+
+def _write(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    for name, data in tensors.items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_tiny_llama(
+    path: Path, seed: int = 0, block_count: int = N_LAYER, rms_eps: float = 1e-5
+) -> Path:
+    """Write the model; ``block_count`` and ``rms_eps`` may be set to invalid values on purpose
+    (tests of files tampered with)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _metadata(writer, block_count, rms_eps)
+    _write(writer, _tensors(seed))
     return path
+
+
+def write_tiny_llama_split(
+    directory: Path, stem: str, n_parts: int = 2, seed: int = 0
+) -> list[Path]:
+    """The same model as split GGUF files ``{stem}-0000i-of-0000n.gguf``, as llama.cpp's
+    gguf-split writes them: metadata in the first part, tensors spread over all of them."""
+    tensors = list(_tensors(seed).items())
+    per_part = -(-len(tensors) // n_parts)
+    paths = []
+    for i in range(n_parts):
+        path = directory / f"{stem}-{i + 1:05d}-of-{n_parts:05d}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        if i == 0:
+            _metadata(writer, N_LAYER, 1e-5)
+        writer.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, i)
+        writer.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, n_parts)
+        writer.add_int32(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, len(tensors))
+        _write(writer, dict(tensors[i * per_part : (i + 1) * per_part]))
+        paths.append(path)
+    return paths
 
 
 def write_tiny_lora(path: Path, seed: int = 1, rank: int = 4, alpha: float = 8.0) -> Path:

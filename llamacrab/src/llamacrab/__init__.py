@@ -20,6 +20,7 @@ from llamacrab._exceptions import (
     DecodeAbortedError,
     DecodeError,
     GrammarError,
+    HubError,
     InvalidModelError,
     InvalidParameterError,
     LlamaError,
@@ -27,6 +28,7 @@ from llamacrab._exceptions import (
     NativeError,
     TokenizeError,
 )
+from llamacrab._hub import HubOptions, ResolvedModel, resolve
 from llamacrab._llama import Llama
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import SamplerChain, SamplingOptions
@@ -60,6 +62,8 @@ __all__ = [
     "DecodeError",
     "FinishReason",
     "GrammarError",
+    "HubError",
+    "HubOptions",
     "IncrementalDecoder",
     "InvalidModelError",
     "InvalidParameterError",
@@ -71,6 +75,7 @@ __all__ = [
     "ModelLoadError",
     "ModelParams",
     "NativeError",
+    "ResolvedModel",
     "SamplerChain",
     "SamplingOptions",
     "TokenizeError",
@@ -78,4 +83,5 @@ __all__ = [
     "Vocab",
     "__version__",
     "build_info",
+    "resolve",
 ]

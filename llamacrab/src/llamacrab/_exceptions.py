@@ -12,6 +12,7 @@ LlamaError
 ├── ContextOverflowError       (also ValueError) the tokens do not fit in the context
 ├── TokenizeError              (also ValueError) text or tokens rejected
 ├── GrammarError               (also ValueError) a grammar llama.cpp could not parse
+├── HubError                   a model could not be resolved or fetched from the Hub
 └── InvalidParameterError      (also ValueError) a parameter out of its range
 """
 
@@ -74,6 +75,10 @@ class TokenizeError(LlamaError, ValueError):
 
 class GrammarError(LlamaError, ValueError):
     """A GBNF grammar llama.cpp rejected."""
+
+
+class HubError(LlamaError):
+    """A Hugging Face Hub model could not be resolved or downloaded."""
 
 
 class InvalidParameterError(LlamaError, ValueError):

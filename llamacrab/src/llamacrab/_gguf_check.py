@@ -164,17 +164,43 @@ def _check_hyperparameters(reader: _Reader, metadata: dict[str, Any], tensors: l
         )
 
 
-def validate_gguf(path: Path) -> None:
-    """Raise ModelLoadError / InvalidModelError unless ``path`` looks safe to hand to llama.cpp."""
+_SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _read_file(path: Path) -> tuple[_Reader, dict[str, Any], list[Any]]:
+    """Header of one file, with its own tensors checked against its size."""
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
-    with path.open("rb") as file:
-        if path.stat().st_size < 24:
-            raise InvalidModelError(
-                f"{path} is not a valid GGUF file: only {path.stat().st_size} bytes"
-            )
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            reader = _Reader(data, path)
-            metadata, tensors = _read_header(reader)
-            _check_tensors(reader, metadata, tensors)
-            _check_hyperparameters(reader, metadata, tensors)
+    size = path.stat().st_size
+    if size < 24:
+        raise InvalidModelError(f"{path} is not a valid GGUF file: only {size} bytes")
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        reader = _Reader(data, path)
+        metadata, tensors = _read_header(reader)
+        _check_tensors(reader, metadata, tensors)
+        reader.data = b""  # the mapping closes here; later checks use the parsed header only
+    return reader, metadata, tensors
+
+
+def split_parts(path: Path, count: int) -> list[Path]:
+    """Every file of a split model, from its first part ``name-00001-of-0000N.gguf``."""
+    match = _SPLIT_NAME.match(path.name)
+    if match is None or int(match.group(2)) != 1 or int(match.group(3)) != count:
+        raise InvalidModelError(
+            f"{path} declares {count} split parts but is not named like name-00001-of-"
+            f"{count:05d}.gguf"
+        )
+    return [
+        path.with_name(f"{match.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)
+    ]
+
+
+def validate_gguf(path: Path) -> None:
+    """Raise ModelLoadError / InvalidModelError unless ``path`` looks safe to hand to llama.cpp.
+    For a split model, ``path`` is the first part and every part is checked."""
+    reader, metadata, tensors = _read_file(path)
+    count = metadata.get("split.count", 1)
+    if isinstance(count, int) and count > 1:
+        for part in split_parts(path, count)[1:]:
+            tensors = tensors + _read_file(part)[2]
+    _check_hyperparameters(reader, metadata, tensors)

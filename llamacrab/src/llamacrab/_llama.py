@@ -16,6 +16,8 @@ from llamacrab._adapter import LoraAdapter
 from llamacrab._context import Context, ContextParams
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._generation import KvState, Request, Session, Step, generate
+from llamacrab._hub import HubOptions, ResolvedModel
+from llamacrab._hub import resolve as resolve_model
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import Samplers, SamplingOptions
 from llamacrab._types import Completion, CompletionChoice, CompletionChunk, Logprobs, Usage
@@ -24,23 +26,29 @@ from llamacrab._vocab import Vocab
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelParams)}
 _CONTEXT_FIELDS = {f.name for f in dataclasses.fields(ContextParams)}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingOptions)}
+_HUB_FIELDS = {f.name for f in dataclasses.fields(HubOptions)}
 
 
-def _split_params(options: dict[str, Any]) -> tuple[ModelParams, ContextParams]:
-    unknown = set(options) - _MODEL_FIELDS - _CONTEXT_FIELDS
+def _split_params(options: dict[str, Any]) -> tuple[ModelParams, ContextParams, HubOptions]:
+    unknown = set(options) - _MODEL_FIELDS - _CONTEXT_FIELDS - _HUB_FIELDS
     if unknown:
         raise InvalidParameterError(f"unknown Llama parameters: {sorted(unknown)}")
     model = ModelParams(**{k: v for k, v in options.items() if k in _MODEL_FIELDS})
     context = ContextParams(**{k: v for k, v in options.items() if k in _CONTEXT_FIELDS})
-    return model, context
+    hub = HubOptions(**{k: v for k, v in options.items() if k in _HUB_FIELDS})
+    return model, context, hub
 
 
 class Llama:
     """A loaded model with one context.
 
     ``Llama(path, n_ctx=2048, n_threads=4, ...)`` takes any ModelParams / ContextParams field as
-    a keyword. Calls are serialized: a completion started from another thread waits for the one
-    running, and a new call supersedes an unfinished stream (which then ends "cancelled").
+    a keyword. ``path`` may be a Hugging Face repository id (``org/repo``, when no such local
+    path exists): HubOptions fields (filename, revision, token, cache_dir, endpoint, offline,
+    mmproj) choose what is fetched.
+
+    Calls are serialized: a completion started from another thread waits for the one running,
+    and a new call supersedes an unfinished stream (which then ends "cancelled").
     """
 
     def __init__(
@@ -49,15 +57,17 @@ class Llama:
         *,
         model_params: ModelParams | None = None,
         context_params: ContextParams | None = None,
+        hub: HubOptions | None = None,
         seed: int | None = None,
         progress: Callable[[float], object] | None = None,
         **options: Any,
     ) -> None:
-        if options and (model_params or context_params):
+        if options and (model_params or context_params or hub):
             raise InvalidParameterError("pass parameter objects or keywords, not both")
         if options:
-            model_params, context_params = _split_params(options)
-        self.model = Model.load(model_path, model_params, progress)
+            model_params, context_params, hub = _split_params(options)
+        self.files: ResolvedModel = resolve_model(model_path, hub)
+        self.model = Model.load(self.files.path, model_params, progress)
         try:
             self.context = Context(self.model, context_params)
         except BaseException:
