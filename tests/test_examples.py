@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,10 +15,14 @@ pytestmark = pytest.mark.real_model
 
 @pytest.mark.parametrize(
     ("script", "expected"),
-    [("completion.py", "greedy:  ' France"), ("streaming.py", " two, three, four, five")],
+    [
+        ("completion.py", "greedy:  ' France"),
+        ("streaming.py", " two, three, four, five"),
+        ("prompt_cache.py", "603/610 prompt tokens reused"),
+    ],
 )
-def test_example_runs(script: str, expected: str) -> None:
+def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:
     command = [sys.executable, str(REPO / "examples" / script)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert expected in result.stdout

@@ -10,6 +10,7 @@ a closed handle raises ClosedHandleError. llama.cpp's log goes to the ``llamacra
 
 from llamacrab._adapter import LoraAdapter
 from llamacrab._batch import Batch
+from llamacrab._cache import DiskCache, PromptCache, RamCache
 from llamacrab._context import Context, ContextParams
 from llamacrab._custom_sampler import CustomSampler
 from llamacrab._exceptions import (
@@ -26,12 +27,14 @@ from llamacrab._exceptions import (
     LlamaError,
     ModelLoadError,
     NativeError,
+    StateError,
     TokenizeError,
 )
 from llamacrab._hub import HubOptions, ResolvedModel, resolve
 from llamacrab._llama import Llama
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import SamplerChain, SamplingOptions
+from llamacrab._state import SavedState
 from llamacrab._types import (
     Completion,
     CompletionChoice,
@@ -60,6 +63,7 @@ __all__ = [
     "CustomSampler",
     "DecodeAbortedError",
     "DecodeError",
+    "DiskCache",
     "FinishReason",
     "GrammarError",
     "HubError",
@@ -75,9 +79,13 @@ __all__ = [
     "ModelLoadError",
     "ModelParams",
     "NativeError",
+    "PromptCache",
+    "RamCache",
     "ResolvedModel",
     "SamplerChain",
     "SamplingOptions",
+    "SavedState",
+    "StateError",
     "TokenizeError",
     "Usage",
     "Vocab",

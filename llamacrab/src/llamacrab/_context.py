@@ -18,6 +18,7 @@ from llamacrab._exceptions import (
     DecodeAbortedError,
     DecodeError,
     InvalidParameterError,
+    StateError,
 )
 from llamacrab._handle import NativeHandle
 from llamacrab._logging import log_lines
@@ -229,12 +230,88 @@ class Context(NativeHandle):
         with self.exclusive() as ctx:
             lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
 
-    def remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool:
-        """Remove positions [p0, p1) of a sequence (-1: all); False if the memory cannot."""
+    def _check_sequence(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.params.n_seq_max:
+            raise InvalidParameterError(
+                f"sequence {seq_id} outside 0..{self.params.n_seq_max - 1} (n_seq_max)"
+            )
+
+    def _check_range(self, seq_id: int, p0: int, p1: int) -> None:
+        self._check_sequence(seq_id)
         if p0 < 0 or (p1 >= 0 and p1 < p0):
-            raise InvalidParameterError(f"invalid position range [{p0}, {p1})")
+            raise InvalidParameterError(f"invalid position range [{p0}, {p1}) (p1 -1: to the end)")
+
+    def remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of a sequence (-1: to the end); False if this memory
+        cannot remove part of a sequence (recurrent models)."""
+        self._check_range(seq_id, p0, p1)
         with self.exclusive() as ctx:
             return bool(call("llama_memory_seq_rm", lib.llama_get_memory(ctx), seq_id, p0, p1))
+
+    def copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Make positions [p0, p1) of sequence ``src`` part of ``dst`` too (shared cells)."""
+        self._check_range(src, p0, p1)
+        self._check_sequence(dst)
+        with self.exclusive() as ctx:
+            call("llama_memory_seq_cp", lib.llama_get_memory(ctx), src, dst, p0, p1)
+
+    def keep(self, seq_id: int) -> None:
+        """Drop every sequence but ``seq_id``."""
+        self._check_sequence(seq_id)
+        with self.exclusive() as ctx:
+            call("llama_memory_seq_keep", lib.llama_get_memory(ctx), seq_id)
+
+    def shift(self, seq_id: int, delta: int, p0: int = 0, p1: int = -1) -> None:
+        """Add ``delta`` to the positions [p0, p1) of a sequence (context shifting)."""
+        self._check_range(seq_id, p0, p1)
+        with self.exclusive() as ctx:
+            memory = lib.llama_get_memory(ctx)
+            if not lib.llama_memory_can_shift(memory):
+                raise InvalidParameterError("this model's memory cannot shift positions")
+            call("llama_memory_seq_add", memory, seq_id, p0, p1, delta)
+
+    def divide(self, seq_id: int, divisor: int, p0: int = 0, p1: int = -1) -> None:
+        """Integer-divide the positions [p0, p1) of a sequence (self-extend)."""
+        self._check_range(seq_id, p0, p1)
+        if divisor < 1:
+            raise InvalidParameterError(f"divisor must be at least 1, not {divisor}")
+        with self.exclusive() as ctx:
+            memory = lib.llama_get_memory(ctx)
+            if not lib.llama_memory_can_shift(memory):
+                raise InvalidParameterError("this model's memory cannot shift positions")
+            call("llama_memory_seq_div", memory, seq_id, p0, p1, divisor)
+
+    def positions(self, seq_id: int) -> tuple[int, int] | None:
+        """The smallest and largest position held for a sequence, or None if it is empty."""
+        self._check_sequence(seq_id)
+        with self.exclusive() as ctx:
+            memory = lib.llama_get_memory(ctx)
+            low = int(lib.llama_memory_seq_pos_min(memory, seq_id))
+            high = int(lib.llama_memory_seq_pos_max(memory, seq_id))
+        return None if low < 0 else (low, high)
+
+    # -- raw state -----------------------------------------------------------------------------
+
+    def state_bytes(self, seq_id: int) -> bytes:
+        """llama.cpp's serialized KV state of one sequence."""
+        self._check_sequence(seq_id)
+        with self.exclusive() as ctx:
+            size = call("llama_state_seq_get_size", ctx, seq_id)
+            buffer = ffi.new("uint8_t[]", size)
+            written = call("llama_state_seq_get_data", ctx, buffer, size, seq_id)
+        if written == 0:
+            raise StateError(f"llama.cpp could not save the state of sequence {seq_id}")
+        return bytes(ffi.buffer(buffer, written))
+
+    def load_state_bytes(self, data: bytes, seq_id: int) -> None:
+        """Replace sequence ``seq_id`` with a state from ``state_bytes`` (same model only)."""
+        self._check_sequence(seq_id)
+        with self.exclusive() as ctx:
+            lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
+            read = call("llama_state_seq_set_data", ctx, data, len(data), seq_id)
+        if read == 0:
+            reason = log_lines.take_last_error() or "see the llamacrab logger"
+            raise StateError(f"llama.cpp rejected the state for sequence {seq_id}: {reason}")
 
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"

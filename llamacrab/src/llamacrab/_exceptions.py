@@ -13,6 +13,7 @@ LlamaError
 ├── TokenizeError              (also ValueError) text or tokens rejected
 ├── GrammarError               (also ValueError) a grammar llama.cpp could not parse
 ├── HubError                   a model could not be resolved or fetched from the Hub
+├── StateError                 (also ValueError) a saved state that cannot be loaded here
 └── InvalidParameterError      (also ValueError) a parameter out of its range
 """
 
@@ -79,6 +80,10 @@ class GrammarError(LlamaError, ValueError):
 
 class HubError(LlamaError):
     """A Hugging Face Hub model could not be resolved or downloaded."""
+
+
+class StateError(LlamaError, ValueError):
+    """A saved state that is corrupt, truncated, or from another model or context size."""
 
 
 class InvalidParameterError(LlamaError, ValueError):

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from llamacrab._batch import Batch
+from llamacrab._cache import PromptCache
 from llamacrab._context import Context
-from llamacrab._exceptions import ContextOverflowError, DecodeAbortedError, InvalidParameterError
+from llamacrab._exceptions import (
+    ContextOverflowError,
+    DecodeAbortedError,
+    InvalidParameterError,
+    StateError,
+)
 from llamacrab._logprobs import token_logprobs
 from llamacrab._sampler import Samplers
+from llamacrab._state import SavedState, common_prefix
 from llamacrab._stop import StopMatcher
 from llamacrab._types import FinishReason
 from llamacrab._vocab import IncrementalDecoder
@@ -61,23 +69,60 @@ class Request:
 class KvState:
     """The tokens currently held in sequence 0 of a context, to reuse a shared prompt prefix."""
 
-    def __init__(self, context: Context) -> None:
+    def __init__(self, context: Context, cache: PromptCache | None = None) -> None:
         self.context = context
+        self.cache = cache
         self.tokens: list[int] = []
         self.batch = Batch(context.n_batch)
+        self.reused = 0  # prompt tokens the last prepare() kept instead of decoding
+
+    def snapshot(self) -> SavedState:
+        payload = self.context.state_bytes(0)
+        return SavedState(
+            tuple(self.tokens), payload, self.context.model.identity, self.context.n_ctx
+        )
+
+    def restore(self, state: SavedState) -> None:
+        """Load a saved state into sequence 0 (checked against this model and context)."""
+        if state.model_id != self.context.model.identity:
+            raise StateError("this state was saved from a different model")
+        if len(state.tokens) >= self.context.n_ctx:
+            n_ctx = self.context.n_ctx
+            raise StateError(f"this state holds {len(state.tokens)} tokens; the context {n_ctx}")
+        self.tokens.clear()
+        try:
+            self.context.load_state_bytes(state.payload, 0)
+        except BaseException:
+            self.reset()
+            raise
+        self.tokens.extend(state.tokens)
+
+    def _restore_from_cache(self, prompt: Sequence[int]) -> None:
+        if self.cache is None:
+            return
+        found = self.cache.longest_prefix(prompt)
+        if found is None or found[0] <= common_prefix(self.tokens, prompt):
+            return
+        try:
+            self.restore(found[1])
+        except StateError as error:  # e.g. a shared cache with states of other models
+            warnings.warn(f"prompt cache entry not used: {error}", stacklevel=4)
+
+    def remember(self) -> None:
+        """Store the current state in the prompt cache, if there is one."""
+        if self.cache is not None and self.tokens:
+            self.cache.store(self.snapshot())
 
     def prepare(self, prompt: Sequence[int]) -> int:
         """Drop what the new prompt does not share; return how many prompt tokens to keep."""
-        keep = 0
-        for cached, wanted in zip(self.tokens, prompt, strict=False):
-            if cached != wanted:
-                break
-            keep += 1
+        self._restore_from_cache(prompt)
+        keep = common_prefix(self.tokens, prompt)
         keep = min(keep, len(prompt) - 1)  # the last prompt token is decoded again for its logits
         if keep < len(self.tokens) and not self.context.remove(0, keep, -1):
             self.context.clear()  # this memory cannot drop a suffix: start over
             keep = 0
         del self.tokens[keep:]
+        self.reused = keep
         return keep
 
     def reset(self) -> None:
@@ -148,13 +193,16 @@ def generate(
             yield Step(stops.flush(), None, "cancelled")
             return
         if request.max_tokens is not None and produced >= request.max_tokens:
-            yield Step(_rest(stops, decoder), None, "length")
-            return
-        with lock:
-            if session.superseded:
-                continue
-            step = _next_token(kv, samplers, request, produced, decoder, stops)
-        produced += 1
+            step = Step(_rest(stops, decoder), None, "length")
+        else:
+            with lock:
+                if session.superseded:
+                    continue
+                step = _next_token(kv, samplers, request, produced, decoder, stops)
+            produced += 1
+        if step.finish_reason not in (None, "cancelled"):
+            with lock:
+                kv.remember()  # before the last yield: a consumer may stop right after it
         yield step
         if step.finish_reason is not None:
             return

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequenc
 from typing import Any
 
 from llamacrab._adapter import LoraAdapter
+from llamacrab._cache import PromptCache
 from llamacrab._context import Context, ContextParams
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._generation import KvState, Request, Session, Step, generate
@@ -20,6 +21,7 @@ from llamacrab._hub import HubOptions, ResolvedModel
 from llamacrab._hub import resolve as resolve_model
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import Samplers, SamplingOptions
+from llamacrab._state import SavedState
 from llamacrab._types import Completion, CompletionChoice, CompletionChunk, Logprobs, Usage
 from llamacrab._vocab import Vocab
 
@@ -43,7 +45,8 @@ class Llama:
     """A loaded model with one context.
 
     ``Llama(path, n_ctx=2048, n_threads=4, ...)`` takes any ModelParams / ContextParams field as
-    a keyword. ``path`` may be a Hugging Face repository id (``org/repo``, when no such local
+    a keyword. ``cache`` (a RamCache or DiskCache) keeps prompt states across calls.
+    ``path`` may be a Hugging Face repository id (``org/repo``, when no such local
     path exists): HubOptions fields (filename, revision, token, cache_dir, endpoint, offline,
     mmproj) choose what is fetched.
 
@@ -58,6 +61,7 @@ class Llama:
         model_params: ModelParams | None = None,
         context_params: ContextParams | None = None,
         hub: HubOptions | None = None,
+        cache: PromptCache | None = None,
         seed: int | None = None,
         progress: Callable[[float], object] | None = None,
         **options: Any,
@@ -74,7 +78,7 @@ class Llama:
             self.model.close()
             raise
         self.seed = seed
-        self._kv = KvState(self.context)
+        self._kv = KvState(self.context, cache)
         self._lock = threading.RLock()
         self._session: weakref.ReferenceType[Session] | None = None
 
@@ -97,6 +101,17 @@ class Llama:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def save_state(self) -> SavedState:
+        """The KV memory and the tokens it holds (``SavedState.save`` writes it to a file)."""
+        with self._lock:
+            return self._kv.snapshot()
+
+    def load_state(self, state: SavedState) -> None:
+        """Restore a state saved from this model; the next prompt sharing its tokens reuses it.
+        A state from another model, a smaller context, or a corrupt blob raises StateError."""
+        with self._lock:
+            self._kv.restore(state)
 
     def reset(self) -> None:
         """Forget the cached prompt: the next call decodes its whole prompt again."""
@@ -198,8 +213,9 @@ class Llama:
             candidates.sort(key=lambda c: -sum(c[1]))
         kept = candidates[:n]
         choices = tuple(dataclasses.replace(c, index=i) for i, (c, _, _) in enumerate(kept))
-        prompt_tokens = candidates[0][2].prompt_tokens
-        usage = Usage(prompt_tokens, sum(u.completion_tokens for _, _, u in candidates))
+        first = candidates[0][2]
+        completion_tokens = sum(u.completion_tokens for _, _, u in candidates)
+        usage = Usage(first.prompt_tokens, completion_tokens, first.cached_tokens)
         return Completion(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name,
                           choices, usage)  # fmt: skip
 
@@ -254,7 +270,9 @@ class Llama:
                 text = step.text
                 if step.finish_reason not in (None, "cancelled"):
                     text += suffix
-                usage = Usage(len(request.prompt), produced) if step.finish_reason else None
+                usage = None
+                if step.finish_reason:
+                    usage = Usage(len(request.prompt), produced, self._kv.reused)
                 tokens = () if step.token is None else (step.token,)
                 logprobs = _step_logprobs(self.model.vocab, step, offset)
                 offset += len(text)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -164,6 +166,16 @@ class Model(NativeHandle):
     @property
     def n_layer(self) -> int:
         return int(lib.llama_model_n_layer(self.pointer))
+
+    @functools.cached_property
+    def identity(self) -> bytes:
+        """A digest of the metadata and the weights' layout: saved states carry it, so one is
+        never loaded into a different model."""
+        digest = hashlib.sha256()
+        for key, value in sorted(self.metadata.items()):
+            digest.update(f"{key}={value}\n".encode())
+        digest.update(f"{self.n_params}:{self.size}:{self.vocab.n_tokens}".encode())
+        return digest.digest()
 
     @property
     def metadata(self) -> dict[str, str]:

@@ -13,6 +13,7 @@ FinishReason = Literal["length", "eos", "stop", "cancelled", "tool_calls"]
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens reused from the KV memory or a prompt cache
 
     @property
     def total_tokens(self) -> int:

@@ -1,0 +1,142 @@
+"""Prompt caches: saved KV states keyed by their tokens, found by longest shared prefix.
+
+``RamCache`` keeps them in memory (LRU, bounded by bytes); ``DiskCache`` in a directory through
+the ``diskcache`` package (bounded, survives restarts). A completion whose prompt shares a prefix
+with a cached state restores it and decodes only the rest.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from llamacrab._exceptions import InvalidParameterError, StateError
+from llamacrab._state import SavedState, common_prefix
+
+
+class PromptCache(abc.ABC):
+    """Where Llama keeps and finds saved prompt states."""
+
+    def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, SavedState] | None:
+        """The cached state sharing the most leading tokens with ``tokens`` (and how many)."""
+        best: tuple[int, tuple[int, ...]] | None = None
+        for key in self._keys():
+            shared = common_prefix(key, tokens)
+            if shared and (best is None or shared > best[0]):
+                best = (shared, key)
+        if best is None:
+            return None
+        state = self._get(best[1])
+        return None if state is None else (best[0], state)
+
+    @abc.abstractmethod
+    def store(self, state: SavedState) -> None: ...
+
+    @abc.abstractmethod
+    def _keys(self) -> Iterable[tuple[int, ...]]: ...
+
+    @abc.abstractmethod
+    def _get(self, key: tuple[int, ...]) -> SavedState | None: ...
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+
+def _check_capacity(capacity_bytes: int) -> None:
+    if capacity_bytes < 1:
+        raise InvalidParameterError(f"capacity_bytes must be positive, not {capacity_bytes}")
+
+
+class RamCache(PromptCache):
+    """States in memory, least recently used dropped first beyond ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int = 2 << 30) -> None:
+        _check_capacity(capacity_bytes)
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[tuple[int, ...], bytes] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size
+
+    def store(self, state: SavedState) -> None:
+        blob = state.to_bytes()
+        if len(blob) > self.capacity_bytes:
+            return  # larger than the whole cache: keeping it would evict everything
+        with self._lock:
+            old = self._entries.pop(state.tokens, None)
+            self._size += len(blob) - (len(old) if old else 0)
+            self._entries[state.tokens] = blob
+            while self._size > self.capacity_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._size -= len(evicted)
+
+    def _keys(self) -> list[tuple[int, ...]]:
+        with self._lock:
+            return list(self._entries)
+
+    def _get(self, key: tuple[int, ...]) -> SavedState | None:
+        with self._lock:
+            blob = self._entries.get(key)
+            if blob is not None:
+                self._entries.move_to_end(key)
+        return None if blob is None else SavedState.from_bytes(blob)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class DiskCache(PromptCache):
+    """States in ``directory`` (a ``diskcache.Cache``), least recently used evicted beyond
+    ``capacity_bytes``. A corrupt entry is discarded with a warning."""
+
+    def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int = 8 << 30) -> None:
+        import diskcache  # type: ignore[import-untyped]
+
+        _check_capacity(capacity_bytes)
+        self.capacity_bytes = capacity_bytes
+        self._cache: Any = diskcache.Cache(
+            os.fspath(directory), size_limit=capacity_bytes,
+            eviction_policy="least-recently-used", cull_limit=0,
+        )  # fmt: skip
+
+    @property
+    def size_bytes(self) -> int:
+        return int(self._cache.volume())
+
+    def store(self, state: SavedState) -> None:
+        self._cache.set(_key(state.tokens), state.to_bytes())
+        self._cache.cull()  # enforce the size limit now, not on some later write
+
+    def _keys(self) -> list[tuple[int, ...]]:
+        return [tuple(np.frombuffer(key, dtype="<i4").tolist()) for key in self._cache.iterkeys()]
+
+    def _get(self, key: tuple[int, ...]) -> SavedState | None:
+        raw = self._cache.get(_key(key))
+        if raw is None:
+            return None
+        try:
+            return SavedState.from_bytes(raw)
+        except StateError as error:
+            warnings.warn(f"discarding a corrupt prompt-cache entry: {error}", stacklevel=3)
+            self._cache.delete(_key(key))
+            return None
+
+    def close(self) -> None:
+        self._cache.close()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+def _key(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<i4").tobytes()

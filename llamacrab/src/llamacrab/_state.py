@@ -1,0 +1,83 @@
+"""SavedState: a context's KV state with a header that makes loading it into the wrong place fail.
+
+Layout (little-endian): magic ``LCRBSTAT``, format version (u32), n_ctx (u32), model identity
+(32-byte sha256), token count (u32) and tokens (i32 each), payload length (u64) and llama.cpp's
+own state bytes, then a sha256 of everything before it. A truncated or altered blob fails the
+checksum before llama.cpp reads a byte of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from llamacrab._exceptions import StateError
+
+MAGIC = b"LCRBSTAT"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<8sII32sI")
+_DIGEST = 32
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """The KV memory of sequence 0 for ``tokens``, from a model identified by ``model_id``."""
+
+    tokens: tuple[int, ...]
+    payload: bytes
+    model_id: bytes
+    n_ctx: int
+
+    def to_bytes(self) -> bytes:
+        tokens = np.asarray(self.tokens, dtype="<i4").tobytes()
+        body = (
+            _HEAD.pack(MAGIC, FORMAT_VERSION, self.n_ctx, self.model_id, len(self.tokens))
+            + tokens
+            + struct.pack("<Q", len(self.payload))
+            + self.payload
+        )
+        return body + hashlib.sha256(body).digest()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> SavedState:
+        if len(blob) < _HEAD.size + 8 + _DIGEST or not blob.startswith(MAGIC):
+            raise StateError("not a llamacrab state (bad magic or too short)")
+        body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
+        if hashlib.sha256(body).digest() != digest:
+            raise StateError("the state is truncated or corrupted (checksum mismatch)")
+        _, version, n_ctx, model_id, n_tokens = _HEAD.unpack_from(body)
+        if version != FORMAT_VERSION:
+            raise StateError(f"state format {version} is not supported (expected {FORMAT_VERSION})")
+        offset = _HEAD.size + 4 * n_tokens
+        tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=_HEAD.size)
+        (size,) = struct.unpack_from("<Q", body, offset)
+        payload = body[offset + 8 :]
+        if len(payload) != size:
+            raise StateError(f"the state payload has {len(payload)} bytes, its header says {size}")
+        return cls(tuple(int(t) for t in tokens), payload, model_id, n_ctx)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write to ``path`` atomically (a crash never leaves half a file behind)."""
+        target = Path(path)
+        partial = target.with_name(target.name + ".partial")
+        partial.write_bytes(self.to_bytes())
+        partial.replace(target)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SavedState:
+        return cls.from_bytes(Path(path).read_bytes())
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,170 @@
+"""KV memory operations, saved states with headers, and prompt caches in RAM and on disk."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamacrab import (
+    Batch,
+    Context,
+    ContextParams,
+    DiskCache,
+    InvalidParameterError,
+    Llama,
+    RamCache,
+    SavedState,
+    StateError,
+)
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+GREEDY = {"temperature": 0.0}
+PROMPT = "the cat sat on the mat the dog sat on the cat"
+
+
+def test_memory_operations_on_sequences(tiny_llama: Llama) -> None:
+    context = Context(tiny_llama.model, ContextParams(n_ctx=64, n_seq_max=2, kv_unified=True))
+    batch = Batch(8, n_seq_max=2)
+    batch.set(np.array([1, 260, 261, 262, 263], dtype=np.int32), 0, seq_id=0)
+    context.decode(batch)
+    assert context.positions(0) == (0, 4) and context.positions(1) is None
+    context.copy(0, 1)
+    assert context.positions(1) == (0, 4)
+    context.keep(1)
+    assert context.positions(0) is None and context.positions(1) == (0, 4)
+    context.shift(1, 10)
+    assert context.positions(1) == (10, 14)
+    context.divide(1, 2)
+    assert context.positions(1) == (5, 7)
+    assert context.remove(1, 6, -1)
+    assert context.positions(1) == (5, 5)
+    for bad in (lambda: context.remove(0, 5, 2), lambda: context.copy(0, 2),
+                lambda: context.positions(-1), lambda: context.divide(1, 0)):  # fmt: skip
+        with pytest.raises(InvalidParameterError):
+            bad()
+    context.close()
+
+
+def test_state_round_trip_between_llamas_gives_identical_output(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=128) as first, Llama(tiny_model_path, n_ctx=128) as second:
+        first.create_completion(PROMPT, max_tokens=0)
+        state = SavedState.from_bytes(first.save_state().to_bytes())
+        assert list(state.tokens) == first.tokenize(PROMPT)
+        expected = first.create_completion(PROMPT, max_tokens=8, **GREEDY)
+        second.load_state(state)
+        result = second.create_completion(PROMPT, max_tokens=8, **GREEDY)
+        assert result.usage.cached_tokens == len(state.tokens) - 1
+        assert result.choices[0].tokens == expected.choices[0].tokens
+
+
+def test_state_files_and_every_kind_of_bad_state(tmp_path: Path, tiny_llama: Llama) -> None:
+    tiny_llama.create_completion(PROMPT, max_tokens=0)
+    state = tiny_llama.save_state()
+    state.save(tmp_path / "state.bin")
+    assert SavedState.load(tmp_path / "state.bin") == state
+    blob = state.to_bytes()
+    with pytest.raises(StateError, match="checksum"):
+        SavedState.from_bytes(blob[:-100])
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 0xFF
+    with pytest.raises(StateError, match="checksum"):
+        SavedState.from_bytes(bytes(flipped))
+    with pytest.raises(StateError, match="magic"):
+        SavedState.from_bytes(b"definitely not a state" * 4)
+    # A well-formed header around a payload llama.cpp cannot read: refused, context still usable.
+    bogus = SavedState(state.tokens, b"\x00garbage" * 16, state.model_id, state.n_ctx)
+    with pytest.raises(StateError, match="rejected"):
+        tiny_llama.load_state(bogus)
+    assert tiny_llama.create_completion(PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_state_from_another_model_or_too_large_is_refused(
+    tmp_path: Path, tiny_llama: Llama
+) -> None:
+    other = tiny.write_tiny_llama(tmp_path / "other.gguf", rms_eps=1e-6)
+    with Llama(other, n_ctx=128) as llm:
+        llm.create_completion(PROMPT, max_tokens=0)
+        foreign = llm.save_state()
+    with pytest.raises(StateError, match="different model"):
+        tiny_llama.load_state(foreign)
+    with Llama(tiny_llama.model.path, n_ctx=1024) as large:
+        large.create_completion([1] + [260 + i % 11 for i in range(400)], max_tokens=0)
+        big = large.save_state()
+    assert tiny_llama.context.n_ctx < 401
+    with pytest.raises(StateError, match="holds 401 tokens"):
+        tiny_llama.load_state(big)
+
+
+def test_ram_cache_restores_the_longest_prefix_exactly(tiny_model_path: Path) -> None:
+    cache = RamCache(capacity_bytes=64 << 20)
+    extended = PROMPT + " and the mat sat on the dog"
+    with (
+        Llama(tiny_model_path, n_ctx=128, cache=cache) as cached,
+        Llama(tiny_model_path, n_ctx=128) as plain,
+    ):
+        cached.create_completion(PROMPT, max_tokens=4, **GREEDY)
+        plain.create_completion(PROMPT, max_tokens=4, **GREEDY)
+        assert len(cache) == 1
+        cached.reset()  # the KV memory is gone: only the cache can help now
+        result = cached.create_completion(extended, max_tokens=6, **GREEDY)
+        assert result.usage.cached_tokens == len(cached.tokenize(PROMPT))
+        # The restored state is bit-identical to what `plain` still holds in memory.
+        assert plain.create_completion(extended, max_tokens=6, **GREEDY).text == result.text
+        assert cached.context.logits().tolist() == plain.context.logits().tolist()
+
+
+def test_ram_cache_evicts_least_recently_used_beyond_its_capacity(tiny_llama: Llama) -> None:
+    states = []
+    for i in range(4):
+        tiny_llama.reset()
+        tiny_llama.create_completion([1, 260 + i, 261, 262], max_tokens=0)
+        states.append(tiny_llama.save_state())
+    size = len(states[0].to_bytes())
+    cache = RamCache(capacity_bytes=int(size * 2.5))
+    for state in states[:3]:
+        cache.store(state)
+    assert cache.longest_prefix(states[1].tokens) is not None  # touch: 1 is now most recent
+    cache.store(states[3])
+    assert len(cache) == 2 and cache.size_bytes <= cache.capacity_bytes
+    assert cache.longest_prefix(states[0].tokens)[0] < len(states[0].tokens)  # type: ignore[index]
+    assert cache.longest_prefix(states[1].tokens)[0] == 4  # type: ignore[index]
+
+
+def test_disk_cache_survives_a_restart(tmp_path: Path, tiny_model_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        from llamacrab import DiskCache, Llama
+        cache = DiskCache({str(tmp_path / "cache")!r})
+        with Llama({str(tiny_model_path)!r}, n_ctx=128, cache=cache) as llm:
+            result = llm.create_completion({PROMPT!r} + " again", max_tokens=2, temperature=0)
+        print(result.usage.cached_tokens)
+    """)
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+            for _ in range(2)]  # fmt: skip
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert int(runs[0].stdout) == 0 and int(runs[1].stdout) > 10
+
+
+def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: Llama) -> None:
+    states = []
+    for i in range(6):
+        tiny_llama.reset()
+        tiny_llama.create_completion([1, 260 + i] + [261] * 150, max_tokens=0)
+        states.append(tiny_llama.save_state())
+    size = len(states[0].to_bytes())
+    empty = DiskCache(tmp_path / "empty").size_bytes  # the database's own pages count too
+    cache = DiskCache(tmp_path / "small", capacity_bytes=empty + int(size * 3.5))
+    for state in states:
+        cache.store(state)
+    assert 2 <= len(cache) < 6 and cache.size_bytes <= cache.capacity_bytes
+    cache._cache.set(np.asarray([1, 2, 3], dtype="<i4").tobytes(), b"LCRBSTAT corrupted")
+    with pytest.warns(UserWarning, match="corrupt"):
+        assert cache.longest_prefix([1, 2, 3, 4]) is None
+    assert cache._cache.get(np.asarray([1, 2, 3], dtype="<i4").tobytes()) is None
+    cache.close()
