@@ -26,3 +26,10 @@ def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert expected in result.stdout
+
+
+def test_embeddings_example_ranks_the_right_document_first(tmp_path: Path) -> None:
+    command = [sys.executable, str(REPO / "examples" / "embeddings.py")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[0].endswith("Paris is the capital of France.")

@@ -52,6 +52,24 @@ class Batch:
             self._logits[n - 1] = 1
         self.struct.n_tokens = n
 
+    def set_sequences(self, sequences: list[np.ndarray]) -> None:
+        """Several whole sequences at once (sequence i gets seq_id i, positions from 0), every
+        token an output: the layout of batched embeddings."""
+        lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+        n = int(lengths.sum())
+        if not 0 < n <= self.capacity or len(sequences) > self.n_seq_max:
+            raise InvalidParameterError(
+                f"{len(sequences)} sequences of {n} tokens do not fit a batch of {self.capacity} "
+                f"tokens and {self.n_seq_max} sequences"
+            )
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        seq_ids = np.repeat(np.arange(len(sequences)), lengths)
+        self._tokens[:n] = np.concatenate(sequences)
+        self._positions[:n] = np.arange(n) - starts
+        self._seq_pointers[:n] = self._cells_address + 4 * seq_ids
+        self._logits[:n] = 1
+        self.struct.n_tokens = n
+
     def set_one(self, token: int, pos: int, seq_id: int = 0) -> None:
         """The per-token fast path of generation: one token, logits wanted."""
         self._tokens[0] = token

@@ -15,6 +15,7 @@ from llamacrab._batch import Batch
 from llamacrab._exceptions import (
     ConcurrentUseError,
     ContextError,
+    ContextOverflowError,
     DecodeAbortedError,
     DecodeError,
     InvalidParameterError,
@@ -66,7 +67,7 @@ def _choice(name: str, value: str, table: dict[str, Any]) -> int:
 class ContextParams:
     """How to create a context. ``None`` keeps llama.cpp's default."""
 
-    n_ctx: int = 4096
+    n_ctx: int | None = None  # None: the model's training context, at most 4096
     n_batch: int = 2048
     n_ubatch: int = 512
     n_seq_max: int = 1
@@ -88,7 +89,7 @@ class ContextParams:
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidParameterError(f"{name} must be positive, not {getattr(self, name)}")
         if self.n_seq_max > lib.llama_max_parallel_sequences():
             raise InvalidParameterError(
@@ -104,9 +105,10 @@ class ContextParams:
         _choice("type_k", self.type_k, KV_TYPES)
         _choice("type_v", self.type_v, KV_TYPES)
 
-    def to_c(self) -> Any:
+    def to_c(self, n_ctx_train: int) -> Any:
         c = lib.llama_context_default_params()
-        for name in ("n_ctx", "n_batch", "n_seq_max", "rope_freq_base", "rope_freq_scale",
+        c.n_ctx = self.n_ctx if self.n_ctx is not None else min(n_ctx_train or 4096, 4096)
+        for name in ("n_batch", "n_seq_max", "rope_freq_base", "rope_freq_scale",
                      "yarn_ext_factor", "yarn_orig_ctx", "embeddings", "offload_kqv",
                      "swa_full", "kv_unified"):  # fmt: skip
             setattr(c, name, getattr(self, name))
@@ -132,13 +134,14 @@ class Context(NativeHandle):
         params = params or ContextParams()
         if model.params.vocab_only:
             raise InvalidParameterError(f"{model!r} was loaded with vocab_only: it has no weights")
-        if params.n_ctx > model.n_ctx_train > 0 and params.rope_scaling == "unspecified":
+        n_ctx = params.n_ctx or 0
+        if n_ctx > model.n_ctx_train > 0 and params.rope_scaling == "unspecified":
             raise InvalidParameterError(
                 f"n_ctx {params.n_ctx} exceeds the {model.n_ctx_train} tokens the model was "
                 "trained for; set rope_scaling to extend it"
             )
         log_lines.take_last_error()
-        pointer = call("llama_init_from_model", model.pointer, params.to_c())
+        pointer = call("llama_init_from_model", model.pointer, params.to_c(model.n_ctx_train))
         if pointer == ffi.NULL:
             reason = log_lines.take_last_error() or "see the llamacrab logger"
             raise ContextError(f"llama.cpp could not create a context ({params}): {reason}")
@@ -153,6 +156,8 @@ class Context(NativeHandle):
         self._adapters: dict[LoraAdapter, float] = {}
         self.n_ctx = int(lib.llama_n_ctx(pointer))
         self.n_batch = int(lib.llama_n_batch(pointer))
+        # A non-causal model must see each batch in one ubatch: llama.cpp asserts (aborts) else.
+        self.max_decode = self.n_batch if model.causal else int(lib.llama_n_ubatch(pointer))
         self.n_vocab = model.vocab.n_tokens
 
     @contextmanager
@@ -172,6 +177,11 @@ class Context(NativeHandle):
     def decode(self, batch: Batch) -> None:
         # The per-token path: the lock is taken by hand, without a context manager's overhead.
         ctx = self.pointer
+        if batch.struct.n_tokens > self.max_decode:
+            raise ContextOverflowError(
+                f"a batch of {batch.struct.n_tokens} tokens exceeds the {self.max_decode} this "
+                "context decodes at once"
+            )
         if not self._busy.acquire(blocking=False):
             raise ConcurrentUseError("this context is in use by another thread")
         try:

@@ -131,7 +131,7 @@ class KvState:
 
     def decode_prompt(self, prompt: Sequence[int], keep: int) -> None:
         todo = np.asarray(prompt[keep:], dtype=np.int32)
-        step = self.batch.capacity
+        step = min(self.batch.capacity, self.context.max_decode)
         for start in range(0, len(todo), step):
             chunk = todo[start : start + step]
             self.batch.set(chunk, len(self.tokens), logits_last=start + step >= len(todo))

@@ -12,9 +12,12 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from llamacrab._adapter import LoraAdapter
 from llamacrab._cache import PromptCache
 from llamacrab._context import Context, ContextParams
+from llamacrab._embeddings import DEFAULT_PACK_TOKENS, Embedder, normalized
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._generation import KvState, Request, Session, Step, generate
 from llamacrab._hub import HubOptions, ResolvedModel
@@ -36,7 +39,11 @@ def _split_params(options: dict[str, Any]) -> tuple[ModelParams, ContextParams, 
     if unknown:
         raise InvalidParameterError(f"unknown Llama parameters: {sorted(unknown)}")
     model = ModelParams(**{k: v for k, v in options.items() if k in _MODEL_FIELDS})
-    context = ContextParams(**{k: v for k, v in options.items() if k in _CONTEXT_FIELDS})
+    context_options = {k: v for k, v in options.items() if k in _CONTEXT_FIELDS}
+    if context_options.get("embeddings"):
+        # Batched embeddings pack many texts as sequences of one shared memory.
+        context_options = {"n_seq_max": 64, "kv_unified": True, **context_options}
+    context = ContextParams(**context_options)
     hub = HubOptions(**{k: v for k, v in options.items() if k in _HUB_FIELDS})
     return model, context, hub
 
@@ -81,6 +88,7 @@ class Llama:
         self._kv = KvState(self.context, cache)
         self._lock = threading.RLock()
         self._session: weakref.ReferenceType[Session] | None = None
+        self._embedder_cache: Embedder | None = None
 
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], **kwargs: Any) -> Llama:
@@ -117,6 +125,53 @@ class Llama:
         """Forget the cached prompt: the next call decodes its whole prompt again."""
         with self._lock:
             self._kv.reset()
+
+    # -- embeddings ----------------------------------------------------------------------------
+
+    def embed(
+        self,
+        texts: str | Sequence[str],
+        *,
+        normalize: bool = True,
+        truncate: bool = False,
+        pack_tokens: int = DEFAULT_PACK_TOKENS,
+    ) -> np.ndarray:
+        """Embeddings of one text or many, as a float32 array of shape (n_texts, n_embd).
+
+        Needs ``Llama(..., embeddings=True)``; the pooling is the context's (the model's by
+        default, or ``pooling=``). With ``pooling="none"`` use ``embed_tokens``. Texts longer
+        than one decode raise ContextOverflowError unless ``truncate``.
+        """
+        if not self._embedder(pack_tokens).pooled:
+            raise InvalidParameterError("this context does not pool: use embed_tokens()")
+        vectors = self._embed(texts, truncate, pack_tokens)
+        array = np.stack(vectors) if vectors else np.empty((0, self.model.n_embd), np.float32)
+        return normalized(array) if normalize else array
+
+    def embed_tokens(
+        self, texts: str | Sequence[str], *, normalize: bool = False, truncate: bool = False
+    ) -> list[np.ndarray]:
+        """Token-level embeddings (a context with ``pooling="none"``): (n_tokens, n_embd) each."""
+        if self._embedder(DEFAULT_PACK_TOKENS).pooled:
+            raise InvalidParameterError('token embeddings need a context with pooling="none"')
+        vectors = self._embed(texts, truncate, DEFAULT_PACK_TOKENS)
+        return [normalized(v) if normalize else v for v in vectors]
+
+    def _embedder(self, pack_tokens: int) -> Embedder:
+        embedder = self._embedder_cache
+        if embedder is None or embedder.pack_tokens != min(pack_tokens, embedder.limit):
+            embedder = self._embedder_cache = Embedder(self.context, pack_tokens)
+        return embedder
+
+    def _embed(
+        self, texts: str | Sequence[str], truncate: bool, pack_tokens: int
+    ) -> list[np.ndarray]:
+        items = [texts] if isinstance(texts, str) else list(texts)
+        with self._lock:
+            embedder = self._embedder(pack_tokens)
+            tokens = [embedder.fit(self.tokenize(t), i, truncate) for i, t in enumerate(items)]
+            self._kv.tokens.clear()  # the memory is reused for embedding batches
+            return embedder.run(tokens)
 
     # -- adapters ------------------------------------------------------------------------------
 

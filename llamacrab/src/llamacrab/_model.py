@@ -168,6 +168,12 @@ class Model(NativeHandle):
         return int(lib.llama_model_n_layer(self.pointer))
 
     @functools.cached_property
+    def causal(self) -> bool:
+        """False for encoder-style models (BERT): they attend both ways within a sequence."""
+        arch = self.metadata.get("general.architecture", "")
+        return self.metadata.get(f"{arch}.attention.causal", "true") != "false"
+
+    @functools.cached_property
     def identity(self) -> bytes:
         """A digest of the metadata and the weights' layout: saved states carry it, so one is
         never loaded into a different model."""

@@ -1,0 +1,98 @@
+"""Embeddings: many texts packed into each decode as separate sequences, pooled by llama.cpp.
+
+Texts are packed in order while a decode holds at most ``pack_tokens`` tokens and n_seq_max
+sequences; a longer text gets a decode of its own, up to n_ubatch tokens (non-causal models must
+see a whole sequence in one ubatch, or llama.cpp aborts). Attention over a pack grows with the
+square of its size, so a modest pack (default 256 tokens) is faster than one huge batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from llamacrab._batch import Batch
+from llamacrab._context import Context
+from llamacrab._exceptions import ContextOverflowError, InvalidParameterError
+from llamacrab._native import call, ffi, lib
+
+DEFAULT_PACK_TOKENS = 256
+
+
+class Embedder:
+    """Computes embeddings with one context created with ``embeddings=True``."""
+
+    def __init__(self, context: Context, pack_tokens: int = DEFAULT_PACK_TOKENS) -> None:
+        if not context.params.embeddings:
+            raise InvalidParameterError("embeddings need a context created with embeddings=True")
+        self.context = context
+        ctx = context.pointer
+        self.pooled = lib.llama_pooling_type(ctx) != lib.LLAMA_POOLING_TYPE_NONE
+        self.n_embd = int(lib.llama_model_n_embd_out(context.model.pointer))
+        self.limit = min(int(lib.llama_n_ubatch(ctx)), context.n_batch)  # one text, one decode
+        self.pack_tokens = max(1, min(pack_tokens, self.limit))
+        self.n_seq = context.params.n_seq_max
+        self.batch = Batch(self.limit, self.n_seq)
+
+    def fit(self, tokens: list[int], index: int, truncate: bool) -> list[int]:
+        """One text's tokens, cut to a single decode if ``truncate`` (keeping its last token,
+        the separator a BERT-style model expects); otherwise too long is an error."""
+        if len(tokens) <= self.limit:
+            return tokens
+        if not truncate:
+            raise ContextOverflowError(
+                f"text {index} has {len(tokens)} tokens; one decode holds {self.limit} "
+                "(pass truncate=True, or raise n_ubatch)"
+            )
+        return tokens[: self.limit - 1] + tokens[-1:]
+
+    def packs(self, texts: Sequence[list[int]]) -> Iterator[list[int]]:
+        """Indices of texts decoded together."""
+        pack: list[int] = []
+        used = 0
+        for i, tokens in enumerate(texts):
+            if pack and (used + len(tokens) > self.pack_tokens or len(pack) == self.n_seq):
+                yield pack
+                pack, used = [], 0
+            pack.append(i)
+            used += len(tokens)
+        if pack:
+            yield pack
+
+    def run(self, texts: Sequence[list[int]]) -> list[np.ndarray]:
+        """Pooled: one (n_embd,) vector per text. Not pooled: (n_tokens, n_embd) per text."""
+        out: list[np.ndarray] = [np.empty(0, np.float32)] * len(texts)
+        for pack in self.packs(texts):
+            sequences = [np.asarray(texts[i], dtype=np.int32) for i in pack]
+            self.context.clear()
+            self.batch.set_sequences(sequences)
+            self.context.decode(self.batch)
+            for seq_id, (i, tokens) in enumerate(zip(pack, sequences, strict=True)):
+                out[i] = self._read(seq_id, tokens, sequences[:seq_id])
+        return out
+
+    def _read(self, seq_id: int, tokens: np.ndarray, before: list[np.ndarray]) -> np.ndarray:
+        with self.context.exclusive() as ctx:
+            if self.pooled:
+                row = call("llama_get_embeddings_seq", ctx, seq_id)
+                count = 1
+            else:
+                start = sum(len(t) for t in before)
+                row = call("llama_get_embeddings_ith", ctx, start)
+                count = len(tokens)
+            if row == ffi.NULL:
+                raise InvalidParameterError(
+                    f"llama.cpp returned no embedding for sequence {seq_id}"
+                )
+            values = np.frombuffer(ffi.buffer(row, 4 * self.n_embd * count), np.float32)
+            # A copy: the next decode reuses llama.cpp's buffer.
+            vectors: np.ndarray = values.reshape(count, self.n_embd).copy()
+        return vectors[0] if self.pooled else vectors
+
+
+def normalized(vectors: np.ndarray) -> np.ndarray:
+    """L2-normalize along the last axis (zero vectors stay zero)."""
+    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+    result: np.ndarray = vectors / np.where(norms == 0, 1, norms)
+    return result

@@ -1,0 +1,93 @@
+"""Embeddings: all-MiniLM-L6-v2 (PyPI) against sentence-transformers, batching and limits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamacrab import Batch, ContextOverflowError, InvalidParameterError, Llama
+
+from support import REPO, load_repo_module
+
+REFERENCE = np.load(REPO / "tests" / "fixtures" / "minilm_reference.npz")
+
+
+@pytest.fixture(scope="module")
+def minilm_path() -> Path:
+    path: Path = load_repo_module("scripts/convert_bert.py").minilm()
+    return path
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_path: Path) -> Iterator[Llama]:
+    with Llama(minilm_path, embeddings=True, n_threads=2) as llm:
+        yield llm
+
+
+def test_embeddings_match_sentence_transformers(minilm: Llama) -> None:
+    sentences = [str(s) for s in REFERENCE["sentences"]]
+    vectors = minilm.embed(sentences)
+    assert vectors.shape == (len(sentences), 384) and vectors.dtype == np.float32
+    cosines = np.sum(vectors * REFERENCE["vectors"], axis=1)
+    assert cosines.min() >= 0.999, dict(zip(sentences, cosines.round(5), strict=True))
+
+
+def test_batching_packs_many_texts_and_matches_one_at_a_time(minilm: Llama) -> None:
+    sentences = [str(s) for s in REFERENCE["sentences"]]
+    embedder = minilm._embedder(256)
+    lengths = [len(minilm.tokenize(s)) for s in sentences]
+    packs = list(embedder.packs([[0] * n for n in lengths]))
+    assert len(packs) < len(sentences) / 4  # several texts per decode
+    batched = minilm.embed(sentences)
+    single = np.stack([minilm.embed(s)[0] for s in sentences])
+    assert np.abs(batched - single).max() < 1e-3
+    small_packs = minilm.embed(sentences, pack_tokens=32)  # more, smaller decodes: same result
+    assert np.abs(batched - small_packs).max() < 1e-3
+
+
+def test_normalization_is_optional(minilm: Llama) -> None:
+    raw = minilm.embed(["Coffee or tea?"], normalize=False)
+    assert not np.isclose(np.linalg.norm(raw), 1.0)
+    assert np.allclose(raw / np.linalg.norm(raw), minilm.embed("Coffee or tea?"), atol=1e-6)
+
+
+def test_too_long_text_is_an_error_or_truncated(minilm: Llama) -> None:
+    long_text = "word " * 600
+    with pytest.raises(ContextOverflowError, match="text 1 has"):
+        minilm.embed(["short", long_text])
+    vector = minilm.embed(long_text, truncate=True)
+    assert vector.shape == (1, 384) and np.isclose(np.linalg.norm(vector), 1.0)
+    assert minilm.embed("still usable").shape == (1, 384)
+
+
+def test_token_level_embeddings(minilm_path: Path) -> None:
+    with Llama(minilm_path, embeddings=True, pooling="none", n_threads=2) as llm:
+        tokens = llm.embed_tokens(["Hello world!", "A crab."])
+        assert [t.shape for t in tokens] == [(5, 384), (5, 384)]
+        # Mean pooling of the token vectors is what the pooled model computes.
+        with Llama(minilm_path, embeddings=True, n_threads=2) as pooled:
+            mean = tokens[0].mean(axis=0)
+            assert np.dot(mean / np.linalg.norm(mean), pooled.embed("Hello world!")[0]) > 0.9999
+        with pytest.raises(InvalidParameterError, match="does not pool"):
+            llm.embed("x")
+
+
+def test_embeddings_need_an_embedding_context(tiny_llama: Llama) -> None:
+    with pytest.raises(InvalidParameterError, match="embeddings=True"):
+        tiny_llama.embed("hello")
+
+
+def test_long_prompt_on_a_non_causal_model_is_split_not_aborted(minilm: Llama) -> None:
+    # llama.cpp asserts (aborts the process) when a non-causal batch exceeds n_ubatch.
+    assert not minilm.model.causal
+    with pytest.raises(ContextOverflowError):
+        minilm.context.decode(_full_batch(600))
+
+
+def _full_batch(n: int) -> Batch:
+    batch = Batch(n)
+    batch.set(np.full(n, 1000, dtype=np.int32), 0)
+    return batch
