@@ -22,11 +22,26 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 _POOLING = {
     "pooling_mode_mean_tokens": gguf.PoolingType.MEAN,
     "pooling_mode_cls_token": gguf.PoolingType.CLS,
 }
+
+
+def _special_tokens(writer: gguf.GGUFWriter, model_dir: Path, words: list[str]) -> None:
+    """BERT's specials by their ids in this vocabulary: [CLS] opens a sequence (llama.cpp's BOS),
+    [SEP] closes it (and separates a reranker's query from its document)."""
+    config = json.loads((model_dir / "special_tokens_map.json").read_text())
+    index = {word: i for i, word in enumerate(words)}
+    writer.add_bos_token_id(index[config["cls_token"]])
+    writer.add_sep_token_id(index[config["sep_token"]])
+    writer.add_unk_token_id(index[config["unk_token"]])
+    writer.add_pad_token_id(index[config["pad_token"]])
+    writer.add_mask_token_id(index[config["mask_token"]])
+    writer.add_add_bos_token(True)
+    writer.add_add_sep_token(True)
+    writer.add_add_eos_token(False)
 
 
 def _vocabulary(model_dir: Path) -> tuple[list[str], list[int]]:
@@ -55,7 +70,8 @@ def _pooling(model_dir: Path) -> gguf.PoolingType:
     raise ValueError(f"unsupported pooling in {config_path}: {config}")
 
 
-def convert(model_dir: Path, out: Path) -> Path:
+def convert(model_dir: Path, out: Path, pooling: gguf.PoolingType | None = None) -> Path:
+    """Convert; ``pooling`` overrides the sentence-transformers config (RANK for rerankers)."""
     hp = json.loads((model_dir / "config.json").read_text())
     n_layer = hp["num_hidden_layers"]
     tensors = load_file(str(model_dir / "model.safetensors"))
@@ -71,7 +87,7 @@ def convert(model_dir: Path, out: Path) -> Path:
     writer.add_head_count(hp["num_attention_heads"])
     writer.add_layer_norm_eps(hp["layer_norm_eps"])
     writer.add_causal_attention(False)
-    writer.add_pooling_type(_pooling(model_dir))
+    writer.add_pooling_type(pooling if pooling is not None else _pooling(model_dir))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     tokens, types = _vocabulary(model_dir)
     writer.add_token_type_count(hp.get("type_vocab_size", 1))
@@ -79,7 +95,7 @@ def convert(model_dir: Path, out: Path) -> Path:
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(writer)
+    _special_tokens(writer, model_dir, (model_dir / "vocab.txt").read_text().splitlines())
 
     for hf_name, data in sorted(tensors.items()):
         name = hf_name.removeprefix("bert.")
@@ -95,6 +111,62 @@ def convert(model_dir: Path, out: Path) -> Path:
     writer.close()
     partial.replace(out)
     return out
+
+
+TINY_WORDS = ["the", "cat", "dog", "sat", "on", "mat", "what", "is", "a", "crab", "paris",
+              "france", "capital", "of", "city", "sea", "##s", "?", "."]  # fmt: skip
+
+
+def write_tiny_reranker(out: Path, seed: int = 0, n_embd: int = 32, n_layer: int = 2) -> Path:
+    """A random BERT cross-encoder (classification head, rank pooling) with a tiny WordPiece
+    vocabulary: it scores query/document pairs with noise, for testing the mechanics."""
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *TINY_WORDS]
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    tensors = {
+        "embeddings.word_embeddings.weight": weight(len(words), n_embd),
+        "embeddings.position_embeddings.weight": weight(64, n_embd),
+        "embeddings.token_type_embeddings.weight": weight(2, n_embd),
+        "embeddings.LayerNorm.weight": np.ones(n_embd, np.float32),
+        "embeddings.LayerNorm.bias": np.zeros(n_embd, np.float32),
+        "classifier.dense.weight": weight(n_embd, n_embd),
+        "classifier.dense.bias": weight(n_embd),
+        "classifier.out_proj.weight": weight(1, n_embd),
+        "classifier.out_proj.bias": weight(1),
+    }
+    for i in range(n_layer):
+        layer = f"encoder.layer.{i}."
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value",
+                     "attention.output.dense"):  # fmt: skip
+            tensors[layer + name + ".weight"] = weight(n_embd, n_embd)
+            tensors[layer + name + ".bias"] = weight(n_embd)
+        tensors[layer + "intermediate.dense.weight"] = weight(4 * n_embd, n_embd)
+        tensors[layer + "intermediate.dense.bias"] = weight(4 * n_embd)
+        tensors[layer + "output.dense.weight"] = weight(n_embd, 4 * n_embd)
+        tensors[layer + "output.dense.bias"] = weight(n_embd)
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            tensors[layer + norm + ".weight"] = np.ones(n_embd, np.float32)
+            tensors[layer + norm + ".bias"] = np.zeros(n_embd, np.float32)
+    config = {"num_hidden_layers": n_layer, "hidden_size": n_embd, "intermediate_size": 4 * n_embd,
+              "num_attention_heads": 4, "max_position_embeddings": 64, "layer_norm_eps": 1e-12,
+              "type_vocab_size": 2}  # fmt: skip
+    specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+                "cls_token": "[CLS]", "mask_token": "[MASK]"}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny-reranker"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(config))
+        (model_dir / "special_tokens_map.json").write_text(json.dumps(specials))
+        (model_dir / "vocab.txt").write_text("\n".join(words) + "\n")
+        save_file(tensors, str(model_dir / "model.safetensors"))
+        return convert(model_dir, out, pooling=gguf.PoolingType.RANK)
 
 
 def minilm() -> Path:

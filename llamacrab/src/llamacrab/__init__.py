@@ -41,6 +41,7 @@ from llamacrab._types import (
     CompletionChunk,
     FinishReason,
     Logprobs,
+    RerankResult,
     Usage,
 )
 from llamacrab._vocab import IncrementalDecoder, Vocab
@@ -81,6 +82,7 @@ __all__ = [
     "NativeError",
     "PromptCache",
     "RamCache",
+    "RerankResult",
     "ResolvedModel",
     "SamplerChain",
     "SamplingOptions",

@@ -15,6 +15,7 @@ import numpy as np
 from llamacrab._batch import Batch
 from llamacrab._context import Context
 from llamacrab._exceptions import ContextOverflowError, InvalidParameterError
+from llamacrab._model import Model
 from llamacrab._native import call, ffi, lib
 
 DEFAULT_PACK_TOKENS = 256
@@ -28,8 +29,14 @@ class Embedder:
             raise InvalidParameterError("embeddings need a context created with embeddings=True")
         self.context = context
         ctx = context.pointer
-        self.pooled = lib.llama_pooling_type(ctx) != lib.LLAMA_POOLING_TYPE_NONE
-        self.n_embd = int(lib.llama_model_n_embd_out(context.model.pointer))
+        pooling = lib.llama_pooling_type(ctx)
+        self.pooled = pooling != lib.LLAMA_POOLING_TYPE_NONE
+        self.ranks = pooling == lib.LLAMA_POOLING_TYPE_RANK
+        model = context.model.pointer
+        # Rank pooling yields the classifier's outputs (one score for a reranker) per sequence.
+        self.width = int(
+            lib.llama_model_n_cls_out(model) if self.ranks else lib.llama_model_n_embd_out(model)
+        )
         self.limit = min(int(lib.llama_n_ubatch(ctx)), context.n_batch)  # one text, one decode
         self.pack_tokens = max(1, min(pack_tokens, self.limit))
         self.n_seq = context.params.n_seq_max
@@ -85,10 +92,32 @@ class Embedder:
                 raise InvalidParameterError(
                     f"llama.cpp returned no embedding for sequence {seq_id}"
                 )
-            values = np.frombuffer(ffi.buffer(row, 4 * self.n_embd * count), np.float32)
+            values = np.frombuffer(ffi.buffer(row, 4 * self.width * count), np.float32)
             # A copy: the next decode reuses llama.cpp's buffer.
-            vectors: np.ndarray = values.reshape(count, self.n_embd).copy()
+            vectors: np.ndarray = values.reshape(count, self.width).copy()
         return vectors[0] if self.pooled else vectors
+
+
+def rerank_tokens(model: Model, query: str, document: str) -> list[int]:
+    """A query/document pair as the model wants it: its ``rerank`` template from GGUF if any,
+    else BOS query [EOS] [SEP] document [EOS] by the vocabulary's flags (as llama-server does)."""
+    template = model.chat_template("rerank")
+    vocab = model.vocab
+    if template is not None:
+        prompt = template.replace("{query}", query).replace("{document}", document)
+        return vocab.tokenize(prompt, add_special=False, parse_special=True)
+    pointer = vocab.pointer
+    end = vocab.eos if vocab.eos is not None else int(lib.llama_vocab_sep(pointer))
+    tokens = [vocab.bos] if vocab.add_bos and vocab.bos is not None else []
+    tokens += vocab.tokenize(query, add_special=False)
+    if lib.llama_vocab_get_add_eos(pointer):
+        tokens.append(end)
+    if lib.llama_vocab_get_add_sep(pointer):
+        tokens.append(int(lib.llama_vocab_sep(pointer)))
+    tokens += vocab.tokenize(document, add_special=False)
+    if lib.llama_vocab_get_add_eos(pointer):
+        tokens.append(end)
+    return tokens
 
 
 def normalized(vectors: np.ndarray) -> np.ndarray:

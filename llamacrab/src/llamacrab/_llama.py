@@ -17,7 +17,7 @@ import numpy as np
 from llamacrab._adapter import LoraAdapter
 from llamacrab._cache import PromptCache
 from llamacrab._context import Context, ContextParams
-from llamacrab._embeddings import DEFAULT_PACK_TOKENS, Embedder, normalized
+from llamacrab._embeddings import DEFAULT_PACK_TOKENS, Embedder, normalized, rerank_tokens
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._generation import KvState, Request, Session, Step, generate
 from llamacrab._hub import HubOptions, ResolvedModel
@@ -25,7 +25,14 @@ from llamacrab._hub import resolve as resolve_model
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import Samplers, SamplingOptions
 from llamacrab._state import SavedState
-from llamacrab._types import Completion, CompletionChoice, CompletionChunk, Logprobs, Usage
+from llamacrab._types import (
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    Logprobs,
+    RerankResult,
+    Usage,
+)
 from llamacrab._vocab import Vocab
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelParams)}
@@ -147,6 +154,27 @@ class Llama:
         vectors = self._embed(texts, truncate, pack_tokens)
         array = np.stack(vectors) if vectors else np.empty((0, self.model.n_embd), np.float32)
         return normalized(array) if normalize else array
+
+    def rerank(
+        self, query: str, documents: Sequence[str], *, top_n: int | None = None,
+        truncate: bool = False,
+    ) -> list[RerankResult]:  # fmt: skip
+        """Score each document against ``query`` with a reranker (a context with rank pooling),
+        many pairs per decode; most relevant first, the best ``top_n`` if given."""
+        if top_n is not None and top_n < 0:
+            raise InvalidParameterError(f"top_n must be >= 0, not {top_n}")
+        with self._lock:
+            embedder = self._embedder(DEFAULT_PACK_TOKENS)
+            if not embedder.ranks:
+                raise InvalidParameterError('reranking needs a context with pooling="rank"')
+            pairs = [
+                embedder.fit(rerank_tokens(self.model, query, doc), i, truncate)
+                for i, doc in enumerate(documents)
+            ]
+            self._kv.tokens.clear()
+            scores = [float(s[0]) for s in embedder.run(pairs)]
+        order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n]
+        return [RerankResult(i, scores[i], documents[i]) for i in order]
 
     def embed_tokens(
         self, texts: str | Sequence[str], *, normalize: bool = False, truncate: bool = False

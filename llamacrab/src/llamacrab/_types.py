@@ -21,6 +21,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class RerankResult:
+    """One document's relevance to the query; higher is more relevant."""
+
+    index: int
+    score: float
+    document: str
+
+
+@dataclass(frozen=True)
 class Logprobs:
     """Per generated token: its text, log-probability and the most likely alternatives."""
 
