@@ -24,7 +24,18 @@ N_CTX_TRAIN = 2048
 WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁hello", "▁world", "▁is", "."]
 
 
-def vocabulary() -> tuple[list[str], list[float], list[int]]:
+# Fill-in-the-middle control tokens (Qwen2.5-Coder style) and the GGUF keys naming them.
+FIM_TOKENS = {
+    "<|fim_prefix|>": gguf.Keys.Tokenizer.FIM_PRE_ID,
+    "<|fim_suffix|>": gguf.Keys.Tokenizer.FIM_SUF_ID,
+    "<|fim_middle|>": gguf.Keys.Tokenizer.FIM_MID_ID,
+    "<|fim_pad|>": gguf.Keys.Tokenizer.FIM_PAD_ID,
+    "<|repo_name|>": gguf.Keys.Tokenizer.FIM_REP_ID,
+    "<|file_sep|>": gguf.Keys.Tokenizer.FIM_SEP_ID,
+}
+
+
+def vocabulary(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
@@ -32,11 +43,15 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     tokens += ["▁", *WORDS]
     types += [gguf.TokenType.NORMAL] * (len(WORDS) + 1)
     scores = [0.0] * 259 + [-float(i) for i in range(len(WORDS) + 1)]
+    if fim:
+        tokens += list(FIM_TOKENS)
+        types += [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
+        scores += [0.0] * len(FIM_TOKENS)
     return tokens, scores, [int(t) for t in types]
 
 
-def _metadata(writer: gguf.GGUFWriter, block_count: int, rms_eps: float) -> None:
-    tokens, scores, types = vocabulary()
+def _metadata(writer: gguf.GGUFWriter, block_count: int, rms_eps: float, fim: bool = False) -> None:
+    tokens, scores, types = vocabulary(fim)
     writer.add_name("llamacrab-tiny-llama")
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
@@ -56,12 +71,15 @@ def _metadata(writer: gguf.GGUFWriter, block_count: int, rms_eps: float) -> None
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    if fim:
+        for token, key in FIM_TOKENS.items():
+            writer.add_uint32(key, tokens.index(token))
 
 
-def _tensors(seed: int) -> dict[str, np.ndarray]:
+def _tensors(seed: int, n_vocab: int) -> dict[str, np.ndarray]:
     """Random weights; numpy shapes are (rows, cols) = GGUF ne reversed."""
     rng = np.random.default_rng(seed)
-    n_vocab, head_dim = len(vocabulary()[0]), N_EMBD // N_HEAD
+    head_dim = N_EMBD // N_HEAD
 
     def weight(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
@@ -92,13 +110,17 @@ def _write(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
 
 
 def write_tiny_llama(
-    path: Path, seed: int = 0, block_count: int = N_LAYER, rms_eps: float = 1e-5
+    path: Path,
+    seed: int = 0,
+    block_count: int = N_LAYER,
+    rms_eps: float = 1e-5,
+    fim: bool = False,
 ) -> Path:
     """Write the model; ``block_count`` and ``rms_eps`` may be set to invalid values on purpose
-    (tests of files tampered with)."""
+    (tests of files tampered with); ``fim`` adds fill-in-the-middle tokens."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    _metadata(writer, block_count, rms_eps)
-    _write(writer, _tensors(seed))
+    _metadata(writer, block_count, rms_eps, fim)
+    _write(writer, _tensors(seed, len(vocabulary(fim)[0])))
     return path
 
 
@@ -107,7 +129,7 @@ def write_tiny_llama_split(
 ) -> list[Path]:
     """The same model as split GGUF files ``{stem}-0000i-of-0000n.gguf``, as llama.cpp's
     gguf-split writes them: metadata in the first part, tensors spread over all of them."""
-    tensors = list(_tensors(seed).items())
+    tensors = list(_tensors(seed, len(vocabulary()[0])).items())
     per_part = -(-len(tensors) // n_parts)
     paths = []
     for i in range(n_parts):

@@ -22,6 +22,7 @@ from llamacrab._exceptions import InvalidParameterError
 from llamacrab._generation import KvState, Request, Session, Step, generate
 from llamacrab._hub import HubOptions, ResolvedModel
 from llamacrab._hub import resolve as resolve_model
+from llamacrab._infill import infill_tokens
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import Samplers, SamplingOptions
 from llamacrab._state import SavedState
@@ -132,6 +133,42 @@ class Llama:
         """Forget the cached prompt: the next call decodes its whole prompt again."""
         with self._lock:
             self._kv.reset()
+
+    # -- fill in the middle --------------------------------------------------------------------
+
+    def create_infill(
+        self,
+        prefix: str,
+        suffix: str,
+        *,
+        spm: bool = False,
+        repo: str | None = None,
+        files: Sequence[tuple[str, str]] = (),
+        file_name: str | None = None,
+        **kwargs: Any,
+    ) -> Completion:
+        """Complete the code between ``prefix`` and ``suffix`` with the model's FIM tokens.
+        ``spm`` puts the suffix first; ``repo``, ``files`` and ``file_name`` add repository
+        context. Other keywords are those of ``create_completion``."""
+        tokens = infill_tokens(self.vocab, prefix, suffix, spm=spm, repo=repo, files=files,
+                               file_name=file_name)  # fmt: skip
+        return self.create_completion(tokens, **kwargs)
+
+    def stream_infill(
+        self,
+        prefix: str,
+        suffix: str,
+        *,
+        spm: bool = False,
+        repo: str | None = None,
+        files: Sequence[tuple[str, str]] = (),
+        file_name: str | None = None,
+        **kwargs: Any,
+    ) -> Generator[CompletionChunk, None, None]:
+        """``create_infill``, chunk by chunk (see ``stream_completion``)."""
+        tokens = infill_tokens(self.vocab, prefix, suffix, spm=spm, repo=repo, files=files,
+                               file_name=file_name)  # fmt: skip
+        return self.stream_completion(tokens, **kwargs)
 
     # -- embeddings ----------------------------------------------------------------------------
 

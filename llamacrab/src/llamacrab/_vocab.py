@@ -60,6 +60,26 @@ class Vocab:
         return self._eog
 
     @property
+    def fim_prefix(self) -> int | None:
+        return self._special(lib.llama_vocab_fim_pre)
+
+    @property
+    def fim_suffix(self) -> int | None:
+        return self._special(lib.llama_vocab_fim_suf)
+
+    @property
+    def fim_middle(self) -> int | None:
+        return self._special(lib.llama_vocab_fim_mid)
+
+    @property
+    def fim_repo(self) -> int | None:
+        return self._special(lib.llama_vocab_fim_rep)
+
+    @property
+    def fim_file_sep(self) -> int | None:
+        return self._special(lib.llama_vocab_fim_sep)
+
+    @property
     def add_bos(self) -> bool:
         return bool(lib.llama_vocab_get_add_bos(self.pointer))
 

@@ -1,0 +1,71 @@
+"""Fill-in-the-middle: token layout from the vocabulary's FIM tokens, generation and streaming."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from llamacrab import InvalidParameterError, Llama
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+
+
+@pytest.fixture(scope="module")
+def fim_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Llama]:
+    path = tiny.write_tiny_llama(tmp_path_factory.mktemp("fim") / "tiny-fim.gguf", fim=True)
+    with Llama(path, n_ctx=128, n_threads=2) as llm:
+        yield llm
+
+
+def ids(llm: Llama) -> dict[str, int]:
+    return {name: llm.vocab.tokenize(name, add_special=False, parse_special=True)[0]
+            for name in tiny.FIM_TOKENS}  # fmt: skip
+
+
+def text(llm: Llama, value: str) -> list[int]:
+    return llm.vocab.tokenize(value, add_special=False)
+
+
+def test_prefix_suffix_middle_layout(fim_llama: Llama) -> None:
+    from llamacrab._infill import infill_tokens
+
+    t = ids(fim_llama)
+    vocab = fim_llama.vocab
+    assert (vocab.fim_prefix, vocab.fim_suffix, vocab.fim_middle) == (
+        t["<|fim_prefix|>"], t["<|fim_suffix|>"], t["<|fim_middle|>"])  # fmt: skip
+    cat, mat = text(fim_llama, "the cat"), text(fim_llama, "the mat")
+    pre, suf, mid = t["<|fim_prefix|>"], t["<|fim_suffix|>"], t["<|fim_middle|>"]
+    psm = infill_tokens(vocab, "the cat", "the mat")
+    assert psm == [vocab.bos, pre, *cat, suf, *mat, mid]
+    spm = infill_tokens(vocab, "the cat", "the mat", spm=True)
+    assert spm == [vocab.bos, suf, *mat, pre, *cat, mid]
+    repo = infill_tokens(vocab, "a", "b", repo="crab", files=[("x.py", "the dog")],
+                         file_name="y.py")  # fmt: skip
+    assert repo[:2] == [vocab.bos, t["<|repo_name|>"]]
+    assert repo.count(t["<|file_sep|>"]) == 2
+    assert repo[-len(psm_tail(fim_llama, "a", "b")) :] == psm_tail(fim_llama, "a", "b")
+
+
+def psm_tail(llm: Llama, prefix: str, suffix: str) -> list[int]:
+    t = ids(llm)
+    return [t["<|fim_prefix|>"], *text(llm, prefix), t["<|fim_suffix|>"], *text(llm, suffix),
+            t["<|fim_middle|>"]]  # fmt: skip
+
+
+def test_infill_generates_and_streams(fim_llama: Llama) -> None:
+    from llamacrab._infill import infill_tokens
+
+    result = fim_llama.create_infill("the cat", "on the mat", max_tokens=4, temperature=0)
+    expected = infill_tokens(fim_llama.vocab, "the cat", "on the mat")
+    assert result.usage.prompt_tokens == len(expected)
+    chunks = list(fim_llama.stream_infill("the cat", "on the mat", max_tokens=4, temperature=0))
+    assert "".join(c.text for c in chunks) == result.text
+    assert chunks[-1].finish_reason == result.choices[0].finish_reason
+
+
+def test_model_without_fim_tokens(tiny_llama: Llama) -> None:
+    with pytest.raises(InvalidParameterError, match="fill-in-the-middle"):
+        tiny_llama.create_infill("a", "b")
