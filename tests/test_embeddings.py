@@ -52,6 +52,8 @@ def test_normalization_is_optional(minilm: Llama) -> None:
     raw = minilm.embed(["Coffee or tea?"], normalize=False)
     assert not np.isclose(np.linalg.norm(raw), 1.0)
     assert np.allclose(raw / np.linalg.norm(raw), minilm.embed("Coffee or tea?"), atol=1e-6)
+    with pytest.raises(InvalidParameterError, match="already pools"):
+        minilm.embed("Coffee or tea?", pooling="cls")
 
 
 def test_too_long_text_is_an_error_or_truncated(minilm: Llama) -> None:
@@ -73,6 +75,16 @@ def test_token_level_embeddings(minilm_path: Path) -> None:
             assert np.dot(mean / np.linalg.norm(mean), pooled.embed("Hello world!")[0]) > 0.9999
         with pytest.raises(InvalidParameterError, match="does not pool"):
             llm.embed("x")
+        # Per-call pooling in numpy from the token vectors.
+        with Llama(minilm_path, embeddings=True, n_threads=2) as pooled:
+            native = pooled.embed(["Hello world!", "A crab."])
+        assert np.abs(llm.embed(["Hello world!", "A crab."], pooling="mean") - native).max() < 1e-4
+        cls = llm.embed("Hello world!", pooling="cls", normalize=False)[0]
+        assert np.array_equal(cls, tokens[0][0])
+        last = llm.embed("Hello world!", pooling="last", normalize=False)[0]
+        assert np.array_equal(last, tokens[0][-1])
+        with pytest.raises(InvalidParameterError, match="mean, cls or last"):
+            llm.embed("x", pooling="rank")
 
 
 def test_embeddings_need_an_embedding_context(tiny_llama: Llama) -> None:

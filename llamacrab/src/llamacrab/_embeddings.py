@@ -120,6 +120,19 @@ def rerank_tokens(model: Model, query: str, document: str) -> list[int]:
     return tokens
 
 
+def pool_tokens(vectors: np.ndarray, pooling: str) -> np.ndarray:
+    """Pool one text's token vectors (n_tokens, n_embd) as llama.cpp would."""
+    if pooling == "mean":
+        pooled: np.ndarray = vectors.mean(axis=0)
+    elif pooling == "cls":
+        pooled = vectors[0]
+    elif pooling == "last":
+        pooled = vectors[-1]
+    else:
+        raise InvalidParameterError(f"pooling must be mean, cls or last here, not {pooling!r}")
+    return pooled
+
+
 def normalized(vectors: np.ndarray) -> np.ndarray:
     """L2-normalize along the last axis (zero vectors stay zero)."""
     norms = np.linalg.norm(vectors, axis=-1, keepdims=True)

@@ -17,7 +17,13 @@ import numpy as np
 from llamacrab._adapter import LoraAdapter
 from llamacrab._cache import PromptCache
 from llamacrab._context import Context, ContextParams
-from llamacrab._embeddings import DEFAULT_PACK_TOKENS, Embedder, normalized, rerank_tokens
+from llamacrab._embeddings import (
+    DEFAULT_PACK_TOKENS,
+    Embedder,
+    normalized,
+    pool_tokens,
+    rerank_tokens,
+)
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._generation import KvState, Request, Session, Step, generate
 from llamacrab._hub import HubOptions, ResolvedModel
@@ -178,17 +184,30 @@ class Llama:
         *,
         normalize: bool = True,
         truncate: bool = False,
+        pooling: str | None = None,
         pack_tokens: int = DEFAULT_PACK_TOKENS,
     ) -> np.ndarray:
         """Embeddings of one text or many, as a float32 array of shape (n_texts, n_embd).
 
-        Needs ``Llama(..., embeddings=True)``; the pooling is the context's (the model's by
-        default, or ``pooling=``). With ``pooling="none"`` use ``embed_tokens``. Texts longer
-        than one decode raise ContextOverflowError unless ``truncate``.
+        Needs ``Llama(..., embeddings=True)``. Pooling is the context's (the model's by default,
+        or ``Llama(..., pooling=...)``), computed by llama.cpp. ``pooling="mean"|"cls"|"last"``
+        here chooses per call, computed in numpy from token vectors: that needs a context with
+        ``pooling="none"``. Texts longer than one decode raise ContextOverflowError unless
+        ``truncate``.
         """
-        if not self._embedder(pack_tokens).pooled:
-            raise InvalidParameterError("this context does not pool: use embed_tokens()")
+        native = self._embedder(pack_tokens).pooled
+        if pooling is not None and native:
+            raise InvalidParameterError(
+                f"pooling={pooling!r} per call needs a Llama created with pooling='none'; "
+                "this context already pools"
+            )
+        if pooling is None and not native:
+            raise InvalidParameterError(
+                "this context does not pool: pass pooling= or use embed_tokens()"
+            )
         vectors = self._embed(texts, truncate, pack_tokens)
+        if pooling is not None:
+            vectors = [pool_tokens(v, pooling) for v in vectors]
         array = np.stack(vectors) if vectors else np.empty((0, self.model.n_embd), np.float32)
         return normalized(array) if normalize else array
 
