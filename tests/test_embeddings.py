@@ -73,8 +73,9 @@ def test_token_level_embeddings(minilm_path: Path) -> None:
         with Llama(minilm_path, embeddings=True, n_threads=2) as pooled:
             mean = tokens[0].mean(axis=0)
             assert np.dot(mean / np.linalg.norm(mean), pooled.embed("Hello world!")[0]) > 0.9999
-        with pytest.raises(InvalidParameterError, match="does not pool"):
-            llm.embed("x")
+        as_tokens = llm.embed(["Hello world!", "A crab."], normalize=False)
+        assert isinstance(as_tokens, list)
+        assert all(np.array_equal(a, b) for a, b in zip(as_tokens, tokens, strict=True))
         # Per-call pooling in numpy from the token vectors.
         with Llama(minilm_path, embeddings=True, n_threads=2) as pooled:
             native = pooled.embed(["Hello world!", "A crab."])

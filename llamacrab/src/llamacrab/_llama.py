@@ -186,8 +186,10 @@ class Llama:
         truncate: bool = False,
         pooling: str | None = None,
         pack_tokens: int = DEFAULT_PACK_TOKENS,
-    ) -> np.ndarray:
-        """Embeddings of one text or many, as a float32 array of shape (n_texts, n_embd).
+    ) -> np.ndarray | list[np.ndarray]:
+        """Embeddings of one text or many, as a float32 array of shape (n_texts, n_embd); for a
+        context with ``pooling="none"`` (and no ``pooling`` here), token-level embeddings: one
+        (n_tokens, n_embd) array per text, as ``embed_tokens`` returns.
 
         Needs ``Llama(..., embeddings=True)``. Pooling is the context's (the model's by default,
         or ``Llama(..., pooling=...)``), computed by llama.cpp. ``pooling="mean"|"cls"|"last"``
@@ -202,9 +204,7 @@ class Llama:
                 "this context already pools"
             )
         if pooling is None and not native:
-            raise InvalidParameterError(
-                "this context does not pool: pass pooling= or use embed_tokens()"
-            )
+            return self.embed_tokens(texts, normalize=normalize, truncate=truncate)
         vectors = self._embed(texts, truncate, pack_tokens)
         if pooling is not None:
             vectors = [pool_tokens(v, pooling) for v in vectors]
