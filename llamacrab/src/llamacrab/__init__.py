@@ -34,6 +34,7 @@ from llamacrab._hub import HubOptions, ResolvedModel, resolve
 from llamacrab._llama import Llama
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import SamplerChain, SamplingOptions
+from llamacrab._speculative import DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
 from llamacrab._types import (
     Completion,
@@ -65,6 +66,7 @@ __all__ = [
     "DecodeAbortedError",
     "DecodeError",
     "DiskCache",
+    "DraftModel",
     "FinishReason",
     "GrammarError",
     "HubError",
@@ -81,12 +83,14 @@ __all__ = [
     "ModelParams",
     "NativeError",
     "PromptCache",
+    "PromptLookup",
     "RamCache",
     "RerankResult",
     "ResolvedModel",
     "SamplerChain",
     "SamplingOptions",
     "SavedState",
+    "SpeculativeStats",
     "StateError",
     "TokenizeError",
     "Usage",

@@ -36,7 +36,12 @@ class Batch:
         self.struct.n_tokens = 0
 
     def set(
-        self, tokens: np.ndarray, start_pos: int, seq_id: int = 0, logits_last: bool = True
+        self,
+        tokens: np.ndarray,
+        start_pos: int,
+        seq_id: int = 0,
+        logits_last: bool = True,
+        logits_all: bool = False,
     ) -> None:
         """Fill with ``tokens`` at positions ``start_pos..`` of sequence ``seq_id``."""
         n = len(tokens)
@@ -47,7 +52,7 @@ class Batch:
         self._tokens[:n] = tokens
         self._positions[:n] = np.arange(start_pos, start_pos + n, dtype=np.int32)
         self._seq_pointers[:n] = self._cells_address + 4 * seq_id
-        self._logits[:n] = 0
+        self._logits[:n] = 1 if logits_all else 0
         if logits_last:
             self._logits[n - 1] = 1
         self.struct.n_tokens = n

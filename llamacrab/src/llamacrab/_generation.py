@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,10 +21,10 @@ from llamacrab._exceptions import (
 )
 from llamacrab._logprobs import token_logprobs
 from llamacrab._sampler import Samplers
+from llamacrab._speculative import Drafter, SpeculativeStats
 from llamacrab._state import SavedState, common_prefix
 from llamacrab._stop import StopMatcher
 from llamacrab._types import FinishReason
-from llamacrab._vocab import IncrementalDecoder
 
 
 @dataclass
@@ -137,6 +138,18 @@ class KvState:
             self.batch.set(chunk, len(self.tokens), logits_last=start + step >= len(todo))
             self.decode_tracked(chunk.tolist())
 
+    def decode_all(self, tokens: list[int]) -> None:
+        """Decode tokens with logits for every one (speculative verification)."""
+        self.batch.set(np.asarray(tokens, dtype=np.int32), len(self.tokens), logits_all=True)
+        self.decode_tracked(tokens)
+
+    def drop_last(self, count: int) -> None:
+        """Remove the last ``count`` tokens from the memory (rejected drafts)."""
+        keep = len(self.tokens) - count
+        if not self.context.remove(0, keep, -1):
+            raise StateError("this model's memory cannot drop tokens: speculation is not possible")
+        del self.tokens[keep:]
+
     def decode_one(self, token: int) -> None:
         self.batch.set_one(token, len(self.tokens))
         self.decode_tracked([token])
@@ -158,26 +171,19 @@ class Session:
         self.cancelled = threading.Event()
 
 
-def _rest(stops: StopMatcher, decoder: IncrementalDecoder) -> str:
-    """Everything held back, at the end of a generation that no stop string ended."""
-    text = stops.push(decoder.flush())
-    return text if stops.stopped else text + stops.flush()
-
-
 def generate(
     kv: KvState,
     samplers: Samplers,
     request: Request,
     session: Session,
     lock: threading.RLock,
+    drafter: Drafter | None = None,
+    stats: SpeculativeStats | None = None,
 ) -> Iterator[Step]:
     """Yield Steps until one has a finish reason. Each step holds ``lock`` while it works in
     llama.cpp (never while it yields), so concurrent generations never interleave there."""
     context = kv.context
     request.check(context.n_ctx)
-    vocab = context.model.vocab
-    decoder = vocab.decoder()
-    stops = StopMatcher(request.stop)
     with lock:
         try:
             kv.decode_prompt(request.prompt, kv.prepare(request.prompt))
@@ -187,18 +193,23 @@ def generate(
     if first is not None:
         yield first
         return
+    stepper = _Stepper(kv, samplers, request, drafter, stats or SpeculativeStats())
     produced = 0
     while True:
         if session.superseded or session.cancelled.is_set():
-            yield Step(stops.flush(), None, "cancelled")
+            with lock:
+                stepper.settle()
+            yield Step(stepper.stops.flush(), None, "cancelled")
             return
         if request.max_tokens is not None and produced >= request.max_tokens:
-            step = Step(_rest(stops, decoder), None, "length")
+            with lock:
+                stepper.settle()
+            step = Step(stepper.rest(), None, "length")
         else:
             with lock:
                 if session.superseded:
                     continue
-                step = _next_token(kv, samplers, request, produced, decoder, stops)
+                step = stepper.next(produced)
             produced += 1
         if step.finish_reason not in (None, "cancelled"):
             with lock:
@@ -208,33 +219,91 @@ def generate(
             return
 
 
-def _next_token(
-    kv: KvState,
-    samplers: Samplers,
-    request: Request,
-    produced: int,
-    decoder: IncrementalDecoder,
-    stops: StopMatcher,
-) -> Step:
-    """Sample one token, turn it into text, and decode it unless generation ends here."""
-    context = kv.context
-    token = samplers.sample(context, end_allowed=produced >= request.min_tokens)
-    logprob, top = None, None
-    if request.logprobs is not None:
-        logprob, top = token_logprobs(context, token, request.logprobs)
-    if context.model.vocab.is_eog(token):
-        return Step(_rest(stops, decoder), None, "eos")  # the end token itself is not output
-    step = Step(stops.push(decoder.feed([token])), token, None, logprob, top)
-    if stops.stopped:
-        step.finish_reason = "stop"
-    elif request.max_tokens is not None and produced + 1 >= request.max_tokens:
-        pass  # the last token: "length" is reported by the next step, nothing left to decode
-    elif len(kv.tokens) + 1 >= context.n_ctx:
-        step.text += _rest(stops, decoder)
-        step.finish_reason = "length"
-    else:
-        try:
-            kv.decode_one(token)
-        except DecodeAbortedError:
-            step.finish_reason = "cancelled"
-    return step
+class _Stepper:
+    """Samples one token per call. After a decode of [token, draft...], the next samples read
+    the outputs in order; a sample equal to the next draft needs no decode of its own."""
+
+    def __init__(
+        self,
+        kv: KvState,
+        samplers: Samplers,
+        request: Request,
+        drafter: Drafter | None,
+        stats: SpeculativeStats,
+    ) -> None:
+        self.kv, self.samplers, self.request = kv, samplers, request
+        self.drafter, self.stats = drafter, stats
+        self.decoder = kv.context.model.vocab.decoder()
+        self.stops = StopMatcher(request.stop)
+        self.index = -1  # output of the last decode to sample from
+        self.drafts: list[int] = []  # decoded after that output, not yet confirmed
+        self.drafted = 0  # size of the current draft, for the drafter's feedback
+        self.decode_seconds = 0.0  # of the last decode
+
+    def rest(self) -> str:
+        """Everything held back, at the end of a generation that no stop string ended."""
+        text = self.stops.push(self.decoder.flush())
+        return text if self.stops.stopped else text + self.stops.flush()
+
+    def settle(self) -> None:
+        """Forget unconfirmed drafts: out of the memory, and reported to the drafter."""
+        if self.drafter is not None and self.drafted:
+            accepted = self.drafted - len(self.drafts)
+            self.drafter.feedback(self.drafted, accepted, self.decode_seconds)
+            self.drafted = 0
+        if self.drafts:
+            self.kv.drop_last(len(self.drafts))
+            self.drafts = []
+
+    def next(self, produced: int) -> Step:
+        context, request = self.kv.context, self.request
+        end_allowed = produced >= request.min_tokens
+        token = self.samplers.sample(context, end_allowed=end_allowed, index=self.index)
+        logprob, top = None, None
+        if request.logprobs is not None:
+            logprob, top = token_logprobs(context, token, request.logprobs, self.index)
+        if context.model.vocab.is_eog(token):
+            self.settle()
+            return Step(self.rest(), None, "eos")  # the end token itself is not output
+        step = Step(self.stops.push(self.decoder.feed([token])), token, None, logprob, top)
+        if self.drafts and self.drafts[0] == token:  # a confirmed draft: already decoded
+            self.drafts.pop(0)
+            self.stats.accepted += 1
+            self.index += 1
+            if self.stops.stopped:
+                self.settle()
+                step.finish_reason = "stop"
+            return step
+        self.settle()
+        if self.stops.stopped:
+            step.finish_reason = "stop"
+        elif request.max_tokens is not None and produced + 1 >= request.max_tokens:
+            pass  # the last token: "length" is reported by the next step, nothing left to decode
+        elif len(self.kv.tokens) + 1 >= context.n_ctx:
+            step.text += self.rest()
+            step.finish_reason = "length"
+        else:
+            try:
+                self._decode(token, produced)
+            except DecodeAbortedError:
+                step.finish_reason = "cancelled"
+        return step
+
+    def _decode(self, token: int, produced: int) -> None:
+        drafts: list[int] = []
+        if self.drafter is not None:
+            room = self.kv.context.n_ctx - len(self.kv.tokens) - 2
+            left = (
+                room if self.request.max_tokens is None else self.request.max_tokens - produced - 1
+            )
+            drafts = self.drafter.draft([*self.kv.tokens, token], max(0, min(room, left)))
+        started = time.perf_counter()
+        if drafts:
+            self.kv.decode_all([token, *drafts])
+            self.stats.drafted += len(drafts)
+        else:
+            self.kv.decode_one(token)
+        self.decode_seconds = time.perf_counter() - started
+        if self.drafter is not None and not drafts:
+            self.drafter.plain(self.decode_seconds)
+        self.drafts, self.drafted, self.index = drafts, len(drafts), 0

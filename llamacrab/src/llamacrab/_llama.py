@@ -31,6 +31,7 @@ from llamacrab._hub import resolve as resolve_model
 from llamacrab._infill import infill_tokens
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import Samplers, SamplingOptions
+from llamacrab._speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
 from llamacrab._types import (
     Completion,
@@ -42,6 +43,7 @@ from llamacrab._types import (
 )
 from llamacrab._vocab import Vocab
 
+Speculative = PromptLookup | DraftModel
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelParams)}
 _CONTEXT_FIELDS = {f.name for f in dataclasses.fields(ContextParams)}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingOptions)}
@@ -83,6 +85,7 @@ class Llama:
         context_params: ContextParams | None = None,
         hub: HubOptions | None = None,
         cache: PromptCache | None = None,
+        speculative: Speculative | None = None,
         seed: int | None = None,
         progress: Callable[[float], object] | None = None,
         **options: Any,
@@ -99,6 +102,8 @@ class Llama:
             self.model.close()
             raise
         self.seed = seed
+        self.speculative = speculative  # the default for completions
+        self.speculative_stats = SpeculativeStats()  # of the last completion
         self._kv = KvState(self.context, cache)
         self._lock = threading.RLock()
         self._session: weakref.ReferenceType[Session] | None = None
@@ -304,6 +309,7 @@ class Llama:
         echo: bool = False,
         suffix: str = "",
         logprobs: int | None = None,
+        speculative: Speculative | None = None,
         sampling: SamplingOptions | None = None,
         **sampling_options: Any,
     ) -> Generator[CompletionChunk, None, None]:
@@ -312,7 +318,9 @@ class Llama:
         Breaking out of the loop stops generation; the Llama stays usable. ``max_tokens=None``
         runs until the end of the context. ``min_tokens`` forbids ending earlier. ``logprobs=N``
         reports each token's log-probability and its N most likely alternatives. ``suffix`` is
-        appended after the generated text. Other keywords are SamplingOptions fields
+        appended after the generated text. ``speculative`` (PromptLookup or DraftModel, default
+        the Llama's) drafts tokens that one batched decode verifies: the same sampling rule, but
+        batched arithmetic may flip a near-tie. Other keywords are SamplingOptions fields
         (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
         """
         tokens, text = self._prompt(prompt)
@@ -320,7 +328,9 @@ class Llama:
                           logprobs)  # fmt: skip
         request.check(self.context.n_ctx)
         options = self._sampling(sampling, sampling_options)
-        return self._stream(request, options, text if echo else "", suffix)
+        speculative = speculative if speculative is not None else self.speculative
+        drafter = speculative.drafter(self.model) if speculative is not None else None
+        return self._stream(request, options, text if echo else "", suffix, drafter)
 
     def create_completion(
         self,
@@ -390,7 +400,12 @@ class Llama:
         return dataclasses.replace(base, **options) if options else base
 
     def _stream(
-        self, request: Request, options: SamplingOptions, echo_text: str, suffix: str
+        self,
+        request: Request,
+        options: SamplingOptions,
+        echo_text: str,
+        suffix: str,
+        drafter: Drafter | None,
     ) -> Generator[CompletionChunk, None, None]:
         session = Session()
         with self._lock:
@@ -404,7 +419,9 @@ class Llama:
         try:
             if echo_text:
                 yield CompletionChunk(chunk_id, created, name, 0, echo_text)
-            for step in generate(self._kv, samplers, request, session, self._lock):
+            self.speculative_stats = stats = SpeculativeStats()
+            steps = generate(self._kv, samplers, request, session, self._lock, drafter, stats)
+            for step in steps:
                 produced += step.token is not None
                 text = step.text
                 if step.finish_reason not in (None, "cancelled"):

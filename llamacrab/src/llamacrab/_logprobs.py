@@ -11,9 +11,12 @@ import numpy as np
 from llamacrab._context import Context
 
 
-def token_logprobs(context: Context, token: int, top_n: int) -> tuple[float, dict[str, float]]:
-    """The log-probability of ``token`` under the last logits, and the ``top_n`` most likely."""
-    logits = context.logits(-1)
+def token_logprobs(
+    context: Context, token: int, top_n: int, index: int = -1
+) -> tuple[float, dict[str, float]]:
+    """The log-probability of ``token`` under the logits of output ``index`` of the last
+    decode, and the ``top_n`` most likely tokens there."""
+    logits = context.logits(index)
     peak = float(logits.max())
     log_total = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
     top: dict[str, float] = {}

@@ -143,10 +143,10 @@ class Samplers:
         self.ban = _EndBan(model.vocab.eog_tokens) if min_tokens > 0 else None
         self.main = SamplerChain(model, options, first=(self.ban,) if self.ban else ())
 
-    def sample(self, context: Context, end_allowed: bool = True) -> int:
+    def sample(self, context: Context, end_allowed: bool = True, index: int = -1) -> int:
         if self.ban is not None:
             self.ban.active = not end_allowed
-        return self.main.sample(context)
+        return self.main.sample(context, index)
 
     def close(self) -> None:
         self.main.close()

@@ -1,0 +1,169 @@
+"""Speculative decoding: cheap drafts of the next tokens, verified by the target in one decode.
+
+A drafter proposes tokens; the target decodes the sampled token and the drafts in one batch and
+samples at every position. A draft is kept while it equals what the target samples there, so the
+output is what plain decoding samples (llama.cpp's rule; it preserves the distribution at any
+temperature); the KV memory is rolled back past the first mismatch. On a CPU a longer batch is
+not free, so drafting adapts to measured time: it pauses whenever verifying costs more per token
+than plain decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from llamacrab._exceptions import InvalidParameterError
+
+if TYPE_CHECKING:
+    from llamacrab._llama import Llama
+    from llamacrab._model import Model
+
+
+@dataclass
+class SpeculativeStats:
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class Drafter(Protocol):
+    def draft(self, history: Sequence[int], limit: int) -> list[int]: ...
+
+    def feedback(self, drafted: int, accepted: int, seconds: float) -> None: ...
+
+    def plain(self, seconds: float) -> None: ...
+
+
+class _Budget:
+    """How many tokens to draft next, judged by measured time: a verification that yields
+    fewer tokens per second than plain decoding pauses drafting (longer after each loss), so a
+    run where drafts fail stays close to plain speed. Draft length follows acceptance."""
+
+    def __init__(self, max_draft: int) -> None:
+        self.max_draft = max_draft
+        self.size = max_draft
+        self.pause = 4  # measure plain decoding first
+        self.backoff = 8
+        self.plain_seconds: float | None = None  # per token, moving average
+
+    def take(self) -> int:
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        return self.size
+
+    def plain(self, seconds: float) -> None:
+        previous = self.plain_seconds
+        self.plain_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def update(self, drafted: int, accepted: int, seconds: float) -> None:
+        per_token = seconds / (accepted + 1)  # the verification also yields the next token
+        if self.plain_seconds is not None and per_token > self.plain_seconds:
+            self.pause, self.backoff = self.backoff, min(self.backoff * 2, 256)
+        else:
+            self.backoff = 8
+        if accepted == drafted:
+            self.size = min(self.max_draft, self.size * 2)
+        else:
+            self.size = max(1, accepted + 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptLookup:
+    """Drafts by n-gram lookup: the tokens that followed the latest earlier occurrence of the
+    last ``max_ngram``..``min_ngram`` tokens (prompt and output alike). Free to compute; pays
+    off when the output copies from the prompt (code edits, quotes, extraction)."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    max_draft: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram or self.max_draft < 1:
+            raise InvalidParameterError(f"invalid prompt-lookup settings: {self}")
+
+    def drafter(self, target: Model) -> Drafter:
+        return _LookupDrafter(self)
+
+
+class _LookupDrafter:
+    def __init__(self, options: PromptLookup) -> None:
+        self.options = options
+        self.budget = _Budget(options.max_draft)
+
+    def draft(self, history: Sequence[int], limit: int) -> list[int]:
+        size = min(self.budget.take(), limit)
+        if size <= 0:
+            return []
+        tokens = np.asarray(history, dtype=np.int64)
+        for n in range(self.options.max_ngram, self.options.min_ngram - 1, -1):
+            if len(tokens) <= n:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # right after the latest earlier occurrence
+                draft: list[int] = tokens[start : start + size].tolist()
+                return draft
+        return []
+
+    def feedback(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.budget.update(drafted, accepted, seconds)
+
+    def plain(self, seconds: float) -> None:
+        self.budget.plain(seconds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftModel:
+    """Drafts with a smaller model sharing the target's vocabulary (checked), greedily."""
+
+    llama: Llama
+    max_draft: int = 8
+
+    def drafter(self, target: Model) -> Drafter:
+        check_vocabularies(target, self.llama.model)
+        return _ModelDrafter(self)
+
+
+class _ModelDrafter:
+    def __init__(self, options: DraftModel) -> None:
+        self.options = options
+        self.budget = _Budget(options.max_draft)
+
+    def draft(self, history: Sequence[int], limit: int) -> list[int]:
+        size = min(self.budget.take(), limit, self.options.llama.context.n_ctx - len(history) - 1)
+        if size <= 0:
+            return []
+        # The draft Llama's own prompt reuse keeps its memory in step with the history.
+        result = self.options.llama.create_completion(list(history), max_tokens=size, temperature=0)
+        return list(result.choices[0].tokens)
+
+    def feedback(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.budget.update(drafted, accepted, seconds)
+
+    def plain(self, seconds: float) -> None:
+        self.budget.plain(seconds)
+
+
+def check_vocabularies(target: Model, draft: Model) -> None:
+    """A draft model must tokenize exactly as the target: same size, specials and pieces."""
+    a, b = target.vocab, draft.vocab
+    if a.n_tokens != b.n_tokens or (a.bos, a.eos) != (b.bos, b.eos):
+        raise InvalidParameterError(
+            f"the draft model's vocabulary ({b.n_tokens} tokens) differs from the target's "
+            f"({a.n_tokens})"
+        )
+    step = max(1, a.n_tokens // 512)
+    for token in range(0, a.n_tokens, step):
+        if a.token_to_bytes(token, special=True) != b.token_to_bytes(token, special=True):
+            raise InvalidParameterError(
+                f"the draft model's token {token} differs from the target's"
+            )
