@@ -32,7 +32,7 @@ N_PROMPT, N_GEN = 512, 128
 
 def native_programs() -> tuple[Path, Path]:
     """llama-bench and the native loop, built from the same source and options as llamacrab."""
-    tools = native.build("cpu", tools=["llama-bench"])
+    tools = native.build("cpu", tools=native.BENCH_TOOLS)
     lib = native.build("cpu")  # the cached build llamacrab-sys ships (a cache hit)
     source = REPO / "scripts" / "bench" / "native_loop.c"
     loop = cache_root() / "bench" / f"native_loop-{lib['key']}"

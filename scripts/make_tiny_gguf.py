@@ -145,6 +145,39 @@ def write_tiny_llama_split(
     return paths
 
 
+def write_tiny_draft(path: Path, source: Path, seed: int = 0) -> Path:
+    """A tiny random llama-architecture model with ``source``'s tokenizer (every tokenizer.*
+    key copied), so it can draft for that model. Its drafts are noise: it exercises the
+    mechanics of speculative decoding with a real target, not its gains."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    n_vocab = 0
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer.") or field.name.startswith("tokenizer.chat"):
+            continue
+        value = field.contents()
+        if field.name == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+        if isinstance(value, list):
+            writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, value, field.types[0])
+    writer.add_context_length(N_CTX_TRAIN)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_rope_dimension_count(N_EMBD // N_HEAD)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    tensors = _tensors(seed, n_vocab)
+    del tensors["output.weight"]  # tied to token_embd: half the size for a big vocabulary
+    tensors["token_embd.weight"] = tensors["token_embd.weight"].astype(np.float16)
+    _write(writer, tensors)
+    return path
+
+
 def write_tiny_lora(path: Path, seed: int = 1, rank: int = 4, alpha: float = 8.0) -> Path:
     """A LoRA adapter for the tiny model: low-rank deltas on every attention query/output."""
     rng = np.random.default_rng(seed)

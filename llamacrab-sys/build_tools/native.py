@@ -61,6 +61,8 @@ NATIVE_CPU = ["-DGGML_NATIVE=ON"]
 PORTABLE_CPU = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"]
 
 _STAMP = "complete.json"
+# The upstream programs the benchmarks compare against, built together into one cache entry.
+BENCH_TOOLS = ["llama-bench", "llama-server"]
 
 
 def cmake_options(backend: str, portable: bool, rpc: bool, extra: list[str]) -> list[str]:
@@ -134,7 +136,7 @@ def build(
     tools = tools or []
     options = cmake_options(backend, portable, rpc, extra or [])
     if tools:  # later -D options win over BASE_OPTIONS
-        options += ["-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_TOOLS=ON"]
+        options += ["-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON"]
     ids = compilers(backend, options)
     key = cache_key(source, backend, options, ids, tools)
     entry = cache_root() / "native" / key
