@@ -55,12 +55,13 @@ def _check_capacity(capacity_bytes: int) -> None:
 
 
 class RamCache(PromptCache):
-    """States in memory, least recently used dropped first beyond ``capacity_bytes``."""
+    """States in memory, least recently used dropped first beyond ``capacity_bytes``. They are
+    kept as objects: nothing is serialized or checksummed on the way in or out."""
 
     def __init__(self, capacity_bytes: int = 2 << 30) -> None:
         _check_capacity(capacity_bytes)
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[tuple[int, ...], bytes] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, ...], SavedState] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
 
@@ -69,16 +70,16 @@ class RamCache(PromptCache):
         return self._size
 
     def store(self, state: SavedState) -> None:
-        blob = state.to_bytes()
-        if len(blob) > self.capacity_bytes:
+        size = state.size_bytes
+        if size > self.capacity_bytes:
             return  # larger than the whole cache: keeping it would evict everything
         with self._lock:
             old = self._entries.pop(state.tokens, None)
-            self._size += len(blob) - (len(old) if old else 0)
-            self._entries[state.tokens] = blob
+            self._size += size - (old.size_bytes if old else 0)
+            self._entries[state.tokens] = state
             while self._size > self.capacity_bytes:
                 _, evicted = self._entries.popitem(last=False)
-                self._size -= len(evicted)
+                self._size -= evicted.size_bytes
 
     def _keys(self) -> list[tuple[int, ...]]:
         with self._lock:
@@ -86,10 +87,10 @@ class RamCache(PromptCache):
 
     def _get(self, key: tuple[int, ...]) -> SavedState | None:
         with self._lock:
-            blob = self._entries.get(key)
-            if blob is not None:
+            state = self._entries.get(key)
+            if state is not None:
                 self._entries.move_to_end(key)
-        return None if blob is None else SavedState.from_bytes(blob)
+        return state
 
     def __len__(self) -> int:
         return len(self._entries)

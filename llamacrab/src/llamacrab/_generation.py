@@ -290,6 +290,7 @@ class _Stepper:
         return step
 
     def _decode(self, token: int, produced: int) -> None:
+        started = time.perf_counter()  # drafting counts too: a draft model is not free
         drafts: list[int] = []
         if self.drafter is not None:
             room = self.kv.context.n_ctx - len(self.kv.tokens) - 2
@@ -297,7 +298,6 @@ class _Stepper:
                 room if self.request.max_tokens is None else self.request.max_tokens - produced - 1
             )
             drafts = self.drafter.draft([*self.kv.tokens, token], max(0, min(room, left)))
-        started = time.perf_counter()
         if drafts:
             self.kv.decode_all([token, *drafts])
             self.stats.drafted += len(drafts)

@@ -46,9 +46,9 @@ class _Budget:
     fewer tokens per second than plain decoding pauses drafting (longer after each loss), so a
     run where drafts fail stays close to plain speed. Draft length follows acceptance."""
 
-    def __init__(self, max_draft: int) -> None:
+    def __init__(self, max_draft: int, start: int) -> None:
         self.max_draft = max_draft
-        self.size = max_draft
+        self.size = start
         self.pause = 4  # measure plain decoding first
         self.backoff = 8
         self.plain_seconds: float | None = None  # per token, moving average
@@ -66,13 +66,15 @@ class _Budget:
     def update(self, drafted: int, accepted: int, seconds: float) -> None:
         per_token = seconds / (accepted + 1)  # the verification also yields the next token
         if self.plain_seconds is not None and per_token > self.plain_seconds:
-            self.pause, self.backoff = self.backoff, min(self.backoff * 2, 256)
+            self.pause, self.backoff = self.backoff, min(self.backoff * 4, 1024)
         else:
             self.backoff = 8
+        # Small batches cost almost as much as one token on a CPU: keep drafts long while they
+        # are mostly accepted, shorter when they are not.
         if accepted == drafted:
             self.size = min(self.max_draft, self.size * 2)
         else:
-            self.size = max(1, accepted + 1)
+            self.size = min(self.max_draft, max(4, 2 * accepted))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +85,7 @@ class PromptLookup:
 
     max_ngram: int = 3
     min_ngram: int = 1
-    max_draft: int = 8
+    max_draft: int = 32
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram or self.max_draft < 1:
@@ -96,7 +98,7 @@ class PromptLookup:
 class _LookupDrafter:
     def __init__(self, options: PromptLookup) -> None:
         self.options = options
-        self.budget = _Budget(options.max_draft)
+        self.budget = _Budget(options.max_draft, start=options.max_draft)  # drafting is free
 
     def draft(self, history: Sequence[int], limit: int) -> list[int]:
         size = min(self.budget.take(), limit)
@@ -136,7 +138,8 @@ class DraftModel:
 class _ModelDrafter:
     def __init__(self, options: DraftModel) -> None:
         self.options = options
-        self.budget = _Budget(options.max_draft)
+        # Each draft token costs a decode of the draft model: start with one, grow on success.
+        self.budget = _Budget(options.max_draft, start=1)
 
     def draft(self, history: Sequence[int], limit: int) -> list[int]:
         size = min(self.budget.take(), limit, self.options.llama.context.n_ctx - len(history) - 1)

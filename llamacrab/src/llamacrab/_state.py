@@ -34,6 +34,11 @@ class SavedState:
     model_id: bytes
     n_ctx: int
 
+    @property
+    def size_bytes(self) -> int:
+        """Memory it holds: llama.cpp's payload and the tokens."""
+        return len(self.payload) + 4 * len(self.tokens)
+
     def to_bytes(self) -> bytes:
         tokens = np.asarray(self.tokens, dtype="<i4").tobytes()
         body = (
