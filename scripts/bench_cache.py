@@ -103,6 +103,16 @@ class Server:
         self.process.wait(timeout=30)
 
 
+def first_token_seconds(llm: Llama, prompt: str) -> float:
+    """Time to the first generated token (the cache store at the end is not counted)."""
+    started = time.perf_counter()
+    stream = llm.stream_completion(prompt, max_tokens=1)
+    seconds = next(time.perf_counter() - started for chunk in stream if chunk.tokens)
+    for _ in stream:  # finish: the completion stores its state in the cache now
+        pass
+    return seconds
+
+
 def timed(action: object) -> float:
     started = time.perf_counter()
     action()  # type: ignore[operator]
@@ -120,43 +130,40 @@ def crab_second_turn_in_memory(llm: Llama) -> float:
     llm.reset()
     llm.create_completion("Notes: " + DOCUMENT + " Question: how many islands?", max_tokens=1)
     llm.create_completion(DOCUMENT + " Question: which year had most adults?", max_tokens=1)
-    return timed(lambda: llm.create_completion(DOCUMENT + " Question: how many juveniles?",
-                                               max_tokens=1))  # fmt: skip
+    return first_token_seconds(llm, DOCUMENT + " Question: how many juveniles?")
 
 
 def crab_second_turn(model: Path, threads: int) -> float:
     with Llama(model, n_ctx=N_CTX, n_threads=threads, cache=RamCache(1 << 30)) as llm:
         llm.create_completion(DOCUMENT + " Question: which year had most adults?", max_tokens=1)
         llm.reset()  # the KV memory is gone: the prompt cache has to serve the prefix
-        return timed(lambda: llm.create_completion(DOCUMENT + " Question: how many juveniles?",
-                                                   max_tokens=1))  # fmt: skip
+        return first_token_seconds(llm, DOCUMENT + " Question: how many juveniles?")
 
 
 DISK_SCRIPT = """
-import sys, time
+import sys
+sys.path.insert(0, sys.argv[4])
+from bench_cache import first_token_seconds
 from llamacrab import DiskCache, Llama
 model, cache_dir, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.stdin.read()
 with Llama(model, n_ctx=4096, n_threads=threads, cache=DiskCache(cache_dir)) as llm:
-    if sys.argv[4] == "fill":
-        llm.create_completion(prompt, max_tokens=1)
-    else:
-        started = time.perf_counter()
-        llm.create_completion(prompt, max_tokens=1)
-        print(time.perf_counter() - started)
+    print(first_token_seconds(llm, prompt))
 """
 
 
 def crab_disk_second_turn(model: Path, threads: int) -> float:
+    """A first process fills a DiskCache; a second, fresh one answers from it."""
     cache_dir = tempfile.mkdtemp()
 
-    def run(prompt: str, mode: str) -> str:
+    def run(prompt: str) -> str:
         return subprocess.run(
-            [sys.executable, "-c", DISK_SCRIPT, str(model), cache_dir, str(threads), mode],
+            [sys.executable, "-c", DISK_SCRIPT, str(model), cache_dir, str(threads),
+             str(REPO / "scripts")],
             input=prompt, capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
 
-    run(DOCUMENT + " Question: which year had most adults?", "fill")
-    return float(run(DOCUMENT + " Question: how many juveniles?", "time"))
+    run(DOCUMENT + " Question: which year had most adults?")
+    return float(run(DOCUMENT + " Question: how many juveniles?"))
 
 
 def crab_speed(

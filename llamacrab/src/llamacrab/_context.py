@@ -313,12 +313,13 @@ class Context(NativeHandle):
             raise StateError(f"llama.cpp could not save the state of sequence {seq_id}")
         return bytes(ffi.buffer(buffer, written))
 
-    def load_state_bytes(self, data: bytes, seq_id: int) -> None:
+    def load_state_bytes(self, data: bytes | memoryview, seq_id: int) -> None:
         """Replace sequence ``seq_id`` with a state from ``state_bytes`` (same model only)."""
         self._check_sequence(seq_id)
         with self.exclusive() as ctx:
             lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
-            read = call("llama_state_seq_set_data", ctx, data, len(data), seq_id)
+            buffer = ffi.from_buffer("uint8_t[]", data)
+            read = call("llama_state_seq_set_data", ctx, buffer, len(buffer), seq_id)
         if read == 0:
             reason = log_lines.take_last_error() or "see the llamacrab logger"
             raise StateError(f"llama.cpp rejected the state for sequence {seq_id}: {reason}")

@@ -25,12 +25,12 @@ _HEAD = struct.Struct("<8sII32sI")
 _DIGEST = 32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SavedState:
     """The KV memory of sequence 0 for ``tokens``, from a model identified by ``model_id``."""
 
     tokens: tuple[int, ...]
-    payload: bytes
+    payload: bytes | memoryview  # a view into the blob it was read from: states are large
     model_id: bytes
     n_ctx: int
 
@@ -53,7 +53,9 @@ class SavedState:
     def from_bytes(cls, blob: bytes) -> SavedState:
         if len(blob) < _HEAD.size + 8 + _DIGEST or not blob.startswith(MAGIC):
             raise StateError("not a llamacrab state (bad magic or too short)")
-        body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
+        # Views, not slices: copying tens of megabytes would cost more than the checksum.
+        view = memoryview(blob)
+        body, digest = view[:-_DIGEST], view[-_DIGEST:]
         if hashlib.sha256(body).digest() != digest:
             raise StateError("the state is truncated or corrupted (checksum mismatch)")
         _, version, n_ctx, model_id, n_tokens = _HEAD.unpack_from(body)
@@ -62,10 +64,17 @@ class SavedState:
         offset = _HEAD.size + 4 * n_tokens
         tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=_HEAD.size)
         (size,) = struct.unpack_from("<Q", body, offset)
-        payload = body[offset + 8 :]
+        payload = body[offset + 8 :]  # still a view
         if len(payload) != size:
             raise StateError(f"the state payload has {len(payload)} bytes, its header says {size}")
         return cls(tuple(int(t) for t in tokens), payload, model_id, n_ctx)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SavedState):
+            return NotImplemented
+        return (self.tokens, self.model_id, self.n_ctx) == (
+            other.tokens, other.model_id, other.n_ctx
+        ) and self.payload == other.payload  # fmt: skip
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write to ``path`` atomically (a crash never leaves half a file behind)."""
