@@ -168,3 +168,25 @@ def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: L
         assert cache.longest_prefix([1, 2, 3, 4]) is None
     assert cache._cache.get(np.asarray([1, 2, 3], dtype="<i4").tobytes()) is None
     cache.close()
+
+
+def test_whole_context_state_round_trip(tiny_model_path: Path, tmp_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=128) as first, Llama(tiny_model_path, n_ctx=128) as second:
+        first.create_completion(PROMPT, max_tokens=0)
+        state = first.save_state(scope="context")
+        state.save(tmp_path / "context.bin")
+        loaded = SavedState.load(tmp_path / "context.bin")
+        assert loaded.scope == "context" and loaded == state
+        expected = first.create_completion(PROMPT, max_tokens=6, **GREEDY)
+        second.load_state(loaded)
+        result = second.create_completion(PROMPT, max_tokens=6, **GREEDY)
+        assert result.choices[0].tokens == expected.choices[0].tokens
+        assert result.usage.cached_tokens == len(state.tokens) - 1
+    with Llama(tiny_model_path, n_ctx=1024) as other_size:
+        other_size.create_completion("the cat", max_tokens=1)
+        with pytest.raises(StateError, match="whole-context state from n_ctx"):
+            other_size.load_state(loaded)
+        # The failed load left this Llama's own memory intact.
+        assert other_size.create_completion("the cat", max_tokens=1).usage.cached_tokens > 0
+    with pytest.raises(InvalidParameterError, match="scope"):
+        first.save_state(scope="everything")

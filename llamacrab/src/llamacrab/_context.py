@@ -302,27 +302,43 @@ class Context(NativeHandle):
 
     # -- raw state -----------------------------------------------------------------------------
 
-    def state_bytes(self, seq_id: int) -> bytes:
-        """llama.cpp's serialized KV state of one sequence."""
-        self._check_sequence(seq_id)
+    def state_bytes(self, seq_id: int | None) -> bytes:
+        """llama.cpp's serialized state: of one sequence, or of the whole context (None: every
+        sequence, the logits and embeddings of the last decode)."""
+        if seq_id is not None:
+            self._check_sequence(seq_id)
         with self.exclusive() as ctx:
-            size = call("llama_state_seq_get_size", ctx, seq_id)
-            buffer = ffi.new("uint8_t[]", size)
-            written = call("llama_state_seq_get_data", ctx, buffer, size, seq_id)
+            if seq_id is None:
+                size = call("llama_state_get_size", ctx)
+                buffer = ffi.new("uint8_t[]", size)
+                written = call("llama_state_get_data", ctx, buffer, size)
+            else:
+                size = call("llama_state_seq_get_size", ctx, seq_id)
+                buffer = ffi.new("uint8_t[]", size)
+                written = call("llama_state_seq_get_data", ctx, buffer, size, seq_id)
         if written == 0:
-            raise StateError(f"llama.cpp could not save the state of sequence {seq_id}")
+            raise StateError(f"llama.cpp could not save the state ({_scope(seq_id)})")
         return bytes(ffi.buffer(buffer, written))
 
-    def load_state_bytes(self, data: bytes | memoryview, seq_id: int) -> None:
-        """Replace sequence ``seq_id`` with a state from ``state_bytes`` (same model only)."""
-        self._check_sequence(seq_id)
+    def load_state_bytes(self, data: bytes | memoryview, seq_id: int | None) -> None:
+        """Replace one sequence (or, for None, the whole context) with a state from
+        ``state_bytes`` of the same model."""
+        if seq_id is not None:
+            self._check_sequence(seq_id)
         with self.exclusive() as ctx:
-            lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
             buffer = ffi.from_buffer("uint8_t[]", data)
-            read = call("llama_state_seq_set_data", ctx, buffer, len(buffer), seq_id)
+            if seq_id is None:
+                read = call("llama_state_set_data", ctx, buffer, len(buffer))
+            else:
+                lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
+                read = call("llama_state_seq_set_data", ctx, buffer, len(buffer), seq_id)
         if read == 0:
             reason = log_lines.take_last_error() or "see the llamacrab logger"
-            raise StateError(f"llama.cpp rejected the state for sequence {seq_id}: {reason}")
+            raise StateError(f"llama.cpp rejected the state ({_scope(seq_id)}): {reason}")
 
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"
+
+
+def _scope(seq_id: int | None) -> str:
+    return "whole context" if seq_id is None else f"sequence {seq_id}"

@@ -77,22 +77,28 @@ class KvState:
         self.batch = Batch(context.n_batch)
         self.reused = 0  # prompt tokens the last prepare() kept instead of decoding
 
-    def snapshot(self) -> SavedState:
-        payload = self.context.state_bytes(0)
-        return SavedState(
-            tuple(self.tokens), payload, self.context.model.identity, self.context.n_ctx
-        )
+    def snapshot(self, scope: str = "sequence") -> SavedState:
+        if scope not in ("sequence", "context"):
+            raise InvalidParameterError(f"scope must be 'sequence' or 'context', not {scope!r}")
+        payload = self.context.state_bytes(0 if scope == "sequence" else None)
+        model_id, n_ctx = self.context.model.identity, self.context.n_ctx
+        return SavedState(tuple(self.tokens), payload, model_id, n_ctx, scope)
 
     def restore(self, state: SavedState) -> None:
-        """Load a saved state into sequence 0 (checked against this model and context)."""
+        """Load a saved state (checked against this model and context)."""
         if state.model_id != self.context.model.identity:
             raise StateError("this state was saved from a different model")
         if len(state.tokens) >= self.context.n_ctx:
             n_ctx = self.context.n_ctx
             raise StateError(f"this state holds {len(state.tokens)} tokens; the context {n_ctx}")
+        if state.scope == "context" and state.n_ctx != self.context.n_ctx:
+            raise StateError(
+                f"a whole-context state from n_ctx {state.n_ctx} cannot load into "
+                f"{self.context.n_ctx}"
+            )
         self.tokens.clear()
         try:
-            self.context.load_state_bytes(state.payload, 0)
+            self.context.load_state_bytes(state.payload, 0 if state.scope == "sequence" else None)
         except BaseException:
             self.reset()
             raise

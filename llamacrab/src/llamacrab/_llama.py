@@ -129,10 +129,11 @@ class Llama:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def save_state(self) -> SavedState:
-        """The KV memory and the tokens it holds (``SavedState.save`` writes it to a file)."""
+    def save_state(self, scope: str = "sequence") -> SavedState:
+        """The KV memory and the tokens it holds (``SavedState.save`` writes it to a file);
+        ``scope="context"`` saves the whole context (every sequence, last outputs)."""
         with self._lock:
-            return self._kv.snapshot()
+            return self._kv.snapshot(scope)
 
     def load_state(self, state: SavedState) -> None:
         """Restore a state saved from this model; the next prompt sharing its tokens reuses it.

@@ -1,6 +1,7 @@
 """SavedState: a context's KV state with a header that makes loading it into the wrong place fail.
 
-Layout (little-endian): magic ``LCRBSTAT``, format version (u32), n_ctx (u32), model identity
+Layout (little-endian): magic ``LCRBSTAT``, format version (u32), scope (u32: 0 sequence 0,
+1 whole context), n_ctx (u32), model identity
 (32-byte sha256), token count (u32) and tokens (i32 each), payload length (u64) and llama.cpp's
 own state bytes, then a sha256 of everything before it. A truncated or altered blob fails the
 checksum before llama.cpp reads a byte of it.
@@ -21,18 +22,22 @@ from llamacrab._exceptions import StateError
 
 MAGIC = b"LCRBSTAT"
 FORMAT_VERSION = 1
-_HEAD = struct.Struct("<8sII32sI")
+_HEAD = struct.Struct("<8sIII32sI")
+_SCOPES = ("sequence", "context")
 _DIGEST = 32
 
 
 @dataclass(frozen=True, eq=False)
 class SavedState:
-    """The KV memory of sequence 0 for ``tokens``, from a model identified by ``model_id``."""
+    """KV memory for ``tokens`` from a model identified by ``model_id``: of sequence 0
+    (``scope="sequence"``) or of the whole context (``"context"``: all sequences and the
+    outputs of the last decode)."""
 
     tokens: tuple[int, ...]
     payload: bytes | memoryview  # a view into the blob it was read from: states are large
     model_id: bytes
     n_ctx: int
+    scope: str = "sequence"
 
     @property
     def size_bytes(self) -> int:
@@ -42,7 +47,14 @@ class SavedState:
     def to_bytes(self) -> bytes:
         tokens = np.asarray(self.tokens, dtype="<i4").tobytes()
         body = (
-            _HEAD.pack(MAGIC, FORMAT_VERSION, self.n_ctx, self.model_id, len(self.tokens))
+            _HEAD.pack(
+                MAGIC,
+                FORMAT_VERSION,
+                _SCOPES.index(self.scope),
+                self.n_ctx,
+                self.model_id,
+                len(self.tokens),
+            )
             + tokens
             + struct.pack("<Q", len(self.payload))
             + self.payload
@@ -58,22 +70,24 @@ class SavedState:
         body, digest = view[:-_DIGEST], view[-_DIGEST:]
         if hashlib.sha256(body).digest() != digest:
             raise StateError("the state is truncated or corrupted (checksum mismatch)")
-        _, version, n_ctx, model_id, n_tokens = _HEAD.unpack_from(body)
+        _, version, scope, n_ctx, model_id, n_tokens = _HEAD.unpack_from(body)
         if version != FORMAT_VERSION:
             raise StateError(f"state format {version} is not supported (expected {FORMAT_VERSION})")
+        if scope >= len(_SCOPES):
+            raise StateError(f"unknown state scope {scope}")
         offset = _HEAD.size + 4 * n_tokens
         tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=_HEAD.size)
         (size,) = struct.unpack_from("<Q", body, offset)
         payload = body[offset + 8 :]  # still a view
         if len(payload) != size:
             raise StateError(f"the state payload has {len(payload)} bytes, its header says {size}")
-        return cls(tuple(int(t) for t in tokens), payload, model_id, n_ctx)
+        return cls(tuple(int(t) for t in tokens), payload, model_id, n_ctx, _SCOPES[scope])
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SavedState):
             return NotImplemented
-        return (self.tokens, self.model_id, self.n_ctx) == (
-            other.tokens, other.model_id, other.n_ctx
+        return (self.tokens, self.model_id, self.n_ctx, self.scope) == (
+            other.tokens, other.model_id, other.n_ctx, other.scope
         ) and self.payload == other.payload  # fmt: skip
 
     def save(self, path: str | os.PathLike[str]) -> None:
