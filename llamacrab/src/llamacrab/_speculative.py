@@ -50,7 +50,8 @@ class _Budget:
         self.max_draft = max_draft
         self.size = start
         self.pause = 4  # measure plain decoding first
-        self.backoff = 8
+        self.backoff = 16
+        self.misses = 0  # verifications in a row that accepted nothing
         self.plain_seconds: float | None = None  # per token, moving average
 
     def take(self) -> int:
@@ -65,10 +66,13 @@ class _Budget:
 
     def update(self, drafted: int, accepted: int, seconds: float) -> None:
         per_token = seconds / (accepted + 1)  # the verification also yields the next token
-        if self.plain_seconds is not None and per_token > self.plain_seconds:
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        if self.misses >= 3:
+            self.pause = 1 << 30  # drafts never land here: off for the rest of the generation
+        elif self.plain_seconds is not None and per_token > self.plain_seconds:
             self.pause, self.backoff = self.backoff, min(self.backoff * 4, 1024)
         else:
-            self.backoff = 8
+            self.backoff = 16
         # Small batches cost almost as much as one token on a CPU: keep drafts long while they
         # are mostly accepted, shorter when they are not.
         if accepted == drafted:
