@@ -115,11 +115,15 @@ def write_tiny_llama(
     block_count: int = N_LAYER,
     rms_eps: float = 1e-5,
     fim: bool = False,
+    chat_templates: dict[str, str] | None = None,
 ) -> Path:
     """Write the model; ``block_count`` and ``rms_eps`` may be set to invalid values on purpose
-    (tests of files tampered with); ``fim`` adds fill-in-the-middle tokens."""
+    (tests of files tampered with); ``fim`` adds fill-in-the-middle tokens; ``chat_templates``
+    ({"": default, "name": variant}) become tokenizer.chat_template[.name]."""
     writer = gguf.GGUFWriter(str(path), "llama")
     _metadata(writer, block_count, rms_eps, fim)
+    for name, template in (chat_templates or {}).items():
+        writer.add_string("tokenizer.chat_template" + (f".{name}" if name else ""), template)
     _write(writer, _tensors(seed, len(vocabulary(fim)[0])))
     return path
 

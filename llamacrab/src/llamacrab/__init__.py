@@ -28,6 +28,7 @@ from llamacrab._exceptions import (
     ModelLoadError,
     NativeError,
     StateError,
+    TemplateError,
     TokenizeError,
 )
 from llamacrab._hub import HubOptions, ResolvedModel, resolve
@@ -37,6 +38,11 @@ from llamacrab._sampler import SamplerChain, SamplingOptions
 from llamacrab._speculative import DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
 from llamacrab._types import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessage,
     Completion,
     CompletionChoice,
     CompletionChunk,
@@ -53,6 +59,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch",
     "BuildInfo",
+    "ChatChoice",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatDelta",
+    "ChatMessage",
     "ClosedHandleError",
     "Completion",
     "CompletionChoice",
@@ -92,6 +103,7 @@ __all__ = [
     "SavedState",
     "SpeculativeStats",
     "StateError",
+    "TemplateError",
     "TokenizeError",
     "Usage",
     "Vocab",

@@ -14,6 +14,7 @@ LlamaError
 ├── GrammarError               (also ValueError) a grammar llama.cpp could not parse
 ├── HubError                   a model could not be resolved or fetched from the Hub
 ├── StateError                 (also ValueError) a saved state that cannot be loaded here
+├── TemplateError              (also ValueError) a chat template that failed or was refused
 └── InvalidParameterError      (also ValueError) a parameter out of its range
 """
 
@@ -84,6 +85,10 @@ class HubError(LlamaError):
 
 class StateError(LlamaError, ValueError):
     """A saved state that is corrupt, truncated, or from another model or context size."""
+
+
+class TemplateError(LlamaError, ValueError):
+    """A chat template that does not parse, fails, or tries something the sandbox refuses."""
 
 
 class InvalidParameterError(LlamaError, ValueError):

@@ -16,6 +16,7 @@ import numpy as np
 
 from llamacrab._adapter import LoraAdapter
 from llamacrab._cache import PromptCache
+from llamacrab._chat import chat_prompt
 from llamacrab._context import Context, ContextParams
 from llamacrab._embeddings import (
     DEFAULT_PACK_TOKENS,
@@ -34,6 +35,11 @@ from llamacrab._sampler import Samplers, SamplingOptions
 from llamacrab._speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
 from llamacrab._types import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessage,
     Completion,
     CompletionChoice,
     CompletionChunk,
@@ -86,6 +92,7 @@ class Llama:
         hub: HubOptions | None = None,
         cache: PromptCache | None = None,
         speculative: Speculative | None = None,
+        chat_format: str | None = None,
         seed: int | None = None,
         progress: Callable[[float], object] | None = None,
         **options: Any,
@@ -103,6 +110,7 @@ class Llama:
             raise
         self.seed = seed
         self.speculative = speculative  # the default for completions
+        self.chat_format = chat_format  # None: the model's own template
         self.speculative_stats = SpeculativeStats()  # of the last completion
         self._kv = KvState(self.context, cache)
         self._lock = threading.RLock()
@@ -145,6 +153,56 @@ class Llama:
         """Forget the cached prompt: the next call decodes its whole prompt again."""
         with self._lock:
             self._kv.reset()
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], chat_format: str | None = None
+    ) -> str:
+        """The prompt text a chat completion would send for ``messages``."""
+        return chat_prompt(self.model, messages, chat_format or self.chat_format)
+
+    def create_chat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        chat_format: str | None = None,
+        max_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> ChatCompletion:
+        """Answer ``messages`` (OpenAI-shaped dicts: role, content) with the model's chat
+        template. ``max_tokens=None`` runs to the end of the turn or of the context. Other
+        keywords are those of ``create_completion`` (sampling, stop, logprobs, n, seed, ...)."""
+        tokens = self._chat_tokens(messages, chat_format)
+        result = self.create_completion(tokens, max_tokens=max_tokens, **kwargs)
+        choices = tuple(
+            ChatChoice(c.index, ChatMessage("assistant", c.text), c.finish_reason)
+            for c in result.choices
+        )
+        chat_id = "chatcmpl-" + result.id.removeprefix("cmpl-")
+        return ChatCompletion(chat_id, result.created, result.model, choices, result.usage)
+
+    def stream_chat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        chat_format: str | None = None,
+        max_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> Generator[ChatCompletionChunk, None, None]:
+        """``create_chat_completion`` as a stream of deltas (the first carries the role)."""
+        tokens = self._chat_tokens(messages, chat_format)
+        stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
+        return _chat_chunks(stream)
+
+    def _chat_tokens(
+        self, messages: Sequence[Mapping[str, Any]], chat_format: str | None
+    ) -> list[int]:
+        prompt = self.chat_prompt(messages, chat_format)
+        bos = self.vocab.bos
+        # A template that writes BOS itself must not get a second one from the tokenizer.
+        has_bos = bos is not None and prompt.startswith(self.vocab.token_to_piece(bos, True))
+        return self.tokenize(prompt, add_special=not has_bos, parse_special=True)
 
     # -- fill in the middle --------------------------------------------------------------------
 
@@ -437,6 +495,21 @@ class Llama:
                                       usage, tokens, logprobs)  # fmt: skip
         finally:
             samplers.close()
+
+
+def _chat_chunks(
+    stream: Generator[CompletionChunk, None, None],
+) -> Generator[ChatCompletionChunk, None, None]:
+    first = True
+    try:
+        for chunk in stream:
+            delta = ChatDelta("assistant" if first else None, chunk.text)
+            first = False
+            yield ChatCompletionChunk("chatcmpl-" + chunk.id.removeprefix("cmpl-"), chunk.created,
+                                      chunk.model, chunk.index, delta, chunk.finish_reason,
+                                      chunk.usage)  # fmt: skip
+    finally:
+        stream.close()  # breaking out of the chat stream stops generation at once
 
 
 def _step_logprobs(vocab: Vocab, step: Step, offset: int) -> Logprobs | None:

@@ -21,6 +21,52 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str | None
+
+
+@dataclass(frozen=True)
+class ChatChoice:
+    index: int
+    message: ChatMessage
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class ChatCompletion:
+    id: str
+    created: int
+    model: str
+    choices: tuple[ChatChoice, ...]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        """The content of the first choice's message."""
+        return self.choices[0].message.content or ""
+
+
+@dataclass(frozen=True)
+class ChatDelta:
+    role: str | None = None
+    content: str = ""
+
+
+@dataclass(frozen=True)
+class ChatCompletionChunk:
+    """One streamed piece; the first carries the role, the last ``finish_reason``/``usage``."""
+
+    id: str
+    created: int
+    model: str
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
 class RerankResult:
     """One document's relevance to the query; higher is more relevant."""
 

@@ -1,0 +1,83 @@
+"""Built-in chat formats for models whose GGUF carries no template.
+
+Most are llama.cpp's own (``llama_chat_apply_template``); the few it lacks are small Jinja
+templates rendered in the same sandbox as a model's. Names follow common usage; llama.cpp's
+names work too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from llamacrab._chat_template import render
+from llamacrab._exceptions import TemplateError
+from llamacrab._native import c_string, call, ffi
+
+# Our names for llama.cpp's templates.
+ALIASES = {
+    "mistral-instruct": "mistral-v7",
+    "llama-3": "llama3",
+    "phi-3": "phi3",
+}
+
+OWN_TEMPLATES = {
+    "alpaca": (
+        "{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}\n\n"
+        "{% elif m.role == 'user' %}### Instruction:\n{{ m.content }}\n\n"
+        "{% else %}### Response:\n{{ m.content }}\n\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}### Response:\n{% endif %}"
+    ),
+    "oasst_llama": (
+        "{% for m in messages %}{% if m.role == 'system' %}[INST] <<SYS>>\n{{ m.content }}\n"
+        "<</SYS>>\n\n{% elif m.role == 'user' %}<|prompter|>{{ m.content }}</s>"
+        "{% else %}<|assistant|>{{ m.content }}</s>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    ),
+    "plain": ("{% for m in messages %}{{ m.content }}\n{% endfor %}"),
+}
+
+
+def llama_cpp_names() -> list[str]:
+    count = call("llama_chat_builtin_templates", ffi.NULL, 0)
+    names = ffi.new("const char *[]", count)
+    call("llama_chat_builtin_templates", names, count)
+    return sorted(ffi.string(n).decode() for n in names)
+
+
+def builtin_names() -> list[str]:
+    return sorted({*llama_cpp_names(), *ALIASES, *OWN_TEMPLATES})
+
+
+def apply_builtin(
+    name: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool
+) -> str:
+    if name in OWN_TEMPLATES:
+        return render(OWN_TEMPLATES[name], messages, add_generation_prompt=add_generation_prompt)
+    llama_name = ALIASES.get(name, name)
+    if llama_name not in llama_cpp_names():
+        raise TemplateError(
+            f"no built-in chat format {name!r}; known: {', '.join(builtin_names())}"
+        )
+    # C strings for every role and content, alive until the call returns.
+    keep = [
+        (
+            ffi.new("char[]", c_string(str(m["role"]), "role")),
+            ffi.new("char[]", c_string(str(m.get("content") or ""), "content")),
+        )
+        for m in messages
+    ]
+    chat = ffi.new("struct llama_chat_message[]", max(1, len(keep)))
+    for entry, (role, content) in zip(chat, keep, strict=False):
+        entry.role, entry.content = role, content
+    template = c_string(llama_name, "template name")
+    size = 4096 + sum(len(ffi.string(c)) for _, c in keep) * 2
+    while True:
+        buffer = ffi.new("char[]", size)
+        n = call("llama_chat_apply_template", template, chat, len(keep), add_generation_prompt,
+                 buffer, size)  # fmt: skip
+        if n < 0:
+            raise TemplateError(f"llama.cpp could not apply the {name!r} chat format")
+        if n < size:
+            return bytes(ffi.buffer(buffer, n)).decode("utf-8", "replace")
+        size = n + 1

@@ -1,0 +1,110 @@
+"""Chat: the model's own template in a sandbox, built-in formats, and chat completion."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from llamacrab import InvalidParameterError, Llama, TemplateError
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+HELLO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Llama]:
+    path = tiny.write_tiny_llama(
+        tmp_path_factory.mktemp("chat") / "tiny-chat.gguf",
+        chat_templates={"": TEMPLATE, "tool_use": "{{ messages | length }} messages"},
+    )
+    with Llama(path, n_ctx=128, n_threads=2) as llm:
+        yield llm
+
+
+def test_the_models_own_template_is_the_default(templated: Llama) -> None:
+    assert templated.chat_prompt(HELLO) == "<s><system>Be brief.</s><user>Hi!</s><assistant>"
+    assert templated.chat_prompt(HELLO, "tokenizer.chat_template.tool_use") == "2 messages"
+    # The template wrote BOS itself: the tokenizer must not add a second one.
+    tokens = templated._chat_tokens(HELLO, None)
+    assert tokens[0] == templated.vocab.bos and tokens[1] != templated.vocab.bos
+
+
+def test_built_in_and_custom_formats(tiny_llama: Llama) -> None:
+    assert tiny_llama.chat_prompt(HELLO, "chatml") == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tiny_llama.chat_prompt(HELLO, "alpaca").endswith(
+        "### Instruction:\nHi!\n\n### Response:\n"
+    )
+    assert tiny_llama.chat_prompt(HELLO, "{{ messages[-1].content }}!") == "Hi!!"
+    with pytest.raises(TemplateError, match="no chat format 'nope'"):
+        tiny_llama.chat_prompt(HELLO, "nope")
+    with pytest.raises(TemplateError, match="has no chat template: pass chat_format"):
+        tiny_llama.chat_prompt(HELLO)  # no template and not a gemma: never a silent generic one
+
+
+def test_chat_completion_and_streaming(templated: Llama) -> None:
+    result = templated.create_chat_completion(HELLO, max_tokens=4, temperature=0)
+    assert result.choices[0].message.role == "assistant"
+    assert result.id.startswith("chatcmpl-") and result.usage.completion_tokens <= 4
+    templated.reset()
+    chunks = list(templated.stream_chat_completion(HELLO, max_tokens=4, temperature=0))
+    templated.reset()
+    again = templated.create_chat_completion(HELLO, max_tokens=4, temperature=0)
+    assert chunks[0].delta.role == "assistant" and all(c.delta.role is None for c in chunks[1:])
+    assert "".join(c.delta.content for c in chunks) == again.text
+    assert chunks[-1].finish_reason == again.choices[0].finish_reason
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages.__class__ }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ bos_token.__class__.__base__ }}",
+        "{% set x = messages.append(1) %}",
+        "{{ raise_exception('no system role') }}",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}",
+        "{% if %}",
+    ],
+)
+def test_hostile_or_broken_templates_raise(tiny_llama: Llama, template: str) -> None:
+    with pytest.raises(TemplateError):
+        tiny_llama.chat_prompt(HELLO, template)
+
+
+def test_messages_are_checked(templated: Llama) -> None:
+    with pytest.raises(InvalidParameterError, match="role 'robot'"):
+        templated.chat_prompt([{"role": "robot", "content": "x"}])
+    with pytest.raises(InvalidParameterError, match="image_url"):
+        templated.chat_prompt([{"role": "user", "content": [{"type": "image_url"}]}])
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i!"}]}
+    ]
+    assert templated.chat_prompt(parts) == "<s><user>Hi!</s><assistant>"
+
+
+@pytest.mark.real_model
+def test_gemma_without_a_template_gets_the_gemma_format(gemma: Llama) -> None:
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = gemma.chat_prompt(question)
+    assert prompt == (
+        "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    tokens = gemma._chat_tokens(question, None)
+    assert tokens[:2] == [gemma.vocab.bos, gemma.vocab.tokenize("<start_of_turn>", False, True)[0]]
+    first = gemma.create_chat_completion(question, max_tokens=8, temperature=0)
+    follow_up = [*question, {"role": "assistant", "content": first.text},
+                 {"role": "user", "content": "And of Germany?"}]  # fmt: skip
+    second = gemma.create_chat_completion(follow_up, max_tokens=8, temperature=0)
+    assert second.usage.cached_tokens >= len(tokens) - 1  # the first turn was reused
+    assert second.choices[0].finish_reason in ("eos", "length")
