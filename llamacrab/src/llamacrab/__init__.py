@@ -32,6 +32,7 @@ from llamacrab._exceptions import (
     TokenizeError,
 )
 from llamacrab._hub import HubOptions, ResolvedModel, resolve
+from llamacrab._json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._llama import Llama
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import SamplerChain, SamplingOptions
@@ -57,6 +58,7 @@ from llamacrab_sys import BuildInfo, build_info
 __version__ = "0.1.0"
 
 __all__ = [
+    "JSON_OBJECT_GRAMMAR",
     "Batch",
     "BuildInfo",
     "ChatChoice",
@@ -110,4 +112,5 @@ __all__ = [
     "__version__",
     "build_info",
     "resolve",
+    "schema_to_grammar",
 ]

@@ -30,6 +30,7 @@ from llamacrab._generation import KvState, Request, Session, Step, generate
 from llamacrab._hub import HubOptions, ResolvedModel
 from llamacrab._hub import resolve as resolve_model
 from llamacrab._infill import infill_tokens
+from llamacrab._json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import Samplers, SamplingOptions
 from llamacrab._speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
@@ -168,12 +169,16 @@ class Llama:
         *,
         chat_format: str | None = None,
         max_tokens: int | None = None,
+        response_format: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> ChatCompletion:
         """Answer ``messages`` (OpenAI-shaped dicts: role, content) with the model's chat
-        template. ``max_tokens=None`` runs to the end of the turn or of the context. Other
-        keywords are those of ``create_completion`` (sampling, stop, logprobs, n, seed, ...)."""
+        template. ``max_tokens=None`` runs to the end of the turn or of the context.
+        ``response_format`` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+        {"schema": ...}}) constrains the answer with a grammar. Other keywords are those of
+        ``create_completion`` (sampling, stop, logprobs, n, seed, ...)."""
         tokens = self._chat_tokens(messages, chat_format)
+        kwargs = _with_response_format(response_format, kwargs)
         result = self.create_completion(tokens, max_tokens=max_tokens, **kwargs)
         choices = tuple(
             ChatChoice(c.index, ChatMessage("assistant", c.text), c.finish_reason)
@@ -188,10 +193,12 @@ class Llama:
         *,
         chat_format: str | None = None,
         max_tokens: int | None = None,
+        response_format: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Generator[ChatCompletionChunk, None, None]:
         """``create_chat_completion`` as a stream of deltas (the first carries the role)."""
         tokens = self._chat_tokens(messages, chat_format)
+        kwargs = _with_response_format(response_format, kwargs)
         stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
         return _chat_chunks(stream)
 
@@ -495,6 +502,28 @@ class Llama:
                                       usage, tokens, logprobs)  # fmt: skip
         finally:
             samplers.close()
+
+
+def _with_response_format(
+    response_format: Mapping[str, Any] | None, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """Completion keywords with the grammar an OpenAI ``response_format`` asks for."""
+    kind = None if response_format is None else response_format.get("type")
+    if kind in (None, "text"):
+        return kwargs
+    if "grammar" in kwargs:
+        raise InvalidParameterError("pass response_format or grammar, not both")
+    if kind == "json_object":
+        schema = response_format.get("schema") if response_format else None
+        grammar = JSON_OBJECT_GRAMMAR if schema is None else schema_to_grammar(schema)
+    elif kind == "json_schema" and response_format is not None:
+        spec = response_format.get("json_schema") or {}
+        if "schema" not in spec:
+            raise InvalidParameterError('response_format json_schema needs {"schema": {...}}')
+        grammar = schema_to_grammar(spec["schema"])
+    else:
+        raise InvalidParameterError(f"unknown response_format type {kind!r}")
+    return {**kwargs, "grammar": grammar}
 
 
 def _chat_chunks(

@@ -1,0 +1,103 @@
+"""JSON Schema grammars: accepted by llama.cpp, and generation that always matches the schema."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from llamacrab import (
+    JSON_OBJECT_GRAMMAR,
+    GrammarError,
+    InvalidParameterError,
+    Llama,
+    SamplerChain,
+    SamplingOptions,
+    schema_to_grammar,
+)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer"},
+        "role": {"enum": ["crab", "lobster"]},
+        "tags": {"type": "array", "items": {"const": "x"}, "maxItems": 2},
+        "ok": {"type": ["boolean", "null"]},
+    },
+    "required": ["name", "age", "role"],
+}
+TREE = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer"},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 1},
+            },
+            "required": ["v"],
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+ALL_OPTIONAL = {"type": "object", "properties": {"a": {"const": 1}, "b": {"const": 2}}}
+
+
+def check_person(value: Any) -> None:
+    assert set(value) <= set(PERSON["properties"]) and {"name", "age", "role"} <= set(value)
+    # A random byte-level model can emit bytes that are not UTF-8 (decoded as U+FFFD here);
+    # llama.cpp's grammar counts the characters it did accept.
+    assert isinstance(value["name"], str) and len(value["name"].replace("\ufffd", "")) <= 6
+    assert isinstance(value["age"], int) and value["role"] in ("crab", "lobster")
+    assert value.get("tags", []) in ([], ["x"], ["x", "x"]) and value.get("ok") in (
+        True,
+        False,
+        None,
+    )
+
+
+@pytest.mark.parametrize("schema", [PERSON, TREE, ALL_OPTIONAL, {"type": "array"}, {}])
+def test_llama_cpp_accepts_the_grammars(tiny_llama: Llama, schema: dict[str, Any]) -> None:
+    options = SamplingOptions(grammar=schema_to_grammar(schema))
+    SamplerChain(tiny_llama.model, options).close()
+    SamplerChain(tiny_llama.model, SamplingOptions(grammar=JSON_OBJECT_GRAMMAR)).close()
+
+
+def test_generation_always_matches_the_schema(tiny_llama: Llama) -> None:
+    grammar = schema_to_grammar(PERSON)
+    for seed in range(6):
+        result = tiny_llama.create_completion("the cat", max_tokens=300, grammar=grammar,
+                                              temperature=1.0, seed=seed)  # fmt: skip
+        assert result.choices[0].finish_reason == "eos", result.text
+        check_person(json.loads(result.text))
+
+
+def test_objects_whose_keys_are_all_optional(tiny_llama: Llama) -> None:
+    grammar = schema_to_grammar(ALL_OPTIONAL)
+    for seed in range(4):
+        result = tiny_llama.create_completion("x", max_tokens=200, temperature=1.0, seed=seed,
+                                              grammar=grammar)  # fmt: skip
+        text = result.text
+        assert json.loads(text) in ({}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2})
+
+
+def test_unsupported_schemas_are_refused() -> None:
+    with pytest.raises(GrammarError, match="pattern"):
+        schema_to_grammar({"type": "string", "pattern": "^a+$"})
+    with pytest.raises(GrammarError, match="resolve"):
+        schema_to_grammar({"$ref": "#/$defs/missing"})
+    with pytest.raises(GrammarError, match="not in properties"):
+        schema_to_grammar({"type": "object", "properties": {"y": {}}, "required": ["x"]})
+
+
+@pytest.mark.real_model
+def test_chat_response_format_json_schema(gemma: Llama) -> None:
+    messages = [{"role": "user", "content": "Describe a crab named Bob, aged 3, as JSON."}]
+    result = gemma.create_chat_completion(
+        messages, temperature=0, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"schema": PERSON}},
+    )  # fmt: skip
+    check_person(json.loads(result.text))
+    with pytest.raises(InvalidParameterError, match="response_format"):
+        gemma.create_chat_completion(messages, response_format={"type": "xml"})
