@@ -38,6 +38,7 @@ from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import SamplerChain, SamplingOptions
 from llamacrab._speculative import DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
+from llamacrab._tool_calls import ToolCall, parse_tool_calls
 from llamacrab._types import (
     ChatChoice,
     ChatCompletion,
@@ -107,10 +108,12 @@ __all__ = [
     "StateError",
     "TemplateError",
     "TokenizeError",
+    "ToolCall",
     "Usage",
     "Vocab",
     "__version__",
     "build_info",
+    "parse_tool_calls",
     "resolve",
     "schema_to_grammar",
 ]

@@ -55,6 +55,11 @@ def chat_prompt(
     normalized = normalize_messages(messages)
     source = _template_source(model, chat_format)
     if source is None:
+        if template_variables.get("tools"):
+            raise InvalidParameterError(
+                "this built-in chat format cannot present tools: use the model's own template "
+                "or a Jinja chat_format that renders `tools`"
+            )
         name = chat_format or "gemma"
         return apply_builtin(name, normalized, add_generation_prompt)
     vocab = model.vocab

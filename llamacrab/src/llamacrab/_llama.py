@@ -35,6 +35,7 @@ from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import Samplers, SamplingOptions
 from llamacrab._speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
+from llamacrab._tool_calls import forced_call_grammar, parse_tool_calls, tool_names
 from llamacrab._types import (
     ChatChoice,
     ChatCompletion,
@@ -158,10 +159,13 @@ class Llama:
     # -- chat ----------------------------------------------------------------------------------
 
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]], chat_format: str | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        chat_format: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The prompt text a chat completion would send for ``messages``."""
-        return chat_prompt(self.model, messages, chat_format or self.chat_format)
+        """The prompt text a chat completion would send for ``messages`` (and ``tools``)."""
+        return chat_prompt(self.model, messages, chat_format or self.chat_format, tools=tools)
 
     def create_chat_completion(
         self,
@@ -170,20 +174,27 @@ class Llama:
         chat_format: str | None = None,
         max_tokens: int | None = None,
         response_format: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
         **kwargs: Any,
     ) -> ChatCompletion:
         """Answer ``messages`` (OpenAI-shaped dicts: role, content) with the model's chat
         template. ``max_tokens=None`` runs to the end of the turn or of the context.
         ``response_format`` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
         {"schema": ...}}) constrains the answer with a grammar. Other keywords are those of
-        ``create_completion`` (sampling, stop, logprobs, n, seed, ...)."""
-        tokens = self._chat_tokens(messages, chat_format)
+        ``create_completion`` (sampling, stop, logprobs, n, seed, ...).
+
+        ``tools`` (OpenAI function definitions) are given to the chat template; calls in the
+        answer come back in ``message.tool_calls`` with finish_reason "tool_calls".
+        ``tool_choice`` "none" ignores them, "auto" lets the model decide, "required" or
+        {"type": "function", "function": {"name": ...}} forces a call with a grammar (as
+        generic JSON), so it always parses. Tools are never executed."""
         kwargs = _with_response_format(response_format, kwargs)
+        kwargs = _with_tool_choice(tools, tool_choice, kwargs)  # validates tools first
+        tokens = self._chat_tokens(messages, chat_format, tools)
         result = self.create_completion(tokens, max_tokens=max_tokens, **kwargs)
-        choices = tuple(
-            ChatChoice(c.index, ChatMessage("assistant", c.text), c.finish_reason)
-            for c in result.choices
-        )
+        parse = bool(tools) and tool_choice != "none"
+        choices = tuple(_chat_choice(c, parse) for c in result.choices)
         chat_id = "chatcmpl-" + result.id.removeprefix("cmpl-")
         return ChatCompletion(chat_id, result.created, result.model, choices, result.usage)
 
@@ -197,15 +208,18 @@ class Llama:
         **kwargs: Any,
     ) -> Generator[ChatCompletionChunk, None, None]:
         """``create_chat_completion`` as a stream of deltas (the first carries the role)."""
-        tokens = self._chat_tokens(messages, chat_format)
+        tokens = self._chat_tokens(messages, chat_format, None)
         kwargs = _with_response_format(response_format, kwargs)
         stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
         return _chat_chunks(stream)
 
     def _chat_tokens(
-        self, messages: Sequence[Mapping[str, Any]], chat_format: str | None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        chat_format: str | None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        prompt = self.chat_prompt(messages, chat_format)
+        prompt = self.chat_prompt(messages, chat_format, tools)
         bos = self.vocab.bos
         # A template that writes BOS itself must not get a second one from the tokenizer.
         has_bos = bos is not None and prompt.startswith(self.vocab.token_to_piece(bos, True))
@@ -502,6 +516,37 @@ class Llama:
                                       usage, tokens, logprobs)  # fmt: skip
         finally:
             samplers.close()
+
+
+def _with_tool_choice(
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any],
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """Completion keywords with the grammar that a forced ``tool_choice`` needs."""
+    if tools:
+        tool_names(tools)  # validates their shape
+    if tool_choice in ("auto", "none"):
+        return kwargs
+    if not tools:
+        raise InvalidParameterError(f"tool_choice {tool_choice!r} needs tools")
+    if "grammar" in kwargs:
+        raise InvalidParameterError("a forced tool_choice and a grammar/response_format conflict")
+    if tool_choice == "required":
+        return {**kwargs, "grammar": forced_call_grammar(tools)}
+    if isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name")
+        return {**kwargs, "grammar": forced_call_grammar(tools, only=name)}
+    raise InvalidParameterError(f"unknown tool_choice {tool_choice!r}")
+
+
+def _chat_choice(choice: CompletionChoice, parse_tools: bool) -> ChatChoice:
+    if parse_tools:
+        content, calls = parse_tool_calls(choice.text)
+        if calls:
+            message = ChatMessage("assistant", content or None, tuple(calls))
+            return ChatChoice(choice.index, message, "tool_calls")
+    return ChatChoice(choice.index, ChatMessage("assistant", choice.text), choice.finish_reason)
 
 
 def _with_response_format(

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from llamacrab._tool_calls import ToolCall
+
 FinishReason = Literal["length", "eos", "stop", "cancelled", "tool_calls"]
 
 
@@ -24,6 +26,7 @@ class Usage:
 class ChatMessage:
     role: str
     content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)

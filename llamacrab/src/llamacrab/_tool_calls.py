@@ -1,0 +1,103 @@
+"""Tool calls: finding them in a model's answer, and a grammar that forces one.
+
+Parsers for the formats in common use, tried in order: Hermes/ChatML
+``<tool_call>{...}</tool_call>``, Mistral ``[TOOL_CALLS][{...}]``, Llama 3
+``<|python_tag|>{...}`` or a bare ``{"name": ..., "parameters": ...}``, and generic JSON
+(``{"tool_calls": [...]}`` or one call).
+Tools are never executed: arguments come back as JSON text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llamacrab._exceptions import InvalidParameterError
+from llamacrab._json_schema import schema_to_grammar
+
+_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+_MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(\[.*\])", re.S)
+_PYTHON_TAG = re.compile(r"<\|python_tag\|>\s*(\{.*\})", re.S)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One requested call: ``arguments`` is JSON text, as in the OpenAI API."""
+
+    name: str
+    arguments: str
+    id: str = ""
+    type: str = "function"
+
+
+def _call(obj: Any) -> ToolCall | None:
+    if not isinstance(obj, Mapping):
+        return None
+    name = obj.get("name") or (obj.get("function") or {}).get("name")
+    args = obj.get("arguments", obj.get("parameters", (obj.get("function") or {}).get("arguments")))
+    if not isinstance(name, str) or args is None:
+        return None
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return ToolCall(name, text, f"call_{uuid.uuid4().hex[:24]}")
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """The answer's remaining content and the tool calls found in it (none: ``text``, [])."""
+    hermes = [c for m in _HERMES.finditer(text) if (c := _call(_loads(m.group(1))))]
+    if hermes:
+        return _HERMES.sub("", text).strip(), hermes
+    for pattern in (_MISTRAL, _PYTHON_TAG):
+        match = pattern.search(text)
+        if match:
+            found = _loads(match.group(1))
+            items = found if isinstance(found, list) else [found]
+            calls = [c for item in items if (c := _call(item))]
+            if calls:
+                return text[: match.start()].strip(), calls
+    whole = _loads(text.strip())
+    if isinstance(whole, Mapping) and isinstance(whole.get("tool_calls"), list):
+        calls = [c for item in whole["tool_calls"] if (c := _call(item))]
+        return "", calls
+    single = _call(whole)
+    return ("", [single]) if single else (text, [])
+
+
+def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise InvalidParameterError(
+                f"tool {i} is not {{'type': 'function', 'function': {{'name': ...}}}}"
+            )
+        names.append(function["name"])
+    return names
+
+
+def forced_call_grammar(tools: Sequence[Mapping[str, Any]], only: str | None = None) -> str:
+    """A grammar whose every output is one call, as generic JSON {"name", "arguments"}, of
+    any tool (``tool_choice="required"``) or of the tool named ``only``."""
+    options = []
+    for tool, name in zip(tools, tool_names(tools), strict=True):
+        if only is not None and name != only:
+            continue
+        parameters = tool["function"].get("parameters") or {"type": "object"}
+        options.append({
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": parameters},
+            "required": ["name", "arguments"],
+        })  # fmt: skip
+    if not options:
+        raise InvalidParameterError(f"tool_choice names {only!r}, which is not among the tools")
+    return schema_to_grammar(options[0] if len(options) == 1 else {"anyOf": options})

@@ -1,0 +1,100 @@
+"""Tool calls: parsed from each common format, given to the template, forced by grammar."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from llamacrab import InvalidParameterError, Llama, parse_tool_calls
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Lisbon"]}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+TEMPLATE = (
+    "{% if tools %}TOOLS {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Llama]:
+    path = tiny.write_tiny_llama(tmp_path_factory.mktemp("tools") / "tiny-tools.gguf",
+                                 chat_templates={"": TEMPLATE})  # fmt: skip
+    with Llama(path, n_ctx=256, n_threads=2) as model:
+        yield model
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        'Sure. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    ],
+)
+def test_each_format_is_parsed(text: str) -> None:
+    content, calls = parse_tool_calls(text)
+    assert content == "Sure."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert calls[0].id.startswith("call_") and calls[0].type == "function"
+
+
+def test_generic_json_and_plain_text() -> None:
+    text = '{"tool_calls": [{"name": "a", "arguments": "{}"}, {"name": "b", "arguments": {}}]}'
+    assert [c.name for c in parse_tool_calls(text)[1]] == ["a", "b"]
+    assert parse_tool_calls('{"name": "a", "arguments": {"x": 1}}')[1][0].arguments == '{"x": 1}'
+    assert parse_tool_calls("just an answer") == ("just an answer", [])
+    assert parse_tool_calls("<tool_call>not json</tool_call>")[1] == []
+
+
+def test_tools_reach_the_template(llm: Llama) -> None:
+    prompt = llm.chat_prompt([{"role": "user", "content": "hi"}], tools=[WEATHER, TIME])
+    assert prompt == "TOOLS get_weather get_time <user>hi<assistant>"  # trim_blocks ate "\n"
+    with pytest.raises(InvalidParameterError, match="cannot present tools"):
+        llm.chat_prompt([{"role": "user", "content": "hi"}], "chatml", tools=[WEATHER])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_required_tool_choice_always_yields_a_valid_call(llm: Llama, seed: int) -> None:
+    messages = [{"role": "user", "content": "weather?"}]
+    result = llm.create_chat_completion(messages, tools=[WEATHER, TIME], tool_choice="required",
+                                        max_tokens=200, temperature=1.0, seed=seed)  # fmt: skip
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    arguments = json.loads(call.arguments)
+    assert call.name in ("get_weather", "get_time")
+    if call.name == "get_weather":
+        assert arguments["city"] in ("Paris", "Lisbon")
+
+
+def test_named_tool_choice_and_none(llm: Llama) -> None:
+    messages = [{"role": "user", "content": "time?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    result = llm.create_chat_completion(messages, tools=[WEATHER, TIME], tool_choice=named,
+                                        max_tokens=120, temperature=0)  # fmt: skip
+    assert [c.name for c in result.choices[0].message.tool_calls] == ["get_time"]
+    plain = llm.create_chat_completion(messages, tools=[WEATHER], tool_choice="none", max_tokens=4)
+    assert plain.choices[0].message.tool_calls == ()
+    with pytest.raises(InvalidParameterError, match="not among the tools"):
+        llm.create_chat_completion(messages, tools=[WEATHER], tool_choice=named)
+    with pytest.raises(InvalidParameterError, match="needs tools"):
+        llm.create_chat_completion(messages, tool_choice="required")
+    with pytest.raises(InvalidParameterError, match="tool 0"):
+        llm.create_chat_completion(messages, tools=[{"name": "bare"}])
