@@ -19,6 +19,7 @@ pytestmark = pytest.mark.real_model
         ("completion.py", "greedy:  ' France"),
         ("streaming.py", " two, three, four, five"),
         ("prompt_cache.py", "603/610 prompt tokens reused"),
+        ("chat.py", 'tool call: get_weather {"city": "Lisbon"}'),
     ],
 )
 def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:
