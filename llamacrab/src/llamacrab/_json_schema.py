@@ -1,9 +1,11 @@
 """JSON Schema to GBNF: grammars that make llama.cpp's sampler emit only matching JSON.
 
 Supported: type (object, array, string, number, integer, boolean, null, or a list of them),
-properties with required (in declaration order; no other keys), items with minItems/maxItems,
-string minLength/maxLength, enum, const, anyOf/oneOf, and $ref into #/$defs or #/definitions.
-Anything else is refused with a clear error rather than silently loosened.
+properties with required (declaration order), additionalProperties (false, true or a schema),
+items, prefixItems, minItems/maxItems, string minLength/maxLength and format (date, time,
+date-time, uuid, email, uri), integer minimum/maximum (a range of at most 1,000 values, or a
+lower bound of 0 or 1 alone), enum, const, anyOf/oneOf, allOf of objects, and $ref into #/$defs
+or #/definitions (recursion too). Any other keyword is refused, by name, rather than loosened.
 """
 
 from __future__ import annotations
@@ -14,6 +16,27 @@ from collections.abc import Mapping
 from typing import Any
 
 from llamacrab._exceptions import GrammarError
+
+# Keywords that constrain nothing a grammar must enforce.
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                "$defs", "definitions", "deprecated", "readOnly", "writeOnly"}  # fmt: skip
+_SUPPORTED = _ANNOTATIONS | {
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "minItems", "maxItems", "minLength", "maxLength", "format", "minimum", "maximum", "enum",
+    "const", "anyOf", "oneOf", "allOf", "$ref",
+}  # fmt: skip
+_DIGITS2 = "[0-9] [0-9]"
+_FORMATS = {
+    "date": '[0-9]{4} "-" ( "0" [1-9] | "1" [0-2] ) "-" ( "0" [1-9] | [12] [0-9] | "3" [01] )',
+    "time": (
+        '( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] ":" [0-5] [0-9] ( "." [0-9]{1,6} )? '
+        '( "Z" | [+-] ( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] )'
+    ),
+    "uuid": '[0-9a-f]{8} "-" [0-9a-f]{4} "-" [0-9a-f]{4} "-" [0-9a-f]{4} "-" [0-9a-f]{12}',
+    "email": '[a-zA-Z0-9._+-]{1,32} "@" [a-zA-Z0-9-]{1,32} ( "." [a-zA-Z]{2,8} ){1,3}',
+    "uri": '[a-zA-Z] [a-zA-Z0-9+.-]{0,9} "://" [a-zA-Z0-9._~:/?#@!$&()*+,;=%-]{1,200}',
+}
+_FORMATS["date-time"] = f'{_FORMATS["date"]} "T" {_FORMATS["time"]}'
 
 _PRIMITIVES = {
     "ws": r"[ \t\n]{0,8}",
@@ -63,6 +86,13 @@ class _Converter:
             return "json-value"
         if not isinstance(schema, Mapping):
             raise GrammarError(f"schema at {hint!r} must be an object, not {schema!r}")
+        unsupported = sorted(set(schema) - _SUPPORTED)
+        if unsupported:
+            raise GrammarError(
+                f"JSON Schema keyword {unsupported[0]!r} (at {hint}) is not supported"
+            )
+        if "allOf" in schema:
+            return self.visit(_merge_all_of(schema, hint), hint)
         if "$ref" in schema:
             return self.ref(schema["$ref"])
         if "const" in schema:
@@ -83,9 +113,15 @@ class _Converter:
             return self.array(schema, hint)
         if kind == "string":
             return self.string(schema, hint)
-        if kind in ("number", "integer", "boolean", "null"):
+        if kind == "integer":
+            return self.integer(schema, hint)
+        if "minimum" in schema or "maximum" in schema:
+            raise GrammarError(
+                f"JSON Schema keyword 'minimum'/'maximum' on {kind} is not supported"
+            )
+        if kind in ("number", "boolean", "null"):
             return f"json-{kind}"
-        if kind is None and not ({"properties", "items"} & set(schema)):
+        if kind is None and not ({"properties", "items", "prefixItems"} & set(schema)):
             return "json-value"
         raise GrammarError(f"unsupported schema at {hint!r}: {json.dumps(schema)[:200]}")
 
@@ -102,8 +138,17 @@ class _Converter:
 
     def object(self, schema: Mapping[str, Any], hint: str) -> str:
         properties: Mapping[str, Any] = schema.get("properties", {})
+        extra = schema.get("additionalProperties", not properties)
+        extra_member = None
+        if extra is not False:
+            value = self.visit(extra, f"{hint}-extra")
+            extra_member = self.add(f"{hint}-member", f'json-string ws ":" ws {value}')
         if not properties:
-            return "json-object"
+            if extra_member is None:
+                return self.add(hint, '"{" ws "}"')
+            return self.add(
+                hint, f'"{{" ws ( {extra_member} ( ws "," ws {extra_member} )* )? ws "}}"'
+            )
         required = set(schema.get("required", []))
         unknown = required - set(properties)
         if unknown:
@@ -114,16 +159,22 @@ class _Converter:
         }
         must = [pairs[k] for k in properties if k in required]
         may = [pairs[k] for k in properties if k not in required]
+        tail = f' ( ws "," ws {extra_member} )*' if extra_member else ""
         if must:
-            body = ' ws "," ws '.join(must) + "".join(f' ( ws "," ws {p} )?' for p in may)
+            body = ' ws "," ws '.join(must) + "".join(f' ( ws "," ws {p} )?' for p in may) + tail
         else:  # the first optional key present opens the list without a comma
             starts = [
-                p + "".join(f' ( ws "," ws {q} )?' for q in may[i + 1 :]) for i, p in enumerate(may)
+                p + "".join(f' ( ws "," ws {q} )?' for q in may[i + 1 :]) + tail
+                for i, p in enumerate(may)
             ]
+            if extra_member:
+                starts.append(extra_member + tail)
             body = "( " + " | ".join(f"( {s} )" for s in starts) + " )?"
         return self.add(hint, f'"{{" ws {body} ws "}}"')
 
     def array(self, schema: Mapping[str, Any], hint: str) -> str:
+        if "prefixItems" in schema:
+            return self.tuple(schema, hint)
         item = self.visit(schema.get("items", True), f"{hint}-item")
         low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
         if high is not None and int(high) < low:
@@ -137,15 +188,67 @@ class _Converter:
         body = f'"[" ws {items} ws "]"' if low > 0 else f'"[" ws ( {items} )? ws "]"'
         return self.add(hint, body)
 
+    def tuple(self, schema: Mapping[str, Any], hint: str) -> str:
+        """prefixItems: these items first (all of them), then ``items`` (false: nothing)."""
+        if "minItems" in schema or "maxItems" in schema:
+            raise GrammarError(f"{hint}: minItems/maxItems with prefixItems is not supported")
+        fixed = [self.visit(s, f"{hint}-{i}") for i, s in enumerate(schema["prefixItems"])]
+        body = ' ws "," ws '.join(fixed)
+        rest = schema.get("items", True)
+        if rest is not False:
+            body += f' ( ws "," ws {self.visit(rest, f"{hint}-rest")} )*'
+        return self.add(hint, f'"[" ws {body} ws "]"' if fixed else '"[" ws "]"')
+
+    def integer(self, schema: Mapping[str, Any], hint: str) -> str:
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if low is None and high is None:
+            return "json-integer"
+        if low is not None and high is not None and 0 <= high - low <= 1000:
+            values = range(int(low), int(high) + 1)
+            return self.add(hint, " | ".join(f'"{v}"' for v in values))
+        if high is None and low in (0, 1):
+            return self.add(hint, '"0" | [1-9] [0-9]{0,15}' if low == 0 else "[1-9] [0-9]{0,15}")
+        raise GrammarError(
+            f"JSON Schema keyword 'minimum'/'maximum' at {hint}: only ranges of up to 1,000 "
+            "values, or a lone minimum of 0 or 1, are supported"
+        )
+
     def string(self, schema: Mapping[str, Any], hint: str) -> str:
-        if "pattern" in schema or "format" in schema:
-            raise GrammarError(f"{hint}: string pattern/format is not supported")
+        if "format" in schema:
+            if schema["format"] not in _FORMATS:
+                raise GrammarError(f"string format {schema['format']!r} at {hint} is not supported")
+            return self.add(hint, f'"\\"" {_FORMATS[schema["format"]]} "\\""')
         low, high = schema.get("minLength"), schema.get("maxLength")
         if low is None and high is None:
             return "json-string"
         char = r'( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )'
         count = f"{{{int(low or 0)},{'' if high is None else int(high)}}}"
         return self.add(hint, f'"\\"" {char}{count} "\\""')
+
+
+def _merge_all_of(schema: Mapping[str, Any], hint: str) -> dict[str, Any]:
+    """allOf of object schemas as one object schema (properties and required united)."""
+    merged: dict[str, Any] = {k: v for k, v in schema.items() if k != "allOf"}
+    properties: dict[str, Any] = dict(merged.get("properties", {}))
+    required: list[str] = list(merged.get("required", []))
+    for part in schema["allOf"]:
+        if not isinstance(part, Mapping) or set(part) - {
+            "type",
+            "properties",
+            "required",
+            *_ANNOTATIONS,
+        }:
+            raise GrammarError(
+                f"allOf at {hint}: only object schemas with properties can be merged"
+            )
+        if part.get("type", "object") != "object":
+            raise GrammarError(f"allOf at {hint}: only object schemas can be merged")
+        for key, value in part.get("properties", {}).items():
+            if key in properties and properties[key] != value:
+                raise GrammarError(f"allOf at {hint}: property {key!r} is defined twice")
+            properties[key] = value
+        required += [r for r in part.get("required", []) if r not in required]
+    return {**merged, "type": "object", "properties": properties, "required": required}
 
 
 def schema_to_grammar(schema: Mapping[str, Any]) -> str:
