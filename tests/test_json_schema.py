@@ -83,8 +83,8 @@ def test_objects_whose_keys_are_all_optional(tiny_llama: Llama) -> None:
 
 
 def test_unsupported_schemas_are_refused() -> None:
-    with pytest.raises(GrammarError, match="pattern"):
-        schema_to_grammar({"type": "string", "pattern": "^a+$"})
+    with pytest.raises(GrammarError, match="lookaround"):
+        schema_to_grammar({"type": "string", "pattern": "^(?!a)b$"})
     with pytest.raises(GrammarError, match="resolve"):
         schema_to_grammar({"$ref": "#/$defs/missing"})
     with pytest.raises(GrammarError, match="not in properties"):
@@ -101,3 +101,19 @@ def test_chat_response_format_json_schema(gemma: Llama) -> None:
     check_person(json.loads(result.text))
     with pytest.raises(InvalidParameterError, match="response_format"):
         gemma.create_chat_completion(messages, response_format={"type": "xml"})
+
+
+@pytest.mark.parametrize(
+    ("pattern", "problem"),
+    [
+        ("(ab", "unclosed group"),
+        ("[ab", "unclosed character class"),
+        ("ab\\", "trailing"),
+        ("*a", "quantifier"),
+        ("a{x}", "repetition"),
+        ("a$b", "inside the pattern"),
+    ],
+)
+def test_malformed_patterns_are_refused(pattern: str, problem: str) -> None:
+    with pytest.raises(GrammarError, match=problem):
+        schema_to_grammar({"type": "string", "pattern": pattern})

@@ -86,6 +86,13 @@ CORPUS: list[dict[str, Any]] = [
         },
         "required": ["when"],
     },
+    {"type": "string", "pattern": "^[a-z]{3}-[0-9]{2}$"},
+    {"type": "string", "pattern": "^(cat|dog)s?$"},
+    {"type": "string", "pattern": "^\\d{1,3}\\.\\d{2}$"},
+    {"type": "string", "pattern": "^[A-Z][a-z]{0,5}( [A-Z][a-z]{0,5}){0,2}$"},
+    {"type": "string", "pattern": "^a.c$"},
+    {"type": "string", "pattern": "^(?:ab){1,3}[^xyz]?$"},
+    {"type": "string", "pattern": "^\\w{2}\\s\\w{2}$"},
     {"title": "annotated", "description": "ignored", "type": "boolean", "default": True},
     {},
     {
@@ -157,7 +164,10 @@ def test_gemma_generations_validate(gemma: Llama, index: int) -> None:
 @pytest.mark.parametrize(
     ("schema", "keyword"),
     [
-        ({"type": "string", "pattern": "^a+$"}, "pattern"),
+        ({"type": "string", "pattern": "^(?=a)a$"}, "lookaround"),
+        ({"type": "string", "pattern": "^(a)\\1$"}, "escape"),
+        ({"type": "string", "pattern": 'say "hi"'}, "JSON"),
+        ({"type": "string", "pattern": "^a", "maxLength": 3}, "pattern with"),
         ({"type": "number", "minimum": 0}, "minimum"),
         ({"type": "integer", "minimum": 0, "maximum": 10**6}, "minimum"),
         ({"type": "string", "format": "ipv4"}, "ipv4"),

@@ -2,10 +2,11 @@
 
 Supported: type (object, array, string, number, integer, boolean, null, or a list of them),
 properties with required (declaration order), additionalProperties (false, true or a schema),
-items, prefixItems, minItems/maxItems, string minLength/maxLength and format (date, time,
-date-time, uuid, email, uri), integer minimum/maximum (a range of at most 1,000 values, or a
-lower bound of 0 or 1 alone), enum, const, anyOf/oneOf, allOf of objects, and $ref into #/$defs
-or #/definitions (recursion too). Any other keyword is refused, by name, rather than loosened.
+items, prefixItems, minItems/maxItems, string minLength/maxLength, pattern (the regex subset
+of _regex_gbnf) and format (date, time, date-time, uuid, email, uri), integer minimum/maximum
+(a range of at most 1,000 values, or a lower bound of 0 or 1 alone), enum, const,
+anyOf/oneOf, allOf of objects, and $ref into #/$defs or #/definitions (recursion too). Any
+other keyword is refused, by name, rather than loosened.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from llamacrab._exceptions import GrammarError
+from llamacrab._regex_gbnf import pattern_to_gbnf
 
 # Keywords that constrain nothing a grammar must enforce.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
                 "$defs", "definitions", "deprecated", "readOnly", "writeOnly"}  # fmt: skip
 _SUPPORTED = _ANNOTATIONS | {
     "type", "properties", "required", "additionalProperties", "items", "prefixItems",
-    "minItems", "maxItems", "minLength", "maxLength", "format", "minimum", "maximum", "enum",
+    "minItems", "maxItems", "minLength", "maxLength", "format", "pattern", "minimum", "maximum",
+    "enum",
     "const", "anyOf", "oneOf", "allOf", "$ref",
 }  # fmt: skip
 _DIGITS2 = "[0-9] [0-9]"
@@ -214,6 +217,10 @@ class _Converter:
         )
 
     def string(self, schema: Mapping[str, Any], hint: str) -> str:
+        if "pattern" in schema:
+            if {"format", "minLength", "maxLength"} & set(schema):
+                raise GrammarError(f"{hint}: pattern with format or lengths is not supported")
+            return self.add(hint, f'"\\"" ( {pattern_to_gbnf(schema["pattern"])} ) "\\""')
         if "format" in schema:
             if schema["format"] not in _FORMATS:
                 raise GrammarError(f"string format {schema['format']!r} at {hint} is not supported")
