@@ -108,3 +108,18 @@ def test_gemma_without_a_template_gets_the_gemma_format(gemma: Llama) -> None:
     second = gemma.create_chat_completion(follow_up, max_tokens=8, temperature=0)
     assert second.usage.cached_tokens >= len(tokens) - 1  # the first turn was reused
     assert second.choices[0].finish_reason in ("eos", "length")
+
+
+def test_async_chat_stream(templated: Llama) -> None:
+    import asyncio
+
+    async def collect() -> list[str]:
+        stream = templated.astream_chat_completion(HELLO, max_tokens=4, temperature=0)
+        return [chunk.delta.content async for chunk in stream]
+
+    templated.reset()
+    pieces = asyncio.run(collect())
+    templated.reset()
+    assert (
+        "".join(pieces) == templated.create_chat_completion(HELLO, max_tokens=4, temperature=0).text
+    )

@@ -98,3 +98,11 @@ def test_named_tool_choice_and_none(llm: Llama) -> None:
         llm.create_chat_completion(messages, tool_choice="required")
     with pytest.raises(InvalidParameterError, match="tool 0"):
         llm.create_chat_completion(messages, tools=[{"name": "bare"}])
+
+
+def test_functionary_formats() -> None:
+    v31 = 'Ok <function=get_weather>{"city": "Paris"}</function><function=get_time>{}</function>'
+    content, calls = parse_tool_calls(v31)
+    assert content == "Ok" and [c.name for c in calls] == ["get_weather", "get_time"]
+    v3 = '>>>get_weather\n{"city": "Lisbon"}'
+    assert [json.loads(c.arguments) for c in parse_tool_calls(v3)[1]] == [{"city": "Lisbon"}]

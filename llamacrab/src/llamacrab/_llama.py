@@ -10,7 +10,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from llamacrab._types import (
 from llamacrab._vocab import Vocab
 
 Speculative = PromptLookup | DraftModel
+_Chunk = TypeVar("_Chunk", CompletionChunk, ChatCompletionChunk)
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelParams)}
 _CONTEXT_FIELDS = {f.name for f in dataclasses.fields(ContextParams)}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingOptions)}
@@ -212,6 +213,14 @@ class Llama:
         kwargs = _with_response_format(response_format, kwargs)
         stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
         return _chat_chunks(stream)
+
+    async def astream_chat_completion(
+        self, messages: Sequence[Mapping[str, Any]], **kwargs: Any
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        """``stream_chat_completion`` for asyncio: each step runs in a worker thread."""
+        stream = await asyncio.to_thread(self.stream_chat_completion, messages, **kwargs)
+        async for chunk in _async_steps(stream):
+            yield chunk
 
     def _chat_tokens(
         self,
@@ -453,12 +462,8 @@ class Llama:
     ) -> AsyncIterator[CompletionChunk]:
         """``stream_completion`` for asyncio: each step runs in a worker thread."""
         stream = await asyncio.to_thread(self.stream_completion, prompt, **kwargs)
-        done = object()
-        try:
-            while (chunk := await asyncio.to_thread(next, stream, done)) is not done:
-                yield chunk  # type: ignore[misc]
-        finally:
-            await asyncio.to_thread(stream.close)
+        async for chunk in _async_steps(stream):
+            yield chunk
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -516,6 +521,17 @@ class Llama:
                                       usage, tokens, logprobs)  # fmt: skip
         finally:
             samplers.close()
+
+
+async def _async_steps(stream: Generator[_Chunk, None, None]) -> AsyncIterator[_Chunk]:
+    """Drive a generation stream from asyncio, one step per worker-thread call, so the event
+    loop never waits on llama.cpp; closing early stops the generation."""
+    done = object()
+    try:
+        while (chunk := await asyncio.to_thread(next, stream, done)) is not done:
+            yield chunk  # type: ignore[misc]
+    finally:
+        await asyncio.to_thread(stream.close)
 
 
 def _with_tool_choice(

@@ -1,7 +1,8 @@
 """Tool calls: finding them in a model's answer, and a grammar that forces one.
 
 Parsers for the formats in common use, tried in order: Hermes/ChatML
-``<tool_call>{...}</tool_call>``, Mistral ``[TOOL_CALLS][{...}]``, Llama 3
+``<tool_call>{...}</tool_call>``, Functionary ``<function=NAME>{...}</function>`` or
+``>>>NAME\n{...}``, Mistral ``[TOOL_CALLS][{...}]``, Llama 3
 ``<|python_tag|>{...}`` or a bare ``{"name": ..., "parameters": ...}``, and generic JSON
 (``{"tool_calls": [...]}`` or one call).
 Tools are never executed: arguments come back as JSON text.
@@ -22,6 +23,12 @@ from llamacrab._json_schema import schema_to_grammar
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 _MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(\[.*\])", re.S)
 _PYTHON_TAG = re.compile(r"<\|python_tag\|>\s*(\{.*\})", re.S)
+# Functionary: v3.1 <function=NAME>{...}</function>, v3 >>>NAME\n{...}
+_FUNCTIONARY = re.compile(
+    r"(?:<function=([\w.-]+)>|>>>\s*([\w.-]+)\s*\n)\s*(\{.*?\})"
+    r"\s*(?:</function>|$|(?=>>>|<function=))",
+    re.S,
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,14 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     hermes = [c for m in _HERMES.finditer(text) if (c := _call(_loads(m.group(1))))]
     if hermes:
         return _HERMES.sub("", text).strip(), hermes
+    matches = list(_FUNCTIONARY.finditer(text))
+    functionary = [
+        c
+        for m in matches
+        if (c := _call({"name": m.group(1) or m.group(2), "arguments": _loads(m.group(3))}))
+    ]
+    if functionary:
+        return text[: matches[0].start()].strip(), functionary
     for pattern in (_MISTRAL, _PYTHON_TAG):
         match = pattern.search(text)
         if match:
