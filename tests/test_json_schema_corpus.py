@@ -37,13 +37,13 @@ CORPUS: list[dict[str, Any]] = [
     {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3},
     {"type": "array", "maxItems": 0},
     {"type": "array", "prefixItems": [S, {"type": "integer"}], "items": False},
-    {"type": "array", "prefixItems": [{"const": 1}], "items": {"type": "null"}},
+    {"type": "array", "prefixItems": [{"const": 1}], "items": {"type": "null"}, "maxItems": 3},
     {"type": "object", "properties": {"a": S, "b": {"type": "integer"}}, "required": ["a", "b"]},
     {"type": "object", "properties": {"a": S, "b": {"type": "integer"}}, "required": ["b"]},
     {"type": "object", "properties": {"a": {"const": 1}, "b": {"const": 2}}},
     {"type": "object", "properties": {"a": S}, "required": ["a"], "additionalProperties": False},
     {"type": "object", "properties": {"a": S}, "additionalProperties": {"type": "integer"}},
-    {"type": "object", "additionalProperties": {"type": "boolean"}},
+    {"type": "object", "additionalProperties": {"type": "boolean"}, "maxProperties": 3},
     {"type": "object", "properties": {}, "additionalProperties": False},
     {"anyOf": [{"type": "integer"}, S]},
     {"oneOf": [{"const": "x"}, {"type": "boolean"}]},
@@ -153,8 +153,14 @@ def test_tiny_model_generations_validate(roomy_tiny: Llama, index: int) -> None:
         jsonschema.validate(generate(roomy_tiny, schema, seed, **ascii_only), schema)
 
 
+# Schemas whose JSON can grow without bound (a recursive list, any JSON at all):
+# a small model may repeat itself until max_tokens, which proves nothing about the grammar. The
+# tiny model covers them above; Gemma takes every bounded schema.
+UNBOUNDED = {i for i, s in enumerate(CORPUS) if s == {} or "n" in s.get("$defs", {})}
+
+
 @pytest.mark.real_model
-@pytest.mark.parametrize("index", range(0, len(CORPUS), 3))
+@pytest.mark.parametrize("index", sorted(set(range(len(CORPUS))) - UNBOUNDED))
 def test_gemma_generations_validate(gemma: Llama, index: int) -> None:
     schema = CORPUS[index]
     for seed in range(2):

@@ -23,7 +23,8 @@ from llamacrab._regex_gbnf import pattern_to_gbnf
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
                 "$defs", "definitions", "deprecated", "readOnly", "writeOnly"}  # fmt: skip
 _SUPPORTED = _ANNOTATIONS | {
-    "type", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "type", "properties", "required", "additionalProperties", "maxProperties", "items",
+    "prefixItems",
     "minItems", "maxItems", "minLength", "maxLength", "format", "pattern", "minimum", "maximum",
     "enum",
     "const", "anyOf", "oneOf", "allOf", "$ref",
@@ -146,11 +147,15 @@ class _Converter:
         if extra is not False:
             value = self.visit(extra, f"{hint}-extra")
             extra_member = self.add(f"{hint}-member", f'json-string ws ":" ws {value}')
+        most = schema.get("maxProperties")
+        if most is not None and properties:
+            raise GrammarError(f"{hint}: maxProperties with properties is not supported")
         if not properties:
-            if extra_member is None:
+            if extra_member is None or most == 0:
                 return self.add(hint, '"{" ws "}"')
+            more = "*" if most is None else f"{{0,{int(most) - 1}}}"
             return self.add(
-                hint, f'"{{" ws ( {extra_member} ( ws "," ws {extra_member} )* )? ws "}}"'
+                hint, f'"{{" ws ( {extra_member} ( ws "," ws {extra_member} ){more} )? ws "}}"'
             )
         required = set(schema.get("required", []))
         unknown = required - set(properties)
@@ -192,14 +197,17 @@ class _Converter:
         return self.add(hint, body)
 
     def tuple(self, schema: Mapping[str, Any], hint: str) -> str:
-        """prefixItems: these items first (all of them), then ``items`` (false: nothing)."""
-        if "minItems" in schema or "maxItems" in schema:
-            raise GrammarError(f"{hint}: minItems/maxItems with prefixItems is not supported")
+        """prefixItems: these items first (all of them), then ``items`` (false: nothing), up to
+        maxItems in all."""
         fixed = [self.visit(s, f"{hint}-{i}") for i, s in enumerate(schema["prefixItems"])]
+        if int(schema.get("minItems", 0)) > len(fixed):
+            raise GrammarError(f"{hint}: minItems beyond prefixItems is not supported")
         body = ' ws "," ws '.join(fixed)
         rest = schema.get("items", True)
-        if rest is not False:
-            body += f' ( ws "," ws {self.visit(rest, f"{hint}-rest")} )*'
+        limit = schema.get("maxItems")
+        if rest is not False and (limit is None or int(limit) > len(fixed)):
+            more = "*" if limit is None else f"{{0,{int(limit) - len(fixed)}}}"
+            body += f' ( ws "," ws {self.visit(rest, f"{hint}-rest")} ){more}'
         return self.add(hint, f'"[" ws {body} ws "]"' if fixed else '"[" ws "]"')
 
     def integer(self, schema: Mapping[str, Any], hint: str) -> str:
