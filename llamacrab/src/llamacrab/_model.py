@@ -185,7 +185,13 @@ class Model(NativeHandle):
 
     @property
     def metadata(self) -> dict[str, str]:
-        """Every GGUF metadata key with its value as llama.cpp renders it."""
+        """Every GGUF metadata key with its value as llama.cpp renders it (a copy)."""
+        self.pointer  # noqa: B018 - raises ClosedHandleError once the model is closed
+        return dict(self._metadata)
+
+    @functools.cached_property
+    def _metadata(self) -> dict[str, str]:
+        # Read from C once: it never changes, and chat templates consult it on every call.
         model = self.pointer
         result = {}
         for i in range(lib.llama_model_meta_count(model)):
