@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from llamacrab import InvalidParameterError, Llama, parse_tool_calls
+from llamacrab._tool_calls import ToolCallSplitter
 
 from support import load_repo_module
 
@@ -106,3 +107,40 @@ def test_functionary_formats() -> None:
     assert content == "Ok" and [c.name for c in calls] == ["get_weather", "get_time"]
     v3 = '>>>get_weather\n{"city": "Lisbon"}'
     assert [json.loads(c.arguments) for c in parse_tool_calls(v3)[1]] == [{"city": "Lisbon"}]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_streamed_forced_call_arrives_as_one_tool_call_delta(llm: Llama, seed: int) -> None:
+    messages = [{"role": "user", "content": "weather?"}]
+    stream = llm.stream_chat_completion(messages, tools=[WEATHER], tool_choice="required",
+                                        max_tokens=200, temperature=1.0, seed=seed)  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].delta.role == "assistant"
+    assert "".join(c.delta.content for c in chunks) == ""  # the call's JSON is not content
+    last = chunks[-1]
+    assert last.finish_reason == "tool_calls" and len(last.delta.tool_calls) == 1
+    assert json.loads(last.delta.tool_calls[0].arguments)["city"] in ("Paris", "Lisbon")
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["Let me check. <tool", "_call>", '{"name": "get_time", ', '"arguments": {}}</tool_call>'],
+        ['{"name": ', '"get_time", "arguments": {}}'],
+        ["[TOOL", "_CALLS][", '{"name": "get_time", "arguments": {}}]'],
+    ],
+)
+def test_streamed_text_is_split_at_the_tool_call_opener(pieces: list[str]) -> None:
+    splitter = ToolCallSplitter()
+    emitted = "".join(splitter.push(p) for p in pieces)
+    content, calls = splitter.finish()
+    assert (emitted + content).strip() in ("Let me check.", "")
+    assert [c.name for c in calls] == ["get_time"]
+
+
+def test_streamed_text_without_a_call_is_all_content() -> None:
+    splitter = ToolCallSplitter()
+    pieces = ["The answer ", "is <b>42</b> ", ">> not a call"]
+    emitted = "".join(splitter.push(p) for p in pieces)
+    rest, calls = splitter.finish()
+    assert emitted + rest == "".join(pieces) and calls == []

@@ -75,6 +75,21 @@ class Batch:
         self._logits[:n] = 1
         self.struct.n_tokens = n
 
+    def set_rows(
+        self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, logits: np.ndarray
+    ) -> None:
+        """Any mix of sequences, one row per token (continuous batching of parallel slots)."""
+        n = len(tokens)
+        if not 0 < n <= self.capacity:
+            raise InvalidParameterError(f"{n} tokens do not fit a batch of {self.capacity}")
+        if seq_ids.min() < 0 or seq_ids.max() >= self.n_seq_max:
+            raise InvalidParameterError(f"a seq_id outside 0..{self.n_seq_max - 1}")
+        self._tokens[:n] = tokens
+        self._positions[:n] = positions
+        self._seq_pointers[:n] = self._cells_address + 4 * seq_ids.astype(np.uintp)
+        self._logits[:n] = logits
+        self.struct.n_tokens = n
+
     def set_one(self, token: int, pos: int, seq_id: int = 0) -> None:
         """The per-token fast path of generation: one token, logits wanted."""
         self._tokens[0] = token

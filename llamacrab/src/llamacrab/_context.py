@@ -156,6 +156,7 @@ class Context(NativeHandle):
         self._adapters: dict[LoraAdapter, float] = {}
         self.n_ctx = int(lib.llama_n_ctx(pointer))
         self.n_batch = int(lib.llama_n_batch(pointer))
+        self.n_ctx_seq = int(lib.llama_n_ctx_seq(pointer))  # what one sequence may hold
         # A non-causal model must see each batch in one ubatch: llama.cpp asserts (aborts) else.
         self.max_decode = self.n_batch if model.causal else int(lib.llama_n_ubatch(pointer))
         self.n_vocab = model.vocab.n_tokens

@@ -15,6 +15,7 @@ LlamaError
 ├── HubError                   a model could not be resolved or fetched from the Hub
 ├── StateError                 (also ValueError) a saved state that cannot be loaded here
 ├── TemplateError              (also ValueError) a chat template that failed or was refused
+├── QueueFullError             every parallel slot is busy and the waiting queue is full
 └── InvalidParameterError      (also ValueError) a parameter out of its range
 """
 
@@ -89,6 +90,10 @@ class StateError(LlamaError, ValueError):
 
 class TemplateError(LlamaError, ValueError):
     """A chat template that does not parse, fails, or tries something the sandbox refuses."""
+
+
+class QueueFullError(LlamaError):
+    """Every parallel slot is busy and the waiting queue is full: try again later."""
 
 
 class InvalidParameterError(LlamaError, ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +25,7 @@ from llamacrab._speculative import Drafter, SpeculativeStats
 from llamacrab._state import SavedState, common_prefix
 from llamacrab._stop import StopMatcher
 from llamacrab._types import FinishReason
+from llamacrab._vocab import Vocab
 
 
 @dataclass
@@ -68,19 +69,19 @@ class Request:
 
 
 class KvState:
-    """The tokens currently held in sequence 0 of a context, to reuse a shared prompt prefix."""
+    """The tokens one sequence of a context currently holds, to reuse a shared prompt prefix."""
 
-    def __init__(self, context: Context, cache: PromptCache | None = None) -> None:
+    def __init__(self, context: Context, cache: PromptCache | None = None, seq_id: int = 0) -> None:
         self.context = context
         self.cache = cache
+        self.seq_id = seq_id
         self.tokens: list[int] = []
-        self.batch = Batch(context.n_batch)
-        self.reused = 0  # prompt tokens the last prepare() kept instead of decoding
+        self.batch = Batch(context.n_batch, seq_id + 1)
 
     def snapshot(self, scope: str = "sequence") -> SavedState:
         if scope not in ("sequence", "context"):
             raise InvalidParameterError(f"scope must be 'sequence' or 'context', not {scope!r}")
-        payload = self.context.state_bytes(0 if scope == "sequence" else None)
+        payload = self.context.state_bytes(self.seq_id if scope == "sequence" else None)
         model_id, n_ctx = self.context.model.identity, self.context.n_ctx
         return SavedState(tuple(self.tokens), payload, model_id, n_ctx, scope)
 
@@ -98,9 +99,10 @@ class KvState:
             )
         self.tokens.clear()
         try:
-            self.context.load_state_bytes(state.payload, 0 if state.scope == "sequence" else None)
+            seq_id = self.seq_id if state.scope == "sequence" else None
+            self.context.load_state_bytes(state.payload, seq_id)
         except BaseException:
-            self.reset()
+            self.forget() if state.scope == "sequence" else self.reset()
             raise
         self.tokens.extend(state.tokens)
 
@@ -125,15 +127,20 @@ class KvState:
         self._restore_from_cache(prompt)
         keep = common_prefix(self.tokens, prompt)
         keep = min(keep, len(prompt) - 1)  # the last prompt token is decoded again for its logits
-        if keep < len(self.tokens) and not self.context.remove(0, keep, -1):
-            self.context.clear()  # this memory cannot drop a suffix: start over
+        if keep < len(self.tokens) and not self.context.remove(self.seq_id, keep, -1):
+            self.forget()  # this memory cannot drop a suffix: start over
             keep = 0
         del self.tokens[keep:]
-        self.reused = keep
         return keep
 
     def reset(self) -> None:
+        """Clear the whole memory (embeddings reuse it with other sequences, too)."""
         self.context.clear()
+        self.tokens.clear()
+
+    def forget(self) -> None:
+        """Clear this sequence only; the other sequences of the context keep theirs."""
+        self.context.remove(self.seq_id, 0, -1)
         self.tokens.clear()
 
     def decode_prompt(self, prompt: Sequence[int], keep: int) -> None:
@@ -141,23 +148,24 @@ class KvState:
         step = min(self.batch.capacity, self.context.max_decode)
         for start in range(0, len(todo), step):
             chunk = todo[start : start + step]
-            self.batch.set(chunk, len(self.tokens), logits_last=start + step >= len(todo))
+            self.batch.set(chunk, len(self.tokens), self.seq_id, start + step >= len(todo))
             self.decode_tracked(chunk.tolist())
 
     def decode_all(self, tokens: list[int]) -> None:
         """Decode tokens with logits for every one (speculative verification)."""
-        self.batch.set(np.asarray(tokens, dtype=np.int32), len(self.tokens), logits_all=True)
+        tokens_array = np.asarray(tokens, dtype=np.int32)
+        self.batch.set(tokens_array, len(self.tokens), self.seq_id, logits_all=True)
         self.decode_tracked(tokens)
 
     def drop_last(self, count: int) -> None:
         """Remove the last ``count`` tokens from the memory (rejected drafts)."""
         keep = len(self.tokens) - count
-        if not self.context.remove(0, keep, -1):
+        if not self.context.remove(self.seq_id, keep, -1):
             raise StateError("this model's memory cannot drop tokens: speculation is not possible")
         del self.tokens[keep:]
 
     def decode_one(self, token: int) -> None:
-        self.batch.set_one(token, len(self.tokens))
+        self.batch.set_one(token, len(self.tokens), self.seq_id)
         self.decode_tracked([token])
 
     def decode_tracked(self, tokens: list[int]) -> None:
@@ -170,11 +178,28 @@ class KvState:
 
 
 class Session:
-    """One generation. A newer session on the same Llama supersedes it (it ends "cancelled")."""
+    """One generation. A newer session on the same Llama supersedes it (it ends "cancelled");
+    ``cancel()`` ends it from any thread, and so does passing its ``timeout`` (seconds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = None) -> None:
+        if timeout is not None and timeout <= 0:
+            raise InvalidParameterError(f"timeout must be > 0 seconds, not {timeout}")
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.superseded = False
         self.cancelled = threading.Event()
+        self.wake: Callable[[], None] | None = None  # tells a scheduler to look at it now
+        self.reused = 0  # prompt tokens found in memory instead of decoded
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        if self.wake is not None:
+            self.wake()
+
+    def stopped(self) -> bool:
+        """Cancelled, superseded, or past its deadline."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.cancelled.set()
+        return self.superseded or self.cancelled.is_set()
 
 
 def generate(
@@ -192,7 +217,8 @@ def generate(
     request.check(context.n_ctx)
     with lock:
         try:
-            kv.decode_prompt(request.prompt, kv.prepare(request.prompt))
+            session.reused = kv.prepare(request.prompt)
+            kv.decode_prompt(request.prompt, session.reused)
             first: Step | None = None
         except DecodeAbortedError:
             first = Step("", None, "cancelled")
@@ -202,15 +228,15 @@ def generate(
     stepper = _Stepper(kv, samplers, request, drafter, stats or SpeculativeStats())
     produced = 0
     while True:
-        if session.superseded or session.cancelled.is_set():
+        if session.stopped():
             with lock:
                 stepper.settle()
-            yield Step(stepper.stops.flush(), None, "cancelled")
+            yield Step(stepper.emitter.stops.flush(), None, "cancelled")
             return
-        if request.max_tokens is not None and produced >= request.max_tokens:
+        if stepper.emitter.is_last(produced):
             with lock:
                 stepper.settle()
-            step = Step(stepper.rest(), None, "length")
+            step = Step(stepper.emitter.rest(), None, "length")
         else:
             with lock:
                 if session.superseded:
@@ -223,6 +249,40 @@ def generate(
         yield step
         if step.finish_reason is not None:
             return
+
+
+class Emitter:
+    """Turns sampled tokens into a request's text: incremental detokenizing, stop strings,
+    log-probabilities, end of generation. Shared by every generation loop."""
+
+    def __init__(self, vocab: Vocab, request: Request) -> None:
+        self.vocab, self.request = vocab, request
+        self.decoder = vocab.decoder()
+        self.stops = StopMatcher(request.stop)
+
+    def sample(self, context: Context, samplers: Samplers, index: int, produced: int) -> Step:
+        """Sample from output ``index``; an end-of-generation token ends with "eos" (it is not
+        output), a stop string with "stop"."""
+        request = self.request
+        token = samplers.sample(context, end_allowed=produced >= request.min_tokens, index=index)
+        logprob, top = None, None
+        if request.logprobs is not None:
+            logprob, top = token_logprobs(context, token, request.logprobs, index)
+        if self.vocab.is_eog(token):
+            return Step(self.rest(), None, "eos")
+        step = Step(self.stops.push(self.decoder.feed([token])), token, None, logprob, top)
+        if self.stops.stopped:
+            step.finish_reason = "stop"
+        return step
+
+    def rest(self) -> str:
+        """Everything held back, at the end of a generation that no stop string ended."""
+        text = self.stops.push(self.decoder.flush())
+        return text if self.stops.stopped else text + self.stops.flush()
+
+    def is_last(self, produced: int) -> bool:
+        """Whether ``produced`` tokens reach max_tokens: nothing more is decoded."""
+        return self.request.max_tokens is not None and produced >= self.request.max_tokens
 
 
 class _Stepper:
@@ -239,17 +299,11 @@ class _Stepper:
     ) -> None:
         self.kv, self.samplers, self.request = kv, samplers, request
         self.drafter, self.stats = drafter, stats
-        self.decoder = kv.context.model.vocab.decoder()
-        self.stops = StopMatcher(request.stop)
+        self.emitter = Emitter(kv.context.model.vocab, request)
         self.index = -1  # output of the last decode to sample from
         self.drafts: list[int] = []  # decoded after that output, not yet confirmed
         self.drafted = 0  # size of the current draft, for the drafter's feedback
         self.decode_seconds = 0.0  # of the last decode
-
-    def rest(self) -> str:
-        """Everything held back, at the end of a generation that no stop string ended."""
-        text = self.stops.push(self.decoder.flush())
-        return text if self.stops.stopped else text + self.stops.flush()
 
     def settle(self) -> None:
         """Forget unconfirmed drafts: out of the memory, and reported to the drafter."""
@@ -262,37 +316,26 @@ class _Stepper:
             self.drafts = []
 
     def next(self, produced: int) -> Step:
-        context, request = self.kv.context, self.request
-        end_allowed = produced >= request.min_tokens
-        token = self.samplers.sample(context, end_allowed=end_allowed, index=self.index)
-        logprob, top = None, None
-        if request.logprobs is not None:
-            logprob, top = token_logprobs(context, token, request.logprobs, self.index)
-        if context.model.vocab.is_eog(token):
-            self.settle()
-            return Step(self.rest(), None, "eos")  # the end token itself is not output
-        step = Step(self.stops.push(self.decoder.feed([token])), token, None, logprob, top)
-        if self.drafts and self.drafts[0] == token:  # a confirmed draft: already decoded
-            self.drafts.pop(0)
+        step = self.emitter.sample(self.kv.context, self.samplers, self.index, produced)
+        token = step.token
+        if token is not None and self.drafts and self.drafts[0] == token:
+            self.drafts.pop(0)  # a confirmed draft: already decoded
             self.stats.accepted += 1
             self.index += 1
-            if self.stops.stopped:
+            if step.finish_reason is not None:
                 self.settle()
-                step.finish_reason = "stop"
             return step
         self.settle()
-        if self.stops.stopped:
-            step.finish_reason = "stop"
-        elif request.max_tokens is not None and produced + 1 >= request.max_tokens:
-            pass  # the last token: "length" is reported by the next step, nothing left to decode
-        elif len(self.kv.tokens) + 1 >= context.n_ctx:
-            step.text += self.rest()
+        if token is None or step.finish_reason is not None or self.emitter.is_last(produced + 1):
+            return step  # at max_tokens, "length" is reported by the next step
+        if len(self.kv.tokens) + 1 >= self.kv.context.n_ctx:
+            step.text += self.emitter.rest()
             step.finish_reason = "length"
-        else:
-            try:
-                self._decode(token, produced)
-            except DecodeAbortedError:
-                step.finish_reason = "cancelled"
+            return step
+        try:
+            self._decode(token, produced)
+        except DecodeAbortedError:
+            step.finish_reason = "cancelled"
         return step
 
     def _decode(self, token: int, produced: int) -> None:

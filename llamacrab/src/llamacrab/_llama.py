@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import threading
@@ -10,7 +11,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -33,9 +34,17 @@ from llamacrab._infill import infill_tokens
 from llamacrab._json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import Samplers, SamplingOptions
+from llamacrab._scheduler import Scheduler
 from llamacrab._speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
-from llamacrab._tool_calls import forced_call_grammar, parse_tool_calls, tool_names
+from llamacrab._stream import Stream, async_chunks
+from llamacrab._tool_calls import (
+    ToolCall,
+    ToolCallSplitter,
+    forced_call_grammar,
+    parse_tool_calls,
+    tool_names,
+)
 from llamacrab._types import (
     ChatChoice,
     ChatCompletion,
@@ -52,7 +61,6 @@ from llamacrab._types import (
 from llamacrab._vocab import Vocab
 
 Speculative = PromptLookup | DraftModel
-_Chunk = TypeVar("_Chunk", CompletionChunk, ChatCompletionChunk)
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelParams)}
 _CONTEXT_FIELDS = {f.name for f in dataclasses.fields(ContextParams)}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingOptions)}
@@ -84,6 +92,12 @@ class Llama:
 
     Calls are serialized: a completion started from another thread waits for the one running,
     and a new call supersedes an unfinished stream (which then ends "cancelled").
+
+    ``parallel=N`` runs generations on N slots instead, as a server does: the slots share the
+    context (each gets ``n_ctx / N`` tokens), an engine thread decodes all of them together
+    (continuous batching), up to ``max_queue`` more wait for a slot (then QueueFullError), and
+    nothing supersedes anything. Completions from several threads or asyncio tasks proceed
+    side by side. State save/load and speculative decoding need ``parallel=None``.
     """
 
     def __init__(
@@ -98,12 +112,15 @@ class Llama:
         chat_format: str | None = None,
         seed: int | None = None,
         progress: Callable[[float], object] | None = None,
+        parallel: int | None = None,
+        max_queue: int = 64,
         **options: Any,
     ) -> None:
         if options and (model_params or context_params or hub):
             raise InvalidParameterError("pass parameter objects or keywords, not both")
         if options:
             model_params, context_params, hub = _split_params(options)
+        context_params = _with_slots(context_params, parallel, max_queue, speculative)
         self.files: ResolvedModel = resolve_model(model_path, hub)
         self.model = Model.load(self.files.path, model_params, progress)
         try:
@@ -119,6 +136,11 @@ class Llama:
         self._lock = threading.RLock()
         self._session: weakref.ReferenceType[Session] | None = None
         self._embedder_cache: Embedder | None = None
+        self.scheduler: Scheduler | None = None
+        if parallel is not None:
+            self.scheduler = Scheduler(self.context, self._lock, parallel, max_queue, cache)
+            # Collected or closed, the Llama stops its engine thread before the context goes.
+            self._stop_engine = weakref.finalize(self, self.scheduler.close)
 
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], **kwargs: Any) -> Llama:
@@ -128,6 +150,8 @@ class Llama:
 
     def close(self) -> None:
         """Free the context and the model. Idempotent."""
+        if self.scheduler is not None:
+            self._stop_engine()
         self.model.close()
 
     @property
@@ -144,18 +168,29 @@ class Llama:
         """The KV memory and the tokens it holds (``SavedState.save`` writes it to a file);
         ``scope="context"`` saves the whole context (every sequence, last outputs)."""
         with self._lock:
-            return self._kv.snapshot(scope)
+            return self._one_slot("save_state").snapshot(scope)
 
     def load_state(self, state: SavedState) -> None:
         """Restore a state saved from this model; the next prompt sharing its tokens reuses it.
         A state from another model, a smaller context, or a corrupt blob raises StateError."""
         with self._lock:
-            self._kv.restore(state)
+            self._one_slot("load_state").restore(state)
 
     def reset(self) -> None:
         """Forget the cached prompt: the next call decodes its whole prompt again."""
-        with self._lock:
-            self._kv.reset()
+        self._forget()
+
+    def _forget(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.forget()
+        else:
+            with self._lock:
+                self._kv.reset()
+
+    def _one_slot(self, what: str) -> KvState:
+        if self.scheduler is not None:
+            raise InvalidParameterError(f"{what} needs a Llama with parallel=None")
+        return self._kv
 
     # -- chat ----------------------------------------------------------------------------------
 
@@ -190,11 +225,10 @@ class Llama:
         ``tool_choice`` "none" ignores them, "auto" lets the model decide, "required" or
         {"type": "function", "function": {"name": ...}} forces a call with a grammar (as
         generic JSON), so it always parses. Tools are never executed."""
-        kwargs = _with_response_format(response_format, kwargs)
-        kwargs = _with_tool_choice(tools, tool_choice, kwargs)  # validates tools first
-        tokens = self._chat_tokens(messages, chat_format, tools)
+        tokens, kwargs, parse = self._chat_request(
+            messages, chat_format, response_format, tools, tool_choice, kwargs
+        )
         result = self.create_completion(tokens, max_tokens=max_tokens, **kwargs)
-        parse = bool(tools) and tool_choice != "none"
         choices = tuple(_chat_choice(c, parse) for c in result.choices)
         chat_id = "chatcmpl-" + result.id.removeprefix("cmpl-")
         return ChatCompletion(chat_id, result.created, result.model, choices, result.usage)
@@ -206,21 +240,41 @@ class Llama:
         chat_format: str | None = None,
         max_tokens: int | None = None,
         response_format: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
         **kwargs: Any,
-    ) -> Generator[ChatCompletionChunk, None, None]:
-        """``create_chat_completion`` as a stream of deltas (the first carries the role)."""
-        tokens = self._chat_tokens(messages, chat_format, None)
-        kwargs = _with_response_format(response_format, kwargs)
+    ) -> Stream[ChatCompletionChunk]:
+        """``create_chat_completion`` as a stream of deltas (the first carries the role).
+        With ``tools``, text from a tool-call opener on is held back; the last delta carries
+        the parsed ``tool_calls`` (finish_reason "tool_calls"), or the text if none parsed."""
+        tokens, kwargs, parse = self._chat_request(
+            messages, chat_format, response_format, tools, tool_choice, kwargs
+        )
         stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
-        return _chat_chunks(stream)
+        return stream.then(lambda chunks: _chat_chunks(chunks, parse))
 
     async def astream_chat_completion(
         self, messages: Sequence[Mapping[str, Any]], **kwargs: Any
     ) -> AsyncIterator[ChatCompletionChunk]:
         """``stream_chat_completion`` for asyncio: each step runs in a worker thread."""
         stream = await asyncio.to_thread(self.stream_chat_completion, messages, **kwargs)
-        async for chunk in _async_steps(stream):
+        async for chunk in async_chunks(stream):
             yield chunk
+
+    def _chat_request(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        chat_format: str | None,
+        response_format: Mapping[str, Any] | None,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_choice: str | Mapping[str, Any],
+        kwargs: dict[str, Any],
+    ) -> tuple[list[int], dict[str, Any], bool]:
+        """Prompt tokens, completion keywords, and whether to look for tool calls."""
+        kwargs = _with_response_format(response_format, kwargs)
+        kwargs = _with_tool_choice(tools, tool_choice, kwargs)  # validates tools first
+        tokens = self._chat_tokens(messages, chat_format, tools)
+        return tokens, kwargs, bool(tools) and tool_choice != "none"
 
     def _chat_tokens(
         self,
@@ -264,7 +318,7 @@ class Llama:
         files: Sequence[tuple[str, str]] = (),
         file_name: str | None = None,
         **kwargs: Any,
-    ) -> Generator[CompletionChunk, None, None]:
+    ) -> Stream[CompletionChunk]:
         """``create_infill``, chunk by chunk (see ``stream_completion``)."""
         tokens = infill_tokens(self.vocab, prefix, suffix, spm=spm, repo=repo, files=files,
                                file_name=file_name)  # fmt: skip
@@ -363,7 +417,7 @@ class Llama:
         """Apply exactly these adapters; the prompt cache is dropped (it used the old weights)."""
         with self._lock:
             self.context.set_lora_adapters(adapters)
-            self._kv.reset()
+        self._forget()
 
     # -- tokens --------------------------------------------------------------------------------
 
@@ -383,6 +437,9 @@ class Llama:
 
     def cancel(self) -> None:
         """Stop the running generation (from any thread); it ends with finish_reason "cancelled"."""
+        if self.scheduler is not None:
+            self.scheduler.cancel_all()
+            return
         session = self._session() if self._session else None
         if session is not None:
             session.cancelled.set()
@@ -399,9 +456,10 @@ class Llama:
         suffix: str = "",
         logprobs: int | None = None,
         speculative: Speculative | None = None,
+        timeout: float | None = None,
         sampling: SamplingOptions | None = None,
         **sampling_options: Any,
-    ) -> Generator[CompletionChunk, None, None]:
+    ) -> Stream[CompletionChunk]:
         """Generate text chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
 
         Breaking out of the loop stops generation; the Llama stays usable. ``max_tokens=None``
@@ -409,17 +467,22 @@ class Llama:
         reports each token's log-probability and its N most likely alternatives. ``suffix`` is
         appended after the generated text. ``speculative`` (PromptLookup or DraftModel, default
         the Llama's) drafts tokens that one batched decode verifies: the same sampling rule, but
-        batched arithmetic may flip a near-tie. Other keywords are SamplingOptions fields
-        (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
+        batched arithmetic may flip a near-tie. ``timeout`` (seconds, counted from the call)
+        ends the generation with finish_reason "cancelled". Other keywords are SamplingOptions
+        fields (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
         """
         tokens, text = self._prompt(prompt)
         request = Request(tokens, max_tokens, min_tokens, [stop] if isinstance(stop, str) else stop,
                           logprobs)  # fmt: skip
-        request.check(self.context.n_ctx)
+        request.check(self.context.n_ctx_seq)
         options = self._sampling(sampling, sampling_options)
+        if speculative is not None and self.scheduler is not None:
+            raise InvalidParameterError("speculative decoding needs a Llama with parallel=None")
         speculative = speculative if speculative is not None else self.speculative
         drafter = speculative.drafter(self.model) if speculative is not None else None
-        return self._stream(request, options, text if echo else "", suffix, drafter)
+        session = Session(timeout)
+        chunks = self._stream(request, options, text if echo else "", suffix, drafter, session)
+        return Stream(chunks, session)
 
     def create_completion(
         self,
@@ -442,7 +505,10 @@ class Llama:
         if best_of > n and want_logprobs is None:
             kwargs["logprobs"] = 0  # needed to rank the candidates
         candidates = []
-        with self._lock:  # whole completions at once: concurrent callers wait their turn
+        # One slot: whole completions at once, concurrent callers wait their turn. Parallel
+        # slots: the engine thread takes the lock for each step, so it must stay free here.
+        serial = self._lock if self.scheduler is None else contextlib.nullcontext()
+        with serial:
             for i in range(best_of):
                 run_seed = None if seed is None else (seed + i) % 2**32
                 chunks = list(self.stream_completion(prompt, seed=run_seed, **kwargs))
@@ -462,7 +528,7 @@ class Llama:
     ) -> AsyncIterator[CompletionChunk]:
         """``stream_completion`` for asyncio: each step runs in a worker thread."""
         stream = await asyncio.to_thread(self.stream_completion, prompt, **kwargs)
-        async for chunk in _async_steps(stream):
+        async for chunk in async_chunks(stream):
             yield chunk
 
     # -- internals -----------------------------------------------------------------------------
@@ -491,21 +557,27 @@ class Llama:
         echo_text: str,
         suffix: str,
         drafter: Drafter | None,
+        session: Session,
     ) -> Generator[CompletionChunk, None, None]:
-        session = Session()
-        with self._lock:
-            previous = self._session() if self._session else None
-            if previous is not None:
-                previous.superseded = True
-            self._session = weakref.ref(session)
+        if self.scheduler is None:
+            with self._lock:
+                previous = self._session() if self._session else None
+                if previous is not None:
+                    previous.superseded = True
+                self._session = weakref.ref(session)
         samplers = Samplers(self.model, options, request.min_tokens)
         chunk_id, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name
         produced, offset = 0, len(echo_text)
+        engine_owns_samplers = False
         try:
             if echo_text:
                 yield CompletionChunk(chunk_id, created, name, 0, echo_text)
             self.speculative_stats = stats = SpeculativeStats()
-            steps = generate(self._kv, samplers, request, session, self._lock, drafter, stats)
+            if self.scheduler is not None:
+                steps = self.scheduler.submit(request, samplers, session)
+                engine_owns_samplers = True
+            else:
+                steps = generate(self._kv, samplers, request, session, self._lock, drafter, stats)
             for step in steps:
                 produced += step.token is not None
                 text = step.text
@@ -513,25 +585,34 @@ class Llama:
                     text += suffix
                 usage = None
                 if step.finish_reason:
-                    usage = Usage(len(request.prompt), produced, self._kv.reused)
+                    usage = Usage(len(request.prompt), produced, session.reused)
                 tokens = () if step.token is None else (step.token,)
                 logprobs = _step_logprobs(self.model.vocab, step, offset)
                 offset += len(text)
                 yield CompletionChunk(chunk_id, created, name, 0, text, step.finish_reason,
                                       usage, tokens, logprobs)  # fmt: skip
         finally:
-            samplers.close()
+            session.cancel()  # a consumer that left early stops the generation at once
+            if not engine_owns_samplers:
+                samplers.close()
 
 
-async def _async_steps(stream: Generator[_Chunk, None, None]) -> AsyncIterator[_Chunk]:
-    """Drive a generation stream from asyncio, one step per worker-thread call, so the event
-    loop never waits on llama.cpp; closing early stops the generation."""
-    done = object()
-    try:
-        while (chunk := await asyncio.to_thread(next, stream, done)) is not done:
-            yield chunk  # type: ignore[misc]
-    finally:
-        await asyncio.to_thread(stream.close)
+def _with_slots(
+    params: ContextParams | None, parallel: int | None, max_queue: int, speculative: object
+) -> ContextParams | None:
+    """Context parameters with room for ``parallel`` sequences."""
+    if parallel is None:
+        return params
+    if parallel < 1 or max_queue < 0:
+        raise InvalidParameterError(f"need parallel >= 1 ({parallel}) and max_queue >= 0")
+    if speculative is not None:
+        raise InvalidParameterError("speculative decoding needs a Llama with parallel=None")
+    params = params or ContextParams()
+    if params.embeddings:
+        raise InvalidParameterError("parallel slots are for generation, not embeddings contexts")
+    if params.n_seq_max not in (1, parallel):
+        raise InvalidParameterError(f"n_seq_max {params.n_seq_max} != parallel {parallel}")
+    return dataclasses.replace(params, n_seq_max=parallel)
 
 
 def _with_tool_choice(
@@ -588,15 +669,27 @@ def _with_response_format(
 
 
 def _chat_chunks(
-    stream: Generator[CompletionChunk, None, None],
+    stream: Stream[CompletionChunk], parse_tools: bool
 ) -> Generator[ChatCompletionChunk, None, None]:
+    splitter = ToolCallSplitter() if parse_tools else None
     first = True
     try:
         for chunk in stream:
-            delta = ChatDelta("assistant" if first else None, chunk.text)
+            text, finish = chunk.text, chunk.finish_reason
+            calls: tuple[ToolCall, ...] = ()
+            if splitter is not None:
+                text = splitter.push(text)
+                if finish is not None:
+                    rest, found = splitter.finish()
+                    text += rest
+                    if found:
+                        calls, finish = tuple(found), "tool_calls"
+            if not (first or text or calls or finish):
+                continue  # held back: part of a tool call
+            delta = ChatDelta("assistant" if first else None, text, calls)
             first = False
             yield ChatCompletionChunk("chatcmpl-" + chunk.id.removeprefix("cmpl-"), chunk.created,
-                                      chunk.model, chunk.index, delta, chunk.finish_reason,
+                                      chunk.model, chunk.index, delta, finish,
                                       chunk.usage)  # fmt: skip
     finally:
         stream.close()  # breaking out of the chat stream stops generation at once

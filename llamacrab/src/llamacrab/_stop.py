@@ -12,6 +12,7 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._pending = ""
         self.stopped = False
+        self.remainder = ""  # the text from the stop string on, once stopped
 
     def push(self, text: str) -> str:
         """Append ``text``; return the part that can no longer turn into a stop string."""
@@ -19,7 +20,8 @@ class StopMatcher:
         hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
         if hits:
             self.stopped = True
-            emitted, self._pending = self._pending[: min(hits)], ""
+            emitted, self.remainder = self._pending[: min(hits)], self._pending[min(hits) :]
+            self._pending = ""
             return emitted
         hold = self._longest_partial_stop()
         cut = len(self._pending) - hold

@@ -19,6 +19,7 @@ from typing import Any
 
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._json_schema import schema_to_grammar
+from llamacrab._stop import StopMatcher
 
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 _MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(\[.*\])", re.S)
@@ -86,6 +87,39 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         return "", calls
     single = _call(whole)
     return ("", [single]) if single else (text, [])
+
+
+class ToolCallSplitter:
+    """Splits a streamed answer into content to emit now and a tool call to hold back: from
+    the first tool-call opener (or a ``{`` opening the answer) on, text is held and parsed
+    at the end."""
+
+    OPENERS = ("<tool_call>", "<function=", ">>>", "[TOOL_CALLS]", "<|python_tag|>")
+
+    def __init__(self) -> None:
+        self._openers = StopMatcher(self.OPENERS)
+        self._emitted = False
+        self.held: str | None = None
+
+    def push(self, text: str) -> str:
+        if self.held is not None:
+            self.held += text
+            return ""
+        if not self._emitted and text.lstrip().startswith("{"):
+            self.held = text
+            return ""
+        content = self._openers.push(text)
+        if self._openers.stopped:
+            self.held = self._openers.remainder
+        self._emitted = self._emitted or bool(content.strip())
+        return content
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """Content still to emit and the calls found in what was held."""
+        if self.held is None:
+            return self._openers.flush(), []
+        content, calls = parse_tool_calls(self.held)
+        return (content, calls) if calls else (self.held, [])
 
 
 def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:

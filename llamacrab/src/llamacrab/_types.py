@@ -54,6 +54,7 @@ class ChatCompletion:
 class ChatDelta:
     role: str | None = None
     content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,290 @@
+"""Parallel slots: one engine thread runs every generation of a context together. Each slot is a
+sequence of the context with its own sampler chain and prompt prefix; each step decodes the next
+token of every generating slot plus pending prompt chunks in one ``llama_decode`` (continuous
+batching)."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llamacrab._batch import Batch
+from llamacrab._cache import PromptCache
+from llamacrab._context import Context
+from llamacrab._exceptions import (
+    ClosedHandleError,
+    DecodeAbortedError,
+    LlamaError,
+    QueueFullError,
+    StateError,
+)
+from llamacrab._generation import Emitter, KvState, Request, Session, Step
+from llamacrab._sampler import Samplers
+from llamacrab._state import common_prefix
+
+
+@dataclass(eq=False)
+class _Job:
+    request: Request
+    samplers: Samplers
+    session: Session
+    emitter: Emitter
+    steps: queue.SimpleQueue[Step | BaseException] = field(default_factory=queue.SimpleQueue)
+    todo: list[int] | None = None  # tokens to decode next; None until its slot is prepared
+    index: int | None = None  # where the last batch holds its logits
+    produced: int = 0
+
+    def finish(self, last: Step | BaseException) -> None:
+        """Hand over the last step (or the error); the engine owns the samplers, so it frees
+        them (a consumer may leave while a step is still using them)."""
+        self.samplers.close()
+        self.steps.put(last)
+
+
+class _Slot:
+    def __init__(self, kv: KvState) -> None:
+        self.kv = kv
+        self.job: _Job | None = None
+
+
+class Scheduler:
+    """Runs the generations submitted to it on ``n_slots`` sequences of ``context``; at most
+    ``max_queue`` more wait for a free slot (QueueFullError beyond that). ``lock`` is held while
+    the engine works in llama.cpp, so other users of the context wait between steps."""
+
+    def __init__(
+        self,
+        context: Context,
+        lock: threading.RLock,
+        n_slots: int,
+        max_queue: int,
+        cache: PromptCache | None = None,
+    ) -> None:
+        self.context, self.lock, self.max_queue = context, lock, max_queue
+        self.limit = context.n_ctx_seq  # tokens one slot may hold
+        self.slots = [_Slot(KvState(context, cache, i)) for i in range(n_slots)]
+        self.batch = Batch(context.max_decode, n_slots)
+        self.waiting: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="llamacrab-engine", daemon=True)
+        self._thread.start()
+
+    # -- what clients call ---------------------------------------------------------------------
+
+    def submit(self, request: Request, samplers: Samplers, session: Session) -> Iterator[Step]:
+        """Queue a generation; iterate the result for its steps. Closing the iterator early
+        cancels it. Raises QueueFullError at once when the queue is full. Once queued, the
+        engine owns ``samplers`` and closes them when the job ends."""
+        request.check(self.limit)
+        job = _Job(request, samplers, session, Emitter(self.context.model.vocab, request))
+        with self._cond:
+            if self._closed:
+                raise ClosedHandleError("this Llama is closed")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFullError(
+                    f"all {len(self.slots)} slots are busy and {len(self.waiting)} requests are "
+                    "waiting (the queue limit)"
+                )
+            self.waiting.append(job)
+            session.wake = self._wake
+            self._cond.notify()
+        return _results(job)
+
+    @property
+    def busy_slots(self) -> int:
+        return sum(slot.job is not None for slot in self.slots)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def cancel_all(self) -> None:
+        with self._cond:
+            for job in [*self.waiting, *(s.job for s in self.slots if s.job)]:
+                job.session.cancelled.set()
+            self._cond.notify()
+
+    def forget(self) -> None:
+        """Drop every slot's cached prompt (the weights changed); only while idle."""
+        with self._cond, self.lock:
+            if self.waiting or self.busy_slots:
+                raise StateError("generations are running on the parallel slots")
+            for slot in self.slots:
+                slot.kv.forget()
+
+    def close(self) -> None:
+        """Stop the engine thread (running generations raise ClosedHandleError). Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        """A session was cancelled: a waiting job ends here and now (the engine may be busy
+        for a while); a running one at the engine's next step."""
+        with self._cond:
+            self._drop_stopped_waiting()
+            self._cond.notify()
+
+    def _drop_stopped_waiting(self) -> None:
+        for job in [j for j in self.waiting if j.session.stopped()]:
+            self.waiting.remove(job)
+            job.finish(Step("", None, "cancelled"))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._admit():
+                    self._cond.wait()
+                if self._closed:
+                    break
+            with self.lock:
+                try:
+                    self._step()
+                except BaseException as error:  # a bug must not leave clients waiting forever
+                    self._fail([s for s in self.slots if s.job], error)
+        closed = ClosedHandleError("this Llama was closed during the generation")
+        for job in self.waiting:
+            job.finish(closed)
+        self._fail([s for s in self.slots if s.job], closed)
+
+    def _admit(self) -> bool:
+        """Move waiting jobs into free slots (the one holding the longest shared prefix of its
+        prompt first); end cancelled waiting jobs. True when a slot has work."""
+        self._drop_stopped_waiting()
+        free = [slot for slot in self.slots if slot.job is None]
+        while self.waiting and free:
+            job = self.waiting.popleft()
+            prompt = job.request.prompt
+            slot = max(free, key=lambda s: common_prefix(s.kv.tokens, prompt))
+            free.remove(slot)
+            slot.job = job
+        return len(free) < len(self.slots)
+
+    def _step(self) -> None:
+        for slot in self.slots:
+            job = slot.job
+            if job is None:
+                continue
+            if job.session.stopped():
+                self._end(slot, Step(job.emitter.stops.flush(), None, "cancelled"))
+            elif job.todo is None:
+                keep = slot.kv.prepare(job.request.prompt)
+                job.session.reused = keep
+                job.todo = list(job.request.prompt[keep:])
+        planned = self._plan()
+        if not planned:
+            return
+        try:
+            self.context.decode(self.batch)
+        except DecodeAbortedError:
+            for slot, _ in planned:
+                assert slot.job is not None
+                slot.kv.forget()  # part of the batch may be in memory
+                self._end(slot, Step(slot.job.emitter.stops.flush(), None, "cancelled"))
+            return
+        except Exception as error:
+            self._fail([slot for slot, _ in planned], error)
+            return
+        for slot, taken in planned:
+            slot.kv.tokens.extend(taken)
+        for slot in self.slots:
+            if slot.job is not None and slot.job.index is not None:
+                self._sample(slot)
+
+    def _plan(self) -> list[tuple[_Slot, list[int]]]:
+        """Fill the batch: next tokens first (one each), then prompt chunks while room is left."""
+        planned: list[tuple[_Slot, list[int]]] = []
+        rows: list[tuple[list[int], int, int, bool]] = []
+        room = self.batch.capacity
+        busy = [(len(s.job.todo), s, s.job) for s in self.slots if s.job and s.job.todo]
+        for _, slot, job in sorted(busy, key=lambda entry: entry[0]):
+            assert job.todo is not None
+            taken, job.todo = job.todo[:room], job.todo[room:]
+            if not taken:
+                break
+            room -= len(taken)
+            planned.append((slot, taken))
+            rows.append((taken, len(slot.kv.tokens), slot.kv.seq_id, not job.todo))
+        if not rows:
+            return planned
+        lengths = [len(r[0]) for r in rows]
+        ends = np.cumsum(lengths)
+        logits = np.zeros(int(ends[-1]), dtype=np.int8)
+        for (slot, _), (_, _, _, wants), end in zip(planned, rows, ends, strict=True):
+            assert slot.job is not None
+            slot.job.index = int(end) - 1 if wants else None
+            logits[int(end) - 1] = wants
+        self.batch.set_rows(
+            np.concatenate([np.asarray(r[0], dtype=np.int32) for r in rows]),
+            np.concatenate([np.arange(r[1], r[1] + len(r[0])) for r in rows]),
+            np.repeat([r[2] for r in rows], lengths),
+            logits,
+        )
+        return planned
+
+    def _sample(self, slot: _Slot) -> None:
+        job = slot.job
+        assert job is not None and job.index is not None
+        index, job.index = job.index, None
+        emitter = job.emitter
+        if emitter.is_last(job.produced):  # max_tokens=0: the prompt only
+            self._end(slot, Step(emitter.rest(), None, "length"))
+            return
+        try:
+            step = emitter.sample(self.context, job.samplers, index, job.produced)
+        except Exception as error:
+            self._fail([slot], error)
+            return
+        if step.token is not None:
+            job.produced += 1
+        if step.finish_reason is None and (
+            emitter.is_last(job.produced) or len(slot.kv.tokens) + 1 >= self.limit
+        ):
+            step.text += emitter.rest()
+            step.finish_reason = "length"
+        if step.finish_reason is not None:
+            self._end(slot, step)
+        else:
+            assert step.token is not None
+            job.todo = [step.token]
+            job.steps.put(step)
+
+    def _end(self, slot: _Slot, step: Step) -> None:
+        job = slot.job
+        assert job is not None
+        slot.job = None
+        if step.finish_reason != "cancelled":
+            slot.kv.remember()
+        job.finish(step)
+
+    def _fail(self, slots: list[_Slot], error: BaseException) -> None:
+        for slot in slots:
+            if slot.job is not None:
+                with contextlib.suppress(LlamaError):  # e.g. a context already closed
+                    slot.kv.forget()
+                slot.job.finish(error)
+                slot.job = None
+
+
+def _results(job: _Job) -> Iterator[Step]:
+    try:
+        while True:
+            item = job.steps.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+    finally:
+        job.session.cancel()  # stops the job if the consumer left early; harmless after its end

@@ -1,0 +1,143 @@
+"""Parallel slots: concurrent generations batched by one engine thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamacrab import (
+    ClosedHandleError,
+    CustomSampler,
+    InvalidParameterError,
+    Llama,
+    PromptLookup,
+    QueueFullError,
+)
+
+PROMPTS = [f"Write one sentence about the number {i}." for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def gemma_slots(gemma_path: Path) -> Iterator[Llama]:
+    with Llama(gemma_path, n_ctx=4 * 512, n_threads=2, parallel=4) as llm:
+        yield llm
+
+
+@pytest.mark.real_model
+def test_concurrent_greedy_outputs_equal_sequential_ones(gemma: Llama, gemma_slots: Llama) -> None:
+    expected = [gemma.create_completion(p, max_tokens=24, temperature=0).text for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(
+            lambda p: gemma_slots.create_completion(p, max_tokens=24, temperature=0), PROMPTS
+        ))  # fmt: skip
+    assert [r.text for r in results] == expected
+    assert all(r.usage.completion_tokens == 24 for r in results)
+    assert gemma_slots.scheduler is not None and gemma_slots.scheduler.busy_slots == 0
+
+
+@pytest.mark.real_model
+def test_a_slot_reuses_the_prefix_it_holds(gemma_slots: Llama) -> None:
+    prompt = "The history of the printing press began"
+    gemma_slots.create_completion(prompt, max_tokens=4, temperature=0)
+    again = gemma_slots.create_completion(prompt + " in", max_tokens=4, temperature=0)
+    assert again.usage.cached_tokens >= len(gemma_slots.tokenize(prompt)) - 1
+
+
+def test_each_slot_gets_its_share_of_the_context(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=512, parallel=2) as llm:
+        limit = llm.context.n_ctx_seq
+        assert limit == llm.context.n_ctx // 2
+        with pytest.raises(ValueError, match=f"context holds {limit}"):
+            llm.create_completion(list(range(1, limit + 1)))
+        result = llm.create_completion([1, 2, 3], max_tokens=None, temperature=0)
+        assert result.choices[0].finish_reason == "length"
+        assert result.usage.prompt_tokens + result.usage.completion_tokens == limit
+
+
+def test_closing_a_stream_frees_its_slot_at_once(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=128, parallel=1) as llm:
+        stream = llm.stream_completion("hello", max_tokens=None, min_tokens=100)
+        next(stream)
+        stream.close()
+        started = time.perf_counter()
+        assert (
+            llm.create_completion("again", max_tokens=3, min_tokens=3).usage.completion_tokens == 3
+        )
+        assert time.perf_counter() - started < 5
+
+
+class _Gate(CustomSampler):
+    """Holds the engine thread at each sample until the test opens it."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def apply(self, candidates: np.ndarray) -> None:
+        self.open.wait(timeout=30)
+
+
+def test_a_full_queue_refuses_and_a_waiting_stream_can_be_cancelled(
+    tiny_model_path: Path,
+) -> None:
+    gate = _Gate()
+    with Llama(tiny_model_path, n_ctx=128, parallel=1, max_queue=1) as llm:
+        running = llm.stream_completion("one", max_tokens=8, custom_samplers=(gate,))
+        waiting = llm.stream_completion("two", max_tokens=4)
+        results: list[object] = []
+        first = threading.Thread(target=lambda: results.append(next(running)))
+        first.start()
+        time.sleep(0.2)  # "one" now holds the only slot, inside its first sample
+        waiter = threading.Thread(target=lambda: results.append(list(waiting)))
+        waiter.start()  # "two" waits in the queue
+        time.sleep(0.2)
+        with pytest.raises(QueueFullError, match="queue limit"):
+            next(llm.stream_completion("three"))
+        waiting.cancel()  # from this thread, while another waits on it
+        waiter.join(timeout=10)
+        assert not waiter.is_alive()
+        gate.open.set()
+        first.join(timeout=30)
+        assert [c.finish_reason for c in running][-1] in ("length", "eos")
+    cancelled = next(r for r in results if isinstance(r, list))
+    assert [c.finish_reason for c in cancelled] == ["cancelled"]
+
+
+def test_cancel_and_timeout_end_a_generation(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=128, parallel=2) as llm:
+        stream = llm.stream_completion("hello", max_tokens=None, min_tokens=120)
+        next(stream)
+        threading.Timer(0.05, stream.cancel).start()
+        assert [c.finish_reason for c in stream][-1] == "cancelled"
+        timed = llm.create_completion("hi", max_tokens=None, min_tokens=100, timeout=1e-6)
+        assert timed.choices[0].finish_reason == "cancelled"
+        with pytest.raises(InvalidParameterError, match="timeout"):
+            llm.create_completion("hi", timeout=0)
+
+
+def test_close_during_a_generation_raises_in_the_consumer(tiny_model_path: Path) -> None:
+    llm = Llama(tiny_model_path, n_ctx=128, parallel=1)
+    stream = llm.stream_completion("hello", max_tokens=None, min_tokens=100)
+    next(stream)
+    llm.close()
+    with pytest.raises(ClosedHandleError):
+        list(stream)
+    with pytest.raises(ClosedHandleError):
+        llm.create_completion("again")
+
+
+def test_one_slot_only_features_are_refused_clearly(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=128, parallel=2) as llm:
+        with pytest.raises(InvalidParameterError, match="parallel=None"):
+            llm.save_state()
+        with pytest.raises(InvalidParameterError, match="parallel=None"):
+            llm.create_completion("x", speculative=PromptLookup())
+    with pytest.raises(InvalidParameterError, match="embeddings"):
+        Llama(tiny_model_path, embeddings=True, parallel=2)
+    with pytest.raises(InvalidParameterError, match="parallel"):
+        Llama(tiny_model_path, parallel=0)
