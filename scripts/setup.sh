@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up this checkout on a fresh machine, then run the main job.
 #   - .venv/ with llamacrab-sys (building the pinned llama.cpp, or reusing the cached build in
-#     ${LLAMACRAB_CACHE_DIR:-~/.cache/llamacrab}), llamacrab and the dev tools;
+#     ${LLAMACRAB_CACHE_DIR:-~/.cache/llamacrab}), llamacrab with its server extra, and the
+#     dev tools;
 #   - the main job: print the build info and generate a few tokens with the default model.
 # Pass --no-run to skip the main job.
 set -euo pipefail
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade "pip>=25.1"
-.venv/bin/python -m pip install --disable-pip-version-check ./llamacrab-sys ./llamacrab --group dev
+.venv/bin/python -m pip install --disable-pip-version-check ./llamacrab-sys "./llamacrab[server]" --group dev
 
 [ "${1:-}" = "--no-run" ] && exit 0
 .venv/bin/python -m llamacrab_sys

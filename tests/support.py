@@ -1,11 +1,16 @@
-"""Helpers shared by the test suites: import repository scripts and examples as modules."""
+"""Helpers shared by the test suites: repository scripts and examples as modules, a gate."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
+
+import numpy as np
+
+from llamacrab import CustomSampler
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,3 +25,13 @@ def load_repo_module(relative_path: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class Gate(CustomSampler):
+    """A sampler that holds the engine thread at each token until the test opens it."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def apply(self, candidates: np.ndarray) -> None:
+        self.open.wait(timeout=30)

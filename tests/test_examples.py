@@ -20,6 +20,8 @@ pytestmark = pytest.mark.real_model
         ("streaming.py", " two, three, four, five"),
         ("prompt_cache.py", "603/610 prompt tokens reused"),
         ("chat.py", 'tool call: get_weather {"city": "Lisbon"}'),
+        ("parallel.py", "finish: cancelled"),
+        ("server.py", "completion: ' France"),
     ],
 )
 def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:

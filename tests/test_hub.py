@@ -9,10 +9,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from hub_server import HubServer, Repo
+from live_server import LiveServer
 
 from llamacrab import HubError, HubOptions, Llama, resolve
+from llamacrab.server import ServerSettings
 
 from support import load_repo_module
 
@@ -155,3 +158,26 @@ def test_cli_runs_a_hub_model(hub: HubServer, tmp_path: Path) -> None:
     assert chosen.stdout.strip()
     ambiguous = llamacrab()
     assert ambiguous.returncode == 1 and "several GGUF models" in ambiguous.stderr
+
+
+def test_the_server_serves_a_hub_model(hub: HubServer, tmp_path: Path) -> None:
+    settings = ServerSettings(model="crab/gated", hf_endpoint=hub.endpoint, hf_token=TOKEN,
+                              hf_cache_dir=str(tmp_path), n_ctx=64)  # fmt: skip
+    assert TOKEN not in repr(settings)
+    server = LiveServer(settings)
+    try:
+        assert server.wait_until_loaded() == 200
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "crab/gated"
+        body = {"model": "crab/gated", "prompt": "the cat", "max_tokens": 3}
+        answer = httpx.post(server.url + "/v1/completions", json=body)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.close()
+    refused = LiveServer(ServerSettings(model="crab/gated", hf_endpoint=hub.endpoint,
+                                        hf_cache_dir=str(tmp_path / "empty")))  # fmt: skip
+    try:
+        assert refused.wait_until_loaded() == 503
+        error = httpx.get(refused.url + "/health").json()["error"]
+        assert "gated" in error and TOKEN not in error
+    finally:
+        refused.close()

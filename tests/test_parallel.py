@@ -13,12 +13,14 @@ import pytest
 
 from llamacrab import (
     ClosedHandleError,
-    CustomSampler,
     InvalidParameterError,
     Llama,
     PromptLookup,
     QueueFullError,
 )
+from llamacrab._batch import Batch
+
+from support import Gate
 
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(8)]
 
@@ -72,20 +74,10 @@ def test_closing_a_stream_frees_its_slot_at_once(tiny_model_path: Path) -> None:
         assert time.perf_counter() - started < 5
 
 
-class _Gate(CustomSampler):
-    """Holds the engine thread at each sample until the test opens it."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-
-    def apply(self, candidates: np.ndarray) -> None:
-        self.open.wait(timeout=30)
-
-
 def test_a_full_queue_refuses_and_a_waiting_stream_can_be_cancelled(
     tiny_model_path: Path,
 ) -> None:
-    gate = _Gate()
+    gate = Gate()
     with Llama(tiny_model_path, n_ctx=128, parallel=1, max_queue=1) as llm:
         running = llm.stream_completion("one", max_tokens=8, custom_samplers=(gate,))
         waiting = llm.stream_completion("two", max_tokens=4)
@@ -141,3 +133,31 @@ def test_one_slot_only_features_are_refused_clearly(tiny_model_path: Path) -> No
         Llama(tiny_model_path, embeddings=True, parallel=2)
     with pytest.raises(InvalidParameterError, match="parallel"):
         Llama(tiny_model_path, parallel=0)
+
+
+@pytest.mark.real_model
+def test_a_sequence_never_sees_the_other_sequences_of_its_batch(gemma_slots: Llama) -> None:
+    context = gemma_slots.context
+    prompts = [np.array(gemma_slots.tokenize(p), dtype=np.int32) for p in PROMPTS[:4]]
+    batch = Batch(context.n_batch, 4)
+
+    def first_sequence_logits(order: list[int]) -> np.ndarray:
+        with gemma_slots._lock:  # the engine thread is idle; keep it so
+            context.clear()
+            chosen = [prompts[i] for i in order]
+            lengths = [len(p) for p in chosen]
+            logits = np.zeros(sum(lengths), dtype=np.int8)
+            logits[lengths[0] - 1] = 1
+            positions = np.concatenate([np.arange(n) for n in lengths])
+            batch.set_rows(np.concatenate(chosen), positions,
+                           np.repeat(np.arange(4), lengths), logits)  # fmt: skip
+            context.decode(batch)
+            values = context.logits(lengths[0] - 1)
+            context.clear()
+        return values
+
+    assert len({len(p) for p in prompts}) == 1  # same shape whatever the order
+    same = first_sequence_logits([0, 1, 2, 3])
+    assert np.array_equal(same, first_sequence_logits([0, 3, 1, 2]))
+    assert np.array_equal(same, first_sequence_logits([0, 0, 0, 0]))
+    assert not np.array_equal(same, first_sequence_logits([1, 0, 2, 3]))

@@ -39,6 +39,7 @@ from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import SamplerChain, SamplingOptions
 from llamacrab._speculative import DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
+from llamacrab._stream import Stream
 from llamacrab._tool_calls import ToolCall, parse_tool_calls
 from llamacrab._types import (
     ChatChoice,
@@ -108,6 +109,7 @@ __all__ = [
     "SavedState",
     "SpeculativeStats",
     "StateError",
+    "Stream",
     "TemplateError",
     "TokenizeError",
     "ToolCall",

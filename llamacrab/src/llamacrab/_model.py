@@ -40,6 +40,7 @@ class ModelParams:
     use_mlock: bool = False
     vocab_only: bool = False
     check_tensors: bool = False
+    use_extra_bufts: bool = True  # CPU weight repacking (faster kernels) where available
     kv_overrides: Mapping[str, KvOverrideValue] | None = None
 
     def __post_init__(self) -> None:
@@ -116,6 +117,7 @@ class Model(NativeHandle):
         c_params.load_mode = _load_mode(params)
         c_params.vocab_only = params.vocab_only
         c_params.check_tensors = params.check_tensors
+        c_params.use_extra_bufts = params.use_extra_bufts
         keepalive: list[Any] = []
         if params.tensor_split is not None:
             split = ffi.new("float[]", lib.llama_max_devices())

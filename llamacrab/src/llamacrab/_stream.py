@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from typing import Generic, TypeVar
 
 from llamacrab._generation import Session
@@ -44,7 +44,7 @@ class Stream(Iterator[_T], Generic[_T]):
         return Stream(transform(self), self.session)
 
 
-async def async_chunks(stream: Stream[_T]) -> AsyncIterator[_T]:
+async def async_chunks(stream: Stream[_T]) -> AsyncGenerator[_T, None]:
     """Drive a stream from asyncio, one step per worker-thread call, so the event loop never
     waits on llama.cpp. Leaving early (or a cancelled task) cancels the generation, waits for
     the step in flight, then closes the stream."""

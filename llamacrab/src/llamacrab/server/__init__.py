@@ -1,0 +1,45 @@
+"""An OpenAI-compatible HTTP server (``pip install 'llamacrab[server]'``).
+
+Start it with ``llamacrab serve MODEL`` or ``python -m llamacrab.server MODEL``; embed or test
+the ASGI application that ``create_app(settings)`` returns. The web stack is imported only
+here, when used, so the rest of llamacrab works without the extra.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llamacrab._exceptions import LlamaError
+from llamacrab.server._settings import ServerSettings, add_arguments, parse_settings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from llamacrab._llama import Llama
+
+__all__ = ["ServerSettings", "add_arguments", "create_app", "parse_settings", "serve"]
+
+
+class MissingExtraError(LlamaError):
+    """The server's dependencies are not installed."""
+
+
+def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
+    """The FastAPI application. Without ``llama`` it loads ``settings.model`` in the
+    background; ``/health`` answers 503 until the model is ready."""
+    try:
+        from llamacrab.server._app import create_app as build
+    except ImportError as error:
+        raise MissingExtraError(
+            f"the server needs its extra: pip install 'llamacrab[server]' ({error})"
+        ) from error
+    return build(settings, llama)
+
+
+def serve(settings: ServerSettings) -> None:
+    """Run the server until interrupted (refuses an exposed address without an API key)."""
+    settings.check_exposure()
+    app = create_app(settings)
+    import uvicorn
+
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")

@@ -1,0 +1,252 @@
+"""The HTTP contract: OpenAI-shaped request and response models (they make the OpenAPI
+document). Fields a client may send but llamacrab does not know are ignored, as OpenAI's
+own clients send newer fields than any server knows."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class GenerationFields(_Lenient):
+    """Fields shared by completions and chat completions (llama.cpp's samplers included)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    typical_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, ge=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    mirostat: Literal[0, 1, 2] | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    grammar: str | None = None  # GBNF
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1)
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # llama.cpp's json_object
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class EmbeddingRequest(_Lenient):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+
+class RerankRequest(_Lenient):
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(None, ge=0)
+    return_documents: bool = True
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    input: str
+    add_special: bool = True
+    parse_special: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+
+class UsageOut(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class LogprobsOut(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoiceOut(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: LogprobsOut | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoiceOut]
+    usage: UsageOut | None = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    index: int | None = None  # in streamed deltas
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoiceOut(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoiceOut]
+    usage: UsageOut
+
+
+class EmbeddingOut(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingOut]
+    model: str
+    usage: UsageOut
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResultOut(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    results: list[RerankResultOut]
+    usage: UsageOut
+
+
+class ModelOut(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llamacrab"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelOut]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+
+
+class CountResponse(BaseModel):
+    count: int
+
+
+class DetokenizeResponse(BaseModel):
+    text: str
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,190 @@
+"""Server settings: command-line flags, each also read from a ``LLAMACRAB_*`` variable.
+
+Kept free of the web stack so ``llamacrab serve --help`` works without the ``server`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llamacrab._exceptions import InvalidParameterError
+
+FLASH_ATTN = ("auto", "on", "off")
+POOLING = ("none", "mean", "cls", "last", "rank")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything ``llamacrab serve`` takes; see ``add_arguments`` for what each means."""
+
+    model: str
+    model_alias: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    n_ctx: int | None = None  # the whole context; None: 4096 per slot
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_threads: int | None = None
+    n_gpu_layers: int | None = None
+    flash_attn: str = "auto"
+    parallel: int = 1
+    embeddings: bool = False
+    reranking: bool = False
+    pooling: str | None = None
+    chat_template: str | None = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    cors_origins: tuple[str, ...] = ()
+    insecure: bool = False
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_tokens_limit: int = 4096  # cap on a request's max_tokens
+    max_n: int = 8  # cap on a request's n and best_of
+    max_queue: int = 64  # requests waiting for a slot before 503
+    timeout: float = 600.0  # seconds a request may run
+    hf_filename: str | None = None
+    hf_revision: str | None = None
+    hf_token: str | None = field(default=None, repr=False)
+    hf_cache_dir: str | None = None
+    hf_endpoint: str | None = None
+    hf_offline: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.flash_attn not in FLASH_ATTN:
+            raise InvalidParameterError(f"flash_attn must be one of {FLASH_ATTN}")
+        if self.pooling is not None and self.pooling not in POOLING:
+            raise InvalidParameterError(f"unknown pooling {self.pooling!r}; one of {POOLING}")
+        for name in ("port", "parallel", "max_body_bytes", "max_tokens_limit", "max_n"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(f"{name} must be >= 1")
+        if self.timeout <= 0 or self.max_queue < 0:
+            raise InvalidParameterError("timeout must be > 0 and max_queue >= 0")
+        if self.embeddings and self.reranking:
+            raise InvalidParameterError("choose --embeddings or --reranking, not both")
+
+    @property
+    def alias(self) -> str:
+        """The model id clients use: the alias, else the file name or the repository id."""
+        if self.model_alias:
+            return self.model_alias
+        return Path(self.model).name if Path(self.model).exists() else self.model
+
+    def check_exposure(self) -> None:
+        """Refuse to listen beyond this machine without an API key (unless ``insecure``)."""
+        if self.api_keys or self.insecure or _is_loopback(self.host):
+            return
+        raise InvalidParameterError(
+            f"refusing to listen on {self.host} without an API key: pass --api-key (or "
+            "LLAMACRAB_API_KEY), or --insecure to serve it unprotected"
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env_name(name: str) -> str:
+    return "LLAMACRAB_" + name.upper()
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+# name, type (bool: a switch; list: repeatable), help; defaults come from ServerSettings.
+_OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
+    ("model_alias", str, "the model id clients send and /v1/models lists"),
+    ("host", str, "address to listen on (default 127.0.0.1)"),
+    ("port", int, "port to listen on (default 8080)"),
+    ("n_ctx", int, "context size in tokens, shared by the slots (default 4096 per slot)"),
+    ("n_batch", int, "tokens per llama_decode (default 2048)"),
+    ("n_ubatch", int, "physical batch size (default 512)"),
+    ("n_threads", int, "CPU threads (default: llama.cpp's choice)"),
+    ("n_gpu_layers", int, "layers to offload to a GPU"),
+    ("flash_attn", str, f"flash attention: {', '.join(FLASH_ATTN)} (default auto)"),
+    ("parallel", int, "slots: requests generated concurrently (default 1)"),
+    ("embeddings", bool, "serve /v1/embeddings (an embedding model) instead of generation"),
+    ("reranking", bool, "serve /v1/rerank (a reranker model) instead of generation"),
+    ("pooling", str, f"embedding pooling: {', '.join(POOLING)} (default: the model's)"),
+    ("chat_template", str, "a built-in chat format name or a Jinja template (default: model's)"),
+    ("api_key", list, "accepted Bearer key (repeatable; env: comma-separated)"),
+    ("cors_origin", list, "allowed CORS origin (repeatable; default: CORS off)"),
+    ("insecure", bool, "allow a non-loopback --host without an API key"),
+    ("max_body_bytes", int, "largest request body (default 8 MiB)"),
+    ("max_tokens_limit", int, "cap on a request's max_tokens (default 4096)"),
+    ("max_n", int, "cap on a request's n and best_of (default 8)"),
+    ("max_queue", int, "requests waiting for a slot before 503 (default 64)"),
+    ("timeout", float, "seconds a request may run (default 600)"),
+    ("hf_filename", str, "Hub: file or glob in the repository"),
+    ("hf_revision", str, "Hub: branch, tag or commit"),
+    ("hf_token", str, "Hub: access token (default HF_TOKEN)"),
+    ("hf_cache_dir", str, "Hub: cache directory"),
+    ("hf_endpoint", str, "Hub: endpoint URL (default HF_ENDPOINT)"),
+    ("hf_offline", bool, "Hub: use the local cache only"),
+]
+_PLURAL = {"api_key": "api_keys", "cors_origin": "cors_origins"}
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None
+) -> None:
+    """Add the server flags to ``parser``; a set ``LLAMACRAB_<NAME>`` variable is the default."""
+    env = os.environ if environ is None else environ
+    parser.add_argument(
+        "model", nargs="?", default=env.get("LLAMACRAB_MODEL"),
+        help="GGUF path or Hugging Face repo id (env LLAMACRAB_MODEL)",
+    )  # fmt: skip
+    parser.add_argument("-m", "--model", dest="model_flag", help="the same as MODEL")
+    for name, kind, text in _OPTIONS:
+        raw = env.get(_env_name(name))
+        help_text = f"{text} [env {_env_name(name)}]"
+        if kind is bool:
+            switch = None if raw is None else _boolean(raw)
+            parser.add_argument(_flag(name), action="store_true", default=switch, help=help_text)
+        elif kind is list:
+            items = [] if raw is None else [v.strip() for v in raw.split(",") if v.strip()]
+            parser.add_argument(_flag(name), action="append", default=items, help=help_text)
+        else:
+            parser.add_argument(
+                _flag(name), type=kind, default=None if raw is None else kind(raw), help=help_text
+            )
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    model = args.model_flag or args.model
+    if not model:
+        raise InvalidParameterError("no model: pass MODEL, --model or LLAMACRAB_MODEL")
+    values: dict[str, Any] = {"model": model}
+    for name, kind, _ in _OPTIONS:
+        value = getattr(args, name)
+        if kind is list:
+            values[_PLURAL[name]] = tuple(value)
+        elif value is not None:
+            values[name] = value
+    return ServerSettings(**values)
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ServerSettings:
+    parser = argparse.ArgumentParser(prog="llamacrab serve")
+    add_arguments(parser, environ)
+    return settings_from_args(parser.parse_args(argv))

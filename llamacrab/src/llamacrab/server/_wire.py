@@ -1,0 +1,193 @@
+"""Translation between the HTTP contract and the Python API: request fields to keywords,
+results to OpenAI JSON."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from llamacrab._tool_calls import ToolCall
+from llamacrab._types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    Logprobs,
+    Usage,
+)
+from llamacrab.server._errors import ApiError
+from llamacrab.server._schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationFields,
+    UsageOut,
+)
+from llamacrab.server._settings import ServerSettings
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty",
+             "presence_penalty", "frequency_penalty", "mirostat", "mirostat_tau", "mirostat_eta",
+             "seed", "grammar", "min_tokens")  # fmt: skip
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI's names: the end of a turn and a stop string are both "stop"."""
+    return "stop" if reason == "eos" else reason
+
+
+def generation_kwargs(
+    body: GenerationFields,
+    settings: ServerSettings,
+    max_tokens: int | None,
+    default_max: int | None,
+) -> dict[str, Any]:
+    """Keywords for the Python API, with the server's caps applied."""
+    kwargs: dict[str, Any] = {n: v for n in _SAMPLING if (v := getattr(body, n)) is not None}
+    if body.logit_bias:
+        try:
+            kwargs["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
+        except ValueError:
+            raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    if body.stop is not None:
+        kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    limit = settings.max_tokens_limit
+    wanted = default_max if max_tokens is None else max_tokens
+    if wanted is not None and wanted > limit:
+        raise ApiError(400, f"max_tokens {wanted} exceeds this server's limit of {limit}",
+                       param="max_tokens")  # fmt: skip
+    kwargs["max_tokens"] = limit if wanted is None else wanted
+    if body.n > settings.max_n:
+        raise ApiError(400, f"n {body.n} exceeds this server's limit of {settings.max_n}",
+                       param="n")  # fmt: skip
+    if body.stream and body.n > 1:
+        raise ApiError(400, "streaming returns one choice: n must be 1", param="n")
+    kwargs["timeout"] = settings.timeout
+    return kwargs
+
+
+def completion_kwargs(body: CompletionRequest, settings: ServerSettings) -> dict[str, Any]:
+    kwargs = generation_kwargs(body, settings, body.max_tokens, 16)
+    if body.best_of is not None and body.best_of > settings.max_n:
+        raise ApiError(400, f"best_of exceeds this server's limit of {settings.max_n}",
+                       param="best_of")  # fmt: skip
+    kwargs.update(echo=body.echo, suffix=body.suffix or "", logprobs=body.logprobs)
+    if not body.stream:
+        kwargs.update(n=body.n, best_of=body.best_of)
+    elif body.best_of not in (None, 1):
+        raise ApiError(400, "best_of cannot be used with stream", param="best_of")
+    return kwargs
+
+
+def completion_prompt(body: CompletionRequest) -> str | list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise ApiError(400, "one prompt per request (a list of several is not supported)",
+                           param="prompt")  # fmt: skip
+        return str(prompt[0])
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return prompt  # type: ignore[return-value]
+
+
+def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[str, Any]:
+    if body.logprobs:
+        raise ApiError(400, "logprobs are not available for chat completions yet",
+                       param="logprobs")  # fmt: skip
+    max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    kwargs = generation_kwargs(body, settings, max_tokens, None)
+    if body.tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    if body.tool_choice is not None:
+        kwargs["tool_choice"] = body.tool_choice
+    if body.response_format is not None:
+        kwargs["response_format"] = body.response_format.model_dump(
+            by_alias=True, exclude_none=True
+        )
+    if not body.stream:
+        kwargs["n"] = body.n
+    return kwargs
+
+
+def usage(value: Usage) -> dict[str, Any]:
+    return UsageOut(
+        prompt_tokens=value.prompt_tokens,
+        completion_tokens=value.completion_tokens,
+        total_tokens=value.total_tokens,
+        prompt_tokens_details={"cached_tokens": value.cached_tokens},
+    ).model_dump()
+
+
+def _logprobs(value: Logprobs | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    return {
+        "tokens": list(value.tokens),
+        "token_logprobs": list(value.token_logprobs),
+        "top_logprobs": list(value.top_logprobs),
+        "text_offset": list(value.text_offset),
+    }
+
+
+def _tool_calls(calls: Sequence[ToolCall], streamed: bool) -> list[dict[str, Any]]:
+    out = []
+    for i, call in enumerate(calls):
+        function = {"name": call.name, "arguments": call.arguments}
+        item: dict[str, Any] = {"id": call.id, "type": "function", "function": function}
+        out.append({"index": i, **item} if streamed else item)
+    return out
+
+
+def completion(result: Completion, model: str) -> dict[str, Any]:
+    choices = [
+        {"index": c.index, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
+         "logprobs": _logprobs(c.logprobs)}
+        for c in result.choices
+    ]  # fmt: skip
+    return {"id": result.id, "object": "text_completion", "created": result.created,
+            "model": model, "choices": choices, "usage": usage(result.usage)}  # fmt: skip
+
+
+def chat_completion(result: ChatCompletion, model: str) -> dict[str, Any]:
+    choices = []
+    for c in result.choices:
+        message: dict[str, Any] = {"role": "assistant", "content": c.message.content}
+        if c.message.tool_calls:
+            message["tool_calls"] = _tool_calls(c.message.tool_calls, streamed=False)
+        choices.append({"index": c.index, "message": message, "logprobs": None,
+                        "finish_reason": finish_reason(c.finish_reason)})  # fmt: skip
+    return {"id": result.id, "object": "chat.completion", "created": result.created,
+            "model": model, "choices": choices, "usage": usage(result.usage)}  # fmt: skip
+
+
+def completion_chunk(chunk: CompletionChunk, model: str) -> dict[str, Any]:
+    choice = {"index": 0, "text": chunk.text, "logprobs": _logprobs(chunk.logprobs),
+              "finish_reason": finish_reason(chunk.finish_reason)}  # fmt: skip
+    return {"id": chunk.id, "object": "text_completion", "created": chunk.created,
+            "model": model, "choices": [choice]}  # fmt: skip
+
+
+def chat_chunk(chunk: ChatCompletionChunk, model: str) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if chunk.delta.role:
+        delta["role"] = chunk.delta.role
+    if chunk.delta.content or not chunk.delta.tool_calls:
+        delta["content"] = chunk.delta.content
+    if chunk.delta.tool_calls:
+        delta["tool_calls"] = _tool_calls(chunk.delta.tool_calls, streamed=True)
+    choice = {"index": 0, "delta": delta, "logprobs": None,
+              "finish_reason": finish_reason(chunk.finish_reason)}  # fmt: skip
+    return {"id": chunk.id, "object": "chat.completion.chunk", "created": chunk.created,
+            "model": model, "choices": [choice]}  # fmt: skip
+
+
+def embedding(vector: np.ndarray, index: int, encoding: str) -> dict[str, Any]:
+    values = np.asarray(vector, dtype=np.float32)
+    data: list[float] | str
+    if encoding == "base64":
+        data = base64.b64encode(values.tobytes()).decode("ascii")
+    else:
+        data = values.tolist()
+    return {"object": "embedding", "index": index, "embedding": data}

@@ -1,0 +1,65 @@
+"""The llamacrab command line: run (one-shot and chat), info, tokenize, serve --help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llamacrab import Llama
+from llamacrab.cli import main
+
+
+def llamacrab(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "llamacrab", *args]
+    return subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_info_reports_the_build_and_the_model(
+    tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info", str(tiny_model_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == "cpu" and len(report["llama.cpp commit"]) == 40
+    assert report["model"]["architecture"] == "llama"
+    assert main(["info", "--build-only"]) == 0
+    assert "model" not in json.loads(capsys.readouterr().out)
+
+
+def test_tokenize_prints_ids_and_pieces(
+    tiny_llama: Llama, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["tokenize", str(tiny_model_path), "the cat"]) == 0
+    ids = [int(t) for t in capsys.readouterr().out.split()]
+    assert ids == tiny_llama.tokenize("the cat")
+    assert main(["tokenize", str(tiny_model_path), "the cat", "--pieces", "--no-special"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    pieces = [json.loads(line.split(" ", 1)[1]) for line in lines]
+    tokens = tiny_llama.tokenize("the cat", add_special=False)
+    assert pieces == [tiny_llama.vocab.token_to_piece(t, special=True) for t in tokens]
+
+
+def test_errors_are_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tokenize", str(tmp_path / "missing.gguf"), "x"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("llamacrab: ") and error.count("\n") == 1
+
+
+@pytest.mark.real_model
+def test_run_defaults_to_gemma_for_a_prompt_and_for_a_chat() -> None:
+    one_shot = llamacrab("run", "-p", "Paris is the capital of", "-n", "3", "--temperature", "0")
+    assert one_shot.returncode == 0, one_shot.stderr[-2000:]
+    assert one_shot.stdout.startswith(" France")
+    chat = llamacrab("run", "-n", "4", "--temperature", "0", stdin="Hello!\nThanks.\n\n")
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    assert chat.stdout.count("> ") == 3  # two turns answered, then the empty line ends it
+
+
+def test_every_command_has_help() -> None:
+    for command in ("run", "serve", "info", "tokenize"):
+        result = llamacrab(command, "--help")
+        assert result.returncode == 0 and "usage: llamacrab" in result.stdout
+    assert "LLAMACRAB_API_KEY" in llamacrab("serve", "--help").stdout
