@@ -5,10 +5,19 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
-from llamacrab import InvalidParameterError, Llama, parse_tool_calls
-from llamacrab._tool_calls import ToolCallSplitter
+from llamacrab import (
+    ChatChoice,
+    CustomSampler,
+    InvalidParameterError,
+    Llama,
+    ToolCall,
+    ToolCallError,
+    parse_tool_calls,
+)
+from llamacrab._tool_calls import ToolCallSplitter, check_arguments
 
 from support import load_repo_module
 
@@ -144,3 +153,70 @@ def test_streamed_text_without_a_call_is_all_content() -> None:
     emitted = "".join(splitter.push(p) for p in pieces)
     rest, calls = splitter.finish()
     assert emitted + rest == "".join(pieces) and calls == []
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}Call a tool as <tool_call>{...}</tool_call>\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+)
+
+
+class StartText(CustomSampler):
+    """Forces the first tokens of the answer (here: a tool-call opener), then lets go."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.done = tokens, 0
+
+    def apply(self, candidates: np.ndarray) -> None:
+        if self.done < len(self.tokens):
+            wanted = self.tokens[self.done]
+            keep = candidates["logit"][wanted]
+            candidates["logit"][:] = -np.inf
+            candidates["logit"][wanted] = keep
+
+    def accept(self, token: int) -> None:
+        self.done += 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_tool_choice_makes_a_started_call_well_formed(llm: Llama, seed: int) -> None:
+    messages = [{"role": "user", "content": "weather?"}]
+    opener = llm.tokenize("<tool_call>", add_special=False)
+
+    def answer(chat_format: str) -> ChatChoice:
+        result = llm.create_chat_completion(
+            messages, chat_format=chat_format, tools=[WEATHER], tool_choice="auto",
+            check_tool_arguments=True, max_tokens=150, temperature=1.0, seed=seed,
+            custom_samplers=(StartText(opener),),
+        )  # fmt: skip
+        return result.choices[0]
+
+    lazy = answer(HERMES_TEMPLATE)  # the template shows the opener: the lazy grammar applies
+    assert lazy.finish_reason == "tool_calls", lazy.message.content
+    assert json.loads(lazy.message.tool_calls[0].arguments)["city"] in ("Paris", "Lisbon")
+    free = answer(TEMPLATE)  # no opener in the template: random text after "<tool_call>"
+    assert free.finish_reason != "tool_calls"
+
+
+def test_tool_arguments_are_checked_against_their_schema() -> None:
+    def call(name: str, arguments: str) -> ToolCall:
+        return ToolCall(name, arguments, "call_1")
+
+    check_arguments([call("get_weather", '{"city": "Paris", "days": 2}')], [WEATHER, TIME])
+    for bad, words in [
+        (call("get_weather", '{"city": "Rome"}'), "'Rome' is not one of"),
+        (call("get_weather", '{"days": 2}'), "'city' is a required property"),
+        (call("get_weather", "{city: Paris}"), "not JSON"),
+        (call("launch", "{}"), "not among the tools"),
+    ]:
+        with pytest.raises(ToolCallError, match=words):
+            check_arguments([bad], [WEATHER, TIME])
+
+
+def test_trigger_words_with_regex_characters_match_literally(llm: Llama) -> None:
+    grammar = 'root ::= "[TOOL_CALLS]" " done"'
+    opener = llm.tokenize("[TOOL_CALLS]", add_special=False)
+    result = llm.create_completion("x", max_tokens=30, temperature=1.0, seed=1, grammar=grammar,
+                                   grammar_trigger_words=("[TOOL_CALLS]",),
+                                   custom_samplers=(StartText(opener),))  # fmt: skip
+    assert result.text.strip() == "[TOOL_CALLS] done"

@@ -31,6 +31,7 @@ from llamacrab._exceptions import (
     StateError,
     TemplateError,
     TokenizeError,
+    ToolCallError,
 )
 from llamacrab._hub import HubOptions, ResolvedModel, resolve
 from llamacrab._json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
@@ -113,6 +114,7 @@ __all__ = [
     "TemplateError",
     "TokenizeError",
     "ToolCall",
+    "ToolCallError",
     "Usage",
     "Vocab",
     "__version__",

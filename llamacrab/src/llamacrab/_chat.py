@@ -53,7 +53,7 @@ def chat_prompt(
     """The prompt text for ``messages``: ``chat_format`` may name a built-in format, a GGUF
     template variant (``tokenizer.chat_template.NAME``), or be a Jinja template itself."""
     normalized = normalize_messages(messages)
-    source = _template_source(model, chat_format)
+    source = template_source(model, chat_format)
     if source is None:
         if template_variables.get("tools"):
             raise InvalidParameterError(
@@ -73,7 +73,7 @@ def chat_prompt(
     )
 
 
-def _template_source(model: Model, chat_format: str | None) -> str | None:
+def template_source(model: Model, chat_format: str | None) -> str | None:
     """A Jinja source to render, or None for a built-in (chat_format, or gemma by detection)."""
     if chat_format is None:
         template = model.chat_template()

@@ -16,6 +16,7 @@ LlamaError
 ├── StateError                 (also ValueError) a saved state that cannot be loaded here
 ├── TemplateError              (also ValueError) a chat template that failed or was refused
 ├── QueueFullError             every parallel slot is busy and the waiting queue is full
+├── ToolCallError              (also ValueError) a tool call whose arguments fail their schema
 └── InvalidParameterError      (also ValueError) a parameter out of its range
 """
 
@@ -94,6 +95,10 @@ class TemplateError(LlamaError, ValueError):
 
 class QueueFullError(LlamaError):
     """Every parallel slot is busy and the waiting queue is full: try again later."""
+
+
+class ToolCallError(LlamaError, ValueError):
+    """A tool call naming no known tool, or whose arguments do not match its schema."""
 
 
 class InvalidParameterError(LlamaError, ValueError):

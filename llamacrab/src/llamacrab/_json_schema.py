@@ -3,8 +3,9 @@
 Supported: type (object, array, string, number, integer, boolean, null, or a list of them),
 properties with required (declaration order), additionalProperties (false, true or a schema),
 items, prefixItems, minItems/maxItems, string minLength/maxLength, pattern (the regex subset
-of _regex_gbnf) and format (date, time, date-time, uuid, email, uri), integer minimum/maximum
-(a range of at most 1,000 values, or a lower bound of 0 or 1 alone), enum, const,
+of _regex_gbnf) and format (date, time, date-time, uuid, email, uri), minimum/maximum and
+exclusiveMinimum/exclusiveMaximum with whole-number bounds (integers: any range, digit by
+digit; numbers: inclusive bounds, no exponent), enum, const,
 anyOf/oneOf, allOf of objects, and $ref into #/$defs or #/definitions (recursion too). Any
 other keyword is refused, by name, rather than loosened.
 """
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llamacrab._exceptions import GrammarError
+from llamacrab._number_range import bounded, integral_bound
 from llamacrab._regex_gbnf import pattern_to_gbnf
 
 # Keywords that constrain nothing a grammar must enforce.
@@ -26,9 +28,10 @@ _SUPPORTED = _ANNOTATIONS | {
     "type", "properties", "required", "additionalProperties", "maxProperties", "items",
     "prefixItems",
     "minItems", "maxItems", "minLength", "maxLength", "format", "pattern", "minimum", "maximum",
-    "enum",
+    "exclusiveMinimum", "exclusiveMaximum", "enum",
     "const", "anyOf", "oneOf", "allOf", "$ref",
 }  # fmt: skip
+_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
 _DIGITS2 = "[0-9] [0-9]"
 _FORMATS = {
     "date": '[0-9]{4} "-" ( "0" [1-9] | "1" [0-2] ) "-" ( "0" [1-9] | [12] [0-9] | "3" [01] )',
@@ -109,21 +112,20 @@ class _Converter:
                 return self.add(hint, " | ".join(options))
         kind = schema.get("type")
         if isinstance(kind, list):
-            options = [self.visit({**schema, "type": k}, f"{hint}-{k}") for k in kind]
+            options = [self.visit(_for_type(schema, k), f"{hint}-{k}") for k in kind]
             return self.add(hint, " | ".join(options))
+        if kind in ("integer", "number"):
+            return self.numeric(schema, hint, kind)
+        bounds = _BOUNDS & set(schema)
+        if bounds:
+            raise GrammarError(f"JSON Schema keyword {min(bounds)!r} on {kind} is not supported")
         if kind == "object":
             return self.object(schema, hint)
         if kind == "array":
             return self.array(schema, hint)
         if kind == "string":
             return self.string(schema, hint)
-        if kind == "integer":
-            return self.integer(schema, hint)
-        if "minimum" in schema or "maximum" in schema:
-            raise GrammarError(
-                f"JSON Schema keyword 'minimum'/'maximum' on {kind} is not supported"
-            )
-        if kind in ("number", "boolean", "null"):
+        if kind in ("boolean", "null"):
             return f"json-{kind}"
         if kind is None and not ({"properties", "items", "prefixItems"} & set(schema)):
             return "json-value"
@@ -210,19 +212,25 @@ class _Converter:
             body += f' ( ws "," ws {self.visit(rest, f"{hint}-rest")} ){more}'
         return self.add(hint, f'"[" ws {body} ws "]"' if fixed else '"[" ws "]"')
 
-    def integer(self, schema: Mapping[str, Any], hint: str) -> str:
-        low, high = schema.get("minimum"), schema.get("maximum")
-        if low is None and high is None:
-            return "json-integer"
-        if low is not None and high is not None and 0 <= high - low <= 1000:
-            values = range(int(low), int(high) + 1)
-            return self.add(hint, " | ".join(f'"{v}"' for v in values))
-        if high is None and low in (0, 1):
-            return self.add(hint, '"0" | [1-9] [0-9]{0,15}' if low == 0 else "[1-9] [0-9]{0,15}")
-        raise GrammarError(
-            f"JSON Schema keyword 'minimum'/'maximum' at {hint}: only ranges of up to 1,000 "
-            "values, or a lone minimum of 0 or 1, are supported"
-        )
+    def numeric(self, schema: Mapping[str, Any], hint: str, kind: str) -> str:
+        if not _BOUNDS & set(schema):
+            return f"json-{kind}"
+        fraction = kind == "number"
+        if fraction and ({"exclusiveMinimum", "exclusiveMaximum"} & set(schema)):
+            raise GrammarError(
+                f"JSON Schema keyword 'exclusiveMinimum'/'exclusiveMaximum' on a number at {hint} "
+                "is not supported (use minimum/maximum, or an integer)"
+            )
+        low, high = None, None
+        for keyword, step in (("minimum", 0), ("exclusiveMinimum", 1)):
+            if keyword in schema:
+                value = integral_bound(schema[keyword], keyword, hint) + step
+                low = value if low is None else max(low, value)
+        for keyword, step in (("maximum", 0), ("exclusiveMaximum", -1)):
+            if keyword in schema:
+                value = integral_bound(schema[keyword], keyword, hint) + step
+                high = value if high is None else min(high, value)
+        return self.add(hint, bounded(low, high, fraction))
 
     def string(self, schema: Mapping[str, Any], hint: str) -> str:
         if "pattern" in schema:
@@ -239,6 +247,12 @@ class _Converter:
         char = r'( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )'
         count = f"{{{int(low or 0)},{'' if high is None else int(high)}}}"
         return self.add(hint, f'"\\"" {char}{count} "\\""')
+
+
+def _for_type(schema: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """One member of a type list: numeric bounds stay with the numeric types only."""
+    kept = {k: v for k, v in schema.items() if kind in ("integer", "number") or k not in _BOUNDS}
+    return {**kept, "type": kind}
 
 
 def _merge_all_of(schema: Mapping[str, Any], hint: str) -> dict[str, Any]:

@@ -17,7 +17,8 @@ import numpy as np
 
 from llamacrab._adapter import LoraAdapter
 from llamacrab._cache import PromptCache
-from llamacrab._chat import chat_prompt
+from llamacrab._chat import chat_prompt, template_source
+from llamacrab._chat_options import ChatOptions
 from llamacrab._context import Context, ContextParams
 from llamacrab._embeddings import (
     DEFAULT_PACK_TOKENS,
@@ -31,26 +32,15 @@ from llamacrab._generation import KvState, Request, Session, Step, generate
 from llamacrab._hub import HubOptions, ResolvedModel
 from llamacrab._hub import resolve as resolve_model
 from llamacrab._infill import infill_tokens
-from llamacrab._json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._model import Model, ModelParams
 from llamacrab._sampler import Samplers, SamplingOptions
 from llamacrab._scheduler import Scheduler
 from llamacrab._speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
 from llamacrab._stream import Stream, async_chunks
-from llamacrab._tool_calls import (
-    ToolCall,
-    ToolCallSplitter,
-    forced_call_grammar,
-    parse_tool_calls,
-    tool_names,
-)
 from llamacrab._types import (
-    ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatDelta,
-    ChatMessage,
     Completion,
     CompletionChoice,
     CompletionChunk,
@@ -212,6 +202,7 @@ class Llama:
         response_format: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] = "auto",
+        check_tool_arguments: bool = False,
         **kwargs: Any,
     ) -> ChatCompletion:
         """Answer ``messages`` (OpenAI-shaped dicts: role, content) with the model's chat
@@ -222,14 +213,17 @@ class Llama:
 
         ``tools`` (OpenAI function definitions) are given to the chat template; calls in the
         answer come back in ``message.tool_calls`` with finish_reason "tool_calls".
-        ``tool_choice`` "none" ignores them, "auto" lets the model decide, "required" or
-        {"type": "function", "function": {"name": ...}} forces a call with a grammar (as
-        generic JSON), so it always parses. Tools are never executed."""
-        tokens, kwargs, parse = self._chat_request(
-            messages, chat_format, response_format, tools, tool_choice, kwargs
-        )
+        ``tool_choice`` "none" ignores them; "auto" lets the model decide, and where the chat
+        template shows a tool-call opener (``<tool_call>``, ``[TOOL_CALLS]``,
+        ``<|python_tag|>``) a lazy grammar makes any call the model starts well-formed;
+        "required" or {"type": "function", "function": {"name": ...}} forces a call with a
+        grammar (as generic JSON), so it always parses. ``check_tool_arguments`` validates
+        each call's arguments against its tool's schema (ToolCallError if not; needs the
+        jsonschema package). Tools are never executed."""
+        options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments)
+        tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)
         result = self.create_completion(tokens, max_tokens=max_tokens, **kwargs)
-        choices = tuple(_chat_choice(c, parse) for c in result.choices)
+        choices = tuple(options.choice(c) for c in result.choices)
         chat_id = "chatcmpl-" + result.id.removeprefix("cmpl-")
         return ChatCompletion(chat_id, result.created, result.model, choices, result.usage)
 
@@ -242,16 +236,16 @@ class Llama:
         response_format: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] = "auto",
+        check_tool_arguments: bool = False,
         **kwargs: Any,
     ) -> Stream[ChatCompletionChunk]:
         """``create_chat_completion`` as a stream of deltas (the first carries the role).
         With ``tools``, text from a tool-call opener on is held back; the last delta carries
         the parsed ``tool_calls`` (finish_reason "tool_calls"), or the text if none parsed."""
-        tokens, kwargs, parse = self._chat_request(
-            messages, chat_format, response_format, tools, tool_choice, kwargs
-        )
+        options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments)
+        tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)
         stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
-        return stream.then(lambda chunks: _chat_chunks(chunks, parse))
+        return stream.then(options.chunks)
 
     async def astream_chat_completion(
         self, messages: Sequence[Mapping[str, Any]], **kwargs: Any
@@ -265,16 +259,14 @@ class Llama:
         self,
         messages: Sequence[Mapping[str, Any]],
         chat_format: str | None,
-        response_format: Mapping[str, Any] | None,
-        tools: Sequence[Mapping[str, Any]] | None,
-        tool_choice: str | Mapping[str, Any],
+        options: ChatOptions,
         kwargs: dict[str, Any],
-    ) -> tuple[list[int], dict[str, Any], bool]:
-        """Prompt tokens, completion keywords, and whether to look for tool calls."""
-        kwargs = _with_response_format(response_format, kwargs)
-        kwargs = _with_tool_choice(tools, tool_choice, kwargs)  # validates tools first
-        tokens = self._chat_tokens(messages, chat_format, tools)
-        return tokens, kwargs, bool(tools) and tool_choice != "none"
+    ) -> tuple[list[int], dict[str, Any]]:
+        """Prompt tokens and completion keywords."""
+        chat_format = chat_format or self.chat_format
+        tokens = self._chat_tokens(messages, chat_format, options.tools)
+        template = template_source(self.model, chat_format)
+        return tokens, options.completion_kwargs(kwargs, template)
 
     def _chat_tokens(
         self,
@@ -613,86 +605,6 @@ def _with_slots(
     if params.n_seq_max not in (1, parallel):
         raise InvalidParameterError(f"n_seq_max {params.n_seq_max} != parallel {parallel}")
     return dataclasses.replace(params, n_seq_max=parallel)
-
-
-def _with_tool_choice(
-    tools: Sequence[Mapping[str, Any]] | None,
-    tool_choice: str | Mapping[str, Any],
-    kwargs: dict[str, Any],
-) -> dict[str, Any]:
-    """Completion keywords with the grammar that a forced ``tool_choice`` needs."""
-    if tools:
-        tool_names(tools)  # validates their shape
-    if tool_choice in ("auto", "none"):
-        return kwargs
-    if not tools:
-        raise InvalidParameterError(f"tool_choice {tool_choice!r} needs tools")
-    if "grammar" in kwargs:
-        raise InvalidParameterError("a forced tool_choice and a grammar/response_format conflict")
-    if tool_choice == "required":
-        return {**kwargs, "grammar": forced_call_grammar(tools)}
-    if isinstance(tool_choice, Mapping):
-        name = (tool_choice.get("function") or {}).get("name")
-        return {**kwargs, "grammar": forced_call_grammar(tools, only=name)}
-    raise InvalidParameterError(f"unknown tool_choice {tool_choice!r}")
-
-
-def _chat_choice(choice: CompletionChoice, parse_tools: bool) -> ChatChoice:
-    if parse_tools:
-        content, calls = parse_tool_calls(choice.text)
-        if calls:
-            message = ChatMessage("assistant", content or None, tuple(calls))
-            return ChatChoice(choice.index, message, "tool_calls")
-    return ChatChoice(choice.index, ChatMessage("assistant", choice.text), choice.finish_reason)
-
-
-def _with_response_format(
-    response_format: Mapping[str, Any] | None, kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    """Completion keywords with the grammar an OpenAI ``response_format`` asks for."""
-    kind = None if response_format is None else response_format.get("type")
-    if kind in (None, "text"):
-        return kwargs
-    if "grammar" in kwargs:
-        raise InvalidParameterError("pass response_format or grammar, not both")
-    if kind == "json_object":
-        schema = response_format.get("schema") if response_format else None
-        grammar = JSON_OBJECT_GRAMMAR if schema is None else schema_to_grammar(schema)
-    elif kind == "json_schema" and response_format is not None:
-        spec = response_format.get("json_schema") or {}
-        if "schema" not in spec:
-            raise InvalidParameterError('response_format json_schema needs {"schema": {...}}')
-        grammar = schema_to_grammar(spec["schema"])
-    else:
-        raise InvalidParameterError(f"unknown response_format type {kind!r}")
-    return {**kwargs, "grammar": grammar}
-
-
-def _chat_chunks(
-    stream: Stream[CompletionChunk], parse_tools: bool
-) -> Generator[ChatCompletionChunk, None, None]:
-    splitter = ToolCallSplitter() if parse_tools else None
-    first = True
-    try:
-        for chunk in stream:
-            text, finish = chunk.text, chunk.finish_reason
-            calls: tuple[ToolCall, ...] = ()
-            if splitter is not None:
-                text = splitter.push(text)
-                if finish is not None:
-                    rest, found = splitter.finish()
-                    text += rest
-                    if found:
-                        calls, finish = tuple(found), "tool_calls"
-            if not (first or text or calls or finish):
-                continue  # held back: part of a tool call
-            delta = ChatDelta("assistant" if first else None, text, calls)
-            first = False
-            yield ChatCompletionChunk("chatcmpl-" + chunk.id.removeprefix("cmpl-"), chunk.created,
-                                      chunk.model, chunk.index, delta, finish,
-                                      chunk.usage)  # fmt: skip
-    finally:
-        stream.close()  # breaking out of the chat stream stops generation at once
 
 
 def _step_logprobs(vocab: Vocab, step: Step, offset: int) -> Logprobs | None:

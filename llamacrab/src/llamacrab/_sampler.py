@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -158,6 +159,9 @@ def _checked(sampler: Any, what: str) -> Any:
     return sampler
 
 
+_REGEX_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}]")
+
+
 def _grammar(model: Model, options: SamplingOptions) -> Any:
     assert options.grammar is not None
     vocab = model.vocab.pointer
@@ -165,9 +169,9 @@ def _grammar(model: Model, options: SamplingOptions) -> Any:
     root = c_string(options.grammar_root, "grammar_root")
     log_lines.take_last_error()
     if options.grammar_trigger_words:
-        words = [
-            ffi.new("char[]", c_string(w, "trigger word")) for w in options.grammar_trigger_words
-        ]
+        # llama.cpp takes regular expressions: a trigger word must match only itself.
+        patterns = [_REGEX_SPECIAL.sub(r"\\\g<0>", w) for w in options.grammar_trigger_words]
+        words = [ffi.new("char[]", c_string(p, "trigger word")) for p in patterns]
         c_words = ffi.new("const char *[]", words)
         sampler = call("llama_sampler_init_grammar_lazy_patterns", vocab, grammar, root,
                        c_words, len(words), ffi.NULL, 0)  # fmt: skip

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llamacrab._exceptions import InvalidParameterError
+from llamacrab._exceptions import InvalidParameterError, ToolCallError
 from llamacrab._json_schema import schema_to_grammar
 from llamacrab._stop import StopMatcher
 
@@ -132,6 +132,55 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
             )
         names.append(function["name"])
     return names
+
+
+# A chat template mentioning one of these openers gets, for tool_choice "auto", a lazy grammar:
+# free text until the opener appears, then only a well-formed call (as generic JSON inside).
+_LAZY_WRAPPERS = {
+    "<tool_call>": 'tool-call-root ::= "<tool_call>" ws root ws "</tool_call>"',
+    "[TOOL_CALLS]": 'tool-call-root ::= "[TOOL_CALLS]" ws "[" ws root ( ws "," ws root )* ws "]"',
+    "<|python_tag|>": 'tool-call-root ::= "<|python_tag|>" ws root',
+}
+
+
+def lazy_call_grammar(
+    tools: Sequence[Mapping[str, Any]], template: str | None
+) -> dict[str, Any] | None:
+    """Sampling options for tool_choice "auto": a grammar that stays idle until the template's
+    tool-call opener is generated, then forces a valid call. None when the template shows no
+    opener it knows (the answer is then parsed as generated)."""
+    for opener, wrapper in _LAZY_WRAPPERS.items():
+        if template is not None and opener in template:
+            grammar = forced_call_grammar(tools) + "\n" + wrapper
+            return {"grammar": grammar, "grammar_root": "tool-call-root",
+                    "grammar_trigger_words": (opener,)}  # fmt: skip
+    return None
+
+
+def check_arguments(calls: Sequence[ToolCall], tools: Sequence[Mapping[str, Any]]) -> None:
+    """Raise ToolCallError unless each call names a tool and its arguments are JSON that
+    validates against that tool's parameter schema (with the ``jsonschema`` package)."""
+    try:
+        import jsonschema  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        raise InvalidParameterError(
+            "checking tool arguments needs the jsonschema package: pip install 'llamacrab[tools]'"
+        ) from None
+    schemas = {
+        name: tool["function"].get("parameters") or {"type": "object"}
+        for tool, name in zip(tools, tool_names(tools), strict=True)
+    }
+    for call in calls:
+        if call.name not in schemas:
+            raise ToolCallError(f"the model called {call.name!r}, which is not among the tools")
+        try:
+            arguments = json.loads(call.arguments)
+        except json.JSONDecodeError as error:
+            raise ToolCallError(f"{call.name}: the arguments are not JSON ({error})") from None
+        try:
+            jsonschema.validate(arguments, schemas[call.name])
+        except jsonschema.ValidationError as error:
+            raise ToolCallError(f"{call.name}: invalid arguments: {error.message}") from None
 
 
 def forced_call_grammar(tools: Sequence[Mapping[str, Any]], only: str | None = None) -> str:

@@ -1,0 +1,85 @@
+"""GBNF for integers and numbers between bounds, built digit by digit so that exactly the values
+in range match (JSON's form: no leading zeros, at most 16 integer digits, no exponent)."""
+
+from __future__ import annotations
+
+from llamacrab._exceptions import GrammarError
+
+MAX_DIGITS = 16
+FRACTION = '( "." [0-9]{1,16} )'
+ZERO_FRACTION = '( "." "0"{1,16} )'
+
+
+def _same_length(low: str, high: str) -> str:
+    """Digit strings of one length from ``low`` to ``high`` (inclusive, low <= high)."""
+    if low == high:
+        return f'"{low}"'
+    i = next(k for k, (a, b) in enumerate(zip(low, high, strict=True)) if a != b)
+    prefix = f'"{low[:i]}" ' if i else ""
+    rest = len(low) - i - 1
+    first, last = int(low[i]), int(high[i])
+    tail = f" [0-9]{{{rest}}}" if rest else ""
+    if low[i + 1 :] == "0" * rest and high[i + 1 :] == "9" * rest:
+        return f"{prefix}[{first}-{last}]{tail}"
+    options = [f'"{first}" ( {_same_length(low[i + 1 :], "9" * rest)} )']
+    if last - first > 1:
+        options.append(f"[{first + 1}-{last - 1}]{tail}")
+    options.append(f'"{last}" ( {_same_length("0" * rest, high[i + 1 :])} )')
+    return f"{prefix}( {' | '.join(options)} )"
+
+
+def natural_range(low: int, high: int | None) -> str:
+    """The integers from ``low`` (>= 0) to ``high`` (None: up to 16 digits), unsigned."""
+    top = len(str(high)) if high is not None else len(str(low))
+    options = []
+    for length in range(len(str(low)), top + 1):
+        start = max(low, 10 ** (length - 1) if length > 1 else 0)
+        end = 10**length - 1 if high is None else min(high, 10**length - 1)
+        if start <= end:
+            options.append(_same_length(str(start), str(end)))
+    if high is None and top < MAX_DIGITS:  # every longer number is larger
+        options.append(f"[1-9] [0-9]{{{top},{MAX_DIGITS - 1}}}")
+    return " | ".join(f"( {o} )" for o in options)
+
+
+def _magnitude(low: int, high: int | None, fraction: bool) -> str:
+    """Non-negative values from ``low`` to ``high``: integers, or numbers with a fraction."""
+    if not fraction:
+        return natural_range(low, high)
+    if high is None:
+        return f"( {natural_range(low, None)} ) {FRACTION}?"
+    options = [f'"{high}" {ZERO_FRACTION}?']  # the bound itself, with zeros after the point
+    if high > low:
+        options.insert(0, f"( {natural_range(low, high - 1)} ) {FRACTION}?")
+    return " | ".join(options)
+
+
+def bounded(low: int | None, high: int | None, fraction: bool) -> str:
+    """A GBNF alternative for the integers (or, with ``fraction``, the numbers) between two
+    integral bounds, either of which may be None."""
+    if low is not None and high is not None and low > high:
+        raise GrammarError(f"minimum {low} is greater than maximum {high}")
+    options = []
+    if high is None or high >= 0:
+        options.append(_magnitude(max(low or 0, 0), high, fraction))
+    if low is None or low < 0:
+        # -m is in range when -high <= m <= -low; m = 0 is the non-negative side's.
+        smallest = 0 if high is None or high >= 0 else -high
+        magnitude = _magnitude(max(smallest, 0 if fraction else 1), None if low is None else -low,
+                               fraction)  # fmt: skip
+        options.append(f'"-" ( {magnitude} )')
+    return " | ".join(f"( {o} )" for o in options)
+
+
+def integral_bound(value: object, keyword: str, hint: str) -> int:
+    """A schema bound as an int; only integral values can become digit rules."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GrammarError(f"{keyword} at {hint} must be a number, not {value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise GrammarError(
+            f"JSON Schema keyword {keyword!r} at {hint}: only whole-number bounds are supported, "
+            f"not {value}"
+        )
+    if abs(value) >= 10**MAX_DIGITS:
+        raise GrammarError(f"{keyword} {value} at {hint} has more than {MAX_DIGITS} digits")
+    return int(value)
