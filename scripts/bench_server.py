@@ -94,8 +94,11 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, object
 async def burst(url: str, clients: int, extra: dict[str, object]) -> dict[str, float]:
     bodies = [{"prompt": f"Write a long story about crab number {i}.", "max_tokens": TOKENS,
                "temperature": 0, "stream": True, **extra} for i in range(clients)]  # fmt: skip
-    async with httpx.AsyncClient(timeout=600) as client:
-        await one_stream(client, url, {**bodies[0], "max_tokens": 4})  # warm up
+    # No keep-alive: llama-server closes idle connections, which a reused one would hit.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        warm_up = {k: v for k, v in bodies[0].items() if k not in extra}
+        await one_stream(client, url, {**warm_up, "max_tokens": 4})
         started = time.perf_counter()
         firsts = await asyncio.gather(*(one_stream(client, url, b) for b in bodies))
         wall = time.perf_counter() - started

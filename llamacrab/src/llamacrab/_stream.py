@@ -45,20 +45,29 @@ class Stream(Iterator[_T], Generic[_T]):
 
 
 async def async_chunks(stream: Stream[_T]) -> AsyncGenerator[_T, None]:
-    """Drive a stream from asyncio, one step per worker-thread call, so the event loop never
-    waits on llama.cpp. Leaving early (or a cancelled task) cancels the generation, waits for
-    the step in flight, then closes the stream."""
-    done = object()
-    pending: asyncio.Future[object] | None = None
+    """Drive a stream from asyncio: one worker thread iterates it and hands each chunk to the
+    event loop, which never waits on llama.cpp. Leaving early (or a cancelled task) cancels the
+    generation and waits for the worker, which ends within a step."""
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue[tuple[bool, object]] = asyncio.Queue()
+
+    def pump() -> None:
+        try:
+            for chunk in stream:
+                loop.call_soon_threadsafe(chunks.put_nowait, (False, chunk))
+            loop.call_soon_threadsafe(chunks.put_nowait, (True, None))
+        except BaseException as error:  # handed to the consumer, raised there
+            loop.call_soon_threadsafe(chunks.put_nowait, (True, error))
+
+    worker = loop.run_in_executor(None, pump)
     try:
         while True:
-            pending = asyncio.ensure_future(asyncio.to_thread(next, stream, done))
-            chunk = await asyncio.shield(pending)
-            if chunk is done:
+            finished, item = await chunks.get()
+            if finished:
+                if isinstance(item, BaseException):
+                    raise item
                 return
-            yield chunk  # type: ignore[misc]
+            yield item  # type: ignore[misc]
     finally:
         stream.cancel()
-        if pending is not None and not pending.done():
-            await asyncio.wait([pending])  # a cancelled step ends quickly
-        await asyncio.to_thread(stream.close)
+        await asyncio.wait([worker])
