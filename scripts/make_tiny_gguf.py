@@ -100,7 +100,8 @@ def _tensors(seed: int, n_vocab: int) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _write(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+def write_gguf(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    """Add ``tensors`` to a writer whose metadata is set, and write the file."""
     for name, data in tensors.items():
         writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -124,7 +125,7 @@ def write_tiny_llama(
     _metadata(writer, block_count, rms_eps, fim)
     for name, template in (chat_templates or {}).items():
         writer.add_string("tokenizer.chat_template" + (f".{name}" if name else ""), template)
-    _write(writer, _tensors(seed, len(vocabulary(fim)[0])))
+    write_gguf(writer, _tensors(seed, len(vocabulary(fim)[0])))
     return path
 
 
@@ -144,7 +145,7 @@ def write_tiny_llama_split(
         writer.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, i)
         writer.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, n_parts)
         writer.add_int32(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, len(tensors))
-        _write(writer, dict(tensors[i * per_part : (i + 1) * per_part]))
+        write_gguf(writer, dict(tensors[i * per_part : (i + 1) * per_part]))
         paths.append(path)
     return paths
 
@@ -178,7 +179,7 @@ def write_tiny_draft(path: Path, source: Path, seed: int = 0) -> Path:
     tensors = _tensors(seed, n_vocab)
     del tensors["output.weight"]  # tied to token_embd: half the size for a big vocabulary
     tensors["token_embd.weight"] = tensors["token_embd.weight"].astype(np.float16)
-    _write(writer, tensors)
+    write_gguf(writer, tensors)
     return path
 
 

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.real_model
         ("chat.py", 'tool call: get_weather {"city": "Lisbon"}'),
         ("parallel.py", "finish: cancelled"),
         ("server.py", "completion: ' France"),
+        ("multimodal.py", "image prompt: 31 tokens (16 from the image)"),
     ],
 )
 def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:

@@ -118,6 +118,13 @@ def _extract_tree(archive_path: Path, member_prefix: str, dest: Path) -> None:
     staging.rename(dest)
 
 
+def pinned_archive() -> Path:
+    """The verified source archive the pin names (fetched into the cache when missing)."""
+    dest = cache_root() / "src"
+    dest.mkdir(parents=True, exist_ok=True)
+    return _download_archive(read_pin()["source_archive"], dest)
+
+
 def resolve_source() -> Source:
     """Return the llama.cpp tree to build, fetching and extracting the pinned one if needed."""
     pin = read_pin()

@@ -23,6 +23,7 @@ int main(int argc, char **argv) {
     llama_log_set(quiet, NULL);
     llama_backend_init();
 
+    const int64_t t_load = llama_time_us();
     struct llama_model *model = llama_model_load_from_file(argv[1], llama_model_default_params());
     if (!model) { fprintf(stderr, "cannot load %s\n", argv[1]); return 1; }
     const struct llama_vocab *vocab = llama_model_get_vocab(model);
@@ -33,6 +34,7 @@ int main(int argc, char **argv) {
     cp.n_threads = cp.n_threads_batch = n_threads;
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) { fprintf(stderr, "cannot create a context\n"); return 1; }
+    const double load_seconds = (llama_time_us() - t_load) / 1e6;
 
     /* The same synthetic prompt as bench.py: BOS, then consecutive ids wrapping in the vocab. */
     const int n_vocab = llama_vocab_n_tokens(vocab);
@@ -67,8 +69,9 @@ int main(int argc, char **argv) {
     }
     const int64_t t3 = llama_time_us();
 
-    printf("{\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"last_token\": %d}\n",
-           n_prompt / ((t1 - t0) / 1e6), (n_gen - 1) / ((t3 - t2) / 1e6), token);
+    printf("{\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"last_token\": %d, "
+           "\"load_seconds\": %.4f}\n",
+           n_prompt / ((t1 - t0) / 1e6), (n_gen - 1) / ((t3 - t2) / 1e6), token, load_seconds);
     llama_sampler_free(chain);
     llama_free(ctx);
     llama_model_free(model);

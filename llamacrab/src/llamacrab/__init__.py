@@ -11,6 +11,7 @@ a closed handle raises ClosedHandleError. llama.cpp's log goes to the ``llamacra
 from llamacrab._adapter import LoraAdapter
 from llamacrab._batch import Batch
 from llamacrab._cache import DiskCache, PromptCache, RamCache
+from llamacrab._chat_media import MediaPolicy
 from llamacrab._context import Context, ContextParams
 from llamacrab._custom_sampler import CustomSampler
 from llamacrab._exceptions import (
@@ -25,6 +26,7 @@ from llamacrab._exceptions import (
     InvalidModelError,
     InvalidParameterError,
     LlamaError,
+    MediaError,
     ModelLoadError,
     NativeError,
     QueueFullError,
@@ -36,7 +38,9 @@ from llamacrab._exceptions import (
 from llamacrab._hub import HubOptions, ResolvedModel, resolve
 from llamacrab._json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._llama import Llama
+from llamacrab._media import Audio, Image
 from llamacrab._model import Model, ModelParams
+from llamacrab._mtmd import Bitmap, Chunks, Projector
 from llamacrab._sampler import SamplerChain, SamplingOptions
 from llamacrab._speculative import DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._state import SavedState
@@ -63,13 +67,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "JSON_OBJECT_GRAMMAR",
+    "Audio",
     "Batch",
+    "Bitmap",
     "BuildInfo",
     "ChatChoice",
     "ChatCompletion",
     "ChatCompletionChunk",
     "ChatDelta",
     "ChatMessage",
+    "Chunks",
     "ClosedHandleError",
     "Completion",
     "CompletionChoice",
@@ -88,6 +95,7 @@ __all__ = [
     "GrammarError",
     "HubError",
     "HubOptions",
+    "Image",
     "IncrementalDecoder",
     "InvalidModelError",
     "InvalidParameterError",
@@ -95,10 +103,13 @@ __all__ = [
     "LlamaError",
     "Logprobs",
     "LoraAdapter",
+    "MediaError",
+    "MediaPolicy",
     "Model",
     "ModelLoadError",
     "ModelParams",
     "NativeError",
+    "Projector",
     "PromptCache",
     "PromptLookup",
     "QueueFullError",

@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llamacrab._chat_builtin import apply_builtin, builtin_names
-from llamacrab._chat_template import render
 from llamacrab._exceptions import InvalidParameterError, TemplateError
 from llamacrab._model import Model
 
@@ -62,6 +61,8 @@ def chat_prompt(
             )
         name = chat_format or "gemma"
         return apply_builtin(name, normalized, add_generation_prompt)
+    from llamacrab._chat_template import render  # Jinja2 loads with the first template
+
     vocab = model.vocab
     return render(
         source,

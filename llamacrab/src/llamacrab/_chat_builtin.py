@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llamacrab._chat_template import render
 from llamacrab._exceptions import TemplateError
 from llamacrab._native import c_string, call, ffi
 
@@ -53,6 +52,8 @@ def apply_builtin(
     name: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool
 ) -> str:
     if name in OWN_TEMPLATES:
+        from llamacrab._chat_template import render  # Jinja2 loads with the first template
+
         return render(OWN_TEMPLATES[name], messages, add_generation_prompt=add_generation_prompt)
     llama_name = ALIASES.get(name, name)
     if llama_name not in llama_cpp_names():

@@ -17,6 +17,7 @@ LlamaError
 ├── TemplateError              (also ValueError) a chat template that failed or was refused
 ├── QueueFullError             every parallel slot is busy and the waiting queue is full
 ├── ToolCallError              (also ValueError) a tool call whose arguments fail their schema
+├── MediaError                 (also ValueError) an image or sound that cannot be used
 └── InvalidParameterError      (also ValueError) a parameter out of its range
 """
 
@@ -99,6 +100,10 @@ class QueueFullError(LlamaError):
 
 class ToolCallError(LlamaError, ValueError):
     """A tool call naming no known tool, or whose arguments do not match its schema."""
+
+
+class MediaError(LlamaError, ValueError):
+    """An image or sound that cannot be decoded, or that this projector cannot take."""
 
 
 class InvalidParameterError(LlamaError, ValueError):

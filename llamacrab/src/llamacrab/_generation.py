@@ -20,6 +20,7 @@ from llamacrab._exceptions import (
     StateError,
 )
 from llamacrab._logprobs import token_logprobs
+from llamacrab._mtmd import Chunks
 from llamacrab._sampler import Samplers
 from llamacrab._speculative import Drafter, SpeculativeStats
 from llamacrab._state import SavedState, common_prefix
@@ -39,15 +40,21 @@ class Step:
     top_logprobs: dict[str, float] | None = None
 
 
+# Stands for a position filled by an image or sound: never equal to a real token.
+MEDIA_TOKEN = -1
+
+
 @dataclass(frozen=True)
 class Request:
-    """What to generate from a prompt."""
+    """What to generate from a prompt. A multimodal prompt comes as ``media`` chunks, with
+    ``prompt`` holding MEDIA_TOKEN for each position they take."""
 
     prompt: Sequence[int]
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: Sequence[str] = ()
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
+    media: Chunks | None = None
 
     def check(self, n_ctx: int) -> None:
         if not self.prompt:
@@ -118,8 +125,9 @@ class KvState:
             warnings.warn(f"prompt cache entry not used: {error}", stacklevel=4)
 
     def remember(self) -> None:
-        """Store the current state in the prompt cache, if there is one."""
-        if self.cache is not None and self.tokens:
+        """Store the current state in the prompt cache, if there is one. Not after media: their
+        positions hold MEDIA_TOKEN, which cannot tell one image from another."""
+        if self.cache is not None and self.tokens and MEDIA_TOKEN not in self.tokens:
             self.cache.store(self.snapshot())
 
     def prepare(self, prompt: Sequence[int]) -> int:
@@ -150,6 +158,16 @@ class KvState:
             chunk = todo[start : start + step]
             self.batch.set(chunk, len(self.tokens), self.seq_id, start + step >= len(todo))
             self.decode_tracked(chunk.tolist())
+
+    def decode_media(self, chunks: Chunks) -> None:
+        """Evaluate a multimodal prompt from the start of this sequence (no prefix reuse)."""
+        self.forget()
+        try:
+            n_past = chunks.projector.evaluate(self.context, chunks, 0, self.seq_id)
+        except BaseException:
+            self.forget()
+            raise
+        self.tokens.extend([MEDIA_TOKEN] * n_past)
 
     def decode_all(self, tokens: list[int]) -> None:
         """Decode tokens with logits for every one (speculative verification)."""
@@ -217,8 +235,11 @@ def generate(
     request.check(context.n_ctx)
     with lock:
         try:
-            session.reused = kv.prepare(request.prompt)
-            kv.decode_prompt(request.prompt, session.reused)
+            if request.media is not None:
+                kv.decode_media(request.media)
+            else:
+                session.reused = kv.prepare(request.prompt)
+                kv.decode_prompt(request.prompt, session.reused)
             first: Step | None = None
         except DecodeAbortedError:
             first = Step("", None, "cancelled")
@@ -304,6 +325,7 @@ class _Stepper:
         self.drafts: list[int] = []  # decoded after that output, not yet confirmed
         self.drafted = 0  # size of the current draft, for the drafter's feedback
         self.decode_seconds = 0.0  # of the last decode
+        self.pending: int | None = None  # sampled and handed out, decoded by the next call
 
     def settle(self) -> None:
         """Forget unconfirmed drafts: out of the memory, and reported to the drafter."""
@@ -316,6 +338,14 @@ class _Stepper:
             self.drafts = []
 
     def next(self, produced: int) -> Step:
+        # A token is handed out as soon as it is sampled; its decode waits for this call, so
+        # the first token costs the prompt alone, as native streaming does.
+        if self.pending is not None:
+            sampled, self.pending = self.pending, None
+            try:
+                self._decode(sampled, produced - 1)
+            except DecodeAbortedError:
+                return Step(self.emitter.stops.flush(), None, "cancelled")
         step = self.emitter.sample(self.kv.context, self.samplers, self.index, produced)
         token = step.token
         if token is not None and self.drafts and self.drafts[0] == token:
@@ -332,10 +362,7 @@ class _Stepper:
             step.text += self.emitter.rest()
             step.finish_reason = "length"
             return step
-        try:
-            self._decode(token, produced)
-        except DecodeAbortedError:
-            step.finish_reason = "cancelled"
+        self.pending = token
         return step
 
     def _decode(self, token: int, produced: int) -> None:

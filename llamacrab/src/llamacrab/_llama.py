@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -18,6 +17,7 @@ import numpy as np
 from llamacrab._adapter import LoraAdapter
 from llamacrab._cache import PromptCache
 from llamacrab._chat import chat_prompt, template_source
+from llamacrab._chat_media import MediaPolicy, extract_media, has_media
 from llamacrab._chat_options import ChatOptions
 from llamacrab._context import Context, ContextParams
 from llamacrab._embeddings import (
@@ -27,12 +27,14 @@ from llamacrab._embeddings import (
     pool_tokens,
     rerank_tokens,
 )
-from llamacrab._exceptions import InvalidParameterError
-from llamacrab._generation import KvState, Request, Session, Step, generate
+from llamacrab._exceptions import InvalidParameterError, MediaError
+from llamacrab._generation import MEDIA_TOKEN, KvState, Request, Session, Step, generate
 from llamacrab._hub import HubOptions, ResolvedModel
 from llamacrab._hub import resolve as resolve_model
 from llamacrab._infill import infill_tokens
+from llamacrab._media import Media
 from llamacrab._model import Model, ModelParams
+from llamacrab._mtmd import Chunks, Projector
 from llamacrab._sampler import Samplers, SamplingOptions
 from llamacrab._scheduler import Scheduler
 from llamacrab._speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
@@ -80,6 +82,10 @@ class Llama:
     path exists): HubOptions fields (filename, revision, token, cache_dir, endpoint, offline,
     mmproj) choose what is fetched.
 
+    ``mmproj`` (or the Hub's projector) makes it multimodal: images and sounds go into
+    completions (``media=``, one ``media_marker`` per item in the prompt) and chat messages
+    (``image_url`` / ``input_audio`` parts, from where ``media_policy`` allows).
+
     Calls are serialized: a completion started from another thread waits for the one running,
     and a new call supersedes an unfinished stream (which then ends "cancelled").
 
@@ -104,6 +110,8 @@ class Llama:
         progress: Callable[[float], object] | None = None,
         parallel: int | None = None,
         max_queue: int = 64,
+        mmproj: str | os.PathLike[str] | None = None,
+        media_policy: MediaPolicy | None = None,
         **options: Any,
     ) -> None:
         if options and (model_params or context_params or hub):
@@ -118,6 +126,17 @@ class Llama:
         except BaseException:
             self.model.close()
             raise
+        self.projector: Projector | None = None
+        projector_path = mmproj or self.files.mmproj
+        if projector_path is not None:
+            try:
+                self.projector = Projector(
+                    self.model, projector_path, self.context.params.n_threads
+                )
+            except BaseException:
+                self.model.close()
+                raise
+        self.media_policy = media_policy or MediaPolicy()
         self.seed = seed
         self.speculative = speculative  # the default for completions
         self.chat_format = chat_format  # None: the model's own template
@@ -250,8 +269,8 @@ class Llama:
     async def astream_chat_completion(
         self, messages: Sequence[Mapping[str, Any]], **kwargs: Any
     ) -> AsyncIterator[ChatCompletionChunk]:
-        """``stream_chat_completion`` for asyncio: each step runs in a worker thread."""
-        stream = await asyncio.to_thread(self.stream_chat_completion, messages, **kwargs)
+        """``stream_chat_completion`` for asyncio: a worker thread drives the stream."""
+        stream = self.stream_chat_completion(messages, **kwargs)
         async for chunk in async_chunks(stream):
             yield chunk
 
@@ -261,8 +280,8 @@ class Llama:
         chat_format: str | None,
         options: ChatOptions,
         kwargs: dict[str, Any],
-    ) -> tuple[list[int], dict[str, Any]]:
-        """Prompt tokens and completion keywords."""
+    ) -> tuple[list[int] | Chunks, dict[str, Any]]:
+        """The prompt (tokens, or chunks with media) and the completion keywords."""
         chat_format = chat_format or self.chat_format
         tokens = self._chat_tokens(messages, chat_format, options.tools)
         template = template_source(self.model, chat_format)
@@ -273,12 +292,47 @@ class Llama:
         messages: Sequence[Mapping[str, Any]],
         chat_format: str | None,
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[int]:
+    ) -> list[int] | Chunks:
+        media: list[Media] = []
+        if has_media(messages):
+            messages, media = extract_media(messages, self.media_marker, self.media_policy)
         prompt = self.chat_prompt(messages, chat_format, tools)
         bos = self.vocab.bos
         # A template that writes BOS itself must not get a second one from the tokenizer.
         has_bos = bos is not None and prompt.startswith(self.vocab.token_to_piece(bos, True))
+        if media:
+            return self.tokenize_media(prompt, media, add_special=not has_bos, parse_special=True)
         return self.tokenize(prompt, add_special=not has_bos, parse_special=True)
+
+    # -- images and sounds ---------------------------------------------------------------------
+
+    @property
+    def media_marker(self) -> str:
+        """The text that stands for one image or sound in a multimodal prompt."""
+        return self._projector().marker
+
+    def tokenize_media(
+        self,
+        text: str,
+        media: Sequence[Media],
+        add_special: bool = True,
+        parse_special: bool = False,
+    ) -> Chunks:
+        """A multimodal prompt: ``text`` with one ``media_marker`` per item of ``media``."""
+        projector = self._projector()
+        if len(media) > self.media_policy.max_media:
+            raise MediaError(f"more than {self.media_policy.max_media} images/sounds at once")
+        bitmaps = [projector.bitmap(item) for item in media]
+        try:
+            return projector.tokenize(text, bitmaps, add_special, parse_special)
+        finally:
+            for bitmap in bitmaps:
+                bitmap.close()  # the chunks hold what they need
+
+    def _projector(self) -> Projector:
+        if self.projector is None:
+            raise InvalidParameterError("this Llama has no projector: pass mmproj= for media")
+        return self.projector
 
     # -- fill in the middle --------------------------------------------------------------------
 
@@ -439,8 +493,9 @@ class Llama:
 
     def stream_completion(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Chunks,
         *,
+        media: Sequence[Media] = (),
         max_tokens: int | None = 16,
         min_tokens: int = 0,
         stop: str | Sequence[str] = (),
@@ -454,6 +509,9 @@ class Llama:
     ) -> Stream[CompletionChunk]:
         """Generate text chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
 
+        ``media`` (Image / Audio, with a projector) fill the prompt's ``media_marker`` places in
+        order; a prompt from ``tokenize_media`` works too.
+
         Breaking out of the loop stops generation; the Llama stays usable. ``max_tokens=None``
         runs until the end of the context. ``min_tokens`` forbids ending earlier. ``logprobs=N``
         reports each token's log-probability and its N most likely alternatives. ``suffix`` is
@@ -463,9 +521,11 @@ class Llama:
         ends the generation with finish_reason "cancelled". Other keywords are SamplingOptions
         fields (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
         """
-        tokens, text = self._prompt(prompt)
+        tokens, text, media_chunks = self._prompt(prompt, media)
+        if media_chunks is not None and (echo or speculative is not None):
+            raise InvalidParameterError("echo and speculative decoding take text prompts only")
         request = Request(tokens, max_tokens, min_tokens, [stop] if isinstance(stop, str) else stop,
-                          logprobs)  # fmt: skip
+                          logprobs, media_chunks)  # fmt: skip
         request.check(self.context.n_ctx_seq)
         options = self._sampling(sampling, sampling_options)
         if speculative is not None and self.scheduler is not None:
@@ -473,12 +533,12 @@ class Llama:
         speculative = speculative if speculative is not None else self.speculative
         drafter = speculative.drafter(self.model) if speculative is not None else None
         session = Session(timeout)
-        chunks = self._stream(request, options, text if echo else "", suffix, drafter, session)
-        return Stream(chunks, session)
+        steps = self._stream(request, options, text if echo else "", suffix, drafter, session)
+        return Stream(steps, session)
 
     def create_completion(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Chunks,
         *,
         n: int = 1,
         best_of: int | None = None,
@@ -516,16 +576,29 @@ class Llama:
                           choices, usage)  # fmt: skip
 
     async def astream_completion(
-        self, prompt: str | Sequence[int], **kwargs: Any
+        self, prompt: str | Sequence[int] | Chunks, **kwargs: Any
     ) -> AsyncIterator[CompletionChunk]:
-        """``stream_completion`` for asyncio: each step runs in a worker thread."""
-        stream = await asyncio.to_thread(self.stream_completion, prompt, **kwargs)
+        """``stream_completion`` for asyncio: a worker thread drives the stream."""
+        stream = self.stream_completion(prompt, **kwargs)
         async for chunk in async_chunks(stream):
             yield chunk
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _prompt(self, prompt: str | Sequence[int]) -> tuple[list[int], str]:
+    def _prompt(
+        self, prompt: str | Sequence[int] | Chunks, media: Sequence[Media]
+    ) -> tuple[list[int], str, Chunks | None]:
+        """Prompt tokens (MEDIA_TOKEN where media sit), its text, and the multimodal chunks."""
+        if media:
+            if not isinstance(prompt, str):
+                raise InvalidParameterError("media= needs a text prompt with media markers")
+            prompt = self.tokenize_media(prompt, media)
+        if isinstance(prompt, Chunks):
+            return [MEDIA_TOKEN] * prompt.n_pos, "", prompt
+        tokens, text = self._text_prompt(prompt)
+        return tokens, text, None
+
+    def _text_prompt(self, prompt: str | Sequence[int]) -> tuple[list[int], str]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidParameterError("the prompt is empty")

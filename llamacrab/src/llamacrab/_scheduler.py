@@ -25,6 +25,7 @@ from llamacrab._exceptions import (
     StateError,
 )
 from llamacrab._generation import Emitter, KvState, Request, Session, Step
+from llamacrab._mtmd import Chunks
 from llamacrab._sampler import Samplers
 from llamacrab._state import common_prefix
 
@@ -178,6 +179,8 @@ class Scheduler:
                 continue
             if job.session.stopped():
                 self._end(slot, Step(job.emitter.stops.flush(), None, "cancelled"))
+            elif job.todo is None and job.request.media is not None:
+                self._start_media(slot, job.request.media)
             elif job.todo is None:
                 keep = slot.kv.prepare(job.request.prompt)
                 job.session.reused = keep
@@ -201,6 +204,19 @@ class Scheduler:
         for slot in self.slots:
             if slot.job is not None and slot.job.index is not None:
                 self._sample(slot)
+
+    def _start_media(self, slot: _Slot, chunks: Chunks) -> None:
+        """A multimodal prompt is evaluated on its own (libmtmd encodes and decodes it), and
+        its first token sampled before this step's batch replaces the last outputs."""
+        job = slot.job
+        assert job is not None
+        try:
+            slot.kv.decode_media(chunks)
+        except Exception as error:
+            self._fail([slot], error)
+            return
+        job.todo, job.index = [], -1
+        self._sample(slot)
 
     def _plan(self) -> list[tuple[_Slot, list[int]]]:
         """Fill the batch: next tokens first (one each), then prompt chunks while room is left."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from typing import Generic, TypeVar
 
@@ -48,6 +47,8 @@ async def async_chunks(stream: Stream[_T]) -> AsyncGenerator[_T, None]:
     """Drive a stream from asyncio: one worker thread iterates it and hands each chunk to the
     event loop, which never waits on llama.cpp. Leaving early (or a cancelled task) cancels the
     generation and waits for the worker, which ends within a step."""
+    import asyncio  # loaded already under a running event loop; not for synchronous users
+
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[tuple[bool, object]] = asyncio.Queue()
 

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from llamacrab import __version__
+from llamacrab._chat_media import MediaPolicy
 from llamacrab._exceptions import LlamaError
 from llamacrab._llama import Llama
 from llamacrab._stream import Stream, async_chunks
@@ -65,7 +66,7 @@ def open_llama(settings: ServerSettings) -> Llama:
         "flash_attn": settings.flash_attn, "filename": settings.hf_filename,
         "revision": settings.hf_revision, "token": settings.hf_token,
         "cache_dir": settings.hf_cache_dir, "endpoint": settings.hf_endpoint,
-        "offline": settings.hf_offline,
+        "offline": settings.hf_offline, "mmproj": settings.hf_mmproj or None,
     }  # fmt: skip
     if settings.embeddings or settings.reranking:
         pooling = "rank" if settings.reranking else settings.pooling
@@ -73,8 +74,13 @@ def open_llama(settings: ServerSettings) -> Llama:
         extra: dict[str, Any] = {}
     else:
         options["n_ctx"] = settings.n_ctx or 4096 * settings.parallel
+        # Clients send media inline (data: URLs): they cannot make the server read its files
+        # or fetch URLs.
+        policy = MediaPolicy(local_files=False, remote=False, max_media=settings.max_media,
+                             max_bytes=settings.max_body_bytes)  # fmt: skip
         extra = {"parallel": settings.parallel, "max_queue": settings.max_queue,
-                 "chat_format": settings.chat_template}  # fmt: skip
+                 "chat_format": settings.chat_template, "mmproj": settings.mmproj,
+                 "media_policy": policy}  # fmt: skip
     given = {k: v for k, v in options.items() if v is not None}
     return Llama(settings.model, **extra, **given)
 

@@ -38,6 +38,8 @@ class ServerSettings:
     reranking: bool = False
     pooling: str | None = None
     chat_template: str | None = None
+    mmproj: str | None = None  # a multimodal projector: images and audio in chat messages
+    max_media: int = 8  # images/sounds per request
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     cors_origins: tuple[str, ...] = ()
     insecure: bool = False
@@ -52,13 +54,21 @@ class ServerSettings:
     hf_cache_dir: str | None = None
     hf_endpoint: str | None = None
     hf_offline: bool | None = None
+    hf_mmproj: bool = False  # fetch the Hub repository's projector too
 
     def __post_init__(self) -> None:
         if self.flash_attn not in FLASH_ATTN:
             raise InvalidParameterError(f"flash_attn must be one of {FLASH_ATTN}")
         if self.pooling is not None and self.pooling not in POOLING:
             raise InvalidParameterError(f"unknown pooling {self.pooling!r}; one of {POOLING}")
-        for name in ("port", "parallel", "max_body_bytes", "max_tokens_limit", "max_n"):
+        for name in (
+            "port",
+            "parallel",
+            "max_body_bytes",
+            "max_tokens_limit",
+            "max_n",
+            "max_media",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"{name} must be >= 1")
         if self.timeout <= 0 or self.max_queue < 0:
@@ -125,6 +135,8 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("reranking", bool, "serve /v1/rerank (a reranker model) instead of generation"),
     ("pooling", str, f"embedding pooling: {', '.join(POOLING)} (default: the model's)"),
     ("chat_template", str, "a built-in chat format name or a Jinja template (default: model's)"),
+    ("mmproj", str, "multimodal projector GGUF: image_url/input_audio parts in chat"),
+    ("max_media", int, "images/sounds per request (default 8)"),
     ("api_key", list, "accepted Bearer key (repeatable; env: comma-separated)"),
     ("cors_origin", list, "allowed CORS origin (repeatable; default: CORS off)"),
     ("insecure", bool, "allow a non-loopback --host without an API key"),
@@ -139,6 +151,7 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("hf_cache_dir", str, "Hub: cache directory"),
     ("hf_endpoint", str, "Hub: endpoint URL (default HF_ENDPOINT)"),
     ("hf_offline", bool, "Hub: use the local cache only"),
+    ("hf_mmproj", bool, "Hub: fetch the repository's multimodal projector too"),
 ]
 _PLURAL = {"api_key": "api_keys", "cors_origin": "cors_origins"}
 

@@ -1,0 +1,131 @@
+"""Images and sounds given to a multimodal model: encoded bytes or arrays (RGB pixels; float32
+PCM with its sample rate). Image files are decoded with Pillow (the ``media`` extra); sound
+files (WAV, MP3, FLAC) by libmtmd, resampled to the projector's rate. Bytes are recognized by
+their signature first: anything else is refused before native code sees it."""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from llamacrab._exceptions import MediaError
+
+
+@dataclass(frozen=True, eq=False)
+class Image:
+    """An image: ``data`` (an encoded file's bytes) or ``pixels`` (an (height, width, 3) uint8
+    RGB array; (h, w) grey and (h, w, 4) RGBA are converted)."""
+
+    data: bytes | None = None
+    pixels: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        _one_source(self.data, self.pixels, "pixels")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Image:
+        return cls(data=Path(path).read_bytes())
+
+
+@dataclass(frozen=True, eq=False)
+class Audio:
+    """A sound: ``data`` (an encoded file's bytes) or ``samples`` (float32 PCM in [-1, 1], mono,
+    or (n, channels) which is averaged) recorded at ``sample_rate`` Hz."""
+
+    data: bytes | None = None
+    samples: np.ndarray | None = None
+    sample_rate: int | None = None
+
+    def __post_init__(self) -> None:
+        _one_source(self.data, self.samples, "samples")
+        if self.samples is not None and (self.sample_rate is None or self.sample_rate <= 0):
+            raise MediaError("audio samples need their sample_rate (Hz)")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Audio:
+        return cls(data=Path(path).read_bytes())
+
+
+Media = Image | Audio
+
+
+def _one_source(data: bytes | None, array: np.ndarray | None, name: str) -> None:
+    if (data is None) == (array is None):
+        raise MediaError(f"give either data (encoded bytes) or {name}, not both or neither")
+    if data is not None and not data:
+        raise MediaError("the media data is empty")
+
+
+_IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM", b"GIF87a", b"GIF89a")
+
+
+def sniff(data: bytes) -> str:
+    """ "image" or "audio", from the file signature (audio: as libmtmd recognizes it)."""
+    if (
+        len(data) >= 12
+        and (
+            (data[:4] == b"RIFF" and data[8:12] == b"WAVE")
+            or data[:3] == b"ID3"
+            or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0)  # an MPEG frame
+            or data[:4] == b"fLaC"
+        )
+    ):
+        return "audio"
+    if data.startswith(_IMAGE_SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
+        return "image"
+    raise MediaError("unrecognized media format (images: PNG, JPEG, BMP, GIF, WebP; audio: "
+                     "WAV, MP3, FLAC)")  # fmt: skip
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    """RGB pixels of an encoded image, decoded by Pillow (its decompression-bomb limit holds)."""
+    try:
+        from PIL import Image as PILImage
+    except ImportError:
+        raise MediaError(
+            "decoding image files needs Pillow: pip install 'llamacrab[media]'"
+        ) from None
+
+    try:
+        with PILImage.open(io.BytesIO(data)) as opened:
+            return np.asarray(opened.convert("RGB"))
+    except (OSError, ValueError, PILImage.DecompressionBombError) as error:
+        raise MediaError(f"could not decode the image ({len(data)} bytes): {error}") from None
+
+
+def rgb_pixels(image: Image) -> np.ndarray:
+    """Contiguous (height, width, 3) uint8 RGB."""
+    pixels = np.asarray(image.pixels) if image.data is None else decode_image(image.data)
+    if pixels.dtype != np.uint8:
+        raise MediaError(f"pixels must be uint8 (0..255), not {pixels.dtype}")
+    if pixels.ndim == 2:
+        pixels = np.repeat(pixels[:, :, None], 3, axis=2)
+    elif pixels.ndim == 3 and pixels.shape[2] == 4:
+        pixels = pixels[:, :, :3]
+    if pixels.ndim != 3 or pixels.shape[2] != 3 or 0 in pixels.shape:
+        raise MediaError(f"pixels must be (height, width, 3) RGB, not shape {pixels.shape}")
+    return np.ascontiguousarray(pixels)
+
+
+def pcm_for_rate(audio: Audio, rate: int) -> np.ndarray:
+    """Mono float32 PCM at ``rate`` Hz (linear resampling when the recording's rate differs)."""
+    samples = np.asarray(audio.samples, dtype=np.float32)
+    if samples.ndim == 2:
+        samples = samples.mean(axis=1)
+    if samples.ndim != 1:
+        raise MediaError(f"audio samples must be (n,) or (n, channels), not {samples.shape}")
+    if not np.isfinite(samples).all():
+        raise MediaError("audio samples contain NaN or infinity")
+    assert audio.sample_rate is not None
+    if audio.sample_rate != rate and len(samples) > 1:
+        duration = len(samples) / audio.sample_rate
+        target = np.arange(round(duration * rate)) / rate
+        times = np.arange(len(samples)) / audio.sample_rate
+        samples = np.interp(target, times, samples).astype(np.float32)
+    if len(samples) < 2:  # libmtmd asserts (aborts) on a single sample
+        raise MediaError(f"the audio holds {len(samples)} samples at {rate} Hz; need at least 2")
+    return np.ascontiguousarray(samples, dtype=np.float32)

@@ -1,0 +1,179 @@
+"""libmtmd handles: a multimodal projector bound to its text model, media bitmaps, and
+tokenized multimodal prompts (input chunks), each freed once, children before parents."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llamacrab._context import Context
+from llamacrab._exceptions import DecodeError, MediaError, ModelLoadError
+from llamacrab._gguf_check import validate_gguf
+from llamacrab._handle import NativeHandle
+from llamacrab._logging import log_lines
+from llamacrab._media import Image, Media, pcm_for_rate, rgb_pixels, sniff
+from llamacrab._model import Model
+from llamacrab._native import c_string, call, ffi, lib
+
+
+class Projector(NativeHandle):
+    """A multimodal projector (an ``mmproj`` GGUF) for ``model``: it turns images or audio into
+    embeddings the text model reads. Closing the model closes it first."""
+
+    kind = "multimodal projector"
+
+    def __init__(
+        self,
+        model: Model,
+        path: str | os.PathLike[str],
+        n_threads: int | None = None,
+        use_gpu: bool = True,
+    ) -> None:
+        file = Path(path)
+        validate_gguf(file)
+        params = lib.mtmd_context_params_default()
+        params.use_gpu = use_gpu
+        params.print_timings = False
+        if n_threads is not None:
+            params.n_threads = n_threads
+        log_lines.take_last_error()
+        pointer = call("mtmd_init_from_file", c_string(str(file), "path"), model.pointer, params)
+        if pointer == ffi.NULL:
+            reason = log_lines.take_last_error() or "see the llamacrab logger"
+            raise ModelLoadError(f"libmtmd could not load the projector {file.name}: {reason}")
+        super().__init__(pointer, lib.mtmd_free, model)
+        self.model, self.path = model, file
+        self.vision = bool(lib.mtmd_support_vision(pointer))
+        self.audio = bool(lib.mtmd_support_audio(pointer))
+        rate = int(lib.mtmd_get_audio_sample_rate(pointer))
+        self.sample_rate = rate if rate > 0 else None
+        self.marker: str = ffi.string(lib.mtmd_default_marker()).decode()
+        self.uses_mrope = bool(lib.mtmd_decode_use_mrope(pointer))
+
+    def bitmap(self, media: Media) -> Bitmap:
+        """The bitmap of an image or a sound, decoded and checked against this projector."""
+        kind = "image" if isinstance(media, Image) else "audio"
+        if not (self.vision if kind == "image" else self.audio):
+            raise MediaError(f"{self.path.name} has no {kind} encoder: it cannot take {kind}")
+        if media.data is not None and sniff(media.data) != kind:
+            raise MediaError(f"the bytes given as {kind} hold {sniff(media.data)}")
+        if isinstance(media, Image):
+            pixels = rgb_pixels(media)
+            height, width = pixels.shape[:2]
+            data = ffi.from_buffer("unsigned char[]", pixels)
+            pointer = call("mtmd_bitmap_init", width, height, data)
+        elif media.data is not None:
+            return self._decoded_audio(media.data)
+        else:
+            assert self.sample_rate is not None
+            pcm = pcm_for_rate(media, self.sample_rate)
+            pointer = call("mtmd_bitmap_init_from_audio", len(pcm), ffi.from_buffer("float[]", pcm))
+        return Bitmap(self, pointer)
+
+    def _decoded_audio(self, data: bytes) -> Bitmap:
+        """A sound file decoded (and resampled) by libmtmd; ``sniff`` made sure it is audio, so
+        libmtmd takes its audio path and never its video fallback (which runs ffprobe)."""
+        log_lines.take_last_error()
+        wrapper = call("mtmd_helper_bitmap_init_from_buf", self.pointer,
+                       ffi.from_buffer("unsigned char[]", data), len(data), False,
+                       lib.mtmd_helper_init_opt_default())  # fmt: skip
+        if wrapper.bitmap == ffi.NULL:
+            reason = log_lines.take_last_error() or "unrecognized format"
+            raise MediaError(f"could not decode the audio ({len(data)} bytes): {reason}")
+        bitmap = Bitmap(self, wrapper.bitmap)
+        # libmtmd asserts (aborts) on audio of a single sample.
+        if lib.mtmd_bitmap_get_n_bytes(wrapper.bitmap) < 2 * 4:
+            bitmap.close()
+            raise MediaError("the audio holds fewer than 2 samples")
+        return bitmap
+
+    def tokenize(
+        self,
+        text: str,
+        bitmaps: Sequence[Bitmap],
+        add_special: bool = True,
+        parse_special: bool = False,
+    ) -> Chunks:
+        """Text with one ``marker`` per bitmap, in order, as input chunks."""
+        markers = text.count(self.marker)
+        if markers != len(bitmaps):
+            raise MediaError(
+                f"the prompt has {markers} media markers ({self.marker}) for {len(bitmaps)} "
+                "images/sounds: they must match one to one"
+            )
+        encoded = c_string(text, "prompt")
+        text_buffer = ffi.new("char[]", encoded)
+        struct = ffi.new("mtmd_input_text *")
+        struct.text, struct.text_len = text_buffer, len(encoded)
+        struct.add_special, struct.parse_special = add_special, parse_special
+        pointers = ffi.new("mtmd_bitmap *[]", [b.pointer for b in bitmaps] or [ffi.NULL])
+        chunks = Chunks(self)
+        log_lines.take_last_error()
+        status = call("mtmd_tokenize", self.pointer, chunks.pointer, struct, pointers,
+                      len(bitmaps))  # fmt: skip
+        if status != 0:
+            chunks.close()
+            reason = log_lines.take_last_error() or f"status {status}"
+            raise MediaError(f"libmtmd could not tokenize the multimodal prompt: {reason}")
+        if chunks.media_tokens()[-1]:
+            # An image's embeddings yield no logits: sampling after one would abort.
+            chunks.close()
+            raise MediaError("end the prompt with text after the last image or sound")
+        return chunks
+
+    def evaluate(self, context: Context, chunks: Chunks, n_past: int, seq_id: int) -> int:
+        """Decode ``chunks`` into ``seq_id`` from position ``n_past`` (images and audio are
+        encoded first); the logits of the last token are kept. Returns the next position."""
+        new_n_past = ffi.new("llama_pos *")
+        with context.exclusive() as pointer:
+            status = call("mtmd_helper_eval_chunks", self.pointer, pointer, chunks.pointer,
+                          n_past, seq_id, context.n_batch, True, new_n_past)  # fmt: skip
+        if status != 0:
+            raise DecodeError(f"libmtmd could not evaluate the prompt (status {status})", status)
+        return int(new_n_past[0])
+
+
+class Bitmap(NativeHandle):
+    """One decoded image or sound, ready for ``Projector.tokenize``."""
+
+    kind = "media bitmap"
+
+    def __init__(self, projector: Projector, pointer: Any) -> None:
+        if pointer == ffi.NULL:
+            raise MediaError("libmtmd could not create the bitmap")
+        super().__init__(pointer, lib.mtmd_bitmap_free, projector)
+
+
+class Chunks(NativeHandle):
+    """A tokenized multimodal prompt: text tokens and media embeddings to decode in order."""
+
+    kind = "multimodal prompt"
+
+    def __init__(self, projector: Projector) -> None:
+        pointer = call("mtmd_input_chunks_init")
+        if pointer == ffi.NULL:
+            raise MediaError("libmtmd could not allocate input chunks")
+        super().__init__(pointer, lib.mtmd_input_chunks_free, projector)
+        self.projector = projector
+
+    @property
+    def n_tokens(self) -> int:
+        return int(lib.mtmd_helper_get_n_tokens(self.pointer))
+
+    @property
+    def n_pos(self) -> int:
+        """Positions the prompt takes (differs from n_tokens with M-RoPE)."""
+        return int(lib.mtmd_helper_get_n_pos(self.pointer))
+
+    def media_tokens(self) -> np.ndarray:
+        """Per chunk: 0 for text, else the embeddings an image or sound became."""
+        sizes = []
+        for i in range(int(lib.mtmd_input_chunks_size(self.pointer))):
+            chunk = lib.mtmd_input_chunks_get(self.pointer, i)
+            text = lib.mtmd_input_chunk_get_type(chunk) == lib.MTMD_INPUT_CHUNK_TYPE_TEXT
+            sizes.append(0 if text else int(lib.mtmd_input_chunk_get_n_tokens(chunk)))
+        return np.array(sizes, dtype=np.int64)

@@ -1,0 +1,156 @@
+"""One benchmark task in a fresh process, for llamacrab or llama-cpp-python.
+
+Usage: python worker.py {llamacrab|llama-cpp-python} TASK 'JSON arguments'
+Prints one JSON line. The orchestrator (scripts/bench.py) runs it with each side's interpreter;
+it imports only the side it measures, so it runs in llama-cpp-python's own virtual environment.
+
+Tasks (same work on both sides):
+  speed    prefill of a token prompt (tokens/s) and greedy decode of n_gen tokens through each
+           library's streaming text-completion API, the ``banned`` tokens (end of generation)
+           banned with its logit_bias, timed from the first chunk to the end of the stream
+  startup  import time, model load time, time to the first streamed token of a text prompt,
+           then 128 tokens, and the process's peak resident memory
+  embed    texts/s embedding a list of texts in one call (after a warm-up call)
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+
+class Llamacrab:
+    @staticmethod
+    def library() -> Any:
+        import llamacrab
+
+        return llamacrab
+
+    def __init__(self, model: str, **options: Any) -> None:
+        self.llm = self.library().Llama(model, **options)
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.llm.reset()
+        self.llm.create_completion(prompt, max_tokens=0)
+
+    def decode_seconds(self, prompt: list[int], n_gen: int, banned: list[int]) -> float:
+        self.llm.reset()
+        bias = dict.fromkeys(banned, float("-inf"))
+        stream = self.llm.stream_completion(prompt, max_tokens=n_gen, temperature=0,
+                                            logit_bias=bias)  # fmt: skip
+        return _after_first(stream, lambda chunk: chunk.finish_reason)
+
+    def first_token_then_rest(self, text: str, n_gen: int) -> float:
+        started = time.perf_counter()
+        first = None
+        for chunk in self.llm.stream_completion(text, max_tokens=n_gen, temperature=0):
+            if first is None and chunk.text:
+                first = time.perf_counter() - started
+        return first if first is not None else float("nan")
+
+    def embed(self, texts: list[str]) -> None:
+        self.llm.embed(texts)
+
+
+class LlamaCppPython:
+    @staticmethod
+    def library() -> Any:
+        import llama_cpp
+
+        return llama_cpp
+
+    def __init__(self, model: str, **options: Any) -> None:
+        renamed = {"embedding" if k == "embeddings" else k: v for k, v in options.items()}
+        # Its default turns flash attention off; llama.cpp's "auto" (native's and llamacrab's
+        # default) turns it on for these models on the CPU: the same kernels on every side.
+        self.llm = self.library().Llama(model, verbose=False, flash_attn=True, **renamed)
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.llm.reset()
+        self.llm.eval(prompt)
+
+    def decode_seconds(self, prompt: list[int], n_gen: int, banned: list[int]) -> float:
+        self.llm.reset()
+        bias = dict.fromkeys(banned, float("-inf"))
+        stream = self.llm.create_completion(prompt, max_tokens=n_gen, temperature=0,
+                                            logit_bias=bias, stream=True)  # fmt: skip
+        return _after_first(stream, lambda chunk: chunk["choices"][0]["finish_reason"])
+
+    def first_token_then_rest(self, text: str, n_gen: int) -> float:
+        started = time.perf_counter()
+        first = None
+        for chunk in self.llm.create_completion(text, max_tokens=n_gen, temperature=0,
+                                                stream=True):  # fmt: skip
+            if first is None and chunk["choices"][0]["text"]:
+                first = time.perf_counter() - started
+        return first if first is not None else float("nan")
+
+    def embed(self, texts: list[str]) -> None:
+        self.llm.embed(texts)
+
+
+SIDES = {"llamacrab": Llamacrab, "llama-cpp-python": LlamaCppPython}
+
+
+def _after_first(stream: Any, finish_reason: Any) -> float:
+    """Seconds from the first chunk to the end of a stream that must end at max_tokens."""
+    first, reason = None, None
+    for chunk in stream:
+        first = first or time.perf_counter()
+        reason = finish_reason(chunk) or reason
+    assert first is not None and reason == "length", f"the stream ended with {reason}"
+    return time.perf_counter() - first
+
+
+def speed(
+    side: type, model: str, threads: int, prompt: list[int], n_gen: int, banned: list[int]
+) -> dict[str, float]:
+    n_prompt = len(prompt)
+    engine = side(model, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_ubatch=n_prompt,
+                  n_threads=threads, n_threads_batch=threads)  # fmt: skip
+    engine.prefill(prompt)  # warm-up
+    started = time.perf_counter()
+    engine.prefill(prompt)
+    prefill = time.perf_counter() - started
+    # After the first token's chunk: n_gen - 1 more samples and decodes.
+    return {
+        "pp": n_prompt / prefill,
+        "tg": (n_gen - 1) / engine.decode_seconds(prompt, n_gen, banned),
+    }
+
+
+def startup(side: type, model: str, threads: int, text: str) -> dict[str, float]:
+    started = time.perf_counter()
+    side.library()
+    imported = time.perf_counter() - started
+    started = time.perf_counter()
+    # The context of the native loop's run: 512 prompt + 128 generated tokens, 512 per batch.
+    engine = side(model, n_ctx=512 + 128 + 16, n_batch=512, n_ubatch=512, n_threads=threads,
+                  n_threads_batch=threads)  # fmt: skip
+    load = time.perf_counter() - started
+    ttft = engine.first_token_then_rest(text, 128)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"import_s": imported, "load_s": load, "ttft_s": ttft, "peak_rss_mib": peak_kib / 1024}
+
+
+def embed(side: type, model: str, threads: int, texts: list[str]) -> dict[str, float]:
+    engine = side(model, embeddings=True, n_ctx=512, n_threads=threads, n_threads_batch=threads)
+    engine.embed(texts[:8])
+    started = time.perf_counter()
+    engine.embed(texts)
+    return {"texts_per_s": len(texts) / (time.perf_counter() - started)}
+
+
+TASKS = {"speed": speed, "startup": startup, "embed": embed}
+
+
+def main() -> None:
+    side, task, arguments = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    print(json.dumps(TASKS[task](SIDES[side], **arguments)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Images and audio through libmtmd, with generated tiny projectors (scripts/make_tiny_mmproj.py)
+bound to the tiny text model: handles, inputs, errors, chat parts, parallel slots, the server."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from live_server import LiveServer
+from PIL import Image as PILImage
+from test_tool_calls import TEMPLATE
+
+from llamacrab import (
+    Audio,
+    ClosedHandleError,
+    Image,
+    InvalidParameterError,
+    Llama,
+    MediaError,
+    MediaPolicy,
+    ModelLoadError,
+)
+from llamacrab.server import ServerSettings
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
+PIXELS = np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+IMAGE_TOKENS = (mmproj.VISION["image"] // mmproj.VISION["patch"]) ** 2
+GREEDY = {"max_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("mtmd")
+    return {
+        "text": tiny.write_tiny_llama(out / "text.gguf", chat_templates={"": TEMPLATE}),
+        "vision": mmproj.write_tiny_vision_mmproj(out / "vision.gguf"),
+        "audio": mmproj.write_tiny_audio_mmproj(out / "audio.gguf"),
+        "wrong": mmproj.write_tiny_vision_mmproj(out / "wrong.gguf", n_embd_text=32),
+    }
+
+
+@pytest.fixture(scope="module")
+def seeing(files: dict[str, Path]) -> Iterator[Llama]:
+    with Llama(files["text"], n_ctx=512, n_threads=2, mmproj=files["vision"]) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def hearing(files: dict[str, Path]) -> Iterator[Llama]:
+    with Llama(files["text"], n_ctx=2048, n_threads=2, mmproj=files["audio"]) as llm:
+        yield llm
+
+
+def encoded(pixels: np.ndarray, kind: str) -> bytes:
+    buffer = io.BytesIO()
+    PILImage.fromarray(pixels).save(buffer, format=kind)
+    return buffer.getvalue()
+
+
+def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return buffer.getvalue()
+
+
+def tone(rate: int, seconds: float = 0.5) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+
+
+def test_the_projector_describes_itself_and_follows_its_model(files: dict[str, Path]) -> None:
+    llm = Llama(files["text"], n_ctx=256, mmproj=files["vision"])
+    projector = llm.projector
+    assert projector is not None and projector.vision and not projector.audio
+    assert projector.sample_rate is None and llm.media_marker == "<__media__>"
+    llm.close()
+    assert projector.closed
+    with pytest.raises(ClosedHandleError):
+        projector.bitmap(Image(pixels=PIXELS))
+    with (
+        Llama(files["text"], n_ctx=256) as plain,
+        pytest.raises(InvalidParameterError, match="no projector"),
+    ):
+        plain.create_completion("x <__media__>", media=[Image(pixels=PIXELS)])
+
+
+def test_an_image_takes_its_embeddings_in_the_prompt(seeing: Llama) -> None:
+    text = f"the cat {seeing.media_marker} sat"
+    chunks = seeing.tokenize_media(text, [Image(pixels=PIXELS)])
+    assert chunks.media_tokens().tolist() == [0, IMAGE_TOKENS, 0]  # text, image, text
+    text_tokens = len(seeing.tokenize("the cat ")) + len(seeing.tokenize(" sat", False))
+    assert chunks.n_tokens == chunks.n_pos == text_tokens + IMAGE_TOKENS
+    result = seeing.create_completion(chunks, **GREEDY)
+    assert result.usage.prompt_tokens == chunks.n_pos and result.usage.completion_tokens == 6
+    again = seeing.create_completion(text, media=[Image(pixels=PIXELS)], **GREEDY)
+    assert again.choices[0].tokens == result.choices[0].tokens
+    two = seeing.tokenize_media(f"{seeing.media_marker} and {seeing.media_marker}.",
+                                [Image(pixels=PIXELS)] * 2)  # fmt: skip
+    assert two.media_tokens().tolist().count(IMAGE_TOKENS) == 2
+
+
+def test_pixels_and_lossless_files_give_the_same_answer(seeing: Llama, tmp_path: Path) -> None:
+    text = f"look {seeing.media_marker} now"
+
+    def answer(image: Image) -> tuple[int, ...]:
+        return seeing.create_completion(text, media=[image], **GREEDY).choices[0].tokens
+
+    by_pixels = answer(Image(pixels=PIXELS))
+    png = tmp_path / "image.png"
+    png.write_bytes(encoded(PIXELS, "PNG"))
+    for image in (Image(data=encoded(PIXELS, "PNG")), Image(data=encoded(PIXELS, "BMP")),
+                  Image.from_file(png)):  # fmt: skip
+        assert answer(image) == by_pixels
+    assert answer(Image(pixels=np.flipud(PIXELS).copy())) != by_pixels  # the image matters
+    jpeg = Image(data=encoded(PIXELS, "JPEG"))  # lossy: it only has to work
+    assert seeing.create_completion(text, media=[jpeg], **GREEDY).usage.completion_tokens == 6
+    grey = Image(pixels=PIXELS[:, :, 0])
+    assert seeing.create_completion(text, media=[grey], **GREEDY).usage.completion_tokens == 6
+
+
+def test_audio_from_wav_bytes_and_samples_resampled(hearing: Llama) -> None:
+    projector = hearing.projector
+    assert projector is not None and projector.audio and projector.sample_rate == 16000
+    text = f"hear {hearing.media_marker} now"
+    by_samples = hearing.create_completion(
+        text, media=[Audio(samples=tone(16000), sample_rate=16000)], **GREEDY
+    )
+    by_wav = hearing.create_completion(text, media=[Audio(data=wav_bytes(tone(16000), 16000))],
+                                       **GREEDY)  # fmt: skip
+    assert by_samples.usage.prompt_tokens == by_wav.usage.prompt_tokens > 750
+    stereo = np.stack([tone(8000), tone(8000)], axis=1)
+    resampled = hearing.create_completion(text, media=[Audio(samples=stereo, sample_rate=8000)],
+                                          **GREEDY)  # fmt: skip
+    assert resampled.usage.prompt_tokens == by_samples.usage.prompt_tokens
+
+
+def test_bad_media_raise_clear_errors_and_nothing_breaks(
+    seeing: Llama, hearing: Llama, files: dict[str, Path]
+) -> None:
+    image, sound = Image(pixels=PIXELS), Audio(samples=tone(16000), sample_rate=16000)
+    marker = seeing.media_marker
+    cases = [
+        (seeing, f"{marker}.", [sound], "no audio encoder"),
+        (hearing, f"{marker}.", [image], "no image encoder"),
+        (seeing, f"{marker}.", [Image(data=b"not an image at all")], "unrecognized media format"),
+        (seeing, f"{marker}.", [Image(data=encoded(PIXELS, "PNG")[:60])], "could not decode"),
+        (hearing, f"{marker}.", [Audio(data=b"RIFF\0\0\0\0WAVEjunkjunk")], "could not decode"),
+        (seeing, f"{marker}.", [Image(data=wav_bytes(tone(16000), 16000))], "hold audio"),
+        (seeing, f"{marker} {marker}", [image], "2 media markers"),
+        (seeing, "no marker", [image], "0 media markers"),
+        (seeing, marker * 9, [image] * 9, "more than 8"),
+        (seeing, f"{marker}.", [Image(pixels=PIXELS.astype(np.float32))], "uint8"),
+        (seeing, f"{marker}.", [Image(pixels=PIXELS[:, :, :2])], "RGB"),
+        (hearing, f"{marker}.", [Audio(samples=np.zeros(1, np.float32), sample_rate=16000)],
+         "at least 2"),
+        (hearing, f"{marker}.", [Audio(data=wav_bytes(np.zeros(1, np.float32), 16000))],
+         "fewer than 2"),
+    ]  # fmt: skip
+    for llm, text, media, words in cases:
+        with pytest.raises(MediaError, match=words):
+            llm.create_completion(text, media=media, **GREEDY)
+    with pytest.raises(MediaError, match="sample_rate"):
+        Audio(samples=tone(16000))
+    with pytest.raises(MediaError, match="either data"):
+        Image()
+    with pytest.raises(ModelLoadError, match="mismatch between text model"):
+        Llama(files["text"], n_ctx=256, mmproj=files["wrong"])
+    with pytest.raises(MediaError, match="end the prompt with text"):
+        seeing.create_completion(f"look {marker}", media=[image], **GREEDY)
+    assert (
+        seeing.create_completion(f"{marker}.", media=[image], **GREEDY).usage.completion_tokens == 6
+    )
+    assert seeing.create_completion("plain text", **GREEDY).usage.completion_tokens == 6
+
+
+def test_chat_parts_carry_images_and_audio(seeing: Llama, hearing: Llama, tmp_path: Path) -> None:
+    png = encoded(PIXELS, "PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(png).decode()
+    (tmp_path / "cat.png").write_bytes(png)
+    for url in (data_url, str(tmp_path / "cat.png"), (tmp_path / "cat.png").as_uri()):
+        messages = [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]}]  # fmt: skip
+        result = seeing.create_chat_completion(messages, **GREEDY)
+        assert result.usage.prompt_tokens > IMAGE_TOKENS
+    audio_part = {
+        "type": "input_audio",
+        "input_audio": {
+            "data": base64.b64encode(wav_bytes(tone(16000), 16000)).decode(),
+            "format": "wav",
+        },
+    }
+    heard = hearing.create_chat_completion([{"role": "user", "content": [audio_part]}], **GREEDY)
+    assert heard.usage.prompt_tokens > 750
+    remote = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]  # fmt: skip
+    with pytest.raises(MediaError, match="remote media URLs are disabled"):
+        seeing.create_chat_completion(remote, **GREEDY)
+
+
+def test_a_policy_without_local_files_refuses_paths(files: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "cat.png").write_bytes(encoded(PIXELS, "PNG"))
+    policy = MediaPolicy(local_files=False)
+    with Llama(files["text"], n_ctx=256, mmproj=files["vision"], media_policy=policy) as llm:
+        part = {"type": "image_url", "image_url": {"url": str(tmp_path / "cat.png")}}
+        with pytest.raises(MediaError, match="local media files are not allowed"):
+            llm.create_chat_completion([{"role": "user", "content": [part]}], **GREEDY)
+
+
+def test_parallel_slots_take_media_too(files: dict[str, Path], seeing: Llama) -> None:
+    prompts = [f"picture {i} {seeing.media_marker} now" for i in range(4)]
+    images = [Image(pixels=np.roll(PIXELS, i, axis=0)) for i in range(4)]
+    pairs = list(zip(prompts, images, strict=True))
+    alone = [seeing.create_completion(p, media=[m], **GREEDY) for p, m in pairs]
+    with Llama(files["text"], n_ctx=4 * 512, n_threads=2, parallel=4,
+               mmproj=files["vision"]) as llm, ThreadPoolExecutor(4) as pool:  # fmt: skip
+        together = list(pool.map(
+            lambda pm: llm.create_completion(pm[0], media=[pm[1]], **GREEDY), pairs
+        ))  # fmt: skip
+    assert [r.usage.prompt_tokens for r in together] == [r.usage.prompt_tokens for r in alone]
+    assert all(r.usage.completion_tokens == 6 for r in together)
+
+
+def test_the_server_takes_inline_images_and_refuses_paths(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    settings = ServerSettings(model=str(files["text"]), mmproj=str(files["vision"]), n_ctx=1024,
+                              max_media=2)  # fmt: skip
+    server = LiveServer(settings)
+    try:
+        assert server.wait_until_loaded() == 200
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        data_url = "data:image/png;base64," + base64.b64encode(encoded(PIXELS, "PNG")).decode()
+        image = {"type": "image_url", "image_url": {"url": data_url}}
+        result = client.chat.completions.create(
+            model="text.gguf", max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "see"}, image]}],  # type: ignore[list-item]
+        )  # fmt: skip
+        assert result.usage is not None and result.usage.prompt_tokens > IMAGE_TOKENS
+        (tmp_path / "secret.png").write_bytes(encoded(PIXELS, "PNG"))
+        for content, words in [
+            ([{"type": "image_url", "image_url": {"url": str(tmp_path / "secret.png")}}],
+             "local media files are not allowed"),
+            ([image] * 3, "more than 2"),
+            ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}],
+             "base64"),
+        ]:  # fmt: skip
+            answer = httpx.post(server.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": content}], "max_tokens": 2})  # fmt: skip
+            assert answer.status_code == 400, answer.text
+            assert words in json.loads(answer.text)["error"]["message"]
+    finally:
+        server.close()
