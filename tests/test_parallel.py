@@ -17,6 +17,7 @@ from llamacrab import (
     Llama,
     PromptLookup,
     QueueFullError,
+    RamCache,
 )
 from llamacrab._batch import Batch
 
@@ -161,3 +162,14 @@ def test_a_sequence_never_sees_the_other_sequences_of_its_batch(gemma_slots: Lla
     assert np.array_equal(same, first_sequence_logits([0, 3, 1, 2]))
     assert np.array_equal(same, first_sequence_logits([0, 0, 0, 0]))
     assert not np.array_equal(same, first_sequence_logits([1, 0, 2, 3]))
+
+
+def test_slots_share_a_prompt_cache(tiny_model_path: Path) -> None:
+    cache = RamCache()
+    with Llama(tiny_model_path, n_ctx=512, parallel=1, cache=cache) as llm:
+        prompt = "the cat sat on the mat " * 10
+        llm.create_completion(prompt, max_tokens=4, temperature=0)
+        llm.create_completion("hello world " * 10, max_tokens=4)  # the slot now holds this
+        again = llm.create_completion(prompt + "again", max_tokens=4, temperature=0)
+        assert again.usage.cached_tokens >= len(llm.tokenize(prompt)) - 1  # from the cache
+        assert len(cache) == 3
