@@ -95,6 +95,28 @@ def test_chat_and_its_stream_agree(gemma_server: LiveServer) -> None:
 
 
 @pytest.mark.real_model
+def test_chat_logprobs_in_openai_shape(gemma_server: LiveServer) -> None:
+    client = sdk(gemma_server)
+    messages = [{"role": "user", "content": "Say a colour."}]
+    result = client.chat.completions.create(model="gemma", messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=5, temperature=0, logprobs=True,
+                                            top_logprobs=2)  # fmt: skip
+    content = result.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 5
+    assert "".join(entry.token for entry in content) == result.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == max(t.logprob for t in entry.top_logprobs)  # greedy: the top one
+    stream = client.chat.completions.create(model="gemma", messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=5, temperature=0, logprobs=True,
+                                            stream=True)  # fmt: skip
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content or []]  # fmt: skip
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+@pytest.mark.real_model
 def test_json_schema_response_format(gemma_server: LiveServer) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
               "age": {"type": "integer", "minimum": 0, "maximum": 120}},

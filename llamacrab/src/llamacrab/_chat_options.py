@@ -78,9 +78,9 @@ class ChatOptions:
             content, calls = parse_tool_calls(choice.text)
             if calls:
                 message = ChatMessage("assistant", content or None, self._checked(calls))
-                return ChatChoice(choice.index, message, "tool_calls")
+                return ChatChoice(choice.index, message, "tool_calls", choice.logprobs)
         message = ChatMessage("assistant", choice.text)
-        return ChatChoice(choice.index, message, choice.finish_reason)
+        return ChatChoice(choice.index, message, choice.finish_reason, choice.logprobs)
 
     def chunks(self, stream: Stream[CompletionChunk]) -> Generator[ChatCompletionChunk, None, None]:
         """Completion chunks as chat deltas; with tools, a call's text is held back and the
@@ -104,7 +104,7 @@ class ChatOptions:
                 first = False
                 yield ChatCompletionChunk("chatcmpl-" + chunk.id.removeprefix("cmpl-"),
                                           chunk.created, chunk.model, chunk.index, delta,
-                                          finish, chunk.usage)  # fmt: skip
+                                          finish, chunk.usage, chunk.logprobs)  # fmt: skip
         finally:
             stream.close()  # breaking out of the chat stream stops generation at once
 

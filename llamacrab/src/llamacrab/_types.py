@@ -34,6 +34,7 @@ class ChatChoice:
     index: int
     message: ChatMessage
     finish_reason: FinishReason
+    logprobs: Logprobs | None = None  # with logprobs=N: each token and its N alternatives
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ChatCompletionChunk:
     delta: ChatDelta
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: Logprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
@@ -171,11 +172,25 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class TokenLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ContentLogprobOut(TokenLogprobOut):
+    top_logprobs: list[TokenLogprobOut]
+
+
+class ChatLogprobsOut(BaseModel):
+    content: list[ContentLogprobOut]
+
+
 class ChatChoiceOut(BaseModel):
     index: int
     message: ChatMessageOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobsOut | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -93,9 +93,8 @@ def completion_prompt(body: CompletionRequest) -> str | list[int]:
 
 
 def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[str, Any]:
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not available for chat completions yet",
-                       param="logprobs")  # fmt: skip
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     kwargs = generation_kwargs(body, settings, max_tokens, None)
     if body.tools:
@@ -106,6 +105,8 @@ def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[s
         kwargs["response_format"] = body.response_format.model_dump(
             by_alias=True, exclude_none=True
         )
+    if body.logprobs:
+        kwargs["logprobs"] = body.top_logprobs or 0
     if not body.stream:
         kwargs["n"] = body.n
     return kwargs
@@ -129,6 +130,23 @@ def _logprobs(value: Logprobs | None) -> dict[str, Any] | None:
         "top_logprobs": list(value.top_logprobs),
         "text_offset": list(value.text_offset),
     }
+
+
+def _chat_logprobs(value: Logprobs | None) -> dict[str, Any] | None:
+    """OpenAI's chat shape: a list of tokens with their log-probability and alternatives."""
+    if value is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = [
+        {**entry(token, logprob), "top_logprobs": [entry(t, p) for t, p in top.items()]}
+        for token, logprob, top in zip(
+            value.tokens, value.token_logprobs, value.top_logprobs, strict=True
+        )
+    ]
+    return {"content": content}
 
 
 def _tool_calls(calls: Sequence[ToolCall], streamed: bool) -> list[dict[str, Any]]:
@@ -156,7 +174,8 @@ def chat_completion(result: ChatCompletion, model: str) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": c.message.content}
         if c.message.tool_calls:
             message["tool_calls"] = _tool_calls(c.message.tool_calls, streamed=False)
-        choices.append({"index": c.index, "message": message, "logprobs": None,
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": _chat_logprobs(c.logprobs),
                         "finish_reason": finish_reason(c.finish_reason)})  # fmt: skip
     return {"id": result.id, "object": "chat.completion", "created": result.created,
             "model": model, "choices": choices, "usage": usage(result.usage)}  # fmt: skip
@@ -177,7 +196,7 @@ def chat_chunk(chunk: ChatCompletionChunk, model: str) -> dict[str, Any]:
         delta["content"] = chunk.delta.content
     if chunk.delta.tool_calls:
         delta["tool_calls"] = _tool_calls(chunk.delta.tool_calls, streamed=True)
-    choice = {"index": 0, "delta": delta, "logprobs": None,
+    choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(chunk.logprobs),
               "finish_reason": finish_reason(chunk.finish_reason)}  # fmt: skip
     return {"id": chunk.id, "object": "chat.completion.chunk", "created": chunk.created,
             "model": model, "choices": [choice]}  # fmt: skip
