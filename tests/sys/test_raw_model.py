@@ -83,3 +83,14 @@ def test_tiny_generated_model_loads_and_decodes(tiny_model: Any) -> None:
         assert logits != ffi.NULL
     finally:
         lib.llama_free(ctx)
+
+
+def test_the_eog_helper_matches_a_token_by_token_scan(tiny_model: Any) -> None:
+    vocab = lib.llama_model_get_vocab(tiny_model)
+    n_tokens = lib.llama_vocab_n_tokens(vocab)
+    expected = [t for t in range(n_tokens) if lib.llama_vocab_is_eog(vocab, t)]
+    out = ffi.new("int32_t[]", 8)
+    assert lib.llamacrab_vocab_eog_tokens(vocab, out, 8) == len(expected) > 0
+    assert list(out[0 : len(expected)]) == expected
+    none = ffi.new("int32_t[]", 1)
+    assert lib.llamacrab_vocab_eog_tokens(vocab, none, 0) == len(expected)  # count only

@@ -53,10 +53,14 @@ class Vocab:
 
     @property
     def eog_tokens(self) -> tuple[int, ...]:
-        """Every token that ends generation (scanned once per vocabulary, then cached)."""
+        """Every token that ends generation (scanned once per vocabulary, in C, then cached)."""
         if self._eog is None:
-            vocab = self.pointer
-            self._eog = tuple(t for t in range(self._n_tokens) if lib.llama_vocab_is_eog(vocab, t))
+            out = ffi.new("int32_t[]", 64)
+            found = lib.llamacrab_vocab_eog_tokens(self.pointer, out, len(out))
+            if found > len(out):
+                out = ffi.new("int32_t[]", found)
+                lib.llamacrab_vocab_eog_tokens(self.pointer, out, found)
+            self._eog = tuple(out[0:found])
         return self._eog
 
     @property
