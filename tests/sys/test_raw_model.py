@@ -94,3 +94,19 @@ def test_the_eog_helper_matches_a_token_by_token_scan(tiny_model: Any) -> None:
     assert list(out[0 : len(expected)]) == expected
     none = ffi.new("int32_t[]", 1)
     assert lib.llamacrab_vocab_eog_tokens(vocab, none, 0) == len(expected)  # count only
+
+
+def test_the_gguf_string_walker_stops_at_the_end_of_the_data() -> None:
+    import struct
+
+    strings = [b"", b"a", b"hello", bytes(300)]
+    data = b"".join(struct.pack("<Q", len(s)) + s for s in strings) + b"tail"
+    buffer = ffi.from_buffer("uint8_t[]", data)
+    end = len(data) - 4
+    assert lib.llamacrab_gguf_skip_strings(buffer, len(data), 0, len(strings)) == end
+    assert lib.llamacrab_gguf_skip_strings(buffer, len(data), 0, 2) == 8 + 9
+    past = 2**64 - 1  # SIZE_MAX
+    assert lib.llamacrab_gguf_skip_strings(buffer, end - 1, 0, len(strings)) == past
+    huge = struct.pack("<Q", 2**63) + b"x"
+    assert lib.llamacrab_gguf_skip_strings(ffi.from_buffer("uint8_t[]", huge), 9, 0, 1) == past
+    assert lib.llamacrab_gguf_skip_strings(buffer, len(data), len(data) + 5, 1) == past

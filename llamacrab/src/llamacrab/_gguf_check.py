@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llamacrab._exceptions import InvalidModelError, ModelLoadError
-from llamacrab_sys import lib
+from llamacrab_sys import ffi, lib
 
 _SCALARS = {
     0: "B",
@@ -32,7 +32,7 @@ _SCALARS = {
     12: "d",
 }
 _STRING, _ARRAY = 8, 9
-_LENGTH = struct.Struct("<Q")
+_WALKED_PAST_END = 2**64 - 1  # SIZE_MAX from llamacrab_gguf_skip_strings
 _MAX_DIMS = 4
 _DEFAULT_ALIGNMENT = 32
 
@@ -61,16 +61,13 @@ class _Reader:
         return raw.decode("utf-8", "replace")
 
     def _skip_strings(self, count: int) -> None:
-        # Vocabularies hold hundreds of thousands of strings: walk their lengths only.
-        data, offset, end = self.data, self.offset, len(self.data)
-        read_length = _LENGTH.unpack_from
-        for _ in range(count):
-            if offset + 8 > end:
-                raise self.fail("a string array runs past the end of the file")
-            offset += 8 + read_length(data, offset)[0]
-        if offset > end:
+        # Vocabularies hold hundreds of thousands of strings: their lengths are walked in C.
+        end = lib.llamacrab_gguf_skip_strings(
+            ffi.from_buffer("uint8_t[]", self.data), len(self.data), self.offset, count
+        )
+        if end == _WALKED_PAST_END:
             raise self.fail("a string array runs past the end of the file")
-        self.offset = offset
+        self.offset = end
 
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
