@@ -250,10 +250,9 @@ def chart(result: dict[str, Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [m for m in dict.fromkeys(m for r in result.values() for m in r)
-               if m.endswith("t/s") or m.endswith("texts/s")]  # fmt: skip
+    metrics = [m for m in dict.fromkeys(m for r in result.values() for m in r) if m.endswith("/s")]
     sides = [s for s in (NATIVE, CRAB, PEER) if s in result]
-    figure, axes = plt.subplots(figsize=(9, 0.5 * len(metrics) + 1.5))
+    figure, axes = plt.subplots(figsize=(9, 0.5 * len(metrics) + 2))
     height = 0.8 / len(sides)
     for i, side in enumerate(sides):
         values = []
@@ -264,7 +263,7 @@ def chart(result: dict[str, Row], path: Path) -> None:
     axes.set_yticks([j + height * (len(sides) - 1) / 2 for j in range(len(metrics))], metrics)
     axes.invert_yaxis()
     axes.set_xlabel("throughput relative to the best side (higher is better)")
-    axes.legend(loc="lower right")
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(sides))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
