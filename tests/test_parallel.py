@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from llamacrab import (
     ClosedHandleError,
+    Completion,
     InvalidParameterError,
     Llama,
     PromptLookup,
@@ -21,9 +23,18 @@ from llamacrab import (
 )
 from llamacrab._batch import Batch
 
-from support import Gate
+from support import Gate, assert_same_up_to_near_ties
 
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(8)]
+
+
+def _wait_for(condition: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + 10
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +45,12 @@ def gemma_slots(gemma_path: Path) -> Iterator[Llama]:
 
 @pytest.mark.real_model
 def test_concurrent_greedy_outputs_equal_sequential_ones(gemma: Llama, gemma_slots: Llama) -> None:
-    expected = [gemma.create_completion(p, max_tokens=24, temperature=0).text for p in PROMPTS]
+    options = {"max_tokens": 24, "temperature": 0}
+    alone = [gemma.create_completion(p, logprobs=2, **options).choices[0] for p in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(
-            lambda p: gemma_slots.create_completion(p, max_tokens=24, temperature=0), PROMPTS
-        ))  # fmt: skip
-    assert [r.text for r in results] == expected
+        results = list(pool.map(lambda p: gemma_slots.create_completion(p, **options), PROMPTS))
+    for lone, together in zip(alone, results, strict=True):
+        assert_same_up_to_near_ties(lone, together.choices[0])
     assert all(r.usage.completion_tokens == 24 for r in results)
     assert gemma_slots.scheduler is not None and gemma_slots.scheduler.busy_slots == 0
 
@@ -80,17 +91,18 @@ def test_a_full_queue_refuses_and_a_waiting_stream_can_be_cancelled(
 ) -> None:
     gate = Gate()
     with Llama(tiny_model_path, n_ctx=128, parallel=1, max_queue=1) as llm:
+        scheduler = llm.scheduler
+        assert scheduler is not None
         running = llm.stream_completion("one", max_tokens=8, custom_samplers=(gate,))
-        waiting = llm.stream_completion("two", max_tokens=4)
+        assert _wait_for(lambda: scheduler.busy_slots == 1)  # inside its first sample
+        waiting = llm.stream_completion("two", max_tokens=4)  # queued
         results: list[object] = []
         first = threading.Thread(target=lambda: results.append(next(running)))
         first.start()
-        time.sleep(0.2)  # "one" now holds the only slot, inside its first sample
         waiter = threading.Thread(target=lambda: results.append(list(waiting)))
-        waiter.start()  # "two" waits in the queue
-        time.sleep(0.2)
+        waiter.start()  # waits on "two"
         with pytest.raises(QueueFullError, match="queue limit"):
-            next(llm.stream_completion("three"))
+            llm.stream_completion("three")  # refused at once: the queue holds "two"
         waiting.cancel()  # from this thread, while another waits on it
         waiter.join(timeout=10)
         assert not waiter.is_alive()
@@ -173,3 +185,36 @@ def test_slots_share_a_prompt_cache(tiny_model_path: Path) -> None:
         again = llm.create_completion(prompt + "again", max_tokens=4, temperature=0)
         assert again.usage.cached_tokens >= len(llm.tokenize(prompt)) - 1  # from the cache
         assert len(cache) == 3
+
+
+def test_candidates_of_one_request_share_the_slots(tiny_model_path: Path) -> None:
+    gate = Gate()
+    with Llama(tiny_model_path, n_ctx=4 * 128, parallel=4) as llm:
+        scheduler = llm.scheduler
+        assert scheduler is not None
+        results: list[object] = []
+        options = {"max_tokens": 3, "temperature": 1.0, "seed": 1, "custom_samplers": (gate,)}
+        worker = threading.Thread(
+            target=lambda: results.append(llm.create_completion("hi", n=4, **options))
+        )
+        worker.start()
+        # All four are in the engine at once (one held by the gate, three queued behind it),
+        # not submitted one after the other.
+        assert _wait_for(lambda: scheduler.busy_slots + scheduler.queue_depth == 4)
+        gate.open.set()
+        worker.join(timeout=30)
+        completion = results[0]
+        assert isinstance(completion, Completion) and len(completion.choices) == 4
+
+
+def test_a_stream_dropped_unread_stops_its_generation(tiny_model_path: Path) -> None:
+    gate = Gate()
+    with Llama(tiny_model_path, n_ctx=128, parallel=1) as llm:
+        scheduler = llm.scheduler
+        assert scheduler is not None
+        stream = llm.stream_completion("hi", max_tokens=None, custom_samplers=(gate,))
+        assert _wait_for(lambda: scheduler.busy_slots == 1)
+        del stream
+        gc.collect()
+        gate.open.set()
+        assert _wait_for(lambda: scheduler.busy_slots == 0)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -533,8 +532,19 @@ class Llama:
         speculative = speculative if speculative is not None else self.speculative
         drafter = speculative.drafter(self.model) if speculative is not None else None
         session = Session(timeout)
-        steps = self._stream(request, options, text if echo else "", suffix, drafter, session)
-        return Stream(steps, session)
+        samplers = Samplers(self.model, options, request.min_tokens)
+        if self.scheduler is None:
+            steps = self._one_slot_steps(request, samplers, session, drafter)
+            chunks = self._chunks(request, steps, session, text if echo else "", suffix, samplers)
+        else:
+            try:  # queued now: a full queue fails here, and slots start at once
+                steps = self.scheduler.submit(request, samplers, session)
+            except BaseException:
+                samplers.close()
+                raise
+            # From here the engine owns the samplers (it frees them when the job ends).
+            chunks = self._chunks(request, steps, session, text if echo else "", suffix, None)
+        return Stream(chunks, session)
 
     def create_completion(
         self,
@@ -556,15 +566,24 @@ class Llama:
         want_logprobs = kwargs.get("logprobs")
         if best_of > n and want_logprobs is None:
             kwargs["logprobs"] = 0  # needed to rank the candidates
-        candidates = []
-        # One slot: whole completions at once, concurrent callers wait their turn. Parallel
-        # slots: the engine thread takes the lock for each step, so it must stay free here.
-        serial = self._lock if self.scheduler is None else contextlib.nullcontext()
-        with serial:
-            for i in range(best_of):
-                run_seed = None if seed is None else (seed + i) % 2**32
-                chunks = list(self.stream_completion(prompt, seed=run_seed, **kwargs))
-                candidates.append(_choice(i, chunks, keep_logprobs=want_logprobs is not None))
+        seeds = [None if seed is None else (seed + i) % 2**32 for i in range(best_of)]
+        if self.scheduler is None:
+            # One slot: whole completions at once; concurrent callers wait their turn.
+            with self._lock:
+                streams = [list(self.stream_completion(prompt, seed=s, **kwargs)) for s in seeds]
+        else:
+            # Parallel slots: every candidate is queued first, so they generate side by side.
+            pending: list[Stream[CompletionChunk]] = []
+            try:
+                for s in seeds:
+                    pending.append(self.stream_completion(prompt, seed=s, **kwargs))
+                streams = [list(stream) for stream in pending]
+            finally:
+                for stream in pending:
+                    stream.cancel()  # a failure part-way must not leave candidates running
+        candidates = [
+            _choice(i, chunks, want_logprobs is not None) for i, chunks in enumerate(streams)
+        ]
         if best_of > n:
             candidates.sort(key=lambda c: -sum(c[1]))
         kept = candidates[:n]
@@ -615,34 +634,35 @@ class Llama:
         base = sampling or SamplingOptions(seed=self.seed)
         return dataclasses.replace(base, **options) if options else base
 
-    def _stream(
+    def _one_slot_steps(
+        self, request: Request, samplers: Samplers, session: Session, drafter: Drafter | None
+    ) -> Iterator[Step]:
+        """The generation on this Llama's one slot; it starts (superseding the stream before
+        it) when the first chunk is asked for."""
+        with self._lock:
+            previous = self._session() if self._session else None
+            if previous is not None:
+                previous.superseded = True
+            self._session = weakref.ref(session)
+        self.speculative_stats = stats = SpeculativeStats()
+        yield from generate(self._kv, samplers, request, session, self._lock, drafter, stats)
+
+    def _chunks(
         self,
         request: Request,
-        options: SamplingOptions,
+        steps: Iterator[Step],
+        session: Session,
         echo_text: str,
         suffix: str,
-        drafter: Drafter | None,
-        session: Session,
+        samplers: Samplers | None,
     ) -> Generator[CompletionChunk, None, None]:
-        if self.scheduler is None:
-            with self._lock:
-                previous = self._session() if self._session else None
-                if previous is not None:
-                    previous.superseded = True
-                self._session = weakref.ref(session)
-        samplers = Samplers(self.model, options, request.min_tokens)
+        """Steps as completion chunks; ``samplers`` (if the engine does not own them) are
+        freed at the end."""
         chunk_id, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name
         produced, offset = 0, len(echo_text)
-        engine_owns_samplers = False
         try:
             if echo_text:
                 yield CompletionChunk(chunk_id, created, name, 0, echo_text)
-            self.speculative_stats = stats = SpeculativeStats()
-            if self.scheduler is not None:
-                steps = self.scheduler.submit(request, samplers, session)
-                engine_owns_samplers = True
-            else:
-                steps = generate(self._kv, samplers, request, session, self._lock, drafter, stats)
             for step in steps:
                 produced += step.token is not None
                 text = step.text
@@ -658,7 +678,7 @@ class Llama:
                                       usage, tokens, logprobs)  # fmt: skip
         finally:
             session.cancel()  # a consumer that left early stops the generation at once
-            if not engine_owns_samplers:
+            if samplers is not None:
                 samplers.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from typing import Generic, TypeVar
 
@@ -19,6 +20,9 @@ class Stream(Iterator[_T], Generic[_T]):
     def __init__(self, chunks: Generator[_T, None, None], session: Session) -> None:
         self._chunks = chunks
         self.session = session
+        # A stream dropped unread (never started, so its generator's cleanup never runs) must
+        # not keep a queued generation going.
+        weakref.finalize(self, session.cancel)
 
     def __iter__(self) -> Stream[_T]:
         return self
