@@ -114,11 +114,19 @@ def test_a_full_queue_refuses_and_a_waiting_stream_can_be_cancelled(
 
 
 def test_cancel_and_timeout_end_a_generation(tiny_model_path: Path) -> None:
-    with Llama(tiny_model_path, n_ctx=128, parallel=2) as llm:
-        stream = llm.stream_completion("hello", max_tokens=None, min_tokens=120)
-        next(stream)
-        threading.Timer(0.05, stream.cancel).start()
+    with Llama(tiny_model_path, n_ctx=512, parallel=2) as llm:
+        gate = Gate()
+        stream = llm.stream_completion("hello", max_tokens=None, min_tokens=9,
+                                       custom_samplers=(gate,))  # fmt: skip
+        stream.cancel()  # while the engine is held inside its first sample
+        gate.open.set()
         assert [c.finish_reason for c in stream][-1] == "cancelled"
+        event, gate = threading.Event(), Gate()
+        options = {"max_tokens": None, "min_tokens": 9, "custom_samplers": (gate,), "cancel": event}
+        worker = ThreadPoolExecutor(1).submit(llm.create_completion, "hi", n=2, **options)
+        event.set()  # one event stops both choices, from another thread
+        gate.open.set()
+        assert [c.finish_reason for c in worker.result(timeout=30).choices] == ["cancelled"] * 2
         timed = llm.create_completion("hi", max_tokens=None, min_tokens=100, timeout=1e-6)
         assert timed.choices[0].finish_reason == "cancelled"
         with pytest.raises(InvalidParameterError, match="timeout"):

@@ -242,7 +242,7 @@ def test_rerank_and_its_aliases(tmp_path: Path) -> None:
 
 
 @pytest.mark.real_model
-def test_a_client_that_disconnects_frees_its_slot(gemma_path: Path) -> None:
+def test_a_client_that_leaves_frees_its_slot(gemma_path: Path) -> None:
     settings = ServerSettings(model=str(gemma_path), n_ctx=4096, n_threads=2)  # one slot
     for server in _running(settings):
         body = {"prompt": "Count from one to a thousand:", "max_tokens": 4000, "stream": True}
@@ -256,6 +256,14 @@ def test_a_client_that_disconnects_frees_its_slot(gemma_path: Path) -> None:
         assert follow.status_code == 200
         assert time.perf_counter() - started < 20  # not the ~100 s the first stream would take
         assert "llamacrab_slots_busy 0" in httpx.get(server.url + "/metrics").text
+        # The same for a whole (non-streamed) completion whose client gives up waiting.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", timeout=1.0,
+                       json={**body, "stream": False})  # fmt: skip
+        started = time.perf_counter()
+        follow = httpx.post(server.url + "/v1/completions", timeout=60,
+                            json={"prompt": "Hi", "max_tokens": 4})  # fmt: skip
+        assert follow.status_code == 200 and time.perf_counter() - started < 20
 
 
 def test_a_full_queue_answers_503_and_a_request_past_its_timeout_504(tiny_path: Path) -> None:

@@ -197,12 +197,16 @@ class KvState:
 
 class Session:
     """One generation. A newer session on the same Llama supersedes it (it ends "cancelled");
-    ``cancel()`` ends it from any thread, and so does passing its ``timeout`` (seconds)."""
+    ``cancel()`` ends it from any thread, and so do passing its ``timeout`` (seconds) and
+    setting the caller's ``external`` event (which may stop several sessions at once)."""
 
-    def __init__(self, timeout: float | None = None) -> None:
+    def __init__(
+        self, timeout: float | None = None, external: threading.Event | None = None
+    ) -> None:
         if timeout is not None and timeout <= 0:
             raise InvalidParameterError(f"timeout must be > 0 seconds, not {timeout}")
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.external = external
         self.superseded = False
         self.cancelled = threading.Event()
         self.wake: Callable[[], None] | None = None  # tells a scheduler to look at it now
@@ -216,6 +220,8 @@ class Session:
     def stopped(self) -> bool:
         """Cancelled, superseded, or past its deadline."""
         if self.deadline is not None and time.monotonic() > self.deadline:
+            self.cancelled.set()
+        if self.external is not None and self.external.is_set():
             self.cancelled.set()
         return self.superseded or self.cancelled.is_set()
 

@@ -503,6 +503,7 @@ class Llama:
         logprobs: int | None = None,
         speculative: Speculative | None = None,
         timeout: float | None = None,
+        cancel: threading.Event | None = None,
         sampling: SamplingOptions | None = None,
         **sampling_options: Any,
     ) -> Stream[CompletionChunk]:
@@ -517,7 +518,9 @@ class Llama:
         appended after the generated text. ``speculative`` (PromptLookup or DraftModel, default
         the Llama's) drafts tokens that one batched decode verifies: the same sampling rule, but
         batched arithmetic may flip a near-tie. ``timeout`` (seconds, counted from the call)
-        ends the generation with finish_reason "cancelled". Other keywords are SamplingOptions
+        ends the generation with finish_reason "cancelled", and so does setting ``cancel`` (an
+        event that may stop several calls, e.g. all the choices of ``create_completion``, from
+        any thread; nothing needs the stream object). Other keywords are SamplingOptions
         fields (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
         """
         tokens, text, media_chunks = self._prompt(prompt, media)
@@ -531,7 +534,7 @@ class Llama:
             raise InvalidParameterError("speculative decoding needs a Llama with parallel=None")
         speculative = speculative if speculative is not None else self.speculative
         drafter = speculative.drafter(self.model) if speculative is not None else None
-        session = Session(timeout)
+        session = Session(timeout, cancel)
         samplers = Samplers(self.model, options, request.min_tokens)
         if self.scheduler is None:
             steps = self._one_slot_steps(request, samplers, session, drafter)

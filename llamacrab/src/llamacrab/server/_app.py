@@ -183,9 +183,10 @@ async def _sse(
 
 async def _generate(
     state: ServerState,
+    client: Request,
     body: GenerationFields,
     stream: Callable[[], Stream[_Chunk]],
-    create: Callable[[], Completion | ChatCompletion],
+    create: Callable[..., Completion | ChatCompletion],
     chunk_json: Callable[[_Chunk, str], dict[str, Any]],
     result_json: Callable[[Any, str], dict[str, Any]],
 ) -> Any:
@@ -195,11 +196,23 @@ async def _generate(
         include = bool(body.stream_options and body.stream_options.include_usage)
         chunks = await _in_thread(stream)
         return await _sse(state, chunks, lambda chunk: chunk_json(chunk, alias), include)
-    result = await _in_thread(create)
+    result = await _until_disconnected(client, create)
     if any(choice.finish_reason == "cancelled" for choice in result.choices):
         raise ApiError(504, f"the request ran past {state.settings.timeout} s", code="timeout")
     state.metrics.tokens(result.usage.prompt_tokens, result.usage.completion_tokens)
     return result_json(result, alias)
+
+
+async def _until_disconnected(
+    client: Request, create: Callable[..., Completion | ChatCompletion]
+) -> Completion | ChatCompletion:
+    """A whole completion, stopped early (and its slot freed) if the client goes away."""
+    cancel = threading.Event()
+    task = asyncio.ensure_future(_in_thread(create, cancel=cancel))
+    while not (await asyncio.wait([task], timeout=0.25))[0]:
+        if not cancel.is_set() and await client.is_disconnected():
+            cancel.set()  # the generation ends "cancelled" within a step
+    return task.result()  # type: ignore[no-any-return]
 
 
 def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
@@ -276,22 +289,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return state.metrics.render(*state.slots())
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         prompt, kwargs = wire.completion_prompt(body), wire.completion_kwargs(body, settings)
         return await _generate(
-            state, body, partial(llama.stream_completion, prompt, **kwargs),
+            state, client, body, partial(llama.stream_completion, prompt, **kwargs),
             partial(llama.create_completion, prompt, **kwargs),
             wire.completion_chunk, wire.completion,
         )  # fmt: skip
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         kwargs = wire.chat_kwargs(body, settings)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         return await _generate(
-            state, body, partial(llama.stream_chat_completion, messages, **kwargs),
+            state, client, body, partial(llama.stream_chat_completion, messages, **kwargs),
             partial(llama.create_chat_completion, messages, **kwargs),
             wire.chat_chunk, wire.chat_completion,
         )  # fmt: skip
