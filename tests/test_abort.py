@@ -9,10 +9,9 @@ import sys
 import textwrap
 
 CHILD = textwrap.dedent("""
-    import llamacrab
-    from llamacrab import Llama
+    from llamacrab._native import backend
     from llamacrab_sys import lib
-    llamacrab._backend.ensure_initialised()
+    backend.ensure_initialised()
     ctx = lib.gguf_init_empty()
     lib.gguf_set_val_str(ctx, b"key", b"a string")
     lib.gguf_get_val_u32(ctx, 0)  # GGML_ASSERT: the value is not a u32 -> abort()

@@ -30,7 +30,7 @@ def text(llm: Llama, value: str) -> list[int]:
 
 
 def test_prefix_suffix_middle_layout(fim_llama: Llama) -> None:
-    from llamacrab._infill import infill_tokens
+    from llamacrab._features.infill import infill_tokens
 
     t = ids(fim_llama)
     vocab = fim_llama.vocab
@@ -56,7 +56,7 @@ def psm_tail(llm: Llama, prefix: str, suffix: str) -> list[int]:
 
 
 def test_infill_generates_and_streams(fim_llama: Llama) -> None:
-    from llamacrab._infill import infill_tokens
+    from llamacrab._features.infill import infill_tokens
 
     result = fim_llama.create_infill("the cat", "on the mat", max_tokens=4, temperature=0)
     expected = infill_tokens(fim_llama.vocab, "the cat", "on the mat")

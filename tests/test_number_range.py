@@ -8,7 +8,7 @@ import re
 import pytest
 
 from llamacrab import GrammarError, schema_to_grammar
-from llamacrab._number_range import bounded
+from llamacrab._grammar.number_range import bounded
 
 
 def as_regex(gbnf: str) -> re.Pattern[str]:

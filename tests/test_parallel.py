@@ -21,7 +21,7 @@ from llamacrab import (
     QueueFullError,
     RamCache,
 )
-from llamacrab._batch import Batch
+from llamacrab._native.batch import Batch
 
 from support import Gate, assert_same_up_to_near_ties
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llamacrab import InvalidParameterError, Llama
-from llamacrab._embeddings import rerank_tokens
+from llamacrab._features.embeddings import rerank_tokens
 
 from support import load_repo_module
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llamacrab import DraftModel, InvalidParameterError, Llama, PromptLookup
-from llamacrab._model import Model
+from llamacrab._native.model import Model
 
 from support import load_repo_module
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llamacrab._stop import StopMatcher
+from llamacrab._engine.stop import StopMatcher
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:

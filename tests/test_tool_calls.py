@@ -17,7 +17,7 @@ from llamacrab import (
     ToolCallError,
     parse_tool_calls,
 )
-from llamacrab._tool_calls import ToolCallSplitter, check_arguments
+from llamacrab._chat.tool_calls import ToolCallSplitter, check_arguments
 
 from support import load_repo_module
 

@@ -8,12 +8,11 @@ Native objects are wrapped in handles that free themselves exactly once (childre
 a closed handle raises ClosedHandleError. llama.cpp's log goes to the ``llamacrab`` logger.
 """
 
-from llamacrab._adapter import LoraAdapter
-from llamacrab._batch import Batch
-from llamacrab._cache import DiskCache, PromptCache, RamCache
-from llamacrab._chat_media import MediaPolicy
-from llamacrab._context import Context, ContextParams
-from llamacrab._custom_sampler import CustomSampler
+from llamacrab._chat.media_parts import MediaPolicy
+from llamacrab._chat.tool_calls import parse_tool_calls
+from llamacrab._engine.cache import DiskCache, PromptCache, RamCache
+from llamacrab._engine.speculative import DraftModel, PromptLookup, SpeculativeStats
+from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import (
     ClosedHandleError,
     ConcurrentUseError,
@@ -35,17 +34,19 @@ from llamacrab._exceptions import (
     TokenizeError,
     ToolCallError,
 )
-from llamacrab._hub import HubOptions, ResolvedModel, resolve
-from llamacrab._json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
+from llamacrab._features.hub import HubOptions, ResolvedModel, resolve
+from llamacrab._grammar.json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._llama import Llama
-from llamacrab._media import Audio, Image
-from llamacrab._model import Model, ModelParams
-from llamacrab._mtmd import Bitmap, Chunks, Projector
-from llamacrab._sampler import SamplerChain, SamplingOptions
-from llamacrab._speculative import DraftModel, PromptLookup, SpeculativeStats
-from llamacrab._state import SavedState
-from llamacrab._stream import Stream
-from llamacrab._tool_calls import ToolCall, parse_tool_calls
+from llamacrab._native.adapter import LoraAdapter
+from llamacrab._native.batch import Batch
+from llamacrab._native.context import Context, ContextParams
+from llamacrab._native.custom_sampler import CustomSampler
+from llamacrab._native.media import Audio, Image
+from llamacrab._native.model import Model, ModelParams
+from llamacrab._native.mtmd import Bitmap, Chunks, Projector
+from llamacrab._native.sampler import SamplerChain, SamplingOptions
+from llamacrab._native.state import SavedState
+from llamacrab._native.vocab import IncrementalDecoder, Vocab
 from llamacrab._types import (
     ChatChoice,
     ChatCompletion,
@@ -58,9 +59,9 @@ from llamacrab._types import (
     FinishReason,
     Logprobs,
     RerankResult,
+    ToolCall,
     Usage,
 )
-from llamacrab._vocab import IncrementalDecoder, Vocab
 from llamacrab_sys import BuildInfo, build_info
 
 __version__ = "0.1.0"

@@ -13,32 +13,33 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._adapter import LoraAdapter
-from llamacrab._cache import PromptCache
-from llamacrab._chat import chat_prompt, template_source
-from llamacrab._chat_media import MediaPolicy, extract_media, has_media
-from llamacrab._chat_options import ChatOptions
-from llamacrab._context import Context, ContextParams
-from llamacrab._embeddings import (
+from llamacrab._chat.media_parts import MediaPolicy, extract_media, has_media
+from llamacrab._chat.options import ChatOptions
+from llamacrab._chat.prompt import chat_prompt, template_source
+from llamacrab._engine.cache import PromptCache
+from llamacrab._engine.generation import MEDIA_TOKEN, KvState, Request, Session, Step, generate
+from llamacrab._engine.scheduler import Scheduler
+from llamacrab._engine.speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
+from llamacrab._engine.stream import Stream
+from llamacrab._exceptions import InvalidParameterError, MediaError
+from llamacrab._features.embeddings import (
     DEFAULT_PACK_TOKENS,
     Embedder,
     normalized,
     pool_tokens,
     rerank_tokens,
 )
-from llamacrab._exceptions import InvalidParameterError, MediaError
-from llamacrab._generation import MEDIA_TOKEN, KvState, Request, Session, Step, generate
-from llamacrab._hub import HubOptions, ResolvedModel
-from llamacrab._hub import resolve as resolve_model
-from llamacrab._infill import infill_tokens
-from llamacrab._media import Media
-from llamacrab._model import Model, ModelParams
-from llamacrab._mtmd import Chunks, Projector
-from llamacrab._sampler import Samplers, SamplingOptions
-from llamacrab._scheduler import Scheduler
-from llamacrab._speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
-from llamacrab._state import SavedState
-from llamacrab._stream import Stream, async_chunks
+from llamacrab._features.hub import HubOptions, ResolvedModel
+from llamacrab._features.hub import resolve as resolve_model
+from llamacrab._features.infill import infill_tokens
+from llamacrab._native.adapter import LoraAdapter
+from llamacrab._native.context import Context, ContextParams
+from llamacrab._native.media import Media
+from llamacrab._native.model import Model, ModelParams
+from llamacrab._native.mtmd import Chunks, Projector
+from llamacrab._native.sampler import Samplers, SamplingOptions
+from llamacrab._native.state import SavedState
+from llamacrab._native.vocab import Vocab
 from llamacrab._types import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -49,7 +50,6 @@ from llamacrab._types import (
     RerankResult,
     Usage,
 )
-from llamacrab._vocab import Vocab
 
 Speculative = PromptLookup | DraftModel
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelParams)}
@@ -270,7 +270,7 @@ class Llama:
     ) -> AsyncIterator[ChatCompletionChunk]:
         """``stream_chat_completion`` for asyncio: a worker thread drives the stream."""
         stream = self.stream_chat_completion(messages, **kwargs)
-        async for chunk in async_chunks(stream):
+        async for chunk in stream:
             yield chunk
 
     def _chat_request(
@@ -602,7 +602,7 @@ class Llama:
     ) -> AsyncIterator[CompletionChunk]:
         """``stream_completion`` for asyncio: a worker thread drives the stream."""
         stream = self.stream_completion(prompt, **kwargs)
-        async for chunk in async_chunks(stream):
+        async for chunk in stream:
             yield chunk
 
     # -- internals -----------------------------------------------------------------------------

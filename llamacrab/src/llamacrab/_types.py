@@ -6,7 +6,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from llamacrab._tool_calls import ToolCall
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One requested call: ``arguments`` is JSON text, as in the OpenAI API."""
+
+    name: str
+    arguments: str
+    id: str = ""
+    type: str = "function"
+
 
 FinishReason = Literal["length", "eos", "stop", "cancelled", "tool_calls"]
 

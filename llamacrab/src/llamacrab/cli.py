@@ -17,9 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llamacrab._exceptions import InvalidParameterError, LlamaError
-from llamacrab._llama import Llama
-from llamacrab._model import Model, ModelParams
+from llamacrab import InvalidParameterError, Llama, LlamaError, Model, ModelParams
 from llamacrab.server._settings import add_arguments as add_server_arguments
 from llamacrab.server._settings import settings_from_args
 
@@ -149,7 +147,7 @@ def _chat(llm: Llama, system: str | None, sampling: dict[str, Any]) -> None:
 
 
 def _info(args: argparse.Namespace) -> None:
-    from llamacrab_sys import build_info
+    from llamacrab import build_info
 
     build = build_info()
     report: dict[str, Any] = {
@@ -158,7 +156,7 @@ def _info(args: argparse.Namespace) -> None:
         "libraries": [p.name for p in build.libraries], "functions": build.functions,
     }  # fmt: skip
     if not args.build_only:
-        from llamacrab._hub import HubOptions, resolve
+        from llamacrab import HubOptions, resolve
 
         path = resolve(args.model or default_model(), HubOptions(**_hub_options(args))).path
         with Model.load(path, ModelParams(vocab_only=True)) as model:
@@ -176,7 +174,7 @@ def _info(args: argparse.Namespace) -> None:
 
 
 def _tokenize(args: argparse.Namespace) -> None:
-    from llamacrab._hub import HubOptions, resolve
+    from llamacrab import HubOptions, resolve
 
     path = resolve(args.model, HubOptions(**_hub_options(args))).path
     with Model.load(path, ModelParams(vocab_only=True)) as model:

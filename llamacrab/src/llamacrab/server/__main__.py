@@ -1,7 +1,5 @@
 """``python -m llamacrab.server MODEL [flags]``: the same as ``llamacrab serve``."""
 
-import sys
+from llamacrab.server import parse_settings, serve
 
-from llamacrab.cli import main
-
-sys.exit(main(["serve", *sys.argv[1:]]))
+serve(parse_settings())

@@ -21,11 +21,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from llamacrab import __version__
-from llamacrab._chat_media import MediaPolicy
+from llamacrab import MediaPolicy, Stream, __version__
 from llamacrab._exceptions import LlamaError
 from llamacrab._llama import Llama
-from llamacrab._stream import Stream, async_chunks
 from llamacrab._types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from llamacrab.server import _wire as wire
 from llamacrab.server._errors import ApiError, from_llama_error
@@ -146,7 +144,7 @@ async def _sse(
 ) -> StreamingResponse:
     """Server-sent events from a stream. The first chunk is awaited before answering, so an
     error there (a full queue, a bad grammar) gets its proper status."""
-    chunks = async_chunks(stream)
+    chunks = aiter(stream)
     try:
         first = await anext(chunks)
     except LlamaError as error:

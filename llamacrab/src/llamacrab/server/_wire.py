@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._tool_calls import ToolCall
 from llamacrab._types import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
     CompletionChunk,
     Logprobs,
+    ToolCall,
     Usage,
 )
 from llamacrab.server._errors import ApiError

@@ -7,11 +7,10 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from llamacrab._batch import Batch
 from llamacrab._exceptions import (
     ConcurrentUseError,
     ContextError,
@@ -21,13 +20,12 @@ from llamacrab._exceptions import (
     InvalidParameterError,
     StateError,
 )
-from llamacrab._handle import NativeHandle
-from llamacrab._logging import log_lines
-from llamacrab._model import Model
-from llamacrab._native import call, ffi, lib
-
-if TYPE_CHECKING:
-    from llamacrab._adapter import LoraAdapter
+from llamacrab._native.adapter import LoraAdapter
+from llamacrab._native.batch import Batch
+from llamacrab._native.call import call, ffi, lib
+from llamacrab._native.handle import NativeHandle
+from llamacrab._native.logging import log_lines
+from llamacrab._native.model import Model
 
 FLASH_ATTN = {
     "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -206,6 +204,36 @@ class Context(NativeHandle):
             view = np.frombuffer(ffi.buffer(row, 4 * self.n_vocab), np.float32)
             logits: np.ndarray = np.array(view)  # a copy: the next decode overwrites the row
             return logits
+
+    # -- embeddings ----------------------------------------------------------------------------
+
+    @property
+    def pooling(self) -> str:
+        """The pooling llama.cpp applies: "none", "mean", "cls", "last" or "rank"."""
+        value = lib.llama_pooling_type(self.pointer)
+        return next(name for name, known in POOLING.items() if known == value)
+
+    def embeddings(
+        self, width: int, *, seq_id: int | None = None, index: int = 0, count: int = 1
+    ) -> np.ndarray:
+        """A copy of ``count`` rows of ``width`` floats from the last decode: the pooled vector
+        of ``seq_id``, or the per-token rows starting at output ``index``."""
+        with self.exclusive() as ctx:
+            if seq_id is not None:
+                row = call("llama_get_embeddings_seq", ctx, seq_id)
+            else:
+                row = call("llama_get_embeddings_ith", ctx, index)
+            if row == ffi.NULL:
+                where = f"sequence {seq_id}" if seq_id is not None else f"output {index}"
+                raise InvalidParameterError(f"llama.cpp returned no embedding for {where}")
+            values = np.frombuffer(ffi.buffer(row, 4 * width * count), np.float32)
+            # A copy: the next decode reuses llama.cpp's buffer.
+            rows: np.ndarray = values.reshape(count, width).copy()
+            return rows
+
+    @property
+    def n_ubatch(self) -> int:
+        return int(lib.llama_n_ubatch(self.pointer))
 
     # -- LoRA adapters -------------------------------------------------------------------------
 

@@ -14,12 +14,12 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from llamacrab._engine.stop import StopMatcher
 from llamacrab._exceptions import InvalidParameterError, ToolCallError
-from llamacrab._json_schema import schema_to_grammar
-from llamacrab._stop import StopMatcher
+from llamacrab._grammar.json_schema import schema_to_grammar
+from llamacrab._types import ToolCall
 
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 _MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(\[.*\])", re.S)
@@ -30,16 +30,6 @@ _FUNCTIONARY = re.compile(
     r"\s*(?:</function>|$|(?=>>>|<function=))",
     re.S,
 )
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One requested call: ``arguments`` is JSON text, as in the OpenAI API."""
-
-    name: str
-    arguments: str
-    id: str = ""
-    type: str = "function"
 
 
 def _call(obj: Any) -> ToolCall | None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llamacrab._chat_builtin import apply_builtin, builtin_names
+from llamacrab._chat.builtin import apply_builtin, builtin_names
 from llamacrab._exceptions import InvalidParameterError, TemplateError
-from llamacrab._model import Model
+from llamacrab._native.model import Model
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -61,7 +61,7 @@ def chat_prompt(
             )
         name = chat_format or "gemma"
         return apply_builtin(name, normalized, add_generation_prompt)
-    from llamacrab._chat_template import render  # Jinja2 loads with the first template
+    from llamacrab._chat.template import render  # Jinja2 loads with the first template
 
     vocab = model.vocab
     return render(

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llamacrab import _backend
 from llamacrab._exceptions import InvalidParameterError, ModelLoadError
-from llamacrab._gguf_check import validate_gguf
-from llamacrab._handle import NativeHandle
-from llamacrab._logging import log_lines
-from llamacrab._native import c_string, call, ffi, lib, read_string
-from llamacrab._vocab import Vocab
+from llamacrab._native import backend as _backend
+from llamacrab._native.call import c_string, call, ffi, lib, read_string
+from llamacrab._native.gguf_check import validate_gguf
+from llamacrab._native.handle import NativeHandle
+from llamacrab._native.logging import log_lines
+from llamacrab._native.vocab import Vocab
 from llamacrab_sys import progress_callback
 
 SPLIT_MODES = {
@@ -164,6 +164,16 @@ class Model(NativeHandle):
     @property
     def n_embd(self) -> int:
         return int(lib.llama_model_n_embd(self.pointer))
+
+    @property
+    def n_embd_out(self) -> int:
+        """The width of the embeddings the model outputs."""
+        return int(lib.llama_model_n_embd_out(self.pointer))
+
+    @property
+    def n_cls_out(self) -> int:
+        """The classifier head's outputs (one score for a reranker)."""
+        return int(lib.llama_model_n_cls_out(self.pointer))
 
     @property
     def n_layer(self) -> int:

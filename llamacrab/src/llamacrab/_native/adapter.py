@@ -5,17 +5,20 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from llamacrab._exceptions import ModelLoadError
-from llamacrab._gguf_check import validate_gguf
-from llamacrab._handle import NativeHandle
-from llamacrab._logging import log_lines
-from llamacrab._model import Model
-from llamacrab._native import c_string, call, ffi, lib, read_string
+from llamacrab._native.call import c_string, call, ffi, lib, read_string
+from llamacrab._native.gguf_check import validate_gguf
+from llamacrab._native.handle import NativeHandle
+from llamacrab._native.logging import log_lines
+from llamacrab._native.model import Model
 
-if TYPE_CHECKING:
-    from llamacrab._context import Context
+
+class AdapterUser(Protocol):
+    """A context applying adapters: told to drop one before it is freed."""
+
+    def remove_lora_adapter(self, adapter: LoraAdapter) -> None: ...
 
 
 class LoraAdapter(NativeHandle):
@@ -37,7 +40,7 @@ class LoraAdapter(NativeHandle):
         super().__init__(pointer, lib.llama_adapter_lora_free, model)
         self.model = model
         self.path = file
-        self._users: weakref.WeakSet[Context] = weakref.WeakSet()
+        self._users: weakref.WeakSet[AdapterUser] = weakref.WeakSet()
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -52,10 +55,10 @@ class LoraAdapter(NativeHandle):
             )
         return result
 
-    def _used_by(self, context: Context) -> None:
+    def _used_by(self, context: AdapterUser) -> None:
         self._users.add(context)
 
-    def _unused_by(self, context: Context) -> None:
+    def _unused_by(self, context: AdapterUser) -> None:
         self._users.discard(context)
 
     def close(self) -> None:

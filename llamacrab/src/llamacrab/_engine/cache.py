@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import InvalidParameterError, StateError
-from llamacrab._state import SavedState, common_prefix
+from llamacrab._native.state import SavedState, common_prefix
 
 
 class PromptCache(abc.ABC):

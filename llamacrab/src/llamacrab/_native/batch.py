@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import InvalidParameterError
-from llamacrab._native import ffi
+from llamacrab._native.call import ffi
 
 
 class Batch:

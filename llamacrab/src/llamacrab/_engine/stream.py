@@ -6,7 +6,7 @@ import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from typing import Generic, TypeVar
 
-from llamacrab._generation import Session
+from llamacrab._engine.generation import Session
 
 _T = TypeVar("_T")
 _U = TypeVar("_U")
@@ -41,6 +41,10 @@ class Stream(Iterator[_T], Generic[_T]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def __aiter__(self) -> AsyncGenerator[_T, None]:
+        """Iterate from asyncio (``async for``): a worker thread drives the generation."""
+        return async_chunks(self)
 
     def then(self, transform: Callable[[Stream[_T]], Generator[_U, None, None]]) -> Stream[_U]:
         """A stream of ``transform(self)``, cancelled together with this one."""

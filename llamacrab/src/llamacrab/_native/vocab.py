@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from llamacrab._exceptions import TokenizeError
-from llamacrab._native import call, ffi, lib
-
-if TYPE_CHECKING:
-    from llamacrab._model import Model
+from llamacrab._native.call import call, ffi, lib
+from llamacrab._native.handle import NativeHandle
 
 _PIECE_BUFFER = 64
 
@@ -20,7 +18,8 @@ _PIECE_BUFFER = 64
 class Vocab:
     """The tokenizer of a model. Valid while its model is open."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: NativeHandle) -> None:
+        # The model handle is passed in (not imported): the vocabulary lives and dies with it.
         self._model = model
         self._pointer = lib.llama_model_get_vocab(model.pointer)
         self._n_tokens = int(lib.llama_vocab_n_tokens(self._pointer))
@@ -84,8 +83,20 @@ class Vocab:
         return self._special(lib.llama_vocab_fim_sep)
 
     @property
+    def sep(self) -> int | None:
+        return self._special(lib.llama_vocab_sep)
+
+    @property
     def add_bos(self) -> bool:
         return bool(lib.llama_vocab_get_add_bos(self.pointer))
+
+    @property
+    def add_eos(self) -> bool:
+        return bool(lib.llama_vocab_get_add_eos(self.pointer))
+
+    @property
+    def add_sep(self) -> bool:
+        return bool(lib.llama_vocab_get_add_sep(self.pointer))
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT and the like)."""

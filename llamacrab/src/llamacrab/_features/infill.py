@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llamacrab._exceptions import InvalidParameterError
-from llamacrab._vocab import Vocab
+from llamacrab._native.vocab import Vocab
 
 
 def infill_tokens(

@@ -8,7 +8,7 @@ import threading
 import weakref
 from typing import Protocol
 
-from llamacrab import _logging
+from llamacrab._native import logging as _logging
 from llamacrab_sys import lib
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llamacrab._context import Context
+from llamacrab._native.context import Context
 
 
 def token_logprobs(

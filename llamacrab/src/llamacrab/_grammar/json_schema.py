@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from llamacrab._exceptions import GrammarError
-from llamacrab._number_range import bounded, integral_bound
-from llamacrab._regex_gbnf import pattern_to_gbnf
+from llamacrab._grammar.number_range import bounded, integral_bound
+from llamacrab._grammar.regex_gbnf import pattern_to_gbnf
 
 # Keywords that constrain nothing a grammar must enforce.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",

@@ -7,11 +7,7 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llamacrab._exceptions import InvalidParameterError
-from llamacrab._json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
-from llamacrab._stream import Stream
-from llamacrab._tool_calls import (
-    ToolCall,
+from llamacrab._chat.tool_calls import (
     ToolCallSplitter,
     check_arguments,
     forced_call_grammar,
@@ -19,6 +15,9 @@ from llamacrab._tool_calls import (
     parse_tool_calls,
     tool_names,
 )
+from llamacrab._engine.stream import Stream
+from llamacrab._exceptions import InvalidParameterError
+from llamacrab._grammar.json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._types import (
     ChatChoice,
     ChatCompletionChunk,
@@ -26,6 +25,7 @@ from llamacrab._types import (
     ChatMessage,
     CompletionChoice,
     CompletionChunk,
+    ToolCall,
 )
 
 

@@ -12,11 +12,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from llamacrab._batch import Batch
-from llamacrab._context import Context
 from llamacrab._exceptions import ContextOverflowError, InvalidParameterError
-from llamacrab._model import Model
-from llamacrab._native import call, ffi, lib
+from llamacrab._native.batch import Batch
+from llamacrab._native.context import Context
+from llamacrab._native.model import Model
 
 DEFAULT_PACK_TOKENS = 256
 
@@ -28,16 +27,13 @@ class Embedder:
         if not context.params.embeddings:
             raise InvalidParameterError("embeddings need a context created with embeddings=True")
         self.context = context
-        ctx = context.pointer
-        pooling = lib.llama_pooling_type(ctx)
-        self.pooled = pooling != lib.LLAMA_POOLING_TYPE_NONE
-        self.ranks = pooling == lib.LLAMA_POOLING_TYPE_RANK
-        model = context.model.pointer
+        pooling = context.pooling
+        self.pooled = pooling != "none"
+        self.ranks = pooling == "rank"
+        model = context.model
         # Rank pooling yields the classifier's outputs (one score for a reranker) per sequence.
-        self.width = int(
-            lib.llama_model_n_cls_out(model) if self.ranks else lib.llama_model_n_embd_out(model)
-        )
-        self.limit = min(int(lib.llama_n_ubatch(ctx)), context.n_batch)  # one text, one decode
+        self.width = model.n_cls_out if self.ranks else model.n_embd_out
+        self.limit = min(context.n_ubatch, context.n_batch)  # one text, one decode
         self.pack_tokens = max(1, min(pack_tokens, self.limit))
         self.n_seq = context.params.n_seq_max
         self.batch = Batch(self.limit, self.n_seq)
@@ -80,22 +76,11 @@ class Embedder:
         return out
 
     def _read(self, seq_id: int, tokens: np.ndarray, before: list[np.ndarray]) -> np.ndarray:
-        with self.context.exclusive() as ctx:
-            if self.pooled:
-                row = call("llama_get_embeddings_seq", ctx, seq_id)
-                count = 1
-            else:
-                start = sum(len(t) for t in before)
-                row = call("llama_get_embeddings_ith", ctx, start)
-                count = len(tokens)
-            if row == ffi.NULL:
-                raise InvalidParameterError(
-                    f"llama.cpp returned no embedding for sequence {seq_id}"
-                )
-            values = np.frombuffer(ffi.buffer(row, 4 * self.width * count), np.float32)
-            # A copy: the next decode reuses llama.cpp's buffer.
-            vectors: np.ndarray = values.reshape(count, self.width).copy()
-        return vectors[0] if self.pooled else vectors
+        if self.pooled:
+            pooled: np.ndarray = self.context.embeddings(self.width, seq_id=seq_id)[0]
+            return pooled
+        start = sum(len(t) for t in before)
+        return self.context.embeddings(self.width, index=start, count=len(tokens))
 
 
 def rerank_tokens(model: Model, query: str, document: str) -> list[int]:
@@ -106,16 +91,15 @@ def rerank_tokens(model: Model, query: str, document: str) -> list[int]:
     if template is not None:
         prompt = template.replace("{query}", query).replace("{document}", document)
         return vocab.tokenize(prompt, add_special=False, parse_special=True)
-    pointer = vocab.pointer
-    end = vocab.eos if vocab.eos is not None else int(lib.llama_vocab_sep(pointer))
+    end = vocab.eos if vocab.eos is not None else vocab.sep
     tokens = [vocab.bos] if vocab.add_bos and vocab.bos is not None else []
     tokens += vocab.tokenize(query, add_special=False)
-    if lib.llama_vocab_get_add_eos(pointer):
+    if vocab.add_eos and end is not None:
         tokens.append(end)
-    if lib.llama_vocab_get_add_sep(pointer):
-        tokens.append(int(lib.llama_vocab_sep(pointer)))
+    if vocab.add_sep and vocab.sep is not None:
+        tokens.append(vocab.sep)
     tokens += vocab.tokenize(document, add_special=False)
-    if lib.llama_vocab_get_add_eos(pointer):
+    if vocab.add_eos and end is not None:
         tokens.append(end)
     return tokens
 

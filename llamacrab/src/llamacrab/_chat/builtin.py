@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llamacrab._exceptions import TemplateError
-from llamacrab._native import c_string, call, ffi
+from llamacrab._native.chat_format import apply_llama_cpp_format, llama_cpp_format_names
 
 # Our names for llama.cpp's templates.
 ALIASES = {
@@ -37,48 +37,20 @@ OWN_TEMPLATES = {
 }
 
 
-def llama_cpp_names() -> list[str]:
-    count = call("llama_chat_builtin_templates", ffi.NULL, 0)
-    names = ffi.new("const char *[]", count)
-    call("llama_chat_builtin_templates", names, count)
-    return sorted(ffi.string(n).decode() for n in names)
-
-
 def builtin_names() -> list[str]:
-    return sorted({*llama_cpp_names(), *ALIASES, *OWN_TEMPLATES})
+    return sorted({*llama_cpp_format_names(), *ALIASES, *OWN_TEMPLATES})
 
 
 def apply_builtin(
     name: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool
 ) -> str:
     if name in OWN_TEMPLATES:
-        from llamacrab._chat_template import render  # Jinja2 loads with the first template
+        from llamacrab._chat.template import render  # Jinja2 loads with the first template
 
         return render(OWN_TEMPLATES[name], messages, add_generation_prompt=add_generation_prompt)
     llama_name = ALIASES.get(name, name)
-    if llama_name not in llama_cpp_names():
+    if llama_name not in llama_cpp_format_names():
         raise TemplateError(
             f"no built-in chat format {name!r}; known: {', '.join(builtin_names())}"
         )
-    # C strings for every role and content, alive until the call returns.
-    keep = [
-        (
-            ffi.new("char[]", c_string(str(m["role"]), "role")),
-            ffi.new("char[]", c_string(str(m.get("content") or ""), "content")),
-        )
-        for m in messages
-    ]
-    chat = ffi.new("struct llama_chat_message[]", max(1, len(keep)))
-    for entry, (role, content) in zip(chat, keep, strict=False):
-        entry.role, entry.content = role, content
-    template = c_string(llama_name, "template name")
-    size = 4096 + sum(len(ffi.string(c)) for _, c in keep) * 2
-    while True:
-        buffer = ffi.new("char[]", size)
-        n = call("llama_chat_apply_template", template, chat, len(keep), add_generation_prompt,
-                 buffer, size)  # fmt: skip
-        if n < 0:
-            raise TemplateError(f"llama.cpp could not apply the {name!r} chat format")
-        if n < size:
-            return bytes(ffi.buffer(buffer, n)).decode("utf-8", "replace")
-        size = n + 1
+    return apply_llama_cpp_format(llama_name, messages, add_generation_prompt)

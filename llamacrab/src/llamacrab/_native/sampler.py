@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._context import Context
-from llamacrab._custom_sampler import CustomSampler, _Bridge
 from llamacrab._exceptions import GrammarError, InvalidParameterError
-from llamacrab._handle import NativeHandle
-from llamacrab._logging import log_lines
-from llamacrab._model import Model
-from llamacrab._native import c_string, call, ffi, lib
+from llamacrab._native.call import c_string, call, ffi, lib
+from llamacrab._native.context import Context
+from llamacrab._native.custom_sampler import CustomSampler, _Bridge
+from llamacrab._native.handle import NativeHandle
+from llamacrab._native.logging import log_lines
+from llamacrab._native.model import Model
 from llamacrab_sys import python_sampler
 
 # llama.cpp's default order (common/common.h): filters first, temperature last, then `dist`.

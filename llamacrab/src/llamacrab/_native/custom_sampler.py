@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._native import ffi
+from llamacrab._native.call import ffi
 
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from llamacrab._exceptions import InvalidParameterError
 
 if TYPE_CHECKING:
-    from llamacrab._llama import Llama
-    from llamacrab._model import Model
+    from llamacrab._native.context import Context
+    from llamacrab._native.model import Model
+    from llamacrab._types import Completion
 
 
 @dataclass
@@ -127,11 +128,21 @@ class _LookupDrafter:
         self.budget.plain(seconds)
 
 
+class DraftLlama(Protocol):
+    """What drafting needs of the smaller model: a ``Llama`` has it. Drafting asks it for
+    greedy completions, whose own prompt reuse keeps its memory in step with the history."""
+
+    model: Model
+    context: Context
+
+    def create_completion(self, prompt: Sequence[int], **kwargs: Any) -> Completion: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class DraftModel:
     """Drafts with a smaller model sharing the target's vocabulary (checked), greedily."""
 
-    llama: Llama
+    llama: DraftLlama
     max_draft: int = 8
 
     def drafter(self, target: Model) -> Drafter:

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llamacrab._batch import Batch
-from llamacrab._cache import PromptCache
-from llamacrab._context import Context
+from llamacrab._engine.cache import PromptCache
+from llamacrab._engine.generation import Emitter, KvState, Request, Session, Step
 from llamacrab._exceptions import (
     ClosedHandleError,
     DecodeAbortedError,
@@ -24,10 +23,11 @@ from llamacrab._exceptions import (
     QueueFullError,
     StateError,
 )
-from llamacrab._generation import Emitter, KvState, Request, Session, Step
-from llamacrab._mtmd import Chunks
-from llamacrab._sampler import Samplers
-from llamacrab._state import common_prefix
+from llamacrab._native.batch import Batch
+from llamacrab._native.context import Context
+from llamacrab._native.mtmd import Chunks
+from llamacrab._native.sampler import Samplers
+from llamacrab._native.state import common_prefix
 
 
 @dataclass(eq=False)

@@ -10,23 +10,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llamacrab._batch import Batch
-from llamacrab._cache import PromptCache
-from llamacrab._context import Context
+from llamacrab._engine.cache import PromptCache
+from llamacrab._engine.logprobs import token_logprobs
+from llamacrab._engine.speculative import Drafter, SpeculativeStats
+from llamacrab._engine.stop import StopMatcher
 from llamacrab._exceptions import (
     ContextOverflowError,
     DecodeAbortedError,
     InvalidParameterError,
     StateError,
 )
-from llamacrab._logprobs import token_logprobs
-from llamacrab._mtmd import Chunks
-from llamacrab._sampler import Samplers
-from llamacrab._speculative import Drafter, SpeculativeStats
-from llamacrab._state import SavedState, common_prefix
-from llamacrab._stop import StopMatcher
+from llamacrab._native.batch import Batch
+from llamacrab._native.context import Context
+from llamacrab._native.mtmd import Chunks
+from llamacrab._native.sampler import Samplers
+from llamacrab._native.state import SavedState, common_prefix
+from llamacrab._native.vocab import Vocab
 from llamacrab._types import FinishReason
-from llamacrab._vocab import Vocab
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from llamacrab._exceptions import MediaError
-from llamacrab._media import Audio, Image, Media
+from llamacrab._native.media import Audio, Image, Media
 
 MEDIA_PARTS = ("image_url", "input_audio")
 

@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._context import Context
 from llamacrab._exceptions import DecodeError, MediaError, ModelLoadError
-from llamacrab._gguf_check import validate_gguf
-from llamacrab._handle import NativeHandle
-from llamacrab._logging import log_lines
-from llamacrab._media import Image, Media, pcm_for_rate, rgb_pixels, sniff
-from llamacrab._model import Model
-from llamacrab._native import c_string, call, ffi, lib
+from llamacrab._native.call import c_string, call, ffi, lib
+from llamacrab._native.context import Context
+from llamacrab._native.gguf_check import validate_gguf
+from llamacrab._native.handle import NativeHandle
+from llamacrab._native.logging import log_lines
+from llamacrab._native.media import Image, Media, pcm_for_rate, rgb_pixels, sniff
+from llamacrab._native.model import Model
 
 
 class Projector(NativeHandle):

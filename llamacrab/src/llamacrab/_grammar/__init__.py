@@ -1,0 +1,1 @@
+"""Grammars built in Python: JSON Schema, a regex subset and number ranges turned into GBNF."""
