@@ -61,10 +61,10 @@ class LoraAdapter(NativeHandle):
     def _unused_by(self, context: AdapterUser) -> None:
         self._users.discard(context)
 
-    def close(self) -> None:
+    def _close(self, timeout: float | None) -> bool:
         for context in list(self._users):
             context.remove_lora_adapter(self)
-        super().close()
+        return super()._close(timeout)
 
     def __repr__(self) -> str:
         return f"<LoraAdapter {self.path.name}{' closed' if self.closed else ''}>"

@@ -13,7 +13,12 @@ from llamacrab_sys import lib
 
 
 class _Closable(Protocol):
-    def close(self) -> None: ...
+    def _close(self, timeout: float | None) -> bool: ...
+
+
+# How long exit waits for a native call still running on another thread (a daemon thread in
+# llama_decode, say) to notice its cancel flag before leaving that memory allocated.
+EXIT_WAIT_SECONDS = 10.0
 
 
 _lock = threading.Lock()
@@ -42,6 +47,8 @@ def register_root(handle: _Closable) -> None:
 def _shutdown() -> None:
     # atexit order between us and weakref.finalize is not ours to choose: close what is still
     # alive explicitly (children first, through each root's close), then free the backend.
-    for handle in list(_live_roots):
-        handle.close()
-    lib.llama_backend_free()
+    # A handle still in use after the wait is leaked, and then the backend too: the process is
+    # ending, and freeing memory a running call reads would crash it.
+    freed = [handle._close(timeout=EXIT_WAIT_SECONDS) for handle in list(_live_roots)]
+    if all(freed):
+        lib.llama_backend_free()

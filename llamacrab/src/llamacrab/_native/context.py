@@ -161,11 +161,13 @@ class Context(NativeHandle):
 
     @contextmanager
     def exclusive(self) -> Iterator[Any]:
-        """Hold the context for one thread; yields the raw pointer."""
+        """Hold the context for one thread's native call; yields the raw pointer. ``close()``
+        from another thread cancels the call and waits for it before freeing."""
         if not self._busy.acquire(blocking=False):
             raise ConcurrentUseError("this context is in use by another thread")
         try:
-            yield self.pointer
+            with self.in_flight() as pointer:
+                yield pointer
         finally:
             self._busy.release()
 
@@ -173,21 +175,23 @@ class Context(NativeHandle):
         """Abort the decode in progress (from any thread); it raises DecodeAbortedError."""
         self._cancel_flag[0] = 1
 
+    def _interrupt(self) -> None:
+        self.cancel()
+
+    def arm_cancel(self) -> None:
+        """Clear a cancel left from between calls, before a call that polls the flag (a
+        closing context stays cancelled). Called holding ``exclusive()``."""
+        self._cancel_flag[0] = 1 if self._closing else 0
+
     def decode(self, batch: Batch) -> None:
-        # The per-token path: the lock is taken by hand, without a context manager's overhead.
-        ctx = self.pointer
         if batch.struct.n_tokens > self.max_decode:
             raise ContextOverflowError(
                 f"a batch of {batch.struct.n_tokens} tokens exceeds the {self.max_decode} this "
                 "context decodes at once"
             )
-        if not self._busy.acquire(blocking=False):
-            raise ConcurrentUseError("this context is in use by another thread")
-        try:
-            self._cancel_flag[0] = 0
+        with self.exclusive() as ctx:
+            self.arm_cancel()
             status = call("llama_decode", ctx, batch.value)
-        finally:
-            self._busy.release()
         if status == 0:
             return
         if status == 2:

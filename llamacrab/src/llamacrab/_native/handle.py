@@ -1,12 +1,16 @@
-"""Ownership of one native pointer: freed exactly once, children before parents, never reused."""
+"""Ownership of one native pointer: freed exactly once, children before parents, never reused,
+and never while a native call that uses it is in flight (cffi releases the GIL around C calls,
+so another thread can be inside llama.cpp when ``close()`` runs)."""
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from llamacrab._exceptions import ClosedHandleError
+from llamacrab._exceptions import ClosedHandleError, ConcurrentUseError
 from llamacrab_sys import ffi
 
 
@@ -35,6 +39,12 @@ class NativeHandle:
         self._pointer = pointer
         self._children: weakref.WeakSet[NativeHandle] = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _release, free, pointer, parent, keep_alive)
+        # weakref's own exit hook would free every live handle at exit without waiting for the
+        # calls in flight; the backend's exit hook closes the roots, which waits.
+        self._finalizer.atexit = False
+        self._calls = threading.Condition(threading.Lock())
+        self._callers: dict[int, int] = {}  # thread id -> native calls in flight
+        self._closing = False
         if parent is not None:
             parent._adopt(self)
 
@@ -44,19 +54,55 @@ class NativeHandle:
 
     @property
     def pointer(self) -> Any:
-        if not self._finalizer.alive:
+        if self._closing or not self._finalizer.alive:
             raise ClosedHandleError(f"this {self.kind} is closed")
         return self._pointer
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._closing or not self._finalizer.alive
+
+    @contextmanager
+    def in_flight(self) -> Iterator[Any]:
+        """Yield the pointer for one native call; ``close()`` waits until the call returns."""
+        me = threading.get_ident()
+        with self._calls:
+            if self._closing or not self._finalizer.alive:
+                raise ClosedHandleError(f"this {self.kind} is closed")
+            self._callers[me] = self._callers.get(me, 0) + 1
+        try:
+            yield self._pointer
+        finally:
+            with self._calls:
+                if self._callers[me] == 1:
+                    del self._callers[me]
+                    self._calls.notify_all()
+                else:
+                    self._callers[me] -= 1
+
+    def _interrupt(self) -> None:
+        """Ask a native call in flight to return early (a context sets its abort flag)."""
 
     def close(self) -> None:
-        """Free the native object now (children first). Calling it again does nothing."""
-        for child in list(self._children):
-            child.close()
-        self._finalizer()
+        """Free the native object now (children first). Calling it again does nothing. A native
+        call in flight on another thread is interrupted where possible and waited for."""
+        self._close(timeout=None)
+
+    def _close(self, timeout: float | None) -> bool:
+        """Close; False if a call was still in flight after ``timeout`` seconds: the memory is
+        then left allocated (a leak at exit is better than freeing memory in use)."""
+        with self._calls:
+            if threading.get_ident() in self._callers:
+                raise ConcurrentUseError(f"this {self.kind} cannot be closed from inside its call")
+            self._closing = True
+        self._interrupt()
+        closed = all([child._close(timeout) for child in list(self._children)])
+        with self._calls:
+            if not self._calls.wait_for(lambda: not self._callers, timeout):
+                return False
+        if closed:
+            self._finalizer()
+        return closed
 
     def __enter__(self: _H) -> _H:
         return self

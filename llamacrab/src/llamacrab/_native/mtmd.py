@@ -129,8 +129,13 @@ class Projector(NativeHandle):
         """Decode ``chunks`` into ``seq_id`` from position ``n_past`` (images and audio are
         encoded first); the logits of the last token are kept. Returns the next position."""
         new_n_past = ffi.new("llama_pos *")
-        with context.exclusive() as pointer:
-            status = call("mtmd_helper_eval_chunks", self.pointer, pointer, chunks.pointer,
+        with (
+            self.in_flight() as projector,
+            chunks.in_flight() as chunk_list,
+            context.exclusive() as pointer,
+        ):
+            context.arm_cancel()
+            status = call("mtmd_helper_eval_chunks", projector, pointer, chunk_list,
                           n_past, seq_id, context.n_batch, True, new_n_past)  # fmt: skip
         if status != 0:
             raise DecodeError(f"libmtmd could not evaluate the prompt (status {status})", status)

@@ -14,6 +14,7 @@ from llamacrab._exceptions import GrammarError, InvalidParameterError
 from llamacrab._native.call import c_string, call, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
+from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
@@ -106,8 +107,7 @@ class SamplerChain(NativeHandle):
 
     def sample(self, context: Context, index: int = -1) -> int:
         """Pick a token from the logits of output ``index`` and accept it into the chain state."""
-        chain = self.pointer
-        with context.exclusive() as ctx:
+        with self.in_flight() as chain, context.exclusive() as ctx:
             return int(call("llama_sampler_sample", chain, ctx, index))
 
     def accept(self, token: int) -> None:
@@ -164,6 +164,8 @@ _REGEX_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}]")
 
 def _grammar(model: Model, options: SamplingOptions) -> Any:
     assert options.grammar is not None
+    check_grammar(options.grammar)
+    check_trigger_words(options.grammar_trigger_words)
     vocab = model.vocab.pointer
     grammar = c_string(options.grammar, "grammar")
     root = c_string(options.grammar_root, "grammar_root")

@@ -1,0 +1,73 @@
+"""Bounds on GBNF text before llama.cpp's grammar parser sees it.
+
+The parser recurses once per nested group, and its left-recursion check once per rule in a
+chain of leading references: a deep enough grammar overflows the C stack (SIGSEGV, which no
+handler can catch). Trigger words become ``std::regex`` patterns, whose compiler and matcher
+also recurse per character. So the text is scanned here, in one linear pass that never
+recurses, and anything past a limit raises GrammarError naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llamacrab._exceptions import GrammarError
+
+MAX_GRAMMAR_BYTES = 256 * 1024
+MAX_GRAMMAR_NESTING = 128  # nested ( ) groups
+MAX_GRAMMAR_RULES = 8192  # named rules plus the rules groups and repetitions generate
+MAX_TRIGGER_WORDS = 64
+MAX_TRIGGER_WORD_CHARS = 256
+
+
+def check_grammar(text: str) -> None:
+    """Raise GrammarError if ``text`` exceeds a bound; syntax is left to llama.cpp."""
+    size = len(text.encode("utf-8"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the grammar is {size} bytes; the limit is {MAX_GRAMMAR_BYTES}")
+    depth = max_depth = rules = 0
+    i, n = 0, len(text)
+    while i < n:
+        char = text[i]
+        if char == "#":  # a comment runs to the end of the line
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+        elif char in '"[':  # a literal or a character class: skip it, escapes included
+            i = _skip_quoted(text, i, '"' if char == '"' else "]")
+        elif char == "(":
+            depth += 1
+            rules += 1
+            max_depth = max(max_depth, depth)
+        elif char == ")":
+            depth = max(0, depth - 1)
+        elif char in "*+?{" or text.startswith("::=", i):
+            rules += 1
+        i += 1
+    if max_depth > MAX_GRAMMAR_NESTING:
+        raise GrammarError(
+            f"the grammar nests groups {max_depth} deep; the limit is {MAX_GRAMMAR_NESTING}"
+        )
+    if rules > MAX_GRAMMAR_RULES:
+        raise GrammarError(
+            f"the grammar defines about {rules} rules (groups and repetitions included); "
+            f"the limit is {MAX_GRAMMAR_RULES}"
+        )
+
+
+def check_trigger_words(words: Sequence[str]) -> None:
+    if len(words) > MAX_TRIGGER_WORDS:
+        raise GrammarError(f"{len(words)} grammar trigger words; the limit is {MAX_TRIGGER_WORDS}")
+    for word in words:
+        if not word or len(word) > MAX_TRIGGER_WORD_CHARS:
+            raise GrammarError(
+                f"a grammar trigger word must have 1 to {MAX_TRIGGER_WORD_CHARS} characters, "
+                f"not {len(word)}"
+            )
+
+
+def _skip_quoted(text: str, start: int, closing: str) -> int:
+    """The index of the closing quote or bracket (or the end): escapes skip a character."""
+    i = start + 1
+    while i < len(text) and text[i] != closing:
+        i += 2 if text[i] == "\\" else 1
+    return i

@@ -1,0 +1,152 @@
+"""Inputs and teardown orders that used to kill the process. Each runs in a child process, so a
+signal death (SIGSEGV, SIGABRT) fails the test instead of the test run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from llamacrab import GrammarError, Llama
+from llamacrab._native.grammar_bounds import (
+    MAX_GRAMMAR_BYTES,
+    MAX_GRAMMAR_NESTING,
+    MAX_GRAMMAR_RULES,
+    check_grammar,
+)
+
+
+def run_child(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+
+
+def assert_clean_exit(child: subprocess.CompletedProcess[str]) -> None:
+    assert child.returncode == 0, f"exit {child.returncode}\n{child.stdout}\n{child.stderr[-3000:]}"
+
+
+# -- grammars ----------------------------------------------------------------------------------
+
+NESTED_GRAMMAR_CHILD = """
+    import sys
+    from llamacrab import GrammarError, Llama
+    depth = 20_000  # ~40 KB: llama.cpp's parser recursed once per level and overflowed
+    grammar = 'root ::= ' + '(' * depth + '"a"' + ')' * depth
+    with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:
+        try:
+            llm.create_completion("the cat", max_tokens=2, grammar=grammar)
+        except GrammarError as error:
+            print("refused:", error)
+        # The model stays usable.
+        print(llm.create_completion("the cat", max_tokens=2, temperature=0).usage)
+"""
+
+
+def test_a_deeply_nested_grammar_is_refused_not_a_crash(tiny_model_path: Path) -> None:
+    child = run_child(NESTED_GRAMMAR_CHILD, str(tiny_model_path))
+    assert_clean_exit(child)
+    assert f"the limit is {MAX_GRAMMAR_NESTING}" in child.stdout
+    assert "completion_tokens=2" in child.stdout
+
+
+@pytest.mark.parametrize(
+    ("grammar", "limit"),
+    [
+        ("root ::= " + "(" * 200 + '"a"' + ")" * 200, str(MAX_GRAMMAR_NESTING)),
+        (
+            "".join(f"r{i} ::= r{i + 1}\n" for i in range(10_000)) + 'r10000 ::= "a"\n',
+            str(MAX_GRAMMAR_RULES),
+        ),
+        ('root ::= "' + "a" * (MAX_GRAMMAR_BYTES + 1) + '"', str(MAX_GRAMMAR_BYTES)),
+    ],
+    ids=["nesting", "rule-chain", "size"],
+)
+def test_grammar_bounds_name_the_limit(grammar: str, limit: str) -> None:
+    with pytest.raises(GrammarError, match=f"limit is {limit}"):
+        check_grammar(grammar)
+
+
+def test_brackets_inside_literals_comments_and_classes_do_not_count() -> None:
+    quoted = 'root ::= "' + "(" * 500 + '" [(\\](] # ' + "(" * 500 + "\n"
+    check_grammar(quoted)
+
+
+def test_trigger_words_are_bounded(tiny_llama: Llama) -> None:
+    with pytest.raises(GrammarError, match="trigger word"):
+        tiny_llama.create_completion(
+            "the cat", max_tokens=1, grammar='root ::= "a"', grammar_trigger_words=("x" * 5000,)
+        )
+
+
+# -- closing while another thread decodes ------------------------------------------------------
+
+CLOSE_DURING_DECODE_CHILD = """
+    import sys, threading, time
+    from llamacrab import ClosedHandleError, Llama, LlamaError
+    llm = Llama(sys.argv[1], n_ctx=4096, n_batch=2048, n_threads=2)
+    prompt = "The history of the city " * 300  # a prefill of seconds
+    started, outcome = threading.Event(), []
+
+    def generate():
+        started.set()
+        try:
+            result = llm.create_completion(prompt, max_tokens=64, temperature=0)
+            outcome.append(result.choices[0].finish_reason)
+        except LlamaError as error:
+            outcome.append(type(error).__name__)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    started.wait()
+    time.sleep(0.4)  # inside llama_decode by now
+    t0 = time.monotonic()
+    CLOSE
+    waited = time.monotonic() - t0
+    worker.join(30)
+    print("closed after", round(waited, 2), "worker:", outcome, "closed:", llm.closed)
+    try:
+        llm.create_completion("x", max_tokens=1)
+    except ClosedHandleError:
+        print("use after close refused")
+"""
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("close", ["llm.close()", "llm.context.close()"])
+def test_close_from_another_thread_waits_for_the_decode(gemma_path: Path, close: str) -> None:
+    child = run_child(CLOSE_DURING_DECODE_CHILD.replace("CLOSE", close), str(gemma_path))
+    assert_clean_exit(child)
+    assert "worker: [" in child.stdout and "worker: []" not in child.stdout
+    assert "use after close refused" in child.stdout
+
+
+EXIT_DURING_DECODE_CHILD = """
+    import sys, threading, time
+    from llamacrab import Llama
+    llm = Llama(sys.argv[1], n_ctx=4096, n_batch=2048, n_threads=2)
+
+    def generate():
+        try:
+            llm.create_completion("The history of the city " * 300, max_tokens=64)
+        except Exception:
+            pass
+
+    threading.Thread(target=generate, daemon=DAEMON).start()
+    time.sleep(0.4)
+    print("main thread exits")
+"""
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("daemon", [True, False])
+def test_interpreter_exit_while_a_thread_decodes(gemma_path: Path, daemon: bool) -> None:
+    child = run_child(EXIT_DURING_DECODE_CHILD.replace("DAEMON", str(daemon)), str(gemma_path))
+    assert_clean_exit(child)
+    assert "main thread exits" in child.stdout
