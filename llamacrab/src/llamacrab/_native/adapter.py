@@ -29,7 +29,7 @@ class LoraAdapter(NativeHandle):
 
     def __init__(self, model: Model, path: str | os.PathLike[str]) -> None:
         file = Path(path)
-        validate_gguf(file)
+        validate_gguf(file, kind="adapter")
         log_lines.take_last_error()
         pointer = call(
             "llama_adapter_lora_init", model.pointer, c_string(str(file), "adapter path")

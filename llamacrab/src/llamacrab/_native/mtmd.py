@@ -34,7 +34,7 @@ class Projector(NativeHandle):
         use_gpu: bool = True,
     ) -> None:
         file = Path(path)
-        validate_gguf(file)
+        validate_gguf(file, kind="projector")
         params = lib.mtmd_context_params_default()
         params.use_gpu = use_gpu
         params.print_timings = False
