@@ -14,6 +14,12 @@ import numpy as np
 
 from llamacrab._exceptions import MediaError
 
+# The most pixels (width x height) an image may have, decoded or given as an array: 50
+# megapixels is 150 MB of RGB. An encoded file's size says nothing about this (a PNG of one
+# colour compresses about a thousandfold), so the header's dimensions are checked before a
+# single pixel is decoded.
+MAX_IMAGE_PIXELS = 50_000_000
+
 
 @dataclass(frozen=True, eq=False)
 class Image:
@@ -81,8 +87,17 @@ def sniff(data: bytes) -> str:
                      "WAV, MP3, FLAC)")  # fmt: skip
 
 
+def _check_pixel_count(width: int, height: int) -> None:
+    if width * height > MAX_IMAGE_PIXELS:
+        raise MediaError(
+            f"the image is {width}x{height} = {width * height} pixels, over the limit of "
+            f"{MAX_IMAGE_PIXELS} pixels (llamacrab._native.media.MAX_IMAGE_PIXELS)"
+        )
+
+
 def decode_image(data: bytes) -> np.ndarray:
-    """RGB pixels of an encoded image, decoded by Pillow (its decompression-bomb limit holds)."""
+    """RGB pixels of an encoded image, decoded by Pillow. The dimensions in its header are
+    checked against MAX_IMAGE_PIXELS before anything is decoded (Pillow opens lazily)."""
     try:
         from PIL import Image as PILImage
     except ImportError:
@@ -92,14 +107,22 @@ def decode_image(data: bytes) -> np.ndarray:
 
     try:
         with PILImage.open(io.BytesIO(data)) as opened:
+            _check_pixel_count(*opened.size)  # read from the header: nothing decoded yet
             return np.asarray(opened.convert("RGB"))
-    except (OSError, ValueError, PILImage.DecompressionBombError) as error:
+    except PILImage.DecompressionBombError as error:  # Pillow's own, larger limit
+        raise MediaError(
+            f"the image is over the limit of {MAX_IMAGE_PIXELS} pixels "
+            f"(llamacrab._native.media.MAX_IMAGE_PIXELS): {error}"
+        ) from None
+    except (OSError, ValueError) as error:
         raise MediaError(f"could not decode the image ({len(data)} bytes): {error}") from None
 
 
 def rgb_pixels(image: Image) -> np.ndarray:
     """Contiguous (height, width, 3) uint8 RGB."""
     pixels = np.asarray(image.pixels) if image.data is None else decode_image(image.data)
+    if pixels.ndim in (2, 3):  # before any conversion copies them
+        _check_pixel_count(pixels.shape[1], pixels.shape[0])
     if pixels.dtype != np.uint8:
         raise MediaError(f"pixels must be uint8 (0..255), not {pixels.dtype}")
     if pixels.ndim == 2:

@@ -63,19 +63,31 @@ class SavedState:
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> SavedState:
-        if len(blob) < _HEAD.size + 8 + _DIGEST or not blob.startswith(MAGIC):
-            raise StateError("not a llamacrab state (bad magic or too short)")
+        """The state in ``blob``; StateError for anything that is not a whole, well-formed one."""
         # Views, not slices: copying tens of megabytes would cost more than the checksum.
-        view = memoryview(blob)
+        try:
+            view = memoryview(blob).cast("B")
+        except TypeError as error:  # not bytes-like, or not contiguous
+            raise StateError(
+                f"a saved state is contiguous bytes, not {type(blob).__name__}"
+            ) from error
+        if len(view) < _HEAD.size + 8 + _DIGEST or bytes(view[: len(MAGIC)]) != MAGIC:
+            raise StateError("not a llamacrab state (bad magic or too short)")
         body, digest = view[:-_DIGEST], view[-_DIGEST:]
         if hashlib.sha256(body).digest() != digest:
             raise StateError("the state is truncated or corrupted (checksum mismatch)")
+        # The checksum proves the blob is whole, not that whoever wrote it was honest: every
+        # length below is checked against the bytes actually there.
         _, version, scope, n_ctx, model_id, n_tokens = _HEAD.unpack_from(body)
         if version != FORMAT_VERSION:
             raise StateError(f"state format {version} is not supported (expected {FORMAT_VERSION})")
         if scope >= len(_SCOPES):
             raise StateError(f"unknown state scope {scope}")
         offset = _HEAD.size + 4 * n_tokens
+        if offset + 8 > len(body):
+            raise StateError(
+                f"the state header says {n_tokens} tokens, more than its {len(body)} bytes hold"
+            )
         tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=_HEAD.size)
         (size,) = struct.unpack_from("<Q", body, offset)
         payload = body[offset + 8 :]  # still a view

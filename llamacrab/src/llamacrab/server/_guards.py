@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llamacrab.server._errors import ApiError
-from llamacrab.server._metrics import Metrics
+from llamacrab.server._metrics import UNMATCHED_ROUTE, Metrics
 
 
 async def _answer(send: Send, error: ApiError) -> None:
@@ -92,8 +92,16 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+def route_template(scope: Scope) -> str:
+    """The path of the route the router matched (it records it in the scope), e.g.
+    ``/v1/chat/completions``; ``unmatched`` when none did. Never the request's own path: that
+    would let clients grow the metrics' label set without bound."""
+    path = getattr(scope.get("route"), "path", None)
+    return path if isinstance(path, str) and path else UNMATCHED_ROUTE
+
+
 class MetricsMiddleware:
-    """Counts each answered request by route and status, with its duration."""
+    """Counts each answered request by route template and status, with its duration."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -113,4 +121,4 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, watch)
         finally:
-            self.metrics.request_done(scope["path"], status, time.perf_counter() - started)
+            self.metrics.request_done(route_template(scope), status, time.perf_counter() - started)

@@ -1,9 +1,23 @@
-"""Counters for GET /metrics, in Prometheus' text format (no client library needed)."""
+"""Counters for GET /metrics, in Prometheus' text format (no client library needed).
+
+Requests are counted by route *template* (the matched route's path, e.g.
+``/v1/chat/completions``; ``unmatched`` for a path no route serves), never by the raw request
+path: a client must not be able to grow the label set or write into the exposition text.
+Label values are escaped as the text format requires all the same.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+
+UNMATCHED_ROUTE = "unmatched"
+
+
+def escape_label(value: str) -> str:
+    """A label value as Prometheus' text format writes it: backslash, double quote and line
+    feed escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class Metrics:
@@ -35,7 +49,7 @@ class Metrics:
 
         with self._lock:
             requests = [
-                (f'{{route="{route}",status="{status}"}}', float(count))
+                (f'{{route="{escape_label(route)}",status="{status}"}}', float(count))
                 for (route, status), count in sorted(self.requests.items())
             ]
             metric("requests_total", "counter", "HTTP requests answered", requests)

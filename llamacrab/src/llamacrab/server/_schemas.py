@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Stop strings are matched against every generated piece of text: bound how many and how long.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 
 
 class _Lenient(BaseModel):
@@ -41,6 +45,20 @@ class GenerationFields(_Lenient):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, not {len(strings)}")
+        for text in strings:
+            if len(text) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"each stop string may have at most {MAX_STOP_CHARS} characters, "
+                    f"not {len(text)}"
+                )
+        return stop
 
 
 class CompletionRequest(GenerationFields):

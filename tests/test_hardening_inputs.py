@@ -1,0 +1,162 @@
+"""Untrusted inputs that must fail with llamacrab's own error, quickly and without a huge
+allocation: image dimensions, saved-state blobs, and chat templates that build big values."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import struct
+import time
+import tracemalloc
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image as PILImage
+
+from llamacrab import MediaError, StateError, TemplateError
+from llamacrab._chat.template import MAX_INT_BITS, MAX_VALUE_SIZE, render
+from llamacrab._native import media, state
+from llamacrab._native.media import MAX_IMAGE_PIXELS, Image, rgb_pixels
+from llamacrab._native.state import SavedState
+
+# -- images ----------------------------------------------------------------------------------
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+
+def _blank_png(width: int, height: int) -> bytes:
+    """A valid greyscale PNG of one colour, compressed row by row (never held decoded)."""
+    packer = zlib.compressobj(9)
+    row = bytes(width + 1)  # filter byte 0, then black pixels
+    data = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", data)
+        + _chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.parametrize("side", [9_000, 20_000])  # under and over Pillow's own bomb limit
+def test_a_huge_image_is_refused_before_it_is_decoded(side: int) -> None:
+    png = _blank_png(side, side)
+    assert len(png) < 1_000_000 and side * side > MAX_IMAGE_PIXELS
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(MediaError, match=f"limit of {MAX_IMAGE_PIXELS} pixels"):
+            rgb_pixels(Image(data=png))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 2
+    assert peak < 20_000_000  # decoded, the 9000 x 9000 one is 243 MB of RGB
+
+
+def test_pixel_arrays_are_bounded_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A broadcast view claims 60 megapixels while holding 3 bytes.
+    huge = np.broadcast_to(np.zeros(3, dtype=np.uint8), (6_000, 10_000, 3))
+    with pytest.raises(MediaError, match=f"limit of {MAX_IMAGE_PIXELS} pixels"):
+        rgb_pixels(Image(pixels=huge))
+    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(MediaError, match="limit of 100 pixels"):
+        rgb_pixels(Image(pixels=np.zeros((11, 10), dtype=np.uint8)))
+    assert rgb_pixels(Image(pixels=np.zeros((10, 10), dtype=np.uint8))).shape == (10, 10, 3)
+    small = io.BytesIO()
+    PILImage.new("RGB", (10, 10), "red").save(small, format="PNG")
+    assert rgb_pixels(Image(data=small.getvalue())).shape == (10, 10, 3)
+    PILImage.new("RGB", (10, 11), "red").save(small := io.BytesIO(), format="PNG")
+    with pytest.raises(MediaError, match="limit of 100 pixels"):
+        rgb_pixels(Image(data=small.getvalue()))
+
+
+# -- saved states ----------------------------------------------------------------------------
+
+
+def _sealed(body: bytes) -> bytes:
+    """``body`` with the valid checksum SavedState.to_bytes appends."""
+    return body + hashlib.sha256(body).digest()
+
+
+def _head(n_tokens: int, *, version: int = 1, scope: int = 0) -> bytes:
+    return state._HEAD.pack(state.MAGIC, version, scope, 512, b"m" * 32, n_tokens)
+
+
+GOOD = SavedState((1, 2, 3), b"payload", b"m" * 32, 512)
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        _sealed(_head(2**32 - 1) + struct.pack("<Q", 0)),  # more tokens than bytes
+        _sealed(_head(3) + b"\x00" * 12),  # tokens, then no payload length
+        _sealed(_head(3) + b"\x00" * 13),  # half a payload length
+        _sealed(_head(1) + b"\x00" * 4 + struct.pack("<Q", 2**64 - 1) + b"xx"),  # length lies
+        _sealed(_head(0, version=7) + struct.pack("<Q", 0)),
+        _sealed(_head(0, scope=2**32 - 1) + struct.pack("<Q", 0)),
+        _sealed(state.MAGIC + b"\x00" * 40),  # too short for a header, long enough to sniff
+        GOOD.to_bytes()[:-1] + b"\x00",
+        b"",
+        "a string, not bytes",
+        np.zeros(40, dtype=np.int64)[::2],  # bytes-like but not contiguous
+    ],
+)
+def test_every_malformed_state_raises_state_error(blob: bytes, tmp_path: object) -> None:
+    with pytest.raises(StateError):
+        SavedState.from_bytes(blob)
+
+
+def test_states_still_round_trip(tmp_path: object) -> None:
+    blob = GOOD.to_bytes()
+    assert SavedState.from_bytes(blob) == GOOD
+    assert SavedState.from_bytes(bytearray(blob)) == GOOD
+    assert SavedState.from_bytes(memoryview(blob)) == GOOD
+    empty = SavedState((), b"", b"m" * 32, 512, "context")
+    assert SavedState.from_bytes(empty.to_bytes()) == empty
+
+
+# -- chat templates --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'x' * 100000000 }}",
+        "{{ 100000000 * 'x' }}",
+        "{{ ['x'] * 100000000 }}",
+        "{% set s = 'x' * 600000 %}{{ (s + s)|length }}",
+        "{% set s = 'x' * 600000 %}{{ [s, s]|join }}",
+        "{% set s = 'x' * 600000 %}{{ ',' .join([s, s]) }}",
+        "{{ 'x'.ljust(1000000000) }}",
+        "{{ 'x'|center(1000000000) }}",
+        "{{ ('x' * 1000)|replace('', 'y' * 1000) }}",
+        "{{ '%1000000000d' % 1 }}",
+        "{{ '%*d' % (1000000000, 1) }}",
+        "{{ '%1000000000d'|format(1) }}",
+    ],
+)
+def test_templates_cannot_build_huge_values(source: str) -> None:
+    started = time.perf_counter()
+    with pytest.raises(TemplateError, match=f"limit of {MAX_VALUE_SIZE}"):
+        render(source, [])
+    assert time.perf_counter() - started < 1
+
+
+def test_templates_cannot_build_huge_integers() -> None:
+    for source in ("{{ 7 ** 1000000000 }}", "{% set n = 2 ** 9000 %}{{ n * n }}"):
+        with pytest.raises(TemplateError, match=f"limit of {MAX_INT_BITS} bits"):
+            render(source, [])
+
+
+def test_ordinary_templates_still_render() -> None:
+    source = (
+        "{{ '-' * 3 }}{{ [1] * 2 + [3] }}{{ 2 ** 10 }}{{ 'a' ~ 'b' }}{{ '%03d|%s' % (7, 'x') }}"
+        "{{ ['p', 'q']|join(',') }}{{ 'abc'|replace('b', 'B') }}{{ 'z'.rjust(3, '.') }}"
+        "{{ [[1], [2]]|sum(start=[]) }}{{ 'x'|indent(2) }}{{ '%s!'|format('hi') }}"
+    )
+    assert render(source, []) == "---[1, 1, 3]1024ab007|xp,qaBc..z[1, 2]xhi!"
