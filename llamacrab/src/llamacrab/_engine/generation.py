@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -27,6 +28,8 @@ from llamacrab._native.sampler import Samplers
 from llamacrab._native.state import SavedState, common_prefix
 from llamacrab._native.vocab import Vocab
 from llamacrab._types import FinishReason
+
+log = logging.getLogger("llamacrab")
 
 
 @dataclass
@@ -116,7 +119,11 @@ class KvState:
     def _restore_from_cache(self, prompt: Sequence[int]) -> None:
         if self.cache is None:
             return
-        found = self.cache.longest_prefix(prompt)
+        try:
+            found = self.cache.longest_prefix(prompt)
+        except Exception:  # a disk or database failure: a miss, not a failed generation
+            log.warning("prompt cache lookup failed; treated as a miss", exc_info=True)
+            return
         if found is None or found[0] <= common_prefix(self.tokens, prompt):
             return
         try:
@@ -126,9 +133,13 @@ class KvState:
 
     def remember(self) -> None:
         """Store the current state in the prompt cache, if there is one. Not after media: their
-        positions hold MEDIA_TOKEN, which cannot tell one image from another."""
+        positions hold MEDIA_TOKEN, which cannot tell one image from another. A failure to save
+        (disk full, database locked) is logged and the save skipped: the generation stands."""
         if self.cache is not None and self.tokens and MEDIA_TOKEN not in self.tokens:
-            self.cache.store(self.snapshot())
+            try:
+                self.cache.store(self.snapshot())
+            except Exception:
+                log.warning("prompt cache save failed; skipped", exc_info=True)
 
     def prepare(self, prompt: Sequence[int]) -> int:
         """Drop what the new prompt does not share; return how many prompt tokens to keep."""
@@ -151,13 +162,20 @@ class KvState:
         self.context.remove(self.seq_id, 0, -1)
         self.tokens.clear()
 
-    def decode_prompt(self, prompt: Sequence[int], keep: int) -> None:
+    def decode_prompt(
+        self, prompt: Sequence[int], keep: int, stopped: Callable[[], bool] | None = None
+    ) -> bool:
+        """Decode the prompt after ``keep`` in chunks; False when ``stopped()`` is true
+        before a chunk (what was decoded stays in memory, a prefix for the next prompt)."""
         todo = np.asarray(prompt[keep:], dtype=np.int32)
         step = min(self.batch.capacity, self.context.max_decode)
         for start in range(0, len(todo), step):
+            if stopped is not None and stopped():
+                return False
             chunk = todo[start : start + step]
             self.batch.set(chunk, len(self.tokens), self.seq_id, start + step >= len(todo))
             self.decode_tracked(chunk.tolist())
+        return True
 
     def decode_media(self, chunks: Chunks) -> None:
         """Evaluate a multimodal prompt from the start of this sequence (no prefix reuse)."""
@@ -214,8 +232,9 @@ class Session:
 
     def cancel(self) -> None:
         self.cancelled.set()
-        if self.wake is not None:
-            self.wake()
+        wake = self.wake  # read once: the engine may clear it meanwhile
+        if wake is not None:
+            wake()
 
     def stopped(self) -> bool:
         """Cancelled, superseded, or past its deadline."""
@@ -240,15 +259,21 @@ def generate(
     context = kv.context
     request.check(context.n_ctx)
     with lock:
+        # While the prompt is decoded, cancel() aborts the decode in progress too; a timeout or
+        # a cancel that comes between two decodes is seen before the next chunk.
         try:
             if request.media is not None:
                 kv.decode_media(request.media)
+                first: Step | None = None
             else:
+                session.wake = context.cancel
                 session.reused = kv.prepare(request.prompt)
-                kv.decode_prompt(request.prompt, session.reused)
-            first: Step | None = None
+                done = kv.decode_prompt(request.prompt, session.reused, session.stopped)
+                first = None if done else Step("", None, "cancelled")
         except DecodeAbortedError:
             first = Step("", None, "cancelled")
+        finally:
+            session.wake = None
     if first is not None:
         yield first
         return

@@ -182,7 +182,11 @@ class Scheduler:
             elif job.todo is None and job.request.media is not None:
                 self._start_media(slot, job.request.media)
             elif job.todo is None:
-                keep = slot.kv.prepare(job.request.prompt)
+                try:  # a failure here (a cache failure is a miss already) is this slot's alone
+                    keep = slot.kv.prepare(job.request.prompt)
+                except Exception as error:
+                    self._fail([slot], error)
+                    continue
                 job.session.reused = keep
                 job.todo = list(job.request.prompt[keep:])
         planned = self._plan()
@@ -280,9 +284,11 @@ class Scheduler:
         job = slot.job
         assert job is not None
         slot.job = None
-        if step.finish_reason != "cancelled":
-            slot.kv.remember()
-        job.finish(step)
+        try:
+            if step.finish_reason != "cancelled":
+                slot.kv.remember()  # logs and skips a failing cache
+        finally:
+            job.finish(step)  # whatever happens, the client gets its last step
 
     def _fail(self, slots: list[_Slot], error: BaseException) -> None:
         for slot in slots:
