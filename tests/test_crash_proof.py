@@ -150,3 +150,24 @@ def test_interpreter_exit_while_a_thread_decodes(gemma_path: Path, daemon: bool)
     child = run_child(EXIT_DURING_DECODE_CHILD.replace("DAEMON", str(daemon)), str(gemma_path))
     assert_clean_exit(child)
     assert "main thread exits" in child.stdout
+
+
+# -- schemas and patterns turned into grammars -------------------------------------------------
+
+
+def test_a_deeply_nested_schema_is_refused_by_name() -> None:
+    from llamacrab import schema_to_grammar
+
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(5000):  # used to end in RecursionError
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(GrammarError, match="nests deeper than 64"):
+        schema_to_grammar(schema)
+
+
+def test_a_deeply_nested_pattern_is_refused_by_name() -> None:
+    from llamacrab import schema_to_grammar
+
+    pattern = "(" * 5000 + "a" + ")" * 5000
+    with pytest.raises(GrammarError, match="nests groups deeper than 32"):
+        schema_to_grammar({"type": "string", "pattern": pattern})

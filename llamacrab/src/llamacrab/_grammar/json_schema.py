@@ -72,9 +72,15 @@ def _literal(value: Any) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+# Nested subschemas are visited recursively: deeper than this is refused by name, long before
+# Python's recursion limit (a RecursionError is not an error message).
+MAX_SCHEMA_DEPTH = 64
+
+
 class _Converter:
     def __init__(self, root: Mapping[str, Any]) -> None:
         self.root = root
+        self.depth = 0
         self.rules: dict[str, str] = {}
         self.refs: dict[str, str] = {}
 
@@ -89,6 +95,17 @@ class _Converter:
 
     def visit(self, schema: Any, hint: str) -> str:
         """The name of a rule matching ``schema``."""
+        if self.depth >= MAX_SCHEMA_DEPTH:
+            raise GrammarError(
+                f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (at {hint!r})"
+            )
+        self.depth += 1
+        try:
+            return self._visit(schema, hint)
+        finally:
+            self.depth -= 1
+
+    def _visit(self, schema: Any, hint: str) -> str:
         if schema is True or schema == {}:
             return "json-value"
         if not isinstance(schema, Mapping):

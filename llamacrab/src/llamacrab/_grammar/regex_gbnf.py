@@ -35,6 +35,9 @@ def _class_char(char: str, pattern: str) -> str:
     return "\\" + char if char in "]^-[" else char
 
 
+MAX_PATTERN_NESTING = 32  # parsed recursively, like the GBNF it becomes
+
+
 class _Parser:
     def __init__(self, pattern: str) -> None:
         self.pattern = pattern
@@ -42,6 +45,7 @@ class _Parser:
         if self.text.endswith("$") and not self.text.endswith("\\$"):
             self.text = self.text[:-1]
         self.i = 0
+        self.depth = 0
 
     def fail(self, what: str) -> GrammarError:
         return GrammarError(f"pattern {self.pattern!r}: {what} is not supported")
@@ -75,7 +79,13 @@ class _Parser:
                 self.i += 2
             elif self.peek() == "?":
                 raise self.fail("a lookaround or named group")
+            self.depth += 1
+            if self.depth > MAX_PATTERN_NESTING:
+                raise GrammarError(
+                    f"pattern {self.pattern!r} nests groups deeper than {MAX_PATTERN_NESTING}"
+                )
             inner = self.alternation()
+            self.depth -= 1
             if self.take() != ")":
                 raise self.fail("an unclosed group")
             return f"( {inner} )"
