@@ -2,6 +2,8 @@
 
 - ``write_tiny_vision_mmproj``: a LLaVA-style projector ("mlp") on a small CLIP ViT: 32x32
   images in 8x8 patches give 16 embeddings per image;
+- ``write_tiny_gemma3_mmproj``: a Gemma 3-style projector ("gemma3") on the same ViT, whose
+  image embeddings libmtmd decodes with non-causal attention (all of them in one micro-batch);
 - ``write_tiny_audio_mmproj``: a Qwen2-Audio-style projector ("qwen2a") on a small Whisper
   encoder: 16 kHz audio, 750 embeddings per 30-second chunk.
 
@@ -69,9 +71,9 @@ def _encoder_block(
     tensors[f"{block}.ffn_down.bias"] = np.zeros(embd, dtype=np.float32)
 
 
-def write_tiny_vision_mmproj(path: Path, n_embd_text: int = 64, seed: int = 0) -> Path:
+def _vit(weight: _Random) -> dict[str, np.ndarray]:
+    """The small ViT both vision projectors sit on."""
     v = VISION
-    weight = _Random(seed)
     embd, n_patches = v["embd"], (v["image"] // v["patch"]) ** 2
     tensors = {
         "v.patch_embd.weight": weight(embd, 3, v["patch"], v["patch"]),
@@ -81,27 +83,56 @@ def write_tiny_vision_mmproj(path: Path, n_embd_text: int = 64, seed: int = 0) -
     for i in range(v["blocks"]):
         _encoder_block(tensors, weight, f"v.blk.{i}", embd, v["ff"],
                        ("attn_q", "attn_k", "attn_v", "attn_out"))  # fmt: skip
+    return tensors
+
+
+def _describe_vit(writer: gguf.GGUFWriter, name: str, projector: str, n_embd_text: int) -> None:
+    v = VISION
+    writer.add_name(name)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(projector)
+    writer.add_vision_image_size(v["image"])
+    writer.add_vision_patch_size(v["patch"])
+    writer.add_vision_embedding_length(v["embd"])
+    writer.add_vision_feed_forward_length(v["ff"])
+    writer.add_vision_projection_dim(n_embd_text)
+    writer.add_vision_block_count(v["blocks"])
+    writer.add_vision_head_count(v["heads"])
+    writer.add_vision_attention_layernorm_eps(1e-5)
+    writer.add_vision_image_mean([0.5, 0.5, 0.5])
+    writer.add_vision_image_std([0.5, 0.5, 0.5])
+    writer.add_bool("clip.use_gelu", True)
+
+
+def write_tiny_vision_mmproj(path: Path, n_embd_text: int = 64, seed: int = 0) -> Path:
+    v = VISION
+    weight = _Random(seed)
+    tensors = _vit(weight)
     # The LLaVA projector: mm.0 -> GELU -> mm.2 (no mm.3: that would make it another type).
-    tensors["mm.0.weight"] = weight(v["proj"], embd)
+    tensors["mm.0.weight"] = weight(v["proj"], v["embd"])
     tensors["mm.0.bias"] = np.zeros(v["proj"], dtype=np.float32)
     tensors["mm.2.weight"] = weight(n_embd_text, v["proj"])
     tensors["mm.2.bias"] = np.zeros(n_embd_text, dtype=np.float32)
 
     def describe(writer: gguf.GGUFWriter) -> None:
-        writer.add_name("llamacrab-tiny-vision-mmproj")
-        writer.add_clip_has_vision_encoder(True)
-        writer.add_clip_projector_type("mlp")
-        writer.add_vision_image_size(v["image"])
-        writer.add_vision_patch_size(v["patch"])
-        writer.add_vision_embedding_length(embd)
-        writer.add_vision_feed_forward_length(v["ff"])
-        writer.add_vision_projection_dim(n_embd_text)
-        writer.add_vision_block_count(v["blocks"])
-        writer.add_vision_head_count(v["heads"])
-        writer.add_vision_attention_layernorm_eps(1e-5)
-        writer.add_vision_image_mean([0.5, 0.5, 0.5])
-        writer.add_vision_image_std([0.5, 0.5, 0.5])
-        writer.add_bool("clip.use_gelu", True)
+        _describe_vit(writer, "llamacrab-tiny-vision-mmproj", "mlp", n_embd_text)
+
+    return _write(path, tensors, describe)
+
+
+def write_tiny_gemma3_mmproj(
+    path: Path, n_embd_text: int = 64, seed: int = 0, merge: int = 1
+) -> Path:
+    """Gemma 3's projector: the ViT's patches average-pooled ``merge`` x ``merge`` (so
+    ``(4 // merge) ** 2`` embeddings per image), RMS-normed and projected to the text model."""
+    weight = _Random(seed)
+    tensors = _vit(weight)
+    tensors["mm.soft_emb_norm.weight"] = np.ones(VISION["embd"], dtype=np.float32)
+    tensors["mm.input_projection.weight"] = weight(VISION["embd"], n_embd_text)
+
+    def describe(writer: gguf.GGUFWriter) -> None:
+        _describe_vit(writer, "llamacrab-tiny-gemma3-mmproj", "gemma3", n_embd_text)
+        writer.add_uint32("clip.vision.projector.scale_factor", merge)
 
     return _write(path, tensors, describe)
 
@@ -143,4 +174,5 @@ def write_tiny_audio_mmproj(path: Path, n_embd_text: int = 64, seed: int = 0) ->
 if __name__ == "__main__":
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     print(write_tiny_vision_mmproj(out / "tiny-vision-mmproj.gguf"))
+    print(write_tiny_gemma3_mmproj(out / "tiny-gemma3-mmproj.gguf"))
     print(write_tiny_audio_mmproj(out / "tiny-audio-mmproj.gguf"))

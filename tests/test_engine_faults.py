@@ -29,20 +29,22 @@ class FailingCache(RamCache):
         self.stores = self.lookups = 0
         self._count = threading.Lock()
 
-    def store(self, state: SavedState) -> None:
+    def store(self, state: SavedState, namespace: bytes = b"") -> None:
         with self._count:
             self.stores += 1
         if self.fail_store:
             raise OSError(28, "No space left on device")
-        super().store(state)
+        super().store(state, namespace)
 
-    def longest_prefix(self, tokens: Sequence[int]) -> tuple[int, SavedState] | None:
+    def longest_prefix(
+        self, tokens: Sequence[int], namespace: bytes = b""
+    ) -> tuple[int, SavedState] | None:
         with self._count:
             self.lookups += 1
             failing = self.lookups <= self.lookups_failing
         if failing:
             raise OSError("database is locked")
-        return super().longest_prefix(tokens)
+        return super().longest_prefix(tokens, namespace)
 
 
 def _within(seconds: float, work: Callable[[], Any]) -> Any:

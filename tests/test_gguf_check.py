@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 
 from llamacrab import InvalidModelError, Llama
+from llamacrab._native import gguf_check
 from llamacrab._native.gguf_check import LLAMA_MAX_EXPERTS, LLAMA_MAX_LAYERS, validate_gguf
 
 from support import load_repo_module
@@ -45,6 +48,8 @@ def add(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         vtype = VT.STRING
     elif isinstance(value, float):
         vtype = VT.FLOAT32
+    elif isinstance(value, bool):
+        vtype = VT.BOOL
     elif isinstance(value, list):
         writer.add_array(key, value)
         return
@@ -54,26 +59,66 @@ def add(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
 
 
 def full_key(arch: str, key: str) -> str:
-    return key if key.startswith(("general.", "adapter.")) else f"{arch}.{key}"
+    return key if key.startswith(("general.", "adapter.", "tokenizer.")) else f"{arch}.{key}"
 
 
-def header(path: Path, keys: dict[str, Any], arch: str = "llama") -> Path:
-    """A GGUF with BASE plus ``keys`` (``{arch}.`` prefixed; None removes a BASE key)."""
+def header(
+    path: Path, keys: dict[str, Any], arch: str = "llama", tensors: dict[str, Any] | None = None
+) -> Path:
+    """A GGUF with BASE plus ``keys`` (``{arch}.`` prefixed; None removes a BASE key), and no
+    tensors unless given (name: array, or (raw bytes array, GGML type))."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in {**BASE, **keys}.items():
         if value is not None:
             add(writer, full_key(arch, key), value)
+    for name, data in (tensors or {}).items():
+        if isinstance(data, tuple):
+            writer.add_tensor(name, data[0], raw_dtype=data[1])
+        else:
+            writer.add_tensor(name, data)
     tiny.write_gguf(writer, {})
     return path
 
 
-def tiny_model(path: Path, keys: dict[str, Any]) -> Path:
-    """The tiny llama model with ``keys`` added or overwritten."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+def weights(*shape: int) -> np.ndarray:
+    return (np.random.default_rng(0).standard_normal(shape) * 0.02).astype(np.float32)
+
+
+def gemma_norms() -> dict[str, np.ndarray]:
+    """The extra tensors of a gemma3 (or gemma-embedding) block over the tiny llama's."""
+    head = tiny.N_EMBD // tiny.N_HEAD
+    widths = {"attn_q_norm": head, "attn_k_norm": head, "post_attention_norm": tiny.N_EMBD,
+              "post_ffw_norm": tiny.N_EMBD}  # fmt: skip
+    return {
+        f"blk.{i}.{name}.weight": np.ones(width, np.float32)
+        for i in range(tiny.N_LAYER)
+        for name, width in widths.items()
+    }
+
+
+def qkv_biases() -> dict[str, np.ndarray]:
+    """The attention biases qwen2vl requires over the tiny llama's tensors."""
+    kv = tiny.N_HEAD_KV * tiny.N_EMBD // tiny.N_HEAD
+    return {
+        f"blk.{i}.attn_{part}.bias": np.zeros(width, np.float32)
+        for i in range(tiny.N_LAYER)
+        for part, width in (("q", tiny.N_EMBD), ("k", kv), ("v", kv))
+    }
+
+
+def tiny_model(
+    path: Path,
+    keys: dict[str, Any],
+    arch: str = "llama",
+    tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """The tiny llama model (as ``arch``) with ``keys`` and ``tensors`` added or overwritten."""
+    writer = gguf.GGUFWriter(str(path), arch)
     tiny._metadata(writer, tiny.N_LAYER, 1e-5)
     for key, value in keys.items():
-        add(writer, full_key("llama", key), value)
-    tiny.write_gguf(writer, tiny._tensors(0, len(tiny.vocabulary()[0])))
+        add(writer, full_key(arch, key), value)
+    all_tensors = tiny._tensors(0, len(tiny.vocabulary()[0])) | (tensors or {})
+    tiny.write_gguf(writer, all_tensors)
     return path
 
 
@@ -282,13 +327,256 @@ def test_bad_heads_and_rope_dimensions_are_rejected(
         {"attention.head_count_kv": [2, 0]},  # a layer without attention (hybrid models)
         {"attention.head_count_kv": None},  # defaults to head_count
         {"rope.dimension_count": 16},
-        {"rope.dimension_count": 8},  # partial rotary
-        {"attention.key_length": 32, "rope.dimension_count": 32},
+        {"attention.key_length": 32, "attention.value_length": 32, "rope.dimension_count": 32},
         {"attention.head_count": 0, "rope.dimension_count": 33},  # no heads: never read
     ],
 )
 def test_good_heads_and_rope_dimensions_validate(tmp_path: Path, keys: dict[str, Any]) -> None:
     validate_gguf(header(tmp_path / "m.gguf", keys))
+
+
+def test_partial_rotary_validates_where_the_graph_allows_it(tmp_path: Path) -> None:
+    validate_gguf(header(tmp_path / "phi2.gguf", {"rope.dimension_count": 8}, arch="phi2"))
+    path = header(tmp_path / "llama.gguf", {"rope.dimension_count": 8})
+    rejects(path, "llama needs rope.dimension_count == attention.key_length", "got 8 and 16")
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys"),
+    [
+        ("llama", {"attention.value_length": 8}),
+        ("phi2", {"attention.value_length": 8}),
+        ("gemma4", {"attention.sliding_window_pattern": [1, 0], "attention.value_length": 8}),
+        # granite_swa's layer 0 is sliding-window: its sizes are the _swa ones
+        ("granite_swa", {"attention.sliding_window_pattern": [1, 0],
+                         "attention.key_length_swa": 8, "rope.dimension_count_swa": 8}),
+    ],
+)  # fmt: skip
+def test_graphs_that_need_equal_key_and_value_heads_are_protected(
+    tmp_path: Path, arch: str, keys: dict[str, Any]
+) -> None:
+    rejects(header(tmp_path / "m.gguf", keys, arch), f"{arch} needs attention.value_length")
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys"),
+    [
+        ("gemma3", {"attention.value_length": 8}),  # its graph uses both sizes
+        ("granite_swa", {"attention.sliding_window_pattern": [1, 0], "attention.key_length_swa": 8,
+                         "attention.value_length_swa": 8, "rope.dimension_count_swa": 8}),
+        ("granite_swa", {"attention.sliding_window_pattern": [0, 1], "attention.key_length_swa": 8,
+                         "rope.dimension_count_swa": 8}),  # layer 0 is full attention
+    ],
+)  # fmt: skip
+def test_head_sizes_llama_cpp_accepts_validate(
+    tmp_path: Path, arch: str, keys: dict[str, Any]
+) -> None:
+    validate_gguf(header(tmp_path / "m.gguf", keys, arch))
+
+
+# -- sliding-window layers -------------------------------------------------------------------
+
+WINDOW = {"attention.sliding_window": 16}
+PATTERN = "attention.sliding_window_pattern"
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "kind"),
+    [
+        ("gemma3", {**WINDOW, PATTERN: 1}, "sliding-window"),
+        ("gemma3", {**WINDOW, PATTERN: [0, 0]}, "sliding-window"),
+        ("gemma4", {PATTERN: [False, False, True]}, "sliding-window"),  # past block_count
+        ("gemma2", {PATTERN: 1}, "sliding-window"),
+        ("cohere2moe", {"block_count": 1}, "sliding-window"),  # its first layer is full
+        ("exaone4", {"block_count": 64, PATTERN: 1}, "sliding-window"),
+        ("llama4", {PATTERN: 1}, "sliding-window"),
+        ("gemma-embedding", {PATTERN: 1}, "sliding-window"),
+        ("gemma-embedding", {PATTERN: 0}, "full-attention"),  # no KV cache: both masks used
+    ],
+)
+def test_a_sliding_window_model_without_such_layers_is_rejected(
+    tmp_path: Path, arch: str, keys: dict[str, Any], kind: str
+) -> None:
+    rejects(header(tmp_path / "m.gguf", keys, arch), f"{arch}.{PATTERN}", f"no layer {kind}")
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys"),
+    [
+        ("gemma3", WINDOW),
+        ("gemma3", {PATTERN: 1}),  # no window: no sliding-window attention
+        ("gemma3", {"attention.sliding_window": 0, PATTERN: 1}),
+        ("gemma2", {"nextn_predict_layers": 1}),
+        ("cohere2moe", {}),
+        ("exaone4", {PATTERN: 1}),  # sliding-window only with 64 layers
+        ("llama4", {"attention.sliding_window": 0, PATTERN: 1}),
+        ("gemma-embedding", {PATTERN: 2}),
+        ("modern-bert", WINDOW),
+        ("gemma4", {PATTERN: [1, 0]}),
+    ],
+)
+def test_sliding_window_patterns_llama_cpp_accepts_validate(
+    tmp_path: Path, arch: str, keys: dict[str, Any]
+) -> None:
+    validate_gguf(header(tmp_path / "m.gguf", keys, arch))
+
+
+def test_gemma4_keeps_two_layers_with_their_own_kv_cache(tmp_path: Path) -> None:
+    keys = {PATTERN: [1, 0], "attention.shared_kv_layers": 1}
+    rejects(header(tmp_path / "m.gguf", keys, "gemma4"), "shared_kv_layers = 1", "at least 2")
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "source"),
+    [
+        ("gemma4", {PATTERN: [1, 1, 1, 0]}, 2),  # the full layer 3 reuses layer 2
+        ("gemma4", {PATTERN: [1, 0, 1, 1]}, 1),  # the sliding-window layer 3 reuses layer 1
+        ("gemma3n", {"block_count": 22, PATTERN: 3}, 19),
+    ],
+)
+def test_shared_kv_layers_need_a_source_of_their_kind(
+    tmp_path: Path, arch: str, keys: dict[str, Any], source: int
+) -> None:
+    shared = {"block_count": 4, "attention.shared_kv_layers": 1} if arch == "gemma4" else {}
+    path = header(tmp_path / "m.gguf", {**shared, **keys}, arch)
+    rejects(path, f"reuse the KV cache of layer {source}")
+
+
+def test_shared_kv_layers_with_sources_of_their_kind_validate(tmp_path: Path) -> None:
+    keys = {"block_count": 4, "attention.shared_kv_layers": 1, PATTERN: [1, 1, 0, 0]}
+    validate_gguf(header(tmp_path / "a.gguf", keys, "gemma4"))
+    validate_gguf(header(tmp_path / "b.gguf", {"block_count": 22}, "gemma3n"))
+
+
+# -- M-RoPE ----------------------------------------------------------------------------------
+
+SECTIONS = "rope.dimension_sections"
+
+
+@pytest.mark.parametrize(
+    ("arch", "sections"),
+    [
+        ("qwen2vl", [0, 0, 0, 0]),  # some section of the first three must be > 0
+        ("qwen2vl", [4, -4, 0, 0]),  # the kernel divides by the sum
+        ("qwen2vl", [8, 8, 8, 0]),  # more than the 16 rope dimensions
+        ("qwen2vl", (5, VT.INT32)),  # a scalar fills all four
+        ("paddleocr", None),  # optional, but always M-RoPE
+        ("glm4", [5, 5, -20, 0]),
+        ("dflash", [0, 0, 0, 5]),
+    ],
+)
+def test_bad_mrope_sections_are_rejected(tmp_path: Path, arch: str, sections: Any) -> None:
+    path = header(tmp_path / "m.gguf", {SECTIONS: sections}, arch)
+    rejects(path, f"{arch}.{SECTIONS}", "M-RoPE")
+
+
+@pytest.mark.parametrize(
+    ("arch", "sections"),
+    [
+        ("qwen2vl", [2, 3, 3, 0]),
+        ("qwen2vl", (2, VT.INT32)),
+        ("glm4", [0, 5, 5, 0]),  # glm4 uses M-RoPE only when the first two are > 0
+        ("glm4", None),
+        ("dflash", None),
+        ("llama", [0, 0, 0, 0]),  # not an M-RoPE arch
+    ],
+)
+def test_mrope_sections_llama_cpp_accepts_validate(
+    tmp_path: Path, arch: str, sections: Any
+) -> None:
+    validate_gguf(header(tmp_path / "m.gguf", {SECTIONS: sections}, arch))
+
+
+# -- asserts of single architectures --------------------------------------------------------
+
+HRM = {"hrm.layers_per_stack": 1, "hrm.h_cycles": 1, "hrm.l_cycles": 1}
+GLM5 = {"attention.indexer.kpool": 4, "attention.indexer.top_k": 8, "hyper_connection.count": 4}
+BAILING = {"kda.gate_lower_bound": -5.0}
+DSPARK = {"hyper_connection.count": 4, "attention.output_group_count": 2, **WINDOW}
+
+
+@pytest.mark.parametrize(
+    ("arch", "good", "bad"),
+    [
+        ("gemma-embedding", {PATTERN: 2, "dense_2_feat_in": 64, "dense_3_feat_out": 0},
+         {PATTERN: 2, "dense_2_feat_in": 32}),
+        ("nanbeige", {"num_loops": 256}, {"num_loops": 257}),
+        ("nanbeige", {}, {"num_loops": 0}),
+        ("hrm_text", HRM, {**HRM, "hrm.l_cycles": 2}),
+        ("hrm_text", HRM, {**HRM, "hrm.h_cycles": 0}),
+        ("minimax-m3", {"attention.indexer.block_size": 64}, {"attention.indexer.block_size": 0}),
+        ("glm5-next", GLM5, {**GLM5, "attention.indexer.top_k": 6}),
+        ("glm5-next", GLM5, {**GLM5, "hyper_connection.count": 2}),
+        ("bailingmoe3", BAILING, {"kda.gate_lower_bound": 0.5}),
+        ("bailingmoe3", BAILING, {**BAILING, "kda.safe_gate": False}),
+        ("dflash", DSPARK, {**DSPARK, "attention.output_group_count": 0}),
+        ("deepseek4", {"attention.compress_ratios": [0] * 2},
+         {"attention.compress_ratios": [0] * 513}),
+    ],
+)  # fmt: skip
+def test_asserts_of_single_architectures(
+    tmp_path: Path, arch: str, good: dict[str, Any], bad: dict[str, Any]
+) -> None:
+    validate_gguf(header(tmp_path / "good.gguf", good, arch))
+    rejects(header(tmp_path / "bad.gguf", bad, arch), f"{arch} needs")
+
+
+# -- vocabulary and output -------------------------------------------------------------------
+
+
+def vocabulary(tokens: list[Any], model: str = "llama", **keys: Any) -> dict[str, Any]:
+    return {"tokenizer.ggml.model": model, "tokenizer.ggml.tokens": tokens, **keys}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "repeated"),
+    [
+        (["a", "b", "a"], "a"),
+        ([b"a", b"a\0b"], "a"),  # llama.cpp reads C strings: cut at the NUL
+        (["", "[EMPTY_0]"], "[EMPTY_0]"),  # an empty token is renamed
+    ],
+)
+def test_repeated_tokens_are_rejected(tmp_path: Path, tokens: list[Any], repeated: str) -> None:
+    rejects(header(tmp_path / "m.gguf", vocabulary(tokens)), f"holds {repeated!r} twice")
+
+
+def test_distinct_tokens_validate_and_a_missing_vocabulary_is_not_read(tmp_path: Path) -> None:
+    validate_gguf(header(tmp_path / "a.gguf", vocabulary(["", "", "a", "b"])))
+    validate_gguf(header(tmp_path / "b.gguf", vocabulary(["a", "a"], model="none")))
+
+
+def test_an_empty_vocabulary_is_rejected(tmp_path: Path) -> None:
+    # GGUFWriter refuses empty arrays: write one token and cut it out.
+    path = header(tmp_path / "m.gguf", vocabulary([""], model="test"))
+    data = path.read_bytes()
+    one_empty = struct.pack("<IIQQ", 9, 8, 1, 0)  # array of 1 string of 0 bytes
+    assert data.count(one_empty) == 1
+    path.write_bytes(data.replace(one_empty, struct.pack("<IIQ", 9, 8, 0)))
+    rejects(path, "tokenizer.ggml.tokens is empty")
+
+
+def test_vocabularies_decoded_whole_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gguf_check, "_MAX_VOCABULARY", 2)
+    rejects(header(tmp_path / "m.gguf", vocabulary(["a", "b", "c"])), "3 entries", "at most 2")
+
+
+def test_byte_tokens_are_rejected_in_a_wordpiece_vocabulary_only(tmp_path: Path) -> None:
+    types = {"tokenizer.ggml.token_type": [1, 6]}
+    rejects(header(tmp_path / "a.gguf", vocabulary(["a", "<0x41>"], "bert", **types)), "byte")
+    validate_gguf(header(tmp_path / "b.gguf", vocabulary(["a", "<0x41>"], "llama", **types)))
+
+
+def test_a_tied_nvfp4_output_without_its_own_scales(tmp_path: Path) -> None:
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.NVFP4]
+    rows = np.zeros((8, size * tiny.N_EMBD // block), np.uint8)
+    embd = {"token_embd.weight": (rows, gguf.GGMLQuantizationType.NVFP4)}
+    scale = {"output.scale": np.ones(1, np.float32)}
+    rejects(header(tmp_path / "a.gguf", {}, tensors=embd | scale), "NVFP4", "output.scale")
+    validate_gguf(header(tmp_path / "b.gguf", {}, tensors=embd))
+    output = {"output.weight": weights(8, tiny.N_EMBD)}
+    validate_gguf(header(tmp_path / "c.gguf", {}, tensors=embd | scale | output))
 
 
 # -- through Llama, and in a child process ---------------------------------------------------
@@ -310,10 +598,13 @@ CHILD = textwrap.dedent("""
     import sys
     import llamacrab._native.model
     from llamacrab import Llama, LlamaError
+    from llamacrab._native.vocab import Vocab
     if sys.argv[2] == "unchecked":
         llamacrab._native.model.validate_gguf = lambda *args, **kwargs: None
+        Vocab.check_usable = lambda self: None
     try:
-        Llama(sys.argv[1], n_ctx=64, n_threads=1)
+        with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:
+            llm.create_completion("the cat", max_tokens=1)
         print("loaded")
     except LlamaError as error:
         print(type(error).__name__, error)
@@ -354,3 +645,53 @@ def test_the_check_turns_an_abort_into_an_error(
         f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
     )
     assert "GGML_ASSERT" in unchecked.stderr
+
+
+def shrunk_values() -> dict[str, np.ndarray]:
+    """attn_v of value heads of 8 (the key heads stay 16)."""
+    return {f"blk.{i}.attn_v.weight": weights(tiny.N_HEAD_KV * 8, tiny.N_EMBD) for i in range(2)}
+
+
+TOKENS = tiny.vocabulary()[0]
+NO_VOCAB = {"tokenizer.ggml.model": "none", "vocab_size": len(TOKENS)}
+T5_BOS = {"tokenizer.ggml.model": "t5", "tokenizer.ggml.add_bos_token": True,
+          "tokenizer.ggml.bos_token_id": 100_000}  # fmt: skip
+REPEATED = {"tokenizer.ggml.tokens": [*TOKENS[:-1], TOKENS[-2]]}
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "tensors", "message", "death"),
+    [
+        ("llama", {"attention.value_length": 8}, shrunk_values(), "needs attention.value_length",
+         "n_embd_head == hparams.n_embd_head_k()"),
+        ("gemma3", {**WINDOW, PATTERN: 1}, gemma_norms(), "no layer sliding-window",
+         "is_swa_any()"),
+        ("gemma-embedding", {**WINDOW, PATTERN: 0}, gemma_norms(), "no layer full-attention",
+         "GGML_ASSERT(buffer)"),
+        ("qwen2vl", {SECTIONS: [0, 0, 0, 0]}, qkv_biases(), "M-RoPE", "sections[0] > 0"),
+        ("qwen2vl", {SECTIONS: [4, -4, 0, 0]}, qkv_biases(), "M-RoPE", "SIGFPE"),
+        ("llama", REPEATED, {}, "twice", "id_to_token.size() == token_to_id.size()"),
+        ("llama", {"tokenizer.ggml.model": "bert"}, {}, "byte tokens", "fatal error"),
+        ("llama", T5_BOS, {}, "bos_token_id", "special_bos_id != LLAMA_TOKEN_NULL"),
+        ("llama", NO_VOCAB, {}, "no vocabulary", "Tokenizer not initialized"),
+    ],
+    ids=["value-length", "swa-pattern", "swa-encoder", "mrope-zero", "mrope-negative",
+         "repeated-token", "wordpiece-bytes", "missing-bos", "no-vocab"],
+)  # fmt: skip
+def test_the_new_checks_turn_an_abort_into_an_error(
+    tmp_path: Path, arch: str, keys: dict[str, Any], tensors: dict[str, Any], message: str,
+    death: str,
+) -> None:  # fmt: skip
+    path = tiny_model(tmp_path / "m.gguf", keys, arch, tensors)
+    checked = load_in_child(path, "checked")
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert checked.stdout.startswith("InvalidModelError") and message in checked.stdout, (
+        checked.stdout
+    )
+    unchecked = load_in_child(path, "unchecked")
+    expected = -signal.SIGFPE if death == "SIGFPE" else -signal.SIGABRT
+    assert unchecked.returncode == expected, (
+        f"llama.cpp no longer dies on {arch} {keys} (exit {unchecked.returncode}): re-audit "
+        f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
+    )
+    assert death == "SIGFPE" or death in unchecked.stderr, unchecked.stderr[-2000:]

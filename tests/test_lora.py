@@ -7,11 +7,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamacrab import ClosedHandleError, InvalidParameterError, Llama, LoraAdapter
+from llamacrab import (
+    ClosedHandleError,
+    ConcurrentUseError,
+    InvalidParameterError,
+    Llama,
+    LoraAdapter,
+    RamCache,
+)
 
 from support import load_repo_module
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
+
+PROMPT = "the cat sat on the mat"
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +66,92 @@ def test_adapter_of_another_model_is_refused(
         with pytest.raises(InvalidParameterError, match="another model"):
             tiny_llama.set_lora_adapters({foreign: 1.0})
     assert foreign.closed  # closed with its model
+
+
+def test_closing_an_adapter_leaves_no_kv_computed_with_it(
+    tiny_llama: Llama, lora_path: Path
+) -> None:
+    base = tiny_llama.create_completion(PROMPT, max_tokens=0)
+    base_logits = tiny_llama.context.logits()
+    tiny_llama.reset()
+    adapter = tiny_llama.load_lora(lora_path)
+    tiny_llama.create_completion(PROMPT, max_tokens=0)  # the memory holds PROMPT, adapted
+    adapter.close()  # through the context alone: the Llama does not see it
+    again = tiny_llama.create_completion(PROMPT, max_tokens=0)
+    assert again.usage.cached_tokens == 0 == base.usage.cached_tokens
+    assert np.array_equal(tiny_llama.context.logits(), base_logits)
+
+
+def test_closing_an_adapter_leaves_no_kv_computed_with_it_in_any_slot(
+    tiny_model_path: Path, lora_path: Path
+) -> None:
+    greedy = {"max_tokens": 4, "temperature": 0.0}
+    with Llama(tiny_model_path, n_ctx=256, n_batch=32, n_threads=2, parallel=2) as llm:
+        base = llm.create_completion(PROMPT, **greedy)
+        adapter = llm.load_lora(lora_path)
+        llm.create_completion(PROMPT, n=2, max_tokens=0)  # both slots hold PROMPT, adapted
+        adapter.close()
+        again = llm.create_completion(PROMPT, **greedy)
+        assert again.usage.cached_tokens == 0
+        assert again.choices[0].tokens == base.choices[0].tokens
+
+
+def test_prompt_cache_keeps_states_per_adapter_set_and_scale(
+    tiny_model_path: Path, lora_path: Path, tmp_path: Path
+) -> None:
+    cache = RamCache(capacity_bytes=64 << 20)
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, cache=cache) as llm:
+        reusable = len(llm.tokenize(PROMPT)) - 1  # the last token is decoded for its logits
+
+        def cached_tokens() -> int:
+            llm.reset()  # the memory is empty: only the cache can help
+            return llm.create_completion(PROMPT, max_tokens=0).usage.cached_tokens
+
+        adapter = llm.load_lora(lora_path)
+        assert cached_tokens() == 0  # stored under the adapter at scale 1
+        llm.set_lora_adapters({})
+        assert cached_tokens() == 0
+        llm.set_lora_adapters({adapter: 0.5})
+        assert cached_tokens() == 0
+        llm.set_lora_adapters({adapter: 1.0})
+        assert cached_tokens() == reusable
+        adapter.close()
+        assert cached_tokens() == reusable  # stored without adapters above
+        copy = tmp_path / "lora.gguf"
+        copy.write_bytes(lora_path.read_bytes())
+        same = llm.load_lora(copy)  # the same bytes elsewhere: adapters are told apart by file
+        assert cached_tokens() == 0
+        same.close()
+        tiny.write_tiny_lora(copy, seed=2)  # the same path, rewritten
+        llm.load_lora(copy)
+        assert cached_tokens() == 0
+
+
+def test_prompt_cache_keeps_states_per_rope_setting(tiny_model_path: Path) -> None:
+    cache = RamCache(capacity_bytes=64 << 20)
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, cache=cache) as llm:
+        llm.create_completion(PROMPT, max_tokens=0)
+        reusable = len(llm.tokenize(PROMPT)) - 1
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, cache=cache, rope_freq_base=500.0) as llm:
+        assert llm.create_completion(PROMPT, max_tokens=0).usage.cached_tokens == 0
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, cache=cache) as llm:
+        assert llm.create_completion(PROMPT, max_tokens=0).usage.cached_tokens == reusable
+
+
+def test_adapters_are_not_changed_under_running_generations(
+    tiny_model_path: Path, lora_path: Path
+) -> None:
+    with Llama(tiny_model_path, n_ctx=256, n_threads=2, parallel=2) as llm:
+        adapter = llm.load_lora(lora_path)
+        scheduler = llm.scheduler
+        assert scheduler is not None
+        with scheduler.lock:  # the engine waits: the generation stays queued or running
+            stream = llm.stream_completion(PROMPT, max_tokens=4)
+            with pytest.raises(ConcurrentUseError, match="running on the parallel slots"):
+                llm.set_lora_adapters({})
+            with pytest.raises(ConcurrentUseError, match="running on the parallel slots"):
+                adapter.close()
+            assert llm.context.lora_adapters == {adapter: 1.0} and not adapter.closed
+        assert [chunk.finish_reason for chunk in stream][-1] in ("length", "eos")
+        adapter.close()  # idle now
+        assert llm.context.lora_adapters == {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import signal
 import wave
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ import openai
 import pytest
 from live_server import LiveServer
 from PIL import Image as PILImage
+from test_crash_proof import run_child
 from test_tool_calls import TEMPLATE
 
 from llamacrab import (
@@ -46,6 +48,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "text": tiny.write_tiny_llama(out / "text.gguf", chat_templates={"": TEMPLATE}),
         "vision": mmproj.write_tiny_vision_mmproj(out / "vision.gguf"),
+        "gemma3": mmproj.write_tiny_gemma3_mmproj(out / "gemma3.gguf"),
         "audio": mmproj.write_tiny_audio_mmproj(out / "audio.gguf"),
         "wrong": mmproj.write_tiny_vision_mmproj(out / "wrong.gguf", n_embd_text=32),
     }
@@ -268,3 +271,47 @@ def test_the_server_takes_inline_images_and_refuses_paths(
             assert words in json.loads(answer.text)["error"]["message"]
     finally:
         server.close()
+
+
+NON_CAUSAL_CHILD = """
+    import sys
+    import numpy as np
+    from llamacrab import Image, InvalidParameterError, Llama
+    from llamacrab._native.mtmd import Projector
+    if sys.argv[3] == "unchecked":
+        Projector._check_micro_batch = lambda *args: None
+    image = Image(pixels=np.zeros((32, 32, 3), np.uint8))
+    with Llama(sys.argv[1], n_ctx=256, n_threads=1, n_ubatch=8, mmproj=sys.argv[2]) as llm:
+        try:
+            llm.create_completion(f"look {llm.media_marker} now", media=[image], max_tokens=1)
+            print("decoded")
+        except InvalidParameterError as error:
+            print("refused:", error)
+"""
+
+
+def test_a_non_causal_image_larger_than_n_ubatch_is_refused_not_an_abort(
+    files: dict[str, Path],
+) -> None:
+    # Gemma 3 images attend both ways: llama_decode asserts n_ubatch >= their token count.
+    checked = run_child(NON_CAUSAL_CHILD, str(files["text"]), str(files["gemma3"]), "checked")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert f"into {IMAGE_TOKENS} tokens" in checked.stdout
+    assert "n_ubatch is 8" in checked.stdout and f"n_ubatch={IMAGE_TOKENS}" in checked.stdout
+    unchecked = run_child(NON_CAUSAL_CHILD, str(files["text"]), str(files["gemma3"]), "unchecked")
+    assert unchecked.returncode == -signal.SIGABRT, (
+        f"llama.cpp no longer aborts (exit {unchecked.returncode}): re-audit "
+        f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
+    )
+    assert "non-causal attention requires n_ubatch" in unchecked.stderr
+
+
+def test_an_image_that_fits_n_ubatch_decodes_whatever_the_projector(
+    files: dict[str, Path],
+) -> None:
+    for projector, n_ubatch in (("gemma3", IMAGE_TOKENS), ("vision", 8)):  # LLaVA: causal
+        with Llama(files["text"], n_ctx=256, n_threads=2, n_ubatch=n_ubatch,
+                   mmproj=files[projector]) as llm:  # fmt: skip
+            text = f"look {llm.media_marker} now"
+            result = llm.create_completion(text, media=[Image(pixels=PIXELS)], **GREEDY)
+        assert result.usage.completion_tokens == 6

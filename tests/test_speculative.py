@@ -109,3 +109,70 @@ def test_draft_model_must_share_the_vocabulary(tiny_model_path: Path, tmp_path: 
 def test_prompt_lookup_settings_are_checked() -> None:
     with pytest.raises(InvalidParameterError):
         PromptLookup(min_ngram=3, max_ngram=2)
+
+
+LIST = "Copy the list: apples, pears, plums, cherries, apples, pears, plums, cherries,"
+LONG_LIST = LIST + " apples, pears, plums, cherries, apples, pears, plums, cherries,"
+
+
+@pytest.mark.real_model
+def test_a_superseded_stream_leaves_the_newer_streams_memory_alone(gemma_path: Path) -> None:
+    with Llama(gemma_path, n_ctx=1024, n_threads=2, speculative=PromptLookup()) as llm:
+        alone = llm.create_completion(LONG_LIST, max_tokens=24, temperature=0).choices[0].tokens
+        llm.reset()
+        first = llm.stream_completion(PROMPTS[0], max_tokens=64, temperature=0)
+        stats = llm.speculative_stats
+        for _ in range(40):  # until drafts wait in memory for confirmation
+            next(first)
+            stats = llm.speculative_stats
+            if stats.drafted - stats.accepted >= 8:
+                break
+        assert stats.drafted - stats.accepted >= 8
+        second = llm.stream_completion(LONG_LIST, max_tokens=24, temperature=0)
+        chunks = [next(second)]  # the second stream owns the memory now
+        held = llm.save_state().tokens
+        assert [c.finish_reason for c in first][-1] == "cancelled"
+        assert llm.save_state().tokens == held  # the first one's drafts are not rolled back
+        chunks += list(second)
+        assert [t for c in chunks for t in c.tokens] == list(alone)
+        # The prompt and the output, the last token decoded or not (as a confirmed draft, or
+        # sampled last and never decoded).
+        memory, expected = list(llm.save_state().tokens), [*llm.tokenize(LONG_LIST), *alone]
+        assert memory in (expected, expected[:-1])
+
+
+def test_a_stream_paused_over_a_reset_ends_without_touching_the_memory(tiny_llama: Llama) -> None:
+    tiny_llama.reset()
+    plain = tiny_llama.create_completion("the cat", max_tokens=16, temperature=0)
+    tiny_llama.reset()
+    perfect = AlwaysDraft(plain.choices[0].tokens[1:])
+    stream = tiny_llama.stream_completion("the cat", max_tokens=16, temperature=0,
+                                          speculative=perfect)  # type: ignore[arg-type]  # fmt: skip
+    for _ in range(2):  # the second call decodes the first token with drafts after it
+        next(stream)
+    tiny_llama.reset()
+    assert [c.finish_reason for c in stream][-1] == "cancelled"
+    assert tiny_llama.save_state().tokens == ()
+
+
+@pytest.mark.real_model
+def test_drafts_longer_than_a_batch_are_clamped(gemma_path: Path) -> None:
+    with Llama(gemma_path, n_ctx=256, n_batch=8, n_threads=2) as llm:
+        plain = llm.create_completion(LIST, max_tokens=48, temperature=0)
+        llm.reset()
+        fast = llm.create_completion(
+            LIST, max_tokens=48, temperature=0, speculative=PromptLookup(max_draft=32)
+        )
+        assert fast.choices[0].tokens == plain.choices[0].tokens
+        assert fast.choices[0].finish_reason == "length"
+        assert llm.speculative_stats.drafted > 0
+
+
+def test_a_draft_longer_than_a_batch_is_cut_to_fit(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=128, n_batch=4, n_threads=2) as llm:
+        plain = llm.create_completion("the cat", max_tokens=24, temperature=0).choices[0]
+        llm.reset()
+        guess = AlwaysDraft(plain.tokens[1:])  # 23 tokens; a batch verifies the token and 3
+        fast = llm.create_completion("the cat", max_tokens=24, temperature=0, speculative=guess)  # type: ignore[arg-type]
+        assert fast.choices[0].tokens == plain.tokens
+        assert llm.speculative_stats.drafted >= 3

@@ -163,11 +163,26 @@ def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: L
     for state in states:
         cache.store(state)
     assert 2 <= len(cache) < 6 and cache.size_bytes <= cache.capacity_bytes
-    cache._cache.set(np.asarray([1, 2, 3], dtype="<i4").tobytes(), b"LCRBSTAT corrupted")
+    key = (b"", np.asarray([1, 2, 3], dtype="<i4").tobytes())  # namespace, tokens
+    cache._cache.set(key, b"LCRBSTAT corrupted")
     with pytest.warns(UserWarning, match="corrupt"):
         assert cache.longest_prefix([1, 2, 3, 4]) is None
-    assert cache._cache.get(np.asarray([1, 2, 3], dtype="<i4").tobytes()) is None
+    assert cache._cache.get(key) is None
     cache.close()
+
+
+def test_caches_find_states_in_their_namespace_only(tmp_path: Path, tiny_llama: Llama) -> None:
+    tiny_llama.create_completion([1, 260, 261, 262], max_tokens=0)
+    state = tiny_llama.save_state()
+    disk = DiskCache(tmp_path / "cache")
+    # A key of the form before namespaces (bare token bytes) belongs to none.
+    disk._cache.set(np.asarray(state.tokens, dtype="<i4").tobytes(), state.to_bytes())
+    for cache in (RamCache(), disk):
+        cache.store(state, namespace=b"A")
+        assert cache.longest_prefix(state.tokens, namespace=b"B") is None
+        assert cache.longest_prefix(state.tokens) is None
+        assert cache.longest_prefix(state.tokens, namespace=b"A") == (4, state)
+    disk.close()
 
 
 def test_whole_context_state_round_trip(tiny_model_path: Path, tmp_path: Path) -> None:

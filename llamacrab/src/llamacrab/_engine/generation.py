@@ -86,7 +86,16 @@ class KvState:
         self.cache = cache
         self.seq_id = seq_id
         self.tokens: list[int] = []
+        self.weights = context.weights_generation  # the adapters ``tokens`` were computed with
         self.batch = Batch(context.n_batch, seq_id + 1)
+        # The generation these tokens belong to: only it may change the memory. A newer one
+        # takes it over, a reset or a loaded state takes it from everyone.
+        self.owner: object | None = None
+
+    @property
+    def max_batch(self) -> int:
+        """The most tokens one decode takes."""
+        return min(self.batch.capacity, self.context.max_decode)
 
     def snapshot(self, scope: str = "sequence") -> SavedState:
         if scope not in ("sequence", "context"):
@@ -107,6 +116,7 @@ class KvState:
                 f"a whole-context state from n_ctx {state.n_ctx} cannot load into "
                 f"{self.context.n_ctx}"
             )
+        self.owner = None
         self.tokens.clear()
         try:
             seq_id = self.seq_id if state.scope == "sequence" else None
@@ -115,12 +125,14 @@ class KvState:
             self.forget() if state.scope == "sequence" else self.reset()
             raise
         self.tokens.extend(state.tokens)
+        # Counts as computed with the present adapters: caches keep states per kv_fingerprint.
+        self.weights = self.context.weights_generation
 
     def _restore_from_cache(self, prompt: Sequence[int]) -> None:
         if self.cache is None:
             return
         try:
-            found = self.cache.longest_prefix(prompt)
+            found = self.cache.longest_prefix(prompt, self.context.kv_fingerprint)
         except Exception:  # a disk or database failure: a miss, not a failed generation
             log.warning("prompt cache lookup failed; treated as a miss", exc_info=True)
             return
@@ -128,21 +140,29 @@ class KvState:
             return
         try:
             self.restore(found[1])
-        except StateError as error:  # e.g. a shared cache with states of other models
+        except StateError as error:  # e.g. a shared cache with states too long for this context
             warnings.warn(f"prompt cache entry not used: {error}", stacklevel=4)
 
     def remember(self) -> None:
         """Store the current state in the prompt cache, if there is one. Not after media: their
         positions hold MEDIA_TOKEN, which cannot tell one image from another. A failure to save
-        (disk full, database locked) is logged and the save skipped: the generation stands."""
-        if self.cache is not None and self.tokens and MEDIA_TOKEN not in self.tokens:
+        (disk full, database locked) is logged and the save skipped: the generation stands.
+        Nor when the adapters changed since: the memory holds KV of the older weights."""
+        if (
+            self.cache is not None
+            and self.tokens
+            and MEDIA_TOKEN not in self.tokens
+            and self.weights == self.context.weights_generation
+        ):
             try:
-                self.cache.store(self.snapshot())
+                self.cache.store(self.snapshot(), self.context.kv_fingerprint)
             except Exception:
                 log.warning("prompt cache save failed; skipped", exc_info=True)
 
     def prepare(self, prompt: Sequence[int]) -> int:
         """Drop what the new prompt does not share; return how many prompt tokens to keep."""
+        if self.weights != self.context.weights_generation:
+            self.forget()  # computed with adapters since replaced: none of it is reusable
         self._restore_from_cache(prompt)
         keep = common_prefix(self.tokens, prompt)
         keep = min(keep, len(prompt) - 1)  # the last prompt token is decoded again for its logits
@@ -155,12 +175,21 @@ class KvState:
     def reset(self) -> None:
         """Clear the whole memory (embeddings reuse it with other sequences, too)."""
         self.context.clear()
+        self.owner = None
+        self.tokens.clear()
+        self.weights = self.context.weights_generation
+
+    def lend(self) -> None:
+        """The memory is about to hold other sequences (embedding batches): nothing in it is
+        reusable any more, and no paused generation may go on with it."""
+        self.owner = None
         self.tokens.clear()
 
     def forget(self) -> None:
         """Clear this sequence only; the other sequences of the context keep theirs."""
         self.context.remove(self.seq_id, 0, -1)
         self.tokens.clear()
+        self.weights = self.context.weights_generation
 
     def decode_prompt(
         self, prompt: Sequence[int], keep: int, stopped: Callable[[], bool] | None = None
@@ -168,7 +197,7 @@ class KvState:
         """Decode the prompt after ``keep`` in chunks; False when ``stopped()`` is true
         before a chunk (what was decoded stays in memory, a prefix for the next prompt)."""
         todo = np.asarray(prompt[keep:], dtype=np.int32)
-        step = min(self.batch.capacity, self.context.max_decode)
+        step = self.max_batch
         for start in range(0, len(todo), step):
             if stopped is not None and stopped():
                 return False
@@ -256,51 +285,63 @@ def generate(
 ) -> Iterator[Step]:
     """Yield Steps until one has a finish reason. Each step holds ``lock`` while it works in
     llama.cpp (never while it yields), so concurrent generations never interleave there."""
-    context = kv.context
-    request.check(context.n_ctx)
+    request.check(kv.context.n_ctx)
     with lock:
-        # While the prompt is decoded, cancel() aborts the decode in progress too; a timeout or
-        # a cancel that comes between two decodes is seen before the next chunk.
-        try:
-            if request.media is not None:
-                kv.decode_media(request.media)
-                first: Step | None = None
-            else:
-                session.wake = context.cancel
-                session.reused = kv.prepare(request.prompt)
-                done = kv.decode_prompt(request.prompt, session.reused, session.stopped)
-                first = None if done else Step("", None, "cancelled")
-        except DecodeAbortedError:
-            first = Step("", None, "cancelled")
-        finally:
-            session.wake = None
-    if first is not None:
-        yield first
+        started = _start(kv, request, session)
+    if not started:
+        yield Step("", None, "cancelled")
         return
     stepper = _Stepper(kv, samplers, request, drafter, stats or SpeculativeStats())
     produced = 0
     while True:
-        if session.stopped():
-            with lock:
-                stepper.settle()
-            yield Step(stepper.emitter.stops.flush(), None, "cancelled")
-            return
-        if stepper.emitter.is_last(produced):
-            with lock:
-                stepper.settle()
-            step = Step(stepper.emitter.rest(), None, "length")
-        else:
-            with lock:
-                if session.superseded:
-                    continue
-                step = stepper.next(produced)
-            produced += 1
-        if step.finish_reason not in (None, "cancelled"):
-            with lock:
-                kv.remember()  # before the last yield: a consumer may stop right after it
+        with lock:
+            step = _step(kv, session, stepper, produced)
+        produced += 1
         yield step
         if step.finish_reason is not None:
             return
+
+
+def _start(kv: KvState, request: Request, session: Session) -> bool:
+    """Put the prompt in memory and take the memory over; False when the session stopped
+    first. One superseded before it starts must not touch the memory: it is the newer one's."""
+    if session.stopped():
+        return False
+    kv.owner = None  # the memory changes now: the generation before may not touch it again
+    try:
+        if request.media is not None:
+            kv.decode_media(request.media)
+        else:
+            # While the prompt is decoded, cancel() aborts the decode in progress too; a timeout
+            # or a cancel that comes between two decodes is seen before the next chunk.
+            session.wake = kv.context.cancel
+            session.reused = kv.prepare(request.prompt)
+            if not kv.decode_prompt(request.prompt, session.reused, session.stopped):
+                return False
+    except DecodeAbortedError:
+        return False
+    finally:
+        session.wake = None
+    kv.owner = session
+    return True
+
+
+def _step(kv: KvState, session: Session, stepper: _Stepper, produced: int) -> Step:
+    """The next step, under the lock. A generation that no longer owns the memory ends
+    without touching it: the positions its drafts held may hold another generation's tokens."""
+    owner = kv.owner is session
+    if not owner or session.stopped():
+        if owner:
+            stepper.settle()
+        return Step(stepper.emitter.stops.flush(), None, "cancelled")
+    if stepper.emitter.is_last(produced):
+        stepper.settle()
+        step = Step(stepper.emitter.rest(), None, "length")
+    else:
+        step = stepper.next(produced)
+    if step.finish_reason not in (None, "cancelled"):
+        kv.remember()  # before the last yield: a consumer may stop right after it
+    return step
 
 
 class Emitter:
@@ -400,7 +441,8 @@ class _Stepper:
         started = time.perf_counter()  # drafting counts too: a draft model is not free
         drafts: list[int] = []
         if self.drafter is not None:
-            room = self.kv.context.n_ctx - len(self.kv.tokens) - 2
+            # The token and its drafts are decoded in one batch, within the context.
+            room = min(self.kv.context.n_ctx - len(self.kv.tokens) - 2, self.kv.max_batch - 1)
             left = (
                 room if self.request.max_tokens is None else self.request.max_tokens - produced - 1
             )

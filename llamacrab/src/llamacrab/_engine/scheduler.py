@@ -18,6 +18,7 @@ from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.generation import Emitter, KvState, Request, Session, Step
 from llamacrab._exceptions import (
     ClosedHandleError,
+    ConcurrentUseError,
     DecodeAbortedError,
     LlamaError,
     QueueFullError,
@@ -57,7 +58,8 @@ class _Slot:
 class Scheduler:
     """Runs the generations submitted to it on ``n_slots`` sequences of ``context``; at most
     ``max_queue`` more wait for a free slot (QueueFullError beyond that). ``lock`` is held while
-    the engine works in llama.cpp, so other users of the context wait between steps."""
+    the engine works in llama.cpp, so other users of the context wait between steps. Whoever
+    takes both takes ``lock`` before ``_cond``."""
 
     def __init__(
         self,
@@ -74,6 +76,7 @@ class Scheduler:
         self.waiting: deque[_Job] = deque()
         self._cond = threading.Condition()
         self._closed = False
+        context.add_weights_guard(self)
         self._thread = threading.Thread(target=self._run, name="llamacrab-engine", daemon=True)
         self._thread.start()
 
@@ -113,12 +116,25 @@ class Scheduler:
             self._cond.notify()
 
     def forget(self) -> None:
-        """Drop every slot's cached prompt (the weights changed); only while idle."""
-        with self._cond, self.lock:
+        """Drop every slot's cached prompt; only while idle."""
+        with self.lock, self._cond:
             if self.waiting or self.busy_slots:
                 raise StateError("generations are running on the parallel slots")
             for slot in self.slots:
                 slot.kv.forget()
+
+    @contextlib.contextmanager
+    def weights_change(self) -> Iterator[None]:
+        """Held while the context's adapters change (a WeightsGuard): refused while generations
+        run or wait, as their KV would mix two sets of weights; new ones wait until it is done."""
+        with self.lock:
+            with self._cond:
+                if not self._closed and (self.waiting or self.busy_slots):
+                    raise ConcurrentUseError(
+                        "generations are running on the parallel slots: change the LoRA adapters "
+                        "once they are done"
+                    )
+            yield
 
     def close(self) -> None:
         """Stop the engine thread (running generations raise ClosedHandleError). Idempotent."""

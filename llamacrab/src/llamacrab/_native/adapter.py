@@ -30,6 +30,7 @@ class LoraAdapter(NativeHandle):
     def __init__(self, model: Model, path: str | os.PathLike[str]) -> None:
         file = Path(path)
         validate_gguf(file, kind="adapter")
+        stat = file.stat()  # before loading: the identity describes the bytes llama.cpp reads
         log_lines.take_last_error()
         pointer = call(
             "llama_adapter_lora_init", model.pointer, c_string(str(file), "adapter path")
@@ -40,6 +41,8 @@ class LoraAdapter(NativeHandle):
         super().__init__(pointer, lib.llama_adapter_lora_free, model)
         self.model = model
         self.path = file
+        # What prompt caches tell adapters apart by, across processes too: the file as loaded.
+        self.identity = f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
         self._users: weakref.WeakSet[AdapterUser] = weakref.WeakSet()
 
     @property

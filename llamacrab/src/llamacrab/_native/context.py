@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -48,6 +50,9 @@ ROPE_SCALING = {
     "longrope": lib.LLAMA_ROPE_SCALING_TYPE_LONGROPE,
 }
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}
+# The ContextParams that change what the KV memory holds for the same tokens (values or layout).
+KV_SETTINGS = ("rope_scaling", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor",
+               "yarn_orig_ctx", "type_k", "type_v", "flash_attn", "swa_full")  # fmt: skip
 
 _DECODE_STATUS = {
     1: "no KV cache slot for the batch (the context is full)",
@@ -122,6 +127,14 @@ class ContextParams:
         return c
 
 
+class WeightsGuard(Protocol):
+    """Runs generations on a context's sequences: sees every change of its adapters coming."""
+
+    def weights_change(self) -> AbstractContextManager[None]:
+        """Entered around the change: raises to refuse it (nothing is applied then)."""
+        ...
+
+
 class Context(NativeHandle):
     """A llama.cpp context. Not for concurrent use: a second thread entering raises
     ConcurrentUseError instead of corrupting state. ``cancel()`` may be called from any thread."""
@@ -152,11 +165,19 @@ class Context(NativeHandle):
         self.params = params
         self._busy = threading.Lock()
         self._adapters: dict[LoraAdapter, float] = {}
+        self._guards: weakref.WeakSet[WeightsGuard] = weakref.WeakSet()
+        # Bumped by every change of the adapters: KV computed under an older value is stale.
+        self.weights_generation = 0
+        # What, besides the tokens, decides the KV memory: the model, the adapters (file
+        # identity and scale) and KV_SETTINGS. Prompt caches keep states under it.
+        self.kv_fingerprint = self._fingerprint()
         self.n_ctx = int(lib.llama_n_ctx(pointer))
         self.n_batch = int(lib.llama_n_batch(pointer))
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(pointer))  # what one sequence may hold
-        # A non-causal model must see each batch in one ubatch: llama.cpp asserts (aborts) else.
-        self.max_decode = self.n_batch if model.causal else int(lib.llama_n_ubatch(pointer))
+        # llama_decode asserts n_ubatch >= n_tokens (an abort) with non-causal attention, and
+        # so does the encoder it runs for a model without KV memory (BERT, gemma-embedding).
+        whole = not lib.llama_get_causal_attn(pointer) or lib.llama_get_memory(pointer) == ffi.NULL
+        self.max_decode = int(lib.llama_n_ubatch(pointer)) if whole else self.n_batch
         self.n_vocab = model.vocab.n_tokens
 
     @contextmanager
@@ -245,23 +266,49 @@ class Context(NativeHandle):
     def lora_adapters(self) -> dict[LoraAdapter, float]:
         return dict(self._adapters)
 
+    def add_weights_guard(self, guard: WeightsGuard) -> None:
+        """Have ``guard`` see every change of the adapters (held weakly)."""
+        self._guards.add(guard)
+
     def set_lora_adapters(self, adapters: Mapping[LoraAdapter, float]) -> None:
         """Apply exactly these adapters with these scales (an empty mapping removes all).
-        The KV memory was computed with the old weights: callers should clear it."""
+        A guard may refuse first; a change bumps ``weights_generation`` and ``kv_fingerprint``,
+        so the KV memory computed with the old weights is never reused."""
         for adapter in adapters:
             if adapter.model is not self.model:
                 raise InvalidParameterError(f"{adapter!r} was loaded for another model")
         pointers = ffi.new("struct llama_adapter_lora *[]", [a.pointer for a in adapters])
         scales = ffi.new("float[]", [float(s) for s in adapters.values()])
-        with self.exclusive() as ctx:
-            status = call("llama_set_adapters_lora", ctx, pointers, len(adapters), scales)
-        if status != 0:
-            raise InvalidParameterError(f"llama.cpp refused the adapters (status {status})")
-        for old in self._adapters:
-            old._unused_by(self)
-        self._adapters = dict(adapters)
-        for adapter in self._adapters:
-            adapter._used_by(self)
+        with self._guarded_change():
+            with self.exclusive() as ctx:
+                status = call("llama_set_adapters_lora", ctx, pointers, len(adapters), scales)
+            if status != 0:
+                raise InvalidParameterError(f"llama.cpp refused the adapters (status {status})")
+            for old in self._adapters:
+                old._unused_by(self)
+            self._adapters = dict(adapters)
+            for adapter in self._adapters:
+                adapter._used_by(self)
+            self.weights_generation += 1
+            self.kv_fingerprint = self._fingerprint()
+
+    @contextmanager
+    def _guarded_change(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            if not self.model.closed:  # a closing model ends every generation: nothing to guard
+                for guard in list(self._guards):
+                    stack.enter_context(guard.weights_change())
+            yield
+
+    def _fingerprint(self) -> bytes:
+        digest = hashlib.sha256(self.model.identity)
+        for name in KV_SETTINGS:
+            digest.update(f"{name}={getattr(self.params, name)!r}\n".encode())
+        # llama.cpp skips a zero scale; its order of application is its own, not ours.
+        adapters = sorted((a.identity, float(s)) for a, s in self._adapters.items() if s != 0)
+        for identity, scale in adapters:
+            digest.update(f"lora={identity}@{scale!r}\n".encode())
+        return digest.digest()
 
     def remove_lora_adapter(self, adapter: LoraAdapter) -> None:
         if adapter in self._adapters and not self.closed:

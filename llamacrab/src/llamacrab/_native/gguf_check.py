@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from llamacrab._exceptions import InvalidModelError, ModelLoadError
+from llamacrab._native import gguf_archs as archs
 from llamacrab_sys import ffi, lib
 
 _SCALARS = {
@@ -41,6 +42,9 @@ _DEFAULT_ALIGNMENT = 32
 LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+_TOKENS, _TOKEN_TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"
+_MAX_VOCABULARY = 1 << 22  # decoded whole in Python: bounded (real vocabularies are < 1M)
+_BYTE_TOKEN = 6  # LLAMA_TOKEN_TYPE_BYTE
 _POOLING_TYPES = range(5)  # none, mean, cls, last, rank
 _EXPERT_GATING_FUNCS = range(1, 5)  # softmax, sigmoid, softmax_weight, sqrt_softplus
 # These archs reset expert_count <= 1 to 0 (and expert_used_count to 0) before the expert asserts.
@@ -51,8 +55,9 @@ Kind = Literal["model", "adapter", "projector"]
 
 @dataclass(frozen=True)
 class GgufArray:
-    """A metadata array: its item type and length, and the values of numeric arrays short
-    enough to be per-layer hyperparameters (longer ones, and string arrays, are skipped)."""
+    """A metadata array: its item type and length, and its values when they are needed: numeric
+    arrays short enough to be per-layer hyperparameters, and the vocabulary arrays (tokens as raw
+    bytes). Other arrays keep only their length."""
 
     item_kind: int
     count: int
@@ -92,19 +97,37 @@ class _Reader:
             raise self.fail("a string array runs past the end of the file")
         self.offset = end
 
-    def value(self, kind: int) -> Any:
+    def _strings(self, count: int) -> tuple[bytes, ...]:
+        """``count`` strings as raw bytes (llama.cpp compares tokens byte for byte); the walk in
+        C checks first that they lie inside the file."""
+        start = self.offset
+        self._skip_strings(count)
+        data, offset, length = self.data, start, struct.Struct("<Q")
+        words = []
+        for _ in range(count):
+            (size,) = length.unpack_from(data, offset)
+            words.append(data[offset + 8 : offset + 8 + size])
+            offset += 8 + size
+        return tuple(words)
+
+    def value(self, kind: int, whole: bool = False) -> Any:
+        """The next value; ``whole`` decodes an array of up to _MAX_VOCABULARY entries."""
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
             item_kind, count = self.unpack("I"), self.unpack("Q")
+            if whole and count > _MAX_VOCABULARY:
+                raise self.fail(
+                    f"a vocabulary array of {count} entries (at most {_MAX_VOCABULARY})"
+                )
             if item_kind in _SCALARS:
                 size = struct.calcsize(_SCALARS[item_kind]) * count
                 if self.offset + size > len(self.data):
                     raise self.fail(f"an array of {count} items runs past the end of the file")
                 values = None
-                if count <= LLAMA_MAX_LAYERS:  # per-layer values; vocabulary arrays are skipped
+                if whole or count <= LLAMA_MAX_LAYERS:  # per-layer values
                     values = struct.unpack_from(
                         f"<{count}{_SCALARS[item_kind]}", self.data, self.offset
                     )
@@ -112,6 +135,8 @@ class _Reader:
                 return GgufArray(item_kind, count, values)
             if item_kind != _STRING:
                 raise self.fail(f"unsupported array item type {item_kind}")
+            if whole:
+                return GgufArray(item_kind, count, self._strings(count))
             self._skip_strings(count)
             return GgufArray(item_kind, count)
         raise self.fail(f"unknown metadata value type {kind}")
@@ -131,7 +156,7 @@ def _read_header(reader: _Reader) -> tuple[dict[str, Any], list[tuple[str, list[
     for _ in range(n_kv):
         key = reader.string()
         reader.types[key] = kind = reader.unpack("I")
-        metadata[key] = reader.value(kind)
+        metadata[key] = reader.value(kind, whole=key in (_TOKENS, _TOKEN_TYPES))
     tensors = []
     for _ in range(n_tensors):
         name, n_dims = reader.string(), reader.unpack("I")
@@ -264,9 +289,47 @@ def _check_experts(reader: _Reader, arch: str, metadata: dict[str, Any], n_layer
             raise reader.fail(f"{group_used_key} = {group_used} must be in 1..{groups - 1}")
 
 
-def _check_heads(reader: _Reader, arch: str, metadata: dict[str, Any], n_layer: int) -> None:
-    """Head counts and rope dimensions that pass loading but abort in the graph (ggml_mul_mat /
-    flash attention broadcasting, the rope kernel)."""
+def _get(metadata: dict[str, Any], key: str, default: int) -> int:
+    value = _uint(metadata, key)
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class _HeadSize:
+    """The head sizes llama.cpp derives for one kind of layer (full or sliding-window)."""
+
+    key: int
+    value: int
+    rope: int
+
+
+def _head_sizes(
+    arch: str, metadata: dict[str, Any], n_head: int
+) -> tuple[_HeadSize, _HeadSize] | None:
+    """(full, sliding-window) head sizes as load_hparams derives them; None without an embedding
+    length (llama.cpp then refuses the file)."""
+    embd = "features_length" if arch == "wavtokenizer-dec" else "embedding_length"
+    n_embd = _uint(metadata, f"{arch}.{embd}")
+    if n_embd is None:
+        return None
+    full = _HeadSize(0, 0, 0)  # without heads llama.cpp reads none of these keys
+    if n_head > 0:
+        key = _get(metadata, f"{arch}.attention.key_length", n_embd // n_head)
+        value = _get(metadata, f"{arch}.attention.value_length", n_embd // n_head)
+        full = _HeadSize(key, value, _get(metadata, f"{arch}.rope.dimension_count", key))
+    swa = _HeadSize(
+        _get(metadata, f"{arch}.attention.key_length_swa", full.key),
+        _get(metadata, f"{arch}.attention.value_length_swa", full.value),
+        _get(metadata, f"{arch}.rope.dimension_count_swa", full.rope),
+    )
+    return full, swa
+
+
+def _check_head_counts(
+    reader: _Reader, arch: str, metadata: dict[str, Any], n_layer: int
+) -> list[int]:
+    """Per-layer head counts; ggml_mul_mat / flash attention broadcast the KV heads, so they
+    must divide the query heads."""
     heads_key, kv_key = f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"
     heads = _per_layer(reader, metadata, heads_key, n_layer) or [0] * n_layer
     heads_kv = _per_layer(reader, metadata, kv_key, n_layer) or heads
@@ -275,34 +338,312 @@ def _check_heads(reader: _Reader, arch: str, metadata: dict[str, Any], n_layer: 
             raise reader.fail(
                 f"{heads_key} = {n_head} is not a multiple of {kv_key} = {n_head_kv} (layer {il})"
             )
-    if heads[0] == 0:
+    return heads
+
+
+def _check_attention(reader: _Reader, arch: str, metadata: dict[str, Any], n_layer: int) -> None:
+    """Attention hyperparameters that pass loading but abort when the context is created or at
+    the first decode: heads, sliding-window layers, head sizes, rope dimensions."""
+    heads = _check_head_counts(reader, arch, metadata, n_layer)
+    swa = _swa_layers(reader, arch, metadata, n_layer)
+    if swa is not None:
+        _check_swa(reader, arch, metadata, n_layer, swa)
+    sizes = _head_sizes(arch, metadata, heads[0])
+    if sizes is None or heads[0] == 0:
         return  # llama.cpp reads no head size nor rope dimensions without heads
-    embd = "features_length" if arch == "wavtokenizer-dec" else "embedding_length"
-    n_embd = _uint(metadata, f"{arch}.{embd}")
-    key_length = _uint(metadata, f"{arch}.attention.key_length")
-    if key_length is None:
-        key_length = n_embd // heads[0] if n_embd is not None else None
-    n_rot = _uint(metadata, f"{arch}.rope.dimension_count")
-    _check_rope(reader, f"{arch}.rope.dimension_count", n_rot, key_length)
+    full, sliding = sizes
+    if f"{arch}.rope.dimension_count" in metadata:
+        _check_rope(reader, f"{arch}.rope.dimension_count", full)
     swa_keys = (f"{arch}.attention.key_length_swa", f"{arch}.rope.dimension_count_swa")
     if any(key in metadata for key in swa_keys):
-        key_length_swa = _uint(metadata, swa_keys[0])
-        n_rot_swa = _uint(metadata, swa_keys[1])
-        _check_rope(
-            reader,
-            swa_keys[1],
-            n_rot_swa if n_rot_swa is not None else n_rot if n_rot is not None else key_length,
-            key_length_swa if key_length_swa is not None else key_length,
+        _check_rope(reader, swa_keys[1], sliding)
+    layer0 = sliding if swa is not None and swa[1][0] else full
+    _check_head_equality(reader, arch, full, sliding, layer0)
+    _check_mrope(reader, arch, metadata, layer0.rope)
+
+
+def _check_rope(reader: _Reader, key: str, size: _HeadSize) -> None:
+    """The rope kernel asserts n_dims <= head size and n_dims even."""
+    if size.rope % 2:
+        raise reader.fail(f"{key} = {size.rope} must be even")
+    if size.rope > size.key:
+        raise reader.fail(f"{key} = {size.rope} exceeds the head size (key_length) {size.key}")
+
+
+def _check_head_equality(
+    reader: _Reader, arch: str, full: _HeadSize, sliding: _HeadSize, layer0: _HeadSize
+) -> None:
+    """Graphs (src/models/<arch>.cpp) that assert, on layer 0, equal key and value head sizes
+    (and rope dimensions), or gemma4 on every layer."""
+    pairs = [layer0] if arch in archs.HEADS_K_EQ_V or arch in archs.HEADS_K_EQ_V_EQ_ROT else []
+    if arch in archs.HEADS_K_EQ_V_EVERY_LAYER:
+        pairs = [full, sliding]
+    for size in pairs:
+        if size.key != size.value:
+            raise reader.fail(
+                f"{arch} needs attention.value_length == attention.key_length (after defaults), "
+                f"got {size.value} and {size.key}"
+            )
+    if arch in archs.HEADS_K_EQ_V_EQ_ROT and layer0.rope != layer0.key:
+        raise reader.fail(
+            f"{arch} needs rope.dimension_count == attention.key_length (after defaults), "
+            f"got {layer0.rope} and {layer0.key}"
         )
 
 
-def _check_rope(reader: _Reader, key: str, n_rot: int | None, head_size: int | None) -> None:
-    if n_rot is None or head_size is None:
+# -- sliding-window layers ----------------------------------------------------------------------
+
+
+def _swa_mode(arch: str, metadata: dict[str, Any], n_main: int) -> tuple[bool, archs.SwaPattern]:
+    """Whether load_arch_hparams turns sliding-window attention on, and the pattern it reads."""
+    window = _uint(metadata, f"{arch}.attention.sliding_window")
+    if arch in archs.SWA_ALWAYS:
+        return True, archs.SWA_ALWAYS[arch]
+    if arch in archs.SWA_IF_WINDOW:
+        return bool(window), archs.SWA_IF_WINDOW[arch]
+    if arch == "exaone4":
+        return n_main == 64, archs.SWA_DEFAULT
+    if arch == "llama4":
+        return window != 0, archs.SWA_DEFAULT
+    return False, None
+
+
+def _swa_pattern(n_pattern: int, dense_first: bool, n_main: int) -> list[bool]:
+    """llama_hparams::set_swa_pattern."""
+    if n_pattern == 0:
+        return [True] * n_main
+    if dense_first:
+        return [il % n_pattern != 0 for il in range(n_main)]
+    return [il % n_pattern < n_pattern - 1 for il in range(n_main)]
+
+
+def _swa_layers(
+    reader: _Reader, arch: str, metadata: dict[str, Any], n_layer: int
+) -> tuple[bool, list[bool]] | None:
+    """(sliding-window attention on, which layers use it) as llama.cpp sets them; None where it
+    refuses the pattern key (a throw: nothing to check)."""
+    if arch == "deepseek4" or (
+        arch == "dflash" and (_uint(metadata, f"{arch}.hyper_connection.count") or 0) > 0
+    ):
+        return True, [True] * n_layer
+    n_main = n_layer - (_uint(metadata, f"{arch}.nextn_predict_layers") or 0)
+    on, spec = _swa_mode(arch, metadata, n_main)
+    if not on:
+        return False, [False] * n_layer
+    key = f"{arch}.attention.sliding_window_pattern"
+    value = metadata.get(key)
+    if isinstance(value, GgufArray):  # read as is, nextn layers included
+        if value.item_kind not in (_UINT32, _INT32, _BOOL) or value.values is None:
+            return None
+        flags = [v != 0 for v in value.values[:n_layer]]
+        return True, flags + [False] * (n_layer - len(flags))
+    if spec is None:
+        return None  # the arch requires the pattern array
+    n_pattern = spec[0] if value is None else _uint(metadata, key)
+    if n_pattern is None:
+        return None  # not an integer
+    return True, _swa_pattern(n_pattern, spec[1], n_main) + [False] * (n_layer - n_main)
+
+
+def _check_swa(
+    reader: _Reader,
+    arch: str,
+    metadata: dict[str, Any],
+    n_layer: int,
+    swa: tuple[bool, list[bool]],
+) -> None:
+    """create_memory asserts that a sliding-window model has a sliding-window layer (an encoder
+    without KV cache needs a full-attention one too); gemma3n and gemma4 also need the layers
+    whose KV cache later layers reuse."""
+    on, flags = swa
+    if on:
+        _require_layer(reader, arch, flags, sliding=True)
+        if arch in archs.SWA_WITHOUT_KV_CACHE:
+            _require_layer(reader, arch, flags, sliding=False)
+    if arch == "gemma3n":
+        _check_kv_reuse(reader, arch, metadata, flags, archs.GEMMA3N_KV_FROM_START)
+    elif arch == "gemma4":
+        shared = _uint(metadata, f"{arch}.attention.shared_kv_layers") or 0
+        if n_layer - shared < 2:
+            raise reader.fail(
+                f"{arch}.attention.shared_kv_layers = {shared} leaves {n_layer - shared} of "
+                f"{n_layer} layers with a KV cache of their own: llama.cpp needs at least 2"
+            )
+        _check_kv_reuse(reader, arch, metadata, flags, n_layer - shared)
+
+
+def _require_layer(reader: _Reader, arch: str, flags: list[bool], sliding: bool) -> None:
+    if sliding not in flags:
+        kind = "sliding-window" if sliding else "full-attention"
+        raise reader.fail(
+            f"{arch}.attention.sliding_window_pattern makes no layer {kind}, but {arch} with "
+            "sliding-window attention needs one"
+        )
+
+
+def _check_kv_reuse(
+    reader: _Reader, arch: str, metadata: dict[str, Any], flags: list[bool], start: int
+) -> None:
+    """Layers from ``start`` on reuse the KV cache of layer start-1 (full attention) or start-2
+    (sliding-window): llama_kv_cache asserts that layer is of the same kind."""
+    n_main = len(flags) - (_uint(metadata, f"{arch}.nextn_predict_layers") or 0)
+    later = flags[start:n_main]
+    for sliding, source in ((False, start - 1), (True, start - 2)):
+        if sliding in later and flags[source] != sliding:
+            kind = "sliding-window" if sliding else "full-attention"
+            raise reader.fail(
+                f"{arch}: the {kind} layers from {start} on reuse the KV cache of layer "
+                f"{source}, which {arch}.attention.sliding_window_pattern does not make {kind}"
+            )
+
+
+# -- M-RoPE -------------------------------------------------------------------------------------
+
+
+def _sections(reader: _Reader, metadata: dict[str, Any], key: str) -> list[int] | None:
+    """The four int32 M-RoPE sections llama.cpp reads (zeros when absent); None where it refuses
+    the key's type or length (a throw)."""
+    value = metadata.get(key)
+    if value is None:
+        return [0] * 4
+    if isinstance(value, GgufArray):
+        if value.item_kind not in (_UINT32, _INT32, _BOOL) or value.count != 4:
+            return None
+        assert value.values is not None
+        return [v - (1 << 32) if v >= 1 << 31 else int(v) for v in value.values]
+    return [value] * 4 if reader.types[key] == _INT32 else None
+
+
+def _check_mrope(reader: _Reader, arch: str, metadata: dict[str, Any], n_rot: int) -> None:
+    """The M-RoPE kernel asserts some of the first three sections > 0 and their sum <= the head
+    size, and divides by that sum (a negative section can make it 0). Real models' sections add
+    up to n_rot / 2, so the sum is bounded by n_rot here."""
+    key = f"{arch}.rope.dimension_sections"
+    sections = _sections(reader, metadata, key)
+    if sections is None:
         return
-    if n_rot % 2:
-        raise reader.fail(f"{key} = {n_rot} must be even")
-    if n_rot > head_size:
-        raise reader.fail(f"{key} = {n_rot} exceeds the head size (key_length) {head_size}")
+    used = (
+        arch in archs.MROPE_ALWAYS
+        or (arch in archs.MROPE_IF_FIRST_TWO and sections[0] > 0 and sections[1] > 0)
+        or (arch in archs.MROPE_IF_ANY and any(sections))
+    )
+    if used and (min(sections) < 0 or max(sections[:3]) <= 0 or sum(sections) > n_rot):
+        raise reader.fail(
+            f"{key} = {sections}: {arch} uses M-RoPE, which needs sections >= 0, one of the "
+            f"first three > 0, and a sum of at most the rope dimensions ({n_rot})"
+        )
+
+
+# -- asserts of single architectures --------------------------------------------------------------
+
+
+def _arch_rules(arch: str, metadata: dict[str, Any], n_main: int) -> list[tuple[bool, str]]:
+    """GGML_ASSERTs of load_arch_hparams (src/models/<arch>.cpp) on plain keys, as (holds, what
+    must hold). A required key that is absent reads as 0: llama.cpp refuses the file anyway."""
+
+    def key(name: str, default: float = 0) -> float:
+        value = metadata.get(f"{arch}.{name}", default)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return value if number else default  # other types: llama.cpp throws
+
+    if arch == "gemma-embedding":
+        n_embd = key("embedding_length")
+        return [
+            (key("dense_2_feat_in") in (0, n_embd), "dense_2_feat_in is 0 or embedding_length"),
+            (key("dense_3_feat_out") in (0, n_embd), "dense_3_feat_out is 0 or embedding_length"),
+        ]
+    if arch == "nanbeige":
+        loops = key("num_loops", 1)
+        return [(loops > 0 and n_main * loops <= LLAMA_MAX_LAYERS, "num_loops x layers in 1..512")]
+    if arch == "hrm_text":
+        stack, high, low = key("hrm.layers_per_stack"), key("hrm.h_cycles"), key("hrm.l_cycles")
+        return [
+            (min(stack, high, low) > 0, "hrm.layers_per_stack, h_cycles and l_cycles > 0"),
+            (stack * high * (low + 1) == n_main, "layers_per_stack x h_cycles x (l_cycles + 1) "
+             "== block_count - nextn_predict_layers"),
+        ]  # fmt: skip
+    if arch == "minimax-m3":
+        return [(key("attention.indexer.block_size") > 0, "attention.indexer.block_size > 0")]
+    if arch == "glm5-next":
+        kpool, top_k = key("attention.indexer.kpool"), key("attention.indexer.top_k")
+        return [
+            (kpool > 1 and top_k % kpool == 0, "attention.indexer.kpool > 1, dividing top_k"),
+            (key("hyper_connection.count") == 4, "hyper_connection.count == 4"),
+        ]
+    if arch == "bailingmoe3":
+        safe_gate = metadata.get(f"{arch}.kda.safe_gate", True)
+        return [(safe_gate is True and key("kda.gate_lower_bound") < 0,
+                 "kda.safe_gate true and kda.gate_lower_bound < 0")]  # fmt: skip
+    if arch == "dflash" and key("hyper_connection.count") > 0:
+        return [(key("attention.output_group_count") > 0 and key("attention.sliding_window") > 0,
+                 "attention.output_group_count and attention.sliding_window > 0")]  # fmt: skip
+    if arch == "deepseek4":
+        ratios = metadata.get(f"{arch}.attention.compress_ratios")
+        count = ratios.count if isinstance(ratios, GgufArray) else 0
+        return [(count <= LLAMA_MAX_LAYERS, "attention.compress_ratios has at most 512 entries")]
+    return []
+
+
+def _check_arch_rules(reader: _Reader, arch: str, metadata: dict[str, Any], n_layer: int) -> None:
+    n_main = n_layer - (_uint(metadata, f"{arch}.nextn_predict_layers") or 0)
+    for holds, what in _arch_rules(arch, metadata, n_main):
+        if not holds:
+            raise reader.fail(f"{arch} needs {what}")
+
+
+# -- vocabulary and tensors ----------------------------------------------------------------------
+
+
+def _repeated_token(words: tuple[bytes, ...]) -> bytes | None:
+    """The first token equal to an earlier one as llama.cpp stores them: cut at a NUL (it reads
+    C strings), an empty one renamed [EMPTY_<index>]."""
+    if len(set(words)) == len(words) and b"" not in words and b"\0" not in b"".join(words):
+        return None  # the common case, without a loop in Python
+    seen: set[bytes] = set()
+    for i, word in enumerate(words):
+        word = word.split(b"\0", 1)[0] or f"[EMPTY_{i}]".encode()
+        if word in seen:
+            return word
+        seen.add(word)
+    return None
+
+
+def _check_vocabulary(reader: _Reader, metadata: dict[str, Any]) -> None:
+    """What llama_vocab::load asserts on (or divides by) while loading the vocabulary."""
+    model = metadata.get("tokenizer.ggml.model")
+    tokens = metadata.get(_TOKENS)
+    if model in ("none", "no_vocab") or not isinstance(tokens, GgufArray):
+        return  # no vocabulary is read (the Vocab handle refuses the model), or llama.cpp throws
+    if tokens.item_kind != _STRING or tokens.values is None:
+        return  # llama.cpp throws
+    if not tokens.values:  # the "test" tokenizer divides by the vocabulary size
+        raise reader.fail(f"{_TOKENS} is empty")
+    repeated = _repeated_token(tokens.values)
+    if repeated is not None:
+        raise reader.fail(
+            f"{_TOKENS} holds {repeated.decode('utf-8', 'replace')!r} twice: llama.cpp needs "
+            "distinct tokens"
+        )
+    types = metadata.get(_TOKEN_TYPES)
+    byte_tokens = (
+        isinstance(types, GgufArray) and _BYTE_TOKEN in (types.values or ())[: tokens.count]
+    )
+    if model == "bert" and byte_tokens:  # token_to_byte aborts for WordPiece
+        raise reader.fail(
+            f"a bert (WordPiece) vocabulary has byte tokens (type 6) in {_TOKEN_TYPES}"
+        )
+
+
+def _check_tied_output(reader: _Reader, tensors: list[Any]) -> None:
+    """llama-model.cpp asserts that an NVFP4 output tied to token_embd.weight (no output.weight)
+    comes without the scale tensors of a separate output head."""
+    types = {name: ggml_type for name, _, ggml_type, _ in tensors}
+    scales = sorted({"output.scale", "output.input_scale"} & types.keys())
+    tied = "output.weight" not in types
+    if tied and scales and types.get("token_embd.weight") == lib.GGML_TYPE_NVFP4:
+        raise reader.fail(
+            f"token_embd.weight (NVFP4) doubles as the output, which cannot have {scales[0]}"
+        )
 
 
 def _check_enums(reader: _Reader, arch: str, metadata: dict[str, Any]) -> None:
@@ -339,8 +680,11 @@ def _check_hyperparameters(
     n_layer = _check_layers(reader, arch, metadata, tensors)
     if n_layer is not None:  # else llama.cpp refuses the file: block_count is required
         _check_experts(reader, arch, metadata, n_layer)
-        _check_heads(reader, arch, metadata, n_layer)
+        _check_attention(reader, arch, metadata, n_layer)
+        _check_arch_rules(reader, arch, metadata, n_layer)
     _check_enums(reader, arch, metadata)
+    _check_vocabulary(reader, metadata)
+    _check_tied_output(reader, tensors)
     n_embd = metadata.get(f"{arch}.embedding_length")
     embeddings = [t for t in tensors if t[0] == "token_embd.weight"]
     if embeddings and isinstance(n_embd, int) and embeddings[0][1][0] != n_embd:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llamacrab._exceptions import InvalidParameterError, ModelLoadError
+from llamacrab._exceptions import InvalidModelError, InvalidParameterError, ModelLoadError
 from llamacrab._native import backend as _backend
 from llamacrab._native.call import c_string, call, ffi, lib, read_string
 from llamacrab._native.gguf_check import validate_gguf
@@ -139,7 +139,13 @@ class Model(NativeHandle):
             reason = log_lines.take_last_error() or "see the llamacrab logger for details"
             raise ModelLoadError(f"llama.cpp could not load {file}: {reason}")
         # Overrides and split arrays are read during load only; nothing C keeps points into them.
-        return cls(pointer, file, params)
+        model = cls(pointer, file, params)
+        try:
+            model.vocab.check_usable()
+        except InvalidModelError as error:
+            model.close()
+            raise InvalidModelError(f"{file}: {error}") from None
+        return model
 
     # -- information -------------------------------------------------------------------------
 

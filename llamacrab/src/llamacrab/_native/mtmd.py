@@ -4,13 +4,13 @@ tokenized multimodal prompts (input chunks), each freed once, children before pa
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from llamacrab._exceptions import DecodeError, MediaError, ModelLoadError
+from llamacrab._exceptions import DecodeError, InvalidParameterError, MediaError, ModelLoadError
 from llamacrab._native.call import c_string, call, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.gguf_check import validate_gguf
@@ -128,6 +128,7 @@ class Projector(NativeHandle):
     def evaluate(self, context: Context, chunks: Chunks, n_past: int, seq_id: int) -> int:
         """Decode ``chunks`` into ``seq_id`` from position ``n_past`` (images and audio are
         encoded first); the logits of the last token are kept. Returns the next position."""
+        self._check_micro_batch(chunks, context.n_ubatch)
         new_n_past = ffi.new("llama_pos *")
         with (
             self.in_flight() as projector,
@@ -135,11 +136,26 @@ class Projector(NativeHandle):
             context.exclusive() as pointer,
         ):
             context.arm_cancel()
+            # Split by max_decode: a non-causal text model must not get more than n_ubatch.
             status = call("mtmd_helper_eval_chunks", projector, pointer, chunk_list,
-                          n_past, seq_id, context.n_batch, True, new_n_past)  # fmt: skip
+                          n_past, seq_id, context.max_decode, True, new_n_past)  # fmt: skip
         if status != 0:
             raise DecodeError(f"libmtmd could not evaluate the prompt (status {status})", status)
         return int(new_n_past[0])
+
+    def _check_micro_batch(self, chunks: Chunks, n_ubatch: int) -> None:
+        """Media this projector decodes with non-causal attention (Gemma 3 and Gemma 4 images,
+        ...) must fit one micro-batch: llama_decode asserts n_ubatch >= n_tokens (an abort,
+        llama-context.cpp:1787), and an image split over several decodes would not attend
+        across its parts."""
+        for chunk, n_tokens in zip(chunks.each(), chunks.media_tokens().tolist(), strict=True):
+            if n_tokens > n_ubatch and lib.mtmd_decode_use_non_causal(self.pointer, chunk):
+                raise InvalidParameterError(
+                    f"{self.path.name} turns this image or sound into {n_tokens} tokens that "
+                    f"attend to each other (non-causal), so they must fit one micro-batch, but "
+                    f"n_ubatch is {n_ubatch}: raise it to at least {n_tokens}, e.g. "
+                    f"Llama(..., n_ubatch={n_tokens}) (and n_batch if smaller: it caps n_ubatch)"
+                )
 
 
 class Bitmap(NativeHandle):
@@ -174,11 +190,15 @@ class Chunks(NativeHandle):
         """Positions the prompt takes (differs from n_tokens with M-RoPE)."""
         return int(lib.mtmd_helper_get_n_pos(self.pointer))
 
+    def each(self) -> Iterator[Any]:
+        """The chunk pointers, in order (owned by this list: valid while it is open)."""
+        for i in range(int(lib.mtmd_input_chunks_size(self.pointer))):
+            yield lib.mtmd_input_chunks_get(self.pointer, i)
+
     def media_tokens(self) -> np.ndarray:
         """Per chunk: 0 for text, else the embeddings an image or sound became."""
         sizes = []
-        for i in range(int(lib.mtmd_input_chunks_size(self.pointer))):
-            chunk = lib.mtmd_input_chunks_get(self.pointer, i)
+        for chunk in self.each():
             text = lib.mtmd_input_chunk_get_type(chunk) == lib.MTMD_INPUT_CHUNK_TYPE_TEXT
             sizes.append(0 if text else int(lib.mtmd_input_chunk_get_n_tokens(chunk)))
         return np.array(sizes, dtype=np.int64)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._exceptions import TokenizeError
+from llamacrab._exceptions import InvalidModelError, TokenizeError
 from llamacrab._native.call import call, ffi, lib
 from llamacrab._native.handle import NativeHandle
 
@@ -97,6 +97,31 @@ class Vocab:
     @property
     def add_sep(self) -> bool:
         return bool(lib.llama_vocab_get_add_sep(self.pointer))
+
+    def check_usable(self) -> None:
+        """Refuse a vocabulary llama.cpp loads but aborts on at the first tokenization: none at
+        all (tokenizer.ggml.model "none"), or a BOS / EOS / SEP token it adds to every prompt
+        but cannot resolve (GGML_ASSERTs in llama_vocab::impl::tokenize)."""
+        kind = lib.llama_vocab_type(self.pointer)
+        if kind == lib.LLAMA_VOCAB_TYPE_NONE:
+            raise InvalidModelError("it has no vocabulary (tokenizer.ggml.model is 'none')")
+        for key, token in self._added_specials(kind).items():
+            if token is None:
+                raise InvalidModelError(
+                    f"its tokenizer adds a token that it lacks to every prompt: "
+                    f"tokenizer.ggml.{key} is missing or out of range"
+                )
+
+    def _added_specials(self, kind: int) -> dict[str, int | None]:
+        """The special tokens tokenizing with ``add_special`` adds (by the GGUF key naming
+        them), by vocabulary type."""
+        if kind == lib.LLAMA_VOCAB_TYPE_WPM:  # WordPiece always adds both
+            return {"bos_token_id": self.bos, "seperator_token_id": self.sep}
+        if kind not in (lib.LLAMA_VOCAB_TYPE_SPM, lib.LLAMA_VOCAB_TYPE_BPE,
+                        lib.LLAMA_VOCAB_TYPE_UGM):  # fmt: skip
+            return {}  # RWKV, PLaMo-2 and the test tokenizer add none
+        added = {"bos_token_id": self.bos} if self.add_bos else {}
+        return added | ({"eos_token_id": self.eos} if self.add_eos else {})
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT and the like)."""
