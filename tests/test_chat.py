@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from llamacrab import InvalidParameterError, Llama, TemplateError
+from llamacrab._features.chat import chat_tokens
 
 from support import load_repo_module
 
@@ -32,7 +33,7 @@ def test_the_models_own_template_is_the_default(templated: Llama) -> None:
     assert templated.chat_prompt(HELLO) == "<s><system>Be brief.</s><user>Hi!</s><assistant>"
     assert templated.chat_prompt(HELLO, "tokenizer.chat_template.tool_use") == "2 messages"
     # The template wrote BOS itself: the tokenizer must not add a second one.
-    tokens = templated._chat_tokens(HELLO, None)
+    tokens = chat_tokens(templated.model, templated._media, HELLO, None)
     assert tokens[0] == templated.vocab.bos and tokens[1] != templated.vocab.bos
 
 
@@ -100,7 +101,7 @@ def test_gemma_without_a_template_gets_the_gemma_format(gemma: Llama) -> None:
     assert prompt == (
         "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
     )
-    tokens = gemma._chat_tokens(question, None)
+    tokens = chat_tokens(gemma.model, gemma._media, question, None)
     assert tokens[:2] == [gemma.vocab.bos, gemma.vocab.tokenize("<start_of_turn>", False, True)[0]]
     first = gemma.create_chat_completion(question, max_tokens=8, temperature=0)
     follow_up = [*question, {"role": "assistant", "content": first.text},

@@ -87,11 +87,12 @@ def test_shared_prefix_reuses_the_kv_cache_and_nothing_stale(
     base = "The following is a list of European capitals: Paris, Berlin, Madrid,"
     extended = base + " Rome, Vienna"
     gemma.create_completion(base, max_tokens=2, **GREEDY)
-    cached = list(gemma._kv.tokens)
+    cached = list(gemma._completer.kv.tokens)
     gemma.create_completion(extended, max_tokens=0, **GREEDY)
     shared = len(gemma.tokenize(base))
-    assert gemma._kv.tokens == gemma.tokenize(extended)  # stale generated tokens were dropped
-    assert gemma._kv.tokens[:shared] == cached[:shared]
+    kv_tokens = gemma._completer.kv.tokens
+    assert kv_tokens == gemma.tokenize(extended)  # stale generated tokens were dropped
+    assert kv_tokens[:shared] == cached[:shared]
     reused_logits = gemma.context.logits()
     with Llama(gemma_path, n_ctx=1024, n_threads=2) as fresh:
         # The same two decodes without the generated tokens in between: bit-identical logits

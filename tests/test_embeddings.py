@@ -37,7 +37,7 @@ def test_embeddings_match_sentence_transformers(minilm: Llama) -> None:
 
 def test_batching_packs_many_texts_and_matches_one_at_a_time(minilm: Llama) -> None:
     sentences = [str(s) for s in REFERENCE["sentences"]]
-    embedder = minilm._embedder(256)
+    embedder = minilm._embeddings.embedder(256)
     lengths = [len(minilm.tokenize(s)) for s in sentences]
     packs = list(embedder.packs([[0] * n for n in lengths]))
     assert len(packs) < len(sentences) / 4  # several texts per decode

@@ -163,7 +163,7 @@ def test_a_sequence_never_sees_the_other_sequences_of_its_batch(gemma_slots: Lla
     batch = Batch(context.n_batch, 4)
 
     def first_sequence_logits(order: list[int]) -> np.ndarray:
-        with gemma_slots._lock:  # the engine thread is idle; keep it so
+        with gemma_slots._completer.lock:  # the engine thread is idle; keep it so
             context.clear()
             chosen = [prompts[i] for i in order]
             lengths = [len(p) for p in chosen]

@@ -34,7 +34,7 @@ def test_pairs_are_laid_out_like_llama_server(reranker: Llama) -> None:
 
 def test_batched_scores_equal_one_at_a_time(reranker: Llama) -> None:
     batched = reranker.rerank("what is a crab?", DOCUMENTS)
-    assert len(next(reranker._embedder(256).packs([[0] * 10] * len(DOCUMENTS)))) > 1
+    assert len(next(reranker._embeddings.embedder(256).packs([[0] * 10] * len(DOCUMENTS)))) > 1
     single = {d: reranker.rerank("what is a crab?", [d])[0].score for d in DOCUMENTS}
     for result in batched:
         assert result.score == pytest.approx(single[result.document], abs=2e-3)  # float noise

@@ -8,14 +8,17 @@ square of its size, so a modest pack (default 256 tokens) is faster than one hug
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from llamacrab._engine.generation import KvState
 from llamacrab._exceptions import ContextOverflowError, InvalidParameterError
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
 from llamacrab._native.model import Model
+from llamacrab._types import RerankResult
 
 DEFAULT_PACK_TOKENS = 256
 
@@ -122,3 +125,79 @@ def normalized(vectors: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
     result: np.ndarray = vectors / np.where(norms == 0, 1, norms)
     return result
+
+
+class Embeddings:
+    """Embedding and reranking requests on a Llama's context, serialized by its ``lock``; they
+    reuse the memory that ``kv`` caches prompts in."""
+
+    def __init__(self, kv: KvState, lock: threading.RLock) -> None:
+        self.context, self.kv, self.lock = kv.context, kv, lock
+        self._embedder: Embedder | None = None
+
+    def embedder(self, pack_tokens: int = DEFAULT_PACK_TOKENS) -> Embedder:
+        embedder = self._embedder
+        if embedder is None or embedder.pack_tokens != min(pack_tokens, embedder.limit):
+            embedder = self._embedder = Embedder(self.context, pack_tokens)
+        return embedder
+
+    def embed(
+        self,
+        texts: str | Sequence[str],
+        normalize: bool,
+        truncate: bool,
+        pooling: str | None,
+        pack_tokens: int,
+    ) -> np.ndarray | list[np.ndarray]:
+        native = self.embedder(pack_tokens).pooled
+        if pooling is not None and native:
+            raise InvalidParameterError(
+                f"pooling={pooling!r} per call needs a Llama created with pooling='none'; "
+                "this context already pools"
+            )
+        if pooling is None and not native:
+            return self.embed_tokens(texts, normalize, truncate)
+        vectors = self._run(texts, truncate, pack_tokens)
+        if pooling is not None:
+            vectors = [pool_tokens(v, pooling) for v in vectors]
+        model = self.context.model
+        array = np.stack(vectors) if vectors else np.empty((0, model.n_embd), np.float32)
+        return normalized(array) if normalize else array
+
+    def embed_tokens(
+        self, texts: str | Sequence[str], normalize: bool, truncate: bool
+    ) -> list[np.ndarray]:
+        if self.embedder().pooled:
+            raise InvalidParameterError('token embeddings need a context with pooling="none"')
+        vectors = self._run(texts, truncate, DEFAULT_PACK_TOKENS)
+        return [normalized(v) if normalize else v for v in vectors]
+
+    def rerank(
+        self, query: str, documents: Sequence[str], top_n: int | None, truncate: bool
+    ) -> list[RerankResult]:
+        if top_n is not None and top_n < 0:
+            raise InvalidParameterError(f"top_n must be >= 0, not {top_n}")
+        model = self.context.model
+        with self.lock:
+            embedder = self.embedder()
+            if not embedder.ranks:
+                raise InvalidParameterError('reranking needs a context with pooling="rank"')
+            pairs = [
+                embedder.fit(rerank_tokens(model, query, doc), i, truncate)
+                for i, doc in enumerate(documents)
+            ]
+            self.kv.lend()
+            scores = [float(s[0]) for s in embedder.run(pairs)]
+        order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n]
+        return [RerankResult(i, scores[i], documents[i]) for i in order]
+
+    def _run(
+        self, texts: str | Sequence[str], truncate: bool, pack_tokens: int
+    ) -> list[np.ndarray]:
+        items = [texts] if isinstance(texts, str) else list(texts)
+        vocab = self.context.model.vocab
+        with self.lock:
+            embedder = self.embedder(pack_tokens)
+            tokens = [embedder.fit(vocab.tokenize(t), i, truncate) for i, t in enumerate(items)]
+            self.kv.lend()
+            return embedder.run(tokens)

@@ -1,34 +1,29 @@
-"""The FastAPI application: routes over one Llama (its parallel slots do the batching)."""
+"""The FastAPI application: middleware, error handlers, and the OpenAI routes over one Llama
+(its parallel slots do the batching). Route groups of other APIs live in modules of their own."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from llamacrab import MediaPolicy, Stream, __version__
+from llamacrab import __version__
 from llamacrab._exceptions import LlamaError
 from llamacrab._llama import Llama
-from llamacrab._types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from llamacrab.server import _wire as wire
 from llamacrab.server._errors import ApiError, from_llama_error
 from llamacrab.server._guards import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from llamacrab.server._metrics import Metrics
 from llamacrab.server._schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,8 +34,6 @@ from llamacrab.server._schemas import (
     DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
-    ErrorResponse,
-    GenerationFields,
     ModelList,
     RerankRequest,
     RerankResponse,
@@ -48,169 +41,8 @@ from llamacrab.server._schemas import (
     TokenizeResponse,
 )
 from llamacrab.server._settings import ServerSettings
-
-log = logging.getLogger("llamacrab.server")
-_Chunk = TypeVar("_Chunk", CompletionChunk, ChatCompletionChunk)
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503, 504)
-}
-
-
-def open_llama(settings: ServerSettings) -> Llama:
-    """The Llama the settings describe (a path or a Hub repository)."""
-    options: dict[str, Any] = {
-        "n_batch": settings.n_batch, "n_ubatch": settings.n_ubatch,
-        "n_threads": settings.n_threads, "n_gpu_layers": settings.n_gpu_layers,
-        "flash_attn": settings.flash_attn, "filename": settings.hf_filename,
-        "revision": settings.hf_revision, "token": settings.hf_token,
-        "cache_dir": settings.hf_cache_dir, "endpoint": settings.hf_endpoint,
-        "offline": settings.hf_offline, "mmproj": settings.hf_mmproj or None,
-    }  # fmt: skip
-    if settings.embeddings or settings.reranking:
-        pooling = "rank" if settings.reranking else settings.pooling
-        options.update(embeddings=True, pooling=pooling, n_ctx=settings.n_ctx)
-        extra: dict[str, Any] = {}
-    else:
-        options["n_ctx"] = settings.n_ctx or 4096 * settings.parallel
-        # Clients send media inline (data: URLs): they cannot make the server read its files
-        # or fetch URLs.
-        policy = MediaPolicy(local_files=False, remote=False, max_media=settings.max_media,
-                             max_bytes=settings.max_body_bytes)  # fmt: skip
-        extra = {"parallel": settings.parallel, "max_queue": settings.max_queue,
-                 "chat_format": settings.chat_template, "mmproj": settings.mmproj,
-                 "media_policy": policy}  # fmt: skip
-    given = {k: v for k, v in options.items() if v is not None}
-    return Llama(settings.model, **extra, **given)
-
-
-class ServerState:
-    """The model (loaded in the background), its load error, and the counters."""
-
-    def __init__(self, settings: ServerSettings, llama: Llama | None) -> None:
-        self.settings = settings
-        self.llama = llama
-        self.error: str | None = None
-        self.metrics = Metrics()
-        self.created = int(time.time())
-
-    def load(self) -> None:
-        try:
-            self.llama = open_llama(self.settings)
-            log.info("model %s ready", self.settings.alias)
-        except Exception as error:  # reported by /health and every route
-            self.error = f"{type(error).__name__}: {error}"
-            log.error("the model failed to load: %s", self.error)
-
-    def ready(self, model: str | None) -> Llama:
-        if self.llama is None:
-            if self.error is not None:
-                raise ApiError(503, f"the model failed to load: {self.error}", code="load_failed")
-            raise ApiError(503, "the model is still loading", code="loading")
-        if model is not None and model not in (self.settings.alias, self.settings.model):
-            raise ApiError(404, f"model {model!r} is not served here; this server serves "
-                           f"{self.settings.alias!r}", param="model",
-                           code="model_not_found")  # fmt: skip
-        return self.llama
-
-    def generator(self, model: str | None) -> Llama:
-        if self.settings.embeddings or self.settings.reranking:
-            raise ApiError(400, "this server was started for embeddings or reranking; it does "
-                           "not generate text")  # fmt: skip
-        return self.ready(model)
-
-    def slots(self) -> tuple[int, int, int]:
-        scheduler = self.llama.scheduler if self.llama is not None else None
-        if scheduler is None:
-            return 0, 0, 0
-        return len(scheduler.slots), scheduler.busy_slots, scheduler.queue_depth
-
-
-async def _in_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    try:
-        return await asyncio.to_thread(function, *args, **kwargs)
-    except LlamaError as error:
-        raise from_llama_error(error) from error
-
-
-def _event(payload: object) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def _sse(
-    state: ServerState,
-    stream: Stream[_Chunk],
-    encode: Callable[[_Chunk], dict[str, Any]],
-    include_usage: bool,
-) -> StreamingResponse:
-    """Server-sent events from a stream. The first chunk is awaited before answering, so an
-    error there (a full queue, a bad grammar) gets its proper status."""
-    chunks = aiter(stream)
-    try:
-        first = await anext(chunks)
-    except LlamaError as error:
-        raise from_llama_error(error) from error
-
-    async def events() -> AsyncIterator[str]:
-        chunk = first
-        try:
-            while True:
-                if chunk.finish_reason == "cancelled":
-                    timeout = state.settings.timeout
-                    yield _event(ApiError(504, f"the request ran past {timeout} s").body())
-                    break
-                yield _event(encode(chunk))
-                if chunk.finish_reason is not None:
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                        state.metrics.tokens(usage.prompt_tokens, usage.completion_tokens)
-                        if include_usage:
-                            yield _event({**encode(chunk), "choices": [],
-                                          "usage": wire.usage(usage)})  # fmt: skip
-                    break
-                chunk = await anext(chunks)
-        except LlamaError as error:
-            yield _event(from_llama_error(error).body())
-        finally:
-            with anyio.CancelScope(shield=True):  # a client that left: free its slot now
-                await chunks.aclose()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})  # fmt: skip
-
-
-async def _generate(
-    state: ServerState,
-    client: Request,
-    body: GenerationFields,
-    stream: Callable[[], Stream[_Chunk]],
-    create: Callable[..., Completion | ChatCompletion],
-    chunk_json: Callable[[_Chunk, str], dict[str, Any]],
-    result_json: Callable[[Any, str], dict[str, Any]],
-) -> Any:
-    """A streamed (SSE) or whole answer to a completion or chat request."""
-    alias = state.settings.alias
-    if body.stream:
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = await _in_thread(stream)
-        return await _sse(state, chunks, lambda chunk: chunk_json(chunk, alias), include)
-    result = await _until_disconnected(client, create)
-    if any(choice.finish_reason == "cancelled" for choice in result.choices):
-        raise ApiError(504, f"the request ran past {state.settings.timeout} s", code="timeout")
-    state.metrics.tokens(result.usage.prompt_tokens, result.usage.completion_tokens)
-    return result_json(result, alias)
-
-
-async def _until_disconnected(
-    client: Request, create: Callable[..., Completion | ChatCompletion]
-) -> Completion | ChatCompletion:
-    """A whole completion, stopped early (and its slot freed) if the client goes away."""
-    cancel = threading.Event()
-    task = asyncio.ensure_future(_in_thread(create, cancel=cancel))
-    while not (await asyncio.wait([task], timeout=0.25))[0]:
-        if not cancel.is_set() and await client.is_disconnected():
-            cancel.set()  # the generation ends "cancelled" within a step
-    return task.result()  # type: ignore[no-any-return]
+from llamacrab.server._state import ServerState
+from llamacrab.server._streaming import ERRORS, generate, in_thread
 
 
 def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
@@ -269,7 +101,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
 
-    @app.get("/health", responses=_ERRORS)
+    @app.get("/health", responses=ERRORS)
     async def health() -> JSONResponse:
         if state.llama is not None:
             return JSONResponse({"status": "ok"})
@@ -286,28 +118,28 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> str:
         return state.metrics.render(*state.slots())
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         prompt, kwargs = wire.completion_prompt(body), wire.completion_kwargs(body, settings)
-        return await _generate(
+        return await generate(
             state, client, body, partial(llama.stream_completion, prompt, **kwargs),
             partial(llama.create_completion, prompt, **kwargs),
             wire.completion_chunk, wire.completion,
         )  # fmt: skip
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         kwargs = wire.chat_kwargs(body, settings)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        return await _generate(
+        return await generate(
             state, client, body, partial(llama.stream_chat_completion, messages, **kwargs),
             partial(llama.create_chat_completion, messages, **kwargs),
             wire.chat_chunk, wire.chat_completion,
         )  # fmt: skip
 
-    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
     async def embeddings(body: EmbeddingRequest) -> Any:
         llama = state.ready(body.model)
         if not settings.embeddings:
@@ -318,18 +150,18 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if not all(isinstance(t, str) for t in texts):
             raise ApiError(400, "send input as text (token arrays are not supported)",
                            param="input")  # fmt: skip
-        vectors = await _in_thread(llama.embed, texts)
+        vectors = await in_thread(llama.embed, texts)
         n_tokens = sum(len(llama.tokenize(str(t))) for t in texts)
         data = [wire.embedding(v, i, body.encoding_format) for i, v in enumerate(vectors)]
         usage = {"prompt_tokens": n_tokens, "completion_tokens": 0, "total_tokens": n_tokens}
         return {"object": "list", "data": data, "model": settings.alias, "usage": usage}
 
-    @app.post("/v1/rerank", response_model=RerankResponse, responses=_ERRORS)
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=ERRORS)
     async def rerank(body: RerankRequest) -> Any:
         llama = state.ready(body.model)
         if not settings.reranking:
             raise ApiError(400, "this server was not started with --reranking")
-        results = await _in_thread(llama.rerank, body.query, body.documents, top_n=body.top_n)
+        results = await in_thread(llama.rerank, body.query, body.documents, top_n=body.top_n)
         out = [
             {"index": r.index, "relevance_score": r.score,
              "document": {"text": r.document} if body.return_documents else None}
@@ -341,19 +173,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     for alias in ("/v1/reranking", "/rerank", "/reranking"):
         app.add_api_route(alias, rerank, methods=["POST"], response_model=RerankResponse,
-                          responses=_ERRORS, include_in_schema=False)  # fmt: skip
+                          responses=ERRORS, include_in_schema=False)  # fmt: skip
 
-    @app.post("/extras/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    @app.post("/extras/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> Any:
         llama = state.ready(body.model)
         return {"tokens": llama.tokenize(body.input, body.add_special, body.parse_special)}
 
-    @app.post("/extras/tokenize/count", response_model=CountResponse, responses=_ERRORS)
+    @app.post("/extras/tokenize/count", response_model=CountResponse, responses=ERRORS)
     async def tokenize_count(body: TokenizeRequest) -> Any:
         llama = state.ready(body.model)
         return {"count": len(llama.tokenize(body.input, body.add_special, body.parse_special))}
 
-    @app.post("/extras/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    @app.post("/extras/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest) -> Any:
         llama = state.ready(body.model)
         return {"text": llama.detokenize(body.tokens)}

@@ -1,0 +1,259 @@
+"""Completion requests on a context: prompts in, streams of chunks out, on one slot (calls
+serialized, a new call supersedes an unfinished stream) or parallel slots (the scheduler)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any
+
+from llamacrab._engine.cache import PromptCache
+from llamacrab._engine.generation import MEDIA_TOKEN, KvState, Request, Session, Step, generate
+from llamacrab._engine.scheduler import Scheduler
+from llamacrab._engine.speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
+from llamacrab._engine.stream import Stream
+from llamacrab._exceptions import InvalidParameterError
+from llamacrab._features.media import MediaInput
+from llamacrab._native.context import Context
+from llamacrab._native.media import Media
+from llamacrab._native.mtmd import Chunks
+from llamacrab._native.sampler import Samplers, SamplingOptions
+from llamacrab._native.vocab import Vocab
+from llamacrab._types import Completion, CompletionChoice, CompletionChunk, Logprobs, Usage
+
+Speculative = PromptLookup | DraftModel
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """Prompt tokens (MEDIA_TOKEN where media sit), their text, and the multimodal chunks."""
+
+    tokens: list[int]
+    text: str
+    chunks: Chunks | None = None
+
+
+def completion_prompt(
+    vocab: Vocab, media: MediaInput, prompt: str | Sequence[int] | Chunks, items: Sequence[Media]
+) -> Prompt:
+    if items:
+        if not isinstance(prompt, str):
+            raise InvalidParameterError("media= needs a text prompt with media markers")
+        prompt = media.tokenize(prompt, items, add_special=True, parse_special=False)
+    if isinstance(prompt, Chunks):
+        return Prompt([MEDIA_TOKEN] * prompt.n_pos, "", prompt)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidParameterError("the prompt is empty")
+        return Prompt(vocab.tokenize(prompt), prompt)
+    tokens = vocab.check_tokens(prompt).tolist()
+    return Prompt(tokens, vocab.detokenize(tokens))
+
+
+class Completer:
+    """Runs completion requests on ``context``: ``parallel=None`` for one slot, else N slots
+    batched together by an engine thread."""
+
+    def __init__(
+        self,
+        context: Context,
+        cache: PromptCache | None,
+        parallel: int | None,
+        max_queue: int,
+    ) -> None:
+        self.model = context.model
+        self.lock = threading.RLock()
+        self.kv = KvState(context, cache)
+        self.speculative_stats = SpeculativeStats()  # of the last one-slot completion
+        self._session: weakref.ReferenceType[Session] | None = None
+        self.scheduler: Scheduler | None = None
+        self._stop_engine: weakref.finalize[[], Completer] | None = None
+        if parallel is not None:
+            self.scheduler = Scheduler(context, self.lock, parallel, max_queue, cache)
+            # Collected or closed, the completer stops its engine thread before the context goes.
+            self._stop_engine = weakref.finalize(self, self.scheduler.close)
+
+    def close(self) -> None:
+        """Stop the engine thread (if any); one slot has nothing to stop."""
+        if self._stop_engine is not None:
+            self._stop_engine()
+
+    def one_slot(self, what: str) -> KvState:
+        if self.scheduler is not None:
+            raise InvalidParameterError(f"{what} needs a Llama with parallel=None")
+        return self.kv
+
+    def forget(self) -> None:
+        """Drop every cached prompt prefix."""
+        if self.scheduler is not None:
+            self.scheduler.forget()
+        else:
+            with self.lock:
+                self.kv.reset()
+
+    def cancel(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.cancel_all()
+            return
+        session = self._session() if self._session else None
+        if session is not None:
+            session.cancelled.set()
+        self.kv.context.cancel()
+
+    def stream(
+        self,
+        prompt: Prompt,
+        request: Request,
+        options: SamplingOptions,
+        session: Session,
+        speculation: tuple[Speculative | None, Speculative | None],
+        echo: bool,
+        suffix: str,
+    ) -> Stream[CompletionChunk]:
+        """``speculation``: the call's own choice and the Llama's default."""
+        speculative, default = speculation
+        if prompt.chunks is not None and (echo or speculative is not None):
+            raise InvalidParameterError("echo and speculative decoding take text prompts only")
+        if speculative is not None and self.scheduler is not None:
+            raise InvalidParameterError("speculative decoding needs a Llama with parallel=None")
+        request.check(self.kv.context.n_ctx_seq)
+        speculative = speculative if speculative is not None else default
+        drafter = speculative.drafter(self.model) if speculative is not None else None
+        samplers = Samplers(self.model, options, request.min_tokens)
+        echo_text = prompt.text if echo else ""
+        if self.scheduler is None:
+            steps = self._one_slot_steps(request, samplers, session, drafter)
+            chunks = self._chunks(request, steps, session, echo_text, suffix, samplers)
+        else:
+            try:  # queued now: a full queue fails here, and slots start at once
+                steps = self.scheduler.submit(request, samplers, session)
+            except BaseException:
+                samplers.close()
+                raise
+            # From here the engine owns the samplers (it frees them when the job ends).
+            chunks = self._chunks(request, steps, session, echo_text, suffix, None)
+        return Stream(chunks, session)
+
+    def complete(
+        self,
+        start: Callable[..., Stream[CompletionChunk]],
+        n: int,
+        best_of: int | None,
+        kwargs: dict[str, Any],
+    ) -> Completion:
+        """``n`` completions from ``start(**kwargs, seed=...)`` streams; ``best_of`` > n keeps
+        the n with the highest total log-probability."""
+        best_of = best_of or n
+        if not 1 <= n <= best_of:
+            raise InvalidParameterError(f"need 1 <= n ({n}) <= best_of ({best_of})")
+        seed = kwargs.pop("seed", None)
+        want_logprobs = kwargs.get("logprobs")
+        if best_of > n and want_logprobs is None:
+            kwargs["logprobs"] = 0  # needed to rank the candidates
+        seeds = [None if seed is None else (seed + i) % 2**32 for i in range(best_of)]
+        if self.scheduler is None:
+            # One slot: whole completions at once; concurrent callers wait their turn.
+            with self.lock:
+                streams = [list(start(seed=s, **kwargs)) for s in seeds]
+        else:
+            # Parallel slots: every candidate is queued first, so they generate side by side.
+            pending: list[Stream[CompletionChunk]] = []
+            try:
+                for s in seeds:
+                    pending.append(start(seed=s, **kwargs))
+                streams = [list(stream) for stream in pending]
+            finally:
+                for stream in pending:
+                    stream.cancel()  # a failure part-way must not leave candidates running
+        candidates = [
+            _choice(i, chunks, want_logprobs is not None) for i, chunks in enumerate(streams)
+        ]
+        if best_of > n:
+            candidates.sort(key=lambda c: -sum(c[1]))
+        kept = candidates[:n]
+        choices = tuple(dataclasses.replace(c, index=i) for i, (c, _, _) in enumerate(kept))
+        first = candidates[0][2]
+        completion_tokens = sum(u.completion_tokens for _, _, u in candidates)
+        usage = Usage(first.prompt_tokens, completion_tokens, first.cached_tokens)
+        return Completion(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name,
+                          choices, usage)  # fmt: skip
+
+    def _one_slot_steps(
+        self, request: Request, samplers: Samplers, session: Session, drafter: Drafter | None
+    ) -> Iterator[Step]:
+        """The generation on the one slot; it starts (superseding the stream before it) when
+        the first chunk is asked for."""
+        with self.lock:
+            previous = self._session() if self._session else None
+            if previous is not None:
+                previous.superseded = True
+            self._session = weakref.ref(session)
+        self.speculative_stats = stats = SpeculativeStats()
+        yield from generate(self.kv, samplers, request, session, self.lock, drafter, stats)
+
+    def _chunks(
+        self,
+        request: Request,
+        steps: Iterator[Step],
+        session: Session,
+        echo_text: str,
+        suffix: str,
+        samplers: Samplers | None,
+    ) -> Generator[CompletionChunk, None, None]:
+        """Steps as completion chunks; ``samplers`` (if the engine does not own them) are
+        freed at the end."""
+        chunk_id, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name
+        produced, offset = 0, len(echo_text)
+        try:
+            if echo_text:
+                yield CompletionChunk(chunk_id, created, name, 0, echo_text)
+            for step in steps:
+                produced += step.token is not None
+                text = step.text
+                if step.finish_reason not in (None, "cancelled"):
+                    text += suffix
+                usage = None
+                if step.finish_reason:
+                    usage = Usage(len(request.prompt), produced, session.reused)
+                tokens = () if step.token is None else (step.token,)
+                logprobs = _step_logprobs(self.model.vocab, step, offset)
+                offset += len(text)
+                yield CompletionChunk(chunk_id, created, name, 0, text, step.finish_reason,
+                                      usage, tokens, logprobs)  # fmt: skip
+        finally:
+            session.cancel()  # a consumer that left early stops the generation at once
+            if samplers is not None:
+                samplers.close()
+
+
+def _step_logprobs(vocab: Vocab, step: Step, offset: int) -> Logprobs | None:
+    if step.logprob is None or step.token is None:
+        return None
+    return Logprobs(
+        (vocab.token_to_piece(step.token, special=True),),
+        (step.logprob,),
+        (step.top_logprobs or {},),
+        (offset,),
+    )
+
+
+def _choice(
+    index: int, chunks: list[CompletionChunk], keep_logprobs: bool
+) -> tuple[CompletionChoice, tuple[float, ...], Usage]:
+    """Fold a finished stream into a choice, its token log-probabilities, and its usage."""
+    last = chunks[-1]
+    assert last.finish_reason is not None and last.usage is not None
+    parts = [c.logprobs for c in chunks if c.logprobs is not None]
+    logprobs = Logprobs.join(parts) if parts else None
+    choice = CompletionChoice(
+        index,
+        "".join(c.text for c in chunks),
+        last.finish_reason,
+        tuple(t for c in chunks for t in c.tokens),
+        logprobs if keep_logprobs else None,
+    )
+    return choice, logprobs.token_logprobs if logprobs else (), last.usage

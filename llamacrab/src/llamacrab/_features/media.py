@@ -1,0 +1,39 @@
+"""Multimodal prompts: text with one marker per image or sound, tokenized into chunks by the
+projector, within the limits of a MediaPolicy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llamacrab._chat.media_parts import MediaPolicy
+from llamacrab._exceptions import InvalidParameterError, MediaError
+from llamacrab._native.media import Media
+from llamacrab._native.mtmd import Chunks, Projector
+
+
+class MediaInput:
+    """A Llama's projector (if any) and the policy its media obey."""
+
+    def __init__(self, projector: Projector | None, policy: MediaPolicy) -> None:
+        self._projector = projector
+        self.policy = policy
+
+    @property
+    def projector(self) -> Projector:
+        if self._projector is None:
+            raise InvalidParameterError("this Llama has no projector: pass mmproj= for media")
+        return self._projector
+
+    def tokenize(
+        self, text: str, media: Sequence[Media], add_special: bool, parse_special: bool
+    ) -> Chunks:
+        """``text`` with one marker per item of ``media``, as chunks."""
+        projector = self.projector
+        if len(media) > self.policy.max_media:
+            raise MediaError(f"more than {self.policy.max_media} images/sounds at once")
+        bitmaps = [projector.bitmap(item) for item in media]
+        try:
+            return projector.tokenize(text, bitmaps, add_special, parse_special)
+        finally:
+            for bitmap in bitmaps:
+                bitmap.close()  # the chunks hold what they need

@@ -1,0 +1,85 @@
+"""The server's state: the model it serves (loaded in the background), its load error, and
+the counters."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from llamacrab import MediaPolicy
+from llamacrab._llama import Llama
+from llamacrab.server._errors import ApiError
+from llamacrab.server._metrics import Metrics
+from llamacrab.server._settings import ServerSettings
+
+log = logging.getLogger("llamacrab.server")
+
+
+def open_llama(settings: ServerSettings) -> Llama:
+    """The Llama the settings describe (a path or a Hub repository)."""
+    options: dict[str, Any] = {
+        "n_batch": settings.n_batch, "n_ubatch": settings.n_ubatch,
+        "n_threads": settings.n_threads, "n_gpu_layers": settings.n_gpu_layers,
+        "flash_attn": settings.flash_attn, "filename": settings.hf_filename,
+        "revision": settings.hf_revision, "token": settings.hf_token,
+        "cache_dir": settings.hf_cache_dir, "endpoint": settings.hf_endpoint,
+        "offline": settings.hf_offline, "mmproj": settings.hf_mmproj or None,
+    }  # fmt: skip
+    if settings.embeddings or settings.reranking:
+        pooling = "rank" if settings.reranking else settings.pooling
+        options.update(embeddings=True, pooling=pooling, n_ctx=settings.n_ctx)
+        extra: dict[str, Any] = {}
+    else:
+        options["n_ctx"] = settings.n_ctx or 4096 * settings.parallel
+        # Clients send media inline (data: URLs): they cannot make the server read its files
+        # or fetch URLs.
+        policy = MediaPolicy(local_files=False, remote=False, max_media=settings.max_media,
+                             max_bytes=settings.max_body_bytes)  # fmt: skip
+        extra = {"parallel": settings.parallel, "max_queue": settings.max_queue,
+                 "chat_format": settings.chat_template, "mmproj": settings.mmproj,
+                 "media_policy": policy}  # fmt: skip
+    given = {k: v for k, v in options.items() if v is not None}
+    return Llama(settings.model, **extra, **given)
+
+
+class ServerState:
+    """The model (loaded in the background), its load error, and the counters."""
+
+    def __init__(self, settings: ServerSettings, llama: Llama | None) -> None:
+        self.settings = settings
+        self.llama = llama
+        self.error: str | None = None
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    def load(self) -> None:
+        try:
+            self.llama = open_llama(self.settings)
+            log.info("model %s ready", self.settings.alias)
+        except Exception as error:  # reported by /health and every route
+            self.error = f"{type(error).__name__}: {error}"
+            log.error("the model failed to load: %s", self.error)
+
+    def ready(self, model: str | None) -> Llama:
+        if self.llama is None:
+            if self.error is not None:
+                raise ApiError(503, f"the model failed to load: {self.error}", code="load_failed")
+            raise ApiError(503, "the model is still loading", code="loading")
+        if model is not None and model not in (self.settings.alias, self.settings.model):
+            raise ApiError(404, f"model {model!r} is not served here; this server serves "
+                           f"{self.settings.alias!r}", param="model",
+                           code="model_not_found")  # fmt: skip
+        return self.llama
+
+    def generator(self, model: str | None) -> Llama:
+        if self.settings.embeddings or self.settings.reranking:
+            raise ApiError(400, "this server was started for embeddings or reranking; it does "
+                           "not generate text")  # fmt: skip
+        return self.ready(model)
+
+    def slots(self) -> tuple[int, int, int]:
+        scheduler = self.llama.scheduler if self.llama is not None else None
+        if scheduler is None:
+            return 0, 0, 0
+        return len(scheduler.slots), scheduler.busy_slots, scheduler.queue_depth
