@@ -58,6 +58,18 @@ def test_closing_an_adapter_removes_it_from_contexts(tiny_llama: Llama, lora_pat
         tiny_llama.set_lora_adapters({adapter: 1.0})
 
 
+def test_a_stream_ends_when_its_adapters_change_under_it(
+    tiny_llama: Llama, lora_path: Path
+) -> None:
+    adapter = tiny_llama.load_lora(lora_path)
+    stream = tiny_llama.stream_completion(PROMPT, max_tokens=8, min_tokens=8)
+    first = next(stream)
+    assert first.finish_reason is None
+    adapter.close()  # between two steps, from the consuming thread
+    assert [chunk.finish_reason for chunk in stream][-1] == "cancelled"
+    assert tiny_llama.create_completion(PROMPT, max_tokens=2).usage.cached_tokens == 0
+
+
 def test_adapter_of_another_model_is_refused(
     tiny_llama: Llama, tiny_model_path: Path, lora_path: Path
 ) -> None:

@@ -328,9 +328,12 @@ def _start(kv: KvState, request: Request, session: Session) -> bool:
 
 def _step(kv: KvState, session: Session, stepper: _Stepper, produced: int) -> Step:
     """The next step, under the lock. A generation that no longer owns the memory ends
-    without touching it: the positions its drafts held may hold another generation's tokens."""
+    without touching it: the positions its drafts held may hold another generation's tokens.
+    One whose adapters changed since its prompt ends too."""
     owner = kv.owner is session
-    if not owner or session.stopped():
+    # Adapters changed under it: what it would add next mixes two sets of weights.
+    stale = kv.weights != kv.context.weights_generation
+    if not owner or stale or session.stopped():
         if owner:
             stepper.settle()
         return Step(stepper.emitter.stops.flush(), None, "cancelled")
