@@ -490,9 +490,12 @@ def test_mrope_sections_llama_cpp_accepts_validate(
 # -- asserts of single architectures --------------------------------------------------------
 
 HRM = {"hrm.layers_per_stack": 1, "hrm.h_cycles": 1, "hrm.l_cycles": 1}
-GLM5 = {"attention.indexer.kpool": 4, "attention.indexer.top_k": 8, "hyper_connection.count": 4}
+GLM5 = {"attention.indexer.kpool": 4, "attention.indexer.top_k": 8, "hyper_connection.count": 4,
+        "rope.dimension_count": 0}  # fmt: skip
 BAILING = {"kda.gate_lower_bound": -5.0}
-DSPARK = {"hyper_connection.count": 4, "attention.output_group_count": 2, **WINDOW}
+DSV4 = {"hyper_connection.count": 4, "attention.output_group_count": 2}
+DSPARK = {**DSV4, **WINDOW}
+MSA = {"attention.indexer.block_size": 64, "attention.indexer.head_count": 2}
 
 
 @pytest.mark.parametrize(
@@ -504,14 +507,14 @@ DSPARK = {"hyper_connection.count": 4, "attention.output_group_count": 2, **WIND
         ("nanbeige", {}, {"num_loops": 0}),
         ("hrm_text", HRM, {**HRM, "hrm.l_cycles": 2}),
         ("hrm_text", HRM, {**HRM, "hrm.h_cycles": 0}),
-        ("minimax-m3", {"attention.indexer.block_size": 64}, {"attention.indexer.block_size": 0}),
+        ("minimax-m3", MSA, {**MSA, "attention.indexer.block_size": 0}),
         ("glm5-next", GLM5, {**GLM5, "attention.indexer.top_k": 6}),
         ("glm5-next", GLM5, {**GLM5, "hyper_connection.count": 2}),
         ("bailingmoe3", BAILING, {"kda.gate_lower_bound": 0.5}),
         ("bailingmoe3", BAILING, {**BAILING, "kda.safe_gate": False}),
         ("dflash", DSPARK, {**DSPARK, "attention.output_group_count": 0}),
-        ("deepseek4", {"attention.compress_ratios": [0] * 2},
-         {"attention.compress_ratios": [0] * 513}),
+        ("deepseek4", {**DSV4, "attention.compress_ratios": [0] * 2},
+         {**DSV4, "attention.compress_ratios": [0] * 513}),
     ],
 )  # fmt: skip
 def test_asserts_of_single_architectures(
@@ -519,6 +522,154 @@ def test_asserts_of_single_architectures(
 ) -> None:
     validate_gguf(header(tmp_path / "good.gguf", good, arch))
     rejects(header(tmp_path / "bad.gguf", bad, arch), f"{arch} needs")
+
+
+# -- graph and loader invariants of single architectures (src/models/<arch>.cpp) ------------
+
+DELTA = {"ssm.conv_kernel": 4, "ssm.inner_size": 64, "ssm.state_size": 16,
+         "ssm.time_step_rank": 4, "ssm.group_count": 2}  # fmt: skip
+QWEN35 = {**DELTA, SECTIONS: [4, 4, 0, 0]}
+MAMBA2 = {"ssm.inner_size": 64, "ssm.time_step_rank": 4, "ssm.group_count": 2}
+GRANITE_HYBRID = {**MAMBA2, "ssm.inner_size": 128, "attention.head_count_kv": [0, 2]}
+PLAMO2 = {**MAMBA2, "ssm.group_count": 0, "attention.head_count_kv": [0, 2]}
+MLA = {"attention.key_length_mla": 48, "attention.value_length_mla": 32}
+LFM2 = {"attention.head_count_kv": [0, 2], "shortconv.l_cache": 3}
+NON_CAUSAL = {"attention.causal": False}
+HYBRID_GLM5 = {**GLM5, "attention.head_count_kv": [0, 2]}  # layer 0 is linear attention
+WAVTOKENIZER = {"block_count": 8, "posnet.block_count": 6, "posnet.embedding_length": 32,
+                "convnext.embedding_length": 32, "attention.group_norm_groups": 32}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("arch", "good", "bad"),
+    [
+        # experts the loader asserts (or divides by)
+        ("bailingmoe2", MOE, {}),
+        ("glm4moe", MOE, {"expert_count": 0}),
+        ("qwen35moe", {**QWEN35, **MOE}, QWEN35),
+        ("lfm2moe", {"leading_dense_block_count": 2}, {"leading_dense_block_count": 1}),
+        ("grovemoe", {**MOE, "experts_per_group": 2}, {**MOE, "experts_per_group": 0}),
+        ("ernie4_5-moe", {"interleave_moe_layer_step": 1}, {"interleave_moe_layer_step": 0}),
+        ("nemotron_h", {**MOE, "feed_forward_length": [0, 32], "expert_used_count": [0, 2]},
+         {**MOE, "feed_forward_length": [0, 32], "expert_used_count": [2, 0]}),
+        # divisions by head_count at load (gemma2/gemma3 only for their 27B layer count)
+        ("olmo2", {}, {"attention.head_count": 0, "attention.head_count_kv": 0}),
+        ("gemma2", {"attention.head_count": 0, "attention.head_count_kv": 0},
+         {"block_count": 46, "attention.head_count": 0, "attention.head_count_kv": 0}),
+        # recurrent layers and their ssm sizes
+        ("qwen35", QWEN35, {**QWEN35, "full_attention_interval": 0}),
+        ("minimax-01", {"full_attention_interval": 2}, {"full_attention_interval": 0}),
+        ("qwen35", QWEN35, {**QWEN35, "ssm.inner_size": 48}),
+        ("qwen3next", DELTA, {**DELTA, "ssm.group_count": 3}),
+        ("qwen3next", {**DELTA, "ssm.group_count": 3, "attention.recurrent_layers": [0, 0]},
+         {**DELTA, "ssm.group_count": 3, "attention.recurrent_layers": [0, 1]}),
+        ("mamba2", MAMBA2, {**MAMBA2, "ssm.group_count": 0}),
+        ("mamba2", MAMBA2, {**MAMBA2, "ssm.time_step_rank": 3}),
+        ("granitehybrid", GRANITE_HYBRID, {**GRANITE_HYBRID, "ssm.group_count": 3}),
+        ("granitehybrid", GRANITE_HYBRID, {**GRANITE_HYBRID, "ssm.inner_size": 64}),
+        ("jamba", {"ssm.inner_size": 128}, {"ssm.inner_size": 96}),
+        ("plamo2", PLAMO2, {**PLAMO2, "ssm.group_count": 2}),
+        ("lfm2", LFM2, {**LFM2, "attention.value_length": 8}),
+        ("lfm2", LFM2, {**LFM2, "shortconv.l_cache": 1}),
+        ("lfm2", {**LFM2, **NON_CAUSAL}, {**LFM2, **NON_CAUSAL, "shortconv.l_cache": 4}),
+        # MLA, indexer and DeepSeek-V4 attention
+        ("deepseek2", {"rope.dimension_count": 8}, {}),  # without MLA: key_length 16 - rope
+        ("hy_v4", MLA, {**MLA, "attention.key_length_mla": 0}),
+        ("hy_v4", MLA, {**MLA, "attention.key_length_mla": 16}),
+        ("deepseek2-ocr", {}, {"rope.freq_base": 5000.0}),
+        ("deepseek2-ocr", {}, {"attention.value_length": 8}),
+        ("deepseek32", {"attention.indexer.key_length": 16}, {"attention.indexer.key_length": 8}),
+        ("glm-dsa", {"attention.indexer.types": [1, 0]}, {"attention.indexer.types": [0, 1]}),
+        ("glm5-next", {**HYBRID_GLM5, "attention.indexer.types": [0, 1]},
+         {**HYBRID_GLM5, "attention.indexer.types": [1, 0]}),
+        ("glm5-next", GLM5, {**GLM5, "rope.dimension_count": 16}),
+        ("deepseek4", DSV4, {**DSV4, "hyper_connection.count": 2}),
+        ("deepseek4", DSV4, {**DSV4, "attention.output_group_count": 3}),
+        ("dflash", DSPARK, {**DSPARK, "hyper_connection.count": 3}),
+        ("minimax-m3", MSA, {**MSA, "attention.indexer.head_count": 4}),
+        ("minimax-m3", {**MSA, "attention.indexer.head_count": 4, "leading_dense_block_count": 2},
+         {**MSA, "attention.indexer.head_count": 4, "leading_dense_block_count": 1}),
+        # RWKV
+        ("rwkv6", {"wkv.head_size": 16}, {"wkv.head_size": 16, "token_shift_count": 1}),
+        ("rwkv7", {"wkv.head_size": 16}, {"wkv.head_size": 0}),
+        ("arwkv7", {"wkv.head_size": 16, "token_shift_count": 1}, {"wkv.head_size": 16}),
+        ("rwkv6qwen2", {"wkv.head_size": 16, "token_shift_count": 1},
+         {"wkv.head_size": 48, "token_shift_count": 1}),
+        ("rwkv6qwen2", {"wkv.head_size": 16, "token_shift_count": 1},
+         {"wkv.head_size": 8, "token_shift_count": 1, "attention.head_count": 6,
+          "attention.head_count_kv": 3}),
+        # others
+        ("eagle3", {"block_count": 1}, {}),
+        ("wavtokenizer-dec", WAVTOKENIZER, {**WAVTOKENIZER, "posnet.block_count": 7}),
+        ("wavtokenizer-dec", WAVTOKENIZER, {**WAVTOKENIZER, "convnext.embedding_length": 64}),
+        ("wavtokenizer-dec", WAVTOKENIZER, {**WAVTOKENIZER, "attention.group_norm_groups": 0}),
+    ],
+)  # fmt: skip
+def test_graph_invariants_of_single_architectures(
+    tmp_path: Path, arch: str, good: dict[str, Any], bad: dict[str, Any]
+) -> None:
+    validate_gguf(header(tmp_path / "good.gguf", good, arch))
+    rejects(header(tmp_path / "bad.gguf", bad, arch), f"{arch} needs")
+
+
+def vector(n: int) -> np.ndarray:
+    return np.ones(n, np.float32)
+
+
+def layer_tensors(name: str, *shapes: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """blk.N.<name>.weight of each shape (numpy order: rows first), one per layer."""
+    return {f"blk.{i}.{name}.weight": weights(*shape) for i, shape in enumerate(shapes)}
+
+
+I64 = gguf.GGMLQuantizationType.I64
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "good", "bad"),
+    [
+        # per-head (4) or per-element (16 x 4) gate rows
+        ("laguna", {}, layer_tensors("attn_gate", (4, 64), (64, 64)),
+         layer_tensors("attn_gate", (4, 64), (8, 64))),
+        ("jina-bert-v2", {"feed_forward_length": 32}, layer_tensors("ffn_up", (32, 64), (64, 64)),
+         layer_tensors("ffn_up", (32, 64), (48, 64))),
+        ("qwen3tts", {SECTIONS: [4, 4, 0, 0]},
+         {"token_embd.weight": weights(8, 64), "output.weight": weights(8, 64)},
+         {"token_embd.weight": weights(8, 64), "output.weight": weights(16, 64)}),
+        ("eagle3", {"block_count": 1}, {"d2t": (np.zeros(8, np.int64), I64)},
+         {"d2t": np.zeros(8, np.float32)}),
+        ("rwkv6", {"wkv.head_size": 16},
+         {f"blk.{i}.time_mix_lerp_{kind}.weight": vector(64) for i, kind in enumerate("wx")}
+         | {"blk.1.time_mix_lerp_fused.weight": vector(64)},
+         {f"blk.{i}.time_mix_lerp_x.weight": vector(64) for i in range(2)}),
+        # nextn layers only: the main graph would run on missing tensors
+        ("glm4moe", {**MOE, "nextn_predict_layers": 1},
+         {f"blk.{i}.attn_norm.weight": vector(64) for i in range(2)},
+         {"blk.1.attn_norm.weight": vector(64)}),
+    ],
+    ids=["laguna-gate", "jina-ffn-up", "qwen3tts-output", "eagle3-d2t", "rwkv6-lerp", "mtp-only"],
+)  # fmt: skip
+def test_tensors_the_graph_of_single_architectures_needs(
+    tmp_path: Path, arch: str, keys: dict[str, Any], good: dict[str, Any], bad: dict[str, Any]
+) -> None:
+    validate_gguf(header(tmp_path / "good.gguf", keys, arch, tensors=good))
+    rejects(header(tmp_path / "bad.gguf", keys, arch, tensors=bad), f"{arch} needs")
+
+
+def test_a_dspark_markov_head_needs_a_block_size(tmp_path: Path) -> None:
+    markov = {"markov_w1.weight": weights(8, 4)}
+    validate_gguf(header(tmp_path / "good.gguf", {"block_size": 16}, "dflash", tensors=markov))
+    path = header(tmp_path / "bad.gguf", {}, "dflash", tensors=markov)
+    rejects(path, "dflash needs block_size > 0")
+
+
+def test_dots3note_reads_its_pattern_array_for_layer_0(tmp_path: Path) -> None:
+    # dots3note sizes layer 0 by the _swa values when its pattern marks it sliding-window, and
+    # (with a create_memory branch of its own) needs no sliding-window layer.
+    keys = {"rope.dimension_count": 8, "rope.dimension_count_swa": 16,
+            "attention.indexer.key_length": 8}  # fmt: skip
+    validate_gguf(header(tmp_path / "full.gguf", {**keys, PATTERN: [0, 0]}, "dots3note"))
+    path = header(tmp_path / "swa.gguf", {**keys, PATTERN: [1, 0]}, "dots3note")
+    rejects(path, "dots3note needs attention.indexer.key_length >= the rope dimensions")
 
 
 # -- vocabulary and output -------------------------------------------------------------------
@@ -652,6 +803,17 @@ def shrunk_values() -> dict[str, np.ndarray]:
     return {f"blk.{i}.attn_v.weight": weights(tiny.N_HEAD_KV * 8, tiny.N_EMBD) for i in range(2)}
 
 
+def square_kv() -> dict[str, np.ndarray]:
+    """attn_k/attn_v with as many heads as attn_q (deepseek2-ocr sizes them by embedding_length)."""
+    return {f"blk.{i}.attn_{x}.weight": weights(tiny.N_EMBD, tiny.N_EMBD)
+            for i in range(tiny.N_LAYER) for x in "kv"}  # fmt: skip
+
+
+EXPERT_FFN = {"expert_feed_forward_length": 32, "expert_shared_count": 1}
+OCR = {**EXPERT_FFN, "leading_dense_block_count": 2, "attention.head_count_kv": tiny.N_HEAD}
+HY_V4 = {**EXPERT_FFN, **MLA, "attention.q_lora_rank": 16, "attention.kv_lora_rank": 16,
+         "hyper_connection.count": 4, "hyper_connection.epsilon": 1e-6,
+         "hyper_connection.magnitude": 1.0}  # fmt: skip
 TOKENS = tiny.vocabulary()[0]
 NO_VOCAB = {"tokenizer.ggml.model": "none", "vocab_size": len(TOKENS)}
 T5_BOS = {"tokenizer.ggml.model": "t5", "tokenizer.ggml.add_bos_token": True,
@@ -674,15 +836,38 @@ REPEATED = {"tokenizer.ggml.tokens": [*TOKENS[:-1], TOKENS[-2]]}
         ("llama", {"tokenizer.ggml.model": "bert"}, {}, "byte tokens", "fatal error"),
         ("llama", T5_BOS, {}, "bos_token_id", "special_bos_id != LLAMA_TOKEN_NULL"),
         ("llama", NO_VOCAB, {}, "no vocabulary", "Tokenizer not initialized"),
+        ("qwen35", {**QWEN35, "full_attention_interval": 0}, {}, "full_attention_interval",
+         "SIGFPE"),
+        ("olmo2", {"attention.head_count": 0, "attention.head_count_kv": 0}, {},
+         "attention.head_count > 0", "SIGFPE"),
+        ("qwen35moe", QWEN35, {}, "expert_count > 0", "SIGFPE"),
+        ("glm4moe", EXPERT_FFN, {}, "expert_count > 0", "n_expert must be > 0"),
+        ("ernie4_5-moe", {**EXPERT_FFN, "interleave_moe_layer_step": 0,
+                          "leading_dense_block_count": 2}, {},
+         "interleave_moe_layer_step > 0", "n_moe_layer_step > 0"),
+        ("hy_v4", {**HY_V4, "attention.key_length_mla": 0}, {}, "key_length_mla > 0",
+         "hparams.is_mla()"),
+        ("jamba", {**DELTA, "ssm.inner_size": 100}, {}, "ssm.inner_size == 2",
+         "2 * n_embd == d_inner"),
+        ("deepseek2-ocr", {**OCR, "rope.freq_base": 5000.0}, square_kv(), "rope.freq_base",
+         "fabs(freq_base - 10000.0) < 1e-4"),
     ],
     ids=["value-length", "swa-pattern", "swa-encoder", "mrope-zero", "mrope-negative",
-         "repeated-token", "wordpiece-bytes", "missing-bos", "no-vocab"],
+         "repeated-token", "wordpiece-bytes", "missing-bos", "no-vocab", "attention-interval",
+         "head-count", "experts-divided", "experts-asserted", "moe-layer-step", "mla",
+         "ssm-inner-size", "ocr-rope-base"],
 )  # fmt: skip
 def test_the_new_checks_turn_an_abort_into_an_error(
     tmp_path: Path, arch: str, keys: dict[str, Any], tensors: dict[str, Any], message: str,
     death: str,
 ) -> None:  # fmt: skip
     path = tiny_model(tmp_path / "m.gguf", keys, arch, tensors)
+    assert_checked_else_dies(path, message, death)
+
+
+def assert_checked_else_dies(path: Path, message: str, death: str) -> None:
+    """Loading ``path`` raises InvalidModelError naming ``message``; without the checks the
+    child dies of SIGFPE or of the abort whose stderr holds ``death``."""
     checked = load_in_child(path, "checked")
     assert checked.returncode == 0, checked.stderr[-2000:]
     assert checked.stdout.startswith("InvalidModelError") and message in checked.stdout, (
@@ -691,7 +876,36 @@ def test_the_new_checks_turn_an_abort_into_an_error(
     unchecked = load_in_child(path, "unchecked")
     expected = -signal.SIGFPE if death == "SIGFPE" else -signal.SIGABRT
     assert unchecked.returncode == expected, (
-        f"llama.cpp no longer dies on {arch} {keys} (exit {unchecked.returncode}): re-audit "
+        f"llama.cpp no longer dies on {path.name} (exit {unchecked.returncode}): re-audit "
         f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
     )
     assert death == "SIGFPE" or death in unchecked.stderr, unchecked.stderr[-2000:]
+
+
+def tiny_lfm2(path: Path, keys: dict[str, Any]) -> Path:
+    """The tiny llama turned LFM2: layer 0 a short convolution, layer 1 attention."""
+    writer = gguf.GGUFWriter(str(path), "lfm2")
+    tiny._metadata(writer, tiny.N_LAYER, 1e-5)
+    for key, value in {**LFM2, **keys}.items():
+        add(writer, full_key("lfm2", key), value)
+    trunk = tiny._tensors(0, len(TOKENS))
+    tensors = {name: data for name, data in trunk.items() if not name.startswith("blk.0.attn_")}
+    tensors["blk.0.attn_norm.weight"] = trunk["blk.0.attn_norm.weight"]
+    tensors["token_embd_norm.weight"] = tensors.pop("output_norm.weight")
+    conv = {"conv": (tiny.N_EMBD, keys["shortconv.l_cache"]), "in_proj": (3 * tiny.N_EMBD,
+            tiny.N_EMBD), "out_proj": (tiny.N_EMBD, tiny.N_EMBD)}  # fmt: skip
+    tensors |= {f"blk.0.shortconv.{name}.weight": weights(*shape) for name, shape in conv.items()}
+    head = tiny.N_EMBD // tiny.N_HEAD
+    tensors |= {f"blk.1.attn_{x}_norm.weight": np.ones(head, np.float32) for x in "qk"}
+    tiny.write_gguf(writer, tensors)
+    return path
+
+
+def test_a_centred_lfm2_convolution_of_even_width_is_refused(tmp_path: Path) -> None:
+    # Non-causal LFM2 pads (l_cache - 1) // 2 on each side: with an even l_cache a one-token
+    # step leaves the padded input no longer than the conv state (lfm2.cpp:205).
+    keys = {**NON_CAUSAL, "shortconv.l_cache": 4}
+    path = tiny_lfm2(tmp_path / "m.gguf", keys)
+    assert_checked_else_dies(path, "odd shortconv.l_cache", "bx->ne[0] > conv->ne[0]")
+    good = tiny_lfm2(tmp_path / "good.gguf", {**keys, "shortconv.l_cache": 3})
+    assert load_in_child(good, "checked").stdout.startswith("loaded")

@@ -1,8 +1,9 @@
 """Per-architecture facts of the pinned llama.cpp that validate_gguf needs: which archs use
-sliding-window attention and with which layer pattern, which graphs assert equal head sizes, and
-which rope with M-RoPE sections. Names are ``general.architecture`` values; the sources are
-``src/models/<arch>.cpp`` and ``llama_model_rope_type``. docs/native-aborts.md says how to
-re-derive them when llama.cpp is bumped."""
+sliding-window attention and with which layer pattern, which graphs assert equal head sizes,
+which rope with M-RoPE sections, and the loader and graph invariants of single architectures
+(experts, recurrent layers, MLA, indexers, RWKV). Names are ``general.architecture`` values;
+the sources are ``src/models/<arch>.cpp`` and ``llama_model_rope_type``. docs/native-aborts.md
+says how to re-derive them when llama.cpp is bumped."""
 
 from __future__ import annotations
 
@@ -80,3 +81,82 @@ MROPE_IF_ANY = frozenset({"dflash"})
 # gemma3n hard-codes the layer from which layers reuse earlier KV; gemma4 derives it from
 # {arch}.attention.shared_kv_layers.
 GEMMA3N_KV_FROM_START = 20
+
+# dots3note reads {arch}.attention.sliding_window_pattern as is (get_arr), but its own
+# create_memory branch has no "some layer is sliding-window" assert.
+SWA_OWN_MEMORY = frozenset({"dots3note"})
+
+# -- graph and loader invariants of single architectures (src/models/<arch>.cpp) ----------------
+
+# Loaders that assert (or divide by) expert_count > 0 -- always, or once some main layer lies
+# past {arch}.leading_dense_block_count. The generic checks then force expert_used_count > 0.
+EXPERTS_REQUIRED = frozenset({
+    "bailingmoe2", "glm4moe", "grovemoe", "llada-moe", "qwen35moe", "qwen4exp", "smallthinker"
+})  # fmt: skip
+EXPERTS_REQUIRED_PAST_DENSE_LEAD = frozenset({"lfm2moe"})
+
+# Required keys a loader or graph divides by or asserts positive: a present value must be > 0.
+POSITIVE_KEYS: dict[str, tuple[str, ...]] = {
+    "ernie4_5-moe": ("interleave_moe_layer_step",),
+    "grovemoe": ("experts_per_group",),
+    "hy_v4": ("attention.key_length_mla", "attention.value_length_mla"),
+    "wavtokenizer-dec": ("attention.group_norm_groups",),
+}
+
+# Loaders that divide embedding_length by head_count (layer 0): always (None), or only for the
+# model type picked by that number of main layers (gemma2/gemma3 27B attention scale).
+HEAD_COUNT_DIVIDES: dict[str, int | None] = {
+    "gemma2": 46,
+    "gemma3": 62,
+    "olmo2": None,
+    "phimoe": None,
+}
+
+# Which main layers are recurrent (state-space or linear attention): every one; those with
+# head_count_kv == 0 (and feed_forward_length == 0 for nemotron_h); or, unless the file has
+# {arch}.attention.recurrent_layers, all but every full_attention_interval-th (its default here:
+# the loader divides by it).
+RECURRENT_ALL = frozenset({"falcon-h1", "mamba2"})
+RECURRENT_WITHOUT_KV = frozenset({"glm5-next", "granitehybrid", "lfm2", "lfm2moe", "plamo2"})
+RECURRENT_WITHOUT_KV_OR_FF = frozenset({"nemotron_h", "nemotron_h_moe"})
+RECURRENT_INTERVAL: dict[str, int] = {
+    "minimax-01": 8, "qwen35": 4, "qwen35moe": 4, "qwen3next": 4, "qwen4exp": 4
+}  # fmt: skip
+
+# ssm.* layout the recurrent layers' graph asserts: "mamba2" (build_mamba2_layer: time_step_rank
+# and group_count > 0, both dividing inner_size), "plamo2" (group_count 0, time_step_rank
+# dividing inner_size), "gated_delta" (delta net: group_count > 0 dividing time_step_rank,
+# inner_size == state_size x time_step_rank).
+SSM_LAYOUT: dict[str, str] = {
+    "falcon-h1": "mamba2", "granitehybrid": "mamba2", "mamba2": "mamba2", "nemotron_h": "mamba2",
+    "nemotron_h_moe": "mamba2", "plamo2": "plamo2", "qwen35": "gated_delta",
+    "qwen35moe": "gated_delta", "qwen3next": "gated_delta", "qwen4exp": "gated_delta",
+}  # fmt: skip
+# Loaders asserting ssm.inner_size == 2 x embedding_length.
+SSM_INNER_TWICE_EMBEDDING = frozenset({"granitehybrid", "jamba"})
+
+# Graphs that rope the sparse-attention indexer head with the model's rope dimensions.
+INDEXER_ROPE = frozenset({"deepseek32", "deepseek4", "dots3note", "glm-dsa", "minimax-m3"})
+# Graphs where a "shared" indexer layer (attention.indexer.types[il] == 0) reuses the top-k of
+# an earlier attention layer, so the first attention layer must compute its own.
+INDEXER_SHARED_AFTER_FULL = frozenset({"glm-dsa", "glm5-next"})
+# MLA loaders asserting a non-rotary part: key_length_mla (else key_length) > rope dimensions.
+MLA_NOPE = frozenset({"deepseek2", "hy_v4", "mistral4"})
+# MLA graphs without rope at all.
+NOPE_ONLY = frozenset({"glm5-next"})
+# DeepSeek-V4 attention with hyper-connections (dflash only with hyper_connection.count > 0).
+DSV4_ATTENTION = frozenset({"deepseek4", "dflash"})
+
+# RWKV graphs: the token_shift_count each asserts (the key defaults to 2).
+TOKEN_SHIFT: dict[str, int] = {"arwkv7": 1, "rwkv6": 2, "rwkv6qwen2": 1, "rwkv7": 2}
+# RWKV6 time mix repeating head_count_kv groups of heads.
+WKV_KV_GROUPS = frozenset({"rwkv6", "rwkv6qwen2"})
+
+# Loaders that make the trunk tensors optional when nextn_predict_layers > 0 and
+# blk.0.attn_norm.weight is missing (a file for MTP drafting only): the main graph then runs on
+# null tensors.
+MTP_TRUNK_OPTIONAL = frozenset({
+    "bailingmoe3", "cohere2moe", "deepseek2", "deepseek32", "deepseek4", "glm-dsa", "glm4moe",
+    "hy_v3", "mimo2", "mistral4", "nemotron_h", "nemotron_h_moe", "qwen35", "qwen35moe",
+    "qwen3next", "step35",
+})  # fmt: skip
