@@ -55,6 +55,15 @@ def main() -> None:
             max_tokens=12, temperature=0, stream=True,
         )  # fmt: skip
         print("streamed chat:", repr("".join(c.choices[0].delta.content or "" for c in stream)))
+        # The Responses API: the server keeps the conversation for previous_response_id.
+        first = client.responses.create(model="local", instructions="Answer in a few words.",
+                                        input="What is the capital of France?",
+                                        max_output_tokens=8, temperature=0)  # fmt: skip
+        print("response:", repr(first.output_text))
+        follow_up = client.responses.create(model="local", previous_response_id=first.id,
+                                            input="And of Italy?", max_output_tokens=8,
+                                            temperature=0)  # fmt: skip
+        print("follow-up:", repr(follow_up.output_text))
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -31,7 +31,8 @@ def templated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Llama]:
 
 def test_the_models_own_template_is_the_default(templated: Llama) -> None:
     assert templated.chat_prompt(HELLO) == "<s><system>Be brief.</s><user>Hi!</s><assistant>"
-    assert templated.chat_prompt(HELLO, "tokenizer.chat_template.tool_use") == "2 messages"
+    # The variant never shows a system message: as llama.cpp does, it joins the user's.
+    assert templated.chat_prompt(HELLO, "tokenizer.chat_template.tool_use") == "1 messages"
     # The template wrote BOS itself: the tokenizer must not add a second one.
     tokens = chat_tokens(templated.model, templated._media, HELLO, None)
     assert tokens[0] == templated.vocab.bos and tokens[1] != templated.vocab.bos
@@ -45,7 +46,9 @@ def test_built_in_and_custom_formats(tiny_llama: Llama) -> None:
     assert tiny_llama.chat_prompt(HELLO, "alpaca").endswith(
         "### Instruction:\nHi!\n\n### Response:\n"
     )
-    assert tiny_llama.chat_prompt(HELLO, "{{ messages[-1].content }}!") == "Hi!!"
+    assert tiny_llama.chat_prompt(HELLO[1:], "{{ messages[-1].content }}!") == "Hi!!"
+    # A template that never shows a system message gets it joined to the next (llama.cpp's way).
+    assert tiny_llama.chat_prompt(HELLO, "{{ messages[-1].content }}!") == "Be brief.\nHi!!"
     with pytest.raises(TemplateError, match="no chat format 'nope'"):
         tiny_llama.chat_prompt(HELLO, "nope")
     with pytest.raises(TemplateError, match="has no chat template: pass chat_format"):

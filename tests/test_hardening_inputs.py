@@ -160,3 +160,35 @@ def test_ordinary_templates_still_render() -> None:
         "{{ [[1], [2]]|sum(start=[]) }}{{ 'x'|indent(2) }}{{ '%s!'|format('hi') }}"
     )
     assert render(source, []) == "---[1, 1, 3]1024ab007|xp,qaBc..z[1, 2]xhi!"
+
+
+def test_a_template_may_change_what_it_built_but_not_what_it_was_given() -> None:
+    queue = (
+        "{% set q = namespace(ids=[]) %}{% set _ = q.ids.append('a') %}{% set _ = q.ids.append('b')"
+        " %}{{ q.ids.pop(0) }}{% set d = {} %}{% set _ = d.update({'k': 1}) %}{{ d|tojson }}"
+        "{{ q.ids }}"
+    )
+    assert render(queue, []) == "a{\"k\": 1}['b']"
+    messages = [{"role": "user", "content": "hi", "parts": ["x"]}]
+    for hostile in ("{% set _ = messages.append(1) %}", "{% set _ = messages[0].update(a=1) %}",
+                    "{% set _ = messages[0].parts.append(1) %}"):  # fmt: skip
+        with pytest.raises(TemplateError, match=r"not allowed|unsafe"):
+            render(hostile, messages)
+    assert messages == [{"role": "user", "content": "hi", "parts": ["x"]}]
+    doubling = "{% set l = ['x'] %}{% for i in range(40) %}{% set _ = l.extend(l) %}{% endfor %}"
+    started = time.perf_counter()
+    with pytest.raises(TemplateError, match=f"limit of {MAX_VALUE_SIZE}"):
+        render(doubling, [])
+    assert time.perf_counter() - started < 1
+
+
+def test_templates_get_what_real_templates_use() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    source = (
+        "{{ tools|map(attribute='function')|tojson }}|{{ '{\"a\": [1]}'|from_json }}|"
+        "{% generation %}kept{% endgeneration %}|{{ nothing.at.all }}|{{ 'x' + none }}|"
+        "{{ undefined_name + 'y' }}"
+    )
+    assert render(source, [], tools=tools) == (
+        '[{"name": "f", "parameters": {}}]|{\'a\': [1]}|kept||x|y'
+    )

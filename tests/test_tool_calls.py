@@ -76,8 +76,6 @@ def test_generic_json_and_plain_text() -> None:
 def test_tools_reach_the_template(llm: Llama) -> None:
     prompt = llm.chat_prompt([{"role": "user", "content": "hi"}], tools=[WEATHER, TIME])
     assert prompt == "TOOLS get_weather get_time <user>hi<assistant>"  # trim_blocks ate "\n"
-    with pytest.raises(InvalidParameterError, match="cannot present tools"):
-        llm.chat_prompt([{"role": "user", "content": "hi"}], "chatml", tools=[WEATHER])
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -156,7 +154,8 @@ def test_streamed_text_without_a_call_is_all_content() -> None:
 
 
 HERMES_TEMPLATE = (
-    "{% if tools %}Call a tool as <tool_call>{...}</tool_call>\n{% endif %}"
+    "{% if tools %}Call a tool ({{ tools|map(attribute='function.name')|join(', ') }}) as "
+    "<tool_call>{...}</tool_call>\n{% endif %}"
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 )
 

@@ -8,6 +8,7 @@ Native objects are wrapped in handles that free themselves exactly once (childre
 a closed handle raises ClosedHandleError. llama.cpp's log goes to the ``llamacrab`` logger.
 """
 
+from llamacrab._chat.builtin import builtin_names as chat_format_names
 from llamacrab._chat.media_parts import MediaPolicy
 from llamacrab._chat.tool_calls import parse_tool_calls
 from llamacrab._engine.cache import DiskCache, PromptCache, RamCache
@@ -131,6 +132,7 @@ __all__ = [
     "Vocab",
     "__version__",
     "build_info",
+    "chat_format_names",
     "parse_tool_calls",
     "resolve",
     "schema_to_grammar",

@@ -71,7 +71,15 @@ class DecodeAbortedError(DecodeError):
 
 
 class ContextOverflowError(LlamaError, ValueError):
-    """More tokens than the context can hold."""
+    """More tokens than the context can hold: ``n_prompt_tokens`` of them where ``n_ctx`` fit
+    (when known; llama-server reports both)."""
+
+    def __init__(
+        self, message: str, *, n_prompt_tokens: int | None = None, n_ctx: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
 
 
 class TokenizeError(LlamaError, ValueError):

@@ -196,7 +196,10 @@ class Llama:
         "required" or {"type": "function", "function": {"name": ...}} forces a call with a
         grammar (as generic JSON), so it always parses. ``check_tool_arguments`` validates
         each call's arguments against its tool's schema (ToolCallError if not; needs the
-        jsonschema package). Tools are never executed."""
+        jsonschema package). A template that cannot present tools gets them the way llama.cpp's
+        generic format does: a system message describing them, and a grammar for a JSON
+        ``tool_call`` (or, with "auto", a ``response``), parsed back into ``tool_calls``.
+        Tools are never executed."""
         options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments)
         tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)
         return chat_completion(self.create_completion(tokens, max_tokens=max_tokens, **kwargs),
@@ -297,16 +300,17 @@ class Llama:
 
     def embed(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str | Sequence[int]],
         *,
         normalize: bool = True,
         truncate: bool = False,
         pooling: str | None = None,
         pack_tokens: int = DEFAULT_PACK_TOKENS,
     ) -> np.ndarray | list[np.ndarray]:
-        """Embeddings of one text or many, as a float32 array of shape (n_texts, n_embd); for a
-        context with ``pooling="none"`` (and no ``pooling`` here), token-level embeddings: one
-        (n_tokens, n_embd) array per text, as ``embed_tokens`` returns.
+        """Embeddings of one text or many (each may be token ids), as a float32 array of shape
+        (n_texts, n_embd); for a context with ``pooling="none"`` (and no ``pooling`` here),
+        token-level embeddings: one (n_tokens, n_embd) array per text, as ``embed_tokens``
+        returns.
 
         Needs ``Llama(..., embeddings=True)``. Pooling is the context's (the model's by default,
         or ``Llama(..., pooling=...)``), computed by llama.cpp. ``pooling="mean"|"cls"|"last"``
@@ -325,7 +329,11 @@ class Llama:
         return self._embeddings.rerank(query, documents, top_n, truncate)
 
     def embed_tokens(
-        self, texts: str | Sequence[str], *, normalize: bool = False, truncate: bool = False
+        self,
+        texts: str | Sequence[str | Sequence[int]],
+        *,
+        normalize: bool = False,
+        truncate: bool = False,
     ) -> list[np.ndarray]:
         """Token-level embeddings (a context with ``pooling="none"``): (n_tokens, n_embd) each."""
         return self._embeddings.embed_tokens(texts, normalize, truncate)

@@ -4,9 +4,10 @@ tool calls found in (or checked in) the answer, whole or streamed."""
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from llamacrab._chat.generic_tools import GenericSplitter, generic_grammar, parse_generic
 from llamacrab._chat.tool_calls import (
     ToolCallSplitter,
     check_arguments,
@@ -29,14 +30,17 @@ from llamacrab._types import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass
 class ChatOptions:
-    """The chat-only options of one request (validated when created)."""
+    """The chat-only options of one request (validated when created). ``generic_tools`` is
+    set when the prompt is built: the template cannot present the tools, so they are
+    presented, constrained and parsed in llama.cpp's generic format."""
 
     tools: Sequence[Mapping[str, Any]] | None = None
     tool_choice: str | Mapping[str, Any] = "auto"
     response_format: Mapping[str, Any] | None = None
     check_tool_arguments: bool = False
+    generic_tools: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.tools:
@@ -51,6 +55,8 @@ class ChatOptions:
     def completion_kwargs(self, kwargs: dict[str, Any], template: str | None) -> dict[str, Any]:
         """Completion keywords plus the grammar the response format or tool choice needs;
         ``template`` is the chat template's source, where tool-call openers are looked up."""
+        if self.generic_tools and self.parses_tools:
+            return self._generic_kwargs(kwargs)
         kwargs = _with_response_format(self.response_format, kwargs)
         if not self.tools or self.tool_choice == "none":
             return kwargs
@@ -68,24 +74,44 @@ class ChatOptions:
             return {**kwargs, "grammar": forced_call_grammar(self.tools, only=name)}
         raise InvalidParameterError(f"unknown tool_choice {self.tool_choice!r}")
 
+    def _generic_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The generic format's grammar: a call, or for "auto" a call or a response (its
+        text, or the response_format's JSON). A grammar of the caller's own replaces it for
+        "auto" (the answer is parsed all the same); a forced call cannot have one."""
+        assert self.tools
+        forced = self.tool_choice != "auto"
+        if "grammar" in kwargs or (forced and _response_schema(self.response_format)):
+            if forced:
+                raise InvalidParameterError(
+                    "a forced tool_choice and a grammar/response_format conflict"
+                )
+            return _with_response_format(self.response_format, kwargs)
+        response = _response_schema(self.response_format)
+        return {**kwargs, "grammar": generic_grammar(self.tools, self.tool_choice, response)}
+
     def _checked(self, calls: Sequence[ToolCall]) -> tuple[ToolCall, ...]:
         if self.check_tool_arguments and self.tools:
             check_arguments(calls, self.tools)
         return tuple(calls)
 
     def choice(self, choice: CompletionChoice) -> ChatChoice:
+        text = choice.text
         if self.parses_tools:
-            content, calls = parse_tool_calls(choice.text)
+            parse = parse_generic if self.generic_tools else parse_tool_calls
+            content, calls = parse(choice.text)
             if calls:
                 message = ChatMessage("assistant", content or None, self._checked(calls))
                 return ChatChoice(choice.index, message, "tool_calls", choice.logprobs)
-        message = ChatMessage("assistant", choice.text)
+            text = content  # the generic format's response, unwrapped
+        message = ChatMessage("assistant", text)
         return ChatChoice(choice.index, message, choice.finish_reason, choice.logprobs)
 
     def chunks(self, stream: Stream[CompletionChunk]) -> Generator[ChatCompletionChunk, None, None]:
         """Completion chunks as chat deltas; with tools, a call's text is held back and the
         last delta carries the parsed calls."""
-        splitter = ToolCallSplitter() if self.parses_tools else None
+        splitter: ToolCallSplitter | GenericSplitter | None = None
+        if self.parses_tools:
+            splitter = GenericSplitter() if self.generic_tools else ToolCallSplitter()
         first = True
         try:
             for chunk in stream:
@@ -107,6 +133,21 @@ class ChatOptions:
                                           finish, chunk.usage, chunk.logprobs)  # fmt: skip
         finally:
             stream.close()  # breaking out of the chat stream stops generation at once
+
+
+def _response_schema(response_format: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON Schema an OpenAI ``response_format`` asks for (None: free text)."""
+    kind = None if response_format is None else response_format.get("type")
+    if kind in (None, "text") or response_format is None:
+        return None
+    if kind == "json_object":
+        return dict(response_format.get("schema") or {"type": "object"})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        if "schema" not in spec:
+            raise InvalidParameterError('response_format json_schema needs {"schema": {...}}')
+        return dict(spec["schema"])
+    raise InvalidParameterError(f"unknown response_format type {kind!r}")
 
 
 def _with_response_format(

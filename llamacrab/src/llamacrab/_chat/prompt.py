@@ -2,7 +2,9 @@
 
 The model's GGUF template is the default: a model's format is never silently replaced by a
 generic one. Gemma GGUFs without a template get the gemma format; any other model without one
-needs ``chat_format``.
+needs ``chat_format``. Messages are first adapted to what the template can present
+(``_chat/adapt.py``); tools a template cannot present are described in llama.cpp's generic
+tool format (``_chat/generic_tools.py``).
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from llamacrab._chat.adapt import adapt_messages
 from llamacrab._chat.builtin import apply_builtin, builtin_names
+from llamacrab._chat.caps import BUILTIN_CAPS, template_caps
 from llamacrab._exceptions import InvalidParameterError, TemplateError
 from llamacrab._native.model import Model
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -23,6 +27,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         raise InvalidParameterError("a chat needs at least one message")
     result = []
     for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidParameterError(f"message {i} must be an object, not {type(message)}")
         role = message.get("role")
         if role not in ROLES:
             raise InvalidParameterError(f"message {i} has role {role!r}; expected one of {ROLES}")
@@ -30,9 +36,10 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, Mapping) else type(part)
+                if kind != "text":
                     raise InvalidParameterError(
-                        f"message {i}: content part of type {part.get('type')!r} is not supported"
+                        f"message {i}: content part of type {kind!r} is not supported"
                     )
                 texts.append(str(part.get("text", "")))
             content = "".join(texts)
@@ -51,27 +58,44 @@ def chat_prompt(
 ) -> str:
     """The prompt text for ``messages``: ``chat_format`` may name a built-in format, a GGUF
     template variant (``tokenizer.chat_template.NAME``), or be a Jinja template itself."""
-    normalized = normalize_messages(messages)
     source = template_source(model, chat_format)
     if source is None:
-        if template_variables.get("tools"):
-            raise InvalidParameterError(
-                "this built-in chat format cannot present tools: use the model's own template "
-                "or a Jinja chat_format that renders `tools`"
-            )
-        name = chat_format or "gemma"
-        return apply_builtin(name, normalized, add_generation_prompt)
-    from llamacrab._chat.template import render  # Jinja2 loads with the first template
-
+        adapted = adapt_messages(
+            normalize_messages(messages), BUILTIN_CAPS, template_variables.get("tools")
+        )
+        return apply_builtin(chat_format or "gemma", adapted, add_generation_prompt)
     vocab = model.vocab
-    return render(
+    return render_template(
         source,
-        normalized,
+        messages,
         add_generation_prompt=add_generation_prompt,
         bos_token=_token_text(model, vocab.bos),
         eos_token=_token_text(model, vocab.eos),
         **template_variables,
     )
+
+
+def render_template(
+    source: str,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    **template_variables: Any,
+) -> str:
+    """``messages`` rendered with the Jinja template ``source``, adapted to what it can present
+    (``tools``, if given, are among ``template_variables``)."""
+    from llamacrab._chat.template import render  # Jinja2 loads with the first template
+
+    tools = template_variables.get("tools")
+    # GPT-OSS templates (the <|channel|> format) know the developer role; llama.cpp keeps it.
+    developer = "<|channel|>" in source
+    adapted = adapt_messages(normalize_messages(messages), template_caps(source), tools, developer)
+    return render(source, adapted, add_generation_prompt=add_generation_prompt,
+                  **template_variables)  # fmt: skip
+
+
+def presents_tools(source: str | None) -> bool:
+    """Whether the template ``source`` (None: a built-in format) renders ``tools`` itself."""
+    return source is not None and template_caps(source).tools
 
 
 def template_source(model: Model, chat_format: str | None) -> str | None:

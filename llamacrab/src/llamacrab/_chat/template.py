@@ -1,32 +1,46 @@
 """Chat templates rendered with Jinja2 in a sandbox: templates from model files are untrusted.
 
-The immutable sandbox refuses attribute escapes (``__class__``, ``mro`` and the like) and
-mutation of the values passed in. Rendering is bounded in output size and time, so a template
-that loops forever or grows without end raises TemplateError instead of hanging the process.
+The sandbox refuses attribute escapes (``__class__``, ``mro`` and the like) and mutation of
+the values passed in; lists and dicts a template builds itself it may change (``append``,
+``pop``, ``update``: real templates keep queues that way). Rendering is bounded in output size
+and time, so a template that loops forever or grows without end raises TemplateError instead of
+hanging the process.
+
+What templates written for Hugging Face transformers and llama.cpp expect is provided:
+``tojson`` (of generators too: ``tools|map(attribute='function')|tojson``), ``from_json``, the
+``{% generation %}`` block, ``raise_exception`` and ``strftime_now``; as llama.cpp's engine
+does, an undefined attribute of an undefined value is undefined, and ``+`` of a string with
+none or an undefined value treats the missing side as empty.
 
 The time limit cannot stop one C-level operation, so the operations that build a value in one
 step are bounded before they run: string and list repetition and concatenation (``*``, ``+``),
 ``%`` formatting widths, integer ``**`` and ``*``, the ``join``, ``replace``, ``center``,
-``indent``, ``format`` and ``sum`` filters and the string methods that pad, join or replace.
+``indent``, ``format`` and ``sum`` filters, the string methods that pad, join or replace, and
+the list and dict methods that grow a value (``append``, ``extend``, ``update`` ...).
 ``range`` is bounded by Jinja's sandbox (``jinja2.sandbox.MAX_RANGE``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import json
 import re
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import BuiltinFunctionType, FrameType
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension
 from jinja2.filters import FILTERS
-from jinja2.runtime import Context
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.parser import Parser
+from jinja2.runtime import ChainableUndefined, Context, Undefined
+from jinja2.sandbox import SandboxedEnvironment, modifies_known_mutable
 
 from llamacrab._exceptions import TemplateError
 
@@ -46,8 +60,59 @@ def _strftime_now(format: str) -> str:
     return datetime.datetime.now().strftime(format)
 
 
-def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _json_default(value: Any) -> Any:
+    """What ``json.dumps`` cannot write itself: a generator or other iterable (``map``,
+    ``select`` and friends return them) becomes a list, a mapping a dict, undefined null."""
+    if isinstance(value, Undefined):
+        return None
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, (Iterator, Iterable)) and not isinstance(value, (str, bytes)):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    separators: Sequence[str] | None = None,
+    sort_keys: bool = False,
+    ensure_ascii: bool = False,
+    **_: Any,
+) -> str:
+    """Hugging Face's ``tojson``: non-ASCII kept, key order kept unless ``sort_keys``."""
+    if isinstance(value, Iterator):
+        value = list(value)
+    if isinstance(indent, int) and indent > 0:
+        _refuse_size(indent, "a JSON indentation")
+    seps = None if separators is None else (str(separators[0]), str(separators[1]))
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=seps,
+                      sort_keys=sort_keys, default=_json_default)  # fmt: skip
+
+
+def _from_json(text: str) -> Any:
+    """llama.cpp's ``from_json`` filter (DeepSeek's templates): JSON text to a value."""
+    _refuse_size(len(str(text)), "a JSON text")
+    try:
+        return json.loads(str(text))
+    except json.JSONDecodeError as error:
+        raise TemplateError(f"the chat template's from_json got invalid JSON: {error}") from None
+
+
+class _Generation(Extension):
+    """``{% generation %}...{% endgeneration %}``: Hugging Face marks the assistant's part of a
+    rendering with it (for training masks); for a prompt the body renders as it is."""
+
+    tags = {"generation"}  # noqa: RUF012 (Jinja reads it per class)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_body")
+        return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
 
 
 def _size(value: Any) -> int:
@@ -194,38 +259,119 @@ def _check_str_method(method: BuiltinFunctionType, args: tuple[Any, ...]) -> Non
         _checked_replace(target, args[0], args[1], args[2] if len(args) > 2 else -1)
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
+# Lists and dicts a template may not change: ``id()`` of every one reachable from the variables
+# of the rendering in progress (they stay alive while it runs, so no other object has their id).
+_FROZEN: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "llamacrab_template_frozen", default=frozenset()
+)
+# The mutating methods a template may call on values it built itself; they are size-checked.
+_GROWING = frozenset({"append", "insert", "extend", "update", "setdefault", "add"})
+
+
+def _container_ids(value: Any, found: set[int]) -> None:
+    """``id()`` of ``value`` and of every list, dict or set inside it."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, dict, set)) and id(item) not in found:
+            found.add(id(item))
+            stack.extend(item.values() if isinstance(item, dict) else item)
+        elif isinstance(item, tuple):
+            stack.extend(item)
+
+
+def _check_mutation(target: Any, name: str, args: tuple[Any, ...]) -> None:
+    """Growing a list, dict or set: refused past MAX_VALUE_SIZE items."""
+    if name in ("append", "insert", "setdefault", "add"):
+        _refuse_size(len(target) + 1, "a grown container")
+    elif name in ("extend", "update") and args:
+        added = args[0]
+        size = len(added) if isinstance(added, (Sequence, Mapping, set)) else MAX_VALUE_SIZE + 1
+        _refuse_size(len(target) + size, "a grown container")
+
+
+def _blank(value: Any) -> bool:
+    return value is None or isinstance(value, Undefined)
+
+
+class _Generator(CodeGenerator):
+    """Compiles ``~`` to the sandbox's checked join, so that one concatenation is bounded like
+    ``+`` (a loop doubling a string through a namespace grew without bound)."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.checked_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _Sandbox(SandboxedEnvironment):
     """Jinja's sandbox quietly renders an unsafe attribute as undefined; a template reaching for
     Python internals is hostile or broken either way, so it is an error here. Operators that
-    can build a huge value in one step are checked first (see the module's docstring)."""
+    can build a huge value in one step are checked first (see the module's docstring). The
+    values passed in are immutable (as in Jinja's ImmutableSandboxedEnvironment); what the
+    template built itself is not."""
 
     intercepted_binops = frozenset({"*", "+", "%", "**"})
+    code_generator_class = _Generator
+
+    def checked_concat(self, values: tuple[Any, ...]) -> str:
+        parts = [str(value) for value in values]
+        _refuse_size(sum(map(len, parts)), "a concatenation")
+        return "".join(parts)
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if not super().is_safe_attribute(obj, attr, value):
+            return False
+        if not modifies_known_mutable(obj, attr):
+            return True
+        return attr in _GROWING | {"pop", "remove", "clear", "popitem", "discard", "sort",
+                                   "reverse"} and id(obj) not in _FROZEN.get()  # fmt: skip
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         raise SecurityError(f"access to {attribute!r} of a {type(obj).__name__} is not allowed")
 
     def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and (
+            (_blank(left) and isinstance(right, str)) or (isinstance(left, str) and _blank(right))
+        ):
+            # llama.cpp's engine: a missing side of a string concatenation is empty.
+            return ("" if _blank(left) else left) + ("" if _blank(right) else right)
         _check_binop(operator, left, right)
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(__obj, BuiltinFunctionType) and isinstance(__obj.__self__, str):
-            if __obj.__name__ == "join" and args:
-                args = (list(args[0]), *args[1:])  # an iterator is read once: check a list
-            _check_str_method(__obj, args)
+        if isinstance(__obj, BuiltinFunctionType):
+            target = __obj.__self__
+            if isinstance(target, str):
+                if __obj.__name__ == "join" and args:
+                    args = (list(args[0]), *args[1:])  # an iterator is read once: check a list
+                _check_str_method(__obj, args)
+            elif isinstance(target, (list, dict, set)) and __obj.__name__ in _GROWING:
+                counted = isinstance(args[0], (Sequence, Mapping, set)) if args else True
+                if __obj.__name__ in ("extend", "update") and not counted:
+                    args = (list(args[0]), *args[1:])  # an iterator: count it first
+                _check_mutation(target, __obj.__name__, args)
         return super().call(__context, __obj, *args, **kwargs)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+def _environment() -> SandboxedEnvironment:
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, undefined=ChainableUndefined,
+                   extensions=["jinja2.ext.loopcontrols", _Generation])  # fmt: skip
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
+    env.filters["from_json"] = _from_json
     _guard_filters(env)
     return env
 
 
 _ENV = _environment()
+
+
+class TemplateTimeout(TemplateError):
+    """A template ran past MAX_SECONDS."""
 
 
 class _Deadline:
@@ -236,7 +382,7 @@ class _Deadline:
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
         if time.monotonic() > self.deadline:
-            raise TemplateError(f"the chat template ran longer than {MAX_SECONDS} s")
+            raise TemplateTimeout(f"the chat template ran longer than {MAX_SECONDS} s")
         return self
 
 
@@ -256,6 +402,12 @@ def render(
         template = _ENV.from_string(source)
     except jinja2.TemplateError as error:
         raise TemplateError(f"the chat template does not parse: {error}") from error
+    except (RecursionError, MemoryError, SyntaxError) as error:
+        # Nested too deep for Jinja's recursive parser, or for Python to compile what Jinja
+        # made of it (Python allows 100 levels of indentation).
+        raise TemplateError(
+            f"the chat template does not compile: {type(error).__name__}: {error}"
+        ) from error
     variables = {
         "messages": [dict(m) for m in messages],
         "add_generation_prompt": add_generation_prompt,
@@ -265,9 +417,12 @@ def render(
         "documents": list(documents) if documents else None,
         **extra,
     }
+    frozen: set[int] = set()
+    _container_ids(variables, frozen)
     pieces: list[str] = []
     size = 0
     previous = sys.gettrace()
+    token = _FROZEN.set(frozenset(frozen))
     sys.settrace(_Deadline(MAX_SECONDS))
     try:
         for piece in template.generate(**variables):
@@ -285,4 +440,5 @@ def render(
         raise TemplateError(f"the chat template failed: {type(error).__name__}: {error}") from error
     finally:
         sys.settrace(previous)
+        _FROZEN.reset(token)
     return "".join(pieces)

@@ -4,7 +4,7 @@ Parsers for the formats in common use, tried in order: Hermes/ChatML
 ``<tool_call>{...}</tool_call>``, Functionary ``<function=NAME>{...}</function>`` or
 ``>>>NAME\n{...}``, Mistral ``[TOOL_CALLS][{...}]``, Llama 3
 ``<|python_tag|>{...}`` or a bare ``{"name": ..., "parameters": ...}``, and generic JSON
-(``{"tool_calls": [...]}`` or one call).
+(``{"tool_calls": [...]}``, llama.cpp's ``{"tool_call": {...}}``, or one call).
 Tools are never executed: arguments come back as JSON text.
 """
 
@@ -75,6 +75,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     if isinstance(whole, Mapping) and isinstance(whole.get("tool_calls"), list):
         calls = [c for item in whole["tool_calls"] if (c := _call(item))]
         return "", calls
+    if isinstance(whole, Mapping) and isinstance(whole.get("tool_call"), Mapping):
+        single = _call(whole["tool_call"])  # llama.cpp's generic format
+        return ("", [single]) if single else (text, [])
     single = _call(whole)
     return ("", [single]) if single else (text, [])
 

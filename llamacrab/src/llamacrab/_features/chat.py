@@ -8,7 +8,7 @@ from typing import Any
 
 from llamacrab._chat.media_parts import extract_media, has_media
 from llamacrab._chat.options import ChatOptions
-from llamacrab._chat.prompt import chat_prompt, template_source
+from llamacrab._chat.prompt import chat_prompt, presents_tools, template_source
 from llamacrab._features.media import MediaInput
 from llamacrab._native.media import Media
 from llamacrab._native.model import Model
@@ -24,9 +24,17 @@ def chat_request(
     options: ChatOptions,
     kwargs: dict[str, Any],
 ) -> tuple[list[int] | Chunks, dict[str, Any]]:
-    """The prompt (tokens, or chunks with media) and the completion keywords."""
-    tokens = chat_tokens(model, media, messages, chat_format, options.tools)
-    return tokens, options.completion_kwargs(kwargs, template_source(model, chat_format))
+    """The prompt (tokens, or chunks with media) and the completion keywords. Tools the
+    template cannot present go in llama.cpp's generic format (none for tool_choice "none")."""
+    source = template_source(model, chat_format)
+    tools = options.tools
+    if tools and not presents_tools(source):
+        if options.parses_tools:
+            options.generic_tools = True
+        else:
+            tools = None
+    tokens = chat_tokens(model, media, messages, chat_format, tools)
+    return tokens, options.completion_kwargs(kwargs, source)
 
 
 def chat_tokens(

@@ -49,8 +49,9 @@ class Embedder:
         if not truncate:
             raise ContextOverflowError(
                 f"text {index} has {len(tokens)} tokens; one decode holds {self.limit} "
-                "(pass truncate=True, or raise n_ubatch)"
-            )
+                "(pass truncate=True, or raise n_ubatch)",
+                n_prompt_tokens=len(tokens), n_ctx=self.limit,
+            )  # fmt: skip
         return tokens[: self.limit - 1] + tokens[-1:]
 
     def packs(self, texts: Sequence[list[int]]) -> Iterator[list[int]]:
@@ -143,7 +144,7 @@ class Embeddings:
 
     def embed(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str | Sequence[int]],
         normalize: bool,
         truncate: bool,
         pooling: str | None,
@@ -165,7 +166,7 @@ class Embeddings:
         return normalized(array) if normalize else array
 
     def embed_tokens(
-        self, texts: str | Sequence[str], normalize: bool, truncate: bool
+        self, texts: str | Sequence[str | Sequence[int]], normalize: bool, truncate: bool
     ) -> list[np.ndarray]:
         if self.embedder().pooled:
             raise InvalidParameterError('token embeddings need a context with pooling="none"')
@@ -192,12 +193,22 @@ class Embeddings:
         return [RerankResult(i, scores[i], documents[i]) for i in order]
 
     def _run(
-        self, texts: str | Sequence[str], truncate: bool, pack_tokens: int
+        self, texts: str | Sequence[str | Sequence[int]], truncate: bool, pack_tokens: int
     ) -> list[np.ndarray]:
+        """Each item is a text, or token ids (checked against the vocabulary, used as given)."""
         items = [texts] if isinstance(texts, str) else list(texts)
         vocab = self.context.model.vocab
+
+        def tokens_of(item: str | Sequence[int]) -> list[int]:
+            if isinstance(item, str):
+                return vocab.tokenize(item)
+            ids = vocab.check_tokens(item).tolist()
+            if not ids:
+                raise InvalidParameterError("an input of token ids is empty")
+            return [int(t) for t in ids]
+
         with self.lock:
             embedder = self.embedder(pack_tokens)
-            tokens = [embedder.fit(vocab.tokenize(t), i, truncate) for i, t in enumerate(items)]
+            tokens = [embedder.fit(tokens_of(t), i, truncate) for i, t in enumerate(items)]
             self.kv.lend()
             return embedder.run(tokens)

@@ -13,7 +13,6 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -22,8 +21,12 @@ from llamacrab import __version__
 from llamacrab._exceptions import LlamaError
 from llamacrab._llama import Llama
 from llamacrab.server import _wire as wire
+from llamacrab.server._anthropic import add_anthropic_routes
+from llamacrab.server._cors import CorsMiddleware
 from llamacrab.server._errors import ApiError, from_llama_error
 from llamacrab.server._guards import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from llamacrab.server._llama_server import add_llama_server_routes
+from llamacrab.server._responses import add_responses_routes
 from llamacrab.server._schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -68,11 +71,14 @@ def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if settings.api_keys:
         app.add_middleware(AuthMiddleware, keys=settings.api_keys, open_paths=("/health",))
-    if settings.cors_origins:  # outermost: preflight requests carry no key
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                           allow_methods=["*"], allow_headers=["*"])  # fmt: skip
+    # Outermost: a browser's preflight carries no key; it is answered for any origin.
+    app.add_middleware(CorsMiddleware, origins=settings.cors_origins,
+                       origin_regex=settings.cors_origin_regex)  # fmt: skip
     _install_error_handlers(app)
     _add_routes(app, state)
+    add_responses_routes(app, state)
+    add_anthropic_routes(app, state)
+    add_llama_server_routes(app, state)
     return app
 
 
@@ -146,12 +152,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise ApiError(400, "this server was not started with --embeddings")
         if body.dimensions is not None:
             raise ApiError(400, "dimensions is not supported", param="dimensions")
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        if not all(isinstance(t, str) for t in texts):
-            raise ApiError(400, "send input as text (token arrays are not supported)",
-                           param="input")  # fmt: skip
-        vectors = await in_thread(llama.embed, texts)
-        n_tokens = sum(len(llama.tokenize(str(t))) for t in texts)
+        if llama.context.pooling == "none":
+            raise ApiError(400, "this model's embeddings are not pooled (pooling none), and "
+                           "/v1/embeddings returns one vector per input: start the server with "
+                           "--pooling mean, cls or last", code="pooling_none")  # fmt: skip
+        # Texts or token ids (Llama.embed takes both; its annotation names texts only).
+        inputs: Any = wire.embedding_inputs(body.input)
+        with state.metrics.working_on():
+            vectors = await in_thread(llama.embed, inputs)
+        n_tokens = sum(len(llama.tokenize(t)) if isinstance(t, str) else len(t) for t in inputs)
+        state.metrics.tokens(n_tokens, 0)
         data = [wire.embedding(v, i, body.encoding_format) for i, v in enumerate(vectors)]
         usage = {"prompt_tokens": n_tokens, "completion_tokens": 0, "total_tokens": n_tokens}
         return {"object": "list", "data": data, "model": settings.alias, "usage": usage}
@@ -161,13 +171,27 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         llama = state.ready(body.model)
         if not settings.reranking:
             raise ApiError(400, "this server was not started with --reranking")
-        results = await in_thread(llama.rerank, body.query, body.documents, top_n=body.top_n)
+        # Jina/Cohere bodies name the texts "documents"; Hugging Face TEI's name them "texts"
+        # and get TEI's answer: a list of {index, score[, text]} (as llama-server does).
+        tei = body.documents is None and body.texts is not None
+        documents = body.documents if body.documents is not None else body.texts or []
+        if not documents:
+            raise ApiError(400, "documents must be a non-empty list of texts", param="documents")
+        with state.metrics.working_on():
+            results = await in_thread(llama.rerank, body.query, documents, top_n=body.top_n)
+        n_tokens = sum(len(llama.tokenize(body.query + d)) for d in documents)
+        state.metrics.tokens(n_tokens, 0)
+        if tei:
+            return JSONResponse([
+                {"index": r.index, "score": r.score, **({"text": r.document} if body.return_text
+                                                         else {})}
+                for r in results
+            ])  # fmt: skip
         out = [
             {"index": r.index, "relevance_score": r.score,
              "document": {"text": r.document} if body.return_documents else None}
             for r in results
         ]  # fmt: skip
-        n_tokens = sum(len(llama.tokenize(body.query + d)) for d in body.documents)
         usage = {"prompt_tokens": n_tokens, "completion_tokens": 0, "total_tokens": n_tokens}
         return {"object": "list", "model": settings.alias, "results": out, "usage": usage}
 

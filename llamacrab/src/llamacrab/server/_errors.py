@@ -1,4 +1,6 @@
-"""Errors as OpenAI shapes them: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors as OpenAI shapes them: ``{"error": {"message", "type", "param", "code"}}``, and on
+Anthropic's Messages routes as Anthropic does: ``{"type": "error", "error": {"type",
+"message"}}``."""
 
 from __future__ import annotations
 
@@ -13,27 +15,58 @@ from llamacrab._exceptions import (
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 503: "server_error", 504: "timeout_error"}  # fmt: skip
+# Anthropic's Messages API lives under this path; its clients expect its own error shape.
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error",
+                    504: "timeout_error"}  # fmt: skip
 
 
 class ApiError(Exception):
-    """An error answered with ``status`` and OpenAI's error body."""
+    """An error answered with ``status`` and OpenAI's error body (plus ``details``: fields
+    llama-server adds, such as ``n_prompt_tokens`` and ``n_ctx`` for a context overflow)."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        details: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.details = details or {}
 
     def body(self) -> dict[str, Any]:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request")
         error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return {"error": error}
+        return {"error": {**error, **self.details}}
+
+
+def anthropic_body(error: ApiError) -> dict[str, Any]:
+    """``error`` in the shape of Anthropic's API."""
+    fallback = "api_error" if error.status >= 500 else "invalid_request_error"
+    kind = _ANTHROPIC_TYPES.get(error.status, fallback)
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_body(path: str, error: ApiError) -> dict[str, Any]:
+    """``error`` in the shape of the API that ``path`` belongs to (for answers given before
+    any route runs, such as a missing API key)."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return anthropic_body(error)
+    return error.body()
 
 
 def from_llama_error(error: LlamaError) -> ApiError:
     """The status a library error deserves: bad input 400, busy 503, the rest 500."""
     if isinstance(error, ContextOverflowError):
-        return ApiError(400, str(error), code="context_length_exceeded")
+        sizes = {"n_prompt_tokens": error.n_prompt_tokens, "n_ctx": error.n_ctx}
+        details = {k: v for k, v in sizes.items() if v is not None}
+        return ApiError(400, str(error), code="context_length_exceeded", details=details)
     if isinstance(error, QueueFullError):
         return ApiError(503, str(error), code="server_busy")
     if isinstance(error, ClosedHandleError):

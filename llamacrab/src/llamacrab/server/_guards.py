@@ -9,12 +9,12 @@ from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llamacrab.server._errors import ApiError
+from llamacrab.server._errors import ApiError, error_body
 from llamacrab.server._metrics import UNMATCHED_ROUTE, Metrics
 
 
-async def _answer(send: Send, error: ApiError) -> None:
-    body = json.dumps(error.body()).encode()
+async def _answer(scope: Scope, send: Send, error: ApiError) -> None:
+    body = json.dumps(error_body(scope["path"], error)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
@@ -29,8 +29,21 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def _presented_keys(scope: Scope) -> list[bytes]:
+    """The keys a request presents: ``Authorization: Bearer <key>`` (OpenAI's clients) and
+    ``x-api-key: <key>`` (Anthropic's)."""
+    keys = []
+    scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
+    if scheme.lower() == b"bearer":
+        keys.append(token.strip())
+    if (api_key := _header(scope, b"x-api-key")) is not None:
+        keys.append(api_key.strip())
+    return keys
+
+
 class AuthMiddleware:
-    """Every route but ``open_paths`` needs ``Authorization: Bearer <one of keys>``."""
+    """Every route but ``open_paths`` needs one of ``keys``, as ``Authorization: Bearer <key>``
+    or ``x-api-key: <key>``."""
 
     def __init__(self, app: ASGIApp, keys: Sequence[str], open_paths: Sequence[str]) -> None:
         self.app = app
@@ -41,14 +54,12 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        given = _header(scope, b"authorization") or b""
-        scheme, _, token = given.partition(b" ")
-        valid = scheme.lower() == b"bearer" and any(
-            hmac.compare_digest(token.strip(), key) for key in self.keys
+        valid = any(
+            hmac.compare_digest(given, key) for given in _presented_keys(scope) for key in self.keys
         )
         if not valid:
-            message = "missing or invalid API key (send Authorization: Bearer <key>)"
-            await _answer(send, ApiError(401, message, code="invalid_api_key"))
+            message = "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)"
+            await _answer(scope, send, ApiError(401, message, code="invalid_api_key"))
             return
         await self.app(scope, receive, send)
 
@@ -66,7 +77,7 @@ class BodyLimitMiddleware:
         too_large = ApiError(413, f"the request body exceeds {self.limit} bytes")
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _answer(send, too_large)
+            await _answer(scope, send, too_large)
             return
         parts, size = [], 0
         while True:
@@ -76,7 +87,7 @@ class BodyLimitMiddleware:
             parts.append(message.get("body", b""))
             size += len(parts[-1])
             if size > self.limit:
-                await _answer(send, too_large)
+                await _answer(scope, send, too_large)
                 return
             if not message.get("more_body"):
                 break

@@ -122,9 +122,11 @@ class EmbeddingRequest(_Lenient):
 class RerankRequest(_Lenient):
     model: str | None = None
     query: str
-    documents: list[str]
+    documents: list[str] | None = None
+    texts: list[str] | None = None  # Hugging Face TEI's name for the documents
     top_n: int | None = Field(None, ge=0)
     return_documents: bool = True
+    return_text: bool = False  # TEI: each result carries its text
 
 
 class TokenizeRequest(_Lenient):
@@ -168,6 +170,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoiceOut]
     usage: UsageOut | None = None
 
@@ -177,8 +180,7 @@ class FunctionCallOut(BaseModel):
     arguments: str
 
 
-class ToolCallOut(BaseModel):
-    index: int | None = None  # in streamed deltas
+class ToolCallOut(BaseModel):  # (a streamed delta's calls have an "index" as well)
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallOut
@@ -216,6 +218,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoiceOut]
     usage: UsageOut
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,12 +43,17 @@ class ServerSettings:
     max_media: int = 8  # images/sounds per request
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     cors_origins: tuple[str, ...] = ()
+    cors_origin_regex: str | None = None  # origins matching it are allowed too
     insecure: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
     max_tokens_limit: int = 4096  # cap on a request's max_tokens
     max_n: int = 8  # cap on a request's n and best_of
     max_queue: int = 64  # requests waiting for a slot before 503
     timeout: float = 600.0  # seconds a request may run
+    max_stored_responses: int = 256  # Responses API: kept for previous_response_id (0: none)
+    stored_response_ttl: float = 3600.0  # Responses API: seconds a stored response is kept
+    props: bool = False  # allow POST /props (llama-server's --props)
+    slot_save_path: str | None = None  # directory of POST /slots/{id} save/restore files
     hf_filename: str | None = None
     hf_revision: str | None = None
     hf_token: str | None = field(default=None, repr=False)
@@ -73,8 +79,25 @@ class ServerSettings:
                 raise InvalidParameterError(f"{name} must be >= 1")
         if self.timeout <= 0 or self.max_queue < 0:
             raise InvalidParameterError("timeout must be > 0 and max_queue >= 0")
+        if self.max_stored_responses < 0 or self.stored_response_ttl <= 0:
+            raise InvalidParameterError(
+                "max_stored_responses must be >= 0 and stored_response_ttl > 0"
+            )
         if self.embeddings and self.reranking:
             raise InvalidParameterError("choose --embeddings or --reranking, not both")
+        if self.chat_template is not None:
+            _check_chat_template(self.chat_template)
+        if self.cors_origin_regex is not None:
+            try:
+                re.compile(self.cors_origin_regex)
+            except re.error as error:
+                raise InvalidParameterError(
+                    f"--cors-origin-regex does not compile: {error}"
+                ) from None
+        if self.slot_save_path is not None and not Path(self.slot_save_path).is_dir():
+            raise InvalidParameterError(
+                f"slot_save_path {self.slot_save_path!r} is not an existing directory"
+            )
 
     @property
     def alias(self) -> str:
@@ -90,6 +113,22 @@ class ServerSettings:
         raise InvalidParameterError(
             f"refusing to listen on {self.host} without an API key: pass --api-key (or "
             "LLAMACRAB_API_KEY), or --insecure to serve it unprotected"
+        )
+
+
+def _check_chat_template(template: str) -> None:
+    """A built-in format's name, a GGUF template variant or a Jinja template: an unknown name
+    would fail every chat request, so it fails at start. (Whether a variant exists and a Jinja
+    template renders is checked when the model loads.)"""
+    if "{{" in template or "{%" in template or template.startswith("tokenizer.chat_template."):
+        return
+    from llamacrab import chat_format_names  # the native library: only when a name is given
+
+    known = chat_format_names()
+    if template not in known:
+        raise InvalidParameterError(
+            f"unknown --chat-template {template!r}: use a built-in format ({', '.join(known)}), "
+            "tokenizer.chat_template.NAME (a template in the GGUF), or a Jinja template"
         )
 
 
@@ -138,13 +177,18 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("mmproj", str, "multimodal projector GGUF: image_url/input_audio parts in chat"),
     ("max_media", int, "images/sounds per request (default 8)"),
     ("api_key", list, "accepted Bearer key (repeatable; env: comma-separated)"),
-    ("cors_origin", list, "allowed CORS origin (repeatable; default: CORS off)"),
+    ("cors_origin", list, "allowed CORS origin or * (repeatable; default: CORS off)"),
+    ("cors_origin_regex", str, "allowed CORS origins as a regex (see the README)"),
     ("insecure", bool, "allow a non-loopback --host without an API key"),
     ("max_body_bytes", int, "largest request body (default 8 MiB)"),
     ("max_tokens_limit", int, "cap on a request's max_tokens (default 4096)"),
     ("max_n", int, "cap on a request's n and best_of (default 8)"),
     ("max_queue", int, "requests waiting for a slot before 503 (default 64)"),
     ("timeout", float, "seconds a request may run (default 600)"),
+    ("max_stored_responses", int, "responses kept for previous_response_id (default 256)"),
+    ("stored_response_ttl", float, "seconds a stored response is kept (default 3600)"),
+    ("props", bool, "allow POST /props (llama-server's flag; nothing is writable yet)"),
+    ("slot_save_path", str, "directory for POST /slots/{id}?action=save|restore (default: off)"),
     ("hf_filename", str, "Hub: file or glob in the repository"),
     ("hf_revision", str, "Hub: branch, tag or commit"),
     ("hf_token", str, "Hub: access token (default HF_TOKEN)"),

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any
 
-from llamacrab import MediaPolicy
+from llamacrab import InvalidParameterError, MediaPolicy, TemplateError
 from llamacrab._llama import Llama
 from llamacrab.server._errors import ApiError
 from llamacrab.server._metrics import Metrics
@@ -40,7 +40,21 @@ def open_llama(settings: ServerSettings) -> Llama:
                  "chat_format": settings.chat_template, "mmproj": settings.mmproj,
                  "media_policy": policy}  # fmt: skip
     given = {k: v for k, v in options.items() if v is not None}
-    return Llama(settings.model, **extra, **given)
+    llama = Llama(settings.model, **extra, **given)
+    if settings.chat_template is not None and not (settings.embeddings or settings.reranking):
+        try:  # a template that cannot render a greeting would fail every chat request
+            llama.chat_prompt([{"role": "user", "content": "Hello"}])
+        except TemplateError as error:
+            llama.close()
+            raise InvalidParameterError(
+                f"--chat-template {_shown(settings.chat_template)} does not work with this "
+                f"model: {error}"
+            ) from None
+    return llama
+
+
+def _shown(template: str) -> str:
+    return repr(template) if len(template) <= 60 else repr(template[:57] + "...")
 
 
 class ServerState:
@@ -66,11 +80,14 @@ class ServerState:
             if self.error is not None:
                 raise ApiError(503, f"the model failed to load: {self.error}", code="load_failed")
             raise ApiError(503, "the model is still loading", code="loading")
-        if model is not None and model not in (self.settings.alias, self.settings.model):
-            raise ApiError(404, f"model {model!r} is not served here; this server serves "
-                           f"{self.settings.alias!r}", param="model",
-                           code="model_not_found")  # fmt: skip
-        return self.llama
+        return self.served(model, self.llama)
+
+    def served(self, model: str | None, llama: Llama) -> Llama:
+        """The Llama that answers for ``model``. A server of one model answers for any name:
+        clients hard-code names (gpt-3.5-turbo, text-embedding-3-small), and llama-server
+        and other local servers accept them all. A multi-model form would look the name up
+        here and answer 404 (code model_not_found) for a name it does not serve."""
+        return llama
 
     def generator(self, model: str | None) -> Llama:
         if self.settings.embeddings or self.settings.reranking:

@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 from fastapi.responses import StreamingResponse
@@ -15,18 +15,14 @@ from starlette.requests import Request
 
 from llamacrab import Stream
 from llamacrab._exceptions import LlamaError
-from llamacrab._types import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    Completion,
-    CompletionChunk,
-)
+from llamacrab._types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from llamacrab.server import _wire as wire
 from llamacrab.server._errors import ApiError, from_llama_error
 from llamacrab.server._schemas import ErrorResponse, GenerationFields
 from llamacrab.server._state import ServerState
 
 _Chunk = TypeVar("_Chunk", CompletionChunk, ChatCompletionChunk)
+_Result = TypeVar("_Result", Completion, ChatCompletion)
 # The error answers every generating route documents in its OpenAPI entry.
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503, 504)
@@ -47,44 +43,75 @@ def event(payload: object) -> str:
 async def sse(
     state: ServerState,
     stream: Stream[_Chunk],
-    encode: Callable[[_Chunk], dict[str, Any]],
+    encode: Callable[[_Chunk], dict[str, Any] | list[dict[str, Any]]],
     include_usage: bool,
 ) -> StreamingResponse:
-    """Server-sent events from a stream. The first chunk is awaited before answering, so an
-    error there (a full queue, a bad grammar) gets its proper status."""
+    """OpenAI's chat and completion chunks as server-sent events (``encode`` makes one event
+    of a chunk, or several), then ``[DONE]``."""
+
+    async def write(chunks: AsyncIterator[_Chunk]) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                encoded = encode(chunk)
+                payloads = encoded if isinstance(encoded, list) else [encoded]
+                for payload in payloads:
+                    yield event(payload)
+                if chunk.finish_reason is not None and chunk.usage is not None and include_usage:
+                    last = payloads[-1]
+                    yield event({**last, "choices": [], "usage": wire.usage(chunk.usage)})
+        except ApiError as error:
+            yield event(error.body())
+        yield "data: [DONE]\n\n"
+
+    return await sse_events(state, stream, write)
+
+
+async def sse_events(
+    state: ServerState,
+    stream: Stream[_Chunk],
+    write: Callable[[AsyncIterator[_Chunk]], AsyncIterator[str]],
+) -> StreamingResponse:
+    """Server-sent events that ``write`` makes of a stream's chunks (each API has its own event
+    types). The first chunk is awaited before answering, so an error there (a full queue, a bad
+    grammar) gets its proper status. Later, a library error or a run past the timeout reaches
+    ``write`` as an ApiError raised by the chunks it iterates. Tokens are counted, and the stream
+    is closed (its slot freed) when the client goes away."""
     chunks = aiter(stream)
     try:
         first = await anext(chunks)
     except LlamaError as error:
         raise from_llama_error(error) from error
 
-    async def events() -> AsyncIterator[str]:
+    async def checked() -> AsyncIterator[_Chunk]:
         chunk = first
-        try:
-            while True:
-                if chunk.finish_reason == "cancelled":
-                    timeout = state.settings.timeout
-                    yield event(ApiError(504, f"the request ran past {timeout} s").body())
-                    break
-                yield event(encode(chunk))
-                if chunk.finish_reason is not None:
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                        state.metrics.tokens(usage.prompt_tokens, usage.completion_tokens)
-                        if include_usage:
-                            yield event({**encode(chunk), "choices": [],
-                                          "usage": wire.usage(usage)})  # fmt: skip
-                    break
+        while True:
+            if chunk.finish_reason == "cancelled":
+                raise timed_out(state)
+            if chunk.finish_reason is not None and chunk.usage is not None:
+                used = chunk.usage
+                state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+            try:
                 chunk = await anext(chunks)
-        except LlamaError as error:
-            yield event(from_llama_error(error).body())
+            except LlamaError as error:
+                raise from_llama_error(error) from error
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for text in write(checked()):
+                yield text
         finally:
             with anyio.CancelScope(shield=True):  # a client that left: free its slot now
                 await chunks.aclose()
-        yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+def timed_out(state: ServerState) -> ApiError:
+    return ApiError(504, f"the request ran past {state.settings.timeout} s", code="timeout")
 
 
 async def generate(
@@ -93,7 +120,7 @@ async def generate(
     body: GenerationFields,
     stream: Callable[[], Stream[_Chunk]],
     create: Callable[..., Completion | ChatCompletion],
-    chunk_json: Callable[[_Chunk, str], dict[str, Any]],
+    chunk_json: Callable[[_Chunk, str], dict[str, Any] | list[dict[str, Any]]],
     result_json: Callable[[Any, str], dict[str, Any]],
 ) -> Any:
     """A streamed (SSE) or whole answer to a completion or chat request."""
@@ -102,11 +129,18 @@ async def generate(
         include = bool(body.stream_options and body.stream_options.include_usage)
         chunks = await in_thread(stream)
         return await sse(state, chunks, lambda chunk: chunk_json(chunk, alias), include)
+    return result_json(await complete(state, client, create), alias)
+
+
+async def complete(state: ServerState, client: Request, create: Callable[..., _Result]) -> _Result:
+    """A whole completion (``create`` takes ``cancel=``): 504 past the timeout, tokens counted,
+    stopped early if the client goes away."""
     result = await until_disconnected(client, create)
     if any(choice.finish_reason == "cancelled" for choice in result.choices):
-        raise ApiError(504, f"the request ran past {state.settings.timeout} s", code="timeout")
-    state.metrics.tokens(result.usage.prompt_tokens, result.usage.completion_tokens)
-    return result_json(result, alias)
+        raise timed_out(state)
+    used = result.usage
+    state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
+    return cast(_Result, result)
 
 
 async def until_disconnected(

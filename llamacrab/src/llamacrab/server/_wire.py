@@ -4,11 +4,13 @@ results to OpenAI JSON."""
 from __future__ import annotations
 
 import base64
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from llamacrab import build_info
 from llamacrab._types import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -158,6 +160,14 @@ def _tool_calls(calls: Sequence[ToolCall], streamed: bool) -> list[dict[str, Any
     return out
 
 
+@functools.cache
+def system_fingerprint() -> str:
+    """What answered: llamacrab's version, llama.cpp's commit and the backend (OpenAI's
+    ``system_fingerprint``; llama-server sends its build there)."""
+    info = build_info()
+    return f"llamacrab-{info.package_version}-{info.llama_cpp_commit[:8]}-{info.backend}"
+
+
 def completion(result: Completion, model: str) -> dict[str, Any]:
     choices = [
         {"index": c.index, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
@@ -165,7 +175,8 @@ def completion(result: Completion, model: str) -> dict[str, Any]:
         for c in result.choices
     ]  # fmt: skip
     return {"id": result.id, "object": "text_completion", "created": result.created,
-            "model": model, "choices": choices, "usage": usage(result.usage)}  # fmt: skip
+            "model": model, "system_fingerprint": system_fingerprint(), "choices": choices,
+            "usage": usage(result.usage)}  # fmt: skip
 
 
 def chat_completion(result: ChatCompletion, model: str) -> dict[str, Any]:
@@ -178,28 +189,58 @@ def chat_completion(result: ChatCompletion, model: str) -> dict[str, Any]:
                         "logprobs": _chat_logprobs(c.logprobs),
                         "finish_reason": finish_reason(c.finish_reason)})  # fmt: skip
     return {"id": result.id, "object": "chat.completion", "created": result.created,
-            "model": model, "choices": choices, "usage": usage(result.usage)}  # fmt: skip
+            "model": model, "system_fingerprint": system_fingerprint(), "choices": choices,
+            "usage": usage(result.usage)}  # fmt: skip
 
 
 def completion_chunk(chunk: CompletionChunk, model: str) -> dict[str, Any]:
     choice = {"index": 0, "text": chunk.text, "logprobs": _logprobs(chunk.logprobs),
               "finish_reason": finish_reason(chunk.finish_reason)}  # fmt: skip
     return {"id": chunk.id, "object": "text_completion", "created": chunk.created,
-            "model": model, "choices": [choice]}  # fmt: skip
+            "model": model, "system_fingerprint": system_fingerprint(),
+            "choices": [choice]}  # fmt: skip
 
 
-def chat_chunk(chunk: ChatCompletionChunk, model: str) -> dict[str, Any]:
-    delta: dict[str, Any] = {}
+def chat_chunk(chunk: ChatCompletionChunk, model: str) -> list[dict[str, Any]]:
+    """The events of one chunk, in OpenAI's shape: the first chunk opens with a delta of the
+    role and empty content; text, tool calls and log-probabilities come in deltas without a
+    finish reason; the last chunk closes with an empty delta and the finish reason."""
+    head = {"id": chunk.id, "object": "chat.completion.chunk", "created": chunk.created,
+            "model": model, "system_fingerprint": system_fingerprint()}  # fmt: skip
+
+    def event(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> Any:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {**head, "choices": [choice]}
+
+    events = []
     if chunk.delta.role:
-        delta["role"] = chunk.delta.role
-    if chunk.delta.content or not chunk.delta.tool_calls:
+        events.append(event({"role": chunk.delta.role, "content": ""}))
+    delta: dict[str, Any] = {}
+    if chunk.delta.content:
         delta["content"] = chunk.delta.content
     if chunk.delta.tool_calls:
         delta["tool_calls"] = _tool_calls(chunk.delta.tool_calls, streamed=True)
-    choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(chunk.logprobs),
-              "finish_reason": finish_reason(chunk.finish_reason)}  # fmt: skip
-    return {"id": chunk.id, "object": "chat.completion.chunk", "created": chunk.created,
-            "model": model, "choices": [choice]}  # fmt: skip
+    logprobs = _chat_logprobs(chunk.logprobs)
+    if delta or logprobs:
+        events.append(event(delta or {"content": ""}, logprobs))
+    if chunk.finish_reason is not None:
+        events.append(event({}, finish=finish_reason(chunk.finish_reason)))
+    return events
+
+
+def embedding_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """The inputs of an embeddings request: texts, or token-id lists (one list of ids is one
+    input). Empty is refused, as llama-server does."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise ApiError(400, "input is empty: send a text, a list of texts or of token ids",
+                       param="input")  # fmt: skip
+    if all(isinstance(v, int) for v in value):
+        return [value]
+    if any(isinstance(v, list) and not v for v in value):
+        raise ApiError(400, "an input of token ids is empty", param="input")
+    return list(value)
 
 
 def embedding(vector: np.ndarray, index: int, encoding: str) -> dict[str, Any]:

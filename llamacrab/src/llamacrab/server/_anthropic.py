@@ -1,0 +1,133 @@
+"""Anthropic's Messages API (``POST /v1/messages`` and ``/v1/messages/count_tokens``) as a
+translation onto the chat API: the same engine, limits, API keys, cancellation and metrics as
+the OpenAI routes. Errors on these routes are answered in Anthropic's shape."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Coroutine
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.requests import Request
+
+from llamacrab import Chunks, Stream
+from llamacrab._exceptions import LlamaError
+from llamacrab._llama import Llama
+from llamacrab.server import _anthropic_wire as wire
+from llamacrab.server._anthropic_schemas import (
+    CountTokensRequest,
+    CountTokensResponse,
+    ErrorOut,
+    MessageResponse,
+    MessagesRequest,
+)
+from llamacrab.server._errors import ANTHROPIC_PATH, ApiError, anthropic_body, from_llama_error
+from llamacrab.server._state import ServerState
+from llamacrab.server._streaming import complete, in_thread, sse_events
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorOut} for status in (400, 401, 404, 413, 503, 504)
+}
+
+
+class _AnthropicRoute(APIRoute):
+    """A route whose errors are answered in Anthropic's shape (the app's handlers answer in
+    OpenAI's)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def answer(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (ApiError, LlamaError, RequestValidationError) as error:
+                api_error = _api_error(error)
+                return JSONResponse(anthropic_body(api_error), status_code=api_error.status)
+
+        return answer
+
+
+def _api_error(error: ApiError | LlamaError | RequestValidationError) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, LlamaError):
+        return from_llama_error(error)
+    return ApiError(400, "; ".join(_problem(problem) for problem in error.errors()))
+
+
+def _problem(problem: dict[str, Any]) -> str:
+    where = ".".join(str(part) for part in problem["loc"][1:]) or "body"
+    if problem["type"] == "extra_forbidden":
+        return f"{where}: not supported by this server"
+    return f"{where}: {problem['msg']}"
+
+
+def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
+    router = APIRouter(route_class=_AnthropicRoute, responses=_ERRORS)
+    max_media = state.settings.max_media
+
+    @router.post(ANTHROPIC_PATH, response_model=MessageResponse)
+    async def messages(body: MessagesRequest, client: Request) -> Any:
+        llama = state.generator(body.model)
+        chat = wire.conversation(body)
+        options = wire.chat_options(body, prefill=chat.prefill is not None)
+        kwargs = wire.generation_kwargs(body, state.settings)
+        reply = wire.Reply.of(body, state.settings.alias)
+        prompt: list[int] | Chunks | None = None
+        if chat.prefill is not None or body.stream:  # a stream opens with the prompt's length
+            prompt = await in_thread(wire.prompt, llama, chat, options.get("tools"), max_media)
+        stream, create = _generation(llama, chat, prompt, options, kwargs)
+        if body.stream and prompt is not None:
+            return await _streamed(state, stream, reply, wire.prompt_length(prompt))
+        return wire.message(await complete(state, client, create), reply)
+
+    @router.post(ANTHROPIC_PATH + "/count_tokens", response_model=CountTokensResponse)
+    async def count_tokens(body: CountTokensRequest) -> Any:
+        llama = state.generator(body.model)
+        chat = wire.conversation(body)
+        options = wire.chat_options(body, prefill=chat.prefill is not None)
+        prompt = await in_thread(wire.prompt, llama, chat, options.get("tools"), max_media)
+        return {"input_tokens": wire.prompt_length(prompt)}
+
+    app.include_router(router)
+
+
+def _generation(
+    llama: Llama,
+    chat: wire.Conversation,
+    prompt: list[int] | Chunks | None,
+    options: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> tuple[Callable[[], Stream[Any]], Callable[..., Any]]:
+    """The stream and the whole-answer calls: the chat API, or for a prefill the completion
+    API on the prompt that ends with it (tools were presented in it, or refused)."""
+    if chat.prefill is None:
+        kwargs = {**options, **kwargs}
+        return (partial(llama.stream_chat_completion, chat.messages, **kwargs),
+                partial(llama.create_chat_completion, chat.messages, **kwargs))  # fmt: skip
+    assert prompt is not None
+    return (partial(llama.stream_completion, prompt, **kwargs),
+            partial(llama.create_completion, prompt, **kwargs))  # fmt: skip
+
+
+async def _streamed(
+    state: ServerState, stream: Callable[[], Stream[Any]], reply: wire.Reply, input_tokens: int
+) -> StreamingResponse:
+    async def write(chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
+        events: wire.MessageEvents | None = None  # the message's id comes with the first chunk
+        try:
+            async for chunk in chunks:
+                if events is None:
+                    events = wire.MessageEvents(reply, wire.message_id(chunk.id), input_tokens)
+                    for text in events.start():
+                        yield text
+                for text in events.chunk(chunk):
+                    yield text
+        except ApiError as error:
+            yield wire.error_event(error)
+
+    return await sse_events(state, await in_thread(stream), write)

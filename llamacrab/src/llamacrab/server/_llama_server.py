@@ -1,0 +1,464 @@
+"""llama-server's own routes, where llamacrab has the engine for them, with llama-server's field
+names: ``/infill`` (fill-in-the-middle with repository context), ``/apply-template``,
+``/tokenize`` and ``/detokenize``, ``/props``, ``/slots`` with save/restore of a slot's state,
+and OpenAI's ``/v1/audio/transcriptions`` (with an audio projector). Each is a translation onto
+the Python API: the same engine, limits, API keys, cancellation and metrics as the OpenAI
+routes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import FastAPI, File, Form, UploadFile
+from fastapi.responses import PlainTextResponse
+from starlette.requests import Request
+
+from llamacrab import SamplingOptions, SavedState, build_info
+from llamacrab._llama import Llama
+from llamacrab._types import ChatCompletionChunk, CompletionChunk, Usage
+from llamacrab.server._errors import ApiError
+from llamacrab.server._llama_server_schemas import (
+    ApplyTemplateRequest,
+    ApplyTemplateResponse,
+    InfillRequest,
+    InfillResponse,
+    LlamaDetokenizeRequest,
+    LlamaDetokenizeResponse,
+    LlamaTokenizeRequest,
+    LlamaTokenizeResponse,
+    PropsResponse,
+    PropsUpdated,
+    SlotActionRequest,
+    SlotErased,
+    SlotOut,
+    SlotRestored,
+    SlotSaved,
+    TranscriptionResponse,
+)
+from llamacrab.server._schemas import ChatCompletionRequest, ErrorResponse
+from llamacrab.server._settings import ServerSettings
+from llamacrab.server._state import ServerState
+from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
+from llamacrab.server._wire import chat_kwargs, generation_kwargs
+
+# llama-server's repository-level FIM layout names the repository and the current file so.
+_FIM_REPO, _FIM_FILE = "myproject", "filename"
+_STOP_TYPES = {"eos": "eos", "length": "limit", "stop": "word"}
+# llama-server's sampler names where ours differ.
+_SAMPLER_NAMES = {"typical": "typ_p"}
+_RANDOM_SEED = 0xFFFFFFFF  # llama-server's LLAMA_DEFAULT_SEED: a random seed per request
+# Slot files: a plain name in --slot-save-path, never a path.
+_SLOT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_PARTIAL = ".partial"  # SavedState.save writes NAME.partial, then renames it
+_ASR_PROMPT = "Transcribe audio to text"  # llama-server's instruction
+_TRANSCRIPT_FORMATS = ("json", "text")
+_SLOT_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERRORS, **{status: {"model": ErrorResponse} for status in (403, 500, 501)}
+}  # fmt: skip
+
+
+def add_llama_server_routes(app: FastAPI, state: ServerState) -> None:
+    """llama-server's routes (see the module's docstring)."""
+    _add_text_routes(app, state)
+    _add_server_routes(app, state)
+    _add_transcriptions(app, state)
+
+
+# -- infill, templates and tokens ----------------------------------------------------------------
+
+
+def _add_text_routes(app: FastAPI, state: ServerState) -> None:
+    settings = state.settings
+
+    @app.post("/infill", response_model=InfillResponse, responses=ERRORS)
+    async def infill(body: InfillRequest, client: Request) -> Any:
+        llama = state.generator(body.model)
+        vocab = llama.vocab
+        if body.input_extra and vocab.fim_middle is not None and vocab.fim_file_sep is None:
+            raise ApiError(400, "input_extra needs a model with a FIM file-separator token; "
+                           "this one has none", param="input_extra")  # fmt: skip
+        arguments = {
+            "prefix": body.input_prefix + body.prompt,
+            "suffix": body.input_suffix,
+            "repo": _FIM_REPO,
+            "files": [(chunk.filename, chunk.text) for chunk in body.input_extra],
+            "file_name": _FIM_FILE,
+            **_infill_kwargs(body, settings),
+        }
+        alias = settings.alias
+        if body.stream:
+            chunks = await in_thread(partial(llama.stream_infill, **arguments))
+            return await sse_events(state, chunks, partial(_infill_events, alias))
+        result = await complete(state, client, partial(llama.create_infill, **arguments))
+        choice = result.choices[0]
+        tokens = choice.tokens if body.return_tokens else ()
+        return _infill_result(choice.text, tokens, choice.finish_reason, result.usage, alias)
+
+    @app.post("/apply-template", response_model=ApplyTemplateResponse, responses=ERRORS)
+    async def apply_template(body: ApplyTemplateRequest) -> Any:
+        llama = state.ready(body.model)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return {"prompt": await in_thread(llama.chat_prompt, messages, None, tools)}
+
+    @app.post("/tokenize", response_model=LlamaTokenizeResponse, responses=ERRORS)
+    async def tokenize(body: LlamaTokenizeRequest) -> Any:
+        llama = state.ready(body.model)
+        tokens = await in_thread(_tokenize, llama, body)
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        return {"tokens": [{"id": t, "piece": _piece(llama, t)} for t in tokens]}
+
+    @app.post("/detokenize", response_model=LlamaDetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: LlamaDetokenizeRequest) -> Any:
+        llama = state.ready(body.model)
+        # As llama-server: special tokens appear as their text.
+        return {"content": await in_thread(llama.detokenize, body.tokens, True)}
+
+
+def _infill_kwargs(body: InfillRequest, settings: ServerSettings) -> dict[str, Any]:
+    """``/completion``'s options as keywords: ``n_predict`` (else ``max_tokens``; -1 means the
+    server's limit), ``repeat_last_n``, ``seed`` -1 for a random one."""
+    if body.n != 1:
+        raise ApiError(400, "/infill returns one completion: n must be 1", param="n")
+    wanted = body.n_predict if body.n_predict is not None and body.n_predict >= 0 else None
+    max_tokens = body.max_tokens if wanted is None else wanted
+    kwargs = generation_kwargs(body, settings, max_tokens, None)
+    if body.seed == -1:
+        kwargs.pop("seed", None)
+    if body.repeat_last_n is not None:
+        kwargs["penalty_last_n"] = body.repeat_last_n
+    return kwargs
+
+
+def _infill_result(
+    text: str, tokens: Sequence[int], reason: str | None, usage: Usage | None, alias: str
+) -> dict[str, Any]:
+    """llama-server's last ``/completion`` answer (``stop: true``)."""
+    usage = usage or Usage(0, 0)
+    return {
+        "index": 0, "content": text, "tokens": list(tokens), "id_slot": -1, "stop": True,
+        "model": alias, "tokens_predicted": usage.completion_tokens,
+        "tokens_evaluated": usage.prompt_tokens, "tokens_cached": usage.cached_tokens,
+        "has_new_line": "\n" in text, "truncated": False,
+        "stop_type": _STOP_TYPES.get(reason or "", "none"), "stopping_word": "",
+        "timings": {"cache_n": usage.cached_tokens,
+                    "prompt_n": usage.prompt_tokens - usage.cached_tokens,
+                    "predicted_n": usage.completion_tokens},
+    }  # fmt: skip
+
+
+async def _infill_events(alias: str, chunks: AsyncIterator[CompletionChunk]) -> AsyncIterator[str]:
+    """llama-server's ``/completion`` stream: ``{content, tokens, stop: false}`` events, then
+    one with ``stop: true`` and the counts; no ``[DONE]``."""
+    predicted = 0
+    try:
+        async for chunk in chunks:
+            predicted += len(chunk.tokens)
+            if chunk.finish_reason is None:
+                yield event({"index": 0, "content": chunk.text, "tokens": list(chunk.tokens),
+                             "stop": False, "id_slot": -1,
+                             "tokens_predicted": predicted})  # fmt: skip
+            else:
+                tokens, reason = chunk.tokens, chunk.finish_reason
+                yield event(_infill_result(chunk.text, tokens, reason, chunk.usage, alias))
+    except ApiError as error:
+        yield event(error.body())
+
+
+def _tokenize(llama: Llama, body: LlamaTokenizeRequest) -> list[int]:
+    """Text, or llama-server's mixed list of text and token ids (special tokens added before
+    the first element only)."""
+    if isinstance(body.content, str):
+        return llama.tokenize(body.content, body.add_special, body.parse_special)
+    tokens: list[int] = []
+    for i, part in enumerate(body.content):
+        if isinstance(part, int):
+            tokens.extend(llama.vocab.check_tokens([part]).tolist())
+        else:
+            tokens.extend(llama.tokenize(part, body.add_special and i == 0, body.parse_special))
+    return tokens
+
+
+def _piece(llama: Llama, token: int) -> str | list[int]:
+    """A token's text, or its bytes when they are not UTF-8 on their own (as llama-server)."""
+    raw = llama.vocab.token_to_bytes(token, special=True)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+# -- props and slots -----------------------------------------------------------------------------
+
+
+def _add_server_routes(app: FastAPI, state: ServerState) -> None:
+    settings = state.settings
+    build = _build_info()
+    slot_files = asyncio.Lock()  # one save or restore at a time: a name is written whole
+
+    @app.get("/props", response_model=PropsResponse, responses=ERRORS)
+    async def props() -> Any:
+        return _props(state.ready(None), settings, build)
+
+    @app.post("/props", response_model=PropsUpdated, responses=_SLOT_ERRORS)
+    async def change_props(body: dict[str, Any] | None = None) -> Any:
+        state.ready(None)
+        if not settings.props:
+            raise ApiError(403, "this server's properties are read-only: start it with --props "
+                           "to allow POST /props", code="props_read_only")  # fmt: skip
+        if body:
+            raise ApiError(400, f"no property can be changed on this server (given: "
+                           f"{', '.join(sorted(body))}); POST /props accepts {{}} only",
+                           code="props_not_writable")  # fmt: skip
+        return {"success": True}
+
+    @app.get("/slots", response_model=list[SlotOut], responses=ERRORS)
+    async def slots(fail_on_no_slot: bool = False) -> Any:
+        out = _slots(state.ready(None))
+        if fail_on_no_slot and all(slot["is_processing"] for slot in out):
+            raise ApiError(503, "no slot available", code="no_slot_available")
+        return out
+
+    @app.post("/slots/{id_slot}", response_model=SlotSaved | SlotRestored | SlotErased,
+              responses=_SLOT_ERRORS)  # fmt: skip
+    async def slot_action(
+        id_slot: int, action: str | None = None, body: SlotActionRequest | None = None
+    ) -> Any:
+        llama = state.generator(None)
+        if settings.slot_save_path is None:
+            raise ApiError(501, "this server does not save slots: start it with "
+                           "--slot-save-path DIR", code="not_supported")  # fmt: skip
+        if action not in ("save", "restore", "erase"):
+            raise ApiError(400, "action must be save, restore or erase", param="action")
+        n_slots = len(_slots(llama))
+        if not 0 <= id_slot < n_slots:
+            raise ApiError(400, f"invalid slot id {id_slot}: this server has {n_slots} slot(s), "
+                           f"0 to {n_slots - 1}", param="id_slot")  # fmt: skip
+        if action == "erase":
+            return await _erase(llama, id_slot, n_slots)
+        path = _slot_file(settings.slot_save_path, body.filename if body else None)
+        if llama.scheduler is not None:
+            raise ApiError(501, "saving and restoring a slot's state needs a Llama without "
+                           "parallel slots (Llama(..., parallel=None) given to create_app); "
+                           "this server runs parallel slots", code="not_supported")  # fmt: skip
+        async with slot_files:
+            if action == "save":
+                return await _save(llama, id_slot, path)
+            return await _restore(llama, id_slot, path)
+
+
+def _build_info() -> str:
+    info = build_info()
+    return (f"llamacrab-{info.package_version}-llama.cpp-{info.llama_cpp_commit[:9]}-"
+            f"{info.backend}")  # fmt: skip
+
+
+def _props(llama: Llama, settings: ServerSettings, build: str) -> dict[str, Any]:
+    projector = llama.projector
+    vocab = llama.vocab
+    props = {
+        "default_generation_settings": {
+            "n_ctx": llama.context.n_ctx_seq, "params": _default_params(llama, settings),
+        },
+        "total_slots": len(_slots(llama)),
+        "model_alias": settings.alias,
+        "model_path": str(llama.model.path),
+        "modalities": {"vision": bool(projector and projector.vision),
+                       "audio": bool(projector and projector.audio)},
+        "chat_template": llama.chat_format or llama.model.chat_template() or "",
+        "bos_token": "" if vocab.bos is None else vocab.token_to_piece(vocab.bos, True),
+        "eos_token": "" if vocab.eos is None else vocab.token_to_piece(vocab.eos, True),
+        "build_info": build,
+        "endpoint_slots": True,
+        "endpoint_props": settings.props,
+        "endpoint_metrics": True,
+        "is_sleeping": False,
+    }  # fmt: skip
+    if projector is not None:
+        props["media_marker"] = llama.media_marker
+    return props
+
+
+def _default_params(llama: Llama, settings: ServerSettings) -> dict[str, Any]:
+    """The sampling a request gets when it names none, with llama-server's field names."""
+    d = SamplingOptions()
+    limit = settings.max_tokens_limit
+    return {
+        "n_predict": limit, "max_tokens": limit,
+        "seed": _RANDOM_SEED if llama.seed is None else llama.seed,
+        "temperature": d.temperature, "dynatemp_range": d.dynatemp_range,
+        "dynatemp_exponent": d.dynatemp_exponent, "top_k": d.top_k, "top_p": d.top_p,
+        "min_p": d.min_p, "top_n_sigma": d.top_n_sigma, "xtc_probability": d.xtc_probability,
+        "xtc_threshold": d.xtc_threshold, "typical_p": d.typical_p,
+        "repeat_last_n": d.penalty_last_n, "repeat_penalty": d.repeat_penalty,
+        "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
+        "dry_multiplier": d.dry_multiplier, "dry_base": d.dry_base,
+        "dry_allowed_length": d.dry_allowed_length, "dry_penalty_last_n": d.dry_penalty_last_n,
+        "dry_sequence_breakers": list(d.dry_sequence_breakers), "mirostat": d.mirostat,
+        "mirostat_tau": d.mirostat_tau, "mirostat_eta": d.mirostat_eta, "stop": [],
+        "n_keep": 0, "ignore_eos": False, "stream": False, "n_probs": 0, "min_keep": 0,
+        "grammar": "", "samplers": [_SAMPLER_NAMES.get(name, name) for name in d.order],
+        "timings_per_token": False,
+    }  # fmt: skip
+
+
+def _slots(llama: Llama) -> list[dict[str, Any]]:
+    """Each slot: its context and whether it generates now. A Llama without parallel slots has
+    one, whose activity it does not expose (reported idle)."""
+    n_ctx = llama.context.n_ctx_seq
+    scheduler = llama.scheduler
+    if scheduler is None:
+        return [{"id": 0, "id_task": -1, "n_ctx": n_ctx,
+                 "speculative": llama.speculative is not None, "is_processing": False}]  # fmt: skip
+    return [
+        {"id": i, "id_task": -1, "n_ctx": n_ctx, "speculative": False,
+         "is_processing": slot.job is not None}
+        for i, slot in enumerate(scheduler.slots)
+    ]  # fmt: skip
+
+
+def _slot_file(directory: str, filename: str | None) -> Path:
+    """``directory/filename`` for a plain file name: letters, digits, '.', '_' and '-', at most
+    128, starting with a letter or digit, without '..'; never a path."""
+    if not filename:
+        raise ApiError(400, "filename is required", param="filename")
+    if not _SLOT_FILE.fullmatch(filename) or ".." in filename or filename.endswith(_PARTIAL):
+        raise ApiError(400, "invalid filename: a plain name of at most 128 letters, digits, '.', "
+                       "'_' or '-', starting with a letter or digit, without '..' or a path",
+                       param="filename", code="invalid_filename")  # fmt: skip
+    path = Path(directory) / filename
+    if path.is_symlink():
+        raise ApiError(400, f"{filename} is a symbolic link; slot files are plain files",
+                       param="filename", code="invalid_filename")  # fmt: skip
+    return path
+
+
+async def _save(llama: Llama, id_slot: int, path: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    saved: SavedState = await in_thread(llama.save_state)
+    try:
+        await in_thread(saved.save, path)
+        written = path.stat().st_size
+    except OSError as error:
+        raise ApiError(500, f"could not write {path.name}: {error.strerror}") from error
+    return {"id_slot": id_slot, "filename": path.name, "n_saved": len(saved.tokens),
+            "n_written": written,
+            "timings": {"save_ms": (time.perf_counter() - started) * 1000}}  # fmt: skip
+
+
+async def _restore(llama: Llama, id_slot: int, path: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    if not path.is_file():
+        raise ApiError(404, f"no saved slot state named {path.name!r}", param="filename",
+                       code="slot_file_not_found")  # fmt: skip
+    try:
+        read = path.stat().st_size
+        saved: SavedState = await in_thread(SavedState.load, path)
+    except OSError as error:
+        raise ApiError(500, f"could not read {path.name}: {error.strerror}") from error
+    await in_thread(llama.load_state, saved)
+    return {"id_slot": id_slot, "filename": path.name, "n_restored": len(saved.tokens),
+            "n_read": read,
+            "timings": {"restore_ms": (time.perf_counter() - started) * 1000}}  # fmt: skip
+
+
+async def _erase(llama: Llama, id_slot: int, n_slots: int) -> dict[str, Any]:
+    """Forget the slot's cached prompt: only with one slot (the Llama forgets every slot at
+    once); refused while it generates."""
+    if n_slots > 1:
+        raise ApiError(501, "erasing one of several parallel slots is not supported (the engine "
+                       "forgets every slot at once)", code="not_supported")  # fmt: skip
+    scheduler = llama.scheduler
+    held = None if scheduler is None else len(scheduler.slots[id_slot].kv.tokens)
+    await in_thread(llama.reset)
+    return {"id_slot": id_slot, "n_erased": held}
+
+
+# -- transcriptions ------------------------------------------------------------------------------
+
+
+def _add_transcriptions(app: FastAPI, state: ServerState) -> None:
+    settings = state.settings
+
+    @app.post("/v1/audio/transcriptions", response_model=TranscriptionResponse,
+              responses=ERRORS)  # fmt: skip
+    async def transcriptions(
+        client: Request,
+        file: Annotated[UploadFile, File()],
+        model: Annotated[str | None, Form()] = None,
+        prompt: Annotated[str | None, Form()] = None,
+        response_format: Annotated[str, Form()] = "json",
+        language: Annotated[str | None, Form(max_length=64)] = None,
+        temperature: Annotated[float | None, Form(ge=0)] = None,
+        stream: Annotated[bool, Form()] = False,
+    ) -> Any:
+        llama = state.generator(model)
+        projector = llama.projector
+        if projector is None or not projector.audio:
+            raise ApiError(400, "this server cannot transcribe: it has no audio projector "
+                           "(start it with --mmproj and a projector that takes audio)",
+                           code="audio_not_supported")  # fmt: skip
+        if response_format not in _TRANSCRIPT_FORMATS:
+            raise ApiError(400, f"response_format {response_format!r} is not supported (json, "
+                           "text)", param="response_format")  # fmt: skip
+        data = await file.read()
+        if not data:
+            raise ApiError(400, "the audio file is empty", param="file")
+        messages = _transcription_messages(data, prompt, language)
+        request = ChatCompletionRequest.model_validate(
+            {"messages": messages, "temperature": temperature, "stream": stream}
+        )
+        kwargs = chat_kwargs(request, settings)
+        if stream:
+            chunks = await in_thread(partial(llama.stream_chat_completion, messages, **kwargs))
+            return await sse_events(state, chunks, _transcript_events)
+        generation = partial(llama.create_chat_completion, messages, **kwargs)
+        result = await complete(state, client, generation)
+        text = result.choices[0].message.content or ""
+        if response_format == "text":
+            return PlainTextResponse(text)
+        return {"text": text, "usage": _transcript_usage(result.usage)}
+
+
+def _transcription_messages(
+    data: bytes, prompt: str | None, language: str | None
+) -> list[dict[str, Any]]:
+    """A user turn asking for the transcript, as llama-server builds it: the instruction (or
+    the client's prompt), the language, then the sound."""
+    text = prompt or _ASR_PROMPT
+    if language:
+        text += f" (language: {language})"
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode()}}
+    return [{"role": "user", "content": [{"type": "text", "text": text}, audio]}]
+
+
+def _transcript_usage(usage: Usage | None) -> dict[str, Any]:
+    usage = usage or Usage(0, 0)
+    return {"type": "tokens", "input_tokens": usage.prompt_tokens,
+            "output_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}  # fmt: skip
+
+
+async def _transcript_events(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
+    """OpenAI's streamed transcript: ``transcript.text.delta`` events, then
+    ``transcript.text.done`` with the whole text and the usage."""
+    parts: list[str] = []
+    try:
+        async for chunk in chunks:
+            if chunk.delta.content:
+                parts.append(chunk.delta.content)
+                yield event({"type": "transcript.text.delta", "delta": chunk.delta.content})
+            if chunk.finish_reason is not None:
+                yield event({"type": "transcript.text.done", "text": "".join(parts),
+                             "usage": _transcript_usage(chunk.usage)})  # fmt: skip
+    except ApiError as error:
+        yield event(error.body())
+    yield "data: [DONE]\n\n"

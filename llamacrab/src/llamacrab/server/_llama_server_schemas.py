@@ -1,0 +1,184 @@
+"""The HTTP contract of llama-server's own routes, with its field names: ``/infill``,
+``/apply-template``, ``/tokenize``, ``/detokenize``, ``/props``, ``/slots`` and OpenAI's
+``/v1/audio/transcriptions`` (a multipart form, so its fields are not a model here). Fields a
+client may send but llamacrab does not know are ignored, as on the OpenAI routes."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llamacrab.server._schemas import ChatMessageIn, GenerationFields, ToolDefinition
+
+# Context files one /infill request may carry (each is bounded by the body limit as well).
+MAX_INFILL_FILES = 256
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class InfillChunk(_Lenient):
+    """A file of the repository given as context: ``[FIM_SEP]filename\\ntext``."""
+
+    filename: str = "tmp"  # llama-server's default name
+    text: str
+
+
+class InfillRequest(GenerationFields):
+    """llama-server's ``/infill``: the prefix and suffix around the gap, other files of the
+    repository, and ``/completion``'s sampling options (``n_predict`` or ``max_tokens``)."""
+
+    input_prefix: str
+    input_suffix: str
+    input_extra: list[InfillChunk] = Field(default_factory=list, max_length=MAX_INFILL_FILES)
+    prompt: str = ""  # text that continues the prefix (where llama-server's code puts it)
+    n_predict: int | None = Field(None, ge=-1)  # -1: the server's limit
+    repeat_last_n: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-1, lt=2**32)  # -1: random, as llama-server
+    return_tokens: bool = False
+
+
+class ApplyTemplateRequest(_Lenient):
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+
+
+class LlamaTokenizeRequest(_Lenient):
+    """llama-server's ``/tokenize``: its defaults differ from ``/extras/tokenize``'s (no BOS,
+    special tokens parsed). ``content`` may mix text and token ids."""
+
+    model: str | None = None
+    content: str | list[str | int]
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class LlamaDetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+class SlotActionRequest(_Lenient):
+    filename: str | None = None
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+
+class TokenPiece(BaseModel):
+    id: int
+    piece: str | list[int]  # the token's text, or its bytes where they are not UTF-8 alone
+
+
+class LlamaTokenizeResponse(BaseModel):
+    tokens: list[TokenPiece] | list[int]
+
+
+class LlamaDetokenizeResponse(BaseModel):
+    content: str
+
+
+class ApplyTemplateResponse(BaseModel):
+    prompt: str
+
+
+class InfillTimings(BaseModel):
+    cache_n: int
+    prompt_n: int
+    predicted_n: int
+
+
+class InfillResponse(BaseModel):
+    """llama-server's ``/completion`` answer (``stop: true``); streamed, the same fields come in
+    pieces and the last event has ``stop: true`` and the counts."""
+
+    index: int = 0
+    content: str
+    tokens: list[int]
+    id_slot: int = -1
+    stop: bool = True
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    tokens_cached: int
+    has_new_line: bool
+    truncated: bool = False
+    stop_type: Literal["eos", "limit", "word", "none"]
+    stopping_word: str = ""
+    timings: InfillTimings
+
+
+class GenerationSettingsOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    n_ctx: int
+    params: dict[str, Any]
+
+
+class PropsResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    default_generation_settings: GenerationSettingsOut
+    total_slots: int
+    model_alias: str
+    model_path: str
+    chat_template: str
+    modalities: dict[str, bool]
+    build_info: str
+
+
+class PropsUpdated(BaseModel):
+    success: bool
+
+
+class SlotOut(BaseModel):
+    id: int
+    id_task: int = -1
+    n_ctx: int
+    speculative: bool
+    is_processing: bool
+
+
+class SaveTimings(BaseModel):
+    save_ms: float
+
+
+class RestoreTimings(BaseModel):
+    restore_ms: float
+
+
+class SlotSaved(BaseModel):
+    id_slot: int
+    filename: str
+    n_saved: int
+    n_written: int
+    timings: SaveTimings
+
+
+class SlotRestored(BaseModel):
+    id_slot: int
+    filename: str
+    n_restored: int
+    n_read: int
+    timings: RestoreTimings
+
+
+class SlotErased(BaseModel):
+    id_slot: int
+    n_erased: int | None = None  # None where the engine does not tell how many it held
+
+
+class TranscriptionUsage(BaseModel):
+    type: Literal["tokens"] = "tokens"
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class TranscriptionResponse(BaseModel):
+    text: str
+    usage: TranscriptionUsage

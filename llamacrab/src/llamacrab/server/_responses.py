@@ -1,0 +1,119 @@
+"""OpenAI's Responses API (``/v1/responses``) over the chat API: each request is translated
+into a chat request, so the chat route's limits, cancellation and metrics apply, and its result
+(whole or streamed) translated back. Responses are kept for ``previous_response_id`` in a
+bounded in-memory store."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+
+from llamacrab._types import ChatCompletionChunk
+from llamacrab.server import _responses_wire as wire
+from llamacrab.server._errors import ApiError
+from llamacrab.server._responses_events import ResponseEvents, frame
+from llamacrab.server._responses_schemas import (
+    INPUT_ITEMS,
+    DeletedResponse,
+    InputItem,
+    ResponseObject,
+    ResponseRequest,
+)
+from llamacrab.server._responses_store import ResponseStore, StoredResponse
+from llamacrab.server._state import ServerState
+from llamacrab.server._streaming import ERRORS, complete, in_thread, sse_events
+from llamacrab.server._wire import chat_kwargs
+
+
+def add_responses_routes(app: FastAPI, state: ServerState) -> None:
+    """``POST /v1/responses`` (also ``/responses``), and ``GET``/``DELETE`` of a stored one."""
+    settings = state.settings
+    store = ResponseStore(settings.max_stored_responses, settings.stored_response_ttl)
+
+    async def create(body: ResponseRequest, client: Request) -> Any:
+        llama = state.generator(body.model)
+        wire.check_supported(body, settings)
+        items = (*_history(store, body.previous_response_id), *body.input)
+        messages = wire.chat_messages(body.instructions, items)
+        kwargs = chat_kwargs(wire.chat_request(body, messages), settings)
+        stored = body.store and store.size > 0
+        draft = wire.draft(body, settings.alias, stored)
+
+        def remember(response: dict[str, Any]) -> None:
+            if stored:
+                output = INPUT_ITEMS.validate_python(response["output"])
+                store.put(response, (*items, *output))
+
+        if body.stream:
+            chunks = await in_thread(partial(llama.stream_chat_completion, messages, **kwargs))
+            write = partial(_events, ResponseEvents(draft, body.parallel_tool_calls), remember)
+            return await sse_events(state, chunks, write)
+        generation = partial(llama.create_chat_completion, messages, **kwargs)
+        result = await complete(state, client, generation)
+        response = wire.response(draft, result, body.parallel_tool_calls)
+        remember(response)
+        return response
+
+    async def retrieve(response_id: str) -> Any:
+        return _stored(store, response_id).response
+
+    async def delete(response_id: str) -> Any:
+        if not store.delete(response_id):
+            raise _not_found(store, response_id, "response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    for prefix, documented in (("/v1", True), ("", False)):
+        app.add_api_route(f"{prefix}/responses", create, methods=["POST"],
+                          response_model=ResponseObject, responses=ERRORS,
+                          include_in_schema=documented)  # fmt: skip
+        app.add_api_route(f"{prefix}/responses/{{response_id}}", retrieve, methods=["GET"],
+                          response_model=ResponseObject, responses=ERRORS,
+                          include_in_schema=documented)  # fmt: skip
+        app.add_api_route(f"{prefix}/responses/{{response_id}}", delete, methods=["DELETE"],
+                          response_model=DeletedResponse, responses=ERRORS,
+                          include_in_schema=documented)  # fmt: skip
+
+
+async def _events(
+    events: ResponseEvents,
+    remember: Callable[[dict[str, Any]], None],
+    chunks: AsyncIterator[ChatCompletionChunk],
+) -> AsyncIterator[str]:
+    for event in events.start():
+        yield frame(event)
+    try:
+        async for chunk in chunks:
+            batch = events.chunk(chunk)
+            if events.final is not None:  # before the last events: the client may then leave
+                remember(events.final)
+            for event in batch:
+                yield frame(event)
+    except ApiError as error:
+        for event in events.failed(error):
+            yield frame(event)
+
+
+def _history(store: ResponseStore, response_id: str | None) -> tuple[InputItem, ...]:
+    if response_id is None:
+        return ()
+    return _stored(store, response_id, "previous_response_id").history
+
+
+def _stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
+    stored = store.get(response_id)
+    if stored is None:
+        raise _not_found(store, response_id, param)
+    return stored
+
+
+def _not_found(store: ResponseStore, response_id: str, param: str) -> ApiError:
+    kept = "this server stores no responses"
+    if store.size:
+        kept = (f"this server keeps the last {store.size} responses for {store.ttl:g} s, and "
+                "none sent with store: false")  # fmt: skip
+    return ApiError(404, f"response {response_id!r} is not stored here: {kept}", param=param,
+                    code="response_not_found")  # fmt: skip

@@ -1,0 +1,269 @@
+"""The Responses API's HTTP contract (OpenAI's ``/v1/responses``): input items, tools, text
+format, and the response object. Unknown fields are ignored, as on the other routes; known
+fields that would change the answer but are not supported are refused by name in
+``_responses_wire``. Item, part and tool types not supported here parse as ``Unsupported`` so
+that the refusal can name them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    field_validator,
+)
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Unsupported(BaseModel):
+    """An item, content part or tool of a type this server does not run."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _by_type(known: tuple[str, ...], default: str | None = None) -> Callable[[Any], str | None]:
+    """A discriminator on ``type``: one of ``known``, else "unsupported" (None: not an object,
+    which pydantic reports)."""
+
+    def tag(value: Any) -> str | None:
+        if isinstance(value, dict):
+            kind = value.get("type", default)
+        elif isinstance(value, BaseModel):
+            kind = getattr(value, "type", None)
+        else:
+            return None
+        return kind if kind in known else "unsupported"
+
+    return tag
+
+
+# -- input ---------------------------------------------------------------------------------------
+
+
+class TextPart(_Lenient):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class RefusalPart(_Lenient):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class ImagePart(_Lenient):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("input_text")]
+    | Annotated[TextPart, Tag("output_text")]
+    | Annotated[RefusalPart, Tag("refusal")]
+    | Annotated[ImagePart, Tag("input_image")]
+    | Annotated[Unsupported, Tag("unsupported")],
+    Discriminator(_by_type(("input_text", "output_text", "refusal", "input_image"))),
+]
+
+
+class MessageItem(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+
+
+class FunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ContentPart]
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[Unsupported, Tag("unsupported")],
+    # A message may leave its type out ({"role": ..., "content": ...}).
+    Discriminator(_by_type(("message", "function_call", "function_call_output"), "message")),
+]
+INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+
+
+class FunctionTool(_Lenient):
+    """A function tool in the Responses API's flat shape."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[Unsupported, Tag("unsupported")],
+    Discriminator(_by_type(("function",))),
+]
+
+
+class FunctionChoice(_Lenient):
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Annotated[
+    Annotated[FunctionChoice, Tag("function")] | Annotated[Unsupported, Tag("unsupported")],
+    Discriminator(_by_type(("function",))),
+]
+
+
+class TextFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Lenient):
+    format: TextFormat = Field(default_factory=lambda: TextFormat.model_validate({}))
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponseRequest(_Lenient):
+    model: str | None = None
+    input: list[InputItem] = Field(default_factory=list)
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # Fields refused unless unset (or at their default), named in the error.
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    moderation: dict[str, Any] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_is_a_user_message(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+# -- the response --------------------------------------------------------------------------------
+
+
+class OutputTextOut(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class MessageOut(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputTextOut]
+
+
+class FunctionCallOut(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = Annotated[MessageOut | FunctionCallOut, Field(discriminator="type")]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseErrorOut(BaseModel):
+    code: str
+    message: str
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseErrorOut | None = None
+    incomplete_details: IncompleteDetails | None = None
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    store: bool
+    metadata: dict[str, str]
+    user: str | None = None
+    background: bool
+    truncation: Literal["disabled"]
+    reasoning: dict[str, Any]
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True

@@ -1,0 +1,355 @@
+"""Anthropic's Messages API on our server, driven by the official anthropic SDK against Gemma.
+
+The SDK sends sampling settings it no longer types through ``extra_body``; greedy decoding
+makes each answer comparable with the Python API's."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+from anthropic.types import TextBlock, ToolUseBlock
+from live_server import LiveServer
+from test_multimodal import IMAGE_TOKENS, PIXELS, encoded
+
+from llamacrab import Llama
+from llamacrab.server import ServerSettings
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
+
+KEY = "sesame"
+GREEDY = {"temperature": 0}
+# Gemma's turns, with a way to show tools, calls and results (Gemma's GGUF has no template,
+# and the built-in gemma format cannot present tools). Calls are generic JSON, as a forced
+# tool_choice writes them.
+TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<start_of_turn>user\nTools (answer with a JSON call to use one):\n"
+    "{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}<end_of_turn>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<start_of_turn>model\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments }}}'
+    "{% endfor %}<end_of_turn>\n"
+    "{% elif m.role == 'tool' %}<start_of_turn>user\nResult: {{ m.content }}<end_of_turn>\n"
+    "{% else %}<start_of_turn>user\n{{ m.content }}<end_of_turn>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+WEATHER: Any = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Lisbon"]}},
+        "required": ["city"],
+    },
+}
+COUNT: Any = [{"role": "user", "content": "Count from one to ten in words."}]
+
+
+@pytest.fixture(scope="module")
+def server(gemma_path: Path) -> Iterator[LiveServer]:
+    settings = ServerSettings(model=str(gemma_path), model_alias="gemma", api_keys=(KEY,),
+                              chat_template=TEMPLATE, parallel=2, n_ctx=2 * 1024,
+                              n_threads=2, max_tokens_limit=256)  # fmt: skip
+    live = LiveServer(settings)
+    try:
+        assert live.wait_until_loaded() == 200
+        yield live
+    finally:
+        live.close()
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_path: Path) -> Iterator[Llama]:
+    """The Python API with the server's template: what each answer should be."""
+    with Llama(gemma_path, n_ctx=1024, n_threads=2, chat_format=TEMPLATE) as llm:
+        yield llm
+
+
+@pytest.fixture
+def client(server: LiveServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+def _text(message: Any) -> str:
+    return "".join(b.text for b in message.content if isinstance(b, TextBlock))
+
+
+# -- answers -------------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_a_system_prompt_and_a_question(client: anthropic.Anthropic, reference: Llama) -> None:
+    question = "What is the capital of France?"
+    message = client.messages.create(
+        model="gemma", max_tokens=12, system="Answer briefly.", extra_body=GREEDY,
+        messages=[{"role": "user", "content": question}],
+    )  # fmt: skip
+    expected = reference.create_chat_completion(
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": question}],
+        max_tokens=12, temperature=0,
+    )  # fmt: skip
+    assert message.type == "message" and message.role == "assistant" and message.model == "gemma"
+    assert message.id.startswith("msg_")
+    assert _text(message) == expected.text
+    assert message.stop_reason == "max_tokens" and message.stop_sequence is None
+    usage = message.usage
+    assert usage.output_tokens == 12
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == (
+        expected.usage.prompt_tokens
+    )
+
+
+@pytest.mark.real_model
+def test_multi_turn_with_system_blocks(client: anthropic.Anthropic, reference: Llama) -> None:
+    turns: list[Any] = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello Ada."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is my name?"}]},
+    ]
+    system: Any = [{"type": "text", "text": "You are kind."}]
+    message = client.messages.create(model="gemma", max_tokens=10, system=system,
+                                     messages=turns, extra_body=GREEDY)  # fmt: skip
+    expected = reference.create_chat_completion(
+        [{"role": "system", "content": "You are kind."}, turns[0],
+         {"role": "assistant", "content": "Hello Ada."},
+         {"role": "user", "content": "What is my name?"}],
+        max_tokens=10, temperature=0,
+    )  # fmt: skip
+    assert _text(message) == expected.text
+
+
+@pytest.mark.real_model
+def test_a_stream_and_its_final_message(client: anthropic.Anthropic) -> None:
+    whole = client.messages.create(model="gemma", max_tokens=16, messages=COUNT,
+                                   extra_body=GREEDY)  # fmt: skip
+    with client.messages.stream(model="gemma", max_tokens=16, messages=COUNT,
+                                extra_body=GREEDY) as stream:  # fmt: skip
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(pieces) > 1 and "".join(pieces) == _text(whole) == _text(final)
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 16
+    assert final.id.startswith("msg_")
+    total = final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
+    assert total == whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
+
+
+@pytest.mark.real_model
+def test_the_stream_speaks_anthropics_events(server: LiveServer) -> None:
+    body = {"model": "gemma", "max_tokens": 4, "stream": True, "messages": COUNT, **GREEDY}
+    response = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY,
+                          "anthropic-version": "2023-06-01"})  # fmt: skip
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [block.split("\n") for block in response.text.strip().split("\n\n")]
+    names = [lines[0].removeprefix("event: ") for lines in events]
+    payloads = [json.loads(lines[1].removeprefix("data: ")) for lines in events]
+    assert [p["type"] for p in payloads] == names
+    assert names[:4] == ["message_start", "ping", "content_block_start", "content_block_delta"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert payloads[0]["message"]["usage"]["input_tokens"] > 0
+    assert payloads[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert payloads[-2]["usage"]["output_tokens"] == 4
+
+
+@pytest.mark.real_model
+def test_an_assistant_prefill_is_continued(client: anthropic.Anthropic, reference: Llama) -> None:
+    prefill = "One, two,"
+    message = client.messages.create(
+        model="gemma", max_tokens=8, extra_body=GREEDY,
+        messages=[*COUNT, {"role": "assistant", "content": prefill}],
+    )  # fmt: skip
+    prompt = reference.chat_prompt(COUNT) + prefill
+    expected = reference.create_completion(reference.tokenize(prompt, False, True),
+                                           max_tokens=8, temperature=0)  # fmt: skip
+    assert _text(message) == expected.text and expected.text.startswith(" three")
+    with client.messages.stream(
+        model="gemma", max_tokens=8, extra_body=GREEDY,
+        messages=[*COUNT, {"role": "assistant", "content": prefill}],
+    ) as stream:  # fmt: skip
+        assert "".join(stream.text_stream) == expected.text
+
+
+@pytest.mark.real_model
+def test_a_stop_sequence_ends_the_answer(client: anthropic.Anthropic) -> None:
+    free = _text(client.messages.create(model="gemma", max_tokens=24, messages=COUNT,
+                                        extra_body=GREEDY))  # fmt: skip
+    stop = free.split()[2]  # a word the greedy answer is known to reach
+    message = client.messages.create(model="gemma", max_tokens=24, messages=COUNT,
+                                     stop_sequences=[stop], extra_body=GREEDY)  # fmt: skip
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert _text(message) == free[: free.index(stop)]
+
+
+@pytest.mark.real_model
+def test_count_tokens_matches_the_usage(client: anthropic.Anthropic) -> None:
+    counted = client.messages.count_tokens(model="gemma", messages=COUNT, system="Be brief.",
+                                           tools=[WEATHER])  # fmt: skip
+    message = client.messages.create(model="gemma", max_tokens=1, messages=COUNT,
+                                     system="Be brief.", tools=[WEATHER],
+                                     extra_body=GREEDY)  # fmt: skip
+    usage = message.usage
+    assert counted.input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+    shorter = client.messages.count_tokens(model="gemma", messages=COUNT)
+    assert 0 < shorter.input_tokens < counted.input_tokens
+
+
+@pytest.mark.real_model
+def test_an_output_format_constrains_the_answer(client: anthropic.Anthropic) -> None:
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}  # fmt: skip
+    message = client.messages.create(
+        model="gemma", max_tokens=32,
+        messages=[{"role": "user", "content": "Pick a colour, as JSON."}],
+        extra_body={**GREEDY, "output_config": {"format": {"type": "json_schema",
+                                                           "schema": schema}}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(_text(message)), schema)
+
+
+# -- tools ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
+    question: Any = {"role": "user", "content": "What is the weather in Paris?"}
+    call = client.messages.create(
+        model="gemma", max_tokens=64, messages=[question], tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY,
+    )  # fmt: skip
+    assert call.stop_reason == "tool_use"
+    uses = [b for b in call.content if isinstance(b, ToolUseBlock)]
+    assert len(uses) == 1 and uses[0].name == "get_weather"
+    assert uses[0].input["city"] in ("Paris", "Lisbon")
+    assert uses[0].id.startswith("toolu_")
+    with client.messages.stream(
+        model="gemma", max_tokens=64, messages=[question], tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY,
+    ) as stream:  # fmt: skip
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in streamed.content if isinstance(b, ToolUseBlock)] == [
+        (uses[0].name, uses[0].input)
+    ]
+    result: Any = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny, 24 degrees."},
+    ]}  # fmt: skip
+    answer = client.messages.create(
+        model="gemma", max_tokens=16, tools=[WEATHER],
+        messages=[question, {"role": "assistant", "content": call.content}, result],
+        tool_choice={"type": "none"}, extra_body=GREEDY,
+    )  # fmt: skip
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in answer.content] == ["text"] and _text(answer)
+
+
+# -- keys and refusals ---------------------------------------------------------------------------
+
+
+def _post(server: LiveServer, body: dict[str, Any], key: str = KEY) -> httpx.Response:
+    return httpx.post(server.url + "/v1/messages", json=body, timeout=60,
+                      headers={"x-api-key": key, "anthropic-version": "2023-06-01"})  # fmt: skip
+
+
+@pytest.mark.real_model
+def test_keys_in_either_header_and_anthropics_error_shape(server: LiveServer) -> None:
+    wrong = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        wrong.messages.create(model="gemma", max_tokens=1, messages=COUNT)
+    error: Any = caught.value.body
+    assert caught.value.status_code == 401 and error["type"] == "error"
+    assert error["error"]["type"] == "authentication_error" and "x-api-key" in str(error)
+    bearer = httpx.post(server.url + "/v1/messages/count_tokens",
+                        json={"model": "gemma", "messages": COUNT},
+                        headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    assert bearer.status_code == 200 and bearer.json()["input_tokens"] > 0
+    openai_route = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY})
+    assert openai_route.status_code == 200
+    refused = httpx.get(server.url + "/v1/models", headers={"x-api-key": "wrong"})
+    assert refused.status_code == 401 and "message" in refused.json()["error"]  # OpenAI's shape
+
+
+DOCUMENT: Any = {
+    "type": "document",
+    "source": {"type": "text", "media_type": "text/plain", "data": "x"},
+}
+URL_IMAGE: Any = {"type": "image", "source": {"type": "url", "url": "http://example.com/a.png"}}
+PREFILL: Any = [*COUNT, {"role": "assistant", "content": "{"}]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+        ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
+        ({"messages": [{"role": "user", "content": [DOCUMENT]}]}, "document"),
+        ({"messages": [{"role": "user", "content": [URL_IMAGE]}]}, "url"),
+        ({"messages": PREFILL, "tools": [WEATHER]}, "prefill"),
+        ({"max_tokens": None}, "max_tokens"),
+    ],
+)
+def test_what_is_refused_is_named(server: LiveServer, extra: dict[str, Any], named: str) -> None:
+    body = {"model": "gemma", "max_tokens": 4, "messages": COUNT, **extra}
+    body = {k: v for k, v in body.items() if v is not None}
+    response = _post(server, body)
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert named in error["error"]["message"]
+
+
+@pytest.mark.real_model
+def test_the_sdk_raises_on_a_refusal(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="thinking"):
+        client.messages.create(model="gemma", max_tokens=4, messages=COUNT,
+                               thinking={"type": "enabled", "budget_tokens": 2048})  # fmt: skip
+
+
+# -- images --------------------------------------------------------------------------------------
+
+
+def test_base64_images_in_chats_prefills_and_counts(tmp_path: Path) -> None:
+    text = tiny.write_tiny_llama(tmp_path / "text.gguf", chat_templates={"": TEMPLATE})
+    vision = mmproj.write_tiny_vision_mmproj(tmp_path / "vision.gguf")
+    settings = ServerSettings(model=str(text), mmproj=str(vision), n_ctx=1024, max_media=2)
+    server = LiveServer(settings)
+    try:
+        assert server.wait_until_loaded() == 200
+        client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        data = base64.b64encode(encoded(PIXELS, "PNG")).decode()
+        source = {"type": "base64", "media_type": "image/png", "data": data}
+        image: Any = {"type": "image", "source": source}
+        look: Any = {"role": "user", "content": [{"type": "text", "text": "see"}, image]}
+        message = client.messages.create(model="text.gguf", max_tokens=4, messages=[look])
+        seen = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+        counted = client.messages.count_tokens(model="text.gguf", messages=[look])
+        assert counted.input_tokens == seen > IMAGE_TOKENS
+        prefill: Any = {"role": "assistant", "content": "It shows"}
+        continued = client.messages.create(model="text.gguf", max_tokens=4,
+                                           messages=[look, prefill])  # fmt: skip
+        usage = continued.usage
+        assert usage.input_tokens + (usage.cache_read_input_tokens or 0) > seen
+        for content, words in [([image] * 3, "more than 2"),
+                               ([{**image, "source": {**source, "data": "!!"}}],
+                                "base64")]:  # fmt: skip
+            asked = {"role": "user", "content": content}
+            for turns in ([asked], [asked, prefill]):  # the chat API, and a rendered prefill
+                response = _post(server, {"model": "text.gguf", "max_tokens": 2,
+                                          "messages": turns})  # fmt: skip
+                assert response.status_code == 400, response.text
+                assert words in response.json()["error"]["message"]
+    finally:
+        server.close()

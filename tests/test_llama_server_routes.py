@@ -1,0 +1,379 @@
+"""llama-server's own routes, live on loopback, with llama-server's field names: /infill,
+/apply-template, /tokenize and /detokenize, /props, /slots (save/restore of a slot's state) and
+/v1/audio/transcriptions."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+from test_multimodal import tone, wav_bytes
+from test_tool_calls import TEMPLATE
+
+from llamacrab import Llama
+from llamacrab.server import ServerSettings
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
+KEY = {"Authorization": "Bearer sesame"}
+INFILL: dict[str, Any] = {
+    "input_prefix": "def area(r):\n    ",
+    "input_suffix": "\n    return a\n",
+    "input_extra": [{"filename": "constants.py", "text": "PI = 3.14159\n"}],
+    "n_predict": 6,
+    "temperature": 0,
+}
+
+
+def _running(settings: ServerSettings, llama: Llama | None = None) -> Iterator[LiveServer]:
+    server = LiveServer(settings, llama)
+    try:
+        assert server.wait_until_loaded() == 200
+        yield server
+    finally:
+        server.close()
+
+
+def events(text: str) -> list[dict[str, Any]]:
+    """The JSON payloads of a server-sent event stream."""
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.fixture(scope="module")
+def fim_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path: Path = tiny.write_tiny_llama(tmp_path_factory.mktemp("fim") / "fim.gguf", fim=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fim_server(fim_path: Path) -> Iterator[LiveServer]:
+    """A tiny model with FIM tokens behind an API key; no --slot-save-path, no --props."""
+    settings = ServerSettings(model=str(fim_path), model_alias="fim", n_ctx=256,
+                              api_keys=("sesame",), max_body_bytes=4096)  # fmt: skip
+    yield from _running(settings)
+
+
+@pytest.fixture(scope="module")
+def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("slots")
+
+
+@pytest.fixture(scope="module")
+def gemma_server(gemma_path: Path, slot_dir: Path) -> Iterator[LiveServer]:
+    """Gemma as `llamacrab serve` runs it: parallel slots (which cannot save their state)."""
+    settings = ServerSettings(model=str(gemma_path), model_alias="gemma", parallel=2,
+                              n_ctx=2 * 512, n_threads=2,
+                              slot_save_path=str(slot_dir))  # fmt: skip
+    yield from _running(settings)
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(gemma_path: Path, slot_dir: Path) -> Iterator[LiveServer]:
+    """Gemma on a Llama without parallel slots (its state can be saved), with --props."""
+    settings = ServerSettings(model=str(gemma_path), model_alias="gemma", n_ctx=1024,
+                              slot_save_path=str(slot_dir), props=True)  # fmt: skip
+    with Llama(gemma_path, n_ctx=1024, n_threads=2) as llama:
+        yield from _running(settings, llama)
+
+
+# -- /infill -------------------------------------------------------------------------------------
+
+
+def test_infill_matches_the_python_api(fim_server: LiveServer, fim_path: Path) -> None:
+    answer = httpx.post(fim_server.url + "/infill", json={**INFILL, "return_tokens": True},
+                        headers=KEY)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    with Llama(fim_path, n_ctx=256, n_threads=2) as llama:
+        expected = llama.create_infill(
+            INFILL["input_prefix"], INFILL["input_suffix"], repo="myproject",
+            files=[("constants.py", "PI = 3.14159\n")], file_name="filename", max_tokens=6,
+            temperature=0,
+        )  # fmt: skip
+    assert body["content"] == expected.text
+    assert body["tokens"] == list(expected.choices[0].tokens)
+    assert body["tokens_evaluated"] == expected.usage.prompt_tokens
+    assert body["tokens_predicted"] == 6 and body["stop"] is True
+    assert body["stop_type"] == "limit" and body["model"] == "fim"
+    assert body["timings"]["predicted_n"] == 6
+
+
+def test_infill_streams_llama_server_events(fim_server: LiveServer) -> None:
+    whole = httpx.post(fim_server.url + "/infill", json=INFILL, headers=KEY).json()
+    answer = httpx.post(fim_server.url + "/infill", json={**INFILL, "stream": True}, headers=KEY)
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    assert "[DONE]" not in answer.text  # llama-server's /completion stream has none
+    stream = events(answer.text)
+    assert [e["stop"] for e in stream] == [False] * (len(stream) - 1) + [True]
+    assert "".join(str(e["content"]) for e in stream) == whole["content"]
+    assert sum(len(e["tokens"]) for e in stream) == 6
+    assert stream[-1]["tokens_predicted"] == 6
+    # The same prompt again: its tokens but the last come from the slot's memory.
+    assert stream[-1]["tokens_cached"] == whole["tokens_evaluated"] - 1
+
+
+@pytest.mark.real_model
+def test_infill_refuses_what_it_cannot_do(fim_server: LiveServer, gemma_server: LiveServer) -> None:
+    no_fim = httpx.post(gemma_server.url + "/infill", json=INFILL)
+    assert no_fim.status_code == 400
+    assert "fill-in-the-middle" in no_fim.json()["error"]["message"]
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"n": 2}, "n must be 1"), ({"n_predict": 10**6}, "exceeds"),
+        ({"input_prefix": None}, "input_prefix"), ({"seed": -2}, "seed"),
+    ]  # fmt: skip
+    for extra, words in cases:
+        answer = httpx.post(fim_server.url + "/infill", json={**INFILL, **extra}, headers=KEY)
+        assert answer.status_code == 400 and words in answer.text, answer.text
+
+
+def test_limits_and_keys_hold_on_these_routes(fim_server: LiveServer) -> None:
+    url = fim_server.url
+    assert httpx.post(url + "/tokenize", json={"content": "a"}).status_code == 401
+    assert httpx.get(url + "/props").status_code == 401
+    assert httpx.get(url + "/slots").status_code == 401
+    huge = {**INFILL, "input_prefix": "x" * 5000}
+    assert httpx.post(url + "/infill", json=huge, headers=KEY).status_code == 413
+    assert httpx.post(url + "/infill", json=INFILL, headers=KEY).status_code == 200
+    metrics = httpx.get(url + "/metrics", headers=KEY).text
+    assert 'route="/infill",status="200"' in metrics
+    assert "llamacrab_prompt_tokens_total 0\n" not in metrics  # /infill counted its tokens
+
+
+# -- /apply-template, /tokenize, /detokenize -----------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_apply_template_is_the_chat_prompt(gemma_server: LiveServer, gemma: Llama) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    answer = httpx.post(gemma_server.url + "/apply-template", json={"messages": messages})
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"prompt": gemma.chat_prompt(messages)}
+    assert answer.json()["prompt"].endswith("<start_of_turn>model\n")
+    empty = httpx.post(gemma_server.url + "/apply-template", json={"messages": []})
+    assert empty.status_code == 400
+
+
+@pytest.mark.real_model
+def test_tokenize_with_pieces_round_trip(gemma_server: LiveServer) -> None:
+    url = gemma_server.url
+    text = "Hello world 𓀀 á"
+    plain = httpx.post(url + "/tokenize", json={"content": text}).json()["tokens"]
+    assert all(isinstance(t, int) for t in plain)
+    pieces = httpx.post(url + "/tokenize", json={"content": text, "with_pieces": True}).json()
+    assert [p["id"] for p in pieces["tokens"]] == plain
+    raw = b"".join(
+        bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode()
+        for p in pieces["tokens"]
+    )
+    assert raw.decode() == text
+    assert any(isinstance(p["piece"], list) for p in pieces["tokens"])  # the hieroglyph's bytes
+    assert pieces["tokens"][0] == {"id": 9259, "piece": "Hello"}
+    assert httpx.post(url + "/detokenize", json={"tokens": plain}).json() == {"content": text}
+    special = httpx.post(url + "/tokenize", json={"content": "Hi", "add_special": True,
+                                                  "with_pieces": True}).json()  # fmt: skip
+    assert special["tokens"][0]["piece"] == "<bos>"
+    # As llama-server: special tokens are parsed by default, and render as text.
+    turn = httpx.post(url + "/tokenize", json={"content": "<start_of_turn>"}).json()["tokens"]
+    assert len(turn) == 1
+    assert httpx.post(url + "/detokenize", json={"tokens": turn}).json()["content"] == (
+        "<start_of_turn>"
+    )
+    mixed = httpx.post(url + "/tokenize", json={"content": [2, "Hello", 1902]}).json()
+    assert mixed == {"tokens": [2, 9259, 1902]}
+    bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.text
+
+
+# -- /props --------------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_props_describe_the_server(gemma_server: LiveServer, gemma_path: Path) -> None:
+    props = httpx.get(gemma_server.url + "/props").json()
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == 512  # per slot
+    assert settings["params"]["temperature"] == pytest.approx(0.8)
+    assert settings["params"]["top_k"] == 40 and "typ_p" in settings["params"]["samplers"]
+    assert props["total_slots"] == 2
+    assert props["model_path"] == str(gemma_path) and props["model_alias"] == "gemma"
+    assert props["modalities"] == {"vision": False, "audio": False}
+    assert props["build_info"].startswith("llamacrab-")
+    assert isinstance(props["chat_template"], str)
+    assert props["bos_token"] == "<bos>" and props["endpoint_props"] is False
+    refused = httpx.post(gemma_server.url + "/props", json={})
+    assert refused.status_code == 403 and "--props" in refused.text
+
+
+@pytest.mark.real_model
+def test_post_props_with_the_flag_changes_nothing(one_slot_server: LiveServer) -> None:
+    url = one_slot_server.url
+    assert httpx.get(url + "/props").json()["endpoint_props"] is True
+    assert httpx.post(url + "/props", json={}).json() == {"success": True}
+    refused = httpx.post(url + "/props", json={"n_ctx": 99})
+    assert refused.status_code == 400 and "n_ctx" in refused.json()["error"]["message"]
+
+
+# -- /slots --------------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_slots_list_each_slot(gemma_server: LiveServer, one_slot_server: LiveServer) -> None:
+    slots = httpx.get(gemma_server.url + "/slots").json()
+    assert [(s["id"], s["n_ctx"], s["is_processing"]) for s in slots] == [
+        (0, 512, False), (1, 512, False)]  # fmt: skip
+    assert httpx.get(gemma_server.url + "/slots?fail_on_no_slot=1").status_code == 200
+    one = httpx.get(one_slot_server.url + "/slots").json()
+    assert [(s["id"], s["n_ctx"]) for s in one] == [(0, 1024)]
+
+
+def test_slot_actions_need_a_slot_save_path(fim_server: LiveServer) -> None:
+    for action in ("save", "restore", "erase"):
+        answer = httpx.post(fim_server.url + f"/slots/0?action={action}",
+                            json={"filename": "a.bin"}, headers=KEY)  # fmt: skip
+        assert answer.status_code == 501
+        assert "--slot-save-path" in answer.json()["error"]["message"]
+
+
+@pytest.mark.real_model
+def test_parallel_slots_refuse_save_and_restore_clearly(
+    gemma_server: LiveServer, slot_dir: Path
+) -> None:
+    url = gemma_server.url
+    for action in ("save", "restore"):
+        answer = httpx.post(url + f"/slots/1?action={action}", json={"filename": "p.bin"})
+        assert answer.status_code == 501 and "parallel" in answer.json()["error"]["message"]
+    assert not (slot_dir / "p.bin").exists()
+    several = httpx.post(url + "/slots/0?action=erase")
+    assert several.status_code == 501
+    assert httpx.post(url + "/slots/2?action=save", json={"filename": "p.bin"}).status_code == 400
+    assert httpx.post(url + "/slots/0?action=copy", json={"filename": "p.bin"}).status_code == 400
+
+
+def test_one_parallel_slot_erases_but_does_not_save(fim_path: Path, tmp_path: Path) -> None:
+    """`llamacrab serve` as started by default: one slot of the parallel engine."""
+    settings = ServerSettings(model=str(fim_path), n_ctx=256, slot_save_path=str(tmp_path))
+    for server in _running(settings):
+        first = httpx.post(server.url + "/infill", json=INFILL).json()
+        erased = httpx.post(server.url + "/slots/0?action=erase")
+        assert erased.json()["id_slot"] == 0
+        assert erased.json()["n_erased"] >= first["tokens_evaluated"]  # the prompt and more
+        assert httpx.post(server.url + "/infill", json=INFILL).json()["tokens_cached"] == 0
+        saved = httpx.post(server.url + "/slots/0?action=save", json={"filename": "a.bin"})
+        assert saved.status_code == 501 and "parallel=None" in saved.text
+        assert list(tmp_path.iterdir()) == []
+
+
+def _complete(url: str, prompt: str) -> dict[str, int]:
+    answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4,
+                                                       "temperature": 0}, timeout=60)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    return {"prompt": usage["prompt_tokens"],
+            "cached": usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
+
+
+@pytest.mark.real_model
+def test_a_restored_slot_reuses_its_prompt(one_slot_server: LiveServer, slot_dir: Path) -> None:
+    url = one_slot_server.url
+    name = f"gemma-{uuid.uuid4().hex}.bin"
+    prompt = "A long story about a lighthouse keeper who finds a message in a bottle: " * 4
+    first = _complete(url, prompt)
+    saved = httpx.post(url + "/slots/0?action=save", json={"filename": name})
+    assert saved.status_code == 200, saved.text
+    body = saved.json()
+    assert body["id_slot"] == 0 and body["filename"] == name
+    assert body["n_saved"] >= first["prompt"] and body["timings"]["save_ms"] >= 0
+    assert (slot_dir / name).stat().st_size == body["n_written"] > 0
+    assert httpx.post(url + "/slots/0?action=erase").status_code == 200
+    other = _complete(url, "Something else entirely.")
+    assert other["cached"] <= 1  # the memory holds this prompt now, not the story
+    restored = httpx.post(url + "/slots/0?action=restore", json={"filename": name})
+    assert restored.status_code == 200, restored.text
+    assert restored.json()["n_restored"] == body["n_saved"]
+    assert restored.json()["n_read"] == body["n_written"]
+    again = _complete(url, prompt)
+    assert again["prompt"] == first["prompt"]
+    assert again["cached"] == first["prompt"] - 1  # all but the last token, decoded for logits
+
+
+@pytest.mark.real_model
+def test_slot_file_names_are_plain_names(one_slot_server: LiveServer, slot_dir: Path) -> None:
+    url = one_slot_server.url
+    bad_names = ["../escape.bin", "/etc/passwd", "a/b.bin", "a\\b.bin", "..", ".hidden",
+                 "x..y", "", "a b", "%2e%2e", "n" * 129, "evil.bin.partial", "tab\tname",
+                 "caf\u00e9.bin", "name\n"]  # fmt: skip
+    for name in bad_names:
+        for action in ("save", "restore"):
+            answer = httpx.post(url + f"/slots/0?action={action}", json={"filename": name})
+            assert answer.status_code == 400, (name, action, answer.text)
+            assert answer.json()["error"]["param"] == "filename"
+    assert httpx.post(url + "/slots/0?action=save", json={}).status_code == 400
+    assert not (slot_dir.parent / "escape.bin").exists()
+    (slot_dir / "garbage.bin").write_bytes(b"not a state at all")
+    corrupt = httpx.post(url + "/slots/0?action=restore", json={"filename": "garbage.bin"})
+    assert corrupt.status_code == 400 and "not a llamacrab state" in corrupt.text
+    missing = httpx.post(url + "/slots/0?action=restore", json={"filename": "absent.bin"})
+    assert missing.status_code == 404
+
+
+# -- /v1/audio/transcriptions --------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_transcriptions_need_an_audio_projector(gemma_server: LiveServer) -> None:
+    wav = wav_bytes(tone(16000), 16000)
+    answer = httpx.post(gemma_server.url + "/v1/audio/transcriptions",
+                        files={"file": ("tone.wav", wav, "audio/wav")},
+                        data={"model": "gemma"})  # fmt: skip
+    assert answer.status_code == 400
+    assert "audio projector" in answer.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def hearing_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    out = tmp_path_factory.mktemp("asr")
+    text = tiny.write_tiny_llama(out / "text.gguf", chat_templates={"": TEMPLATE})
+    audio = mmproj.write_tiny_audio_mmproj(out / "audio.gguf")
+    settings = ServerSettings(model=str(text), model_alias="tiny-asr", mmproj=str(audio),
+                              n_ctx=2048, max_tokens_limit=8)  # fmt: skip
+    yield from _running(settings)
+
+
+def test_transcriptions_with_the_openai_sdk(hearing_server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=hearing_server.url + "/v1", api_key="unused", max_retries=0)
+    wav = wav_bytes(tone(16000), 16000)
+    result = client.audio.transcriptions.create(model="tiny-asr", file=("tone.wav", wav),
+                                                language="en", temperature=0)  # fmt: skip
+    assert isinstance(result.text, str)
+    assert result.usage is not None and result.usage.input_tokens > 750  # type: ignore[union-attr]
+    assert result.usage.output_tokens <= 8  # type: ignore[union-attr]
+    text = client.audio.transcriptions.create(model="tiny-asr", file=("tone.wav", wav),
+                                              response_format="text", temperature=0)  # fmt: skip
+    assert text == result.text
+    stream = httpx.post(hearing_server.url + "/v1/audio/transcriptions",
+                        files={"file": ("tone.wav", wav)},
+                        data={"model": "tiny-asr", "stream": "true", "language": "en",
+                              "temperature": "0"})  # fmt: skip
+    streamed = events(stream.text)
+    assert streamed[-1]["type"] == "transcript.text.done" and streamed[-1]["text"] == result.text
+    deltas = "".join(str(e["delta"]) for e in streamed if e["type"] == "transcript.text.delta")
+    assert deltas == result.text
+    for data, files, words in [
+        ({"model": "tiny-asr", "response_format": "srt"}, {"file": ("t.wav", wav)}, "srt"),
+        ({"model": "tiny-asr"}, {"file": ("t.wav", b"")}, "empty"),
+        ({"model": "tiny-asr"}, {"file": ("t.txt", b"hello there, not audio")}, "media"),
+        ({"model": "tiny-asr"}, None, "file"),
+    ]:
+        answer = httpx.post(hearing_server.url + "/v1/audio/transcriptions", data=data,
+                            files=files)  # fmt: skip
+        assert answer.status_code == 400 and words in answer.text, answer.text
