@@ -1,0 +1,1182 @@
+"""``Llama`` with llama-cpp-python's constructor, methods and dict results, run by llamacrab.
+
+Every generation goes through llamacrab's engine (``llamacrab.Llama``): this module translates
+keywords on the way in and results on the way out, and holds no generation loop of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+import uuid
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+
+import llamacrab
+from llamacrab import (
+    ChatCompletionChunk,
+    CompletionChunk,
+    DraftModel,
+    HubOptions,
+    InvalidParameterError,
+    ModelParams,
+    PromptLookup,
+    SavedState,
+    Stream,
+    ToolCall,
+)
+from llamacrab.compat import _convert as convert
+from llamacrab.compat._constants import (
+    KV_TYPES,
+    LLAMA_ATTENTION_TYPE_UNSPECIFIED,
+    LLAMA_DEFAULT_SEED,
+    LLAMA_POOLING_TYPE_UNSPECIFIED,
+    LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED,
+    LLAMA_SPLIT_MODE_LAYER,
+    POOLING_TYPES,
+    ROPE_SCALING_TYPES,
+    SPLIT_MODES,
+)
+from llamacrab.compat._errors import UnsupportedParameterError, unknown_keywords
+from llamacrab.compat._hooks import (
+    Hooks,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinTokensLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from llamacrab.compat._turns import Turns
+from llamacrab.compat.llama_grammar import LlamaGrammar
+from llamacrab.compat.llama_speculative import LlamaDraftModel
+from llamacrab.compat.llama_types import (
+    ChatCompletionRequestMessage,
+    ChatCompletionResponseMessage,
+    ChatCompletionStreamResponseDelta,
+    CreateChatCompletionResponse,
+    CreateChatCompletionStreamResponse,
+    CreateCompletionResponse,
+    CreateEmbeddingResponse,
+    Embedding,
+    FinishReason,
+)
+
+# llama-cpp-python's chat format names that llamacrab spells differently.
+_CHAT_FORMATS = {"llama-2": "llama2-sys", "qwen": "chatml"}
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+
+
+class LlamaState:
+    """A saved state (``Llama.save_state``): llamacrab's ``SavedState`` as bytes in
+    ``llama_state`` (picklable), the tokens it holds, and the sampling seed to restore.
+    ``scores`` is empty: llamacrab keeps no logits history."""
+
+    def __init__(
+        self,
+        input_ids: npt.NDArray[np.intc],
+        scores: npt.NDArray[np.single],
+        n_tokens: int,
+        llama_state: bytes,
+        llama_state_size: int,
+        seed: int,
+    ) -> None:
+        self.input_ids = input_ids
+        self.scores = scores
+        self.n_tokens = n_tokens
+        self.llama_state = llama_state
+        self.llama_state_size = llama_state_size
+        self.seed = seed
+
+
+class LlamaTokenizer:
+    """The model's own tokenizer, in llama-cpp-python's interface."""
+
+    def __init__(self, llama: Llama) -> None:
+        self._llama = llama
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self._llama.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(
+        self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None, special: bool = False
+    ) -> bytes:
+        return self._llama.detokenize(tokens, prev_tokens=prev_tokens, special=special)
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.detokenize(tokens).decode("utf-8", errors="ignore")
+
+
+@dataclass
+class _Outcome:
+    """How a generation ended, filled in while its pieces are read."""
+
+    finish: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    calls: tuple[ToolCall, ...] = ()
+
+
+class Llama:
+    """A model and its context with llama-cpp-python's API: ``Llama(model_path, n_ctx=...,
+    ...)``, then ``llm(prompt)`` / ``create_completion`` / ``create_chat_completion`` (dicts,
+    or iterators of dict chunks with ``stream=True``), ``create_embedding`` / ``embed``,
+    ``tokenize`` / ``detokenize`` on bytes, ``save_state`` / ``load_state``, ``reset``.
+
+    Each keyword maps to llamacrab's own setting. One that llamacrab cannot honour raises
+    ``UnsupportedParameterError`` naming it, and an unknown keyword raises TypeError, where
+    llama-cpp-python would ignore it. Differences from llama-cpp-python: ``flash_attn=None``
+    (the default) lets llama.cpp choose; ``logits_all`` is accepted but not needed (logprobs
+    are computed when asked for); calls from several threads take turns instead of corrupting
+    each other. ``llamacrab`` is the underlying ``llamacrab.Llama``, for everything else.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        # Model parameters
+        n_gpu_layers: int = 0,
+        split_mode: int = LLAMA_SPLIT_MODE_LAYER,
+        main_gpu: int = 0,
+        tensor_split: Sequence[float] | None = None,
+        vocab_only: bool = False,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        kv_overrides: Mapping[str, bool | int | float | str] | None = None,
+        # Context parameters
+        seed: int = LLAMA_DEFAULT_SEED,
+        n_ctx: int = 512,
+        n_batch: int = 512,
+        n_ubatch: int = 512,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+        rope_scaling_type: int | None = LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED,
+        pooling_type: int = LLAMA_POOLING_TYPE_UNSPECIFIED,
+        attention_type: int = LLAMA_ATTENTION_TYPE_UNSPECIFIED,
+        rope_freq_base: float = 0.0,
+        rope_freq_scale: float = 0.0,
+        yarn_ext_factor: float = -1.0,
+        yarn_attn_factor: float = 1.0,
+        yarn_beta_fast: float = 32.0,
+        yarn_beta_slow: float = 1.0,
+        yarn_orig_ctx: int = 0,
+        logits_all: bool = False,
+        embedding: bool = False,
+        offload_kqv: bool = True,
+        flash_attn: bool | None = None,
+        op_offload: bool | None = None,
+        swa_full: bool | None = None,
+        # Sampling parameters
+        no_perf: bool = False,
+        last_n_tokens_size: int = 64,
+        # LoRA
+        lora_base: str | None = None,
+        lora_scale: float = 1.0,
+        lora_path: str | None = None,
+        # Backend
+        numa: bool | int = False,
+        # Chat
+        chat_format: str | None = None,
+        chat_handler: object | None = None,
+        # Speculative decoding
+        draft_model: LlamaDraftModel | PromptLookup | DraftModel | None = None,
+        # Tokenizer override
+        tokenizer: object | None = None,
+        # KV cache types
+        type_k: int | str | None = None,
+        type_v: int | str | None = None,
+        # Misc
+        spm_infill: bool = False,
+        verbose: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        problems: list[str] = []
+        _legacy_keywords(kwargs, problems)
+        if vocab_only:
+            problems.append(
+                "vocab_only=True (a llamacrab Llama needs the weights; "
+                "llamacrab.Model.load(path, ModelParams(vocab_only=True)).vocab "
+                "tokenizes without them)"
+            )
+        for name, value, default in (
+            ("attention_type", attention_type, LLAMA_ATTENTION_TYPE_UNSPECIFIED),
+            ("yarn_attn_factor", yarn_attn_factor, 1.0),
+            ("yarn_beta_fast", yarn_beta_fast, 32.0),
+            ("yarn_beta_slow", yarn_beta_slow, 1.0),
+        ):
+            if value != default:
+                problems.append(f"{name}={value!r} (llamacrab keeps the model's own)")
+        if op_offload is False:
+            problems.append("op_offload=False (llamacrab keeps llama.cpp's host-op offload)")
+        if lora_base is not None:
+            problems.append("lora_base (llama.cpp applies LoRA adapters without a base model)")
+        if numa:
+            problems.append(f"numa={numa!r} (llamacrab does not initialise NUMA)")
+        if chat_handler is not None:
+            problems.append(
+                "chat_handler (llamacrab renders chats with the model's template "
+                "or chat_format= (a name or a Jinja template); images with mmproj)"
+            )
+        if tokenizer is not None:
+            problems.append("tokenizer (llamacrab always uses the model's own tokenizer)")
+        speculative = _speculative(draft_model, problems)
+        native: dict[str, Any] = {
+            "n_gpu_layers": 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers,
+            "split_mode": _named("split_mode", split_mode, SPLIT_MODES, problems),
+            "main_gpu": main_gpu,
+            "tensor_split": None if tensor_split is None else tuple(tensor_split),
+            "use_mmap": use_mmap,
+            "use_mlock": use_mlock,
+            "kv_overrides": kv_overrides,
+            "n_threads": n_threads,
+            "n_threads_batch": n_threads_batch,
+            "rope_scaling": _named(
+                "rope_scaling_type",
+                LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED
+                if rope_scaling_type is None
+                else rope_scaling_type,
+                ROPE_SCALING_TYPES,
+                problems,
+            ),
+            "pooling": _named("pooling_type", pooling_type, POOLING_TYPES, problems),
+            "rope_freq_base": rope_freq_base,
+            "rope_freq_scale": rope_freq_scale,
+            "yarn_ext_factor": yarn_ext_factor,
+            "yarn_orig_ctx": yarn_orig_ctx,
+            "embeddings": embedding,
+            "offload_kqv": offload_kqv,
+        }
+        if flash_attn is not None:
+            native["flash_attn"] = "on" if flash_attn else "off"
+        if swa_full is not None:
+            native["swa_full"] = swa_full
+        for name, kv_type in (("type_k", type_k), ("type_v", type_v)):
+            if kv_type is not None:
+                native[name] = (
+                    kv_type
+                    if isinstance(kv_type, str)
+                    else _named(name, kv_type, KV_TYPES, problems)
+                )
+        if problems:
+            raise UnsupportedParameterError(problems)
+        if not os.path.exists(model_path):
+            raise InvalidParameterError(f"Model path does not exist: {os.fspath(model_path)}")
+
+        # llama-cpp-python: n_ctx 0 is the model's training context; batches fit the context.
+        def load(context: int) -> llamacrab.Llama:
+            batch = min(context, n_batch)
+            return llamacrab.Llama(
+                model_path,
+                n_ctx=context,
+                n_batch=batch,
+                n_ubatch=min(batch, n_ubatch),
+                speculative=speculative,
+                chat_format=_chat_format(chat_format),
+                **native,
+            )
+
+        if n_ctx == 0:  # the training context, from the header (a vocab-only load reads it)
+            with llamacrab.Model.load(model_path, ModelParams(vocab_only=True)) as probe:
+                arch = probe.metadata.get("general.architecture", "")
+                n_ctx = int(probe.metadata.get(f"{arch}.context_length", 0)) or 4096
+        self._llm = llm = load(n_ctx)
+        try:
+            if lora_path:
+                llm.load_lora(lora_path, lora_scale)
+        except BaseException:
+            llm.close()
+            raise
+
+        self.model_path = os.fspath(model_path)
+        self.verbose = verbose
+        self.n_batch = llm.context.n_batch
+        threads = os.cpu_count() or 1
+        self.n_threads = n_threads or threads
+        self.n_threads_batch = n_threads_batch or n_threads or threads
+        self.context_params = SimpleNamespace(
+            n_ctx=llm.context.n_ctx,
+            n_batch=llm.context.n_batch,
+            n_ubatch=llm.context.n_ubatch,
+            n_seq_max=llm.context.params.n_seq_max,
+            n_threads=self.n_threads,
+            n_threads_batch=self.n_threads_batch,
+            embeddings=embedding,
+            rope_freq_base=rope_freq_base,
+            rope_freq_scale=rope_freq_scale,
+            yarn_ext_factor=yarn_ext_factor,
+            yarn_orig_ctx=yarn_orig_ctx,
+            offload_kqv=offload_kqv,
+            swa_full=llm.context.params.swa_full,
+            flash_attn=llm.context.params.flash_attn,
+            type_k=llm.context.params.type_k,
+            type_v=llm.context.params.type_v,
+        )
+        self.model_params = SimpleNamespace(
+            n_gpu_layers=native["n_gpu_layers"],
+            split_mode=split_mode,
+            main_gpu=main_gpu,
+            vocab_only=vocab_only,
+            use_mmap=use_mmap,
+            use_mlock=use_mlock,
+        )
+        self.tensor_split = tensor_split
+        self.kv_overrides = kv_overrides
+        self.metadata: dict[str, str] = dict(llm.model.metadata)
+        if chat_format is None and "tokenizer.chat_template" in self.metadata:
+            chat_format = "chat_template.default"
+        self.chat_format = chat_format
+        self.chat_handler = None
+        self.draft_model = draft_model
+        self.lora_base = lora_base
+        self.lora_path = lora_path
+        self.lora_scale = lora_scale
+        self.last_n_tokens_size = last_n_tokens_size
+        self.spm_infill = spm_infill
+        self.cache = None
+        self._logits_all = logits_all
+        self._embedding = embedding
+        self._seed = seed or LLAMA_DEFAULT_SEED
+        self._n_vocab = llm.vocab.n_tokens
+        self._n_ctx = llm.context.n_ctx
+        self._turns = Turns()
+        self.tokenizer_ = LlamaTokenizer(self)
+
+    # -- what is underneath -------------------------------------------------------------------
+
+    @property
+    def llamacrab(self) -> llamacrab.Llama:
+        """The llamacrab.Llama doing the work (its API: typed results, parallel slots, ...)."""
+        return self._llm
+
+    def close(self) -> None:
+        """Free the model and its context."""
+        self._llm.close()
+
+    def __enter__(self) -> Llama:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        repo_id: str,
+        filename: str | None,
+        additional_files: Sequence[str] | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        local_dir_use_symlinks: bool | Literal["auto"] = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> Llama:
+        """Download ``filename`` (exact or a glob) from a Hugging Face repository into the
+        standard cache (llamacrab.resolve: HF_TOKEN / HF_ENDPOINT / HF_HUB_OFFLINE apply) and
+        load it. Every part of a split model comes along, so ``additional_files`` may only
+        name such parts."""
+        problems = []
+        if local_dir is not None:
+            problems.append("local_dir (models go to the Hugging Face cache: pass cache_dir)")
+        for pattern in additional_files or ():
+            if not _SPLIT_PART.search(pattern):
+                problems.append(
+                    f"additional_files entry {pattern!r} (only the parts of a "
+                    "split model, which are fetched anyway)"
+                )
+        if problems:
+            raise UnsupportedParameterError(problems)
+        files = llamacrab.resolve(repo_id, HubOptions(filename=filename, cache_dir=cache_dir))
+        return cls(files.path, **kwargs)
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Tokens of UTF-8 ``text``; ``add_bos`` adds the special tokens the model wants
+        around a text, ``special`` parses control-token text such as ``<bos>``."""
+        if isinstance(text, bytes | bytearray):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise llamacrab.TokenizeError(f"text is not UTF-8: {error}") from error
+        return self._llm.tokenize(text, add_special=add_bos, parse_special=special)
+
+    def detokenize(
+        self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None, special: bool = False
+    ) -> bytes:
+        """The bytes of ``tokens`` (possibly part of a UTF-8 character); a leading space after
+        BOS is dropped, as llama-cpp-python does. ``prev_tokens`` changes nothing."""
+        vocab = self._llm.vocab
+        tokens = [int(t) for t in tokens]
+        vocab.check_tokens(tokens)
+        out = b"".join(vocab.token_to_bytes(t, special) for t in tokens)
+        if tokens and tokens[0] == vocab.bos and out.startswith(b" "):
+            out = out[1:]
+        return out
+
+    def tokenizer(self) -> LlamaTokenizer:
+        return LlamaTokenizer(self)
+
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    def n_embd(self) -> int:
+        return self._llm.model.n_embd
+
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    def token_bos(self) -> int:
+        bos = self._llm.vocab.bos
+        return -1 if bos is None else bos
+
+    def token_eos(self) -> int:
+        eos = self._llm.vocab.eos
+        return -1 if eos is None else eos
+
+    def token_nl(self) -> int:
+        tokens = self._llm.tokenize("\n", add_special=False)
+        return tokens[0] if len(tokens) == 1 else -1
+
+    def pooling_type(self) -> int:
+        pooling = self._llm.context.pooling
+        return next(k for k, v in POOLING_TYPES.items() if v == pooling)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def set_seed(self, seed: int) -> None:
+        """The seed the next call without ``seed=`` derives its sampling seed from."""
+        self._seed = seed
+
+    def set_cache(self, cache: object | None) -> None:
+        if cache is not None:
+            raise UnsupportedParameterError(
+                [
+                    "set_cache (prompt caches are given when the model loads: "
+                    "llamacrab.Llama(path, cache=llamacrab.RamCache(...) or DiskCache(...)))"
+                ]
+            )
+
+    def reset(self) -> None:
+        """Forget the tokens in the KV memory: the next prompt is decoded whole."""
+        with self._turns.turn():
+            self._llm.reset()
+
+    def save_state(self) -> LlamaState:
+        """The KV memory, its tokens and the seed (llamacrab checks them when loaded)."""
+        with self._turns.turn():
+            saved = self._llm.save_state()
+        blob = saved.to_bytes()
+        return LlamaState(
+            input_ids=np.asarray(saved.tokens, dtype=np.intc),
+            scores=np.zeros((0, self._n_vocab), dtype=np.single),
+            n_tokens=len(saved.tokens),
+            llama_state=blob,
+            llama_state_size=len(blob),
+            seed=self._seed,
+        )
+
+    def load_state(self, state: LlamaState) -> None:
+        """Restore a state from ``save_state`` of this model. A state from llama-cpp-python
+        itself, another model or a smaller context raises ``llamacrab.StateError``."""
+        saved = SavedState.from_bytes(bytes(state.llama_state))
+        with self._turns.turn():
+            self._llm.load_state(saved)
+        self._seed = state.seed
+
+    # -- embeddings ---------------------------------------------------------------------------
+
+    def embed(
+        self,
+        input: str | Sequence[str],
+        normalize: bool = False,
+        truncate: bool = True,
+        return_count: bool = False,
+    ) -> Any:
+        """Embeddings as lists of floats: one list for a string, a list per text for a list
+        (per token, a list of lists, when the context does not pool). ``return_count`` adds
+        the number of tokens embedded."""
+        if not self._embedding:
+            raise InvalidParameterError(
+                "Llama model must be created with embedding=True to call this method"
+            )
+        texts = [input] if isinstance(input, str) else [str(t) for t in input]
+        if not texts:
+            return ([], 0) if return_count else []
+        with self._turns.turn():
+            vectors = self._llm.embed(texts, normalize=normalize, truncate=truncate)
+        data: list[Any] = (
+            [v.tolist() for v in vectors] if isinstance(vectors, list) else vectors.tolist()
+        )
+        output = data[0] if isinstance(input, str) else data
+        if not return_count:
+            return output
+        limit = self._llm.context.max_decode if truncate else None
+        count = sum(len(self._llm.tokenize(t)[:limit]) for t in texts)
+        return output, count
+
+    def create_embedding(
+        self, input: str | Sequence[str], model: str | None = None
+    ) -> CreateEmbeddingResponse:
+        """An OpenAI-shaped embeddings response (not normalized, as in llama-cpp-python)."""
+        texts = [input] if isinstance(input, str) else list(input)
+        vectors, count = self.embed(texts, return_count=True)
+        data: list[Embedding] = [
+            {"object": "embedding", "embedding": vector, "index": i}
+            for i, vector in enumerate(vectors)
+        ]
+        return {
+            "object": "list",
+            "data": data,
+            "model": model if model is not None else self.model_path,
+            "usage": {"prompt_tokens": count, "total_tokens": count},
+        }
+
+    # -- completion ---------------------------------------------------------------------------
+
+    def create_completion(
+        self,
+        prompt: str | Sequence[int],
+        suffix: str | None = None,
+        max_tokens: int | None = 16,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        logprobs: int | None = None,
+        echo: bool = False,
+        stop: str | Sequence[str] | None = None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        top_k: int = 40,
+        stream: bool = False,
+        seed: int | None = None,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        model: str | None = None,
+        stopping_criteria: StoppingCriteria | None = None,
+        logits_processor: LogitsProcessor | None = None,
+        grammar: LlamaGrammar | str | None = None,
+        logit_bias: Mapping[int | str, float] | None = None,
+    ) -> CreateCompletionResponse | Iterator[CreateCompletionResponse]:
+        """Complete ``prompt`` (text, whose control-token text is parsed, or tokens). Returns
+        a ``text_completion`` dict, or with ``stream=True`` an iterator of chunks (the last
+        has empty text and the finish_reason). ``suffix`` fills in the middle with the
+        model's FIM tokens. ``max_tokens`` None or <= 0 runs to the end of the context.
+        Sampling without ``seed`` follows the Llama's seed: reproducible run to run."""
+        sampling = self._sampling(
+            temperature=temperature,
+            top_p=top_p,
+            min_p=min_p,
+            typical_p=typical_p,
+            top_k=top_k,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            repeat_penalty=repeat_penalty,
+            tfs_z=tfs_z,
+            mirostat_mode=mirostat_mode,
+            mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta,
+            logit_bias=logit_bias,
+            grammar=grammar,
+            seed=self._call_seed(seed),
+        )
+        if echo and logprobs is not None:
+            raise UnsupportedParameterError(
+                ["logprobs with echo=True (log-probabilities of the prompt's own tokens)"]
+            )
+        options: dict[str, Any] = {
+            "max_tokens": _max_tokens(max_tokens),
+            "stop": _stops(stop),
+            "logprobs": logprobs,
+        }
+        if suffix is not None:
+            if not isinstance(prompt, str):
+                raise InvalidParameterError("suffix= needs a text prompt")
+            if stopping_criteria is not None or logits_processor is not None:
+                raise UnsupportedParameterError(
+                    ["logits processors or stopping criteria with suffix= (fill in the middle)"]
+                )
+            engine = self._llm.stream_infill(
+                prompt, suffix, spm=self.spm_infill, **options, **sampling
+            )
+            prompt_text, hooks = prompt, None
+        else:
+            if isinstance(prompt, str):
+                tokens = self._llm.tokenize(prompt, add_special=True, parse_special=True)
+                prompt_text = prompt
+            else:
+                tokens = [int(t) for t in prompt]
+                prompt_text = self._llm.detokenize(tokens)
+            hooks = self._hooks(tokens, logits_processor, stopping_criteria, sampling, options)
+            engine = self._llm.stream_completion(tokens, **options, **sampling)
+        meta = _Meta(model if model is not None else self.model_path, "cmpl-")
+        chunks = self._completion_chunks(
+            engine, hooks, meta, prompt_text if echo else "", len(prompt_text)
+        )
+        if stream:
+            return chunks
+        return self._completion_result(chunks, meta)
+
+    __call__ = create_completion
+
+    def _completion_chunks(
+        self,
+        engine: Stream[CompletionChunk],
+        hooks: Hooks | None,
+        meta: _Meta,
+        echo_text: str,
+        offset: int,
+    ) -> Generator[CreateCompletionResponse, None, None]:
+        """Chunks as llama-cpp-python streams them: text pieces, then an empty last one with
+        the finish_reason; ``meta.outcome`` gets the usage."""
+        self._turns.acquire()
+        try:
+            if echo_text:
+                yield convert.completion_chunk(meta.id, meta.created, meta.model, echo_text)
+            for chunk in engine:
+                if hooks is not None:
+                    hooks.raise_error()
+                logprobs = convert.completion_logprobs(chunk.logprobs, offset)
+                if chunk.text or logprobs is not None:
+                    yield convert.completion_chunk(
+                        meta.id, meta.created, meta.model, chunk.text, logprobs
+                    )
+                meta.record(chunk.finish_reason, chunk.usage, hooks)
+            if hooks is not None:
+                hooks.raise_error()
+            yield convert.completion_chunk(
+                meta.id, meta.created, meta.model, "", None, meta.outcome.finish
+            )
+        finally:
+            engine.close()
+            self._turns.release()
+
+    @staticmethod
+    def _completion_result(
+        chunks: Iterator[CreateCompletionResponse], meta: _Meta
+    ) -> CreateCompletionResponse:
+        texts: list[str] = []
+        logprobs: dict[str, list[Any]] | None = None
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            texts.append(choice["text"])
+            if choice["logprobs"] is not None:
+                logprobs = logprobs or {k: [] for k in choice["logprobs"]}
+                for key, values in choice["logprobs"].items():
+                    logprobs[key].extend(cast(list[Any], values))
+        outcome = meta.outcome
+        return {
+            "id": meta.id,
+            "object": "text_completion",
+            "created": meta.created,
+            "model": meta.model,
+            "choices": [
+                {
+                    "text": "".join(texts),
+                    "index": 0,
+                    "logprobs": cast(Any, logprobs),
+                    "finish_reason": outcome.finish,
+                }
+            ],
+            "usage": convert.usage(outcome.prompt_tokens, outcome.completion_tokens),
+        }
+
+    def generate(
+        self,
+        tokens: Sequence[int],
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        temp: float = 0.80,
+        repeat_penalty: float = 1.0,
+        reset: bool = True,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        penalize_nl: bool = True,
+        logits_processor: LogitsProcessor | None = None,
+        stopping_criteria: StoppingCriteria | None = None,
+        grammar: LlamaGrammar | str | None = None,
+    ) -> Generator[int, Sequence[int] | None, None]:
+        """The sampled tokens of ``tokens``' continuation, one by one, as llamacrab's engine
+        produces them; an end-of-generation token is yielded last, and the generator ends
+        there or at the end of the context (a stopping criterion ends it silently)."""
+        sampling = self._sampling(
+            temperature=temp,
+            top_p=top_p,
+            min_p=min_p,
+            typical_p=typical_p,
+            top_k=top_k,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            repeat_penalty=repeat_penalty,
+            tfs_z=tfs_z,
+            mirostat_mode=mirostat_mode,
+            mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta,
+            logit_bias=None,
+            grammar=grammar,
+            seed=self._seed % 2**32,
+        )
+        prompt = [int(t) for t in tokens]
+        options: dict[str, Any] = {"max_tokens": None}
+        hooks = self._hooks(prompt, logits_processor, stopping_criteria, sampling, options)
+        engine = self._llm.stream_completion(prompt, **options, **sampling)
+        return self._tokens(engine, hooks)
+
+    def _tokens(
+        self, engine: Stream[CompletionChunk], hooks: Hooks | None
+    ) -> Generator[int, Sequence[int] | None, None]:
+        self._turns.acquire()
+        try:
+            for chunk in engine:
+                if hooks is not None:
+                    hooks.raise_error()
+                for token in chunk.tokens:
+                    if (yield token) is not None:
+                        raise UnsupportedParameterError(
+                            [
+                                "sending tokens into generate() "
+                                "(speculative decoding is llamacrab's "
+                                "own: draft_model=)"
+                            ]
+                        )
+                if chunk.finish_reason == "eos" and not (hooks is not None and hooks.stopped):
+                    yield self.token_eos()
+            if hooks is not None:
+                hooks.raise_error()
+        finally:
+            engine.close()
+            self._turns.release()
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        raise UnsupportedParameterError(
+            [
+                "eval() (llamacrab decodes inside its engine: use "
+                "generate(), create_completion() or llamacrab's "
+                "Context)"
+            ]
+        )
+
+    def sample(self, *args: Any, **kwargs: Any) -> int:
+        raise UnsupportedParameterError(
+            [
+                "sample() (llamacrab samples inside its engine: use "
+                "generate() or create_completion())"
+            ]
+        )
+
+    # -- chat ---------------------------------------------------------------------------------
+
+    def create_chat_completion(
+        self,
+        messages: Sequence[ChatCompletionRequestMessage | Mapping[str, Any]],
+        functions: Sequence[Mapping[str, Any]] | None = None,
+        function_call: str | Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        temperature: float = 0.2,
+        top_p: float = 0.95,
+        top_k: int = 40,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        stream: bool = False,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        max_tokens: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        model: str | None = None,
+        logits_processor: LogitsProcessor | None = None,
+        grammar: LlamaGrammar | str | None = None,
+        logit_bias: Mapping[int | str, float] | None = None,
+        logprobs: bool | int | None = None,
+        top_logprobs: int | None = None,
+    ) -> CreateChatCompletionResponse | Iterator[CreateChatCompletionStreamResponse]:
+        """Answer ``messages`` with the model's chat template (or ``chat_format``). Returns a
+        ``chat.completion`` dict, or with ``stream=True`` an iterator of chunks: the role,
+        then content deltas, then an empty delta with the finish_reason. ``tools`` go to the
+        template; calls the model makes (always, with ``tool_choice`` "required" or a named
+        function, which a grammar enforces) come back as ``message.tool_calls``.
+        ``response_format`` {"type": "json_object"} (optionally with "schema") or
+        {"type": "json_schema", ...} constrains the answer."""
+        sampling = self._sampling(
+            temperature=temperature,
+            top_p=top_p,
+            min_p=min_p,
+            typical_p=typical_p,
+            top_k=top_k,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            repeat_penalty=repeat_penalty,
+            tfs_z=tfs_z,
+            mirostat_mode=mirostat_mode,
+            mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta,
+            logit_bias=logit_bias,
+            grammar=grammar,
+            seed=self._call_seed(seed),
+        )
+        if functions is not None and tools is None:
+            tools = [{"type": "function", "function": f} for f in functions]
+        if function_call is not None and tool_choice is None:
+            tool_choice = (
+                function_call
+                if isinstance(function_call, str)
+                else {"type": "function", "function": {"name": function_call["name"]}}
+            )
+        chat: dict[str, Any] = {
+            "max_tokens": _max_tokens(max_tokens),
+            "stop": _stops(stop),
+            "response_format": response_format,
+            "tools": tools or None,
+            "tool_choice": _tool_choice(tool_choice, tools),
+            "logprobs": _chat_logprobs(logprobs, top_logprobs),
+        }
+        chat_format = _chat_format(self.chat_format)
+        hooks = None
+        if logits_processor is not None:
+            prompt = self._chat_prompt_tokens(messages, chat_format, tools)
+            hooks = self._hooks(prompt, logits_processor, None, sampling, chat)
+        engine = self._llm.stream_chat_completion(
+            messages, chat_format=chat_format, **chat, **sampling
+        )
+        meta = _Meta(model if model is not None else self.model_path, "chatcmpl-")
+        chunks = self._chat_chunks(engine, hooks, meta)
+        if stream:
+            return chunks
+        return self._chat_result(chunks, meta)
+
+    def create_chat_completion_openai_v1(self, *args: Any, **kwargs: Any) -> Any:
+        """``create_chat_completion`` as the ``openai`` package's types."""
+        from openai.types.chat import ChatCompletion, ChatCompletionChunk  # optional
+
+        if kwargs.get("stream", False):
+            chunks = cast(Iterator[Any], self.create_chat_completion(*args, **kwargs))
+            return (ChatCompletionChunk(**chunk) for chunk in chunks)
+        return ChatCompletion(**cast(Any, self.create_chat_completion(*args, **kwargs)))
+
+    def _chat_prompt_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        chat_format: str | None,
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> list[int]:
+        """The prompt tokens a chat request decodes (for logits processors' input_ids)."""
+        text = self._llm.chat_prompt(messages, chat_format, tools=tools)
+        vocab = self._llm.vocab
+        has_bos = vocab.bos is not None and text.startswith(vocab.token_to_piece(vocab.bos, True))
+        return self._llm.tokenize(text, add_special=not has_bos, parse_special=True)
+
+    def _chat_chunks(
+        self, engine: Stream[ChatCompletionChunk], hooks: Hooks | None, meta: _Meta
+    ) -> Generator[CreateChatCompletionStreamResponse, None, None]:
+        self._turns.acquire()
+        try:
+            yield convert.chat_chunk(meta.id, meta.created, meta.model, {"role": "assistant"})
+            for chunk in engine:
+                if hooks is not None:
+                    hooks.raise_error()
+                logprobs = convert.chat_logprobs(chunk.logprobs)
+                if chunk.delta.content or logprobs is not None:
+                    content: ChatCompletionStreamResponseDelta = {"content": chunk.delta.content}
+                    yield convert.chat_chunk(
+                        meta.id, meta.created, meta.model, content, None, logprobs
+                    )
+                if chunk.delta.tool_calls:
+                    meta.outcome.calls = chunk.delta.tool_calls
+                    calls: ChatCompletionStreamResponseDelta = {
+                        "content": None,
+                        "tool_calls": convert.tool_call_chunks(chunk.delta.tool_calls),
+                    }
+                    yield convert.chat_chunk(meta.id, meta.created, meta.model, calls)
+                meta.record(chunk.finish_reason, chunk.usage, hooks)
+            if hooks is not None:
+                hooks.raise_error()
+            yield convert.chat_chunk(meta.id, meta.created, meta.model, {}, meta.outcome.finish)
+        finally:
+            engine.close()
+            self._turns.release()
+
+    @staticmethod
+    def _chat_result(
+        chunks: Iterator[CreateChatCompletionStreamResponse], meta: _Meta
+    ) -> CreateChatCompletionResponse:
+        texts: list[str] = []
+        tokens: list[Any] = []
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            delta = cast(ChatCompletionStreamResponseDelta, choice["delta"])
+            texts.append(delta.get("content") or "")
+            if choice["logprobs"] is not None:
+                tokens.extend(choice["logprobs"]["content"] or ())
+        outcome = meta.outcome
+        content = "".join(texts)
+        message: ChatCompletionResponseMessage = {"role": "assistant", "content": content}
+        if outcome.calls:
+            calls = convert.tool_calls(outcome.calls)
+            first = calls[0]["function"]
+            message = {
+                "role": "assistant",
+                "content": content or None,
+                "tool_calls": calls,
+                "function_call": {"name": first["name"], "arguments": first["arguments"]},
+            }
+        return {
+            "id": meta.id,
+            "object": "chat.completion",
+            "created": meta.created,
+            "model": meta.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": {"content": tokens, "refusal": None} if tokens else None,
+                    "finish_reason": outcome.finish,
+                }
+            ],
+            "usage": convert.usage(outcome.prompt_tokens, outcome.completion_tokens),
+        }
+
+    # -- keyword translation ------------------------------------------------------------------
+
+    def _call_seed(self, seed: int | None) -> int:
+        """llama-cpp-python's seeding: an explicit seed is used (and becomes the Llama's);
+        without one, the next seed is drawn from the Llama's, so runs are reproducible."""
+        self._seed = seed if seed is not None else random.Random(self._seed).randint(0, 2**32)
+        return self._seed % 2**32
+
+    def _sampling(
+        self,
+        *,
+        temperature: float,
+        top_p: float,
+        min_p: float,
+        typical_p: float,
+        top_k: int,
+        frequency_penalty: float,
+        presence_penalty: float,
+        repeat_penalty: float,
+        tfs_z: float,
+        mirostat_mode: int,
+        mirostat_tau: float,
+        mirostat_eta: float,
+        logit_bias: Mapping[int | str, float] | None,
+        grammar: LlamaGrammar | str | None,
+        seed: int,
+    ) -> dict[str, Any]:
+        """llamacrab SamplingOptions fields for llama-cpp-python's sampling keywords."""
+        if tfs_z != 1.0:
+            raise UnsupportedParameterError(
+                [f"tfs_z={tfs_z} (tail-free sampling is no longer part of llama.cpp)"]
+            )
+        options: dict[str, Any] = {
+            "temperature": temperature,
+            "top_k": max(top_k, 0),
+            "top_p": min(top_p, 1.0),
+            "min_p": min_p,
+            "typical_p": typical_p,
+            "frequency_penalty": frequency_penalty,
+            "presence_penalty": presence_penalty,
+            "repeat_penalty": repeat_penalty,
+            "penalty_last_n": self.last_n_tokens_size,
+            "mirostat": mirostat_mode,
+            "mirostat_tau": mirostat_tau,
+            "mirostat_eta": mirostat_eta,
+            "seed": seed,
+        }
+        if temperature < 0:  # llama-cpp-python: sample the plain distribution, no filters
+            options.update(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
+        if logit_bias:
+            options["logit_bias"] = {int(k): float(v) for k, v in logit_bias.items()}
+        if isinstance(grammar, LlamaGrammar):
+            options["grammar"], options["grammar_root"] = grammar.grammar, grammar.root
+        elif grammar is not None:
+            options["grammar"] = str(grammar)
+        return options
+
+    def _hooks(
+        self,
+        prompt: Sequence[int],
+        processors: LogitsProcessor | None,
+        criteria: StoppingCriteria | None,
+        sampling: dict[str, Any],
+        options: dict[str, Any],
+    ) -> Hooks | None:
+        """A CustomSampler running ``processors`` / ``criteria``, added to ``sampling`` (and
+        its cancel event to ``options``)."""
+        if processors is None and criteria is None:
+            return None
+        vocab = self._llm.vocab
+        end = vocab.eos if vocab.eos is not None else (vocab.eog_tokens or (0,))[0]
+        hooks = Hooks(prompt, processors, criteria, end, self._n_vocab)
+        sampling["custom_samplers"] = (hooks,)
+        options["cancel"] = hooks.cancel
+        return hooks
+
+    # -- utilities llama-cpp-python offers ----------------------------------------------------
+
+    @staticmethod
+    def logits_to_logprobs(logits: npt.ArrayLike, axis: int = -1) -> npt.NDArray[np.single]:
+        """Log-softmax of ``logits`` along ``axis``."""
+        values = np.asarray(logits, dtype=np.single)
+        top = np.max(values, axis=axis, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0)
+        shifted = values - top
+        with np.errstate(divide="ignore"):
+            return cast(
+                npt.NDArray[np.single],
+                shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True)),
+            )
+
+    @staticmethod
+    def longest_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+        n = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            n += 1
+        return n
+
+
+class _Meta:
+    """The id, time and model name shared by one call's chunks, and how it ended."""
+
+    def __init__(self, model: str, prefix: str) -> None:
+        self.id = prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.outcome = _Outcome()
+
+    def record(
+        self, reason: str | None, usage: llamacrab.Usage | None, hooks: Hooks | None
+    ) -> None:
+        if reason is None:
+            return
+        self.outcome.finish = convert.finish_reason(reason, hooks is not None and hooks.stopped)
+        if usage is not None:
+            self.outcome.prompt_tokens = usage.prompt_tokens
+            self.outcome.completion_tokens = usage.completion_tokens
+
+
+# Keywords of older llama-cpp-python versions that it now ignores (older integrations still
+# pass them), with the values that ask for nothing: None means "any value".
+_LEGACY: dict[str, tuple[object, ...] | None] = {
+    "n_parts": (-1, None),  # models load whole
+    "n_gqa": (None,),  # GGML-era grouped-query setting: read from GGUF now
+    "rms_norm_eps": (None,),  # likewise
+    "device": (None,),  # offload with n_gpu_layers
+    "f16_kv": None,  # KV types are type_k / type_v
+    "mul_mat_q": None,  # a kernel choice, no longer a switch
+    "low_vram": None,  # likewise
+}
+
+
+def _legacy_keywords(kwargs: dict[str, Any], problems: list[str]) -> None:
+    """Legacy keywords are accepted where ignoring them changes nothing, refused otherwise;
+    any other unknown keyword is a TypeError."""
+    unknown = set(kwargs) - set(_LEGACY)
+    if unknown:
+        raise unknown_keywords("Llama()", unknown)
+    for name, value in kwargs.items():
+        allowed = _LEGACY[name]
+        if allowed is not None and value not in allowed:
+            problems.append(f"{name}={value!r} (no longer a llama.cpp setting)")
+
+
+def _named(name: str, value: int, table: Mapping[int, str], problems: list[str]) -> str:
+    if value not in table:
+        problems.append(f"{name}={value!r} (known: {sorted(table)})")
+        return next(iter(table.values()))
+    return table[value]
+
+
+def _speculative(
+    draft: LlamaDraftModel | PromptLookup | DraftModel | None, problems: list[str]
+) -> PromptLookup | DraftModel | None:
+    if draft is None or isinstance(draft, PromptLookup | DraftModel):
+        return draft
+    try:
+        return draft.speculative()
+    except NotImplementedError:
+        problems.append(
+            f"draft_model={type(draft).__name__} (llamacrab drafts with "
+            "LlamaPromptLookupDecoding, llamacrab.PromptLookup or DraftModel)"
+        )
+        return None
+
+
+def _chat_format(name: str | None) -> str | None:
+    if name is None or name == "chat_template.default":
+        return None  # the model's own template
+    if name.startswith("chat_template."):
+        return "tokenizer." + name
+    return _CHAT_FORMATS.get(name, name)
+
+
+def _max_tokens(max_tokens: int | None) -> int | None:
+    return None if max_tokens is None or max_tokens <= 0 else max_tokens
+
+
+def _stops(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else [s for s in stop if s]
+
+
+def _tool_choice(
+    choice: str | Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None
+) -> str | Mapping[str, Any]:
+    """llamacrab's tool_choice: None is "auto"; a tool's bare name forces that tool."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+        names = {(t.get("function") or {}).get("name") for t in tools or ()}
+        if choice in names:
+            return {"type": "function", "function": {"name": choice}}
+    return choice
+
+
+def _chat_logprobs(logprobs: bool | int | None, top_logprobs: int | None) -> int | None:
+    if not logprobs:
+        return None
+    if top_logprobs is not None:
+        return top_logprobs
+    return 0 if isinstance(logprobs, bool) else int(logprobs)
+
+
+# What llama_cpp.llama exports besides Llama.
+__all__ = [
+    "Llama",
+    "LlamaDraftModel",
+    "LlamaGrammar",
+    "LlamaState",
+    "LlamaTokenizer",
+    "LogitsProcessor",
+    "LogitsProcessorList",
+    "MinTokensLogitsProcessor",
+    "StoppingCriteria",
+    "StoppingCriteriaList",
+]
