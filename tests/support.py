@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -36,6 +37,24 @@ class Gate(CustomSampler):
 
     def apply(self, candidates: np.ndarray) -> None:
         self.open.wait(timeout=30)
+
+
+class Slow(CustomSampler):
+    """A sampler that takes ``delay`` seconds per token (after the test opens ``open``, when
+    ``gated``) and counts its calls: a generation that outlasts any limit a test sets, so only
+    cancelling it ends it in time."""
+
+    def __init__(self, delay: float = 0.05, gated: bool = False) -> None:
+        self.delay = delay
+        self.calls = 0
+        self.open = threading.Event()
+        if not gated:
+            self.open.set()
+
+    def apply(self, candidates: np.ndarray) -> None:
+        self.open.wait(timeout=30)
+        self.calls += 1
+        time.sleep(self.delay)
 
 
 def assert_same_up_to_near_ties(alone: CompletionChoice, batched: CompletionChoice) -> None:

@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 import pytest
 
-from llamacrab import InvalidModelError, Llama
+from llamacrab import InvalidModelError, InvalidParameterError, Llama
 from llamacrab._native import gguf_check
 from llamacrab._native.gguf_check import LLAMA_MAX_EXPERTS, LLAMA_MAX_LAYERS, validate_gguf
 
@@ -655,6 +655,48 @@ def test_tensors_the_graph_of_single_architectures_needs(
     rejects(header(tmp_path / "bad.gguf", keys, arch, tensors=bad), f"{arch} needs")
 
 
+def glm_dsa_layers(n: int, indexed: range | list[int]) -> dict[str, np.ndarray]:
+    """attn_norm on ``n`` layers, and the three indexer tensors the graph multiplies by on the
+    ``indexed`` ones (k_norm is optional in the graph too, so it is never written)."""
+    names = ["attn_norm", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj"]
+    return {f"blk.{il}.{name}.weight": vector(4) for il in range(n) for name in names
+            if name == "attn_norm" or il in indexed}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("keys", "indexed", "missing"),
+    [
+        # attention.indexer.types marks the layers
+        ({"attention.indexer.types": [1, 0]}, [0], None),
+        ({"attention.indexer.types": [1, 1]}, [0], "blk.1.indexer.attn_q_b.weight"),
+        # default below GLM-5.2's context: every layer full
+        ({"context_length": 4096}, [0, 1], None),
+        ({"context_length": 4096}, [0], "blk.1.indexer.attn_q_b.weight"),
+        # default from GLM-5.2's context: its pattern (0, 1, then every fourth from 2)
+        ({"context_length": 1048576, "block_count": 8}, [0, 1, 2, 6], None),
+        ({"context_length": 1048576, "block_count": 8}, [0, 1, 2], "blk.6.indexer.attn_q_b"),
+        # the nextn (MTP) layer is not part of the main graph
+        ({"context_length": 4096, "nextn_predict_layers": 1}, [0], None),
+    ],
+    ids=["types", "types-missing", "all-full", "all-full-missing", "glm-5.2", "glm-5.2-missing",
+         "nextn"],
+)  # fmt: skip
+def test_glm_dsa_needs_the_indexer_tensors_on_full_indexer_layers(
+    tmp_path: Path, keys: dict[str, Any], indexed: list[int], missing: str | None
+) -> None:
+    path = header(tmp_path / "m.gguf", keys, "glm-dsa",
+                  tensors=glm_dsa_layers(keys.get("block_count", 2), indexed))  # fmt: skip
+    if missing is None:
+        validate_gguf(path)
+    else:
+        rejects(path, "glm-dsa needs the indexer tensors", missing)
+
+
+def test_glm_dsa_without_layer_tensors_is_left_to_llama_cpp(tmp_path: Path) -> None:
+    # No blk.N.attn_norm: llama.cpp refuses the file itself (a required tensor is missing).
+    validate_gguf(header(tmp_path / "m.gguf", {"context_length": 4096}, "glm-dsa"))
+
+
 def test_a_dspark_markov_head_needs_a_block_size(tmp_path: Path) -> None:
     markov = {"markov_w1.weight": weights(8, 4)}
     validate_gguf(header(tmp_path / "good.gguf", {"block_size": 16}, "dflash", tensors=markov))
@@ -880,6 +922,48 @@ def assert_checked_else_dies(path: Path, message: str, death: str) -> None:
         f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
     )
     assert death == "SIGFPE" or death in unchecked.stderr, unchecked.stderr[-2000:]
+
+
+OCR_ROPE_CHILD = textwrap.dedent("""
+    import sys
+    from llamacrab import InvalidParameterError, Llama
+    from llamacrab._native import context
+    if sys.argv[2] == "unchecked":
+        context._check_rope_freq_base = lambda *args: None
+    try:
+        with Llama(sys.argv[1], n_ctx=64, n_threads=1, rope_freq_base=5000.0) as llm:
+            llm.create_completion("the cat", max_tokens=1)
+        print("loaded")
+    except InvalidParameterError as error:
+        print("refused:", error)
+""")
+
+
+def test_deepseek2_ocr_refuses_another_rope_base_from_the_context(tmp_path: Path) -> None:
+    # deepseek2.cpp asserts the context's freq_base (not the file's) is 10000 for deepseek2-ocr.
+    path = tiny_model(tmp_path / "m.gguf", OCR, "deepseek2-ocr", square_kv())
+    for base in (0.0, 10000.0, 10000.0001):  # 0 keeps the file's; 10000.0001 is 10000.0f
+        with Llama(path, n_ctx=64, n_threads=1, rope_freq_base=base) as llm:
+            assert llm.create_completion("the cat", max_tokens=1).usage.completion_tokens == 1
+    bases = [{"rope_freq_base": base} for base in (5000.0, 10000.01, -10000.0, float("nan"))]
+    override = {"kv_overrides": {"deepseek2-ocr.rope.freq_base": 5000.0}}
+    for options in [*bases, override]:
+        with pytest.raises(InvalidParameterError, match="deepseek2-ocr models need a rope base"):
+            Llama(path, n_ctx=64, n_threads=1, **options)
+    with Llama(tiny_model(tmp_path / "llama.gguf", {}), n_ctx=64, rope_freq_base=5000.0):
+        pass  # other architectures take any base
+    checked = subprocess.run([sys.executable, "-c", OCR_ROPE_CHILD, str(path), "checked"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert checked.returncode == 0 and checked.stdout.startswith("refused:"), checked.stderr
+    unchecked = subprocess.run(
+        [sys.executable, "-c", OCR_ROPE_CHILD, str(path), "unchecked"], capture_output=True,
+        text=True, timeout=120, env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+    )  # fmt: skip
+    assert unchecked.returncode == -signal.SIGABRT, (
+        f"llama.cpp no longer aborts (exit {unchecked.returncode}): re-audit "
+        f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
+    )
+    assert "fabs(freq_base - 10000.0) < 1e-4" in unchecked.stderr
 
 
 def tiny_lfm2(path: Path, keys: dict[str, Any]) -> Path:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llamacrab import (
+    Batch,
     ClosedHandleError,
     Context,
     ContextParams,
@@ -22,6 +25,18 @@ from llamacrab import (
     SamplingOptions,
     TokenizeError,
 )
+from llamacrab._native import handle
+from llamacrab._native.handle import NativeHandle, address
+
+Frees = list[tuple[str, int]]
+
+
+@pytest.fixture
+def frees(monkeypatch: pytest.MonkeyPatch) -> Frees:
+    """Every native free, in order: (kind, address)."""
+    seen: Frees = []
+    monkeypatch.setattr(handle, "free_observer", lambda kind, at: seen.append((kind, at)))
+    return seen
 
 
 def make_objects(path: Path) -> tuple[Model, Context, SamplerChain]:
@@ -29,26 +44,46 @@ def make_objects(path: Path) -> tuple[Model, Context, SamplerChain]:
     return model, Context(model, ContextParams(n_ctx=64)), SamplerChain(model)
 
 
+def addresses(*handles: NativeHandle) -> dict[int, str]:
+    return {address(h._pointer): h.kind for h in handles}
+
+
+def assert_freed_once_children_first(frees: Frees, expected: dict[int, str], root: int) -> None:
+    """Each expected pointer freed exactly once, the root (the model) after all the others."""
+    freed = [at for _, at in frees if at in expected]
+    assert sorted(freed) == sorted(expected), (frees, expected)
+    assert freed[-1] == root, f"the model was freed before a child: {frees}"
+
+
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
 def test_objects_returned_from_a_function_die_in_any_order(
-    tiny_model_path: Path, order: tuple
+    tiny_model_path: Path, order: tuple, frees: Frees
 ) -> None:
     objects = list(make_objects(tiny_model_path))
+    expected = addresses(*objects)
+    root = address(objects[0]._pointer)
     context, sampler = objects[1], objects[2]
     assert not context.closed and not sampler.closed
     for index in order:
         objects[index] = None  # type: ignore[call-overload]
         gc.collect()
+    assert frees == []  # the local names still hold the children, and they their model
     del context, sampler
     gc.collect()
+    assert_freed_once_children_first(frees, expected, root)
 
 
-def test_closing_a_model_closes_its_children_first(tiny_model_path: Path) -> None:
+def test_closing_a_model_closes_its_children_first(tiny_model_path: Path, frees: Frees) -> None:
     model, context, sampler = make_objects(tiny_model_path)
+    expected, root = addresses(model, context, sampler), address(model._pointer)
     model.close()
     assert context.closed and sampler.closed and model.closed
+    assert_freed_once_children_first(frees, expected, root)
     model.close()  # idempotent
     context.close()
+    del model, context, sampler
+    gc.collect()
+    assert_freed_once_children_first(frees, expected, root)  # nothing freed twice
 
 
 def test_use_after_close_raises_and_never_reaches_c(tiny_model_path: Path) -> None:
@@ -67,18 +102,45 @@ def test_use_after_close_raises_and_never_reaches_c(tiny_model_path: Path) -> No
         Context(model)
 
 
-def test_llama_context_manager_frees_everything(tiny_model_path: Path) -> None:
+def test_llama_context_manager_frees_everything(tiny_model_path: Path, frees: Frees) -> None:
     with Llama(tiny_model_path, n_ctx=64) as llm:
         context = llm.context
+        expected = addresses(llm.model, context)
+        root = address(llm.model._pointer)
         assert llm.create_completion("the cat", max_tokens=2, temperature=0).usage.prompt_tokens > 0
+        assert frees == [("sampler", at) for _, at in frees]  # only the request's sampler
     assert llm.closed and context.closed
+    assert_freed_once_children_first(frees, expected, root)
+    assert len(frees) == len(set(frees))  # every sampler once too
     with pytest.raises(ClosedHandleError):
         llm.create_completion("the cat")
 
 
+def test_a_closed_batch_raises_and_never_reaches_c(tiny_llama: Llama) -> None:
+    context = tiny_llama.context
+    batch = Batch(32)
+    batch.set(np.array(tiny_llama.tokenize("the cat"), dtype=np.int32), 0)
+    with batch:
+        context.clear()
+        context.decode(batch)  # usable while open
+    assert batch.closed
+    for use in (lambda: batch.set(np.array([1], dtype=np.int32), 0), lambda: batch.set_one(1, 0),
+                lambda: batch.value, lambda: context.decode(batch)):  # fmt: skip
+        with pytest.raises(ClosedHandleError, match="batch is closed"):
+            use()
+    batch.close()  # idempotent
+
+
 def test_process_exits_cleanly_with_live_handles(tiny_model_path: Path) -> None:
     script = textwrap.dedent(f"""
+        import atexit, collections, json
+        frees = []
+        # Registered before llamacrab is imported: runs after llamacrab's own exit hook.
+        atexit.register(lambda: print("FREES", json.dumps(
+            [[kind, at, n] for (kind, at), n in collections.Counter(frees).items()])))
         from llamacrab import Llama, SamplerChain, Context, ContextParams
+        from llamacrab._native import handle
+        handle.free_observer = lambda kind, at: frees.append((kind, at))
         llm = Llama({str(tiny_model_path)!r}, n_ctx=64)
         extra = Context(llm.model, ContextParams(n_ctx=32))
         sampler = SamplerChain(llm.model)
@@ -86,9 +148,21 @@ def test_process_exits_cleanly_with_live_handles(tiny_model_path: Path) -> None:
         next(stream)
         cycle = [llm, extra]
         cycle.append(cycle)
+        print("LIVE", json.dumps([
+            ["model", handle.address(llm.model._pointer)],
+            ["context", handle.address(llm.context._pointer)],
+            ["context", handle.address(extra._pointer)],
+            ["sampler", handle.address(sampler._pointer)],
+        ]))
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
-    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120,
+                            text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    counts = {(kind, at): n for kind, at, n in json.loads(lines["FREES"])}
+    live = [tuple(h) for h in json.loads(lines["LIVE"])]
+    assert all(counts.get(h) == 1 for h in live), (live, counts)  # each freed at exit
+    assert all(n == 1 for n in counts.values()), counts  # and nothing twice
 
 
 def test_sampler_options_are_validated(tiny_llama: Llama) -> None:

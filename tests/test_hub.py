@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,15 +104,25 @@ def test_revisions_by_branch_and_commit(hub: HubServer, tmp_path: Path) -> None:
         resolve("crab/revs", options(hub, tmp_path, revision="v9"))
 
 
-def test_gated_repo_needs_the_token_which_never_leaks(hub: HubServer, tmp_path: Path) -> None:
-    with pytest.raises(HubError, match="gated") as refused:
-        resolve("crab/gated", options(hub, tmp_path))
-    granted = options(hub, tmp_path, token=TOKEN)
+def test_gated_repo_needs_the_token_which_never_leaks(
+    hub: HubServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(HubError, match="gated"):
+        resolve("crab/gated", options(hub, tmp_path / "none"))
+    granted = options(hub, tmp_path / "granted", token=TOKEN)
     assert resolve("crab/gated", granted).path.is_file()
-    assert TOKEN not in repr(granted) and TOKEN not in str(refused.value)
+    assert TOKEN not in repr(granted) and TOKEN not in str(granted)
+    # Failures of calls that carry a token: neither the token nor its causes' text shows it.
+    wrong_token = "hf_wrongTOKEN987"
     with pytest.raises(HubError) as wrong:
-        resolve("crab/gated", options(hub, tmp_path, token=TOKEN + "x"))
-    assert TOKEN not in str(wrong.value)
+        resolve("crab/gated", options(hub, tmp_path / "wrong", token=wrong_token))
+    with pytest.raises(HubError, match="no such revision") as missing:
+        resolve("crab/gated", options(hub, tmp_path / "missing", token=TOKEN, revision="v9"))
+    for secret, error in ((wrong_token, wrong.value), (TOKEN, missing.value)):
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        assert secret not in text and secret not in repr(error.args)
+    assert TOKEN not in caplog.text and wrong_token not in caplog.text
 
 
 def test_offline_uses_the_cache_and_fails_clearly_without_it(

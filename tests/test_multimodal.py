@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import signal
 import wave
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import gguf
 import httpx
 import numpy as np
 import openai
@@ -24,6 +26,7 @@ from test_tool_calls import TEMPLATE
 from llamacrab import (
     Audio,
     ClosedHandleError,
+    Completion,
     Image,
     InvalidParameterError,
     Llama,
@@ -31,9 +34,11 @@ from llamacrab import (
     MediaPolicy,
     ModelLoadError,
 )
+from llamacrab._native.mtmd import embeddings_refusal
 from llamacrab.server import ServerSettings
+from llamacrab_sys import ffi, lib
 
-from support import load_repo_module
+from support import assert_same_up_to_near_ties, load_repo_module
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
 mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
@@ -151,6 +156,30 @@ def test_audio_from_wav_bytes_and_samples_resampled(hearing: Llama) -> None:
     resampled = hearing.create_completion(text, media=[Audio(samples=stereo, sample_rate=8000)],
                                           **GREEDY)  # fmt: skip
     assert resampled.usage.prompt_tokens == by_samples.usage.prompt_tokens
+    # By content: the PCM libmtmd receives is the 16 kHz tone whichever way it came (a WAV it
+    # decodes, float samples, or stereo at 8 kHz resampled here), and a different sound is not.
+    reference = pcm(hearing, Audio(samples=tone(16000), sample_rate=16000))
+    assert np.array_equal(reference, tone(16000))
+    from_wav = pcm(hearing, Audio(data=wav_bytes(tone(16000), 16000)))
+    from_stereo = pcm(hearing, Audio(samples=stereo, sample_rate=8000))
+    assert len(from_wav) == len(from_stereo) == len(reference)
+    assert np.abs(from_wav - reference).max() < 1e-3  # 16-bit quantization
+    # Linear interpolation of 440 Hz at 8 kHz (the last sample is held, not interpolated).
+    assert np.abs(from_stereo - reference)[:-1].max() < 0.02
+    other = pcm(hearing, Audio(samples=tone(16000) * 0.5, sample_rate=16000))
+    assert np.abs(other - reference).max() > 0.2
+
+
+def pcm(llm: Llama, sound: Audio) -> np.ndarray:
+    """The float samples of the bitmap a sound becomes for libmtmd."""
+    assert llm.projector is not None
+    bitmap = llm.projector.bitmap(sound)
+    try:
+        size = lib.mtmd_bitmap_get_n_bytes(bitmap.pointer)
+        data = ffi.buffer(lib.mtmd_bitmap_get_data(bitmap.pointer), size)
+        return np.frombuffer(data, dtype=np.float32).copy()
+    finally:
+        bitmap.close()
 
 
 def test_bad_media_raise_clear_errors_and_nothing_breaks(
@@ -231,14 +260,27 @@ def test_parallel_slots_take_media_too(files: dict[str, Path], seeing: Llama) ->
     prompts = [f"picture {i} {seeing.media_marker} now" for i in range(4)]
     images = [Image(pixels=np.roll(PIXELS, i, axis=0)) for i in range(4)]
     pairs = list(zip(prompts, images, strict=True))
-    alone = [seeing.create_completion(p, media=[m], **GREEDY) for p, m in pairs]
+    options = {**GREEDY, "logprobs": 2}
+    alone = [seeing.create_completion(p, media=[m], **options) for p, m in pairs]
     with Llama(files["text"], n_ctx=4 * 512, n_threads=2, parallel=4,
                mmproj=files["vision"]) as llm, ThreadPoolExecutor(4) as pool:  # fmt: skip
         together = list(pool.map(
-            lambda pm: llm.create_completion(pm[0], media=[pm[1]], **GREEDY), pairs
+            lambda pm: llm.create_completion(pm[0], media=[pm[1]], **options), pairs
         ))  # fmt: skip
     assert [r.usage.prompt_tokens for r in together] == [r.usage.prompt_tokens for r in alone]
     assert all(r.usage.completion_tokens == 6 for r in together)
+
+    def logprobs(result: Completion) -> np.ndarray:
+        assert result.choices[0].logprobs is not None
+        return np.array(result.choices[0].logprobs.token_logprobs)
+
+    # The tiny model's greedy text is the same whatever it sees, but the log-probabilities of
+    # that text tell each image apart (by > 0.01); each slot's match its own image's lone run.
+    for a, b in itertools.combinations(alone, 2):
+        assert np.abs(logprobs(a) - logprobs(b)).max() > 0.01
+    for lone, batched in zip(alone, together, strict=True):
+        assert_same_up_to_near_ties(lone.choices[0], batched.choices[0])
+        assert np.abs(logprobs(lone) - logprobs(batched)).max() < 2e-3
 
 
 def test_the_server_takes_inline_images_and_refuses_paths(
@@ -315,3 +357,80 @@ def test_an_image_that_fits_n_ubatch_decodes_whatever_the_projector(
             text = f"look {llm.media_marker} now"
             result = llm.create_completion(text, media=[Image(pixels=PIXELS)], **GREEDY)
         assert result.usage.completion_tokens == 6
+
+
+# -- text models whose graph aborts on embeddings ---------------------------------------------
+
+
+def write_tiny_glm4(path: Path, sections: list[int] | None) -> Path:
+    """The tiny llama as a glm4 text model (fused ffn_up, post norms), with M-RoPE
+    ``rope.dimension_sections`` or none."""
+    writer = gguf.GGUFWriter(str(path), "glm4")
+    tiny._metadata(writer, tiny.N_LAYER, 1e-5)
+    if sections is not None:
+        writer.add_array("glm4.rope.dimension_sections", sections)
+    tensors = tiny._tensors(0, len(tiny.vocabulary()[0]))
+    rng = np.random.default_rng(1)
+    for i in range(tiny.N_LAYER):
+        del tensors[f"blk.{i}.ffn_gate.weight"]
+        up = rng.standard_normal((2 * tiny.N_FF, tiny.N_EMBD)) * 0.02
+        tensors[f"blk.{i}.ffn_up.weight"] = up.astype(np.float32)
+        for norm in ("post_attention_norm", "post_ffw_norm"):
+            tensors[f"blk.{i}.{norm}.weight"] = np.ones(tiny.N_EMBD, np.float32)
+    tiny.write_gguf(writer, tensors)
+    return path
+
+
+def test_a_glm4_without_mrope_refuses_a_projector(files: dict[str, Path], tmp_path: Path) -> None:
+    # glm4.cpp / glm4-moe.cpp abort ("does not support multimodal") on embeddings without M-RoPE.
+    plain = write_tiny_glm4(tmp_path / "glm4.gguf", None)
+    with pytest.raises(MediaError, match=r"glm4 file has no M-RoPE"):
+        Llama(plain, n_ctx=256, n_threads=1, mmproj=files["vision"])
+    with Llama(plain, n_ctx=256, n_threads=1) as llm:  # still a working text model
+        assert llm.create_completion("the cat", **GREEDY).usage.completion_tokens == 6
+    mrope = write_tiny_glm4(tmp_path / "glm4v.gguf", [4, 4, 0, 0])
+    with Llama(mrope, n_ctx=256, n_threads=1, mmproj=files["vision"]) as llm:
+        assert llm.projector is not None
+
+
+def test_archs_whose_graph_aborts_on_embeddings_are_refused() -> None:
+    mrope, norm, neox = (lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_NORM,
+                         lib.LLAMA_ROPE_TYPE_NEOX)  # fmt: skip
+    assert "token ids only" in (embeddings_refusal("graniteswitch", norm) or "")
+    assert "token ids only" in (embeddings_refusal("graniteswitch", mrope) or "")
+    assert "glm4moe file has no M-RoPE" in (embeddings_refusal("glm4moe", neox) or "")
+    assert embeddings_refusal("glm4moe", mrope) is None
+    assert embeddings_refusal("glm4", mrope) is None
+    assert embeddings_refusal("llama", norm) is None
+
+
+GLM4_CHILD = """
+    import sys
+    import numpy as np
+    from llamacrab import Image, Llama, MediaError
+    from llamacrab._native import mtmd
+    if sys.argv[3] == "unchecked":
+        mtmd.embeddings_refusal = lambda *args: None
+    image = Image(pixels=np.zeros((32, 32, 3), np.uint8))
+    try:
+        with Llama(sys.argv[1], n_ctx=256, n_threads=1, mmproj=sys.argv[2]) as llm:
+            llm.create_completion(f"look {llm.media_marker} now", media=[image], max_tokens=1)
+            print("decoded")
+    except MediaError as error:
+        print("refused:", error)
+"""
+
+
+def test_the_glm4_refusal_turns_an_abort_into_an_error(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    model = str(write_tiny_glm4(tmp_path / "glm4.gguf", None))
+    checked = run_child(GLM4_CHILD, model, str(files["vision"]), "checked")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert checked.stdout.startswith("refused:") and "M-RoPE" in checked.stdout, checked.stdout
+    unchecked = run_child(GLM4_CHILD, model, str(files["vision"]), "unchecked")
+    assert unchecked.returncode == -signal.SIGABRT, (
+        f"llama.cpp no longer aborts (exit {unchecked.returncode}): re-audit "
+        f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
+    )
+    assert "does not support multimodal" in unchecked.stderr

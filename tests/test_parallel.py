@@ -23,13 +23,13 @@ from llamacrab import (
 )
 from llamacrab._native.batch import Batch
 
-from support import Gate, assert_same_up_to_near_ties
+from support import Gate, Slow, assert_same_up_to_near_ties
 
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(8)]
 
 
-def _wait_for(condition: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + 10
+def _wait_for(condition: Callable[[], bool], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             return False
@@ -75,15 +75,23 @@ def test_each_slot_gets_its_share_of_the_context(tiny_model_path: Path) -> None:
 
 
 def test_closing_a_stream_frees_its_slot_at_once(tiny_model_path: Path) -> None:
-    with Llama(tiny_model_path, n_ctx=128, parallel=1) as llm:
-        stream = llm.stream_completion("hello", max_tokens=None, min_tokens=100)
+    slow = Slow(0.05)
+    with Llama(tiny_model_path, n_ctx=2048, parallel=1) as llm:
+        scheduler = llm.scheduler
+        assert scheduler is not None
+        # Left alone it would take 2,000 tokens x 50 ms = 100 s.
+        stream = llm.stream_completion("hello", max_tokens=None, min_tokens=2000,
+                                       custom_samplers=(slow,))  # fmt: skip
         next(stream)
         stream.close()
         started = time.perf_counter()
+        assert _wait_for(lambda: scheduler.busy_slots == 0, timeout=1)
+        calls = slow.calls
         assert (
             llm.create_completion("again", max_tokens=3, min_tokens=3).usage.completion_tokens == 3
         )
-        assert time.perf_counter() - started < 5
+        assert time.perf_counter() - started < 2
+        assert slow.calls == calls  # its sampler is never asked again
 
 
 def test_a_full_queue_refuses_and_a_waiting_stream_can_be_cancelled(
@@ -216,13 +224,18 @@ def test_candidates_of_one_request_share_the_slots(tiny_model_path: Path) -> Non
 
 
 def test_a_stream_dropped_unread_stops_its_generation(tiny_model_path: Path) -> None:
-    gate = Gate()
-    with Llama(tiny_model_path, n_ctx=128, parallel=1) as llm:
+    slow = Slow(0.05, gated=True)
+    with Llama(tiny_model_path, n_ctx=2048, parallel=1) as llm:
         scheduler = llm.scheduler
         assert scheduler is not None
-        stream = llm.stream_completion("hi", max_tokens=None, custom_samplers=(gate,))
+        # Once the gate opens it would take 2,000 tokens x 50 ms = 100 s.
+        stream = llm.stream_completion("hi", max_tokens=None, min_tokens=2000,
+                                       custom_samplers=(slow,))  # fmt: skip
         assert _wait_for(lambda: scheduler.busy_slots == 1)
         del stream
         gc.collect()
-        gate.open.set()
-        assert _wait_for(lambda: scheduler.busy_slots == 0)
+        slow.open.set()
+        assert _wait_for(lambda: scheduler.busy_slots == 0, timeout=1)
+        calls = slow.calls
+        time.sleep(0.2)
+        assert slow.calls == calls <= 20  # stopped, not merely paused

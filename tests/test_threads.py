@@ -49,18 +49,24 @@ def test_a_context_entered_from_two_threads_raises(tiny_llama: Llama) -> None:
 
 
 def test_concurrent_completions_are_serialized(tiny_llama: Llama) -> None:
-    results: list[int] = []
+    prompts = ["the cat", "a dog sat on", "hello world", "the mat is"]
+    options = {"max_tokens": 20, "min_tokens": 20, "temperature": 0}
+    sequential = [tiny_llama.create_completion(p, **options).choices[0].tokens for p in prompts]
+    results: dict[int, tuple[int, ...]] = {}
+    start = threading.Barrier(len(prompts))
 
-    def run() -> None:
-        out = tiny_llama.create_completion("the cat", max_tokens=20, temperature=0)
-        results.append(out.usage.completion_tokens)
+    def run(i: int) -> None:
+        start.wait(timeout=10)  # all four calls at once
+        results[i] = tiny_llama.create_completion(prompts[i], **options).choices[0].tokens
 
-    threads = [threading.Thread(target=run) for _ in range(4)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert len(results) == 4
+        t.join(timeout=60)
+    # One slot: each call ran alone, so each equals its sequential run token for token.
+    assert [results.get(i) for i in range(len(prompts))] == sequential
+    assert all(len(tokens) == 20 for tokens in sequential)
 
 
 @pytest.mark.real_model

@@ -100,6 +100,7 @@ def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str =
         "backend": native["backend"],
         "portable": native["portable"],
         "rpc": native["rpc"],
+        "sanitize": native.get("sanitize", ""),
         "cmake_options": native["cmake_options"],
         "compilers": native["compilers"],
         "native_cache_key": native["key"],

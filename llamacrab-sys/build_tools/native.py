@@ -1,7 +1,8 @@
 """Build llama.cpp as shared libraries into a cache entry keyed by everything that shapes the build.
 
-Usage: python -m build_tools.native --backend cpu [--portable] [--rpc] [--cmake-arg -DX=Y ...]
-           [--tool llama-bench ...] [--cmake PATH] [--ninja PATH] [--json OUT]
+Usage: python -m build_tools.native --backend cpu [--portable] [--rpc] [--sanitize address]
+           [--cmake-arg -DX=Y ...] [--tool llama-bench ...] [--cmake PATH] [--ninja PATH]
+           [--json OUT]
 
 The key covers the llama.cpp commit, backend, CMake options and compiler identities, so a second
 build with unchanged inputs reuses the installed tree at once. A tree from a local checkout is
@@ -60,17 +61,45 @@ NATIVE_CPU = ["-DGGML_NATIVE=ON"]
 # A distributable wheel must run on any x86-64: every CPU variant, picked at run time.
 PORTABLE_CPU = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"]
 
+# Sanitizer builds (CI's AddressSanitizer job): every llama.cpp, ggml and mtmd object is
+# instrumented through the global flags, which reach targets that upstream's own
+# LLAMA_SANITIZE_* options miss. A Python process loading them needs libasan preloaded.
+SANITIZERS: dict[str, list[str]] = {
+    "address": ["-fsanitize=address", "-fno-omit-frame-pointer"],
+    "undefined": ["-fsanitize=undefined", "-fno-sanitize-recover=undefined"],
+}
+
 _STAMP = "complete.json"
 # The upstream programs the benchmarks compare against, built together into one cache entry.
 BENCH_TOOLS = ["llama-bench", "llama-server"]
 
 
-def cmake_options(backend: str, portable: bool, rpc: bool, extra: list[str]) -> list[str]:
+def sanitizer_flags(sanitize: str) -> list[str]:
+    """Compiler and linker flags for a comma-separated list of sanitizers ("" for none)."""
+    flags: list[str] = []
+    for name in filter(None, (part.strip() for part in sanitize.split(","))):
+        if name not in SANITIZERS:
+            raise SystemExit(f"unknown sanitizer {name!r}; choose from {', '.join(SANITIZERS)}")
+        flags += [f for f in SANITIZERS[name] if f not in flags]
+    return flags
+
+
+def cmake_options(
+    backend: str, portable: bool, rpc: bool, extra: list[str], sanitize: str = ""
+) -> list[str]:
     if backend not in BACKENDS:
         raise SystemExit(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     options = BASE_OPTIONS + (PORTABLE_CPU if portable else NATIVE_CPU) + BACKENDS[backend]
     if rpc:
         options.append("-DGGML_RPC=ON")
+    flags = " ".join(sanitizer_flags(sanitize))
+    if flags:
+        options += [
+            f"-DCMAKE_C_FLAGS={flags}",
+            f"-DCMAKE_CXX_FLAGS={flags}",
+            f"-DCMAKE_SHARED_LINKER_FLAGS={flags}",
+            f"-DCMAKE_EXE_LINKER_FLAGS={flags}",
+        ]
     return options + extra
 
 
@@ -131,24 +160,25 @@ def build(
     cmake: str = "cmake",
     ninja: str | None = None,
     tools: list[str] | None = None,
+    sanitize: str = "",
 ) -> dict:
     source = resolve_source()
     tools = tools or []
-    options = cmake_options(backend, portable, rpc, extra or [])
+    options = cmake_options(backend, portable, rpc, extra or [], sanitize)
     if tools:  # later -D options win over BASE_OPTIONS
         options += ["-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON"]
     ids = compilers(backend, options)
     key = cache_key(source, backend, options, ids, tools)
     entry = cache_root() / "native" / key
     stamp = entry / _STAMP
+    # For the shims, which CMake compiles with the same instrumentation.
+    flags = {"sanitizer_flags": " ".join(sanitizer_flags(sanitize))}
     if source.immutable and stamp.is_file():
-        info = json.loads(stamp.read_text())
-        info["cache_hit"] = True
-        return info
+        return {**json.loads(stamp.read_text()), **flags, "cache_hit": True}
 
     with locked(entry.with_suffix(".lock")):
         if source.immutable and stamp.is_file():
-            return {**json.loads(stamp.read_text()), "cache_hit": True}
+            return {**json.loads(stamp.read_text()), **flags, "cache_hit": True}
         build_dir, prefix = entry / "build", entry / "install"
         env = dict(os.environ)
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
@@ -175,12 +205,13 @@ def build(
             "backend": backend,
             "portable": portable,
             "rpc": rpc,
+            "sanitize": ",".join(n.strip() for n in sanitize.split(",") if n.strip()),
             "cmake_options": options,
             "compilers": ids,
             "build_seconds": round(time.monotonic() - started, 1),
         }
         stamp.write_text(json.dumps(info, indent=2))
-    return {**info, "cache_hit": False}
+    return {**info, **flags, "cache_hit": False}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="cpu", choices=sorted(BACKENDS))
     parser.add_argument("--portable", action="store_true")
     parser.add_argument("--rpc", action="store_true")
+    parser.add_argument("--sanitize", default="", help="address, undefined or both (a,b)")
     parser.add_argument("--cmake-arg", action="append", default=[], dest="extra")
     parser.add_argument("--tool", action="append", default=[], dest="tools")
     parser.add_argument("--cmake", default="cmake")
@@ -196,8 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         info = build(
-            args.backend, args.portable, args.rpc, args.extra, args.cmake, args.ninja, args.tools
-        )
+            args.backend, args.portable, args.rpc, args.extra, args.cmake, args.ninja, args.tools,
+            args.sanitize,
+        )  # fmt: skip
     except subprocess.CalledProcessError as exc:
         sys.exit(f"llamacrab: llama.cpp build failed: {shlex.join(map(str, exc.cmd))}")
     text = json.dumps(info, indent=2)

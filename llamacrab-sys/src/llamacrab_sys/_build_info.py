@@ -21,6 +21,8 @@ class BuildInfo:
     backend: str
     portable: bool
     rpc: bool
+    # Sanitizers the libraries and shims were built with ("address"); "" for a normal build.
+    sanitize: str
     cmake_options: tuple[str, ...]
     compilers: dict[str, str]
     library_dir: Path
@@ -59,6 +61,7 @@ def build_info() -> BuildInfo:
         backend=raw["backend"],
         portable=raw["portable"],
         rpc=raw["rpc"],
+        sanitize=raw.get("sanitize", ""),
         cmake_options=tuple(raw["cmake_options"]),
         compilers=raw["compilers"],
         library_dir=LIBRARY_DIR,

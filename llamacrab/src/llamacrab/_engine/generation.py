@@ -64,8 +64,9 @@ class Request:
             raise InvalidParameterError("the prompt is empty (no tokens to decode)")
         if len(self.prompt) >= n_ctx:
             raise ContextOverflowError(
-                f"the prompt has {len(self.prompt)} tokens; the context holds {n_ctx}"
-            )
+                f"the prompt has {len(self.prompt)} tokens; the context holds {n_ctx}",
+                n_prompt_tokens=len(self.prompt), n_ctx=n_ctx,
+            )  # fmt: skip
         if self.max_tokens is not None and self.max_tokens < 0:
             raise InvalidParameterError(f"max_tokens must be >= 0 or None, not {self.max_tokens}")
         if self.min_tokens < 0 or (

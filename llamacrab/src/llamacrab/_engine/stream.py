@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 from llamacrab._engine.generation import Session
+from llamacrab._exceptions import ConcurrentUseError
 
 _T = TypeVar("_T")
 _U = TypeVar("_U")
@@ -20,6 +23,8 @@ class Stream(Iterator[_T], Generic[_T]):
     def __init__(self, chunks: Generator[_T, None, None], session: Session) -> None:
         self._chunks = chunks
         self.session = session
+        # One reader at a time: a generator entered from two threads raises ValueError.
+        self._reading = threading.Lock()
         # A stream dropped unread (never started, so its generator's cleanup never runs) must
         # not keep a queued generation going.
         weakref.finalize(self, session.cancel)
@@ -28,10 +33,23 @@ class Stream(Iterator[_T], Generic[_T]):
         return self
 
     def __next__(self) -> _T:
-        return next(self._chunks)
+        with self._reader():
+            return next(self._chunks)
 
     def close(self) -> None:
-        self._chunks.close()
+        with self._reader():
+            self._chunks.close()
+
+    @contextmanager
+    def _reader(self) -> Iterator[None]:
+        if not self._reading.acquire(blocking=False):
+            raise ConcurrentUseError(
+                "this stream is being read by another thread (cancel() stops it from any thread)"
+            )
+        try:
+            yield
+        finally:
+            self._reading.release()
 
     def cancel(self) -> None:
         self.session.cancel()

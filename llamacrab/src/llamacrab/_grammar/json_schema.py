@@ -20,6 +20,7 @@ from typing import Any
 from llamacrab._exceptions import GrammarError
 from llamacrab._grammar.number_range import bounded, integral_bound
 from llamacrab._grammar.regex_gbnf import pattern_to_gbnf
+from llamacrab._native.grammar_bounds import MAX_GRAMMAR_BYTES
 
 # Keywords that constrain nothing a grammar must enforce.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -32,6 +33,18 @@ _SUPPORTED = _ANNOTATIONS | {
     "const", "anyOf", "oneOf", "allOf", "$ref",
 }  # fmt: skip
 _BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+# The JSON type each keyword's value must have (a schema is untrusted input: a wrong type is
+# a GrammarError naming it, not a TypeError from deep inside the converter).
+_NUMBER = (int, float)
+_KEYWORD_TYPES: dict[str, tuple[type, ...]] = {
+    "type": (str, list), "properties": (Mapping,), "required": (list,),
+    "additionalProperties": (bool, Mapping), "maxProperties": (int,), "items": (bool, Mapping),
+    "prefixItems": (list,), "minItems": (int,), "maxItems": (int,), "minLength": (int,),
+    "maxLength": (int,), "format": (str,), "pattern": (str,), "minimum": _NUMBER,
+    "maximum": _NUMBER, "exclusiveMinimum": _NUMBER, "exclusiveMaximum": _NUMBER,
+    "enum": (list,), "anyOf": (list,), "oneOf": (list,), "allOf": (list,), "$ref": (str,),
+    "$defs": (Mapping,), "definitions": (Mapping,),
+}  # fmt: skip
 _DIGITS2 = "[0-9] [0-9]"
 _FORMATS = {
     "date": '[0-9]{4} "-" ( "0" [1-9] | "1" [0-2] ) "-" ( "0" [1-9] | [12] [0-9] | "3" [01] )',
@@ -115,6 +128,7 @@ class _Converter:
             raise GrammarError(
                 f"JSON Schema keyword {unsupported[0]!r} (at {hint}) is not supported"
             )
+        _check_keyword_types(schema, hint)
         if "allOf" in schema:
             return self.visit(_merge_all_of(schema, hint), hint)
         if "$ref" in schema:
@@ -190,6 +204,7 @@ class _Converter:
         if must:
             body = ' ws "," ws '.join(must) + "".join(f' ( ws "," ws {p} )?' for p in may) + tail
         else:  # the first optional key present opens the list without a comma
+            _check_optional_size(may, tail, hint)
             starts = [
                 p + "".join(f' ( ws "," ws {q} )?' for q in may[i + 1 :]) + tail
                 for i, p in enumerate(may)
@@ -266,6 +281,37 @@ class _Converter:
         return self.add(hint, f'"\\"" {char}{count} "\\""')
 
 
+def _check_keyword_types(schema: Mapping[str, Any], hint: str) -> None:
+    for keyword, value in schema.items():
+        expected = _KEYWORD_TYPES.get(keyword)
+        wrong = expected is not None and not isinstance(value, expected)
+        if wrong or (isinstance(value, bool) and expected in ((int,), _NUMBER)):
+            raise GrammarError(
+                f"JSON Schema keyword {keyword!r} at {hint} has a value of the wrong type: "
+                f"{json.dumps(value, default=repr)[:100]}"
+            )
+        if keyword == "required" and not all(isinstance(r, str) for r in value):
+            raise GrammarError(f"JSON Schema 'required' at {hint} must list property names")
+        if keyword in ("anyOf", "oneOf", "allOf") and not value:
+            raise GrammarError(f"JSON Schema {keyword!r} at {hint} is empty")
+
+
+def _check_optional_size(may: list[str], tail: str, hint: str) -> None:
+    """Only optional properties: each may open the list, followed by any of the later ones, so
+    the rule grows with the square of their number. Refused before it is built when it would
+    exceed the grammar limit."""
+    sizes = [len(q) + 16 for q in may]  # ' ( ws "," ws ' + q + ' )?'
+    after, total = sum(sizes), 0
+    for p, size in zip(may, sizes, strict=True):
+        after -= size
+        total += len(p) + after + len(tail) + 8
+        if total > MAX_GRAMMAR_BYTES:
+            raise GrammarError(
+                f"{hint}: {len(may)} properties, none required, make a grammar over the limit of "
+                f"{MAX_GRAMMAR_BYTES} bytes (require some, or use fewer)"
+            )
+
+
 def _for_type(schema: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """One member of a type list: numeric bounds stay with the numeric types only."""
     kept = {k: v for k, v in schema.items() if kind in ("integer", "number") or k not in _BOUNDS}
@@ -287,6 +333,7 @@ def _merge_all_of(schema: Mapping[str, Any], hint: str) -> dict[str, Any]:
             raise GrammarError(
                 f"allOf at {hint}: only object schemas with properties can be merged"
             )
+        _check_keyword_types(part, f"{hint}-allOf")
         if part.get("type", "object") != "object":
             raise GrammarError(f"allOf at {hint}: only object schemas can be merged")
         for key, value in part.get("properties", {}).items():

@@ -32,13 +32,15 @@ class LoraAdapter(NativeHandle):
         validate_gguf(file, kind="adapter")
         stat = file.stat()  # before loading: the identity describes the bytes llama.cpp reads
         log_lines.take_last_error()
-        pointer = call(
-            "llama_adapter_lora_init", model.pointer, c_string(str(file), "adapter path")
-        )
-        if pointer == ffi.NULL:
-            reason = log_lines.take_last_error() or "see the llamacrab logger"
-            raise ModelLoadError(f"llama.cpp could not load the LoRA adapter {file}: {reason}")
-        super().__init__(pointer, lib.llama_adapter_lora_free, model)
+        # Closing the model from another thread waits for the load, then closes this too.
+        with model.in_flight() as model_pointer:
+            pointer = call(
+                "llama_adapter_lora_init", model_pointer, c_string(str(file), "adapter path")
+            )
+            if pointer == ffi.NULL:
+                reason = log_lines.take_last_error() or "see the llamacrab logger"
+                raise ModelLoadError(f"llama.cpp could not load the LoRA adapter {file}: {reason}")
+            super().__init__(pointer, lib.llama_adapter_lora_free, model)
         self.model = model
         self.path = file
         # What prompt caches tell adapters apart by, across processes too: the file as loaded.
@@ -47,15 +49,15 @@ class LoraAdapter(NativeHandle):
 
     @property
     def metadata(self) -> dict[str, str]:
-        adapter = self.pointer
         result = {}
-        for i in range(lib.llama_adapter_meta_count(adapter)):
-            key = read_string(
-                lambda b, n, i=i: lib.llama_adapter_meta_key_by_index(adapter, i, b, n)
-            )
-            result[key] = read_string(
-                lambda b, n, i=i: lib.llama_adapter_meta_val_str_by_index(adapter, i, b, n)
-            )
+        with self.in_flight() as adapter:
+            for i in range(lib.llama_adapter_meta_count(adapter)):
+                key = read_string(
+                    lambda b, n, i=i: lib.llama_adapter_meta_key_by_index(adapter, i, b, n)
+                )
+                result[key] = read_string(
+                    lambda b, n, i=i: lib.llama_adapter_meta_val_str_by_index(adapter, i, b, n)
+                )
         return result
 
     def _used_by(self, context: AdapterUser) -> None:

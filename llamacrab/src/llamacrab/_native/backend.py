@@ -36,8 +36,16 @@ def ensure_initialised() -> None:
             os.environ.setdefault("GGML_NO_BACKTRACE", "1")
             _logging.install()
             lib.llama_backend_init()
+            # weakref.finalize registers its own exit hook with the first finalizer made, and
+            # once that hook has run no finalizer frees anything. Made first, it runs after ours
+            # (atexit is last in, first out), so our closes at exit still free.
+            weakref.finalize(ensure_initialised, _no_op)
             atexit.register(_shutdown)
             _initialised = True
+
+
+def _no_op() -> None:
+    pass
 
 
 def register_root(handle: _Closable) -> None:

@@ -6,12 +6,18 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._exceptions import InvalidParameterError
+from llamacrab._exceptions import ClosedHandleError, InvalidParameterError
 from llamacrab._native.call import ffi
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 class Batch:
-    """Room for ``capacity`` tokens of up to ``n_seq_max`` sequences (one sequence per token)."""
+    """Room for ``capacity`` tokens of up to ``n_seq_max`` sequences (one sequence per token).
+    Python owns its arrays (nothing native to free); after ``close()`` they are released and
+    any use raises ClosedHandleError, as a handle does."""
+
+    closed = False
 
     def __init__(self, capacity: int, n_seq_max: int = 1) -> None:
         if capacity < 1 or n_seq_max < 1:
@@ -44,11 +50,13 @@ class Batch:
         logits_all: bool = False,
     ) -> None:
         """Fill with ``tokens`` at positions ``start_pos..`` of sequence ``seq_id``."""
+        self._check_open()
         n = len(tokens)
         if not 0 < n <= self.capacity:
             raise InvalidParameterError(f"{n} tokens do not fit a batch of {self.capacity}")
-        if not 0 <= seq_id < self.n_seq_max:
-            raise InvalidParameterError(f"seq_id {seq_id} outside 0..{self.n_seq_max - 1}")
+        self._check_seq_id(seq_id)
+        if not _INT32_MIN <= start_pos <= _INT32_MAX - n:
+            raise InvalidParameterError(f"positions from {start_pos} overflow int32")
         self._tokens[:n] = tokens
         self._positions[:n] = np.arange(start_pos, start_pos + n, dtype=np.int32)
         self._seq_pointers[:n] = self._cells_address + 4 * seq_id
@@ -60,6 +68,7 @@ class Batch:
     def set_sequences(self, sequences: list[np.ndarray]) -> None:
         """Several whole sequences at once (sequence i gets seq_id i, positions from 0), every
         token an output: the layout of batched embeddings."""
+        self._check_open()
         lengths = np.array([len(s) for s in sequences], dtype=np.int64)
         n = int(lengths.sum())
         if not 0 < n <= self.capacity or len(sequences) > self.n_seq_max:
@@ -79,6 +88,7 @@ class Batch:
         self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, logits: np.ndarray
     ) -> None:
         """Any mix of sequences, one row per token (continuous batching of parallel slots)."""
+        self._check_open()
         n = len(tokens)
         if not 0 < n <= self.capacity:
             raise InvalidParameterError(f"{n} tokens do not fit a batch of {self.capacity}")
@@ -92,13 +102,47 @@ class Batch:
 
     def set_one(self, token: int, pos: int, seq_id: int = 0) -> None:
         """The per-token fast path of generation: one token, logits wanted."""
+        self._check_open()
+        # The seq_id pointer must stay inside the cells (llama.cpp reads through it), and the
+        # numbers must fit int32 (numpy would raise OverflowError).
+        self._check_seq_id(seq_id)
+        if not (_INT32_MIN <= token <= _INT32_MAX and _INT32_MIN <= pos <= _INT32_MAX):
+            raise InvalidParameterError(f"token {token} or position {pos} overflows int32")
         self._tokens[0] = token
         self._positions[0] = pos
         self._seq_pointers[0] = self._cells_address + 4 * seq_id
         self._logits[0] = 1
         self.struct.n_tokens = 1
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedHandleError("this batch is closed")
+
+    def close(self) -> None:
+        """Release the arrays. Calling it again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.struct.n_tokens = 0
+        for field in ("token", "pos", "n_seq_id", "seq_id", "logits"):
+            setattr(self.struct, field, ffi.NULL)  # it points into nothing that is freed next
+        empty32 = np.zeros(0, dtype=np.int32)
+        self._tokens = self._positions = self._n_seq_id = self._seq_cells = empty32
+        self._logits = np.zeros(0, dtype=np.int8)
+        self._seq_pointers = np.zeros(0, dtype=np.uintp)
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_seq_id(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.n_seq_max:
+            raise InvalidParameterError(f"seq_id {seq_id} outside 0..{self.n_seq_max - 1}")
+
     @property
     def value(self) -> Any:
         """The struct itself, as llama_decode takes it (by value)."""
+        self._check_open()
         return self.struct[0]

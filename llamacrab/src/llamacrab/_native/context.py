@@ -115,7 +115,14 @@ class ContextParams:
                      "yarn_ext_factor", "yarn_orig_ctx", "embeddings", "offload_kqv",
                      "swa_full", "kv_unified"):  # fmt: skip
             setattr(c, name, getattr(self, name))
-        c.n_ubatch = min(self.n_ubatch, self.n_batch)
+        # llama.cpp aborts (GGML_ASSERT) when a context has more sequences than rows: its
+        # output buffer holds a row per sequence within n_batch rows (n_batch cut to n_ctx for
+        # causal models), and the graph it reserves at creation has an n_ubatch-token batch of
+        # n_seq_max sequences, which pooling cannot build with fewer tokens than sequences. So
+        # all three are at least n_seq_max (n_ctx is padded to a multiple of 256 anyway).
+        c.n_batch = max(c.n_batch, self.n_seq_max)
+        c.n_ubatch = max(min(self.n_ubatch, self.n_batch), self.n_seq_max)
+        c.n_ctx = max(c.n_ctx, self.n_seq_max)
         threads = os.cpu_count() or 1
         c.n_threads = self.n_threads or threads
         c.n_threads_batch = self.n_threads_batch or self.n_threads or threads
@@ -145,21 +152,27 @@ class Context(NativeHandle):
         params = params or ContextParams()
         if model.params.vocab_only:
             raise InvalidParameterError(f"{model!r} was loaded with vocab_only: it has no weights")
-        n_ctx = params.n_ctx or 0
-        if n_ctx > model.n_ctx_train > 0 and params.rope_scaling == "unspecified":
-            raise InvalidParameterError(
-                f"n_ctx {params.n_ctx} exceeds the {model.n_ctx_train} tokens the model was "
-                "trained for; set rope_scaling to extend it"
-            )
+        _check_rope_freq_base(model, params)
+        # A sequence's share of the context (n_ctx_seq) past the training length is allowed, as
+        # llama.cpp allows it: llama_init_from_model logs a warning ("possible training
+        # context overflow") to the llamacrab logger. Only the share counts: n_ctx 1024 for
+        # two slots of a model trained for 512 is within it.
         log_lines.take_last_error()
-        pointer = call("llama_init_from_model", model.pointer, params.to_c(model.n_ctx_train))
-        if pointer == ffi.NULL:
-            reason = log_lines.take_last_error() or "see the llamacrab logger"
-            raise ContextError(f"llama.cpp could not create a context ({params}): {reason}")
-        # ggml polls the abort callback at every graph node: a C function reading a flag keeps
-        # that poll free of the GIL; cancel() just sets the flag.
-        self._cancel_flag = ffi.new("int *")
-        super().__init__(pointer, lib.llama_free, model, keep_alive=self._cancel_flag)
+        c_params = params.to_c(model.n_ctx_train)
+        # Closing the model from another thread waits for the creation, then closes this too.
+        with model.in_flight() as model_pointer:
+            pointer = call("llama_init_from_model", model_pointer, c_params)
+            if pointer == ffi.NULL:
+                reason = log_lines.take_last_error() or "see the llamacrab logger"
+                raise ContextError(f"llama.cpp could not create a context ({params}): {reason}")
+            # ggml polls the abort callback at every graph node: a C function reading a flag
+            # keeps that poll free of the GIL; cancel() just sets the flag.
+            self._cancel_flag = ffi.new("int *")
+            super().__init__(pointer, lib.llama_free, model, keep_alive=self._cancel_flag)
+            with self.in_flight():
+                self._setup(model, params, pointer)
+
+    def _setup(self, model: Model, params: ContextParams, pointer: Any) -> None:
         lib.llama_set_abort_callback(pointer, lib.llamacrab_abort_on_flag, self._cancel_flag)
         self.model = model
         self.params = params
@@ -242,7 +255,17 @@ class Context(NativeHandle):
         self, width: int, *, seq_id: int | None = None, index: int = 0, count: int = 1
     ) -> np.ndarray:
         """A copy of ``count`` rows of ``width`` floats from the last decode: the pooled vector
-        of ``seq_id``, or the per-token rows starting at output ``index``."""
+        of ``seq_id``, or the per-token rows starting at output ``index``. Reads only memory
+        the rows hold: a ``width`` wider than a row, or rows past the last output, raise
+        InvalidParameterError."""
+        model = self.model
+        # A pooled row of rank pooling holds the classifier's outputs; any other, the embedding.
+        row_width = model.n_cls_out if seq_id is not None and self.pooling == "rank" else None
+        row_width = row_width or model.n_embd_out
+        if not 0 < width <= row_width or count < 1 or (seq_id is not None and count != 1):
+            raise InvalidParameterError(
+                f"{count} rows of {width} floats: a row holds {row_width} (one per sequence)"
+            )
         with self.exclusive() as ctx:
             if seq_id is not None:
                 row = call("llama_get_embeddings_seq", ctx, seq_id)
@@ -251,6 +274,14 @@ class Context(NativeHandle):
             if row == ffi.NULL:
                 where = f"sequence {seq_id}" if seq_id is not None else f"output {index}"
                 raise InvalidParameterError(f"llama.cpp returned no embedding for {where}")
+            if count > 1:  # the rows must be the outputs that follow, row after row
+                last = call("llama_get_embeddings_ith", ctx, index + count - 1)
+                stride = int(ffi.cast("uintptr_t", last)) - int(ffi.cast("uintptr_t", row))
+                if last == ffi.NULL or width != row_width or stride != 4 * width * (count - 1):
+                    raise InvalidParameterError(
+                        f"outputs {index}..{index + count - 1} are not consecutive rows of "
+                        f"{row_width} floats in the last decode"
+                    )
             values = np.frombuffer(ffi.buffer(row, 4 * width * count), np.float32)
             # A copy: the next decode reuses llama.cpp's buffer.
             rows: np.ndarray = values.reshape(count, width).copy()
@@ -418,6 +449,28 @@ class Context(NativeHandle):
 
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"
+
+
+def _check_rope_freq_base(model: Model, params: ContextParams) -> None:
+    """deepseek2-ocr's graph asserts (an abort) that the context's rope base, as a float, is
+    10000: a user rope_freq_base (0 keeps the file's, which validate_gguf checked) or a
+    kv_overrides value of {arch}.rope.freq_base must be 10000 too."""
+    arch = model.metadata.get("general.architecture")
+    if arch != "deepseek2-ocr":
+        return
+    key = f"{arch}.rope.freq_base"
+    override = (model.params.kv_overrides or {}).get(key)
+    if params.rope_freq_base != 0:
+        base, name = params.rope_freq_base, "rope_freq_base"
+    elif isinstance(override, int | float) and not isinstance(override, bool):
+        base, name = override, f"kv_overrides[{key!r}]"
+    else:
+        return
+    # As a C float (the assert's operand): only 10000.0f itself is within 1e-4 of 10000.
+    if not (abs(base - 10000.0) < 1e-3 and float(np.float32(base)) == 10000.0):
+        raise InvalidParameterError(
+            f"{name} = {base}: {arch} models need a rope base of 10000 (llama.cpp asserts it)"
+        )
 
 
 def _scope(seq_id: int | None) -> str:

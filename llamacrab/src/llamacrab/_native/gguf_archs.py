@@ -160,3 +160,18 @@ MTP_TRUNK_OPTIONAL = frozenset({
     "hy_v3", "mimo2", "mistral4", "nemotron_h", "nemotron_h_moe", "qwen35", "qwen35moe",
     "qwen3next", "step35",
 })  # fmt: skip
+
+# glm-dsa's attention.indexer.types when the file has none (load_arch_hparams): every main layer
+# "full" when context_length < GLM_DSA_PATTERN_CONTEXT (GLM-5, 5.1), else GLM-5.2's pattern
+# (GLM_5_2_DEFAULT_INDEXER_TYPES: layers 0, 1, then every fourth from 2 up to 74).
+GLM_DSA_PATTERN_CONTEXT = 1048576
+GLM_5_2_FULL_INDEXER_LAYERS = frozenset({0, 1, *range(2, 78, 4)})
+# The indexer tensors the glm-dsa graph multiplies on a full-indexer layer
+# (blk.N.<name>.weight); the loader reads them as optional (k_norm may be absent).
+GLM_DSA_FULL_INDEXER_TENSORS = ("indexer.attn_q_b", "indexer.attn_k", "indexer.proj")
+
+# Graphs that abort on embedding input (an image or audio from a projector): graniteswitch
+# always (granite-switch.cpp asserts ubatch.token), these unless llama_model_rope_type is M-RoPE
+# (glm4.cpp / glm4-moe.cpp: rope.dimension_sections[0] and [1] > 0, hparams.use_mrope()).
+TOKENS_ONLY = frozenset({"graniteswitch"})
+EMBEDDINGS_NEED_MROPE = frozenset({"glm4", "glm4moe"})

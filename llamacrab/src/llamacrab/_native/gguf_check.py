@@ -39,6 +39,9 @@ _UINT32, _INT32, _FLOAT32, _BOOL = 4, 5, 6, 7
 _WALKED_PAST_END = 2**64 - 1  # SIZE_MAX from llamacrab_gguf_skip_strings
 _MAX_DIMS = 4
 _DEFAULT_ALIGNMENT = 32
+_TENSOR_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT (ggml-backend.cpp)
+_VECTOR_TYPES = (lib.GGML_TYPE_F32, lib.GGML_TYPE_I8, lib.GGML_TYPE_I16, lib.GGML_TYPE_I32,
+                 lib.GGML_TYPE_I64)  # fmt: skip
 # llama.cpp limits (src/llama-hparams.h) and enums (include/llama.h, src/llama-hparams.h).
 LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
@@ -180,9 +183,23 @@ def _check_tensors(reader: _Reader, metadata: dict[str, Any], tensors: list[Any]
             raise reader.fail(f"tensor {name!r} has dimensions {dims}")
         if dims[0] % lib.ggml_blck_size(ggml_type):
             raise reader.fail(f"tensor {name!r} row of {dims[0]} is not whole blocks")
+        if ggml_type not in _VECTOR_TYPES and math.prod(dims[1:]) == 1:
+            # A float vector (a norm, a bias, a scale) meets F32 activations in element-wise
+            # ops, which ggml's CPU kernels have for F32 only: F16, BF16 or a quantized type
+            # aborts at the first decode (binary-ops.cpp "unsupported types"). Converters store
+            # vectors as F32; integer vectors are lookup tables (eagle3's d2t).
+            raise reader.fail(f"tensor {name!r} is a vector of type {ggml_type}, not F32")
         size = lib.ggml_row_size(ggml_type, dims[0]) * math.prod(dims[1:])
         if offset % alignment or data_start + offset + size > len(reader.data):
             raise reader.fail(f"tensor {name!r} data lies outside the file (truncated?)")
+    # llama.cpp maps the data in place from the first tensor on, and ggml asserts (an abort)
+    # that this address is 32-byte aligned: a general.alignment below 32 can break that.
+    first = min((offset for _, _, _, offset in tensors), default=0)
+    if (data_start + first) % _TENSOR_ALIGNMENT:
+        raise reader.fail(
+            f"tensor data starts at byte {data_start + first}, not a multiple of "
+            f"{_TENSOR_ALIGNMENT} (general.alignment {alignment})"
+        )
 
 
 def _uint(metadata: dict[str, Any], key: str) -> int | None:
@@ -829,7 +846,31 @@ def _tensor_rules(m: _Model) -> list[Rule]:
     if m.arch == "dflash" and "markov_w1.weight" in m.tensors:
         block_size = _uint(m.metadata, f"{m.arch}.block_size") or 0
         rules.append((block_size > 0, "block_size > 0 with a DSpark Markov head (markov_w1)"))
+    if m.arch == "glm-dsa":
+        rules.append(_glm_dsa_indexer_rule(m))
     return rules
+
+
+def _glm_dsa_indexer_rule(m: _Model) -> Rule:
+    """glm-dsa loads the indexer tensors as optional, but its graph multiplies by them on every
+    layer attention.indexer.types (or its default) marks full: a null-tensor dereference. Only
+    layers whose attn_norm is there are checked (without it llama.cpp throws, or the file is
+    MTP-only, refused by the MTP rule)."""
+    if m.has("attention.indexer.types"):
+        full = [t != 0 for t in m.layers("attention.indexer.types", m.n_main)]
+    elif m.key("context_length") < archs.GLM_DSA_PATTERN_CONTEXT:
+        full = [True] * m.n_main
+    else:
+        full = [il in archs.GLM_5_2_FULL_INDEXER_LAYERS for il in range(m.n_main)]
+    missing = [
+        f"blk.{il}.{name}.weight"
+        for il in range(m.n_main)
+        if full[il] and f"blk.{il}.attn_norm.weight" in m.tensors
+        for name in archs.GLM_DSA_FULL_INDEXER_TENSORS
+        if f"blk.{il}.{name}.weight" not in m.tensors
+    ]
+    what = "the indexer tensors on each full-indexer layer (attention.indexer.types)"
+    return (not missing, f"{what}; {missing[0]} is missing" if missing else what)
 
 
 _RULES = (_hparam_rules, _table_rules, _ssm_rules, _attention_rules, _rwkv_rules, _graph_rules,
@@ -883,6 +924,46 @@ def _check_vocabulary(reader: _Reader, metadata: dict[str, Any]) -> None:
     if model == "bert" and byte_tokens:  # token_to_byte aborts for WordPiece
         raise reader.fail(
             f"a bert (WordPiece) vocabulary has byte tokens (type 6) in {_TOKEN_TYPES}"
+        )
+    if model == "rwkv":
+        _check_rwkv_bytes(reader, tokens.values)
+
+
+def _rwkv_unescape(word: bytes) -> bytes:
+    """A token as llama.cpp's RWKV tokenizer reads it (llama_unescape_rwkv_token), after it
+    is cut at a NUL and an empty one renamed as in _repeated_token."""
+    out, escaping, hex_left, acc = bytearray(), False, 0, 0
+    for c in word:
+        if hex_left:
+            acc = ((acc << 4) + ((c - 87) if c >= 97 else (c - 48))) & 0xFF
+            hex_left -= 1
+            if not hex_left:
+                out.append(acc)
+                acc = 0
+        elif escaping:
+            escaping = False
+            if c == 120:  # \xNN
+                hex_left = 2
+            else:
+                out.append({116: 9, 110: 10, 114: 13}.get(c, c))  # \t \n \r, else itself
+        elif c == 92:
+            escaping = True
+        else:
+            out.append(c)
+    return bytes(out)
+
+
+def _check_rwkv_bytes(reader: _Reader, words: tuple[bytes, ...]) -> None:
+    """llama.cpp's RWKV tokenizer never advances (it appends tokens until memory runs out)
+    when text starts like some token but no token matches at its first byte: every byte that
+    begins a token must be a token of its own (real RWKV vocabularies hold all 256)."""
+    texts = [_rwkv_unescape(w.split(b"\0", 1)[0] or f"[EMPTY_{i}]".encode())
+             for i, w in enumerate(words)]  # fmt: skip
+    missing = {t[0] for t in texts if t} - {t[0] for t in texts if len(t) == 1}
+    if missing:
+        raise reader.fail(
+            f"an rwkv vocabulary has tokens starting with byte {min(missing):#04x} but not that "
+            "byte as a token: llama.cpp's tokenizer would loop without end"
         )
 
 

@@ -42,6 +42,8 @@ def check_grammar(text: str) -> None:
             depth = max(0, depth - 1)
         elif char in "*+?{" or text.startswith("::=", i):
             rules += 1
+            if char == "{":
+                _check_repetition(text, i)
         i += 1
     if max_depth > MAX_GRAMMAR_NESTING:
         raise GrammarError(
@@ -63,6 +65,39 @@ def check_trigger_words(words: Sequence[str]) -> None:
                 f"a grammar trigger word must have 1 to {MAX_TRIGGER_WORD_CHARS} characters, "
                 f"not {len(word)}"
             )
+
+
+def _check_repetition(text: str, start: int) -> None:
+    """``{m,n}`` with n < m: llama.cpp computes n - m unsigned and adds rules until memory
+    runs out (a bad_alloc after gigabytes and seconds, or the process killed first)."""
+    numbers: list[int | None] = []
+    i = start + 1
+    for _ in range(2):
+        i = _skip_space(text, i)
+        j = i
+        while j < len(text) and text[j].isascii() and text[j].isdigit():
+            j += 1
+        numbers.append(int(text[i:j]) if j > i else None)
+        i = _skip_space(text, j)
+        if i >= len(text) or text[i] != ",":
+            break
+        i += 1
+    low, high = numbers[0], numbers[-1] if len(numbers) == 2 else numbers[0]
+    if low is not None and high is not None and high < low:
+        raise GrammarError(f"the repetition {{{low},{high}}} has its maximum below its minimum")
+
+
+def _skip_space(text: str, i: int) -> int:
+    """Past spaces, newlines and comments, as llama.cpp's parse_space (nested) skips them."""
+    while i < len(text):
+        if text[i] == "#":
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end
+        elif text[i] in " \t\r\n":
+            i += 1
+        else:
+            break
+    return i
 
 
 def _skip_quoted(text: str, start: int, closing: str) -> int:

@@ -13,11 +13,22 @@ from typing import Any, TypeVar
 from llamacrab._exceptions import ClosedHandleError, ConcurrentUseError
 from llamacrab_sys import ffi
 
+# Tests observe every free through this: ``observer(kind, address)`` right after the pointer is
+# freed (tests/test_handles.py). None outside tests: one global lookup per free.
+free_observer: Callable[[str, int], None] | None = None
 
-def _release(free: Callable[[Any], None], pointer: Any, *keep_alive: object) -> None:
+
+def _release(kind: str, free: Callable[[Any], None], pointer: Any, *keep_alive: object) -> None:
     # `keep_alive` is unused here: holding the parent (and any memory C points into) in the
     # finalizer's arguments keeps them alive until this object is freed, whatever the GC order.
     free(pointer)
+    if free_observer is not None:
+        free_observer(kind, address(pointer))
+
+
+def address(pointer: Any) -> int:
+    """A pointer's address, to tell handles apart."""
+    return int(ffi.cast("uintptr_t", pointer))
 
 
 _H = TypeVar("_H", bound="NativeHandle")
@@ -38,7 +49,9 @@ class NativeHandle:
         assert pointer != ffi.NULL, "callers turn NULL into a typed error before wrapping"
         self._pointer = pointer
         self._children: weakref.WeakSet[NativeHandle] = weakref.WeakSet()
-        self._finalizer = weakref.finalize(self, _release, free, pointer, parent, keep_alive)
+        self._finalizer = weakref.finalize(
+            self, _release, self.kind, free, pointer, parent, keep_alive
+        )
         # weakref's own exit hook would free every live handle at exit without waiting for the
         # calls in flight; the backend's exit hook closes the roots, which waits.
         self._finalizer.atexit = False
@@ -46,11 +59,18 @@ class NativeHandle:
         self._callers: dict[int, int] = {}  # thread id -> native calls in flight
         self._closing = False
         if parent is not None:
-            parent._adopt(self)
+            try:
+                parent._adopt(self)
+            except BaseException:
+                self._finalizer()  # not adopted (the parent is closing): freed now, not at GC
+                raise
 
     def _adopt(self, child: NativeHandle) -> None:
-        self.pointer  # noqa: B018 - a closed parent must not gain children
-        self._children.add(child)
+        # Under the lock close() sets _closing with: a child is either refused, or adopted
+        # before close() lists the children it closes first.
+        with self._calls:
+            self.pointer  # noqa: B018 - a closed or closing parent must not gain children
+            self._children.add(child)
 
     @property
     def pointer(self) -> Any:

@@ -151,8 +151,8 @@ class Model(NativeHandle):
 
     @property
     def description(self) -> str:
-        model = self.pointer
-        return read_string(lambda buf, size: lib.llama_model_desc(model, buf, size))
+        with self.in_flight() as model:
+            return read_string(lambda buf, size: lib.llama_model_desc(model, buf, size))
 
     @property
     def n_params(self) -> int:
@@ -210,21 +210,24 @@ class Model(NativeHandle):
     @functools.cached_property
     def _metadata(self) -> dict[str, str]:
         # Read from C once: it never changes, and chat templates consult it on every call.
-        model = self.pointer
         result = {}
-        for i in range(lib.llama_model_meta_count(model)):
-            key = read_string(lambda b, n, i=i: lib.llama_model_meta_key_by_index(model, i, b, n))
-            value = read_string(
-                lambda b, n, i=i: lib.llama_model_meta_val_str_by_index(model, i, b, n)
-            )
-            result[key] = value
+        with self.in_flight() as model:  # closing from another thread waits for the reads
+            for i in range(lib.llama_model_meta_count(model)):
+                key = read_string(
+                    lambda b, n, i=i: lib.llama_model_meta_key_by_index(model, i, b, n)
+                )
+                value = read_string(
+                    lambda b, n, i=i: lib.llama_model_meta_val_str_by_index(model, i, b, n)
+                )
+                result[key] = value
         return result
 
     def chat_template(self, name: str | None = None) -> str | None:
         """The GGUF chat template (``tokenizer.chat_template[.name]``), or None if absent."""
         raw_name = ffi.NULL if name is None else c_string(name, "template name")
-        template = lib.llama_model_chat_template(self.pointer, raw_name)
-        return None if template == ffi.NULL else ffi.string(template).decode("utf-8", "replace")
+        with self.in_flight() as model:  # the text is the model's memory
+            template = lib.llama_model_chat_template(model, raw_name)
+            return None if template == ffi.NULL else ffi.string(template).decode("utf-8", "replace")
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.description

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import DecodeError, InvalidParameterError, MediaError, ModelLoadError
+from llamacrab._native import gguf_archs as archs
 from llamacrab._native.call import c_string, call, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.gguf_check import validate_gguf
@@ -18,6 +19,19 @@ from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.media import Image, Media, pcm_for_rate, rgb_pixels, sniff
 from llamacrab._native.model import Model
+
+
+def embeddings_refusal(arch: str, rope_type: int) -> str | None:
+    """Why a text model of ``arch`` with ``rope_type`` (llama_model_rope_type) cannot decode a
+    projector's embeddings (its graph aborts on them), or None when it can."""
+    if arch in archs.TOKENS_ONLY:
+        return f"llama.cpp's {arch} graph takes token ids only (it aborts on embeddings)"
+    if arch in archs.EMBEDDINGS_NEED_MROPE and rope_type != lib.LLAMA_ROPE_TYPE_MROPE:
+        return (
+            f"this {arch} file has no M-RoPE (its rope.dimension_sections need the first two "
+            "> 0), and llama.cpp aborts on embeddings without it"
+        )
+    return None
 
 
 class Projector(NativeHandle):
@@ -34,6 +48,11 @@ class Projector(NativeHandle):
         use_gpu: bool = True,
     ) -> None:
         file = Path(path)
+        with model.in_flight() as model_pointer:
+            rope_type = int(lib.llama_model_rope_type(model_pointer))
+        refusal = embeddings_refusal(model.metadata.get("general.architecture", ""), rope_type)
+        if refusal is not None:
+            raise MediaError(f"{model.path.name} cannot take images or audio: {refusal}")
         validate_gguf(file, kind="projector")
         params = lib.mtmd_context_params_default()
         params.use_gpu = use_gpu
@@ -41,18 +60,22 @@ class Projector(NativeHandle):
         if n_threads is not None:
             params.n_threads = n_threads
         log_lines.take_last_error()
-        pointer = call("mtmd_init_from_file", c_string(str(file), "path"), model.pointer, params)
-        if pointer == ffi.NULL:
-            reason = log_lines.take_last_error() or "see the llamacrab logger"
-            raise ModelLoadError(f"libmtmd could not load the projector {file.name}: {reason}")
-        super().__init__(pointer, lib.mtmd_free, model)
+        # Closing the model from another thread waits for the load, then closes this too.
+        with model.in_flight() as model_pointer:
+            pointer = call("mtmd_init_from_file", c_string(str(file), "path"), model_pointer,
+                           params)  # fmt: skip
+            if pointer == ffi.NULL:
+                reason = log_lines.take_last_error() or "see the llamacrab logger"
+                raise ModelLoadError(f"libmtmd could not load the projector {file.name}: {reason}")
+            super().__init__(pointer, lib.mtmd_free, model)
+            with self.in_flight():
+                self.vision = bool(lib.mtmd_support_vision(pointer))
+                self.audio = bool(lib.mtmd_support_audio(pointer))
+                rate = int(lib.mtmd_get_audio_sample_rate(pointer))
+                self.uses_mrope = bool(lib.mtmd_decode_use_mrope(pointer))
         self.model, self.path = model, file
-        self.vision = bool(lib.mtmd_support_vision(pointer))
-        self.audio = bool(lib.mtmd_support_audio(pointer))
-        rate = int(lib.mtmd_get_audio_sample_rate(pointer))
         self.sample_rate = rate if rate > 0 else None
         self.marker: str = ffi.string(lib.mtmd_default_marker()).decode()
-        self.uses_mrope = bool(lib.mtmd_decode_use_mrope(pointer))
 
     def bitmap(self, media: Media) -> Bitmap:
         """The bitmap of an image or a sound, decoded and checked against this projector."""

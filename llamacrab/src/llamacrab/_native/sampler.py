@@ -97,24 +97,34 @@ class SamplerChain(NativeHandle):
         pointer = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         if pointer == ffi.NULL:
             raise InvalidParameterError("llama.cpp could not create a sampler chain")
-        super().__init__(pointer, lib.llama_sampler_free, model)
-        try:
-            for sampler in _samplers(model, options, first):
-                lib.llama_sampler_chain_add(pointer, sampler)  # the chain owns it from here
-        except BaseException:
-            self.close()
-            raise
+        # The samplers read the model's vocabulary (a grammar parses against it): closing the
+        # model from another thread waits for them, then closes the chain.
+        with model.in_flight():
+            super().__init__(pointer, lib.llama_sampler_free, model)
+            try:
+                with self.in_flight() as chain:
+                    for sampler in _samplers(model, options, first):
+                        lib.llama_sampler_chain_add(chain, sampler)  # the chain owns it now
+            except BaseException:
+                self.close()
+                raise
 
     def sample(self, context: Context, index: int = -1) -> int:
         """Pick a token from the logits of output ``index`` and accept it into the chain state."""
         with self.in_flight() as chain, context.exclusive() as ctx:
+            # llama_sampler_sample asserts (an abort) when the output has no logits: none
+            # decoded yet, an index out of range, a token decoded without logits.
+            if call("llama_get_logits_ith", ctx, index) == ffi.NULL:
+                raise InvalidParameterError(f"no logits for output {index} of the last decode")
             return int(call("llama_sampler_sample", chain, ctx, index))
 
     def accept(self, token: int) -> None:
-        call("llama_sampler_accept", self.pointer, token)
+        with self.in_flight() as chain:
+            call("llama_sampler_accept", chain, token)
 
     def reset(self) -> None:
-        call("llama_sampler_reset", self.pointer)
+        with self.in_flight() as chain:
+            call("llama_sampler_reset", chain)
 
 
 class _EndBan(CustomSampler):

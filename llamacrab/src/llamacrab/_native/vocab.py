@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -30,12 +31,23 @@ class Vocab:
         self._model.pointer  # noqa: B018 - raises ClosedHandleError once the model is closed
         return self._pointer
 
+    @contextmanager
+    def in_flight(self) -> Iterator[Any]:
+        """The pointer, for native calls: closing the model from another thread waits for
+        them (the vocabulary is the model's memory)."""
+        with self._model.in_flight():
+            yield self._pointer
+
+    def _get(self, getter: Any, *args: Any) -> Any:
+        with self.in_flight() as vocab:
+            return getter(vocab, *args)
+
     @property
     def n_tokens(self) -> int:
         return self._n_tokens
 
     def _special(self, getter: Any) -> int | None:
-        token = int(getter(self.pointer))
+        token = int(self._get(getter))
         return None if token < 0 else token
 
     @property
@@ -55,10 +67,10 @@ class Vocab:
         """Every token that ends generation (scanned once per vocabulary, in C, then cached)."""
         if self._eog is None:
             out = ffi.new("int32_t[]", 64)
-            found = lib.llamacrab_vocab_eog_tokens(self.pointer, out, len(out))
+            found = self._get(lib.llamacrab_vocab_eog_tokens, out, len(out))
             if found > len(out):
                 out = ffi.new("int32_t[]", found)
-                lib.llamacrab_vocab_eog_tokens(self.pointer, out, found)
+                self._get(lib.llamacrab_vocab_eog_tokens, out, found)
             self._eog = tuple(out[0:found])
         return self._eog
 
@@ -88,21 +100,21 @@ class Vocab:
 
     @property
     def add_bos(self) -> bool:
-        return bool(lib.llama_vocab_get_add_bos(self.pointer))
+        return bool(self._get(lib.llama_vocab_get_add_bos))
 
     @property
     def add_eos(self) -> bool:
-        return bool(lib.llama_vocab_get_add_eos(self.pointer))
+        return bool(self._get(lib.llama_vocab_get_add_eos))
 
     @property
     def add_sep(self) -> bool:
-        return bool(lib.llama_vocab_get_add_sep(self.pointer))
+        return bool(self._get(lib.llama_vocab_get_add_sep))
 
     def check_usable(self) -> None:
         """Refuse a vocabulary llama.cpp loads but aborts on at the first tokenization: none at
         all (tokenizer.ggml.model "none"), or a BOS / EOS / SEP token it adds to every prompt
         but cannot resolve (GGML_ASSERTs in llama_vocab::impl::tokenize)."""
-        kind = lib.llama_vocab_type(self.pointer)
+        kind = self._get(lib.llama_vocab_type)
         if kind == lib.LLAMA_VOCAB_TYPE_NONE:
             raise InvalidModelError("it has no vocabulary (tokenizer.ggml.model is 'none')")
         for key, token in self._added_specials(kind).items():
@@ -125,11 +137,16 @@ class Vocab:
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT and the like)."""
-        return bool(lib.llama_vocab_is_eog(self.pointer, token))
+        return bool(self._get(lib.llama_vocab_is_eog, token))
 
     def check_tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """Tokens as an int32 array, each checked against the vocabulary size."""
-        array = np.asarray(tokens, dtype=np.int64)
+        try:
+            array = np.asarray(tokens, dtype=np.int64)
+        except OverflowError:  # an id past 64 bits (a JSON body can hold any integer)
+            raise TokenizeError(
+                f"a token id is outside the vocabulary (0..{self.n_tokens - 1})"
+            ) from None
         if array.ndim != 1:
             raise TokenizeError(f"tokens must be a flat sequence, got shape {array.shape}")
         bad = (array < 0) | (array >= self.n_tokens)
@@ -144,13 +161,12 @@ class Vocab:
     ) -> list[int]:
         """Tokens of ``text``; ``add_special`` adds BOS/EOS as the model wants them."""
         data = text.encode("utf-8")
-        vocab = self.pointer
         capacity = len(data) + 8
         for _ in range(2):  # the first call tells the size needed when it is too small
             out = ffi.new("llama_token[]", capacity)
-            n = call(
-                "llama_tokenize", vocab, data, len(data), out, capacity, add_special, parse_special
-            )
+            with self.in_flight() as vocab:
+                n = call("llama_tokenize", vocab, data, len(data), out, capacity, add_special,
+                         parse_special)  # fmt: skip
             if n >= 0:
                 return list(ffi.unpack(out, n))
             if n == -(2**31):
@@ -163,11 +179,11 @@ class Vocab:
         if not 0 <= token < self._n_tokens:  # per-token path: no numpy here
             last = self._n_tokens - 1
             raise TokenizeError(f"token {token} is outside the vocabulary (0..{last})")
-        vocab = self.pointer
         size = _PIECE_BUFFER
         while True:
             buf = ffi.new("char[]", size)
-            n = call("llama_token_to_piece", vocab, token, buf, size, 0, special)
+            with self.in_flight() as vocab:
+                n = call("llama_token_to_piece", vocab, token, buf, size, 0, special)
             if n >= 0:
                 return bytes(ffi.buffer(buf, n))
             size = -n
@@ -182,12 +198,13 @@ class Vocab:
         array = self.check_tokens(tokens)
         if array.size == 0:
             return ""
-        vocab = self.pointer
         c_tokens = ffi.from_buffer("llama_token[]", array)
         size = max(array.size * 8, 64)
         while True:
             buf = ffi.new("char[]", size)
-            n = call("llama_detokenize", vocab, c_tokens, array.size, buf, size, False, special)
+            with self.in_flight() as vocab:
+                n = call("llama_detokenize", vocab, c_tokens, array.size, buf, size, False,
+                         special)  # fmt: skip
             if n >= 0:
                 return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace")
             size = -n

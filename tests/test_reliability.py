@@ -1,0 +1,263 @@
+"""The reliability suite's short sizes (CI): lifecycle fuzzing, tampered models, and generated
+grammars, schemas and templates, each asserting no signal death, no hang and no unclean error
+over at least its case count. ``scripts/reliability.py`` runs the long sizes and writes
+RELIABILITY.md. Below them, a regression test for each crash the suite found."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from llamacrab import (
+    ConcurrentUseError,
+    GrammarError,
+    InvalidParameterError,
+    Llama,
+    TemplateError,
+    schema_to_grammar,
+)
+
+from reliability_kit import sections, tampered
+from reliability_kit.children import Report
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("reliability")
+
+
+def run_short(name: str, workdir: Path) -> Report:
+    report = sections.run(name, "short", workdir)
+    print(report.summary())
+    return report
+
+
+def assert_clean(report: Report, minimum: int) -> None:
+    assert not report.findings, report.summary()
+    assert len(report.results) >= minimum, report.summary()
+
+
+def test_lifecycle_sequences(workdir: Path) -> None:
+    report = run_short("lifecycle", workdir)
+    assert_clean(report, 1000)
+    assert report.count("ok") >= 900  # the sequences ran (a refusal inside one is normal)
+
+
+def test_tampered_tiny_models(workdir: Path) -> None:
+    report = run_short("tampered-tiny", workdir)
+    assert_clean(report, 500)
+    assert report.count("ok") > 0 and report.count("error") > 0
+
+
+@pytest.mark.real_model
+def test_tampered_gemma_models(workdir: Path) -> None:
+    report = run_short("tampered-gemma", workdir)
+    assert_clean(report, 500)
+    assert report.count("ok") > 0 and report.count("error") > 0
+
+
+def test_grammars_schemas_and_templates(workdir: Path) -> None:
+    report = run_short("inputs", workdir)
+    assert_clean(report, 500)
+    slowest = report.slowest
+    assert slowest is not None and slowest.seconds < 30, slowest
+
+
+# -- regressions: what the suite found ---------------------------------------------------------
+
+CHILD = """
+import sys, threading, time
+import numpy as np
+from llamacrab import (Batch, ClosedHandleError, Context, ContextParams, InvalidParameterError,
+                       Llama, LlamaError, Model, SamplerChain, SamplingOptions)
+path, check = sys.argv[1], sys.argv[2]
+
+def refused(call, error=InvalidParameterError):
+    try:
+        call()
+    except error as e:
+        print("refused:", e)
+    else:
+        raise AssertionError("not refused")
+
+if check == "sample-without-logits":
+    model = Model.load(path)
+    context = Context(model, ContextParams(n_ctx=64, n_threads=1))
+    refused(lambda: SamplerChain(model).sample(context, 0))
+elif check == "more-sequences-than-rows":
+    with Llama(path, embeddings=True, n_ctx=32, n_threads=1) as llm:  # 64 sequences
+        print(len(llm.embed("the cat")))
+    model = Model.load(path)
+    Context(model, ContextParams(n_ctx=64, n_batch=1, n_seq_max=4, n_threads=1)).close()
+    Context(model, ContextParams(n_ctx=64, n_ubatch=1, n_seq_max=4, embeddings=True,
+                                 pooling="mean", n_threads=1)).close()
+elif check == "batch-bounds":
+    batch = Batch(4, 1)
+    refused(lambda: batch.set_one(5, 0, 2**20))
+    refused(lambda: batch.set(np.array([1, 2], dtype=np.int32), 2**31 - 1))
+elif check == "embedding-rows":
+    model = Model.load(path)
+    context = Context(model, ContextParams(n_ctx=64, embeddings=True, n_seq_max=4, n_threads=1))
+    batch = Batch(8, 4)
+    batch.set(np.array([1, 5, 6], dtype=np.int32), 0, logits_all=True)
+    context.decode(batch)
+    print(context.embeddings(model.n_embd_out, count=3).shape)
+    refused(lambda: context.embeddings(10**7))
+    refused(lambda: context.embeddings(model.n_embd_out, count=1000))
+elif check.startswith("close-while-"):
+    work = check.removeprefix("close-while-")
+    for delay in (0.0, 0.001, 0.005, 0.02):
+        model = Model.load(path)
+        started = threading.Event()
+        def run():
+            started.set()
+            try:
+                if work == "tokenizing":
+                    model.vocab.tokenize("the cat sat on the mat " * 50_000)
+                elif work == "building-a-sampler":
+                    grammar = "root ::= " + " | ".join(f'"w{i}" [a-z]*' for i in range(2000))
+                    SamplerChain(model, SamplingOptions(grammar=grammar)).close()
+                else:
+                    Context(model, ContextParams(n_ctx=2048, n_threads=1)).close()
+            except ClosedHandleError:
+                pass  # refused: the close came first
+            except BaseException as error:  # a use after free shows up here, if not as a crash
+                errors.append(error)
+        errors = []
+        thread = threading.Thread(target=run)
+        thread.start()
+        started.wait()
+        time.sleep(delay)
+        model.close()
+        thread.join()
+        assert not errors, errors
+print("ok")
+"""
+
+
+@pytest.mark.parametrize(
+    "check",
+    ["sample-without-logits", "more-sequences-than-rows", "batch-bounds", "embedding-rows",
+     "close-while-tokenizing", "close-while-building-a-sampler", "close-while-creating-a-context"],
+)  # fmt: skip
+def test_handles_refuse_what_used_to_crash(tiny_model_path: Path, check: str) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD), str(tiny_model_path), check],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+    )  # fmt: skip
+    assert child.returncode == 0, f"exit {child.returncode}\n{child.stdout}\n{child.stderr[-3000:]}"
+    assert child.stdout.rstrip().endswith("ok")
+
+
+def variant(tiny_model_path: Path, tmp_path: Path, spec: dict[str, object]) -> Path:
+    work = tampered.WorkFile.create(tiny_model_path, tmp_path, 0)
+    path, _ = work.prepare(spec, tmp_path / "scratch.gguf")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"kind": "kv_add", "key": "general.alignment", "vtype": tampered.U32, "value": 1},
+         "not a multiple of 32"),
+        ({"kind": "kv", "key": "tokenizer.ggml.model", "vtype": tampered.STRING, "value": "rwkv"},
+         "loop without end"),
+        ({"kind": "tensor", "index": 1, "type": 1}, "is a vector of type 1"),  # an F16 norm
+    ],
+    ids=["alignment-below-32", "rwkv-without-byte-tokens", "f16-norm-vector"],
+)  # fmt: skip
+def test_tampered_files_that_used_to_crash_or_hang(
+    tiny_model_path: Path, tmp_path: Path, spec: dict[str, object], message: str
+) -> None:
+    spec = dict(spec)
+    if spec["kind"] == "kv":  # the entry by its key
+        keys = [key for key, _, _ in tampered.parse(tiny_model_path).kvs]
+        spec["index"] = keys.index(str(spec.pop("key")).encode())
+    path = variant(tiny_model_path, tmp_path, spec)
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys
+            from llamacrab import InvalidModelError, Llama
+            try:
+                Llama(sys.argv[1], n_ctx=64, n_threads=1).create_completion("the <s>", max_tokens=1)
+            except InvalidModelError as error:
+                print(error)
+        """), str(path)],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert message in child.stdout
+
+
+def test_grammar_repetition_below_its_minimum_is_refused_at_once(tiny_llama: Llama) -> None:
+    started = time.monotonic()
+    with pytest.raises(GrammarError, match="maximum below its minimum"):
+        tiny_llama.create_completion("the cat", max_tokens=2, grammar='root ::= ("a" [b-c]){5,2}')
+    assert time.monotonic() - started < 5
+
+
+DOUBLING = (
+    "{% set ns = namespace(x='ab') %}{% for i in range(100) %}{% set ns.x = ns.x ~ ns.x %}"
+    "{% endfor %}{{ ns.x | length }}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        (DOUBLING, "concatenation"),
+        ("{% if true %}" * 200 + "x" + "{% endif %}" * 200, "does not compile"),
+        ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "does not compile"),
+    ],
+    ids=["tilde-doubling", "nested-ifs", "nested-parentheses"],
+)
+def test_hostile_templates_are_refused_by_name(
+    tiny_llama: Llama, template: str, message: str
+) -> None:
+    with pytest.raises(TemplateError, match=message):
+        tiny_llama.create_chat_completion([{"role": "user", "content": "hi"}],
+                                          chat_format=template, max_tokens=1)  # fmt: skip
+
+
+def test_malformed_schemas_and_messages_are_refused_by_name(tiny_llama: Llama) -> None:
+    for schema, message in (
+        ({"enum": 5}, "'enum' .* wrong type"),
+        ({"type": "array", "minItems": True}, "'minItems' .* wrong type"),
+        ({"type": "object", "required": [1], "properties": {"a": {}}}, "property names"),
+        ({"allOf": [{"properties": []}]}, "'properties' .* wrong type"),
+        ({"type": "object", "properties": {f"k{i}": {} for i in range(5000)}}, "over the limit"),
+    ):
+        with pytest.raises(GrammarError, match=message):
+            schema_to_grammar(schema)
+    with pytest.raises(InvalidParameterError, match="content part"):
+        tiny_llama.create_chat_completion([{"role": "user", "content": ["x"]}],
+                                          chat_format="chatml", max_tokens=1)  # fmt: skip
+    json.dumps(schema_to_grammar({"type": "object", "properties": {"a": {"type": "string"}}}))
+
+
+def test_a_stream_read_from_two_threads_refuses_the_second(tiny_llama: Llama) -> None:
+    """It raised ValueError ("generator already executing") from inside the generator."""
+    stream = tiny_llama.stream_completion("the cat", max_tokens=40, min_tokens=40)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for _ in stream:
+                pass
+        except BaseException as error:
+            errors.append(error)
+
+    readers = [threading.Thread(target=read) for _ in range(4)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    assert errors and all(isinstance(e, ConcurrentUseError) for e in errors), errors
