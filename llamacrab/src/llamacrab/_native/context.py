@@ -158,9 +158,9 @@ class Context(NativeHandle):
         # context overflow") to the llamacrab logger. Only the share counts: n_ctx 1024 for
         # two slots of a model trained for 512 is within it.
         log_lines.take_last_error()
-        c_params = params.to_c(model.n_ctx_train)
         # Closing the model from another thread waits for the creation, then closes this too.
         with model.in_flight() as model_pointer:
+            c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
             pointer = call("llama_init_from_model", model_pointer, c_params)
             if pointer == ffi.NULL:
                 reason = log_lines.take_last_error() or "see the llamacrab logger"
@@ -436,6 +436,10 @@ class Context(NativeHandle):
         ``state_bytes`` of the same model."""
         if seq_id is not None:
             self._check_sequence(seq_id)
+        elif len(data) >= 4 and int.from_bytes(bytes(data[:4]), "little") > len(data) - 4:
+            # A whole-context state opens with the architecture's name, whose length llama.cpp
+            # allocates (zeroed, up to 4 GiB) before it checks that the bytes are there.
+            raise StateError("the state's model name runs past its end (corrupted)")
         with self.exclusive() as ctx:
             buffer = ffi.from_buffer("uint8_t[]", data)
             if seq_id is None:
