@@ -56,9 +56,14 @@ FOUND = [
     ("lifecycle", "`Context.embeddings(width, count=...)` wider or longer than the output rows",
      "SIGSEGV, or reads past the buffer", "`_native/context.py`: rows checked against outputs"),
     ("lifecycle", "closing a model while another thread tokenizes, builds a sampler (a grammar), "
-     "creates a context or adapter, or reads metadata", "SIGSEGV (use after free)",
+     "creates a context or adapter, or reads metadata",
+     "SIGSEGV (use after free); AttributeError from an adapter closed before it was set up",
      "`_native/` vocab, sampler, context, adapter, mtmd, model: those calls hold the model in "
      "flight; handle.py: a child adopted by a closing parent is freed at once"),
+    ("lifecycle", "a whole-context state blob (raw, or a SavedState with a valid checksum) whose "
+     "first 4 bytes claim a long model name",
+     "llama.cpp zero-fills a buffer of that length first: 4 GiB and ~5 s per load (the OOM "
+     "killer on a smaller machine)", "`_native/context.py`: StateError before llama.cpp reads"),
     ("tampered", "`general.alignment` below 32 (e.g. 1)",
      "SIGABRT: `GGML_ASSERT(... \"buffer pointer must be aligned\")` (ggml-backend.cpp:2527)",
      "`validate_gguf`: the first tensor's data 32-byte aligned"),
@@ -118,7 +123,14 @@ def table(reports: list[Report]) -> str:
 
 def details(report: Report) -> str:
     section = SECTIONS[report.section]
-    refusals = ", ".join(f"{name} {n}" for name, n in report.error_types().most_common())
+    refused = report.error_types()
+    for result in report.results:  # a lifecycle sequence counts the refusals of its operations
+        if result.outcome == "ok" and "; refused: " in result.detail:
+            for part in result.detail.split("; refused: ", 1)[1].split(", "):
+                name, _, count = part.rpartition(" ")
+                if count.isdigit():
+                    refused[name] += int(count)
+    refusals = ", ".join(f"{name} {n}" for name, n in refused.most_common())
     slowest = report.slowest
     lines = [
         f"### {section.title} (`{report.section}`)",
@@ -129,7 +141,7 @@ def details(report: Report) -> str:
         + (f", {section.memory_limit >> 30} GiB address space per child"
            if section.memory_limit else "") + ".",
         "",
-        f"- refusals by type: {refusals or 'none'}",
+        f"- refusals by type (of cases, or of a sequence's operations): {refusals or 'none'}",
     ]  # fmt: skip
     if slowest is not None:
         lines.append(f"- slowest case: {slowest.id} ({slowest.seconds:.2f} s): "
@@ -149,7 +161,8 @@ def markdown(reports: list[Report], command: str) -> str:
     return f"""# Reliability
 
 How hard llamacrab is to break, measured: latest results of `{command}`.
-Machine: {machine()}.
+Machine: {machine()}; 2 workers (child processes at a time). The machine was shared with other
+jobs while this ran, so the times are upper bounds.
 
 Result: {verdict}.
 

@@ -21,6 +21,7 @@ from llamacrab import (
     GrammarError,
     InvalidParameterError,
     Llama,
+    StateError,
     TemplateError,
     schema_to_grammar,
 )
@@ -77,7 +78,7 @@ CHILD = """
 import sys, threading, time
 import numpy as np
 from llamacrab import (Batch, ClosedHandleError, Context, ContextParams, InvalidParameterError,
-                       Llama, LlamaError, Model, SamplerChain, SamplingOptions)
+                       Llama, LlamaError, LoraAdapter, Model, SamplerChain, SamplingOptions)
 path, check = sys.argv[1], sys.argv[2]
 
 def refused(call, error=InvalidParameterError):
@@ -125,6 +126,8 @@ elif check.startswith("close-while-"):
                 elif work == "building-a-sampler":
                     grammar = "root ::= " + " | ".join(f'"w{i}" [a-z]*' for i in range(2000))
                     SamplerChain(model, SamplingOptions(grammar=grammar)).close()
+                elif work == "loading-an-adapter":
+                    LoraAdapter(model, sys.argv[3]).close()
                 else:
                     Context(model, ContextParams(n_ctx=2048, n_threads=1)).close()
             except ClosedHandleError:
@@ -146,11 +149,15 @@ print("ok")
 @pytest.mark.parametrize(
     "check",
     ["sample-without-logits", "more-sequences-than-rows", "batch-bounds", "embedding-rows",
-     "close-while-tokenizing", "close-while-building-a-sampler", "close-while-creating-a-context"],
+     "close-while-tokenizing", "close-while-building-a-sampler", "close-while-creating-a-context",
+     "close-while-loading-an-adapter"],
 )  # fmt: skip
-def test_handles_refuse_what_used_to_crash(tiny_model_path: Path, check: str) -> None:
+def test_handles_refuse_what_used_to_crash(
+    tiny_model_path: Path, tmp_path: Path, check: str
+) -> None:
+    lora = sections.script("make_tiny_gguf").write_tiny_lora(tmp_path / "lora.gguf")
     child = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD), str(tiny_model_path), check],
+        [sys.executable, "-c", textwrap.dedent(CHILD), str(tiny_model_path), check, str(lora)],
         capture_output=True, text=True, timeout=120, env={**os.environ, "GGML_NO_BACKTRACE": "1"},
     )  # fmt: skip
     assert child.returncode == 0, f"exit {child.returncode}\n{child.stdout}\n{child.stderr[-3000:]}"
@@ -261,3 +268,16 @@ def test_a_stream_read_from_two_threads_refuses_the_second(tiny_llama: Llama) ->
     for reader in readers:
         reader.join()
     assert errors and all(isinstance(e, ConcurrentUseError) for e in errors), errors
+
+
+def test_a_state_claiming_a_huge_model_name_is_refused_before_llama_cpp_allocates_it(
+    tiny_llama: Llama,
+) -> None:
+    """llama.cpp zero-filled a buffer of the claimed length (up to 4 GiB, seconds) first."""
+    context = tiny_llama.context
+    data = bytearray(context.state_bytes(None))
+    data[:4] = (0xFF0000FA).to_bytes(4, "little")
+    started = time.monotonic()
+    with pytest.raises(StateError, match="runs past its end"):
+        context.load_state_bytes(bytes(data), None)
+    assert time.monotonic() - started < 1

@@ -32,6 +32,8 @@ class LoraAdapter(NativeHandle):
         validate_gguf(file, kind="adapter")
         stat = file.stat()  # before loading: the identity describes the bytes llama.cpp reads
         log_lines.take_last_error()
+        # Set before it is adopted: closing the model from another thread may close it at once.
+        self._users: weakref.WeakSet[AdapterUser] = weakref.WeakSet()
         # Closing the model from another thread waits for the load, then closes this too.
         with model.in_flight() as model_pointer:
             pointer = call(
@@ -45,7 +47,6 @@ class LoraAdapter(NativeHandle):
         self.path = file
         # What prompt caches tell adapters apart by, across processes too: the file as loaded.
         self.identity = f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-        self._users: weakref.WeakSet[AdapterUser] = weakref.WeakSet()
 
     @property
     def metadata(self) -> dict[str, str]:
