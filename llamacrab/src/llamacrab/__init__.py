@@ -27,6 +27,7 @@ from llamacrab._exceptions import (
     InvalidParameterError,
     LlamaError,
     MediaError,
+    ModelBudgetError,
     ModelLoadError,
     NativeError,
     QueueFullError,
@@ -34,20 +35,24 @@ from llamacrab._exceptions import (
     TemplateError,
     TokenizeError,
     ToolCallError,
+    UnknownModelError,
 )
 from llamacrab._features.hub import HubOptions, ResolvedModel, resolve
+from llamacrab._features.presets import PRESETS, Preset
 from llamacrab._grammar.json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._llama import Llama
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context, ContextParams
 from llamacrab._native.custom_sampler import CustomSampler
+from llamacrab._native.gguf_memory import MemoryEstimate
 from llamacrab._native.media import Audio, Image
 from llamacrab._native.model import Model, ModelParams
 from llamacrab._native.mtmd import Bitmap, Chunks, Projector
 from llamacrab._native.sampler import SamplerChain, SamplingOptions
 from llamacrab._native.state import SavedState
 from llamacrab._native.vocab import IncrementalDecoder, Vocab
+from llamacrab._registry import EntryStatus, ModelEntry, ModelRegistry, estimate_memory
 from llamacrab._types import (
     ChatChoice,
     ChatCompletion,
@@ -69,6 +74,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "JSON_OBJECT_GRAMMAR",
+    "PRESETS",
     "Audio",
     "Batch",
     "Bitmap",
@@ -93,6 +99,7 @@ __all__ = [
     "DecodeError",
     "DiskCache",
     "DraftModel",
+    "EntryStatus",
     "FinishReason",
     "GrammarError",
     "HubError",
@@ -107,10 +114,15 @@ __all__ = [
     "LoraAdapter",
     "MediaError",
     "MediaPolicy",
+    "MemoryEstimate",
     "Model",
+    "ModelBudgetError",
+    "ModelEntry",
     "ModelLoadError",
     "ModelParams",
+    "ModelRegistry",
     "NativeError",
+    "Preset",
     "Projector",
     "PromptCache",
     "PromptLookup",
@@ -128,11 +140,13 @@ __all__ = [
     "TokenizeError",
     "ToolCall",
     "ToolCallError",
+    "UnknownModelError",
     "Usage",
     "Vocab",
     "__version__",
     "build_info",
     "chat_format_names",
+    "estimate_memory",
     "parse_tool_calls",
     "resolve",
     "schema_to_grammar",

@@ -18,6 +18,8 @@ LlamaError
 ├── QueueFullError             every parallel slot is busy and the waiting queue is full
 ├── ToolCallError              (also ValueError) a tool call whose arguments fail their schema
 ├── MediaError                 (also ValueError) an image or sound that cannot be used
+├── UnknownModelError          (also LookupError) a registry has no entry of that name
+├── ModelBudgetError           no room for a model within a registry's limits now
 └── InvalidParameterError      (also ValueError) a parameter out of its range
 """
 
@@ -112,6 +114,15 @@ class ToolCallError(LlamaError, ValueError):
 
 class MediaError(LlamaError, ValueError):
     """An image or sound that cannot be decoded, or that this projector cannot take."""
+
+
+class UnknownModelError(LlamaError, LookupError):
+    """A ModelRegistry has no entry of that name."""
+
+
+class ModelBudgetError(LlamaError):
+    """A model does not fit a registry's ``max_loaded`` or memory budget, and no loaded model
+    can make room (each is in use or pinned, or the model alone exceeds the budget)."""
 
 
 class InvalidParameterError(LlamaError, ValueError):

@@ -27,6 +27,7 @@ from llamacrab._features.hub import resolve as resolve_model
 from llamacrab._features.infill import infill_tokens
 from llamacrab._features.media import MediaInput
 from llamacrab._features.params import merge_sampling, split_params, with_slots
+from llamacrab._features.presets import with_preset
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.context import Context, ContextParams
 from llamacrab._native.media import Media
@@ -49,6 +50,8 @@ class Llama:
 
     ``Llama(path, n_ctx=2048, n_threads=4, ...)`` takes any ModelParams / ContextParams field as
     a keyword. ``cache`` (a RamCache or DiskCache) keeps prompt states across calls.
+    ``preset`` ("low-ram", "balanced", "max-gpu"; see ``PRESETS``) supplies defaults for
+    those keywords; the keywords given override it.
     ``path`` may be a Hugging Face repository id (``org/repo``, when no such local
     path exists): HubOptions fields (filename, revision, token, cache_dir, endpoint, offline,
     mmproj) choose what is fetched.
@@ -83,8 +86,14 @@ class Llama:
         max_queue: int = 64,
         mmproj: str | os.PathLike[str] | None = None,
         media_policy: MediaPolicy | None = None,
+        preset: str | None = None,
         **options: Any,
     ) -> None:
+        if preset is not None:
+            if model_params or context_params:
+                raise InvalidParameterError("preset= combines with keyword options, not with "
+                                            "ModelParams / ContextParams objects")  # fmt: skip
+            options = with_preset(preset, options)
         if options and (model_params or context_params or hub):
             raise InvalidParameterError("pass parameter objects or keywords, not both")
         if options:

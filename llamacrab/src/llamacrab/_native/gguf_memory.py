@@ -1,0 +1,138 @@
+"""Estimate the memory a model and one context will take, from the GGUF header alone.
+
+Read before loading (a registry keeps to its memory budget with it): the weights are the sum of
+the tensors' sizes; the KV memory is what llama.cpp allocates for the context's cells in each
+attention layer (sliding-window layers get fewer cells unless ``swa_full``); the compute buffer
+is dominated by the logits of one micro-batch (``n_ubatch`` x vocabulary floats) plus the
+activations, and without flash attention the attention scores. Recurrent state and backend
+repacking are not counted. tests/test_registry.py compares the estimate with the buffer sizes
+llama.cpp logs after loading.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llamacrab._native.call import lib
+from llamacrab._native.context import KV_TYPES, ContextParams
+from llamacrab._native.gguf_check import (
+    GgufArray,
+    _head_sizes,
+    _per_layer,
+    _read_file,
+    _swa_layers,
+    _uint,
+    split_parts,
+)
+
+_FLOAT = 4
+_CELL_PAD = 256  # llama.cpp pads a context's cells to a multiple of 256
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a model will take: ``weights`` (plus a projector), ``kv`` (the context's KV
+    memory) and ``compute`` (compute and output buffers)."""
+
+    weights: int
+    kv: int
+    compute: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute
+
+
+def _pad(n: int) -> int:
+    return -(-n // _CELL_PAD) * _CELL_PAD
+
+
+def _tensor_bytes(tensors: list[Any]) -> int:
+    return sum(lib.ggml_row_size(t, dims[0]) * math.prod(dims[1:]) for _, dims, t, _ in tensors)
+
+
+def _file_header(path: Path) -> tuple[Any, dict[str, Any], list[Any]]:
+    reader, metadata, tensors = _read_file(path)
+    count = metadata.get("split.count", 1)
+    if isinstance(count, int) and count > 1:
+        for part in split_parts(path, count)[1:]:
+            tensors = tensors + _read_file(part)[2]
+    return reader, metadata, tensors
+
+
+def _kv_bytes(
+    reader: Any, arch: str, metadata: dict[str, Any], params: ContextParams, n_ctx: int
+) -> int:
+    causal = metadata.get(f"{arch}.attention.causal", True)
+    n_layer = _uint(metadata, f"{arch}.block_count") or 0
+    n_head = _per_layer(reader, metadata, f"{arch}.attention.head_count", n_layer)
+    if not causal or not n_layer or not n_head:
+        return 0  # encoders (BERT) keep no KV memory
+    n_head_kv = _per_layer(reader, metadata, f"{arch}.attention.head_count_kv", n_layer) or n_head
+    sizes = _head_sizes(arch, metadata, max(n_head))
+    swa = _swa_layers(reader, arch, metadata, n_layer) or (False, [False] * n_layer)
+    if sizes is None:
+        return 0
+    window = _uint(metadata, f"{arch}.attention.sliding_window") or n_ctx
+    n_ubatch = min(params.n_ubatch, params.n_batch)
+    swa_cells = n_ctx if params.swa_full else min(n_ctx, _pad(window * params.n_seq_max + n_ubatch))
+    total = 0
+    for layer in range(n_layer):
+        if n_head_kv[layer] == 0:
+            continue  # a recurrent or attention-free layer
+        sliding = swa[1][layer] if layer < len(swa[1]) else False
+        head = sizes[1] if sliding else sizes[0]
+        cells = swa_cells if sliding else n_ctx
+        k = lib.ggml_row_size(KV_TYPES[params.type_k], n_head_kv[layer] * head.key)
+        v = lib.ggml_row_size(KV_TYPES[params.type_v], n_head_kv[layer] * head.value)
+        total += (k + v) * cells
+    return int(total)
+
+
+def _compute_bytes(
+    arch: str, metadata: dict[str, Any], params: ContextParams, n_ctx: int, logits: bool
+) -> int:
+    n_embd = _uint(metadata, f"{arch}.embedding_length") or 0
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    n_vocab = tokens.count if isinstance(tokens, GgufArray) else 0
+    n_ubatch = max(min(params.n_ubatch, params.n_batch, n_ctx), params.n_seq_max)
+    n_ff = _uint(metadata, f"{arch}.feed_forward_length") or 0
+    per_token = 2 * n_embd + (n_vocab if logits else n_ff)
+    if params.flash_attn == "off":
+        head_count = metadata.get(f"{arch}.attention.head_count")
+        n_head = head_count if isinstance(head_count, int) else 1
+        per_token += n_ctx * n_head  # the attention scores of one layer
+    output = params.n_seq_max * (n_vocab + (n_embd if params.embeddings else 0))
+    return int((n_ubatch * per_token + output) * _FLOAT)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of a GGUF file (large arrays keep only their length), validated as a
+    header; raises what validation raises."""
+    return _read_file(Path(path))[1]
+
+
+def estimate_memory(
+    path: str | Path, params: ContextParams | None = None, projector: str | Path | None = None
+) -> MemoryEstimate:
+    """The memory ``path`` (the first part of a split model) and a context with ``params``
+    will take, in bytes; ``projector`` (a multimodal projector) adds its weights. Raises what
+    validation raises for a file llama.cpp could not load."""
+    params = params or ContextParams()
+    reader, metadata, tensors = _file_header(Path(path))
+    arch = str(metadata.get("general.architecture", ""))
+    weights = _tensor_bytes(tensors)
+    if projector is not None:
+        weights += _tensor_bytes(_file_header(Path(projector))[2])
+    n_ctx_train = _uint(metadata, f"{arch}.context_length") or 4096
+    n_ctx = params.n_ctx if params.n_ctx is not None else min(n_ctx_train, 4096)
+    n_ctx = _pad(max(n_ctx, params.n_seq_max))
+    causal = metadata.get(f"{arch}.attention.causal", True) is not False
+    return MemoryEstimate(
+        weights=weights,
+        kv=_kv_bytes(reader, arch, metadata, params, n_ctx),
+        compute=_compute_bytes(arch, metadata, params, n_ctx, logits=causal),
+    )

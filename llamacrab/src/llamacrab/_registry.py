@@ -1,0 +1,490 @@
+"""ModelRegistry: named models, each loaded on first use into a ``Llama`` of its own (its own
+context and engine) and shared, within a count and a memory budget; idle ones unload after
+their ``keep_alive``, and the least recently used unloaded to make room, never while in use and
+never when pinned."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+from llamacrab._exceptions import (
+    ConcurrentUseError,
+    InvalidParameterError,
+    ModelBudgetError,
+    ModelLoadError,
+    UnknownModelError,
+)
+from llamacrab._features.footprint import PARAM_FIELDS, estimate_llama
+from llamacrab._features.models_dir import scan_models_dir
+from llamacrab._features.presets import with_preset
+from llamacrab._llama import Llama
+from llamacrab._native.gguf_memory import MemoryEstimate
+
+Status = Literal["unloaded", "loading", "loaded", "failed"]
+Kind = Literal["generation", "embeddings", "rerank"]
+_LLAMA_OPTIONS = set(inspect.signature(Llama.__init__).parameters) - {"self", "model_path"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a text such as ``"6 GiB"``, ``"512MB"``, ``"800M"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.match(str(value))
+    if match is None:
+        raise InvalidParameterError(f"not a size: {value!r} (e.g. 6GiB, 512MB, 1000000)")
+    number, unit, binary = match.groups()
+    base = 1024 if binary or not unit else 1000
+    return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A named model: a GGUF path or a Hub id (``org/repo``), the ``Llama`` keyword options to
+    load it with (``preset`` among them), seconds idle before it unloads (``keep_alive``; None:
+    the registry's), and whether it is ``pinned`` (never unloaded but on request)."""
+
+    name: str
+    model: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    keep_alive: float | None = None
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.model:
+            raise InvalidParameterError("a model entry needs a name and a model")
+        unknown = set(self.options) - _LLAMA_OPTIONS - PARAM_FIELDS
+        if unknown:
+            raise InvalidParameterError(f"model {self.name!r}: unknown options {sorted(unknown)}")
+        if self.keep_alive is not None and self.keep_alive < 0:
+            raise InvalidParameterError(f"model {self.name!r}: keep_alive must be >= 0")
+        self.llama_options()  # an unknown preset fails here, not at first use
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+
+    def llama_options(self) -> dict[str, Any]:
+        """The keyword options of its ``Llama``, its preset applied."""
+        options = dict(self.options)
+        return with_preset(options.pop("preset", None), options)
+
+    @property
+    def kind(self) -> Kind:
+        """What it serves: text generation, embeddings or reranking (an embeddings context
+        with rank pooling)."""
+        options = self.llama_options()
+        if not options.get("embeddings"):
+            return "generation"
+        return "rerank" if options.get("pooling") == "rank" else "embeddings"
+
+
+@dataclass(frozen=True)
+class EntryStatus:
+    """One entry as ``entries()`` reports it. ``estimate``: the memory it was estimated to take
+    at its last load; ``in_use``: requests holding it now; ``last_used``: a ``time.time()``."""
+
+    name: str
+    model: str
+    kind: Kind
+    status: Status
+    error: str | None
+    in_use: int
+    pinned: bool
+    keep_alive: float | None
+    estimate: MemoryEstimate | None
+    last_used: float | None
+
+
+class _Slot:
+    """An entry's mutable state, guarded by the registry's lock."""
+
+    def __init__(self, entry: ModelEntry) -> None:
+        self.entry = entry
+        self.status: Status = "unloaded"
+        self.llama: Llama | None = None
+        self.error: str | None = None
+        self.in_use = 0
+        self.used = 0.0  # time.monotonic() of the last use
+        self.used_wall: float | None = None
+        self.estimate: MemoryEstimate | None = None
+
+    def touch(self) -> None:
+        self.used, self.used_wall = time.monotonic(), time.time()
+
+    def idle(self) -> bool:
+        """Loaded, and nothing uses it: no lease, no busy or queued parallel slot."""
+        if self.status != "loaded" or self.in_use or self.llama is None:
+            return False
+        scheduler = self.llama.scheduler
+        return scheduler is None or not (scheduler.busy_slots or scheduler.queue_depth)
+
+    def take(self) -> Llama:
+        """Detach the loaded Llama (closed by the caller, outside the lock)."""
+        llama, self.llama, self.status = self.llama, None, "unloaded"
+        assert llama is not None
+        return llama
+
+
+class ModelRegistry:
+    """Named models loaded on first use and shared.
+
+    ``get(name)`` returns the entry's ``Llama``, loading it first if needed (other threads
+    asking meanwhile wait for the same load); ``use(name)`` does so for the length of a
+    ``with`` block and counts the model in use meanwhile, as the server does per request.
+    Limits: ``max_loaded`` models and a ``memory_budget`` in bytes (or "6GiB"), checked against
+    each model's estimate read from its GGUF before loading. To make room the least recently
+    used model unloads, never one in use (a lease from ``use``/``acquire``, or a busy parallel
+    slot) and never a pinned one; ``ModelBudgetError`` when none can. An idle model unloads
+    after ``keep_alive`` seconds (per entry, else the registry's; None: never).
+
+    Unloading closes the ``Llama``: handles close children first and wait for a native call in
+    flight, so a thread still holding the Llama gets ClosedHandleError, never a crash.
+    """
+
+    def __init__(
+        self,
+        entries: Iterable[ModelEntry] = (),
+        *,
+        max_loaded: int | None = None,
+        memory_budget: int | str | None = None,
+        keep_alive: float | None = None,
+        loader: Callable[[ModelEntry], Llama] | None = None,
+    ) -> None:
+        if max_loaded is not None and max_loaded < 1:
+            raise InvalidParameterError(f"max_loaded must be >= 1, not {max_loaded}")
+        if keep_alive is not None and keep_alive < 0:
+            raise InvalidParameterError("keep_alive must be >= 0")
+        self.max_loaded = max_loaded
+        self.memory_budget = None if memory_budget is None else parse_size(memory_budget)
+        self.keep_alive = keep_alive
+        self._loader = loader or (lambda entry: Llama(entry.model, **entry.llama_options()))
+        self._lock = threading.Condition()
+        self._slots: dict[str, _Slot] = {}
+        self._closed = False
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        for entry in entries:
+            self.add(entry)
+
+    # -- entries -------------------------------------------------------------------------------
+
+    def add(
+        self,
+        entry: ModelEntry | str,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        keep_alive: float | None = None,
+        pinned: bool = False,
+        **options: Any,
+    ) -> ModelEntry:
+        """Add ``entry``, or build one: ``add("chat", "gemma.gguf", n_ctx=2048, preset=...)``."""
+        if not isinstance(entry, ModelEntry):
+            if model is None:
+                raise InvalidParameterError(f"model {entry!r}: no model path or repository")
+            entry = ModelEntry(entry, os.fspath(model), options, keep_alive, pinned)
+        with self._lock:
+            if entry.name in self._slots:
+                raise InvalidParameterError(f"a model named {entry.name!r} is already registered")
+            self._slots[entry.name] = _Slot(entry)
+        self._start_reaper()
+        return entry
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> ModelRegistry:
+        """A registry from a TOML file: top-level ``max_loaded``, ``memory_budget``,
+        ``keep_alive``, and one ``[models.NAME]`` table per entry (``model`` plus ``Llama``
+        options, ``preset``, ``keep_alive``, ``pinned``). Relative paths are read from the
+        file's folder. ``overrides`` replace the top-level settings."""
+        file = Path(path)
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
+        try:
+            data = tomllib.loads(file.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise InvalidParameterError(f"cannot read the model registry {file}: {error}") from None
+        models = data.pop("models", {})
+        unknown = set(data) - {"max_loaded", "memory_budget", "keep_alive"}
+        if unknown or not isinstance(models, dict):
+            raise InvalidParameterError(
+                f"{file}: unknown settings {sorted(unknown)}; expected max_loaded, "
+                "memory_budget, keep_alive and [models.NAME] tables"
+            )
+        entries = [_toml_entry(file.parent, name, table) for name, table in models.items()]
+        return cls(entries, **{**data, **overrides})
+
+    @classmethod
+    def from_directory(cls, folder: str | os.PathLike[str], **kwargs: Any) -> ModelRegistry:
+        """One entry per model in ``folder``: each GGUF (split parts as one, named without
+        the part suffix; ``mmproj-NAME.gguf`` as NAME's projector; embedding and reranker
+        models get their contexts). ``options`` keyword: options every entry starts from."""
+        options = kwargs.pop("options", {})
+        entries = [
+            ModelEntry(found.name, str(found.path), {**found.options, **options})
+            for found in scan_models_dir(Path(folder))
+        ]
+        return cls(entries, **kwargs)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._slots)
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._slots
+
+    def entry(self, name: str) -> ModelEntry:
+        with self._lock:
+            return self._slot(name).entry
+
+    def entries(self) -> list[EntryStatus]:
+        """Every entry's status, in the order they were added."""
+        with self._lock:
+            return [self._status(slot) for slot in self._slots.values()]
+
+    def status(self, name: str) -> EntryStatus:
+        with self._lock:
+            return self._status(self._slot(name))
+
+    # -- loading and using ---------------------------------------------------------------------
+
+    def get(self, name: str) -> Llama:
+        """The entry's shared Llama, loaded first if needed. A model that failed to load raises
+        ModelLoadError with the reason until ``load`` tries again."""
+        return self._obtain(name, lease=False, retry=False)
+
+    def load(self, name: str) -> Llama:
+        """Load the entry now (again, if it failed); its Llama."""
+        return self._obtain(name, lease=False, retry=True)
+
+    def acquire(self, name: str) -> Llama:
+        """``get``, counting the model in use (never unloaded to make room, nor when idle)
+        until ``release(name)``."""
+        return self._obtain(name, lease=True, retry=False)
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            slot = self._slot(name)
+            if slot.in_use <= 0:
+                raise InvalidParameterError(f"model {name!r} was not acquired")
+            slot.in_use -= 1
+            slot.touch()
+            self._lock.notify_all()
+
+    @contextmanager
+    def use(self, name: str) -> Iterator[Llama]:
+        """The entry's Llama, in use for the ``with`` block."""
+        llama = self.acquire(name)
+        try:
+            yield llama
+        finally:
+            self.release(name)
+
+    def unload(self, name: str, *, force: bool = False) -> bool:
+        """Unload the entry (False if it was not loaded; a failed entry forgets its error).
+        One in use raises ConcurrentUseError, unless ``force``: its generations are cancelled
+        and their callers get ClosedHandleError."""
+        with self._lock:
+            slot = self._slot(name)
+            while slot.status == "loading":
+                self._lock.wait()
+            if slot.status != "loaded":
+                slot.status, slot.error = "unloaded", None
+                return False
+            if not slot.idle() and not force:
+                raise ConcurrentUseError(f"model {name!r} is in use ({slot.in_use} requests)")
+            llama = slot.take()
+            self._lock.notify_all()
+        llama.cancel()
+        llama.close()
+        return True
+
+    def close(self) -> None:
+        """Unload every model (cancelling what runs) and stop the keep-alive timer."""
+        with self._lock:
+            self._closed = True
+            self._stop.set()
+            while any(slot.status == "loading" for slot in self._slots.values()):
+                self._lock.wait()
+            loaded = [s.take() for s in self._slots.values() if s.status == "loaded"]
+            self._lock.notify_all()
+        for llama in loaded:
+            llama.cancel()
+            llama.close()
+        if self._reaper is not None and self._reaper is not threading.current_thread():
+            self._reaper.join(timeout=10)
+
+    def __enter__(self) -> ModelRegistry:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _slot(self, name: str) -> _Slot:
+        slot = self._slots.get(name)
+        if slot is None:
+            known = ", ".join(sorted(self._slots)) or "none"
+            raise UnknownModelError(f"no model named {name!r} (registered: {known})")
+        return slot
+
+    def _status(self, slot: _Slot) -> EntryStatus:
+        entry = slot.entry
+        keep_alive = entry.keep_alive if entry.keep_alive is not None else self.keep_alive
+        return EntryStatus(entry.name, entry.model, entry.kind, slot.status, slot.error,
+                           slot.in_use, entry.pinned, keep_alive, slot.estimate,
+                           slot.used_wall)  # fmt: skip
+
+    def _obtain(self, name: str, *, lease: bool, retry: bool) -> Llama:
+        with self._lock:
+            slot = self._slot(name)
+            while True:
+                if self._closed:
+                    raise ModelLoadError("the model registry is closed")
+                if slot.status == "loaded" and slot.llama is not None:
+                    slot.touch()
+                    slot.in_use += lease
+                    return slot.llama
+                if slot.status == "loading":
+                    self._lock.wait()
+                    continue
+                if slot.status == "failed" and not retry:
+                    raise ModelLoadError(f"model {name!r} failed to load: {slot.error}")
+                slot.status, slot.error = "loading", None
+                break
+        try:
+            llama = self._load(slot)
+        except BaseException as error:
+            with self._lock:
+                if isinstance(error, ModelBudgetError):
+                    slot.status = "unloaded"  # no room now; another time there may be
+                else:
+                    slot.status, slot.error = "failed", f"{type(error).__name__}: {error}"
+                self._lock.notify_all()
+            raise
+        with self._lock:
+            slot.llama, slot.status = llama, "loaded"
+            slot.touch()
+            slot.in_use += lease
+            self._lock.notify_all()
+            if not self._closed:
+                return llama
+            slot.take()
+        llama.close()
+        raise ModelLoadError("the model registry is closed")
+
+    def _load(self, slot: _Slot) -> Llama:
+        entry = slot.entry
+        estimate = estimate_llama(entry.model, entry.llama_options())
+        victims: list[Llama] = []
+        try:
+            with self._lock:
+                slot.estimate = estimate
+                self._make_room(slot, estimate, victims)
+        finally:
+            for llama in victims:  # closed outside the lock: a close waits for native calls
+                llama.close()
+        return self._loader(entry)
+
+    def _make_room(self, slot: _Slot, estimate: MemoryEstimate, victims: list[Llama]) -> None:
+        """Unload least recently used idle models until ``slot`` fits (called locked)."""
+        budget = self.memory_budget
+        if budget is not None and estimate.total > budget:
+            raise ModelBudgetError(
+                f"model {slot.entry.name!r} needs about {_mib(estimate.total)}, more than the "
+                f"whole memory budget of {_mib(budget)}"
+            )
+        while True:
+            others = [s for s in self._slots.values()
+                      if s is not slot and s.status in ("loaded", "loading")]  # fmt: skip
+            used = sum(s.estimate.total for s in others if s.estimate is not None)
+            over_count = self.max_loaded is not None and len(others) >= self.max_loaded
+            over_budget = budget is not None and used + estimate.total > budget
+            if not (over_count or over_budget):
+                return
+            idle = [s for s in others if s.idle() and not s.entry.pinned]
+            if not idle:
+                need = _mib(estimate.total)
+                why = (f"{len(others)} of max_loaded {self.max_loaded} models are loaded"
+                       if over_count else f"{_mib(used)} of the {_mib(budget or 0)} budget is "
+                       f"taken and {slot.entry.name!r} needs about {need}")  # fmt: skip
+                raise ModelBudgetError(f"no room for model {slot.entry.name!r}: {why}, and "
+                                       "each of them is in use, loading or pinned")  # fmt: skip
+            victims.append(min(idle, key=lambda s: s.used).take())
+
+    # -- keep-alive ----------------------------------------------------------------------------
+
+    def _start_reaper(self) -> None:
+        with self._lock:
+            wanted = self.keep_alive is not None or any(
+                s.entry.keep_alive is not None for s in self._slots.values()
+            )
+            if not wanted or self._reaper is not None or self._closed:
+                return
+            self._reaper = threading.Thread(target=self._reap, name="llamacrab-keep-alive",
+                                            daemon=True)  # fmt: skip
+        self._reaper.start()
+
+    def _reap_interval(self) -> float:
+        with self._lock:
+            times = [s.entry.keep_alive if s.entry.keep_alive is not None else self.keep_alive
+                     for s in self._slots.values()]  # fmt: skip
+        shortest = min((t for t in times if t is not None), default=4.0)
+        return min(max(shortest / 4, 0.05), 1.0)
+
+    def _reap(self) -> None:
+        while not self._stop.wait(self._reap_interval()):
+            now = time.monotonic()
+            expired: list[Llama] = []
+            with self._lock:
+                for slot in self._slots.values():
+                    entry = slot.entry
+                    keep = entry.keep_alive if entry.keep_alive is not None else self.keep_alive
+                    if (keep is not None and not entry.pinned and slot.idle()
+                            and now - slot.used >= keep):  # fmt: skip
+                        expired.append(slot.take())
+                if expired:
+                    self._lock.notify_all()
+            for llama in expired:
+                llama.close()
+
+
+def estimate_memory(
+    model: str | os.PathLike[str], *, preset: str | None = None, **options: Any
+) -> MemoryEstimate:
+    """The memory ``Llama(model, preset=preset, **options)`` would take, read from the GGUF
+    header without loading it: weights, KV memory for its context, compute buffers."""
+    return estimate_llama(model, with_preset(preset, options))
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB"
+
+
+def _toml_entry(folder: Path, name: str, table: Any) -> ModelEntry:
+    if not isinstance(table, dict) or not isinstance(table.get("model"), str):
+        raise InvalidParameterError(f"[models.{name}] needs model = a GGUF path or org/repo")
+    options = dict(table)
+    model = options.pop("model")
+    keep_alive, pinned = options.pop("keep_alive", None), bool(options.pop("pinned", False))
+    for key in ("mmproj",):
+        if isinstance(options.get(key), str):
+            options[key] = _relative(folder, options[key])
+    return ModelEntry(name, _relative(folder, model), options, keep_alive, pinned)
+
+
+def _relative(folder: Path, path: str) -> str:
+    """``path`` read from ``folder`` when it names a file there, else as given (org/repo)."""
+    candidate = folder / path
+    return str(candidate) if not Path(path).is_absolute() and candidate.exists() else path

@@ -1,0 +1,309 @@
+"""ModelRegistry, presets and the memory estimate, through the Python API (the server's
+multi-model form is tested in test_server_models.py)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llamacrab import (
+    PRESETS,
+    ClosedHandleError,
+    ConcurrentUseError,
+    InvalidParameterError,
+    Llama,
+    ModelBudgetError,
+    ModelEntry,
+    ModelLoadError,
+    ModelRegistry,
+    UnknownModelError,
+    estimate_memory,
+)
+
+from support import load_repo_module
+
+TINY = {"n_ctx": 128, "n_batch": 32, "n_threads": 1}
+# The estimate is within this fraction of what llama.cpp reports after loading.
+TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with two tiny models, a split one, a projector named after one, a broken file."""
+    folder = tmp_path_factory.mktemp("registry")
+    tiny = load_repo_module("scripts/make_tiny_gguf.py")
+    tiny.write_tiny_llama(folder / "alpha.gguf", seed=1)
+    tiny.write_tiny_llama(folder / "beta.gguf", seed=2)
+    tiny.write_tiny_llama_split(folder, "gamma", n_parts=2)
+    shutil.copy(folder / "alpha.gguf", folder / "mmproj-beta.gguf")
+    (folder / "broken.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)
+    return folder
+
+
+@pytest.fixture
+def registry(models: Path) -> Iterator[ModelRegistry]:
+    with ModelRegistry() as reg:
+        for name in ("alpha", "beta"):
+            reg.add(name, models / f"{name}.gguf", **TINY)
+        reg.add("gamma", models / "gamma-00001-of-00002.gguf", **TINY)
+        reg.add("broken", models / "broken.gguf", **TINY)
+        yield reg
+
+
+def statuses(registry: ModelRegistry) -> dict[str, str]:
+    return {e.name: e.status for e in registry.entries()}
+
+
+# -- presets ---------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_preset_sets_options_and_explicit_keywords_override_it(gemma_path: Path) -> None:
+    with Llama(gemma_path, preset="low-ram", n_ctx=256, n_threads=2) as llm:
+        params = llm.context.params
+        assert (params.type_k, params.type_v, params.n_ubatch) == ("q8_0", "q8_0", 128)
+        assert params.n_ctx == 256  # explicit, over the preset's 2048
+        assert llm.model.params.use_extra_bufts is False
+        assert llm.create_completion("Paris is the capital of", max_tokens=2,
+                                     temperature=0).usage.completion_tokens == 2  # fmt: skip
+
+
+def test_every_preset_names_known_options_and_an_unknown_one_fails(tiny_model_path: Path) -> None:
+    assert {"low-ram", "balanced", "max-gpu"} <= set(PRESETS)
+    f16 = {"type_k": "f16", "type_v": "f16"}  # the tiny model's 16-wide heads cannot be q8_0
+    for name in PRESETS:
+        with Llama(tiny_model_path, preset=name, n_ctx=128, n_threads=1, **f16) as llm:
+            assert llm.context.params.n_ctx == 128
+    with pytest.raises(InvalidParameterError, match=r"unknown preset 'huge'.*low-ram"):
+        Llama(tiny_model_path, preset="huge")
+    with pytest.raises(InvalidParameterError, match="unknown preset"):
+        ModelEntry("x", str(tiny_model_path), {"preset": "huge"})
+
+
+# -- the memory estimate ---------------------------------------------------------------------
+
+
+def _reported(lines: list[str], llm: Llama) -> int:
+    """What llama.cpp reports: the weights, plus the KV, output and compute buffers it logs."""
+    pattern = re.compile(r"(?:KV|compute|output) buffer size =\s+([\d.]+) MiB")
+    mib = sum(float(m.group(1)) for line in lines for m in [pattern.search(line)] if m)
+    return llm.model.size + round(mib * 2**20)
+
+
+@pytest.fixture
+def llama_log() -> Iterator[list[str]]:
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger("llamacrab"), Keep()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"n_ctx": 1024},
+        {"n_ctx": 4096, "n_ubatch": 256, "parallel": 4},
+        {"preset": "low-ram"},
+        {"n_ctx": 2048, "flash_attn": "off"},
+        {"n_ctx": 512, "embeddings": True, "pooling": "mean"},
+    ],
+)
+def test_estimate_matches_what_llama_cpp_reports_for_gemma(
+    gemma_path: Path, options: dict[str, object], llama_log: list[str]
+) -> None:
+    estimate = estimate_memory(gemma_path, **options)  # type: ignore[arg-type]
+    llama_log.clear()
+    with Llama(gemma_path, n_threads=2, **options) as llm:  # type: ignore[arg-type]
+        reported = _reported(llama_log, llm)
+        assert estimate.weights == llm.model.size
+    assert abs(estimate.total - reported) <= TOLERANCE * reported, (estimate, reported)
+
+
+@pytest.mark.real_model
+def test_estimate_matches_for_minilm_and_a_tiny_model(
+    tiny_model_path: Path, llama_log: list[str]
+) -> None:
+    minilm = load_repo_module("scripts/convert_bert.py").minilm()
+    for path, options in ((minilm, {"embeddings": True, "n_ctx": 512}), (tiny_model_path, TINY)):
+        estimate = estimate_memory(path, **options)  # type: ignore[arg-type]
+        llama_log.clear()
+        with Llama(path, **options) as llm:  # type: ignore[arg-type]
+            reported = _reported(llama_log, llm)
+        assert abs(estimate.total - reported) <= TOLERANCE * reported, (path, estimate, reported)
+
+
+# -- the registry ----------------------------------------------------------------------------
+
+
+def test_get_loads_on_first_use_and_shares_the_llama(registry: ModelRegistry) -> None:
+    assert statuses(registry)["alpha"] == "unloaded"
+    first = registry.get("alpha")
+    assert registry.get("alpha") is first
+    status = registry.status("alpha")
+    assert status.status == "loaded" and status.estimate is not None and status.kind == "generation"
+    assert first.create_completion("the cat", max_tokens=2).usage.completion_tokens == 2
+    registry.get("gamma")  # a split model
+    assert statuses(registry) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded",
+                                  "broken": "unloaded"}  # fmt: skip
+    with pytest.raises(UnknownModelError, match=r"no model named 'nope'.*alpha"):
+        registry.get("nope")
+
+
+def test_a_broken_entry_fails_with_its_reason_and_the_others_keep_working(
+    registry: ModelRegistry,
+) -> None:
+    alpha = registry.get("alpha")
+    with pytest.raises(ModelLoadError):
+        registry.get("broken")
+    status = registry.status("broken")
+    assert status.status == "failed" and status.error and "broken.gguf" in status.error
+    with pytest.raises(ModelLoadError, match="failed to load"):
+        registry.get("broken")  # reported again, not retried
+    assert alpha.create_completion("the cat", max_tokens=1).usage.completion_tokens == 1
+    assert registry.unload("broken") is False and registry.status("broken").status == "unloaded"
+
+
+def test_concurrent_gets_load_once(registry: ModelRegistry) -> None:
+    got: list[Llama] = []
+    threads = [threading.Thread(target=lambda: got.append(registry.get("beta")))
+               for _ in range(4)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(got) == 4 and all(llm is got[0] for llm in got)
+
+
+def test_unload_closes_and_refuses_a_model_in_use(registry: ModelRegistry) -> None:
+    with registry.use("alpha") as alpha:
+        assert registry.status("alpha").in_use == 1
+        with pytest.raises(ConcurrentUseError, match="in use"):
+            registry.unload("alpha")
+    assert registry.unload("alpha") is True
+    assert alpha.closed and registry.status("alpha").status == "unloaded"
+    with pytest.raises(ClosedHandleError):
+        alpha.tokenize("the cat")
+    assert registry.get("alpha") is not alpha  # loads again
+
+
+def test_max_loaded_evicts_the_least_recently_used_never_one_in_use(models: Path) -> None:
+    with ModelRegistry(max_loaded=2) as registry:
+        for name in ("alpha", "beta", "gamma"):
+            path = models / (f"{name}.gguf" if name != "gamma" else "gamma-00001-of-00002.gguf")
+            registry.add(name, path, **TINY)
+        alpha = registry.acquire("alpha")  # in use from here
+        beta = registry.get("beta")
+        registry.get("gamma")  # beta is the least recently used idle one
+        assert beta.closed and not alpha.closed
+        assert statuses(registry) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
+        registry.get("beta")  # now gamma goes: alpha is still in use
+        assert statuses(registry)["gamma"] == "unloaded"
+        with registry.use("beta"), pytest.raises(ModelBudgetError, match="in use"):
+            registry.get("gamma")  # both loaded ones in use: no room
+        assert statuses(registry)["gamma"] == "unloaded"  # not failed: room may come later
+        registry.release("alpha")  # idle now; its last use is now, after beta's
+        registry.get("gamma")
+        assert statuses(registry) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
+
+
+def test_pinned_entries_are_never_evicted(models: Path) -> None:
+    with ModelRegistry(max_loaded=1) as registry:
+        registry.add("alpha", models / "alpha.gguf", pinned=True, **TINY)
+        registry.add("beta", models / "beta.gguf", **TINY)
+        registry.get("alpha")
+        with pytest.raises(ModelBudgetError, match="pinned"):
+            registry.get("beta")
+        assert registry.unload("alpha")  # on request it goes
+        registry.get("beta")
+
+
+def test_memory_budget_evicts_by_estimate(models: Path) -> None:
+    one = estimate_memory(models / "alpha.gguf", **TINY).total
+    with ModelRegistry(memory_budget=int(one * 2.5)) as registry:
+        for name in ("alpha", "beta"):
+            registry.add(name, models / f"{name}.gguf", **TINY)
+        registry.add("gamma", models / "gamma-00001-of-00002.gguf", **TINY)
+        registry.add("big", models / "alpha.gguf", **{**TINY, "n_ctx": 4096})
+        registry.get("alpha")
+        registry.get("beta")
+        registry.get("gamma")  # a third does not fit: alpha, least recently used, goes
+        assert statuses(registry)["alpha"] == "unloaded"
+        assert sum(e.estimate.total for e in registry.entries()
+                   if e.status == "loaded" and e.estimate) <= one * 2.5  # fmt: skip
+        with pytest.raises(ModelBudgetError, match="more than the whole memory budget"):
+            registry.get("big")
+
+
+def test_keep_alive_unloads_an_idle_model_but_not_one_in_use(models: Path) -> None:
+    with ModelRegistry(keep_alive=0.3) as registry:
+        registry.add("alpha", models / "alpha.gguf", **TINY)
+        registry.add("beta", models / "beta.gguf", keep_alive=60, **TINY)
+        alpha, beta = registry.get("alpha"), registry.get("beta")
+        deadline = time.monotonic() + 10
+        while not alpha.closed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alpha.closed and not beta.closed
+        with registry.use("alpha") as again:
+            time.sleep(0.8)
+            assert not again.closed  # in use: never expires
+        deadline = time.monotonic() + 10
+        while not again.closed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert again.closed and registry.status("alpha").status == "unloaded"
+
+
+def test_from_toml_reads_entries_limits_and_relative_paths(models: Path, tmp_path: Path) -> None:
+    config = tmp_path / "models.toml"
+    shutil.copy(models / "alpha.gguf", tmp_path / "alpha.gguf")
+    config.write_text(
+        'max_loaded = 1\nmemory_budget = "2 GiB"\nkeep_alive = 300\n'
+        '[models.chat]\nmodel = "alpha.gguf"\npreset = "low-ram"\nn_ctx = 128\nn_threads = 1\n'
+        'type_k = "f16"\ntype_v = "f16"\n'
+        f'pinned = true\n[models.other]\nmodel = "{models / "beta.gguf"}"\nkeep_alive = 5\n'
+    )
+    with ModelRegistry.from_toml(config) as registry:
+        assert (registry.max_loaded, registry.memory_budget) == (1, 2 * 2**30)
+        chat = registry.entry("chat")
+        assert chat.model == str(tmp_path / "alpha.gguf") and chat.pinned
+        options = chat.llama_options()  # the preset's, then the entry's own
+        assert (options["n_ubatch"], options["type_k"], options["n_ctx"]) == (128, "f16", 128)
+        assert registry.status("other").keep_alive == 5
+        assert registry.status("chat").keep_alive == 300
+        assert registry.get("chat").context.params.n_ctx == 128
+    config.write_text('[models.x]\nmodel = "alpha.gguf"\nn_ctxx = 1\n')
+    with pytest.raises(InvalidParameterError, match=r"unknown options.*n_ctxx"):
+        ModelRegistry.from_toml(config)
+
+
+def test_from_directory_groups_split_files_and_pairs_projectors(models: Path) -> None:
+    with ModelRegistry.from_directory(models) as registry:
+        assert registry.names() == ["alpha", "beta", "broken", "gamma"]
+        assert registry.entry("gamma").model.endswith("gamma-00001-of-00002.gguf")
+        assert registry.entry("beta").options["mmproj"].endswith("mmproj-beta.gguf")
+        assert "mmproj" not in registry.entry("alpha").options
+
+
+@pytest.mark.real_model
+def test_from_directory_recognises_an_embedding_model(tmp_path: Path) -> None:
+    minilm = load_repo_module("scripts/convert_bert.py").minilm()
+    (tmp_path / "minilm.gguf").symlink_to(minilm)
+    with ModelRegistry.from_directory(tmp_path) as registry:
+        assert registry.status("minilm").kind == "embeddings"
+        assert registry.get("minilm").embed("a crab").shape[-1] == 384
