@@ -87,6 +87,17 @@ def test_every_preset_names_known_options_and_an_unknown_one_fails(tiny_model_pa
         ModelEntry("x", str(tiny_model_path), {"preset": "huge"})
 
 
+def test_run_takes_a_preset(tiny_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from llamacrab.cli import main
+
+    argv = ["run", str(tiny_model_path), "-p", "the cat", "-n", "2", "--preset", "balanced",
+            "--n-ctx", "128", "--n-threads", "1"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip()
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        main(["run", str(tiny_model_path), "-p", "the", "--preset", "huge"])
+
+
 # -- the memory estimate ---------------------------------------------------------------------
 
 

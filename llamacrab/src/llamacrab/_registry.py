@@ -5,6 +5,7 @@ never when pinned."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import re
@@ -49,6 +50,18 @@ def parse_size(value: int | str) -> int:
     return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
 
 
+def _known_options() -> set[str]:
+    """Every keyword ``Llama(...)`` takes: its parameters, the parameter objects' fields, and
+    the file-and-size options (adapters, draft model, cache) where this build has them."""
+    known = _LLAMA_OPTIONS | PARAM_FIELDS
+    try:
+        extra = importlib.import_module("llamacrab._features.llama_options")
+        known |= set(getattr(extra, "EXTRA_NAMES", ()))
+    except ImportError:
+        pass
+    return known
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """A named model: a GGUF path or a Hub id (``org/repo``), the ``Llama`` keyword options to
@@ -64,7 +77,7 @@ class ModelEntry:
     def __post_init__(self) -> None:
         if not self.name or not self.model:
             raise InvalidParameterError("a model entry needs a name and a model")
-        unknown = set(self.options) - _LLAMA_OPTIONS - PARAM_FIELDS
+        unknown = set(self.options) - _known_options()
         if unknown:
             raise InvalidParameterError(f"model {self.name!r}: unknown options {sorted(unknown)}")
         if self.keep_alive is not None and self.keep_alive < 0:
@@ -246,6 +259,12 @@ class ModelRegistry:
     def entry(self, name: str) -> ModelEntry:
         with self._lock:
             return self._slot(name).entry
+
+    def loaded(self, name: str) -> Llama | None:
+        """The entry's Llama if it is loaded now (never loads it)."""
+        with self._lock:
+            slot = self._slot(name)
+            return slot.llama if slot.status == "loaded" else None
 
     def entries(self) -> list[EntryStatus]:
         """Every entry's status, in the order they were added."""

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llamacrab import InvalidParameterError, Llama, LlamaError, Model, ModelParams
+from llamacrab import PRESETS, InvalidParameterError, Llama, LlamaError, Model, ModelParams
 from llamacrab.server._settings import add_arguments as add_server_arguments
 from llamacrab.server._settings import settings_from_args
 
@@ -59,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_arguments(run, optional=True)
     run.add_argument("-p", "--prompt", help="complete this text (default: an interactive chat)")
     run.add_argument("-n", "--max-tokens", type=int, default=256)
-    run.add_argument("--n-ctx", type=int, default=4096)
+    run.add_argument("--n-ctx", type=int, help="context size (default 4096, or the preset's)")
+    run.add_argument("--preset", choices=list(PRESETS),
+                     help="named options under the flags (see the README's table)")  # fmt: skip
     run.add_argument("--n-threads", type=int)
     run.add_argument("--n-gpu-layers", type=int)
     run.add_argument("--temperature", type=float, default=0.8)
@@ -106,8 +108,9 @@ def _progress_bar(label: str) -> tuple[Callable[[float], object], Callable[[], N
 def _open(args: argparse.Namespace, **options: Any) -> Llama:
     progress, done = _progress_bar("loading model")
     try:
-        given = {"n_ctx": args.n_ctx, "n_threads": args.n_threads,
-                 "n_gpu_layers": args.n_gpu_layers}  # fmt: skip
+        n_ctx = args.n_ctx if args.n_ctx is not None or args.preset else 4096
+        given = {"n_ctx": n_ctx, "n_threads": args.n_threads,
+                 "n_gpu_layers": args.n_gpu_layers, "preset": args.preset}  # fmt: skip
         options.update({k: v for k, v in given.items() if v is not None})
         return Llama(args.model or default_model(), progress=progress, **_hub_options(args),
                      **options)  # fmt: skip

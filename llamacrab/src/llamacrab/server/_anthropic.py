@@ -76,7 +76,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         chat = wire.conversation(body)
         options = wire.chat_options(body, prefill=chat.prefill is not None)
         kwargs = wire.generation_kwargs(body, state.settings)
-        reply = wire.Reply.of(body, state.settings.alias)
+        reply = wire.Reply.of(body, state.model_name(body.model))
         prompt: list[int] | Chunks | None = None
         if chat.prefill is not None or body.stream:  # a stream opens with the prompt's length
             prompt = await in_thread(wire.prompt, llama, chat, options.get("tools"), max_media)

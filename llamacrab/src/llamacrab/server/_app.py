@@ -26,6 +26,14 @@ from llamacrab.server._cors import CorsMiddleware
 from llamacrab.server._errors import ApiError, from_llama_error
 from llamacrab.server._guards import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from llamacrab.server._llama_server import add_llama_server_routes
+from llamacrab.server._models import (
+    ModelLeaseMiddleware,
+    add_model_routes,
+    load_pinned,
+    model_json,
+    render_metrics,
+    status_json,
+)
 from llamacrab.server._responses import add_responses_routes
 from llamacrab.server._schemas import (
     ChatCompletionRequest,
@@ -58,15 +66,22 @@ def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
         # Each streaming client holds a worker thread while it waits for a token.
         workers = max(32, 4 * settings.parallel + 8)
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(workers))
-        if state.llama is None:
+        if state.registry is not None:
+            load_pinned(state.registry)
+        elif state.llama is None:
             threading.Thread(target=state.load, name="llamacrab-load", daemon=True).start()
         yield
+        if state.registry is not None:
+            state.registry.close()
         if llama is None and state.llama is not None:
             state.llama.close()
 
     app = FastAPI(title="llamacrab", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible server over llama.cpp")  # fmt: skip
     app.state.llamacrab = state
+    if state.registry is not None:  # innermost: after the key and body-size checks
+        app.add_middleware(ModelLeaseMiddleware, registry=state.registry)
+        add_model_routes(app, state.registry, state.created)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if settings.api_keys:
@@ -108,21 +123,27 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
 
     @app.get("/health", responses=ERRORS)
-    async def health() -> JSONResponse:
+    async def health(model: str | None = None) -> JSONResponse:
+        if state.registry is not None:
+            return _models_health(state, model)
         if state.llama is not None:
             return JSONResponse({"status": "ok"})
         body = {"status": "error", "error": state.error} if state.error else {"status": "loading"}
         return JSONResponse(body, status_code=503)
 
     @app.get("/v1/models", response_model=ModelList)
-    async def models() -> dict[str, Any]:
+    async def models() -> Any:
+        if state.registry is not None:  # every entry, with its status (llama-server's router)
+            data = [model_json(s, state.created) for s in state.registry.entries()]
+            return JSONResponse({"object": "list", "data": data})
         model = {"id": settings.alias, "object": "model", "created": state.created,
                  "owned_by": "llamacrab"}  # fmt: skip
         return {"object": "list", "data": [model]}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
-        return state.metrics.render(*state.slots())
+        text = state.metrics.render(*state.slots())
+        return text + render_metrics(state.registry) if state.registry is not None else text
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, client: Request) -> Any:
@@ -147,9 +168,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
     async def embeddings(body: EmbeddingRequest) -> Any:
-        llama = state.ready(body.model)
-        if not settings.embeddings:
-            raise ApiError(400, "this server was not started with --embeddings")
+        llama = state.embedder(body.model)
         if body.dimensions is not None:
             raise ApiError(400, "dimensions is not supported", param="dimensions")
         if llama.context.pooling == "none":
@@ -164,13 +183,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.tokens(n_tokens, 0)
         data = [wire.embedding(v, i, body.encoding_format) for i, v in enumerate(vectors)]
         usage = {"prompt_tokens": n_tokens, "completion_tokens": 0, "total_tokens": n_tokens}
-        return {"object": "list", "data": data, "model": settings.alias, "usage": usage}
+        return {"object": "list", "data": data, "model": state.model_name(body.model),
+                "usage": usage}  # fmt: skip
 
     @app.post("/v1/rerank", response_model=RerankResponse, responses=ERRORS)
     async def rerank(body: RerankRequest) -> Any:
-        llama = state.ready(body.model)
-        if not settings.reranking:
-            raise ApiError(400, "this server was not started with --reranking")
+        llama = state.reranker(body.model)
         # Jina/Cohere bodies name the texts "documents"; Hugging Face TEI's name them "texts"
         # and get TEI's answer: a list of {index, score[, text]} (as llama-server does).
         tei = body.documents is None and body.texts is not None
@@ -193,7 +211,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             for r in results
         ]  # fmt: skip
         usage = {"prompt_tokens": n_tokens, "completion_tokens": 0, "total_tokens": n_tokens}
-        return {"object": "list", "model": settings.alias, "results": out, "usage": usage}
+        return {"object": "list", "model": state.model_name(body.model), "results": out,
+                "usage": usage}  # fmt: skip
 
     for alias in ("/v1/reranking", "/rerank", "/reranking"):
         app.add_api_route(alias, rerank, methods=["POST"], response_model=RerankResponse,
@@ -213,3 +232,18 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest) -> Any:
         llama = state.ready(body.model)
         return {"text": llama.detokenize(body.tokens)}
+
+
+def _models_health(state: ServerState, model: str | None) -> JSONResponse:
+    """The multi-model form's health: every entry's status, or one (``?model=``): 200 when it
+    is loaded or can load on demand, 503 while it loads or after its load failed."""
+    assert state.registry is not None
+    if model is None:
+        models = {s.name: status_json(s) for s in state.registry.entries()}
+        return JSONResponse({"status": "ok", "models": models})
+    status = state.registry.status(state.model_name(model))
+    body = {"status": "ok" if status.status in ("loaded", "unloaded") else status.status,
+            "model": status.name, "model_status": status_json(status)}  # fmt: skip
+    if status.error is not None:
+        body["status"], body["error"] = "error", status.error
+    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)

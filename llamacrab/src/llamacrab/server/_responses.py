@@ -41,7 +41,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         messages = wire.chat_messages(body.instructions, items)
         kwargs = chat_kwargs(wire.chat_request(body, messages), settings)
         stored = body.store and store.size > 0
-        draft = wire.draft(body, settings.alias, stored)
+        draft = wire.draft(body, state.model_name(body.model), stored)
 
         def remember(response: dict[str, Any]) -> None:
             if stored:

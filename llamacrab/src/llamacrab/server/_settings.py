@@ -61,6 +61,12 @@ class ServerSettings:
     hf_endpoint: str | None = None
     hf_offline: bool | None = None
     hf_mmproj: bool = False  # fetch the Hub repository's projector too
+    preset: str | None = None  # a named preset (low-ram, balanced, max-gpu) under the flags
+    models: str | None = None  # multi-model form: a registry TOML file ...
+    models_dir: str | None = None  # ... or a folder of GGUF files
+    models_max: int | None = None  # models loaded at once (least recently used unload first)
+    models_memory: str | None = None  # memory budget of the loaded models ("6GiB")
+    keep_alive: float | None = None  # seconds an idle model stays loaded
 
     def __post_init__(self) -> None:
         if self.flash_attn not in FLASH_ATTN:
@@ -83,6 +89,7 @@ class ServerSettings:
             raise InvalidParameterError(
                 "max_stored_responses must be >= 0 and stored_response_ttl > 0"
             )
+        _check_models(self)
         if self.embeddings and self.reranking:
             raise InvalidParameterError("choose --embeddings or --reranking, not both")
         if self.chat_template is not None:
@@ -100,6 +107,11 @@ class ServerSettings:
             )
 
     @property
+    def multi_model(self) -> bool:
+        """Serving a registry of models (``--models`` / ``--models-dir``), not one model."""
+        return self.models is not None or self.models_dir is not None
+
+    @property
     def alias(self) -> str:
         """The model id clients use: the alias, else the file name or the repository id."""
         if self.model_alias:
@@ -114,6 +126,24 @@ class ServerSettings:
             f"refusing to listen on {self.host} without an API key: pass --api-key (or "
             "LLAMACRAB_API_KEY), or --insecure to serve it unprotected"
         )
+
+
+def _check_models(settings: ServerSettings) -> None:
+    if settings.models is not None and settings.models_dir is not None:
+        raise InvalidParameterError("choose --models or --models-dir, not both")
+    if settings.multi_model and settings.model:
+        raise InvalidParameterError("pass MODEL, or --models / --models-dir, not both")
+    if settings.models_max is not None and settings.models_max < 1:
+        raise InvalidParameterError("models_max must be >= 1")
+    if settings.keep_alive is not None and settings.keep_alive < 0:
+        raise InvalidParameterError("keep_alive must be >= 0")
+    if settings.preset is not None:
+        from llamacrab import PRESETS  # the native library: only when a preset is given
+
+        if settings.preset not in PRESETS:
+            raise InvalidParameterError(
+                f"unknown --preset {settings.preset!r}; one of {', '.join(PRESETS)}"
+            )
 
 
 def _check_chat_template(template: str) -> None:
@@ -196,6 +226,12 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("hf_endpoint", str, "Hub: endpoint URL (default HF_ENDPOINT)"),
     ("hf_offline", bool, "Hub: use the local cache only"),
     ("hf_mmproj", bool, "Hub: fetch the repository's multimodal projector too"),
+    ("preset", str, "named options under the flags: low-ram, balanced, max-gpu (see README)"),
+    ("models", str, "serve several models: a registry TOML file (instead of MODEL)"),
+    ("models_dir", str, "serve every GGUF in this folder (instead of MODEL)"),
+    ("models_max", int, "most models loaded at once; the least recently used unloads"),
+    ("models_memory", str, "memory budget of the loaded models, e.g. 6GiB (estimated)"),
+    ("keep_alive", float, "seconds an idle model stays loaded (default: until evicted)"),
 ]
 _PLURAL = {"api_key": "api_keys", "cors_origin": "cors_origins"}
 
@@ -227,9 +263,11 @@ def add_arguments(
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     model = args.model_flag or args.model
-    if not model:
-        raise InvalidParameterError("no model: pass MODEL, --model or LLAMACRAB_MODEL")
-    values: dict[str, Any] = {"model": model}
+    if not model and not (args.models or args.models_dir):
+        raise InvalidParameterError(
+            "no model: pass MODEL, --model or LLAMACRAB_MODEL (or --models / --models-dir)"
+        )
+    values: dict[str, Any] = {"model": model or ""}
     for name, kind, _ in _OPTIONS:
         value = getattr(args, name)
         if kind is list:

@@ -3,14 +3,23 @@ the counters."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
 
-from llamacrab import InvalidParameterError, MediaPolicy, TemplateError
+from llamacrab import (
+    InvalidParameterError,
+    LlamaError,
+    MediaPolicy,
+    ModelRegistry,
+    TemplateError,
+    UnknownModelError,
+)
 from llamacrab._llama import Llama
 from llamacrab.server._errors import ApiError
 from llamacrab.server._metrics import Metrics
+from llamacrab.server._models import lease_error, open_registry, refusal
 from llamacrab.server._settings import ServerSettings
 
 log = logging.getLogger("llamacrab.server")
@@ -40,6 +49,8 @@ def open_llama(settings: ServerSettings) -> Llama:
                  "chat_format": settings.chat_template, "mmproj": settings.mmproj,
                  "media_policy": policy}  # fmt: skip
     given = {k: v for k, v in options.items() if v is not None}
+    if settings.preset is not None:
+        given = _under_flags(settings, given)
     llama = Llama(settings.model, **extra, **given)
     if settings.chat_template is not None and not (settings.embeddings or settings.reranking):
         try:  # a template that cannot render a greeting would fail every chat request
@@ -51,6 +62,15 @@ def open_llama(settings: ServerSettings) -> Llama:
                 f"model: {error}"
             ) from None
     return llama
+
+
+def _under_flags(settings: ServerSettings, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` over the settings' preset: the flags left at their defaults yield to it."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
+    kept = {k: v for k, v in given.items() if k not in defaults or v != defaults[k]}
+    if settings.n_ctx is None:
+        kept.pop("n_ctx", None)
+    return {**kept, "preset": settings.preset}
 
 
 def _shown(template: str) -> str:
@@ -66,6 +86,10 @@ class ServerState:
         self.error: str | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
+        # The multi-model form: models load on demand (ModelLeaseMiddleware), not here.
+        self.registry: ModelRegistry | None = (
+            open_registry(settings) if settings.multi_model and llama is None else None
+        )
 
     def load(self) -> None:
         try:
@@ -76,6 +100,8 @@ class ServerState:
             log.error("the model failed to load: %s", self.error)
 
     def ready(self, model: str | None) -> Llama:
+        if self.registry is not None:
+            return self._entry_llama(model, None)
         if self.llama is None:
             if self.error is not None:
                 raise ApiError(503, f"the model failed to load: {self.error}", code="load_failed")
@@ -89,14 +115,60 @@ class ServerState:
         here and answer 404 (code model_not_found) for a name it does not serve."""
         return llama
 
+    def model_name(self, model: str | None) -> str:
+        """The entry a request names (a single-entry registry answers for any name)."""
+        if self.registry is None:
+            return self.settings.alias
+        names = self.registry.names()
+        if model is None or (len(names) == 1 and model not in names):
+            if len(names) == 1:
+                return names[0]
+            raise ApiError(400, f"this server serves several models: name one of "
+                           f"{', '.join(names)} in model", param="model")  # fmt: skip
+        if model not in names:
+            raise lease_error(UnknownModelError(f"no model named {model!r} (registered: "
+                                                f"{', '.join(names)})"))  # fmt: skip
+        return model
+
+    def _entry_llama(self, model: str | None, wanted: str | None) -> Llama:
+        assert self.registry is not None
+        name = self.model_name(model)
+        kind = self.registry.entry(name).kind
+        if wanted is not None and kind != wanted:
+            raise refusal(name, kind, wanted)
+        try:  # loaded already: the middleware holds it for the request
+            return self.registry.get(name)
+        except LlamaError as error:
+            raise lease_error(error) from None
+
+    def embedder(self, model: str | None) -> Llama:
+        if self.registry is not None:
+            return self._entry_llama(model, "embeddings")
+        llama = self.ready(model)
+        if not self.settings.embeddings:
+            raise ApiError(400, "this server was not started with --embeddings")
+        return llama
+
+    def reranker(self, model: str | None) -> Llama:
+        if self.registry is not None:
+            return self._entry_llama(model, "rerank")
+        llama = self.ready(model)
+        if not self.settings.reranking:
+            raise ApiError(400, "this server was not started with --reranking")
+        return llama
+
     def generator(self, model: str | None) -> Llama:
+        if self.registry is not None:
+            return self._entry_llama(model, "generation")
         if self.settings.embeddings or self.settings.reranking:
             raise ApiError(400, "this server was started for embeddings or reranking; it does "
                            "not generate text")  # fmt: skip
         return self.ready(model)
 
     def slots(self) -> tuple[int, int, int]:
-        scheduler = self.llama.scheduler if self.llama is not None else None
-        if scheduler is None:
-            return 0, 0, 0
-        return len(scheduler.slots), scheduler.busy_slots, scheduler.queue_depth
+        llamas = [self.llama]
+        if self.registry is not None:
+            llamas = [self.registry.loaded(name) for name in self.registry.names()]
+        schedulers = [llama.scheduler for llama in llamas if llama is not None and llama.scheduler]
+        return (sum(len(s.slots) for s in schedulers), sum(s.busy_slots for s in schedulers),
+                sum(s.queue_depth for s in schedulers))  # fmt: skip

@@ -124,7 +124,7 @@ async def generate(
     result_json: Callable[[Any, str], dict[str, Any]],
 ) -> Any:
     """A streamed (SSE) or whole answer to a completion or chat request."""
-    alias = state.settings.alias
+    alias = state.model_name(body.model)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         chunks = await in_thread(stream)

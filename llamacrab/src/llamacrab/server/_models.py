@@ -1,0 +1,267 @@
+"""The multi-model form (``--models FILE.toml`` or ``--models-dir DIR``): a ModelRegistry with
+the server's defaults, the middleware that loads a request's model on demand and holds it in
+use until the answer ends, and the routes that list, load and unload models."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llamacrab import (
+    ConcurrentUseError,
+    EntryStatus,
+    MediaPolicy,
+    ModelBudgetError,
+    ModelEntry,
+    ModelLoadError,
+    ModelRegistry,
+    UnknownModelError,
+)
+from llamacrab.server._errors import ApiError, error_body
+from llamacrab.server._metrics import escape_label
+from llamacrab.server._settings import ServerSettings
+
+# Routes that need a model of one kind; the others (tokenize, templates, ...) take any.
+_EMBEDDINGS = {"/v1/embeddings", "/embeddings", "/embedding"}
+_RERANK = {"/v1/rerank", "/v1/reranking", "/rerank", "/reranking"}
+_GENERATION_ENDINGS = ("completions", "/completion", "/infill", "/responses", "/v1/messages")
+# Routes about models themselves: no model is loaded for them.
+_MODEL_ROUTES = {"/v1/models", "/models", "/models/load", "/models/unload", "/health", "/metrics"}
+
+
+def required_kind(path: str) -> str | None:
+    """The kind of model ``path`` needs (generation, embeddings, rerank), None for any."""
+    if path in _EMBEDDINGS:
+        return "embeddings"
+    if path in _RERANK:
+        return "rerank"
+    return "generation" if path.endswith(_GENERATION_ENDINGS) else None
+
+
+def refusal(name: str, kind: str, wanted: str) -> ApiError:
+    """400 for a model that cannot serve a route, naming why."""
+    what = {"generation": "generate text", "embeddings": "compute embeddings",
+            "rerank": "rerank documents"}  # fmt: skip
+    return ApiError(400, f"model {name!r} is a {kind} model: it cannot {what[wanted]} (this "
+                    f"route needs a {wanted} model)", param="model",
+                    code="model_not_capable")  # fmt: skip
+
+
+def open_registry(settings: ServerSettings) -> ModelRegistry:
+    """The registry of ``--models`` or ``--models-dir``, every entry given the server's
+    defaults (threads, GPU layers, slots, media policy, context, preset) under its own."""
+    limits: dict[str, Any] = {
+        "max_loaded": settings.models_max, "memory_budget": settings.models_memory,
+        "keep_alive": settings.keep_alive,
+    }  # fmt: skip
+    limits = {k: v for k, v in limits.items() if v is not None}
+    if settings.models is not None:
+        parsed = ModelRegistry.from_toml(settings.models, **limits)
+    else:
+        assert settings.models_dir is not None
+        parsed = ModelRegistry.from_directory(settings.models_dir, **limits)
+    entries = [_with_defaults(parsed.entry(name), settings) for name in parsed.names()]
+    limits = {"max_loaded": parsed.max_loaded, "memory_budget": parsed.memory_budget,
+              "keep_alive": parsed.keep_alive}  # fmt: skip
+    return ModelRegistry(entries, **limits)
+
+
+def _with_defaults(entry: ModelEntry, settings: ServerSettings) -> ModelEntry:
+    options = dict(entry.options)
+    if settings.preset is not None:
+        options.setdefault("preset", settings.preset)
+    preset = options.get("preset")
+    given = {"n_threads": settings.n_threads, "n_gpu_layers": settings.n_gpu_layers}
+    for key, value in given.items():
+        if value is not None:
+            options.setdefault(key, value)
+    if entry.kind == "generation":
+        options.setdefault("parallel", settings.parallel)
+        options.setdefault("max_queue", settings.max_queue)
+        if settings.chat_template is not None:
+            options.setdefault("chat_format", settings.chat_template)
+        # Clients send media inline: they cannot make the server read files or fetch URLs.
+        options.setdefault("media_policy", MediaPolicy(
+            local_files=False, remote=False, max_media=settings.max_media,
+            max_bytes=settings.max_body_bytes))  # fmt: skip
+        if preset is None:
+            options.setdefault("n_ctx", settings.n_ctx or 4096 * options["parallel"])
+    elif preset is None and settings.n_ctx is not None:
+        options.setdefault("n_ctx", settings.n_ctx)
+    return ModelEntry(entry.name, entry.model, options, entry.keep_alive, entry.pinned)
+
+
+def load_pinned(registry: ModelRegistry) -> None:
+    """Load the pinned entries in the background (a failure shows in their status)."""
+
+    def load_all() -> None:
+        for status in registry.entries():
+            if status.pinned:
+                with contextlib.suppress(Exception):  # reported by /v1/models and /health
+                    registry.load(status.name)
+
+    threading.Thread(target=load_all, name="llamacrab-load-pinned", daemon=True).start()
+
+
+def status_json(status: EntryStatus) -> dict[str, Any]:
+    """``status`` as llama-server's router lists it (``status.value``), plus llamacrab's."""
+    out: dict[str, Any] = {"value": status.status, "in_use": status.in_use}
+    if status.error is not None:
+        out["failed"], out["error"] = True, status.error
+    if status.estimate is not None:
+        out["estimated_bytes"] = status.estimate.total
+    return out
+
+
+def model_json(status: EntryStatus, created: int) -> dict[str, Any]:
+    return {"id": status.name, "object": "model", "created": created,
+            "owned_by": "llamacrab", "kind": status.kind, "pinned": status.pinned,
+            "status": status_json(status)}  # fmt: skip
+
+
+def render_metrics(registry: ModelRegistry) -> str:
+    """Per-model gauges for ``/metrics``."""
+    rows = []
+    for status in registry.entries():
+        label = f'{{model="{escape_label(status.name)}"}}'
+        rows.append((label, status))
+    lines = []
+    gauges: list[tuple[str, str, Callable[[EntryStatus], float]]] = [
+        ("model_loaded", "1 while the model is loaded", lambda s: s.status == "loaded"),
+        ("model_failed", "1 if the model's last load failed", lambda s: s.status == "failed"),
+        ("model_in_use", "requests holding the model now", lambda s: s.in_use),
+        ("model_estimated_bytes", "memory the model was estimated to take",
+         lambda s: s.estimate.total if s.estimate else 0),
+    ]  # fmt: skip
+    for name, text, value in gauges:
+        lines += [f"# HELP llamacrab_{name} {text}", f"# TYPE llamacrab_{name} gauge"]
+        lines += [f"llamacrab_{name}{label} {float(value(s)):g}" for label, s in rows]
+    return "\n".join(lines) + "\n"
+
+
+class ModelBody(BaseModel):
+    model: str
+    force: bool = False  # unload: cancel its running requests
+
+
+def add_model_routes(app: FastAPI, registry: ModelRegistry, created: int) -> None:
+    """``/models/load`` and ``/models/unload`` (llama-server's router routes)."""
+
+    @app.post("/models/load")
+    async def load(body: ModelBody) -> JSONResponse:
+        try:
+            await run_in_threadpool(registry.load, body.model)
+        except (UnknownModelError, ModelBudgetError, ModelLoadError) as error:
+            raise lease_error(error) from None
+        return JSONResponse({"success": True, **model_json(registry.status(body.model), created)})
+
+    @app.post("/models/unload")
+    async def unload(body: ModelBody) -> JSONResponse:
+        try:
+            unloaded = await run_in_threadpool(partial(registry.unload, body.model,
+                                                       force=body.force))  # fmt: skip
+        except UnknownModelError as error:
+            raise lease_error(error) from None
+        except ConcurrentUseError as error:
+            raise ApiError(409, f"{error}; pass force: true to cancel them", param="model",
+                           code="model_in_use") from None  # fmt: skip
+        status = model_json(registry.status(body.model), created)
+        return JSONResponse({"success": True, "unloaded": unloaded, **status})
+
+
+def lease_error(error: Exception) -> ApiError:
+    """The answer for a model that cannot be had: unknown 404, no room 503, failed 500."""
+    if isinstance(error, UnknownModelError):
+        return ApiError(404, str(error), param="model", code="model_not_found")
+    if isinstance(error, ModelBudgetError):
+        return ApiError(503, str(error), param="model", code="model_busy")
+    return ApiError(500, str(error), param="model", code="model_load_failed")
+
+
+async def _answer(scope: Scope, send: Send, error: ApiError) -> None:
+    body = json.dumps(error_body(scope["path"], error)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _requested_model(scope: Scope, body: bytes) -> str | None:
+    """The ``model`` of a JSON body, else of the query string."""
+    if body:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None  # the route answers the malformed body
+        if isinstance(data, dict) and isinstance(data.get("model"), str) and data["model"]:
+            return str(data["model"])
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return query["model"][0] if query.get("model") else None
+
+
+class ModelLeaseMiddleware:
+    """Loads the model a request names (body ``model`` or ``?model=``) before its route runs,
+    and holds it in use until the whole answer, streamed or not, is sent: it is never unloaded
+    under a request. An unknown name is 404; a model that cannot serve the route 400."""
+
+    def __init__(self, app: ASGIApp, registry: ModelRegistry) -> None:
+        self.app = app
+        self.registry = registry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _MODEL_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        messages: list[Message] = []
+        body = b""
+        if scope.get("method") == "POST":
+            while True:  # the body limit is checked outside this middleware
+                message = await receive()
+                messages.append(message)
+                body += message.get("body", b"")
+                if message["type"] != "http.request" or not message.get("more_body"):
+                    break
+        name = _requested_model(scope, body)
+        if name is None or name not in self.registry:
+            if name is not None and scope.get("method") == "POST":
+                known = ", ".join(self.registry.names())
+                unknown = UnknownModelError(f"no model named {name!r} (registered: {known})")
+                await _answer(scope, send, lease_error(unknown))
+                return
+            await self.app(scope, _replay(messages, receive), send)
+            return
+        wanted = required_kind(scope["path"])
+        kind = self.registry.entry(name).kind
+        if wanted is not None and kind != wanted:
+            await _answer(scope, send, refusal(name, kind, wanted))
+            return
+        try:
+            await run_in_threadpool(self.registry.acquire, name)
+        except (UnknownModelError, ModelBudgetError, ModelLoadError) as error:
+            await _answer(scope, send, lease_error(error))
+            return
+        try:
+            await self.app(scope, _replay(messages, receive), send)
+        finally:
+            self.registry.release(name)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay

@@ -1,0 +1,302 @@
+"""The multi-model server (``--models FILE.toml`` / ``--models-dir``), live on loopback and
+driven by the openai SDK: routing by model, load on demand, load/unload, eviction under
+max_loaded and a memory budget, keep-alive, a broken entry beside good ones."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+from test_tool_calls import TEMPLATE
+
+from llamacrab import InvalidParameterError, estimate_memory
+from llamacrab.server import ServerSettings, parse_settings
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+KEY = "sesame"
+TINY = "n_ctx = 256\nn_threads = 1\n"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("served")
+    for i, name in enumerate(("alpha", "beta", "gamma")):
+        tiny.write_tiny_llama(out / f"{name}.gguf", seed=i, chat_templates={"": TEMPLATE})
+    load_repo_module("scripts/convert_bert.py").write_tiny_reranker(out / "ranker.gguf")
+    (out / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    return out
+
+
+def _serve(settings: ServerSettings) -> Iterator[LiveServer]:
+    server = LiveServer(settings)
+    try:
+        assert server.wait_until_loaded() == 200
+        yield server
+    finally:
+        server.close()
+
+
+def _toml(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def mixed(folder: Path, gemma_path: Path) -> Iterator[LiveServer]:
+    """Gemma (chat), MiniLM (embeddings), a reranker, a tiny model and a broken file."""
+    minilm = load_repo_module("scripts/convert_bert.py").minilm()
+    config = _toml(
+        folder / "mixed.toml",
+        f"""
+[models.gemma]
+model = "{gemma_path}"
+n_ctx = 1024
+parallel = 2
+n_threads = 2
+[models.minilm]
+model = "{minilm}"
+embeddings = true
+n_threads = 1
+[models.ranker]
+model = "ranker.gguf"
+embeddings = true
+pooling = "rank"
+[models.alpha]
+model = "alpha.gguf"
+{TINY}
+[models.broken]
+model = "broken.gguf"
+""",
+    )
+    yield from _serve(ServerSettings(model="", models=config, api_keys=(KEY,), n_threads=1))
+
+
+def sdk(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def statuses(server: LiveServer) -> dict[str, dict[str, Any]]:
+    response = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200
+    return {m["id"]: m["status"] for m in response.json()["data"]}
+
+
+def post(server: LiveServer, path: str, body: dict[str, Any], key: str = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=120)
+
+
+def _wait_for(predicate: Any, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# -- one server of several models --------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_models_are_listed_with_their_status_and_load_on_demand(mixed: LiveServer) -> None:
+    listed = {m.id: m for m in sdk(mixed).models.list()}
+    assert set(listed) == {"gemma", "minilm", "ranker", "alpha", "broken"}
+    assert listed["minilm"].model_extra and listed["minilm"].model_extra["kind"] == "embeddings"
+    chat = sdk(mixed).chat.completions.create(
+        model="gemma", messages=[{"role": "user", "content": "Say hello."}], max_tokens=4,
+        temperature=0,
+    )  # fmt: skip
+    assert chat.model == "gemma" and chat.usage and chat.usage.completion_tokens >= 1
+    vectors = sdk(mixed).embeddings.create(model="minilm", input=["a crab", "the sea"])
+    assert vectors.model == "minilm" and len(vectors.data[0].embedding) == 384
+    ranked = post(mixed, "/v1/rerank", {"model": "ranker", "query": "crab",
+                                         "documents": ["the sea", "a cat"]})  # fmt: skip
+    assert ranked.status_code == 200 and len(ranked.json()["results"]) == 2
+    now = statuses(mixed)
+    assert {now[n]["value"] for n in ("gemma", "minilm", "ranker")} == {"loaded"}
+    assert now["alpha"]["value"] == "unloaded" and now["gemma"]["estimated_bytes"] > 2**20
+
+
+@pytest.mark.real_model
+def test_unknown_and_incapable_models_are_refused_in_openai_shape(mixed: LiveServer) -> None:
+    with pytest.raises(openai.NotFoundError) as unknown:
+        sdk(mixed).completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+    assert unknown.value.code == "model_not_found" and "gpt-4" in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        hello = [{"role": "user", "content": "hi"}]
+        sdk(mixed).chat.completions.create(model="minilm", max_tokens=1, messages=hello)
+    assert refused.value.code == "model_not_capable"
+    assert "embeddings model" in refused.value.message and "generate text" in refused.value.message
+    with pytest.raises(openai.BadRequestError, match="generation model"):
+        sdk(mixed).embeddings.create(model="alpha", input="hi")
+    assert statuses(mixed)["alpha"]["value"] == "unloaded"  # refused before loading
+
+
+@pytest.mark.real_model
+def test_a_broken_model_reports_why_and_the_others_keep_serving(mixed: LiveServer) -> None:
+    with pytest.raises(openai.InternalServerError) as failed:
+        sdk(mixed).completions.create(model="broken", prompt="hi", max_tokens=1)
+    assert failed.value.code == "model_load_failed" and "broken.gguf" in failed.value.message
+    status = statuses(mixed)["broken"]
+    assert status["value"] == "failed" and "broken.gguf" in status["error"]
+    health = httpx.get(mixed.url + "/health", params={"model": "broken"})
+    assert health.status_code == 503 and "broken.gguf" in health.json()["error"]
+    assert httpx.get(mixed.url + "/health").json()["models"]["broken"]["value"] == "failed"
+    answer = sdk(mixed).completions.create(model="alpha", prompt="the cat", max_tokens=2)
+    assert answer.model == "alpha" and answer.usage and answer.usage.completion_tokens == 2
+
+
+@pytest.mark.real_model
+def test_concurrent_requests_to_two_models(mixed: LiveServer) -> None:
+    def chat(i: int) -> str:
+        result = sdk(mixed).chat.completions.create(
+            model="gemma", messages=[{"role": "user", "content": f"Count to {i}."}],
+            max_tokens=16, temperature=0,
+        )  # fmt: skip
+        return result.model
+
+    def embed(i: int) -> str:
+        return sdk(mixed).embeddings.create(model="minilm", input=f"text {i}").model
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(chat, i) for i in range(3)]
+        futures += [pool.submit(embed, i) for i in range(3)]
+        assert sorted(f.result() for f in futures) == ["gemma"] * 3 + ["minilm"] * 3
+    metrics = httpx.get(mixed.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'llamacrab_model_loaded{model="gemma"} 1' in metrics
+    assert 'llamacrab_model_in_use{model="minilm"} 0' in metrics
+
+
+@pytest.mark.real_model
+def test_load_and_unload_routes_need_the_key(mixed: LiveServer) -> None:
+    assert post(mixed, "/models/load", {"model": "alpha"}, key="wrong").status_code == 401
+    loaded = post(mixed, "/models/load", {"model": "alpha"})
+    assert loaded.status_code == 200 and loaded.json()["status"]["value"] == "loaded"
+    assert post(mixed, "/models/load", {"model": "nope"}).status_code == 404
+    unloaded = post(mixed, "/models/unload", {"model": "alpha"})
+    assert unloaded.json()["unloaded"] is True and statuses(mixed)["alpha"]["value"] == "unloaded"
+    assert post(mixed, "/models/unload", {"model": "alpha"}).json()["unloaded"] is False
+
+
+# -- limits ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited(folder: Path, gemma_path: Path) -> Iterator[LiveServer]:
+    config = _toml(
+        folder / "limited.toml",
+        f"""
+max_loaded = 2
+[models.alpha]
+model = "alpha.gguf"
+{TINY}
+[models.beta]
+model = "beta.gguf"
+{TINY}
+[models.gemma]
+model = "{gemma_path}"
+n_ctx = 512
+n_threads = 2
+""",
+    )
+    yield from _serve(ServerSettings(model="", models=config, api_keys=(KEY,)))
+
+
+@pytest.mark.real_model
+def test_max_loaded_evicts_the_least_recently_used(limited: LiveServer) -> None:
+    for name in ("alpha", "beta", "gemma"):
+        assert sdk(limited).completions.create(model=name, prompt="the", max_tokens=1).model == name
+    now = statuses(limited)
+    assert [now[n]["value"] for n in ("alpha", "beta", "gemma")] == ["unloaded", "loaded", "loaded"]
+
+
+@pytest.mark.real_model
+def test_a_model_generating_is_never_evicted(limited: LiveServer) -> None:
+    post(limited, "/models/unload", {"model": "beta"})
+    stream = sdk(limited).chat.completions.create(
+        model="gemma", messages=[{"role": "user", "content": "Write a long story."}],
+        max_tokens=64, temperature=0, stream=True,
+    )  # fmt: skip
+    next(iter(stream))  # generating now
+    assert statuses(limited)["gemma"]["in_use"] == 1
+    sdk(limited).completions.create(model="alpha", prompt="the", max_tokens=1)
+    # Gemma is the least recently used, but it is generating: alpha makes room instead.
+    sdk(limited).completions.create(model="beta", prompt="the", max_tokens=1)
+    now = statuses(limited)
+    assert [now[n]["value"] for n in ("alpha", "beta", "gemma")] == ["unloaded", "loaded", "loaded"]
+    assert len(list(stream)) > 1  # the stream went on to its end
+    assert _wait_for(lambda: statuses(limited)["gemma"]["in_use"] == 0)
+
+
+def test_memory_budget_and_keep_alive(folder: Path) -> None:
+    one = estimate_memory(folder / "alpha.gguf", n_ctx=256, parallel=1).total
+    config = _toml(
+        folder / "budget.toml",
+        f"""
+memory_budget = {int(one * 2.5)}
+[models.alpha]
+model = "alpha.gguf"
+{TINY}
+[models.beta]
+model = "beta.gguf"
+{TINY}
+[models.gamma]
+model = "gamma.gguf"
+keep_alive = 0.5
+{TINY}
+""",
+    )
+    for server in _serve(ServerSettings(model="", models=config, parallel=1)):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        for name in ("alpha", "beta", "gamma"):
+            client.completions.create(model=name, prompt="the", max_tokens=1)
+        now = statuses_open(server)
+        assert [now[n] for n in ("alpha", "beta", "gamma")] == ["unloaded", "loaded", "loaded"]
+        gone = lambda at=server: statuses_open(at)["gamma"] == "unloaded"  # noqa: E731
+        assert _wait_for(gone, timeout=10)
+        assert statuses_open(server)["beta"] == "loaded"  # no keep_alive: stays
+
+
+def statuses_open(server: LiveServer) -> dict[str, str]:
+    return {m["id"]: m["status"]["value"]
+            for m in httpx.get(server.url + "/v1/models").json()["data"]}  # fmt: skip
+
+
+def test_models_dir_serves_every_gguf(folder: Path) -> None:
+    settings = parse_settings(["--models-dir", str(folder), "--n-ctx", "256", "--parallel", "1"])
+    for server in _serve(settings):
+        assert set(statuses_open(server)) == {"alpha", "beta", "gamma", "broken", "ranker"}
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert client.completions.create(model="beta", prompt="the", max_tokens=1).model == "beta"
+        ranked = httpx.post(server.url + "/rerank", json={"model": "ranker", "query": "crab",
+                                                           "documents": ["sea"]})  # fmt: skip
+        assert ranked.status_code == 200
+
+
+def test_settings_of_the_multi_model_form() -> None:
+    with pytest.raises(InvalidParameterError, match="not both"):
+        parse_settings(["m.gguf", "--models", "x.toml"])
+    with pytest.raises(InvalidParameterError, match="unknown --preset"):
+        parse_settings(["m.gguf", "--preset", "tiny"])
+    assert parse_settings(["--models-dir", "d", "--models-max", "2"]).multi_model
+
+
+def test_single_model_form_takes_a_preset(folder: Path) -> None:
+    settings = ServerSettings(model=str(folder / "alpha.gguf"), preset="balanced", n_ctx=256)
+    for server in _serve(settings):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert client.completions.create(model="any", prompt="the", max_tokens=1).model == (
+            "alpha.gguf"  # one model answers for any name
+        )
+        llama = server.server.config.app.state.llamacrab.llama  # type: ignore[attr-defined]
+        assert llama.context.params.n_ctx == 256 and llama.context.params.n_batch == 2048
