@@ -58,7 +58,10 @@ Row = dict[str, float]
 def native_programs() -> tuple[Path, Path, Path]:
     """llama-bench, llama-server and the native loop, from the same source and options."""
     tools = native.build("cpu", tools=native.BENCH_TOOLS)
-    lib = native.build("cpu")  # the cached build llamacrab-sys ships (a cache hit)
+    from llamacrab_sys import build_info
+
+    # The cached build llamacrab-sys ships (a cache hit): the same options, RPC included.
+    lib = native.build("cpu", rpc=build_info().rpc)
     source = REPO / "scripts" / "bench" / "native_loop.c"
     loop = cache_root() / "bench" / f"native_loop-{lib['key']}"
     if not loop.exists() or loop.stat().st_mtime < source.stat().st_mtime:

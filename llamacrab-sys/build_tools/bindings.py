@@ -35,6 +35,15 @@ extern "Python" void llamacrab_sampler_reset(struct llama_sampler *);
 extern "Python" void llamacrab_sampler_free(struct llama_sampler *);
 """
 
+# The RPC protocol version the pinned ggml-rpc speaks (its header's macros; the compiler supplies
+# the values): llamacrab's worker probe checks a worker's HELLO answer against it.
+RPC_CDEF = """\
+#define RPC_PROTO_MAJOR_VERSION ...
+#define RPC_PROTO_MINOR_VERSION ...
+#define RPC_PROTO_PATCH_VERSION ...
+#define GGML_RPC_MAX_SERVERS ...
+"""
+
 
 def linked_libraries(lib_dir: Path) -> list[Path]:
     """The unversioned shared libraries the module links against (dlopen-only backends excluded)."""
@@ -75,7 +84,7 @@ def render(include_dirs: list[Path], libraries: list[Path], cc: str = "cc") -> t
     preprocessed = declarations.preprocess(include_dirs, cc)
     decls = declarations.extract(preprocessed, exported_functions(libraries))
     shim_header, shim_source, shim_cdef = shims.generate(decls)
-    return decls, shim_header, shim_source, decls.cdef + shim_cdef + CALLBACKS_CDEF
+    return decls, shim_header, shim_source, decls.cdef + shim_cdef + CALLBACKS_CDEF + RPC_CDEF
 
 
 def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str = "") -> dict:

@@ -16,10 +16,13 @@ from pathlib import Path
 
 from pycparser import c_ast, c_generator, c_parser
 
-# Headers whose declarations form the binding, in include order.
-HEADERS = ("llama.h", "gguf.h", "ggml-backend.h", "ggml-cpu.h", "mtmd.h", "mtmd-helper.h")
+# Headers whose declarations form the binding, in include order. ggml-rpc.h is installed by
+# every build; its functions exist only where the RPC backend was built (GGML_RPC).
+HEADERS = (
+    "llama.h", "gguf.h", "ggml-backend.h", "ggml-cpu.h", "ggml-rpc.h", "mtmd.h", "mtmd-helper.h",
+)  # fmt: skip
 # Functions whose C++ implementation may throw: each gets a noexcept shim.
-SHIMMED_HEADERS = ("llama.h", "gguf.h", "mtmd.h", "mtmd-helper.h")
+SHIMMED_HEADERS = ("llama.h", "gguf.h", "ggml-rpc.h", "mtmd.h", "mtmd-helper.h")
 
 # Just enough of the C library for the headers to parse; cffi knows these types natively.
 _STAND_INS = {

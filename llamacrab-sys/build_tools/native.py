@@ -91,7 +91,8 @@ def cmake_options(
         raise SystemExit(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     options = BASE_OPTIONS + (PORTABLE_CPU if portable else NATIVE_CPU) + BACKENDS[backend]
     if rpc:
-        options.append("-DGGML_RPC=ON")
+        # TCP only: the RDMA transport would link libibverbs wherever it happens to be installed.
+        options += ["-DGGML_RPC=ON", "-DGGML_RPC_RDMA=OFF"]
     flags = " ".join(sanitizer_flags(sanitize))
     if flags:
         options += [

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import llamacrab_sys
 from build_tools.source import read_pin
 from llamacrab_sys import build_info
+
+SYS_DIR = Path(__file__).resolve().parents[2] / "llamacrab-sys"
 
 
 def test_build_records_the_pinned_commit_and_backend() -> None:
@@ -48,9 +51,23 @@ def test_python_m_llamacrab_sys_prints_build_info_as_json() -> None:
 
 
 def test_only_known_functions_were_left_out() -> None:
-    # Variadic functions cannot be bound; one declared function is exported by no library.
-    assert build_info().skipped_functions == {
+    # Variadic functions cannot be bound; one declared function is exported by no library;
+    # ggml-rpc.h's functions exist only in a build with the RPC backend.
+    skipped = dict(build_info().skipped_functions)
+    rpc_functions = {k for k in skipped if k.startswith("ggml_backend_rpc") or "is_rpc" in k}
+    assert not (build_info().rpc and rpc_functions)
+    for name in rpc_functions:
+        assert skipped.pop(name) == "not exported by the built libraries"
+    assert skipped == {
         "ggml_abort": "variadic",
         "ggml_format_name": "variadic",
         "ggml_threadpool_get_n_threads": "not exported by the built libraries",
     }
+
+
+def test_the_rpc_backend_is_built_by_default_and_recorded() -> None:
+    pyproject = (SYS_DIR / "pyproject.toml").read_text()  # (no tomllib on Python 3.10)
+    assert 'LLAMACRAB_RPC = { env = "LLAMACRAB_RPC", default = "ON" }' in pyproject
+    info = build_info()
+    assert info.rpc == ("-DGGML_RPC=ON" in info.cmake_options)
+    assert info.rpc == any("ggml-rpc" in p.name for p in info.libraries)

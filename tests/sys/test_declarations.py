@@ -44,6 +44,14 @@ def test_every_api_function_of_the_header_is_reachable(
     print(f"{header}: {len(names)} {macro} functions, all reachable")
 
 
+@pytest.mark.skipif(not build_info().rpc, reason="built without the RPC backend")
+def test_every_rpc_function_is_reachable_through_a_shim(source_tree: Path) -> None:
+    names = declared_functions(source_tree / "ggml/include/ggml-rpc.h", "GGML_BACKEND_API")
+    assert "ggml_backend_rpc_add_server" in names and "ggml_backend_rpc_start_server" in names
+    assert sorted(n for n in names if not hasattr(lib, f"safe_{n}")) == []
+    assert (lib.RPC_PROTO_MAJOR_VERSION, lib.GGML_RPC_MAX_SERVERS) >= (7, 16)
+
+
 def test_functions_of_cpp_headers_have_noexcept_shims(source_tree: Path) -> None:
     for header, macro in [("include/llama.h", "LLAMA_API"), ("tools/mtmd/mtmd.h", "MTMD_API")]:
         names = declared_functions(source_tree / header, macro)
