@@ -27,7 +27,7 @@ from llamacrab import (
 )
 
 from reliability_kit import sections, tampered
-from reliability_kit.children import Report
+from reliability_kit.children import Report, Result
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,37 @@ def test_grammars_schemas_and_templates(workdir: Path) -> None:
     assert_clean(report, 500)
     slowest = report.slowest
     assert slowest is not None and slowest.seconds < 30, slowest
+
+
+DRAW = """
+import hashlib, json, sys
+from reliability_kit import inputs, lifecycle
+module = {"lifecycle": lifecycle, "inputs": inputs}[sys.argv[1]]
+cases = module.generate(200, 7)
+assert len(cases) >= 150, len(cases)
+print(hashlib.sha256(json.dumps(cases).encode()).hexdigest())
+"""
+
+
+@pytest.mark.parametrize("section", ["lifecycle", "inputs"])
+def test_a_failing_case_id_replays_in_another_process(section: str) -> None:
+    """The generated cases are the same list in every process for a seed (PYTHONHASHSEED and
+    all), so the case id a failure reports is enough to replay it (`--replay`)."""
+    digests = set()
+    for hash_seed in ("1", "2"):
+        child = subprocess.run(
+            [sys.executable, "-c", DRAW, section], capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed,
+                 "PYTHONPATH": os.pathsep.join(sys.path)},
+        )  # fmt: skip
+        assert child.returncode == 0, child.stderr[-3000:]
+        digests.add(child.stdout.strip())
+    assert len(digests) == 1
+    assert sections.section_of(f"{section}-7-3") == section
+    report = Report(section, extra={"replay": sections.replay_command("short", 7),
+                                    "drawn_with": sections.drawn_with()})  # fmt: skip
+    report.results.append(Result(f"{section}-7-3", "crash", "killed by SIGSEGV"))
+    assert "--mode short --seed 7 --replay CASE_ID (hypothesis " in report.summary()
 
 
 # -- regressions: what the suite found ---------------------------------------------------------

@@ -87,6 +87,8 @@ class Report:
         lines = [f"{self.section}: {counts}; {self.wall_seconds:.1f} s, {self.children} children, "
                  f"peak RSS {self.peak_rss_mib:.0f} MiB"]  # fmt: skip
         lines += [f"  {r.outcome} {r.id}: {r.detail[:2000]}" for r in self.findings]
+        if self.findings and "replay" in self.extra:
+            lines.append(f"  replay one case: {self.extra['replay']} ({self.extra['drawn_with']})")
         return "\n".join(lines)
 
 

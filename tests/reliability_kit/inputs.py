@@ -19,6 +19,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from reliability_kit.repo import script
+
 NESTING = (10, 64, 65, 127, 128, 129, 500, 5000)
 
 
@@ -297,7 +299,7 @@ def generate(count: int, seed: int) -> list[dict[str, Any]]:
     wanted = max(0, count - len(cases))
 
     @hypothesis_seed(seed)
-    @settings(max_examples=wanted, database=None, deadline=None, phases=[Phase.generate],
+    @settings(max_examples=max(wanted, 1), database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(strategy)
     def collect(drawn_case: tuple[Any, ...]) -> None:
@@ -366,9 +368,9 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
 
 def _template_in_gguf(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     """The template as the model's own: written into a tiny GGUF (tokenizer.chat_template)."""
-    from make_tiny_gguf import write_tiny_llama
-
     from llamacrab import Llama
+
+    write_tiny_llama = script("make_tiny_gguf").write_tiny_llama
 
     path = state["dir"] / f"template-{state['slot']}.gguf"
     write_tiny_llama(path, chat_templates={"": case["template"]})

@@ -4,16 +4,15 @@ Report."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from reliability_kit import children, inputs, lifecycle, tampered
+from reliability_kit.repo import script
 
 
 @dataclass(frozen=True)
@@ -65,18 +64,6 @@ SECTIONS = {
     ),
 }  # fmt: skip
 SEED = 2026
-
-
-def script(name: str) -> ModuleType:
-    """A module of scripts/ (not on the path under pytest)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, children.REPO / "scripts" / f"{name}.py"
-        )
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def tiny_files(workdir: Path) -> tuple[Path, Path]:
@@ -135,5 +122,49 @@ def run(
     report = runner.run(cases)
     report.wall_seconds = time.monotonic() - started
     report.extra.update({"generated": len(cases), "generation seconds": generated,
-                         "mode": mode, "seed": seed})  # fmt: skip
+                         "mode": mode, "seed": seed, "drawn_with": drawn_with(),
+                         "replay": replay_command(mode, seed)})  # fmt: skip
     return report
+
+
+def drawn_with() -> str:
+    """What the generated cases depend on besides (section, mode, seed): hypothesis draws the
+    same list in every process for the same version (tests/test_reliability.py checks it)."""
+    from importlib.metadata import version
+
+    return f"hypothesis {version('hypothesis')}"
+
+
+def replay_command(mode: str, seed: int) -> str:
+    return f"python scripts/reliability.py --mode {mode} --seed {seed} --replay CASE_ID"
+
+
+def section_of(case_id: str) -> str:
+    """The section a case id belongs to (``lifecycle-2026-29``, ``tiny-740``, ``gemma-3``)."""
+    prefix = case_id.split("-", 1)[0]
+    name = {"tiny": "tampered-tiny", "gemma": "tampered-gemma"}.get(prefix, prefix)
+    if name not in SECTIONS:
+        raise ValueError(f"{case_id!r} is no case id of a section ({', '.join(SECTIONS)})")
+    return name
+
+
+def replay_job(case_ids: list[str], mode: str, workdir: Path, seed: int) -> Path:
+    """A job file for ``python -m reliability_kit.child`` holding the named cases of one
+    section, drawn again exactly as the run that reported them drew them (same mode and
+    seed, so the same count; same hypothesis version)."""
+    names = {section_of(case_id) for case_id in case_ids}
+    if len(names) != 1:
+        raise ValueError(f"cases of one section at a time, not {sorted(names)}")
+    name = names.pop()
+    section = SECTIONS[name]
+    cases, setup = prepare(name, section.short if mode == "short" else section.long, workdir,
+                           seed)  # fmt: skip
+    chosen = [case for case in cases if case["id"] in case_ids]
+    missing = set(case_ids) - {case["id"] for case in chosen}
+    if missing:
+        raise ValueError(f"no case {sorted(missing)} in the {mode} {name} cases of seed {seed}")
+    job = workdir / "jobs" / f"replay-{case_ids[0]}.json"
+    job.parent.mkdir(parents=True, exist_ok=True)
+    job.write_text(json.dumps({"module": name.split("-")[0], "setup": setup, "slot": 0,
+                               "memory_limit": section.memory_limit, "cases": chosen}))  # fmt: skip
+    return job
