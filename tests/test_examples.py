@@ -23,6 +23,7 @@ pytestmark = pytest.mark.real_model
         ("parallel.py", "finish: cancelled"),
         ("server.py", "completion: ' France"),
         ("multimodal.py", "image prompt: 31 tokens (16 from the image)"),
+        ("models.py", "after loading embed: chat unloaded, embed loaded"),
     ],
 )
 def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:
