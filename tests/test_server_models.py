@@ -188,6 +188,15 @@ def test_load_and_unload_routes_need_the_key(mixed: LiveServer) -> None:
     assert post(mixed, "/models/unload", {"model": "alpha"}).json()["unloaded"] is False
 
 
+@pytest.mark.real_model
+def test_routes_without_a_model_name_one_when_several_are_served(mixed: LiveServer) -> None:
+    unnamed = post(mixed, "/extras/tokenize", {"input": "the cat"})
+    assert unnamed.status_code == 400 and "alpha" in unnamed.json()["error"]["message"]
+    named = post(mixed, "/extras/tokenize", {"input": "the cat", "model": "alpha"})
+    assert named.status_code == 200 and named.json()["tokens"]
+    assert httpx.get(mixed.url + "/health", params={"model": "nope"}).status_code == 404
+
+
 # -- limits ------------------------------------------------------------------------------------
 
 

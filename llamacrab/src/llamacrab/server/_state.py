@@ -116,11 +116,11 @@ class ServerState:
         return llama
 
     def model_name(self, model: str | None) -> str:
-        """The entry a request names (a single-entry registry answers for any name)."""
+        """The entry a request names (without a name, the only entry if there is one)."""
         if self.registry is None:
             return self.settings.alias
         names = self.registry.names()
-        if model is None or (len(names) == 1 and model not in names):
+        if model is None:
             if len(names) == 1:
                 return names[0]
             raise ApiError(400, f"this server serves several models: name one of "
