@@ -193,6 +193,25 @@ def test_a_stop_sequence_ends_the_answer(client: anthropic.Anthropic) -> None:
 
 
 @pytest.mark.real_model
+def test_several_stop_sequences_name_the_one_that_matched(client: anthropic.Anthropic) -> None:
+    free = _text(client.messages.create(model="gemma", max_tokens=24, messages=COUNT,
+                                        extra_body=GREEDY))  # fmt: skip
+    words = free.split()
+    first, later = words[2], words[4]
+    assert free.index(first) < free.index(later)
+    stops = [later, "a stop never reached", first]  # the one reached is listed last
+    message = client.messages.create(model="gemma", max_tokens=24, messages=COUNT,
+                                     stop_sequences=stops, extra_body=GREEDY)  # fmt: skip
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == first
+    assert _text(message) == free[: free.index(first)]
+    with client.messages.stream(model="gemma", max_tokens=24, messages=COUNT,
+                                stop_sequences=stops, extra_body=GREEDY) as stream:  # fmt: skip
+        assert "".join(stream.text_stream) == _text(message)
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == first
+
+
+@pytest.mark.real_model
 def test_count_tokens_matches_the_usage(client: anthropic.Anthropic) -> None:
     counted = client.messages.count_tokens(model="gemma", messages=COUNT, system="Be brief.",
                                            tools=[WEATHER])  # fmt: skip

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from llamacrab import Llama
 from llamacrab._engine.stop import StopMatcher
 
 
@@ -41,3 +45,54 @@ def test_earliest_of_several_stops_wins() -> None:
 def test_no_stops_passes_everything_through() -> None:
     out, stopped = run([], ["a", "b"])
     assert out == ["a", "b", ""] and not stopped
+
+
+def test_the_matched_stop_is_named() -> None:
+    matcher = StopMatcher(["world", "lo w", "absent"])
+    assert matcher.push("he") == "he" and matcher.matched is None
+    assert matcher.push("llo world") == "l"
+    assert matcher.stopped and matcher.matched == "lo w"  # the first in the text, not the list
+    tie = StopMatcher(["ab", "a"])
+    assert tie.push("xab") == "x" and tie.matched == "ab"  # same place: the first given
+
+
+def _two_stops(text: str) -> tuple[str, str]:
+    """A stop string the text reaches first and one it reaches only later."""
+    first = text[2:5]
+    at = text.find(first)
+    later = next(text[j : j + 3] for j in range(at + 3, len(text) - 3)
+                 if text.find(text[j : j + 3]) == j)  # fmt: skip
+    return first, later
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_a_completion_names_the_stop_string_that_ended_it(
+    tiny_model_path: Path, parallel: int | None
+) -> None:
+    prompt = "the cat sat on the mat the dog sat on the cat"
+    greedy: dict[str, Any] = {"max_tokens": 24, "min_tokens": 24, "temperature": 0}
+    with Llama(tiny_model_path, n_ctx=256, n_threads=2, parallel=parallel) as llm:
+        free = llm.create_completion(prompt, **greedy).text
+        first, later = _two_stops(free)
+        stops = [later, "never in it", first]  # listed last, found first
+        result = llm.create_completion(prompt, stop=stops, **greedy).choices[0]
+        assert result.text == free[: free.find(first)]
+        assert result.finish_reason == "stop" and result.stop_sequence == first
+        chunks = list(llm.stream_completion(prompt, stop=stops, **greedy))
+        assert [c.stop_sequence for c in chunks] == [None] * (len(chunks) - 1) + [first]
+        unstopped = llm.create_completion(prompt, stop=["never in it"], **greedy).choices[0]
+        assert unstopped.finish_reason == "length" and unstopped.stop_sequence is None
+
+
+def test_a_chat_completion_names_the_stop_string_that_ended_it(tiny_llama: Llama) -> None:
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    greedy: dict[str, Any] = {"max_tokens": 24, "min_tokens": 24, "temperature": 0,
+                              "chat_format": "chatml"}  # fmt: skip
+    free = tiny_llama.create_chat_completion(messages, **greedy).text
+    first, later = _two_stops(free)
+    answer = tiny_llama.create_chat_completion(messages, stop=[later, first], **greedy)
+    assert answer.text == free[: free.find(first)]
+    assert answer.choices[0].stop_sequence == first
+    chunks = list(tiny_llama.stream_chat_completion(messages, stop=[later, first], **greedy))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_sequence == first
+    assert all(c.stop_sequence is None for c in chunks[:-1])

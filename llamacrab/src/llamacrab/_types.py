@@ -44,6 +44,7 @@ class ChatChoice:
     message: ChatMessage
     finish_reason: FinishReason
     logprobs: Logprobs | None = None  # with logprobs=N: each token and its N alternatives
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class ChatCompletionChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: Logprobs | None = None
+    stop_sequence: str | None = None  # on the last chunk: the stop string that ended it
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class CompletionChoice:
     finish_reason: FinishReason
     tokens: tuple[int, ...]
     logprobs: Logprobs | None = None
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 @dataclass(frozen=True)
@@ -146,3 +149,4 @@ class CompletionChunk:
     usage: Usage | None = None
     tokens: tuple[int, ...] = ()
     logprobs: Logprobs | None = None
+    stop_sequence: str | None = None  # on the last chunk: the stop string that ended it

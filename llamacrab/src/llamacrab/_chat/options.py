@@ -104,7 +104,8 @@ class ChatOptions:
                 return ChatChoice(choice.index, message, "tool_calls", choice.logprobs)
             text = content  # the generic format's response, unwrapped
         message = ChatMessage("assistant", text)
-        return ChatChoice(choice.index, message, choice.finish_reason, choice.logprobs)
+        return ChatChoice(choice.index, message, choice.finish_reason, choice.logprobs,
+                          choice.stop_sequence)  # fmt: skip
 
     def chunks(self, stream: Stream[CompletionChunk]) -> Generator[ChatCompletionChunk, None, None]:
         """Completion chunks as chat deltas; with tools, a call's text is held back and the
@@ -128,9 +129,11 @@ class ChatOptions:
                     continue  # held back: part of a tool call
                 delta = ChatDelta("assistant" if first else None, text, calls)
                 first = False
+                stop = chunk.stop_sequence if finish == "stop" else None
                 yield ChatCompletionChunk("chatcmpl-" + chunk.id.removeprefix("cmpl-"),
                                           chunk.created, chunk.model, chunk.index, delta,
-                                          finish, chunk.usage, chunk.logprobs)  # fmt: skip
+                                          finish, chunk.usage, chunk.logprobs,
+                                          stop)  # fmt: skip
         finally:
             stream.close()  # breaking out of the chat stream stops generation at once
 

@@ -41,6 +41,7 @@ class Step:
     finish_reason: FinishReason | None = None
     logprob: float | None = None
     top_logprobs: dict[str, float] | None = None
+    stop: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 # Stands for a position filled by an image or sound: never equal to a real token.
@@ -369,7 +370,7 @@ class Emitter:
             return Step(self.rest(), None, "eos")
         step = Step(self.stops.push(self.decoder.feed([token])), token, None, logprob, top)
         if self.stops.stopped:
-            step.finish_reason = "stop"
+            step.finish_reason, step.stop = "stop", self.stops.matched
         return step
 
     def rest(self) -> str:

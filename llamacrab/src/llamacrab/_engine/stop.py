@@ -13,14 +13,16 @@ class StopMatcher:
         self._pending = ""
         self.stopped = False
         self.remainder = ""  # the text from the stop string on, once stopped
+        self.matched: str | None = None  # the stop string found (the first one in the text)
 
     def push(self, text: str) -> str:
         """Append ``text``; return the part that can no longer turn into a stop string."""
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(at, stop) for stop in self._stops if (at := self._pending.find(stop)) >= 0]
         if hits:
             self.stopped = True
-            emitted, self.remainder = self._pending[: min(hits)], self._pending[min(hits) :]
+            at, self.matched = min(hits, key=lambda hit: hit[0])  # a tie: the first given
+            emitted, self.remainder = self._pending[:at], self._pending[at:]
             self._pending = ""
             return emitted
         hold = self._longest_partial_stop()

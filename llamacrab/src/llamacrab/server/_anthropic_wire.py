@@ -269,19 +269,18 @@ class Reply:
     """What shapes an answer besides the model's output."""
 
     model: str
-    stop_sequences: tuple[str, ...]
     one_call: bool  # tool_choice's disable_parallel_tool_use
 
     @classmethod
     def of(cls, body: MessagesRequest, model: str) -> Reply:
         one = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
-        return cls(model, tuple(body.stop_sequences or ()), one)
+        return cls(model, one)
 
-    def stop(self, finish: FinishReason) -> dict[str, Any]:
-        # The engine does not say which stop string matched: named when there is one only.
-        named = finish == "stop" and len(self.stop_sequences) == 1
+    def stop(self, finish: FinishReason, matched: str | None) -> dict[str, Any]:
+        """The stop reason, and the stop sequence that ended the answer (``matched``, as
+        the engine reports it)."""
         return {"stop_reason": _STOP_REASONS[finish],
-                "stop_sequence": self.stop_sequences[0] if named else None}  # fmt: skip
+                "stop_sequence": matched if finish == "stop" else None}  # fmt: skip
 
     def calls(self, calls: Sequence[ToolCall]) -> Sequence[ToolCall]:
         return calls[:1] if self.one_call else calls
@@ -319,7 +318,8 @@ def message(result: ChatCompletion | Completion, reply: Reply) -> dict[str, Any]
     content = [{"type": "text", "text": text}] if text else []
     content += [_tool_use(call) for call in reply.calls(calls)]
     return {"id": message_id(result.id), "type": "message", "role": "assistant",
-            "content": content, "model": reply.model, **reply.stop(choice.finish_reason),
+            "content": content, "model": reply.model,
+            **reply.stop(choice.finish_reason, choice.stop_sequence),
             "usage": usage(result.usage)}  # fmt: skip
 
 
@@ -364,7 +364,7 @@ class MessageEvents:
             delta = {"type": "text_delta", "text": text}
             yield sse("content_block_delta", {"index": self.blocks - 1, "delta": delta})
         if chunk.finish_reason is not None:
-            yield from self._finish(self.reply.calls(calls), chunk.finish_reason, chunk.usage)
+            yield from self._finish(self.reply.calls(calls), chunk)
 
     def _open(self, block: dict[str, Any]) -> Iterator[str]:
         yield from self._close_text()
@@ -377,8 +377,9 @@ class MessageEvents:
             self.text_open = False
 
     def _finish(
-        self, calls: Sequence[ToolCall], finish: FinishReason, value: Usage | None
+        self, calls: Sequence[ToolCall], last: ChatCompletionChunk | CompletionChunk
     ) -> Iterator[str]:
+        assert last.finish_reason is not None
         for call in calls:
             block = _tool_use(call)
             yield from self._open({**block, "input": {}})
@@ -386,6 +387,7 @@ class MessageEvents:
             yield sse("content_block_delta", {"index": self.blocks - 1, "delta": delta})
             yield sse("content_block_stop", {"index": self.blocks - 1})
         yield from self._close_text()
-        counts = usage(value or Usage(self.input_tokens, 0))
-        yield sse("message_delta", {"delta": self.reply.stop(finish), "usage": counts})
+        counts = usage(last.usage or Usage(self.input_tokens, 0))
+        delta = self.reply.stop(last.finish_reason, last.stop_sequence)
+        yield sse("message_delta", {"delta": delta, "usage": counts})
         yield sse("message_stop", {})

@@ -99,7 +99,8 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
         result = await complete(state, client, partial(llama.create_infill, **arguments))
         choice = result.choices[0]
         tokens = choice.tokens if body.return_tokens else ()
-        return _infill_result(choice.text, tokens, choice.finish_reason, result.usage, alias)
+        return _infill_result(choice.text, tokens, choice.finish_reason, result.usage, alias,
+                              choice.stop_sequence)  # fmt: skip
 
     @app.post("/apply-template", response_model=ApplyTemplateResponse, responses=ERRORS)
     async def apply_template(body: ApplyTemplateRequest) -> Any:
@@ -139,7 +140,12 @@ def _infill_kwargs(body: InfillRequest, settings: ServerSettings) -> dict[str, A
 
 
 def _infill_result(
-    text: str, tokens: Sequence[int], reason: str | None, usage: Usage | None, alias: str
+    text: str,
+    tokens: Sequence[int],
+    reason: str | None,
+    usage: Usage | None,
+    alias: str,
+    stop: str | None,
 ) -> dict[str, Any]:
     """llama-server's last ``/completion`` answer (``stop: true``)."""
     usage = usage or Usage(0, 0)
@@ -148,7 +154,7 @@ def _infill_result(
         "model": alias, "tokens_predicted": usage.completion_tokens,
         "tokens_evaluated": usage.prompt_tokens, "tokens_cached": usage.cached_tokens,
         "has_new_line": "\n" in text, "truncated": False,
-        "stop_type": _STOP_TYPES.get(reason or "", "none"), "stopping_word": "",
+        "stop_type": _STOP_TYPES.get(reason or "", "none"), "stopping_word": stop or "",
         "timings": {"cache_n": usage.cached_tokens,
                     "prompt_n": usage.prompt_tokens - usage.cached_tokens,
                     "predicted_n": usage.completion_tokens},
@@ -168,7 +174,8 @@ async def _infill_events(alias: str, chunks: AsyncIterator[CompletionChunk]) -> 
                              "tokens_predicted": predicted})  # fmt: skip
             else:
                 tokens, reason = chunk.tokens, chunk.finish_reason
-                yield event(_infill_result(chunk.text, tokens, reason, chunk.usage, alias))
+                yield event(_infill_result(chunk.text, tokens, reason, chunk.usage, alias,
+                                           chunk.stop_sequence))  # fmt: skip
     except ApiError as error:
         yield event(error.body())
 
