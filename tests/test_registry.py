@@ -318,3 +318,67 @@ def test_from_directory_recognises_an_embedding_model(tmp_path: Path) -> None:
     with ModelRegistry.from_directory(tmp_path) as registry:
         assert registry.status("minilm").kind == "embeddings"
         assert registry.get("minilm").embed("a crab").shape[-1] == 384
+
+
+def test_a_busy_parallel_slot_counts_as_in_use_and_force_unload_cancels_it(models: Path) -> None:
+    from support import Gate
+
+    with ModelRegistry(max_loaded=1) as registry:
+        registry.add("alpha", models / "alpha.gguf", parallel=1, **TINY)
+        registry.add("beta", models / "beta.gguf", **TINY)
+        alpha, gate = registry.get("alpha"), Gate()  # no lease: the busy slot alone counts
+        scheduler = alpha.scheduler
+        assert scheduler is not None
+        stream = alpha.stream_completion("the cat", max_tokens=None, min_tokens=9,
+                                         custom_samplers=(gate,))  # fmt: skip
+        deadline = time.monotonic() + 10
+        while scheduler.busy_slots == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(ModelBudgetError, match="in use"):
+            registry.get("beta")
+        with pytest.raises(ConcurrentUseError):
+            registry.unload("alpha")
+        closer = threading.Thread(target=registry.unload, args=("alpha",), kwargs={"force": True})
+        closer.start()
+        gate.open.set()
+        closer.join(timeout=30)
+        assert not closer.is_alive() and alpha.closed
+        try:
+            reasons = [chunk.finish_reason for chunk in stream]
+            assert reasons[-1] == "cancelled"
+        except ClosedHandleError:
+            pass  # closed before the stream saw its end: an error, never a crash
+        assert registry.get("beta").create_completion("the", max_tokens=1).usage
+
+
+def test_threads_using_models_under_max_loaded(models: Path) -> None:
+    """Many threads use three models with room for two: each use either runs or is refused
+    with ModelBudgetError, never more than two are loaded, and nothing else goes wrong."""
+    errors: list[BaseException] = []
+    most = 0
+    with ModelRegistry(max_loaded=2) as registry:
+        for name in ("alpha", "beta"):
+            registry.add(name, models / f"{name}.gguf", **TINY)
+        registry.add("gamma", models / "gamma-00001-of-00002.gguf", **TINY)
+
+        def work(seed: int) -> None:
+            nonlocal most
+            for i in range(12):
+                name = ("alpha", "beta", "gamma")[(seed + i) % 3]
+                try:
+                    with registry.use(name) as llm:
+                        loaded = sum(e.status == "loaded" for e in registry.entries())
+                        most = max(most, loaded)
+                        assert llm.create_completion("the cat", max_tokens=2).usage
+                except ModelBudgetError:
+                    pass
+                except BaseException as error:  # collected for the assertion below
+                    errors.append(error)
+
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not errors and 1 <= most <= 2
+        assert all(e.in_use == 0 for e in registry.entries())
