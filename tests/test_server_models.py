@@ -309,3 +309,13 @@ def test_single_model_form_takes_a_preset(folder: Path) -> None:
         )
         llama = server.server.config.app.state.llamacrab.llama  # type: ignore[attr-defined]
         assert llama.context.params.n_ctx == 256 and llama.context.params.n_batch == 2048
+
+
+def test_one_entry_serves_requests_that_name_no_model(folder: Path) -> None:
+    config = _toml(folder / "solo.toml", f'[models.solo]\nmodel = "alpha.gguf"\n{TINY}')
+    for server in _serve(ServerSettings(model="", models=config)):
+        answer = httpx.post(server.url + "/v1/completions", json={"prompt": "the", "max_tokens": 1})
+        assert answer.status_code == 200 and answer.json()["model"] == "solo"
+        unknown = httpx.post(server.url + "/v1/completions",
+                             json={"model": "gpt-4", "prompt": "the", "max_tokens": 1})  # fmt: skip
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"

@@ -232,9 +232,12 @@ class ModelLeaseMiddleware:
                 if message["type"] != "http.request" or not message.get("more_body"):
                     break
         name = _requested_model(scope, body)
+        names = self.registry.names()
+        if name is None and len(names) == 1:
+            name = names[0]  # the only model serves requests that name none
         if name is None or name not in self.registry:
             if name is not None and scope.get("method") == "POST":
-                known = ", ".join(self.registry.names())
+                known = ", ".join(names)
                 unknown = UnknownModelError(f"no model named {name!r} (registered: {known})")
                 await _answer(scope, send, lease_error(unknown))
                 return
