@@ -183,13 +183,27 @@ def write_tiny_draft(path: Path, source: Path, seed: int = 0) -> Path:
     return path
 
 
-def write_tiny_lora(path: Path, seed: int = 1, rank: int = 4, alpha: float = 8.0) -> Path:
-    """A LoRA adapter for the tiny model: low-rank deltas on every attention query/output."""
+def write_tiny_lora(
+    path: Path,
+    seed: int = 1,
+    rank: int = 4,
+    alpha: float = 8.0,
+    arch: str = "llama",
+    invocation_tokens: list[int] | None = None,
+) -> Path:
+    """A LoRA adapter for the tiny model: low-rank deltas on every attention query/output.
+    ``arch`` may name another architecture on purpose; ``invocation_tokens`` make it an aLoRA
+    adapter (applied from the last occurrence of those tokens in a prompt)."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    if invocation_tokens is not None:
+        writer.add_key_value(
+            "adapter.alora.invocation_tokens", invocation_tokens, gguf.GGUFValueType.ARRAY,
+            sub_type=gguf.GGUFValueType.UINT32,
+        )  # fmt: skip
     for i in range(N_LAYER):
         for name in ("attn_q", "attn_output"):
             # lora_a: ne {n_embd, rank}; lora_b: ne {rank, n_out}; numpy shapes are reversed.
@@ -201,6 +215,33 @@ def write_tiny_lora(path: Path, seed: int = 1, rank: int = 4, alpha: float = 8.0
                 f"blk.{i}.{name}.weight.lora_b",
                 (rng.standard_normal((N_EMBD, rank)) * 0.5).astype(np.float32),
             )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_tiny_control_vector(
+    path: Path,
+    seed: int = 3,
+    n_embd: int = N_EMBD,
+    layers: tuple[int, ...] = (1,),
+    scale: float = 1.0,
+    model_hint: str | None = "llama",
+) -> Path:
+    """A control vector for the tiny model, as llama.cpp's cvector-generator writes one: an F32
+    ``direction.<layer>`` per layer (layer 0 never has one). ``n_embd`` and ``layers`` may be
+    wrong for the model on purpose."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "controlvector")
+    if model_hint is not None:
+        writer.add_string("controlvector.model_hint", model_hint)
+    writer.add_uint32("controlvector.layer_count", len(layers))
+    for layer in layers:
+        writer.add_tensor(
+            f"direction.{layer}", (rng.standard_normal(n_embd) * scale).astype(np.float32)
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

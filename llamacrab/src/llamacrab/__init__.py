@@ -44,6 +44,7 @@ from llamacrab._llama import Llama
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context, ContextParams
+from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.custom_sampler import CustomSampler
 from llamacrab._native.gguf_memory import MemoryEstimate
 from llamacrab._native.media import Audio, Image
@@ -94,6 +95,7 @@ __all__ = [
     "ContextError",
     "ContextOverflowError",
     "ContextParams",
+    "ControlVector",
     "CustomSampler",
     "DecodeAbortedError",
     "DecodeError",

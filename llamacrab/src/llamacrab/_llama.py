@@ -16,7 +16,7 @@ from llamacrab._chat.prompt import chat_prompt
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.generation import Request, Session
 from llamacrab._engine.scheduler import Scheduler
-from llamacrab._engine.speculative import SpeculativeStats
+from llamacrab._engine.speculative import DraftModel, SpeculativeStats
 from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._features.chat import chat_completion, chat_request
@@ -25,11 +25,13 @@ from llamacrab._features.embeddings import DEFAULT_PACK_TOKENS, Embeddings
 from llamacrab._features.hub import HubOptions, ResolvedModel
 from llamacrab._features.hub import resolve as resolve_model
 from llamacrab._features.infill import infill_tokens
+from llamacrab._features.llama_options import ExtraOptions, take_extra_options
 from llamacrab._features.media import MediaInput
 from llamacrab._features.params import merge_sampling, split_params, with_slots
 from llamacrab._features.presets import with_preset
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.context import Context, ContextParams
+from llamacrab._native.control_vector import ControlVector, ControlVectorSource
 from llamacrab._native.media import Media
 from llamacrab._native.model import Model, ModelParams
 from llamacrab._native.mtmd import Chunks, Projector
@@ -94,11 +96,17 @@ class Llama:
                 raise InvalidParameterError("preset= combines with keyword options, not with "
                                             "ModelParams / ContextParams objects")  # fmt: skip
             options = with_preset(preset, options)
+        extra = take_extra_options(options)  # files and sizes: adapters, draft model, cache
+        if extra.speculative and speculative is not None:
+            raise InvalidParameterError("pass speculative= or draft_model/prompt_lookup, not both")
+        speculative = speculative if speculative is not None else extra.lookup()
+        cache = cache if cache is not None else extra.cache()
         if options and (model_params or context_params or hub):
             raise InvalidParameterError("pass parameter objects or keywords, not both")
         if options:
             model_params, context_params, hub = split_params(options)
-        context_params = with_slots(context_params, parallel, max_queue, speculative)
+        drafting = speculative if speculative is not None else extra.draft_model
+        context_params = with_slots(context_params, parallel, max_queue, drafting)
         self.files: ResolvedModel = resolve_model(model_path, hub)
         self.model = Model.load(self.files.path, model_params, progress)
         try:
@@ -107,7 +115,12 @@ class Llama:
             self.projector: Projector | None = None
             if projector is not None:
                 self.projector = Projector(self.model, projector, self.context.params.n_threads)
+            self.adapters: list[LoraAdapter] = []  # loaded through this Llama: ids, in order
+            self._draft: Llama | None = None  # a draft model this Llama opened (and closes)
+            speculative = self._apply_extra_options(extra, speculative)
         except BaseException:
+            if getattr(self, "_draft", None) is not None:
+                self._draft.close()  # type: ignore[union-attr]
             self.model.close()
             raise
         self._media = MediaInput(self.projector, media_policy or MediaPolicy())
@@ -116,6 +129,29 @@ class Llama:
         self.chat_format = chat_format  # None: the model's own template
         self._completer = Completer(self.context, cache, parallel, max_queue)
         self._embeddings = Embeddings(self._completer.kv, self._completer.lock)
+
+    def _apply_extra_options(
+        self, extra: ExtraOptions, speculative: Speculative | None
+    ) -> Speculative | None:
+        scales = {}
+        for path, scale in extra.scaled_lora():
+            adapter = LoraAdapter(self.model, path)  # closed with the model if anything fails
+            self.adapters.append(adapter)
+            scales[adapter] = scale
+        if scales:
+            self.context.set_lora_adapters(scales)
+        vector = extra.control_vector()
+        if vector is not None:
+            self.context.set_control_vector(vector, extra.control_vector_layers)
+        if extra.draft_model is None:
+            return speculative
+        params = self.context.params
+        draft_options: dict[str, Any] = {"n_ctx": self.context.n_ctx_seq,
+                                         "n_threads": params.n_threads,
+                         "n_gpu_layers": extra.draft_n_gpu_layers}  # fmt: skip
+        self._draft = Llama(extra.draft_model, **{k: v for k, v in draft_options.items()
+                                                  if v is not None})  # fmt: skip
+        return DraftModel(llama=self._draft, max_draft=extra.draft_max or 8)
 
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], **kwargs: Any) -> Llama:
@@ -138,9 +174,11 @@ class Llama:
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the context and the model. Idempotent."""
+        """Free the context and the model (and a draft model it opened). Idempotent."""
         self._completer.close()
         self.model.close()
+        if self._draft is not None:
+            self._draft.close()
 
     @property
     def closed(self) -> bool:
@@ -357,7 +395,31 @@ class Llama:
         except BaseException:
             adapter.close()  # refused (slots busy): not left loaded and unused
             raise
+        self.adapters.append(adapter)
         return adapter
+
+    @property
+    def lora_adapters(self) -> dict[LoraAdapter, float]:
+        """The default adapters and their scales: what a completion without ``lora=`` uses."""
+        return self.context.lora_adapters
+
+    def set_control_vector(
+        self,
+        vector: ControlVector | Sequence[ControlVectorSource] | None,
+        layers: tuple[int, int] | None = None,
+    ) -> None:
+        """Steer generations with control vectors: a ControlVector, or GGUF control-vector
+        files (paths or (path, strength) pairs, summed), added to the hidden state of
+        ``layers`` (first and last, inclusive; default every layer). None removes it. A
+        vector for another model (width, layers, architecture) or a range outside the model
+        raises InvalidParameterError; KV computed before is never reused. Refused
+        (ConcurrentUseError) while parallel slots generate."""
+        if vector is not None and not isinstance(vector, ControlVector):
+            vector = ControlVector.load(vector)
+        with self._completer.lock:
+            self.context.set_control_vector(vector, layers)
+            if self.scheduler is None:
+                self._completer.forget()
 
     def set_lora_adapters(self, adapters: Mapping[LoraAdapter, float]) -> None:
         """Apply exactly these adapters; KV computed with the old weights is never reused.
@@ -402,6 +464,7 @@ class Llama:
         timeout: float | None = None,
         cancel: threading.Event | None = None,
         sampling: SamplingOptions | None = None,
+        lora: Mapping[LoraAdapter, float] | None = None,
         **sampling_options: Any,
     ) -> Stream[CompletionChunk]:
         """Generate text chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
@@ -417,12 +480,18 @@ class Llama:
         batched arithmetic may flip a near-tie. ``timeout`` (seconds, counted from the call)
         ends the generation with finish_reason "cancelled", and so does setting ``cancel`` (an
         event that may stop several calls, e.g. all the choices of ``create_completion``, from
-        any thread; nothing needs the stream object). Other keywords are SamplingOptions
-        fields (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
+        any thread; nothing needs the stream object). ``lora`` ({adapter: scale}, adapters of
+        this model) replaces the default adapters for this call alone; parallel slots run
+        calls with different sets side by side, one set per decode, taking turns. Other
+        keywords are SamplingOptions fields (temperature, top_k, top_p, seed, grammar,
+        logit_bias, ...).
         """
         parts = completion_prompt(self.vocab, self._media, prompt, media)
         stops = [stop] if isinstance(stop, str) else stop
-        request = Request(parts.tokens, max_tokens, min_tokens, stops, logprobs, parts.chunks)
+        if lora is not None:
+            self.context.check_lora(lora)
+        request = Request(parts.tokens, max_tokens, min_tokens, stops, logprobs, parts.chunks,
+                          None if lora is None else dict(lora))  # fmt: skip
         options = merge_sampling(sampling, sampling_options, self.seed)
         return self._completer.stream(parts, request, options, Session(timeout, cancel),
                                       (speculative, self.speculative), echo, suffix)  # fmt: skip

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.logprobs import token_logprobs
+from llamacrab._engine.lora import LoraPlan, lora_plan
 from llamacrab._engine.speculative import Drafter, SpeculativeStats
 from llamacrab._engine.stop import StopMatcher
 from llamacrab._exceptions import (
@@ -21,6 +23,7 @@ from llamacrab._exceptions import (
     InvalidParameterError,
     StateError,
 )
+from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
 from llamacrab._native.mtmd import Chunks
@@ -59,6 +62,7 @@ class Request:
     stop: Sequence[str] = ()
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
     media: Chunks | None = None
+    lora: Mapping[LoraAdapter, float] | None = None  # None: the context's default adapters
 
     def check(self, n_ctx: int) -> None:
         if not self.prompt:
@@ -89,6 +93,7 @@ class KvState:
         self.seq_id = seq_id
         self.tokens: list[int] = []
         self.weights = context.weights_generation  # the adapters ``tokens`` were computed with
+        self.plan = LoraPlan(dict(context.lora_adapters))  # ... and which, by position
         self.batch = Batch(context.n_batch, seq_id + 1)
         # The generation these tokens belong to: only it may change the memory. A newer one
         # takes it over, a reset or a loaded state takes it from everyone.
@@ -129,21 +134,31 @@ class KvState:
         self.tokens.extend(state.tokens)
         # Counts as computed with the present adapters: caches keep states per kv_fingerprint.
         self.weights = self.context.weights_generation
+        self.plan = LoraPlan(dict(self.context.lora_adapters))
 
-    def _restore_from_cache(self, prompt: Sequence[int]) -> None:
+    def _restore_from_cache(self, prompt: Sequence[int], plan: LoraPlan) -> None:
         if self.cache is None:
             return
-        try:
-            found = self.cache.longest_prefix(prompt, self.context.kv_fingerprint)
-        except Exception:  # a disk or database failure: a miss, not a failed generation
-            log.warning("prompt cache lookup failed; treated as a miss", exc_info=True)
+        # An aLoRA request reuses the base model's KV of the prompt before its invocation.
+        plans = [plan] if plan.base_until in (0, math.inf) else [plan, LoraPlan()]
+        for candidate in plans:
+            fingerprint = self.context.fingerprint(candidate.adapters, candidate.start)
+            try:
+                found = self.cache.longest_prefix(prompt, fingerprint)
+            except Exception:  # a disk or database failure: a miss, not a failed generation
+                log.warning("prompt cache lookup failed; treated as a miss", exc_info=True)
+                return
+            usable = common_prefix(self.tokens, prompt)
+            usable = int(min(usable, self.plan.reusable(plan)))
+            if found is None or min(found[0], candidate.reusable(plan)) <= usable:
+                continue
+            try:
+                self.restore(found[1])
+            except StateError as error:  # e.g. a shared cache with states too long for it
+                warnings.warn(f"prompt cache entry not used: {error}", stacklevel=4)
+                continue
+            self.plan = candidate
             return
-        if found is None or found[0] <= common_prefix(self.tokens, prompt):
-            return
-        try:
-            self.restore(found[1])
-        except StateError as error:  # e.g. a shared cache with states too long for this context
-            warnings.warn(f"prompt cache entry not used: {error}", stacklevel=4)
 
     def remember(self) -> None:
         """Store the current state in the prompt cache, if there is one. Not after media: their
@@ -156,18 +171,26 @@ class KvState:
             and MEDIA_TOKEN not in self.tokens
             and self.weights == self.context.weights_generation
         ):
+            fingerprint = self.context.fingerprint(self.plan.adapters, self.plan.start)
             try:
-                self.cache.store(self.snapshot(), self.context.kv_fingerprint)
+                self.cache.store(self.snapshot(), fingerprint)
             except Exception:
                 log.warning("prompt cache save failed; skipped", exc_info=True)
 
-    def prepare(self, prompt: Sequence[int]) -> int:
-        """Drop what the new prompt does not share; return how many prompt tokens to keep."""
+    def prepare(
+        self, prompt: Sequence[int], lora: Mapping[LoraAdapter, float] | None = None
+    ) -> int:
+        """Drop what the new prompt does not share (tokens, and the adapters they were
+        computed with: ``lora``, None for the context's default set); return how many prompt
+        tokens to keep."""
         if self.weights != self.context.weights_generation:
             self.forget()  # computed with adapters since replaced: none of it is reusable
-        self._restore_from_cache(prompt)
+        plan = lora_plan(self.context.lora_adapters if lora is None else lora, prompt)
+        self._restore_from_cache(prompt, plan)
         keep = common_prefix(self.tokens, prompt)
+        keep = int(min(keep, self.plan.reusable(plan)))
         keep = min(keep, len(prompt) - 1)  # the last prompt token is decoded again for its logits
+        self.plan = plan
         if keep < len(self.tokens) and not self.context.remove(self.seq_id, keep, -1):
             self.forget()  # this memory cannot drop a suffix: start over
             keep = 0
@@ -196,21 +219,30 @@ class KvState:
     def decode_prompt(
         self, prompt: Sequence[int], keep: int, stopped: Callable[[], bool] | None = None
     ) -> bool:
-        """Decode the prompt after ``keep`` in chunks; False when ``stopped()`` is true
-        before a chunk (what was decoded stays in memory, a prefix for the next prompt)."""
+        """Decode the prompt after ``keep`` in chunks (none crossing the position where the
+        adapters start to apply); False when ``stopped()`` is true before a chunk (what was
+        decoded stays in memory, a prefix for the next prompt)."""
         todo = np.asarray(prompt[keep:], dtype=np.int32)
-        step = self.max_batch
-        for start in range(0, len(todo), step):
+        start = 0
+        while start < len(todo):
             if stopped is not None and stopped():
                 return False
-            chunk = todo[start : start + step]
-            self.batch.set(chunk, len(self.tokens), self.seq_id, start + step >= len(todo))
+            end = min(start + self.max_batch, len(todo))
+            boundary = self.plan.start - len(self.tokens)
+            if 0 < boundary < end - start:
+                end = start + boundary
+            chunk = todo[start:end]
+            self.batch.set(chunk, len(self.tokens), self.seq_id, end >= len(todo))
             self.decode_tracked(chunk.tolist())
+            start = end
         return True
 
-    def decode_media(self, chunks: Chunks) -> None:
-        """Evaluate a multimodal prompt from the start of this sequence (no prefix reuse)."""
+    def decode_media(self, chunks: Chunks, lora: Mapping[LoraAdapter, float] | None = None) -> None:
+        """Evaluate a multimodal prompt from the start of this sequence (no prefix reuse),
+        with ``lora`` (None: the default adapters; an aLoRA adapter is not invoked)."""
         self.forget()
+        self.plan = lora_plan(self.context.lora_adapters if lora is None else lora, ())
+        self.context.use_lora(self.plan.adapters)
         try:
             n_past = chunks.projector.evaluate(self.context, chunks, 0, self.seq_id)
         except BaseException:
@@ -237,7 +269,7 @@ class KvState:
 
     def decode_tracked(self, tokens: list[int]) -> None:
         try:
-            self.context.decode(self.batch)
+            self.context.decode(self.batch, self.plan.at(len(self.tokens)))
         except BaseException:
             self.reset()  # a failed decode may leave part of the batch in memory
             raise
@@ -312,12 +344,12 @@ def _start(kv: KvState, request: Request, session: Session) -> bool:
     kv.owner = None  # the memory changes now: the generation before may not touch it again
     try:
         if request.media is not None:
-            kv.decode_media(request.media)
+            kv.decode_media(request.media, request.lora)
         else:
             # While the prompt is decoded, cancel() aborts the decode in progress too; a timeout
             # or a cancel that comes between two decodes is seen before the next chunk.
             session.wake = kv.context.cancel
-            session.reused = kv.prepare(request.prompt)
+            session.reused = kv.prepare(request.prompt, request.lora)
             if not kv.decode_prompt(request.prompt, session.reused, session.stopped):
                 return False
     except DecodeAbortedError:

@@ -24,6 +24,7 @@ from llamacrab._exceptions import (
     QueueFullError,
     StateError,
 )
+from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
 from llamacrab._native.mtmd import Chunks
@@ -74,6 +75,7 @@ class Scheduler:
         self.slots = [_Slot(KvState(context, cache, i)) for i in range(n_slots)]
         self.batch = Batch(context.max_decode, n_slots)
         self.waiting: deque[_Job] = deque()
+        self._turn = 0  # which slot's adapters the next batch uses first (round robin)
         self._cond = threading.Condition()
         self._closed = False
         context.add_weights_guard(self)
@@ -199,17 +201,17 @@ class Scheduler:
                 self._start_media(slot, job.request.media)
             elif job.todo is None:
                 try:  # a failure here (a cache failure is a miss already) is this slot's alone
-                    keep = slot.kv.prepare(job.request.prompt)
+                    keep = slot.kv.prepare(job.request.prompt, job.request.lora)
                 except Exception as error:
                     self._fail([slot], error)
                     continue
                 job.session.reused = keep
                 job.todo = list(job.request.prompt[keep:])
-        planned = self._plan()
+        planned, lora = self._plan()
         if not planned:
             return
         try:
-            self.context.decode(self.batch)
+            self.context.decode(self.batch, lora)
         except DecodeAbortedError:
             for slot, _ in planned:
                 assert slot.job is not None
@@ -231,29 +233,43 @@ class Scheduler:
         job = slot.job
         assert job is not None
         try:
-            slot.kv.decode_media(chunks)
+            slot.kv.decode_media(chunks, job.request.lora if job else None)
         except Exception as error:
             self._fail([slot], error)
             return
         job.todo, job.index = [], -1
         self._sample(slot)
 
-    def _plan(self) -> list[tuple[_Slot, list[int]]]:
-        """Fill the batch: next tokens first (one each), then prompt chunks while room is left."""
+    def _plan(self) -> tuple[list[tuple[_Slot, list[int]]], dict[LoraAdapter, float]]:
+        """Fill the batch: next tokens first (one each), then prompt chunks while room is left.
+        One batch applies one set of adapters: slots whose next tokens need another set
+        (a per-request ``lora``, or an aLoRA prompt before its invocation) wait for a later
+        step; the set that goes first rotates from slot to slot, so none starves."""
         planned: list[tuple[_Slot, list[int]]] = []
         rows: list[tuple[list[int], int, int, bool]] = []
         room = self.batch.capacity
         busy = [(len(s.job.todo), s, s.job) for s in self.slots if s.job and s.job.todo]
+        n = len(self.slots)
+        order = [self.slots[(self._turn + i) % n] for i in range(n)]
+        lead = next((s for s in order if s.job and s.job.todo), None)
+        self._turn = (self._turn + 1) % n
+        lora = {} if lead is None else lead.kv.plan.at(len(lead.kv.tokens))
         for _, slot, job in sorted(busy, key=lambda entry: entry[0]):
             assert job.todo is not None
-            taken, job.todo = job.todo[:room], job.todo[room:]
+            position, plan = len(slot.kv.tokens), slot.kv.plan
+            if plan.at(position) != lora:
+                continue
+            limit = room
+            if position < plan.start and plan.adapters:  # aLoRA: stop where it starts to apply
+                limit = min(room, plan.start - position)
+            taken, job.todo = job.todo[:limit], job.todo[limit:]
             if not taken:
                 break
             room -= len(taken)
             planned.append((slot, taken))
             rows.append((taken, len(slot.kv.tokens), slot.kv.seq_id, not job.todo))
         if not rows:
-            return planned
+            return planned, lora
         lengths = [len(r[0]) for r in rows]
         ends = np.cumsum(lengths)
         logits = np.zeros(int(ends[-1]), dtype=np.int8)
@@ -267,7 +283,7 @@ class Scheduler:
             np.repeat([r[2] for r in rows], lengths),
             logits,
         )
-        return planned
+        return planned, lora
 
     def _sample(self, slot: _Slot) -> None:
         job = slot.job

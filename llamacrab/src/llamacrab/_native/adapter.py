@@ -45,6 +45,11 @@ class LoraAdapter(NativeHandle):
             super().__init__(pointer, lib.llama_adapter_lora_free, model)
         self.model = model
         self.path = file
+        with self.in_flight() as adapter:
+            count = int(lib.llama_adapter_get_alora_n_invocation_tokens(adapter))
+            tokens = lib.llama_adapter_get_alora_invocation_tokens(adapter)
+            # aLoRA: the adapter applies from the last occurrence of these tokens in a prompt.
+            self.alora_invocation_tokens = tuple(int(tokens[i]) for i in range(count))
         # What prompt caches tell adapters apart by, across processes too: the file as loaded.
         self.identity = f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
 

@@ -25,6 +25,7 @@ from llamacrab._exceptions import (
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.call import call, ffi, lib
+from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
@@ -177,7 +178,9 @@ class Context(NativeHandle):
         self.model = model
         self.params = params
         self._busy = threading.Lock()
-        self._adapters: dict[LoraAdapter, float] = {}
+        self._adapters: dict[LoraAdapter, float] = {}  # the default set
+        self._applied: dict[LoraAdapter, float] = {}  # what llama.cpp applies now (scale != 0)
+        self._cvec: tuple[ControlVector, int, int] | None = None
         self._guards: weakref.WeakSet[WeightsGuard] = weakref.WeakSet()
         # Bumped by every change of the adapters: KV computed under an older value is stale.
         self.weights_generation = 0
@@ -217,13 +220,17 @@ class Context(NativeHandle):
         closing context stays cancelled). Called holding ``exclusive()``."""
         self._cancel_flag[0] = 1 if self._closing else 0
 
-    def decode(self, batch: Batch) -> None:
+    def decode(self, batch: Batch, lora: Mapping[LoraAdapter, float] | None = None) -> None:
+        """Decode ``batch`` with the adapters ``lora`` (None: the default set, see
+        ``set_lora_adapters``); the caller keeps track of which KV was computed with which."""
         if batch.struct.n_tokens > self.max_decode:
             raise ContextOverflowError(
                 f"a batch of {batch.struct.n_tokens} tokens exceeds the {self.max_decode} this "
                 "context decodes at once"
             )
+        wanted = self._adapters if lora is None else lora
         with self.exclusive() as ctx:
+            self._apply_lora(ctx, wanted)
             self.arm_cancel()
             status = call("llama_decode", ctx, batch.value)
         if status == 0:
@@ -302,24 +309,94 @@ class Context(NativeHandle):
         self._guards.add(guard)
 
     def set_lora_adapters(self, adapters: Mapping[LoraAdapter, float]) -> None:
-        """Apply exactly these adapters with these scales (an empty mapping removes all).
-        A guard may refuse first; a change bumps ``weights_generation`` and ``kv_fingerprint``,
-        so the KV memory computed with the old weights is never reused."""
-        for adapter in adapters:
-            if adapter.model is not self.model:
-                raise InvalidParameterError(f"{adapter!r} was loaded for another model")
-        pointers = ffi.new("struct llama_adapter_lora *[]", [a.pointer for a in adapters])
-        scales = ffi.new("float[]", [float(s) for s in adapters.values()])
+        """Make these adapters with these scales the default set (an empty mapping: none),
+        the one every decode without its own set applies. A guard may refuse first; a change
+        bumps ``weights_generation`` and ``kv_fingerprint``, so the KV memory computed with
+        the old weights is never reused."""
+        self.check_lora(adapters)
         with self._guarded_change():
             with self.exclusive() as ctx:
-                status = call("llama_set_adapters_lora", ctx, pointers, len(adapters), scales)
-            if status != 0:
-                raise InvalidParameterError(f"llama.cpp refused the adapters (status {status})")
+                self._apply_lora(ctx, adapters)
             for old in self._adapters:
-                old._unused_by(self)
+                if old not in self._applied:
+                    old._unused_by(self)
             self._adapters = dict(adapters)
-            for adapter in self._adapters:
-                adapter._used_by(self)
+            self.weights_generation += 1
+            self.kv_fingerprint = self._fingerprint()
+
+    def check_lora(self, adapters: Mapping[LoraAdapter, float]) -> None:
+        """Raise unless every adapter is an open adapter of this model, with a finite scale."""
+        for adapter, scale in adapters.items():
+            if adapter.model is not self.model:
+                raise InvalidParameterError(f"{adapter!r} was loaded for another model")
+            if not isinstance(scale, int | float) or not np.isfinite(scale):
+                raise InvalidParameterError(f"the scale of {adapter!r} is {scale!r}, not a number")
+            adapter.pointer  # noqa: B018 -- raises ClosedHandleError for a closed adapter
+
+    def use_lora(self, lora: Mapping[LoraAdapter, float] | None) -> None:
+        """Have llama.cpp apply ``lora`` (None: the default set) from now on, for decodes
+        made outside ``decode`` (libmtmd's)."""
+        with self.exclusive() as ctx:
+            self._apply_lora(ctx, self._adapters if lora is None else lora)
+
+    def _apply_lora(self, ctx: Any, adapters: Mapping[LoraAdapter, float]) -> None:
+        """Called holding ``exclusive()``: llama.cpp skips zero scales, so they are left out.
+        The order it adds the deltas in follows the order of insertion: one canonical order
+        makes a set give the same bits however a caller orders it."""
+        ordered = sorted(adapters.items(), key=lambda item: (item[0].identity, id(item[0])))
+        wanted = {a: float(s) for a, s in ordered if s != 0}
+        self.check_lora(wanted)  # a closed adapter raises, even one llama.cpp still holds
+        if wanted == self._applied:
+            return
+        for adapter in wanted:
+            adapter._used_by(self)  # from now on, closing it removes it from this context
+        with ExitStack() as stack:  # none of them is freed during the call
+            held = [stack.enter_context(a.in_flight()) for a in wanted]
+            pointers = ffi.new("struct llama_adapter_lora *[]", held)
+            scales = ffi.new("float[]", list(wanted.values()))
+            status = call("llama_set_adapters_lora", ctx, pointers, len(wanted), scales)
+        if status != 0:
+            raise InvalidParameterError(f"llama.cpp refused the adapters (status {status})")
+        for old in self._applied:
+            if old not in self._adapters:
+                old._unused_by(self)
+        self._applied = wanted
+        for adapter in self._adapters:
+            adapter._used_by(self)
+
+    # -- control vectors -----------------------------------------------------------------------
+
+    @property
+    def control_vector(self) -> tuple[ControlVector, int, int] | None:
+        """The control vector applied and its layer range (inclusive), or None."""
+        return self._cvec
+
+    def set_control_vector(
+        self, vector: ControlVector | None, layers: tuple[int, int] | None = None
+    ) -> None:
+        """Add ``vector``'s directions to the hidden state of layers ``layers`` (first and
+        last, inclusive; default: every layer it can apply to, 1..n_layer), or remove the
+        control vector (None). Checked against the model first; like an adapter change, it
+        bumps ``weights_generation`` (refused while parallel slots generate)."""
+        model = self.model
+        n_layer = model.n_layer
+        start, end = layers if layers is not None else (1, n_layer)
+        if vector is not None:
+            arch = model.metadata.get("general.architecture", "")
+            vector.check(arch, model.n_embd, n_layer, start, end)
+            data = np.ascontiguousarray(vector.directions, dtype=np.float32)
+        with self._guarded_change():
+            with self.exclusive() as ctx:
+                if vector is None:
+                    status = call("llama_set_adapter_cvec", ctx, ffi.NULL, 0, 0, -1, -1)
+                else:
+                    buffer = ffi.from_buffer("float[]", data)
+                    status = call("llama_set_adapter_cvec", ctx, buffer, data.size,
+                                  vector.n_embd, start, end)  # fmt: skip
+            if status != 0:
+                reason = log_lines.take_last_error() or "see the llamacrab logger"
+                raise InvalidParameterError(f"llama.cpp refused the control vector: {reason}")
+            self._cvec = None if vector is None else (vector, start, end)
             self.weights_generation += 1
             self.kv_fingerprint = self._fingerprint()
 
@@ -332,18 +409,35 @@ class Context(NativeHandle):
             yield
 
     def _fingerprint(self) -> bytes:
+        return self.fingerprint(self._adapters)
+
+    def fingerprint(self, lora: Mapping[LoraAdapter, float], lora_start: int = 0) -> bytes:
+        """What, besides the tokens, decides the KV memory computed with the adapters ``lora``
+        (from position ``lora_start`` on; before it without adapters)."""
         digest = hashlib.sha256(self.model.identity)
         for name in KV_SETTINGS:
             digest.update(f"{name}={getattr(self.params, name)!r}\n".encode())
+        if self._cvec is not None:
+            vector, start, end = self._cvec
+            digest.update(f"cvec={vector.identity}@{start}..{end}\n".encode())
         # llama.cpp skips a zero scale; its order of application is its own, not ours.
-        adapters = sorted((a.identity, float(s)) for a, s in self._adapters.items() if s != 0)
+        adapters = sorted((a.identity, float(s)) for a, s in lora.items() if s != 0)
         for identity, scale in adapters:
             digest.update(f"lora={identity}@{scale!r}\n".encode())
+        if adapters and lora_start:
+            digest.update(f"lora_start={lora_start}\n".encode())
         return digest.digest()
 
     def remove_lora_adapter(self, adapter: LoraAdapter) -> None:
-        if adapter in self._adapters and not self.closed:
+        if self.closed or (adapter not in self._adapters and adapter not in self._applied):
+            return
+        if adapter in self._adapters:
             self.set_lora_adapters({a: s for a, s in self._adapters.items() if a is not adapter})
+        if adapter in self._applied:  # set for a request: back to the default set
+            with self._guarded_change():
+                with self.exclusive() as ctx:
+                    self._apply_lora(ctx, self._adapters)
+                self.weights_generation += 1  # KV computed with it is stale
 
     # -- KV memory -----------------------------------------------------------------------------
 

@@ -1046,6 +1046,15 @@ def _read_file(path: Path) -> tuple[_Reader, dict[str, Any], list[Any]]:
     return reader, metadata, tensors
 
 
+def read_gguf_tensors(path: Path) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]]]:
+    """The metadata and tensors of one file, its header checked: each tensor's name,
+    dimensions, GGML type and the absolute file offset of its data (within the file)."""
+    reader, metadata, tensors = _read_file(path)
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    data_start = -(-reader.offset // alignment) * alignment
+    return metadata, [(name, dims, kind, data_start + at) for name, dims, kind, at in tensors]
+
+
 def split_parts(path: Path, count: int) -> list[Path]:
     """Every file of a split model, from its first part ``name-00001-of-0000N.gguf``."""
     match = _SPLIT_NAME.match(path.name)

@@ -25,7 +25,9 @@ from llamacrab.server._anthropic import add_anthropic_routes
 from llamacrab.server._cors import CorsMiddleware
 from llamacrab.server._errors import ApiError, from_llama_error
 from llamacrab.server._guards import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from llamacrab.server._llama_kwargs import llama_kwargs
 from llamacrab.server._llama_server import add_llama_server_routes
+from llamacrab.server._lora import add_lora_routes, request_lora
 from llamacrab.server._models import (
     ModelLeaseMiddleware,
     add_model_routes,
@@ -59,6 +61,8 @@ from llamacrab.server._streaming import ERRORS, generate, in_thread
 def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
     """The application. Without ``llama`` it loads ``settings.model`` in the background
     (``/health`` answers 503 until it is ready)."""
+    if not settings.multi_model:
+        llama_kwargs(settings)  # model flags that cannot work together fail at start
     state = ServerState(settings, llama)
 
     @asynccontextmanager
@@ -94,6 +98,7 @@ def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
     add_responses_routes(app, state)
     add_anthropic_routes(app, state)
     add_llama_server_routes(app, state)
+    add_lora_routes(app, state)
     return app
 
 
@@ -149,6 +154,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         prompt, kwargs = wire.completion_prompt(body), wire.completion_kwargs(body, settings)
+        kwargs.update(request_lora(body.lora, llama))
         return await generate(
             state, client, body, partial(llama.stream_completion, prompt, **kwargs),
             partial(llama.create_completion, prompt, **kwargs),
@@ -159,6 +165,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         kwargs = wire.chat_kwargs(body, settings)
+        kwargs.update(request_lora(body.lora, llama))
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         return await generate(
             state, client, body, partial(llama.stream_chat_completion, messages, **kwargs),

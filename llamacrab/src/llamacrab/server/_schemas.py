@@ -21,6 +21,13 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class LoraEntry(BaseModel):
+    """One LoRA adapter of the server (its id in GET /lora-adapters) and its scale."""
+
+    id: int
+    scale: float = Field(allow_inf_nan=False)
+
+
 class GenerationFields(_Lenient):
     """Fields shared by completions and chat completions (llama.cpp's samplers included)."""
 
@@ -38,6 +45,7 @@ class GenerationFields(_Lenient):
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
+    lora: list[LoraEntry] | None = None  # this request's adapter scales (others: 0)
     seed: int | None = None
     stop: str | list[str] | None = None
     min_tokens: int | None = Field(None, ge=0)

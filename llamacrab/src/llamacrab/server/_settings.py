@@ -67,6 +67,27 @@ class ServerSettings:
     models_max: int | None = None  # models loaded at once (least recently used unload first)
     models_memory: str | None = None  # memory budget of the loaded models ("6GiB")
     keep_alive: float | None = None  # seconds an idle model stays loaded
+    # Adapters, control vectors, speculative decoding, prompt cache, KV types, rope: the
+    # Llama keywords they become are llama_kwargs's (server/_llama_kwargs.py).
+    lora: tuple[str, ...] = ()  # adapter files (scale 1); ids 0, 1, ... in this order
+    lora_scaled: tuple[str, ...] = ()  # FILE:SCALE, after the --lora ones
+    control_vectors: tuple[str, ...] = ()
+    control_vectors_scaled: tuple[str, ...] = ()  # FILE:SCALE
+    control_vector_layer_range: tuple[int, int] | None = None  # first, last (inclusive)
+    model_draft: str | None = None
+    draft_max: int | None = None
+    n_gpu_layers_draft: int | None = None
+    lookup_ngram: int | None = None  # prompt lookup (n-gram drafting) up to this n-gram
+    cache_ram: int | None = None  # MiB; -1 no limit, 0 off
+    cache_disk: str | None = None  # a directory
+    cache_disk_size: int | None = None  # MiB
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    rope_scaling: str | None = None
+    rope_freq_base: float | None = None
+    rope_freq_scale: float | None = None
+    yarn_orig_ctx: int | None = None
+    yarn_ext_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.flash_attn not in FLASH_ATTN:
@@ -104,6 +125,10 @@ class ServerSettings:
         if self.slot_save_path is not None and not Path(self.slot_save_path).is_dir():
             raise InvalidParameterError(
                 f"slot_save_path {self.slot_save_path!r} is not an existing directory"
+            )
+        if self.control_vector_layer_range is not None:
+            object.__setattr__(
+                self, "control_vector_layer_range", tuple(self.control_vector_layer_range)
             )
 
     @property
@@ -188,6 +213,11 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def _pair(text: str) -> int:
+    """The type of a flag taking two integers (START END)."""
+    return int(text)
+
+
 # name, type (bool: a switch; list: repeatable), help; defaults come from ServerSettings.
 _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("model_alias", str, "the model id clients send and /v1/models lists"),
@@ -232,6 +262,25 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("models_max", int, "most models loaded at once; the least recently used unloads"),
     ("models_memory", str, "memory budget of the loaded models, e.g. 6GiB (estimated)"),
     ("keep_alive", float, "seconds an idle model stays loaded (default: until evicted)"),
+    ("lora", list, "LoRA adapter file, scale 1 (repeatable; ids 0, 1, ... in order)"),
+    ("lora_scaled", list, "LoRA adapter as FILE:SCALE (repeatable; after the --lora ones)"),
+    ("control_vector", list, "control-vector GGUF file (repeatable; vectors add up)"),
+    ("control_vector_scaled", list, "control vector as FILE:STRENGTH (repeatable)"),
+    ("control_vector_layer_range", _pair, "first and last layer the control vectors apply to"),
+    ("model_draft", str, "draft model GGUF for speculative decoding (needs --parallel 1)"),
+    ("draft_max", int, "most tokens drafted per step (default 8; 32 for --lookup-ngram)"),
+    ("n_gpu_layers_draft", int, "layers of the draft model to offload to a GPU"),
+    ("lookup_ngram", int, "speculative decoding by prompt lookup up to this n-gram"),
+    ("cache_ram", int, "prompt cache in RAM of N MiB (-1: no limit; 0: off)"),
+    ("cache_disk", str, "prompt cache directory on disk (kept across restarts)"),
+    ("cache_disk_size", int, "largest size of the --cache-disk directory in MiB (default 8192)"),
+    ("cache_type_k", str, "KV cache type of K: f16, f32, bf16, q8_0, q4_0, q4_1, q5_0, q5_1"),
+    ("cache_type_v", str, "KV cache type of V (the same types; quantized V needs flash attn)"),
+    ("rope_scaling", str, "RoPE scaling: none, linear, yarn, longrope (default: the model's)"),
+    ("rope_freq_base", float, "RoPE base frequency (default: the model's)"),
+    ("rope_freq_scale", float, "RoPE frequency scale, 1/N to extend the context N times"),
+    ("yarn_orig_ctx", int, "YaRN: the model's original context length"),
+    ("yarn_ext_factor", float, "YaRN: extrapolation mix factor (-1: the model's)"),
 ]
 _PLURAL = {"api_key": "api_keys", "cors_origin": "cors_origins"}
 
@@ -255,6 +304,10 @@ def add_arguments(
         elif kind is list:
             items = [] if raw is None else [v.strip() for v in raw.split(",") if v.strip()]
             parser.add_argument(_flag(name), action="append", default=items, help=help_text)
+        elif kind is _pair:  # two integers: START END (env: "START,END")
+            pair = None if raw is None else [int(v) for v in raw.replace(",", " ").split()]
+            parser.add_argument(_flag(name), type=int, nargs=2, metavar=("START", "END"),
+                                default=pair, help=help_text)  # fmt: skip
         else:
             parser.add_argument(
                 _flag(name), type=kind, default=None if raw is None else kind(raw), help=help_text
@@ -283,3 +336,8 @@ def parse_settings(
     parser = argparse.ArgumentParser(prog="llamacrab serve")
     add_arguments(parser, environ)
     return settings_from_args(parser.parse_args(argv))
+
+
+# The model flags' repeatable options and the ServerSettings fields they fill.
+_PLURAL.update(lora="lora", lora_scaled="lora_scaled", control_vector="control_vectors",
+               control_vector_scaled="control_vectors_scaled")  # fmt: skip

@@ -11,13 +11,13 @@ from typing import Any
 from llamacrab import (
     InvalidParameterError,
     LlamaError,
-    MediaPolicy,
     ModelRegistry,
     TemplateError,
     UnknownModelError,
 )
 from llamacrab._llama import Llama
 from llamacrab.server._errors import ApiError
+from llamacrab.server._llama_kwargs import llama_kwargs
 from llamacrab.server._metrics import Metrics
 from llamacrab.server._models import lease_error, open_registry, refusal
 from llamacrab.server._settings import ServerSettings
@@ -25,30 +25,17 @@ from llamacrab.server._settings import ServerSettings
 log = logging.getLogger("llamacrab.server")
 
 
+_FACADE_OPTIONS = ("parallel", "max_queue", "chat_format", "mmproj", "media_policy",
+                   "draft_model", "prompt_lookup", "draft_max", "draft_n_gpu_layers",
+                   "prompt_cache", "prompt_cache_bytes", "lora", "control_vectors",
+                   "control_vector_layers")  # fmt: skip
+
+
 def open_llama(settings: ServerSettings) -> Llama:
     """The Llama the settings describe (a path or a Hub repository)."""
-    options: dict[str, Any] = {
-        "n_batch": settings.n_batch, "n_ubatch": settings.n_ubatch,
-        "n_threads": settings.n_threads, "n_gpu_layers": settings.n_gpu_layers,
-        "flash_attn": settings.flash_attn, "filename": settings.hf_filename,
-        "revision": settings.hf_revision, "token": settings.hf_token,
-        "cache_dir": settings.hf_cache_dir, "endpoint": settings.hf_endpoint,
-        "offline": settings.hf_offline, "mmproj": settings.hf_mmproj or None,
-    }  # fmt: skip
-    if settings.embeddings or settings.reranking:
-        pooling = "rank" if settings.reranking else settings.pooling
-        options.update(embeddings=True, pooling=pooling, n_ctx=settings.n_ctx)
-        extra: dict[str, Any] = {}
-    else:
-        options["n_ctx"] = settings.n_ctx or 4096 * settings.parallel
-        # Clients send media inline (data: URLs): they cannot make the server read its files
-        # or fetch URLs.
-        policy = MediaPolicy(local_files=False, remote=False, max_media=settings.max_media,
-                             max_bytes=settings.max_body_bytes)  # fmt: skip
-        extra = {"parallel": settings.parallel, "max_queue": settings.max_queue,
-                 "chat_format": settings.chat_template, "mmproj": settings.mmproj,
-                 "media_policy": policy}  # fmt: skip
-    given = {k: v for k, v in options.items() if v is not None}
+    given = llama_kwargs(settings)
+    # Not model or context parameters: a preset does not replace them.
+    extra = {k: given.pop(k) for k in _FACADE_OPTIONS if k in given}
     if settings.preset is not None:
         given = _under_flags(settings, given)
     llama = Llama(settings.model, **extra, **given)

@@ -1,0 +1,273 @@
+"""Adapters per request and control vectors: exact at scale 0, deterministic otherwise, refused
+cleanly for another model, and parallel slots running different adapter sets side by side."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamacrab import (
+    ControlVector,
+    InvalidModelError,
+    InvalidParameterError,
+    Llama,
+    ModelLoadError,
+    RamCache,
+)
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+
+PROMPT = "the cat sat on the mat"
+GREEDY = {"max_tokens": 12, "temperature": 0.0}
+INVOCATION = [5, 6]  # tokens that invoke the tiny aLoRA adapter
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("adapters")
+    return {
+        "lora": tiny.write_tiny_lora(d / "lora.gguf"),
+        "lora2": tiny.write_tiny_lora(d / "lora2.gguf", seed=7),
+        "alora": tiny.write_tiny_lora(d / "alora.gguf", invocation_tokens=INVOCATION),
+        "alora_plain": tiny.write_tiny_lora(d / "alora-plain.gguf"),  # same weights, no aLoRA
+        "qwen_lora": tiny.write_tiny_lora(d / "qwen-lora.gguf", arch="qwen2"),
+        "cvec": tiny.write_tiny_control_vector(d / "cvec.gguf"),
+        "cvec_narrow": tiny.write_tiny_control_vector(d / "narrow.gguf", n_embd=32),
+        "cvec_deep": tiny.write_tiny_control_vector(d / "deep.gguf", layers=(1, 2, 3, 4)),
+        "cvec_qwen": tiny.write_tiny_control_vector(d / "qwen.gguf", model_hint="qwen2"),
+    }
+
+
+def prompt_logits(llm: Llama, prompt: str | list[int] = PROMPT, **kwargs: object) -> np.ndarray:
+    """The logits after the whole prompt, decoded afresh (a reused prefix would decode the
+    rest in another batch shape, whose arithmetic may differ in the last bits)."""
+    llm.reset()
+    llm.create_completion(prompt, max_tokens=0, **kwargs)  # type: ignore[arg-type]
+    return llm.context.logits()
+
+
+# -- control vectors ---------------------------------------------------------------------------
+
+
+def test_control_vector_at_strength_zero_is_the_base_model_bit_for_bit(
+    tiny_llama: Llama, files: dict[str, Path]
+) -> None:
+    base = prompt_logits(tiny_llama)
+    tiny_llama.set_control_vector([(files["cvec"], 0.0)])
+    assert np.array_equal(prompt_logits(tiny_llama), base)
+    tiny_llama.set_control_vector(None)
+    assert np.array_equal(prompt_logits(tiny_llama), base)
+
+
+def test_control_vector_changes_the_logits_deterministically(
+    tiny_llama: Llama, files: dict[str, Path]
+) -> None:
+    base = prompt_logits(tiny_llama)
+    tiny_llama.set_control_vector([files["cvec"]])
+    steered = prompt_logits(tiny_llama)
+    assert not np.allclose(steered, base)
+    tiny_llama.reset()
+    assert np.array_equal(prompt_logits(tiny_llama), steered)
+    # Two files add up: the vector at strength 0.5 twice is the vector at strength 1.
+    tiny_llama.set_control_vector([(files["cvec"], 0.5), (files["cvec"], 0.5)])
+    assert np.array_equal(prompt_logits(tiny_llama), steered)
+    # Applied to no layer that holds a direction (layer 2 of 2 has none): the base model.
+    tiny_llama.set_control_vector([files["cvec"]], layers=(2, 2))
+    assert np.array_equal(prompt_logits(tiny_llama), base)
+
+
+def test_control_vector_from_the_constructor(tiny_model_path: Path, files: dict[str, Path]) -> None:
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2) as llm:
+        llm.set_control_vector([files["cvec"]], layers=(1, 2))
+        steered = prompt_logits(llm)
+    options = {"control_vectors": [str(files["cvec"])], "control_vector_layers": [1, 2]}
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, **options) as llm:
+        vector, start, end = llm.context.control_vector  # type: ignore[misc]
+        assert (vector.n_embd, start, end) == (64, 1, 2)
+        assert np.array_equal(prompt_logits(llm), steered)
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "match"),
+    [
+        ("cvec_narrow", None, "32 values per layer; this model's n_embd is 64"),
+        ("cvec_deep", None, "direction for layer 4; this model has 2 layers"),
+        ("cvec_qwen", None, "made for a qwen2 model; this one is llama"),
+        ("cvec", (0, 2), "layer range 0..2 is outside this model's layers 1..2"),
+        ("cvec", (1, 3), "layer range 1..3 is outside this model's layers 1..2"),
+        ("cvec", (2, 1), "layer range 2..1"),
+    ],
+)
+def test_control_vector_for_another_model_or_layers_outside_it_is_a_clear_error(
+    tiny_llama: Llama,
+    files: dict[str, Path],
+    name: str,
+    layers: tuple[int, int] | None,
+    match: str,
+) -> None:
+    base = prompt_logits(tiny_llama)
+    with pytest.raises(InvalidParameterError, match=match):
+        tiny_llama.set_control_vector([files[name]], layers=layers)
+    assert tiny_llama.context.control_vector is None
+    assert np.array_equal(prompt_logits(tiny_llama), base)
+
+
+def test_malformed_control_vector_files_are_refused(
+    tmp_path: Path, files: dict[str, Path], tiny_model_path: Path
+) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(files["cvec"].read_bytes()[:-40])
+    with pytest.raises(InvalidModelError, match="outside the file"):
+        ControlVector.load([truncated])
+    with pytest.raises(InvalidModelError, match="not a direction"):
+        ControlVector.load([tiny_model_path])  # a model, not a control vector
+    with pytest.raises(InvalidModelError, match="other files have"):
+        ControlVector.load([files["cvec"], files["cvec_narrow"]])
+    with pytest.raises(InvalidParameterError, match="not found"):
+        ControlVector.load([tmp_path / "missing.gguf"])
+
+
+# -- LoRA per request --------------------------------------------------------------------------
+
+
+def test_lora_per_request_at_scale_zero_is_the_base_model_bit_for_bit(
+    tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, lora=[str(files["lora"])]) as llm:
+        (adapter,) = llm.adapters
+        adapted = prompt_logits(llm)  # the default: scale 1
+        base = prompt_logits(llm, lora={adapter: 0.0})
+        assert not np.allclose(adapted, base)
+        assert np.array_equal(prompt_logits(llm, lora={}), base)
+        # The default set is untouched by a request's own.
+        assert llm.lora_adapters == {adapter: 1.0}
+        assert np.array_equal(prompt_logits(llm), adapted)
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2) as plain:
+        assert np.array_equal(prompt_logits(plain), base)
+
+
+def test_lora_per_request_is_deterministic_and_scales(
+    tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    lora = [(str(files["lora"]), 0.0), (str(files["lora2"]), 0.0)]
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, lora=lora) as llm:
+        one, two = llm.adapters
+        half = prompt_logits(llm, lora={one: 0.5})
+        full = prompt_logits(llm, lora={one: 1.0})
+        both = prompt_logits(llm, lora={one: 1.0, two: 1.0})
+        assert not np.allclose(half, full) and not np.allclose(full, both)
+        llm.reset()
+        assert np.array_equal(prompt_logits(llm, lora={one: 0.5}), half)
+        assert np.array_equal(prompt_logits(llm, lora={two: 1.0, one: 1.0}), both)
+
+
+def test_lora_per_request_never_reuses_kv_of_another_set(
+    tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    cache = RamCache(capacity_bytes=64 << 20)
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, lora=[(str(files["lora"]), 0.0)],
+               cache=cache) as llm:  # fmt: skip
+        (adapter,) = llm.adapters
+        reusable = len(llm.tokenize(PROMPT)) - 1
+        assert llm.create_completion(PROMPT, max_tokens=0).usage.cached_tokens == 0
+        again = llm.create_completion(PROMPT, max_tokens=0, lora={adapter: 1.0})
+        assert again.usage.cached_tokens == 0
+        llm.reset()  # only the cache can help now: it keeps a state per adapter set
+        adapted = llm.create_completion(PROMPT, max_tokens=0, lora={adapter: 1.0})
+        assert adapted.usage.cached_tokens == reusable
+        assert llm.create_completion(PROMPT, max_tokens=0).usage.cached_tokens == reusable
+
+
+def test_an_adapter_for_another_architecture_is_a_clear_error(
+    tiny_llama: Llama, files: dict[str, Path], tiny_model_path: Path
+) -> None:
+    with pytest.raises(ModelLoadError, match="arch mismatch"):
+        tiny_llama.load_lora(files["qwen_lora"])
+    with pytest.raises(ModelLoadError, match="arch mismatch"):
+        Llama(tiny_model_path, n_ctx=64, lora=[str(files["qwen_lora"])])
+    with Llama(tiny_model_path, n_ctx=64, n_threads=2) as other:
+        foreign = other.load_lora(files["lora"], scale=0.0)
+        with pytest.raises(InvalidParameterError, match="another model"):
+            tiny_llama.create_completion(PROMPT, max_tokens=1, lora={foreign: 1.0})
+    own = tiny_llama.load_lora(files["lora"], scale=0.0)
+    with pytest.raises(InvalidParameterError, match="not a number"):
+        tiny_llama.create_completion(PROMPT, max_tokens=1, lora={own: float("nan")})
+
+
+def test_parallel_slots_run_requests_with_different_adapter_sets(
+    tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    lora = [(str(files["lora"]), 0.0), (str(files["lora2"]), 0.0)]
+    with Llama(tiny_model_path, n_ctx=256, n_threads=2, lora=lora) as one:
+        a, b = one.adapters
+        sets = {"base": {}, "a": {a: 1.0}, "b": {b: 0.7}}
+        reference = {
+            name: one.create_completion(PROMPT, lora=s, **GREEDY).choices[0].tokens
+            for name, s in sets.items()
+        }
+    assert len(set(reference.values())) == 3  # three different answers
+    with Llama(tiny_model_path, n_ctx=3 * 256, n_threads=2, parallel=3, lora=lora) as llm:
+        a, b = llm.adapters
+        sets = {"base": {}, "a": {a: 1.0}, "b": {b: 0.7}}
+        for _ in range(2):  # the second round reuses each slot's prompt where it may
+            results: dict[str, tuple[int, ...]] = {}
+            start = threading.Barrier(3)
+
+            def run(
+                name: str, results: dict[str, tuple[int, ...]], start: threading.Barrier
+            ) -> None:
+                start.wait()
+                choice = llm.create_completion(PROMPT, lora=sets[name], **GREEDY).choices[0]
+                results[name] = choice.tokens
+
+            threads = [threading.Thread(target=run, args=(name, results, start)) for name in sets]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert results == reference
+
+
+# -- aLoRA -------------------------------------------------------------------------------------
+
+
+def test_alora_applies_from_its_invocation_tokens(
+    tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    lora = [(str(files["alora"]), 0.0), (str(files["alora_plain"]), 0.0)]
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, lora=lora) as llm:
+        alora, plain = llm.adapters
+        assert alora.alora_invocation_tokens == tuple(INVOCATION)
+        assert plain.alora_invocation_tokens == ()
+        invoked = [1, 200, 201, 202, *INVOCATION, 203, 204]
+        base = prompt_logits(llm, invoked)
+        activated = prompt_logits(llm, invoked, lora={alora: 1.0})
+        everywhere = prompt_logits(llm, invoked, lora={plain: 1.0})
+        assert not np.allclose(activated, base) and not np.allclose(activated, everywhere)
+        llm.reset()
+        assert np.array_equal(prompt_logits(llm, invoked, lora={alora: 1.0}), activated)
+        # The base model's KV of the prompt before the invocation is reused.
+        prompt_logits(llm, invoked)
+        reused = llm.create_completion(invoked, max_tokens=0, lora={alora: 1.0})
+        assert reused.usage.cached_tokens == 4
+        assert np.allclose(llm.context.logits(), activated, atol=1e-5)
+        # Not invoked: the base model.
+        plain_prompt = [1, 200, 201, 202, 203]
+        expected = prompt_logits(llm, plain_prompt)
+        assert np.array_equal(prompt_logits(llm, plain_prompt, lora={alora: 1.0}), expected)
+
+
+def test_two_alora_adapters_at_once_are_refused(
+    tiny_model_path: Path, files: dict[str, Path], tmp_path: Path
+) -> None:
+    second = tiny.write_tiny_lora(tmp_path / "alora2.gguf", seed=9, invocation_tokens=[7])
+    lora = [(str(files["alora"]), 0.0), (str(second), 0.0)]
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, lora=lora) as llm:
+        first, other = llm.adapters
+        with pytest.raises(InvalidParameterError, match="aLoRA adapter runs alone"):
+            llm.create_completion([1, 5, 6, 7], max_tokens=1, lora={first: 1.0, other: 1.0})

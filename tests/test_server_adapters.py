@@ -1,0 +1,230 @@
+"""The server's model flags (adapters, control vectors, speculative decoding, caches, KV types,
+rope) as Llama keywords, LoRA adapters per request on parallel slots, and /lora-adapters."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+
+from llamacrab import InvalidParameterError, Llama
+from llamacrab.server import ServerSettings, parse_settings
+from llamacrab.server._llama_kwargs import llama_kwargs
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+
+PROMPT = "the cat sat on the mat"
+GREEDY = {"max_tokens": 10, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("server-adapters")
+    return {
+        "lora": tiny.write_tiny_lora(d / "lora.gguf"),
+        "lora2": tiny.write_tiny_lora(d / "lora2.gguf", seed=7),
+        "alora": tiny.write_tiny_lora(d / "alora.gguf", seed=5, invocation_tokens=[5, 6]),
+        "cvec": tiny.write_tiny_control_vector(d / "cvec.gguf"),
+        "draft": tiny.write_tiny_draft(d / "draft.gguf", tiny_model_path),
+    }
+
+
+# -- flags -> Llama keywords -------------------------------------------------------------------
+
+
+def test_every_model_flag_becomes_a_llama_keyword(tmp_path: Path) -> None:
+    settings = parse_settings([
+        "m.gguf", "--lora", "a.gguf,b.gguf", "--lora-scaled", "c.gguf:0.5",
+        "--control-vector", "v.gguf", "--control-vector-scaled", "w.gguf:-1.5",
+        "--control-vector-layer-range", "2", "5", "--lookup-ngram", "3", "--draft-max", "12",
+        "--cache-disk", str(tmp_path), "--cache-disk-size", "64", "--cache-type-k", "q8_0",
+        "--cache-type-v", "q8_0", "--rope-scaling", "yarn", "--rope-freq-base", "20000",
+        "--rope-freq-scale", "0.5", "--yarn-orig-ctx", "2048", "--yarn-ext-factor", "1.0",
+    ], environ={})  # fmt: skip
+    kwargs = llama_kwargs(settings)
+    assert kwargs["lora"] == (("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 0.5))
+    assert kwargs["control_vectors"] == (("v.gguf", 1.0), ("w.gguf", -1.5))
+    assert kwargs["control_vector_layers"] == (2, 5)
+    assert (kwargs["prompt_lookup"], kwargs["draft_max"]) == (3, 12)
+    assert "parallel" not in kwargs  # speculative decoding: one slot
+    assert kwargs["prompt_cache"] == str(tmp_path) and kwargs["prompt_cache_bytes"] == 64 << 20
+    assert (kwargs["type_k"], kwargs["type_v"], kwargs["rope_scaling"]) == ("q8_0", "q8_0", "yarn")
+    assert (kwargs["rope_freq_base"], kwargs["rope_freq_scale"]) == (20000.0, 0.5)
+    assert (kwargs["yarn_orig_ctx"], kwargs["yarn_ext_factor"]) == (2048, 1.0)
+    ram = llama_kwargs(parse_settings(["m.gguf", "--cache-ram", "16"], environ={}))
+    assert (ram["prompt_cache"], ram["prompt_cache_bytes"]) == ("ram", 16 << 20)
+    assert "prompt_cache" not in llama_kwargs(parse_settings(["m", "--cache-ram", "0"], environ={}))
+    env = {"LLAMACRAB_LORA": "x.gguf,y.gguf", "LLAMACRAB_CONTROL_VECTOR_LAYER_RANGE": "1,3",
+           "LLAMACRAB_CONTROL_VECTOR": "v.gguf", "LLAMACRAB_MODEL_DRAFT": "d.gguf"}  # fmt: skip
+    from_env = llama_kwargs(parse_settings([], environ={**env, "LLAMACRAB_MODEL": "m.gguf"}))
+    assert from_env["lora"] == (("x.gguf", 1.0), ("y.gguf", 1.0))
+    assert from_env["control_vector_layers"] == (1, 3)
+    assert from_env["draft_model"] == "d.gguf"
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--lora-scaled", "a.gguf"], "FILE:SCALE"),
+        (["--lora-scaled", "a.gguf:big"], "FILE:SCALE"),
+        (["--control-vector-layer-range", "1", "2"], "needs --control-vector"),
+        (["--model-draft", "d.gguf", "--parallel", "2"], "--parallel 1"),
+        (["--model-draft", "d.gguf", "--lookup-ngram", "2"], "not both"),
+        (["--draft-max", "4"], "needs --model-draft"),
+        (["--cache-ram", "8", "--cache-disk", "."], "not both"),
+        (["--embeddings", "--lora", "a.gguf"], "for generation"),
+    ],
+)
+def test_model_flags_that_cannot_work_are_refused_at_start(flags: list[str], match: str) -> None:
+    settings = parse_settings(["m.gguf", *flags], environ={})
+    with pytest.raises(InvalidParameterError, match=match):
+        llama_kwargs(settings)
+    from llamacrab.server import create_app
+
+    with pytest.raises(InvalidParameterError, match=match):
+        create_app(settings)
+
+
+# -- a live server -----------------------------------------------------------------------------
+
+
+def _running(settings: ServerSettings) -> Iterator[LiveServer]:
+    server = LiveServer(settings)
+    try:
+        server.wait_until_loaded()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model_path: Path, files: dict[str, Path]) -> Iterator[LiveServer]:
+    settings = ServerSettings(
+        model=str(tiny_model_path), n_ctx=2 * 256, n_threads=2, parallel=2, chat_template="chatml",
+        lora=(str(files["lora"]),), lora_scaled=(f"{files['lora2']}:0", f"{files['alora']}:0"),
+    )  # fmt: skip
+    yield from _running(settings)
+
+
+def _reference(tiny_model_path: Path, files: dict[str, Path]) -> dict[str, str]:
+    """Greedy texts of the Python API, one slot, for the default set, adapter 1 alone, none."""
+    lora = [(str(files["lora"]), 1.0), (str(files["lora2"]), 0.0)]
+    with Llama(tiny_model_path, n_ctx=256, n_threads=2, lora=lora) as llm:
+        one, two = llm.adapters
+        sets = {"default": None, "second": {one: 0.0, two: 0.5}, "none": {}}
+        return {name: llm.create_completion(PROMPT, lora=s, **GREEDY).text
+                for name, s in sets.items()}  # fmt: skip
+
+
+def test_lora_adapters_are_listed_as_llama_server_lists_them(
+    lora_server: LiveServer, files: dict[str, Path]
+) -> None:
+    adapters = httpx.get(lora_server.url + "/lora-adapters").json()
+    assert [(a["id"], a["path"], a["scale"]) for a in adapters] == [
+        (0, str(files["lora"]), 1.0), (1, str(files["lora2"]), 0.0), (2, str(files["alora"]), 0.0)
+    ]  # fmt: skip
+    assert {"task_name", "prompt_prefix"} <= set(adapters[0])
+    assert "alora_invocation_tokens" not in adapters[0]
+    assert adapters[2]["alora_invocation_tokens"] == [5, 6]
+    assert isinstance(adapters[2]["alora_invocation_string"], str)
+
+
+def test_lora_per_request_on_two_parallel_slots(
+    lora_server: LiveServer, tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    reference = _reference(tiny_model_path, files)
+    assert len(set(reference.values())) == 3
+    client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="x", max_retries=0)
+    bodies = {"default": None, "second": [{"id": 1, "scale": 0.5}], "none": [{"id": 0, "scale": 0}]}
+    for _ in range(2):  # the second round reuses the slots' prompts where it may
+        results: dict[str, str] = {}
+        start = threading.Barrier(3)
+
+        def run(name: str, results: dict[str, str], start: threading.Barrier) -> None:
+            extra = {} if bodies[name] is None else {"lora": bodies[name]}
+            start.wait()
+            answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10,
+                                               temperature=0.0, extra_body=extra)  # fmt: skip
+            results[name] = answer.choices[0].text
+
+        threads = [threading.Thread(target=run, args=(name, results, start)) for name in bodies]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results == reference
+    # Chat takes the field too.
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        extra_body={"lora": [{"id": 1, "scale": 0.5}]},
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_request_naming_an_unknown_adapter_is_a_400(lora_server: LiveServer) -> None:
+    response = httpx.post(lora_server.url + "/v1/completions",
+                          json={"prompt": PROMPT, "lora": [{"id": 7, "scale": 1.0}]})  # fmt: skip
+    assert response.status_code == 400
+    assert "no LoRA adapter with id 7" in response.json()["error"]["message"]
+    response = httpx.post(lora_server.url + "/lora-adapters", json=[{"id": -1, "scale": 1.0}])
+    assert response.status_code == 400
+
+
+def test_post_lora_adapters_sets_the_default_scales(
+    lora_server: LiveServer, tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    reference = _reference(tiny_model_path, files)
+    url = lora_server.url
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0.0}
+    try:
+        answer = httpx.post(url + "/lora-adapters", json=[{"id": 1, "scale": 0.5}])
+        assert answer.json() == {"success": True}
+        scales = [a["scale"] for a in httpx.get(url + "/lora-adapters").json()]
+        assert scales == [0.0, 0.5, 0.0]  # the adapters left out are off
+        text = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        assert text == reference["second"]
+    finally:
+        httpx.post(url + "/lora-adapters", json=[{"id": 0, "scale": 1.0}])
+
+
+def test_control_vector_layers_outside_the_model_fail_the_load_clearly(
+    tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    settings = ServerSettings(model=str(tiny_model_path), n_ctx=256, n_threads=2,
+                              control_vectors=(str(files["cvec"]),),
+                              control_vector_layer_range=(1, 9))  # fmt: skip
+    for server in _running(settings):
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503
+        assert "layer range 1..9 is outside this model's layers 1..2" in health.json()["error"]
+
+
+def test_speculative_decoding_cache_and_control_vector_flags_serve(
+    tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    with Llama(tiny_model_path, n_ctx=256, n_threads=2,
+               control_vectors=[str(files["cvec"])]) as llm:  # fmt: skip
+        expected = llm.create_completion(PROMPT, **GREEDY).text
+    for extra in ({"model_draft": str(files["draft"]), "draft_max": 4},
+                  {"lookup_ngram": 2, "cache_ram": 16}):  # fmt: skip
+        settings = ServerSettings(
+            model=str(tiny_model_path),
+            n_ctx=256,
+            n_threads=2,
+            control_vectors=(str(files["cvec"]),),
+            **extra,
+        )  # type: ignore[arg-type]
+        for server in _running(settings):
+            body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0.0}
+            answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            # Drafts are verified with the same greedy rule: the same text (the tiny model
+            # has no near-ties at temperature 0 on this prompt).
+            assert answer.json()["choices"][0]["text"] == expected
