@@ -382,3 +382,25 @@ def test_threads_using_models_under_max_loaded(models: Path) -> None:
             thread.join(timeout=120)
         assert not errors and 1 <= most <= 2
         assert all(e.in_use == 0 for e in registry.entries())
+
+
+def test_an_entry_may_name_a_hub_repository(models: Path, tmp_path: Path) -> None:
+    from hub_server import HubServer, Repo
+
+    files = {"alpha-Q4_K_M.gguf": (models / "alpha.gguf").read_bytes()}
+    hub = HubServer({"crab/alpha": Repo({"main": files})})
+    try:
+        config = tmp_path / "hub.toml"
+        cache = tmp_path / "cache"
+        config.write_text(
+            f'[models.remote]\nmodel = "crab/alpha"\nendpoint = "{hub.endpoint}"\n'
+            f'cache_dir = "{cache}"\nn_ctx = 128\nn_threads = 1\n'
+        )
+        with ModelRegistry.from_toml(config) as registry:
+            llm = registry.get("remote")  # fetched, estimated, loaded
+            assert llm.create_completion("the cat", max_tokens=1).usage.completion_tokens == 1
+            status = registry.status("remote")
+            assert status.model == "crab/alpha" and status.estimate is not None
+            assert status.estimate.weights == llm.model.size
+    finally:
+        hub.close()
