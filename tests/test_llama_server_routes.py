@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,7 +70,7 @@ def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gemma_server(gemma_path: Path, slot_dir: Path) -> Iterator[LiveServer]:
-    """Gemma as `llamacrab serve` runs it: parallel slots (which cannot save their state)."""
+    """Gemma as `llamacrab serve` runs it: parallel slots."""
     settings = ServerSettings(model=str(gemma_path), model_alias="gemma", parallel=2,
                               n_ctx=2 * 512, n_threads=2,
                               slot_save_path=str(slot_dir))  # fmt: skip
@@ -231,6 +232,7 @@ def test_slots_list_each_slot(gemma_server: LiveServer, one_slot_server: LiveSer
     slots = httpx.get(gemma_server.url + "/slots").json()
     assert [(s["id"], s["n_ctx"], s["is_processing"]) for s in slots] == [
         (0, 512, False), (1, 512, False)]  # fmt: skip
+    assert all(s["n_prompt_tokens"] >= 0 for s in slots)
     assert httpx.get(gemma_server.url + "/slots?fail_on_no_slot=1").status_code == 200
     one = httpx.get(one_slot_server.url + "/slots").json()
     assert [(s["id"], s["n_ctx"]) for s in one] == [(0, 1024)]
@@ -244,35 +246,6 @@ def test_slot_actions_need_a_slot_save_path(fim_server: LiveServer) -> None:
         assert "--slot-save-path" in answer.json()["error"]["message"]
 
 
-@pytest.mark.real_model
-def test_parallel_slots_refuse_save_and_restore_clearly(
-    gemma_server: LiveServer, slot_dir: Path
-) -> None:
-    url = gemma_server.url
-    for action in ("save", "restore"):
-        answer = httpx.post(url + f"/slots/1?action={action}", json={"filename": "p.bin"})
-        assert answer.status_code == 501 and "parallel" in answer.json()["error"]["message"]
-    assert not (slot_dir / "p.bin").exists()
-    several = httpx.post(url + "/slots/0?action=erase")
-    assert several.status_code == 501
-    assert httpx.post(url + "/slots/2?action=save", json={"filename": "p.bin"}).status_code == 400
-    assert httpx.post(url + "/slots/0?action=copy", json={"filename": "p.bin"}).status_code == 400
-
-
-def test_one_parallel_slot_erases_but_does_not_save(fim_path: Path, tmp_path: Path) -> None:
-    """`llamacrab serve` as started by default: one slot of the parallel engine."""
-    settings = ServerSettings(model=str(fim_path), n_ctx=256, slot_save_path=str(tmp_path))
-    for server in _running(settings):
-        first = httpx.post(server.url + "/infill", json=INFILL).json()
-        erased = httpx.post(server.url + "/slots/0?action=erase")
-        assert erased.json()["id_slot"] == 0
-        assert erased.json()["n_erased"] >= first["tokens_evaluated"]  # the prompt and more
-        assert httpx.post(server.url + "/infill", json=INFILL).json()["tokens_cached"] == 0
-        saved = httpx.post(server.url + "/slots/0?action=save", json={"filename": "a.bin"})
-        assert saved.status_code == 501 and "parallel=None" in saved.text
-        assert list(tmp_path.iterdir()) == []
-
-
 def _complete(url: str, prompt: str) -> dict[str, int]:
     answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4,
                                                        "temperature": 0}, timeout=60)  # fmt: skip
@@ -280,6 +253,87 @@ def _complete(url: str, prompt: str) -> dict[str, int]:
     usage = answer.json()["usage"]
     return {"prompt": usage["prompt_tokens"],
             "cached": usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
+
+
+def _text(url: str, prompt: str) -> tuple[str, int]:
+    """A greedy answer and how many of its prompt's tokens came from a slot's memory."""
+    answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8,
+                                                       "temperature": 0}, timeout=60)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _slot_list(url: str) -> list[dict[str, Any]]:
+    slots: list[dict[str, Any]] = httpx.get(url + "/slots").json()
+    return slots
+
+
+def _until_idle(url: str) -> bool:
+    deadline = time.monotonic() + 30
+    while any(slot["is_processing"] for slot in _slot_list(url)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture(scope="module")
+def slots_server(fim_path: Path, slot_dir: Path) -> Iterator[LiveServer]:
+    """`llamacrab serve --parallel 3 --slot-save-path DIR` on the tiny model."""
+    settings = ServerSettings(model=str(fim_path), parallel=3, n_ctx=3 * 2048, n_threads=2,
+                              slot_save_path=str(slot_dir))  # fmt: skip
+    yield from _running(settings)
+
+
+def test_parallel_slots_save_and_restore_while_another_generates(
+    slots_server: LiveServer, slot_dir: Path
+) -> None:
+    url = slots_server.url
+    prompt = "the cat sat on the mat the dog sat on the cat"
+    _complete(url, prompt)  # the prompt in a slot's memory
+    expected, cached = _text(url, prompt)
+    [holder] = [slot for slot in _slot_list(url) if slot["n_prompt_tokens"]]
+    name = f"p-{uuid.uuid4().hex}.bin"
+    saved = httpx.post(url + f"/slots/{holder['id']}?action=save", json={"filename": name})
+    assert saved.status_code == 200, saved.text
+    assert saved.json()["n_saved"] == holder["n_prompt_tokens"]
+    assert saved.json()["n_written"] == (slot_dir / name).stat().st_size > 0
+    long = {"prompt": "0123456789", "max_tokens": 4000, "min_tokens": 4000, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as generating:
+        lines = generating.iter_lines()  # kept: dropping it would close the connection
+        assert next(lines).startswith("data: ")  # generating now, until this client leaves
+        [busy] = [slot["id"] for slot in _slot_list(url) if slot["is_processing"]]
+        for action in ("save", "restore", "erase"):
+            answer = httpx.post(url + f"/slots/{busy}?action={action}", json={"filename": name})
+            assert answer.status_code == 409, answer.text
+            error = answer.json()["error"]
+            assert error["type"] == "unavailable_error" and error["code"] == "slot_busy"
+            assert f"slot {busy} is generating" in error["message"]
+        target = next(slot["id"] for slot in _slot_list(url)
+                      if slot["id"] not in (holder["id"], busy))  # fmt: skip
+        restored = httpx.post(url + f"/slots/{target}?action=restore", json={"filename": name})
+        assert restored.status_code == 200, restored.text
+        assert restored.json()["id_slot"] == target
+        assert restored.json()["n_restored"] == saved.json()["n_saved"]
+        again = httpx.post(url + f"/slots/{target}?action=save", json={"filename": "q.bin"})
+        assert again.status_code == 200 and again.json()["n_saved"] == saved.json()["n_saved"]
+        if holder["id"] != busy:  # the restored slot alone holds the prompt now
+            erased = httpx.post(url + f"/slots/{holder['id']}?action=erase").json()
+            assert erased["n_erased"] == holder["n_prompt_tokens"]
+        assert _slot_list(url)[busy]["is_processing"]  # it went on meanwhile
+    assert _until_idle(url)
+    assert _text(url, prompt) == (expected, cached)  # from the restored slot, the same answer
+    erased = httpx.post(url + f"/slots/{target}?action=erase").json()
+    assert erased == {"id_slot": target, "n_erased": saved.json()["n_saved"]}  # as it was
+    assert _slot_list(url)[target]["n_prompt_tokens"] == 0
+
+
+def test_slot_actions_name_a_slot_and_an_action(slots_server: LiveServer) -> None:
+    url = slots_server.url
+    for bad in ("/slots/3?action=save", "/slots/-1?action=erase", "/slots/0?action=copy"):
+        answer = httpx.post(url + bad, json={"filename": "p.bin"})
+        assert answer.status_code == 400, (bad, answer.text)
 
 
 @pytest.mark.real_model

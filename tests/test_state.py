@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from llamacrab import (
     Batch,
+    ConcurrentUseError,
     Context,
     ContextParams,
     DiskCache,
@@ -205,3 +208,88 @@ def test_whole_context_state_round_trip(tiny_model_path: Path, tmp_path: Path) -
         assert other_size.create_completion("the cat", max_tokens=1).usage.cached_tokens > 0
     with pytest.raises(InvalidParameterError, match="scope"):
         first.save_state(scope="everything")
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_slot_moves_to_another_slot_while_a_third_generates(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=3 * 128, n_threads=2, parallel=3) as llm:
+        tokens = llm.tokenize(PROMPT)
+        llm.create_completion(PROMPT, max_tokens=0)
+        expected = llm.create_completion(PROMPT, max_tokens=8, **GREEDY)
+        assert expected.usage.cached_tokens == len(tokens) - 1  # as the restored slot will
+        [holder] = [slot.id for slot in llm.slots() if slot.n_tokens]
+        state = llm.save_state(slot=holder)
+        assert list(state.tokens[: len(tokens)]) == tokens
+        assert llm.slots()[holder].n_tokens == len(state.tokens)
+        # A generation occupies a slot (maybe the holder: a free slot is taken by prefix).
+        stream = llm.stream_completion("0123456789", max_tokens=None, min_tokens=100)
+        next(stream)
+        [busy] = [slot.id for slot in llm.slots() if slot.busy]
+        for touch in (lambda: llm.save_state(slot=busy), lambda: llm.reset(slot=busy),
+                      lambda: llm.load_state(state, slot=busy)):  # fmt: skip
+            with pytest.raises(ConcurrentUseError, match=f"slot {busy} is generating"):
+                touch()
+        target = next(s.id for s in llm.slots() if s.id not in (holder, busy))
+        llm.load_state(state, slot=target)
+        assert llm.save_state(slot=target).tokens == state.tokens  # saved while `busy` runs
+        if holder != busy:  # only the target holds the prompt now
+            assert llm.reset(slot=holder) == len(state.tokens)
+        assert next(stream).finish_reason is None  # the generation went on meanwhile
+        stream.close()
+        assert _wait_for(lambda: not any(slot.busy for slot in llm.slots()))
+        result = llm.create_completion(PROMPT, max_tokens=8, **GREEDY)
+        assert result.usage.cached_tokens == len(tokens) - 1
+        assert result.choices[0].tokens == expected.choices[0].tokens
+        assert llm.slots()[target].n_tokens == len(tokens) + 8 - 1  # the last one not decoded
+
+
+def test_slot_states_refuse_what_cannot_work(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=2 * 128, n_threads=2, parallel=2) as llm:
+        llm.create_completion(PROMPT, max_tokens=0)
+        state = llm.save_state(slot=0)
+        for bad in (lambda: llm.save_state(slot=2), lambda: llm.reset(slot=-1),
+                    lambda: llm.load_state(state, slot=5)):  # fmt: skip
+            with pytest.raises(InvalidParameterError, match="does not exist"):
+                bad()
+        with pytest.raises(InvalidParameterError, match="scope"):
+            llm.save_state(scope="context", slot=0)
+        with pytest.raises(InvalidParameterError, match="slot=i"):
+            llm.save_state()
+        with Llama(tiny_model_path, n_ctx=1024) as large:
+            large.create_completion([1] + [260 + i % 11 for i in range(300)], max_tokens=0)
+            big = large.save_state()
+            whole = large.save_state(scope="context")
+        n_ctx = llm.slots()[1].n_ctx
+        assert len(big.tokens) >= n_ctx
+        with pytest.raises(StateError, match=f"301 tokens; a sequence of this context {n_ctx}"):
+            llm.load_state(big, slot=1)
+        with pytest.raises(InvalidParameterError, match="whole-context"):
+            llm.load_state(whole, slot=1)
+        assert llm.create_completion(PROMPT, max_tokens=1).usage.cached_tokens > 0
+
+
+def test_the_one_slot_is_busy_while_a_stream_is_unfinished(tiny_llama: Llama) -> None:
+    assert [(s.id, s.busy, s.n_tokens) for s in tiny_llama.slots()] == [(0, False, 0)]
+    stream = tiny_llama.stream_completion(PROMPT, max_tokens=4)
+    next(stream)
+    assert tiny_llama.slots()[0].busy
+    with pytest.raises(ConcurrentUseError, match="slot 0 is generating"):
+        tiny_llama.save_state(slot=0)
+    rest = list(stream)
+    assert rest[-1].finish_reason is not None and not tiny_llama.slots()[0].busy
+    state = tiny_llama.save_state(slot=0)
+    assert tiny_llama.slots()[0].n_tokens == len(state.tokens) > 0
+    assert tiny_llama.reset(slot=0) == len(state.tokens)
+    assert tiny_llama.slots()[0].n_tokens == 0
+    tiny_llama.load_state(state, slot=0)
+    assert tiny_llama.create_completion(PROMPT, max_tokens=1).usage.cached_tokens > 0
+    with pytest.raises(InvalidParameterError, match="slot 1 does not exist"):
+        tiny_llama.save_state(slot=1)

@@ -192,13 +192,27 @@ class Llama:
 
     def save_state(self, scope: str = "sequence") -> SavedState:
         """The KV memory and the tokens it holds (``SavedState.save`` writes it to a file);
-        ``scope="context"`` saves the whole context (every sequence, last outputs)."""
+        ``scope="context"`` saves the whole context (every sequence, last outputs; one slot
+        only).
+
+        ``slot=i`` saves slot i (see ``slots()``) while other slots generate; a slot that is
+        generating raises ConcurrentUseError, checked while the engine waits between steps,
+        so a slot is never read mid-decode. Without ``slot`` (``parallel=None`` only), the
+        memory is saved between two steps of any stream."""
+        if slot is not None:
+            return self._completer.save(slot, scope)
         with self._completer.lock:
             return self._completer.one_slot("save_state").snapshot(scope)
 
-    def load_state(self, state: SavedState) -> None:
-        """Restore a state saved from this model; the next prompt sharing its tokens reuses it.
-        A state from another model, a smaller context, or a corrupt blob raises StateError."""
+    def load_state(self, state: SavedState, *, slot: int | None = None) -> None:
+        """Restore a state saved from this model; the next prompt sharing its tokens reuses it
+        (with parallel slots, one goes to the slot holding the longest shared prefix).
+        A state from another model, too long for the slot, or a corrupt blob raises StateError.
+        ``slot=i`` loads into slot i, as ``save_state`` saves it: ConcurrentUseError while it
+        generates. A state saved from any slot, or from a one-slot Llama, loads into any."""
+        if slot is not None:
+            self._completer.load(slot, state)
+            return
         with self._completer.lock:
             self._completer.one_slot("load_state").restore(state)
 

@@ -84,6 +84,17 @@ class ChatCompletionChunk:
 
 
 @dataclass(frozen=True)
+class SlotInfo:
+    """One generation slot of a Llama (``Llama.slots()``): whether it generates now, and how
+    many tokens its memory holds (a prefix the next prompt may reuse)."""
+
+    id: int
+    busy: bool
+    n_tokens: int
+    n_ctx: int  # the most tokens the slot may hold
+
+
+@dataclass(frozen=True)
 class RerankResult:
     """One document's relevance to the query; higher is more relevant."""
 

@@ -20,6 +20,7 @@ from llamacrab._exceptions import (
     ClosedHandleError,
     ConcurrentUseError,
     DecodeAbortedError,
+    InvalidParameterError,
     LlamaError,
     QueueFullError,
     StateError,

@@ -3,6 +3,7 @@ serialized, a new call supersedes an unfinished stream) or parallel slots (the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -16,14 +17,22 @@ from llamacrab._engine.generation import MEDIA_TOKEN, KvState, Request, Session,
 from llamacrab._engine.scheduler import Scheduler
 from llamacrab._engine.speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
 from llamacrab._engine.stream import Stream
-from llamacrab._exceptions import InvalidParameterError
+from llamacrab._exceptions import ConcurrentUseError, InvalidParameterError
 from llamacrab._features.media import MediaInput
 from llamacrab._native.context import Context
 from llamacrab._native.media import Media
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers, SamplingOptions
+from llamacrab._native.state import SavedState
 from llamacrab._native.vocab import Vocab
-from llamacrab._types import Completion, CompletionChoice, CompletionChunk, Logprobs, Usage
+from llamacrab._types import (
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    Logprobs,
+    SlotInfo,
+    Usage,
+)
 
 Speculative = PromptLookup | DraftModel
 
@@ -70,6 +79,7 @@ class Completer:
         self.kv = KvState(context, cache)
         self.speculative_stats = SpeculativeStats()  # of the last one-slot completion
         self._session: weakref.ReferenceType[Session] | None = None
+        self._running: Session | None = None  # the one-slot generation under way, if any
         self.scheduler: Scheduler | None = None
         self._stop_engine: weakref.finalize[[], Completer] | None = None
         if parallel is not None:
@@ -84,8 +94,61 @@ class Completer:
 
     def one_slot(self, what: str) -> KvState:
         if self.scheduler is not None:
-            raise InvalidParameterError(f"{what} needs a Llama with parallel=None")
+            raise InvalidParameterError(
+                f"{what} on parallel slots needs slot=i (or a Llama with parallel=None)"
+            )
         return self.kv
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def slots(self) -> list[SlotInfo]:
+        n_ctx = self.kv.context.n_ctx_seq
+        if self.scheduler is None:
+            return [SlotInfo(0, self._running is not None, len(self.kv.tokens), n_ctx)]
+        described = self.scheduler.describe()
+        return [SlotInfo(i, busy, held, n_ctx) for i, (busy, held) in enumerate(described)]
+
+    @contextlib.contextmanager
+    def idle_slot(self, index: int) -> Iterator[KvState]:
+        """Slot ``index``'s memory while it is idle (ConcurrentUseError while it generates):
+        one slot has no generation under way, or a parallel slot has no job."""
+        if self.scheduler is not None:
+            with self.scheduler.idle_slot(index) as kv:
+                yield kv
+            return
+        if index != 0:
+            raise InvalidParameterError(f"slot {index} does not exist: this Llama has slot 0")
+        with self.lock:
+            if self._running is not None:
+                raise ConcurrentUseError(
+                    "slot 0 is generating (a stream is unfinished): its state can be saved, "
+                    "loaded or erased once it ends"
+                )
+            yield self.kv
+
+    def save(self, index: int, scope: str) -> SavedState:
+        if self.scheduler is not None and scope != "sequence":
+            raise InvalidParameterError("a parallel slot saves its own sequence: scope='sequence'")
+        with self.idle_slot(index) as kv:
+            return kv.snapshot(scope)
+
+    def load(self, index: int, state: SavedState) -> None:
+        if self.scheduler is not None and state.scope != "sequence":
+            raise InvalidParameterError(
+                "a whole-context state cannot load into one of several parallel slots"
+            )
+        with self.idle_slot(index) as kv:
+            kv.restore(state)
+
+    def erase(self, index: int) -> int:
+        """Forget what slot ``index`` holds; how many tokens it held."""
+        with self.idle_slot(index) as kv:
+            held = len(kv.tokens)
+            if self.scheduler is None:
+                kv.reset()  # the one slot's memory is the whole context's
+            else:
+                kv.forget()
+            return held
 
     def forget(self) -> None:
         """Drop every cached prompt prefix."""
@@ -192,8 +255,20 @@ class Completer:
             if previous is not None:
                 previous.superseded = True
             self._session = weakref.ref(session)
+            self._running = session
         self.speculative_stats = stats = SpeculativeStats()
-        yield from generate(self.kv, samplers, request, session, self.lock, drafter, stats)
+        try:
+            for step in generate(self.kv, samplers, request, session, self.lock, drafter, stats):
+                if step.finish_reason is not None:
+                    self._ended(session)  # idle from the last step on, read or not
+                yield step
+        finally:
+            self._ended(session)
+
+    def _ended(self, session: Session) -> None:
+        with self.lock:
+            if self._running is session:  # not superseded by a newer generation
+                self._running = None
 
     def _chunks(
         self,

@@ -13,8 +13,10 @@ from llamacrab._exceptions import (
     QueueFullError,
 )
 
+# 409: a slot busy generating; llama-server calls a resource busy for now "unavailable".
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 503: "server_error", 504: "timeout_error"}  # fmt: skip
+          409: "unavailable_error", 413: "invalid_request_error", 503: "server_error",
+          504: "timeout_error"}  # fmt: skip
 # Anthropic's Messages API lives under this path; its clients expect its own error shape.
 ANTHROPIC_PATH = "/v1/messages"
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",

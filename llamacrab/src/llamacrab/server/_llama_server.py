@@ -20,7 +20,7 @@ from fastapi import FastAPI, File, Form, UploadFile
 from fastapi.responses import PlainTextResponse
 from starlette.requests import Request
 
-from llamacrab import SamplingOptions, SavedState, build_info
+from llamacrab import ConcurrentUseError, SamplingOptions, SavedState, SlotInfo, build_info
 from llamacrab._llama import Llama
 from llamacrab._types import ChatCompletionChunk, CompletionChunk, Usage
 from llamacrab.server._errors import ApiError
@@ -60,7 +60,7 @@ _PARTIAL = ".partial"  # SavedState.save writes NAME.partial, then renames it
 _ASR_PROMPT = "Transcribe audio to text"  # llama-server's instruction
 _TRANSCRIPT_FORMATS = ("json", "text")
 _SLOT_ERRORS: dict[int | str, dict[str, Any]] = {
-    **ERRORS, **{status: {"model": ErrorResponse} for status in (403, 500, 501)}
+    **ERRORS, **{status: {"model": ErrorResponse} for status in (403, 409, 500, 501)}
 }  # fmt: skip
 
 
@@ -229,7 +229,8 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/slots", response_model=list[SlotOut], responses=ERRORS)
     async def slots(fail_on_no_slot: bool = False) -> Any:
-        out = _slots(state.ready(None))
+        llama = state.ready(None)
+        out = [_slot(llama, slot) for slot in llama.slots()]
         if fail_on_no_slot and all(slot["is_processing"] for slot in out):
             raise ApiError(503, "no slot available", code="no_slot_available")
         return out
@@ -245,21 +246,26 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
                            "--slot-save-path DIR", code="not_supported")  # fmt: skip
         if action not in ("save", "restore", "erase"):
             raise ApiError(400, "action must be save, restore or erase", param="action")
-        n_slots = len(_slots(llama))
+        n_slots = len(llama.slots())
         if not 0 <= id_slot < n_slots:
             raise ApiError(400, f"invalid slot id {id_slot}: this server has {n_slots} slot(s), "
                            f"0 to {n_slots - 1}", param="id_slot")  # fmt: skip
-        if action == "erase":
-            return await _erase(llama, id_slot, n_slots)
-        path = _slot_file(settings.slot_save_path, body.filename if body else None)
-        if llama.scheduler is not None:
-            raise ApiError(501, "saving and restoring a slot's state needs a Llama without "
-                           "parallel slots (Llama(..., parallel=None) given to create_app); "
-                           "this server runs parallel slots", code="not_supported")  # fmt: skip
-        async with slot_files:
-            if action == "save":
-                return await _save(llama, id_slot, path)
-            return await _restore(llama, id_slot, path)
+        try:
+            if action == "erase":
+                erased = await in_thread(partial(llama.reset, slot=id_slot))
+                return {"id_slot": id_slot, "n_erased": erased}
+            path = _slot_file(settings.slot_save_path, body.filename if body else None)
+            async with slot_files:
+                if action == "save":
+                    return await _save(llama, id_slot, path)
+                return await _restore(llama, id_slot, path)
+        except ApiError as error:
+            busy = error.__cause__
+            if not isinstance(busy, ConcurrentUseError):
+                raise
+            # llama-server defers the action until the slot is idle; this server answers at
+            # once, and the client retries (GET /slots tells which slots are idle).
+            raise ApiError(409, str(busy), param="id_slot", code="slot_busy") from busy
 
 
 def _build_info() -> str:
@@ -275,7 +281,7 @@ def _props(llama: Llama, settings: ServerSettings, build: str) -> dict[str, Any]
         "default_generation_settings": {
             "n_ctx": llama.context.n_ctx_seq, "params": _default_params(llama, settings),
         },
-        "total_slots": len(_slots(llama)),
+        "total_slots": len(llama.slots()),
         "model_alias": settings.alias,
         "model_path": str(llama.model.path),
         "modalities": {"vision": bool(projector and projector.vision),
@@ -317,19 +323,12 @@ def _default_params(llama: Llama, settings: ServerSettings) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _slots(llama: Llama) -> list[dict[str, Any]]:
-    """Each slot: its context and whether it generates now. A Llama without parallel slots has
-    one, whose activity it does not expose (reported idle)."""
-    n_ctx = llama.context.n_ctx_seq
-    scheduler = llama.scheduler
-    if scheduler is None:
-        return [{"id": 0, "id_task": -1, "n_ctx": n_ctx,
-                 "speculative": llama.speculative is not None, "is_processing": False}]  # fmt: skip
-    return [
-        {"id": i, "id_task": -1, "n_ctx": n_ctx, "speculative": False,
-         "is_processing": slot.job is not None}
-        for i, slot in enumerate(scheduler.slots)
-    ]  # fmt: skip
+def _slot(llama: Llama, slot: SlotInfo) -> dict[str, Any]:
+    """A slot as llama-server lists it: its context, whether it generates now, and the tokens
+    its memory holds (``n_prompt_tokens``: prompt and answer, as llama-server counts them)."""
+    return {"id": slot.id, "id_task": -1, "n_ctx": slot.n_ctx,
+            "speculative": llama.speculative is not None, "is_processing": slot.busy,
+            "n_prompt_tokens": slot.n_tokens}  # fmt: skip
 
 
 def _slot_file(directory: str, filename: str | None) -> Path:
@@ -350,7 +349,7 @@ def _slot_file(directory: str, filename: str | None) -> Path:
 
 async def _save(llama: Llama, id_slot: int, path: Path) -> dict[str, Any]:
     started = time.perf_counter()
-    saved: SavedState = await in_thread(llama.save_state)
+    saved: SavedState = await in_thread(partial(llama.save_state, slot=id_slot))
     try:
         await in_thread(saved.save, path)
         written = path.stat().st_size
@@ -371,22 +370,10 @@ async def _restore(llama: Llama, id_slot: int, path: Path) -> dict[str, Any]:
         saved: SavedState = await in_thread(SavedState.load, path)
     except OSError as error:
         raise ApiError(500, f"could not read {path.name}: {error.strerror}") from error
-    await in_thread(llama.load_state, saved)
+    await in_thread(partial(llama.load_state, saved, slot=id_slot))
     return {"id_slot": id_slot, "filename": path.name, "n_restored": len(saved.tokens),
             "n_read": read,
             "timings": {"restore_ms": (time.perf_counter() - started) * 1000}}  # fmt: skip
-
-
-async def _erase(llama: Llama, id_slot: int, n_slots: int) -> dict[str, Any]:
-    """Forget the slot's cached prompt: only with one slot (the Llama forgets every slot at
-    once); refused while it generates."""
-    if n_slots > 1:
-        raise ApiError(501, "erasing one of several parallel slots is not supported (the engine "
-                       "forgets every slot at once)", code="not_supported")  # fmt: skip
-    scheduler = llama.scheduler
-    held = None if scheduler is None else len(scheduler.slots[id_slot].kv.tokens)
-    await in_thread(llama.reset)
-    return {"id_slot": id_slot, "n_erased": held}
 
 
 # -- transcriptions ------------------------------------------------------------------------------

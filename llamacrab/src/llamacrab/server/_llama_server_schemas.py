@@ -141,6 +141,7 @@ class SlotOut(BaseModel):
     n_ctx: int
     speculative: bool
     is_processing: bool
+    n_prompt_tokens: int  # tokens the slot's memory holds
 
 
 class SaveTimings(BaseModel):
@@ -169,7 +170,7 @@ class SlotRestored(BaseModel):
 
 class SlotErased(BaseModel):
     id_slot: int
-    n_erased: int | None = None  # None where the engine does not tell how many it held
+    n_erased: int
 
 
 class TranscriptionUsage(BaseModel):
