@@ -298,6 +298,8 @@ def test_settings_of_the_multi_model_form() -> None:
     with pytest.raises(InvalidParameterError, match="unknown --preset"):
         parse_settings(["m.gguf", "--preset", "tiny"])
     assert parse_settings(["--models-dir", "d", "--models-max", "2"]).multi_model
+    with pytest.raises(InvalidParameterError, match="embeddings = true"):
+        parse_settings(["--models", "x.toml", "--embeddings"])
 
 
 def test_single_model_form_takes_a_preset(folder: Path) -> None:

@@ -158,6 +158,12 @@ def _check_models(settings: ServerSettings) -> None:
         raise InvalidParameterError("choose --models or --models-dir, not both")
     if settings.multi_model and settings.model:
         raise InvalidParameterError("pass MODEL, or --models / --models-dir, not both")
+    if settings.multi_model and (settings.embeddings or settings.reranking):
+        raise InvalidParameterError(
+            "--embeddings / --reranking choose one model's kind: in a registry file set "
+            "embeddings = true (and pooling = 'rank') on the entry; --models-dir recognises "
+            "embedding and reranker models from their files"
+        )
     if settings.models_max is not None and settings.models_max < 1:
         raise InvalidParameterError("models_max must be >= 1")
     if settings.keep_alive is not None and settings.keep_alive < 0:
