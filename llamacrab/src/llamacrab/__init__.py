@@ -31,6 +31,9 @@ from llamacrab._exceptions import (
     ModelLoadError,
     NativeError,
     QueueFullError,
+    RpcError,
+    RpcProtocolError,
+    RpcUnavailableError,
     StateError,
     TemplateError,
     TokenizeError,
@@ -39,6 +42,9 @@ from llamacrab._exceptions import (
 )
 from llamacrab._features.hub import HubOptions, ResolvedModel, resolve
 from llamacrab._features.presets import PRESETS, Preset
+from llamacrab._features.rpc import RpcWorker, RpcWorkerOptions, local_devices
+from llamacrab._features.rpc import probe as probe_rpc_worker
+from llamacrab._features.rpc import run_worker as run_rpc_worker
 from llamacrab._grammar.json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._llama import Llama
 from llamacrab._native.adapter import LoraAdapter
@@ -154,8 +160,10 @@ __all__ = [
     "build_info",
     "chat_format_names",
     "estimate_memory",
+    "local_devices",
     "parse_tool_calls",
     "probe_rpc_worker",
     "resolve",
+    "run_rpc_worker",
     "schema_to_grammar",
 ]

@@ -20,6 +20,9 @@ LlamaError
 ├── MediaError                 (also ValueError) an image or sound that cannot be used
 ├── UnknownModelError          (also LookupError) a registry has no entry of that name
 ├── ModelBudgetError           no room for a model within a registry's limits now
+├── RpcError                   a ggml RPC worker cannot be used or started (.endpoint)
+│   ├── RpcUnavailableError    no connection, or no HELLO answer in time
+│   └── RpcProtocolError       it answered, but not as this build's RPC protocol version
 └── InvalidParameterError      (also ValueError) a parameter out of its range
 """
 
@@ -127,3 +130,21 @@ class ModelBudgetError(LlamaError):
 
 class InvalidParameterError(LlamaError, ValueError):
     """A parameter outside its valid range."""
+
+
+class RpcError(LlamaError):
+    """A ggml RPC worker cannot be used (or a worker could not be started); ``endpoint`` is its
+    ``host:port`` where one is concerned."""
+
+    def __init__(self, message: str, endpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
+class RpcUnavailableError(RpcError):
+    """Nothing accepted the connection, or the worker gave no HELLO answer in time (it serves
+    one client at a time: another process may be using it)."""
+
+
+class RpcProtocolError(RpcError):
+    """The peer answered, but not as an RPC worker of this build's protocol version."""

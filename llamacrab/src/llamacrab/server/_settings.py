@@ -33,6 +33,7 @@ class ServerSettings:
     n_ubatch: int = 512
     n_threads: int | None = None
     n_gpu_layers: int | None = None
+    rpc_servers: tuple[str, ...] = ()  # ggml RPC workers (host:port) to offload layers to
     flash_attn: str = "auto"
     parallel: int = 1
     embeddings: bool = False
@@ -90,6 +91,10 @@ class ServerSettings:
     yarn_ext_factor: float | None = None
 
     def __post_init__(self) -> None:
+        servers = tuple(
+            s.strip() for item in self.rpc_servers for s in item.split(",") if s.strip()
+        )
+        object.__setattr__(self, "rpc_servers", servers)
         if self.flash_attn not in FLASH_ATTN:
             raise InvalidParameterError(f"flash_attn must be one of {FLASH_ATTN}")
         if self.pooling is not None and self.pooling not in POOLING:
@@ -207,7 +212,8 @@ def _flag(name: str) -> str:
 
 
 def _env_name(name: str) -> str:
-    return "LLAMACRAB_" + name.upper()
+    # LLAMACRAB_RPC is llamacrab-sys's build switch: --rpc reads LLAMACRAB_RPC_SERVERS.
+    return "LLAMACRAB_RPC_SERVERS" if name == "rpc" else "LLAMACRAB_" + name.upper()
 
 
 def _boolean(text: str) -> bool:
@@ -234,6 +240,7 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("n_ubatch", int, "physical batch size (default 512)"),
     ("n_threads", int, "CPU threads (default: llama.cpp's choice)"),
     ("n_gpu_layers", int, "layers to offload to a GPU"),
+    ("rpc", list, "ggml RPC workers host:port to offload layers to (comma-separated or repeated)"),
     ("flash_attn", str, f"flash attention: {', '.join(FLASH_ATTN)} (default auto)"),
     ("parallel", int, "slots: requests generated concurrently (default 1)"),
     ("embeddings", bool, "serve /v1/embeddings (an embedding model) instead of generation"),
@@ -288,7 +295,7 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("yarn_orig_ctx", int, "YaRN: the model's original context length"),
     ("yarn_ext_factor", float, "YaRN: extrapolation mix factor (-1: the model's)"),
 ]
-_PLURAL = {"api_key": "api_keys", "cors_origin": "cors_origins"}
+_PLURAL = {"api_key": "api_keys", "cors_origin": "cors_origins", "rpc": "rpc_servers"}
 
 
 def add_arguments(
