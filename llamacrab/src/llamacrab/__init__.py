@@ -72,6 +72,7 @@ from llamacrab._types import (
     FinishReason,
     Logprobs,
     RerankResult,
+    SlotInfo,
     ToolCall,
     Usage,
 )
@@ -146,6 +147,7 @@ __all__ = [
     "SamplerChain",
     "SamplingOptions",
     "SavedState",
+    "SlotInfo",
     "SpeculativeStats",
     "StateError",
     "Stream",

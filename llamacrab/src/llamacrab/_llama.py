@@ -44,6 +44,7 @@ from llamacrab._types import (
     Completion,
     CompletionChunk,
     RerankResult,
+    SlotInfo,
 )
 
 
@@ -69,7 +70,8 @@ class Llama:
     context (each gets ``n_ctx / N`` tokens), an engine thread decodes all of them together
     (continuous batching), up to ``max_queue`` more wait for a slot (then QueueFullError), and
     nothing supersedes anything. Completions from several threads or asyncio tasks proceed
-    side by side. State save/load and speculative decoding need ``parallel=None``.
+    side by side. ``slots()`` describes them; ``save_state``, ``load_state`` and ``reset``
+    take ``slot=i``. Speculative decoding needs ``parallel=None``.
     """
 
     def __init__(
@@ -190,7 +192,15 @@ class Llama:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def save_state(self, scope: str = "sequence") -> SavedState:
+    # -- slots and their state -----------------------------------------------------------------
+
+    def slots(self) -> list[SlotInfo]:
+        """Each generation slot: its id, whether it generates now (``busy``), the tokens its
+        memory holds and may hold. ``parallel=None`` has one slot, busy while a stream is
+        unfinished."""
+        return self._completer.slots()
+
+    def save_state(self, scope: str = "sequence", *, slot: int | None = None) -> SavedState:
         """The KV memory and the tokens it holds (``SavedState.save`` writes it to a file);
         ``scope="context"`` saves the whole context (every sequence, last outputs; one slot
         only).
@@ -216,9 +226,16 @@ class Llama:
         with self._completer.lock:
             self._completer.one_slot("load_state").restore(state)
 
-    def reset(self) -> None:
-        """Forget the cached prompt: the next call decodes its whole prompt again."""
+    def reset(self, *, slot: int | None = None) -> int:
+        """Forget the cached prompt: the next call decodes its whole prompt again. ``slot=i``
+        forgets slot i's alone (ConcurrentUseError while it generates); without it, every
+        slot's (StateError while parallel slots generate). Returns how many tokens were
+        forgotten."""
+        if slot is not None:
+            return self._completer.erase(slot)
+        held = sum(info.n_tokens for info in self._completer.slots())
         self._completer.forget()
+        return held
 
     # -- chat ----------------------------------------------------------------------------------
 

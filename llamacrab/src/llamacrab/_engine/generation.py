@@ -115,9 +115,11 @@ class KvState:
         """Load a saved state (checked against this model and context)."""
         if state.model_id != self.context.model.identity:
             raise StateError("this state was saved from a different model")
-        if len(state.tokens) >= self.context.n_ctx:
-            n_ctx = self.context.n_ctx
-            raise StateError(f"this state holds {len(state.tokens)} tokens; the context {n_ctx}")
+        # One sequence holds n_ctx_seq tokens (all of n_ctx but with parallel slots).
+        n_ctx = self.context.n_ctx if state.scope == "context" else self.context.n_ctx_seq
+        if len(state.tokens) >= n_ctx:
+            where = "the context" if state.scope == "context" else "a sequence of this context"
+            raise StateError(f"this state holds {len(state.tokens)} tokens; {where} {n_ctx}")
         if state.scope == "context" and state.n_ctx != self.context.n_ctx:
             raise StateError(
                 f"a whole-context state from n_ctx {state.n_ctx} cannot load into "

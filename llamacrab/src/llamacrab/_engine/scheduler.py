@@ -118,6 +118,30 @@ class Scheduler:
                 job.session.cancelled.set()
             self._cond.notify()
 
+    def describe(self) -> list[tuple[bool, int]]:
+        """Each slot: whether it generates now, and how many tokens its memory holds."""
+        with self._cond:
+            return [(slot.job is not None, len(slot.kv.tokens)) for slot in self.slots]
+
+    @contextlib.contextmanager
+    def idle_slot(self, index: int) -> Iterator[KvState]:
+        """Slot ``index``'s memory, to save, load or clear while the other slots wait: no step
+        runs and no job enters a slot until the block ends. A slot with a job (generating, or
+        admitted and about to) raises ConcurrentUseError: its memory changes with each step."""
+        if not 0 <= index < len(self.slots):
+            raise InvalidParameterError(
+                f"slot {index} does not exist: this Llama has slots 0 to {len(self.slots) - 1}"
+            )
+        with self.lock, self._cond:
+            if self._closed:
+                raise ClosedHandleError("this Llama is closed")
+            if self.slots[index].job is not None:
+                raise ConcurrentUseError(
+                    f"slot {index} is generating: its state can be saved, loaded or erased "
+                    "once it is idle"
+                )
+            yield self.slots[index].kv
+
     def forget(self) -> None:
         """Drop every slot's cached prompt; only while idle."""
         with self.lock, self._cond:
