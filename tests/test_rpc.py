@@ -189,6 +189,23 @@ def test_worker_answers_and_stops_cleanly_on_sigterm() -> None:
 
 
 @needs_rpc
+def test_a_worker_ends_with_the_process_that_started_it() -> None:
+    code = (
+        "import os; from llamacrab import RpcWorker; "
+        "print(RpcWorker.start(threads=1).pid, flush=True); os._exit(0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    pid = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # reparented: not our child, so /proc tells whether it still runs
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(") ", 1)[1].startswith("Z")  # zombie
+
+
+@needs_rpc
 def test_worker_refuses_a_port_in_use_and_a_public_host() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -103,8 +103,9 @@ def _check_can_listen(options: RpcWorkerOptions) -> None:
 
 
 def run_worker(options: RpcWorkerOptions) -> NoReturn:
-    """Serve until SIGTERM or SIGINT, then end the process (``os._exit(0)``: ggml's server
-    thread cannot be stopped, and nothing of it may be torn down under it). Raises RpcError
+    """Serve until SIGTERM or SIGINT (or, for a worker an RpcWorker started, until that process
+    is gone), then end the process (``os._exit(0)``: ggml's server thread cannot be stopped,
+    and nothing of it may be torn down under it). Raises RpcError
     when it cannot listen. Call it from the main thread of a process made for it."""
     _rpc.require_rpc()
     _check_can_listen(options)
@@ -131,16 +132,24 @@ def run_worker(options: RpcWorkerOptions) -> NoReturn:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    watched = os.environ.pop(_PARENT_ENV, None)
+    parent = int(watched) if watched and watched.isdigit() else None
     thread = threading.Thread(target=serve, name="llamacrab-rpc-worker", daemon=True)
     thread.start()
     try:
         while thread.is_alive():
             thread.join(0.5)
+            if parent is not None and os.getppid() != parent:
+                raise KeyboardInterrupt  # the RpcWorker that started it is gone
     except KeyboardInterrupt:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
     raise failure[0] if failure else RpcError("the RPC worker stopped", options.endpoint)
+
+
+# Set by RpcWorker for its child: the worker ends when the process that started it is gone.
+_PARENT_ENV = "LLAMACRAB_RPC_WORKER_PARENT"
 
 
 def _free_port(host: str) -> int:
@@ -187,7 +196,7 @@ class RpcWorker:
                 stdin=subprocess.DEVNULL,
                 stdout=log if output is None else output,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env={**(os.environ if env is None else env), _PARENT_ENV: str(os.getpid())},
             )
             worker = cls(chosen, process, log)
             try:
