@@ -247,6 +247,17 @@ def test_a_model_generating_is_never_evicted(limited: LiveServer) -> None:
     assert _wait_for(lambda: statuses(limited)["gemma"]["in_use"] == 0)
 
 
+@pytest.mark.real_model
+def test_a_client_gone_while_its_model_loads_leaves_no_lease(limited: LiveServer) -> None:
+    post(limited, "/models/unload", {"model": "gemma"})
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(limited.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "gemma", "prompt": "the", "max_tokens": 1},
+                   timeout=0.05)  # fmt: skip
+    assert _wait_for(lambda: statuses(limited)["gemma"]["value"] == "loaded", timeout=60)
+    assert _wait_for(lambda: statuses(limited)["gemma"]["in_use"] == 0)
+
+
 def test_memory_budget_and_keep_alive(folder: Path) -> None:
     one = estimate_memory(folder / "alpha.gguf", n_ctx=256, parallel=1).total
     config = _toml(

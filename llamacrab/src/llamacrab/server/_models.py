@@ -248,15 +248,24 @@ class ModelLeaseMiddleware:
         if wanted is not None and kind != wanted:
             await _answer(scope, send, refusal(name, kind, wanted))
             return
+        held: list[bool] = []  # set in the worker thread once the lease is taken
+
+        def take() -> None:
+            self.registry.acquire(name)
+            held.append(True)
+
         try:
-            await run_in_threadpool(self.registry.acquire, name)
-        except (UnknownModelError, ModelBudgetError, ModelLoadError) as error:
-            await _answer(scope, send, lease_error(error))
-            return
-        try:
+            # A client gone while the model loads: the thread still finishes (and may take
+            # the lease), then the cancellation arrives here; ``held`` says what to release.
+            await run_in_threadpool(take)
             await self.app(scope, _replay(messages, receive), send)
+        except (UnknownModelError, ModelBudgetError, ModelLoadError) as error:
+            if held:
+                raise
+            await _answer(scope, send, lease_error(error))
         finally:
-            self.registry.release(name)
+            if held:
+                self.registry.release(name)
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
