@@ -228,3 +228,44 @@ def test_speculative_decoding_cache_and_control_vector_flags_serve(
             # Drafts are verified with the same greedy rule: the same text (the tiny model
             # has no near-ties at temperature 0 on this prompt).
             assert answer.json()["choices"][0]["text"] == expected
+
+
+def _stream_in_turn(
+    index: int,
+    client: openai.OpenAI,
+    texts: dict[int, tuple[str, str | None]],
+    first_chunk: threading.Event,
+) -> None:
+    """Stream a completion into ``texts[index]``; all but the first start once the first
+    stream has sent a chunk."""
+    if index:
+        first_chunk.wait(30)
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=120,
+                                       temperature=0.0, stream=True)  # fmt: skip
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        first_chunk.set()
+    texts[index] = ("".join(c.choices[0].text for c in chunks if c.choices),
+                    chunks[-1].choices[0].finish_reason)  # fmt: skip
+
+
+def test_one_slot_server_answers_concurrent_streams_in_turn(tiny_model_path: Path) -> None:
+    """Speculative decoding runs one slot: a second stream waits for the first, never
+    superseding it (which would end the first one early)."""
+    settings = ServerSettings(model=str(tiny_model_path), n_ctx=512, n_threads=2,
+                              lookup_ngram=2)  # fmt: skip
+    for server in _running(settings):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        texts: dict[int, tuple[str, str | None]] = {}
+        first_chunk = threading.Event()
+        threads = [
+            threading.Thread(target=_stream_in_turn, args=(i, client, texts, first_chunk))
+            for i in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(texts) == 2 and texts[0] == texts[1]
+        assert texts[0][1] == "length"

@@ -170,6 +170,16 @@ class Llama:
         return self._completer.speculative_stats
 
     @property
+    def supersede(self) -> bool:
+        """``parallel=None``: whether a new call supersedes an unfinished stream (True, the
+        default) or waits until it ends (False: what a server of one slot wants)."""
+        return self._completer.supersede
+
+    @supersede.setter
+    def supersede(self, value: bool) -> None:
+        self._completer.supersede = value
+
+    @property
     def media_policy(self) -> MediaPolicy:
         return self._media.policy
 

@@ -80,6 +80,9 @@ class Completer:
         self.speculative_stats = SpeculativeStats()  # of the last one-slot completion
         self._session: weakref.ReferenceType[Session] | None = None
         self._running: Session | None = None  # the one-slot generation under way, if any
+        # One slot: a new generation supersedes an unfinished one, or (False) waits for its end.
+        self.supersede = True
+        self._idle = threading.Condition(self.lock)
         self.scheduler: Scheduler | None = None
         self._stop_engine: weakref.finalize[[], Completer] | None = None
         if parallel is not None:
@@ -248,9 +251,14 @@ class Completer:
     def _one_slot_steps(
         self, request: Request, samplers: Samplers, session: Session, drafter: Drafter | None
     ) -> Iterator[Step]:
-        """The generation on the one slot; it starts (superseding the stream before it) when
-        the first chunk is asked for."""
+        """The generation on the one slot; it starts (superseding the stream before it, or
+        waiting for its end) when the first chunk is asked for."""
         with self.lock:
+            while not self.supersede and self._running is not None and not session.stopped():
+                self._idle.wait(0.1)  # a session's deadline or cancel ends the wait too
+            if not self.supersede and self._running is not None:
+                yield Step("", None, "cancelled")  # stopped while waiting its turn
+                return
             previous = self._session() if self._session else None
             if previous is not None:
                 previous.superseded = True
@@ -269,6 +277,7 @@ class Completer:
         with self.lock:
             if self._running is session:  # not superseded by a newer generation
                 self._running = None
+                self._idle.notify_all()
 
     def _chunks(
         self,

@@ -39,6 +39,7 @@ def open_llama(settings: ServerSettings) -> Llama:
     if settings.preset is not None:
         given = _under_flags(settings, given)
     llama = Llama(settings.model, **extra, **given)
+    llama.supersede = False  # one slot (speculative decoding): requests wait their turn
     if settings.chat_template is not None and not (settings.embeddings or settings.reranking):
         try:  # a template that cannot render a greeting would fail every chat request
             llama.chat_prompt([{"role": "user", "content": "Hello"}])
