@@ -57,6 +57,15 @@ BASE_OPTIONS = [
     "-DCMAKE_BUILD_WITH_INSTALL_RPATH=OFF",
 ]
 
+# Names and SONAMEs of our own for the shared libraries (libllamacrab-llama.so.0, ...): the
+# dynamic loader reuses an already-loaded library whose SONAME matches a NEEDED entry, so with
+# upstream's names (libllama.so.0, libggml.so.0), another llama.cpp build in the same process
+# (llama-cpp-python, ...) binds to our libraries, or we to its (tests/test_ffi_traps.py,
+# duplicate symbols). A prefix set after each project() (CMAKE_PROJECT_INCLUDE) renames every
+# SHARED library; dlopen-only backend MODULEs keep the names ggml's loader looks for.
+LIBRARY_PREFIX = "libllamacrab-"
+_NAMES_CMAKE = f'set(CMAKE_SHARED_LIBRARY_PREFIX "{LIBRARY_PREFIX}")\n'
+
 NATIVE_CPU = ["-DGGML_NATIVE=ON"]
 # A distributable wheel must run on any x86-64: every CPU variant, picked at run time.
 PORTABLE_CPU = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"]
@@ -143,6 +152,8 @@ def cache_key(
     }
     if tools:
         identity["tools"] = sorted(tools)
+    else:
+        identity["library_names"] = _NAMES_CMAKE
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     kind = "tools" if tools else backend
     return f"{source.commit[:12]}-{kind}-{digest[:16]}"
@@ -186,9 +197,14 @@ def build(
         generator = ["-G", "Ninja"]
         if ninja:
             generator.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
+        names = []
+        if not tools:  # upstream's programs keep upstream's names
+            entry.mkdir(parents=True, exist_ok=True)
+            (entry / "names.cmake").write_text(_NAMES_CMAKE)
+            names = [f"-DCMAKE_PROJECT_INCLUDE={entry / 'names.cmake'}"]
         started = time.monotonic()
         _run([cmake, "-S", str(source.path), "-B", str(build_dir), *generator,
-              f"-DCMAKE_INSTALL_PREFIX={prefix}", *options], env)  # fmt: skip
+              f"-DCMAKE_INSTALL_PREFIX={prefix}", *names, *options], env)  # fmt: skip
         targets = [arg for tool in tools for arg in ("--target", tool)]
         _run([cmake, "--build", str(build_dir), "--config", "Release", *targets], env)
         if not tools:

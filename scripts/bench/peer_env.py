@@ -33,8 +33,10 @@ def peer_python(cache: Path, source_archive: Path, library_dir: Path) -> Path:
     lib = package / "lib"
     lib.mkdir(exist_ok=True)
     for real in library_dir.glob("lib*.so*"):
-        # Both the SONAME (what our libraries link to) and the bare name (what it dlopens).
-        for name in {real.name, real.name.split(".so")[0] + ".so"}:
+        # Both the SONAME (what our libraries link to) and the bare upstream name (what it
+        # dlopens: libllama.so for our libllamacrab-llama.so.0).
+        stem = real.name.split(".so")[0].replace("libllamacrab-", "lib", 1)
+        for name in {real.name, stem + ".so"}:
             link = lib / name
             if link.is_symlink() or link.exists():
                 link.unlink()
