@@ -404,3 +404,17 @@ def test_an_entry_may_name_a_hub_repository(models: Path, tmp_path: Path) -> Non
             assert status.estimate.weights == llm.model.size
     finally:
         hub.close()
+
+
+def test_a_folder_pairs_a_real_projector_with_its_model(tmp_path: Path) -> None:
+    tiny = load_repo_module("scripts/make_tiny_gguf.py")
+    mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
+    tiny.write_tiny_llama(tmp_path / "seer-Q8_0.gguf")
+    mmproj.write_tiny_vision_mmproj(tmp_path / "mmproj-seer-f16.gguf")
+    tiny.write_tiny_llama(tmp_path / "other.gguf", seed=3)
+    with ModelRegistry.from_directory(tmp_path, options=TINY) as registry:
+        assert registry.names() == ["other", "seer-Q8_0"]
+        seer = registry.get("seer-Q8_0")
+        assert seer.projector is not None and registry.get("other").projector is None
+        estimate = registry.status("seer-Q8_0").estimate
+        assert estimate is not None and estimate.weights > seer.model.size  # projector counted
