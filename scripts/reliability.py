@@ -3,17 +3,25 @@ its speed.
 
 Usage: python scripts/reliability.py [--mode long|short] [--sections a,b] [--workers 2]
                                      [--seed N] [--workdir DIR] [--report RELIABILITY.md]
+       python scripts/reliability.py [--mode M] [--seed N] --replay CASE_ID[,CASE_ID...]
 
 Sections (tests/reliability_kit/sections.py; each has a short size, which CI runs through
 tests/test_reliability.py, and a long one, the default here):
 
 - lifecycle: generated sequences of operations on handles, Llama objects and streams;
 - tampered-tiny, tampered-gemma: variants of the tiny model's and Gemma 3 270M's GGUF files;
-- inputs: generated grammars, JSON Schemas and chat templates through the public API.
+- inputs: generated grammars, JSON Schemas and chat templates through the public API;
+- server: the server under load and faults, and leaks (scripts/reliability_server.py; CI runs
+  its short size through tests/test_reliability_server.py).
 
 Every case runs in a child process (many per child; a death or hang is pinned on one case by
 rerunning alone), and is counted as worked, refused (a LlamaError subclass), unclean (any other
-exception), a signal death or a hang. Exits 1 if any case crashed, hung or failed uncleanly.
+exception), a signal death or a hang. Exits 1 if any case crashed, hung or failed uncleanly,
+or a server section failed.
+
+``--replay`` draws a section's cases again for the mode and seed a run reported (the same list
+in every process for one hypothesis version) and runs the named ones in one child, printing
+what each did: a reported failure reproduced without the rest of the run.
 """
 
 from __future__ import annotations
@@ -22,17 +30,23 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from reliability_kit.children import Report  # noqa: E402
-from reliability_kit.sections import SECTIONS, SEED, run  # noqa: E402
+import reliability_server  # noqa: E402
+
+from reliability_kit.children import TESTS, Report  # noqa: E402
+from reliability_kit.sections import SECTIONS, SEED, replay_job, run  # noqa: E402
+
+SERVER = "server"  # the server sections, reported apart (their own counts)
 
 # What the suite found when it was first run, and where each is fixed (kept here so the report
 # says it; a new finding is fixed in the library, gets a regression test, and a row here).
@@ -90,6 +104,32 @@ FOUND = [
 ]  # fmt: skip
 
 
+# The seven FFI traps (tests/test_ffi_traps.py): what guards each, and its test class.
+FFI_TRAPS = [
+    ("lifetimes", "`weakref.finalize` holds the parent; children close first; "
+     "`ClosedHandleError` before any C call", "TestLifetimes"),
+    ("allocator mismatch", "each object freed by its own llama.cpp free function; batches and "
+     "string buffers are Python's (numpy, `ffi.new`, sized by asking C first); shim errors "
+     "copied into a Python-owned struct", "TestAllocatorMismatch"),
+    ("C++ exceptions crossing the FFI", "a generated `noexcept` shim per llama.cpp function: "
+     "`NativeError`", "TestCppExceptions"),
+    ("one context, several threads", "`ConcurrentUseError`; a `Llama` serializes its calls; "
+     "`close()` waits for the call in flight", "TestOneContextManyThreads"),
+    ("KV reuse pollution", "stale tokens removed, caches restore exact prefixes: bit-identical "
+     "logits", "TestKvReusePollution"),
+    ("NUL-terminated strings", "prompts pass with their length; C strings with a NUL refused by "
+     "name; paths never cut", "TestNulTerminatedStrings"),
+    ("duplicate symbols", "our libraries' own names and SONAMEs (`libllamacrab-llama.so.0`, "
+     "...)", "TestDuplicateSymbols"),
+]  # fmt: skip
+
+
+def ffi_traps() -> str:
+    lines = ["| trap | what guards it | tests |", "| --- | --- | --- |"]
+    lines += [f"| {trap} | {guard} | `{tests}` |" for trap, guard, tests in FFI_TRAPS]
+    return "\n".join(lines) + "\n"
+
+
 def found() -> str:
     lines = ["| found by | input | what happened | fixed in |", "| --- | --- | --- | --- |"]
     lines += [f"| {' | '.join(row)} |" for row in FOUND]
@@ -136,7 +176,9 @@ def details(report: Report) -> str:
         f"### {section.title} (`{report.section}`)",
         "",
         f"{section.what[0].upper()}{section.what[1:]}. {report.extra.get('generated', 0)} cases "
-        f"generated, {len(report.results)} run in {report.children} child processes; limits: "
+        f"generated (seed {report.extra.get('seed', SEED)}, "
+        f"{report.extra.get('drawn_with', 'hypothesis')}), {len(report.results)} run in "
+        f"{report.children} child processes; limits: "
         f"{section.case_timeout:.0f} s per case"
         + (f", {section.memory_limit >> 30} GiB address space per child"
            if section.memory_limit else "") + ".",
@@ -153,11 +195,24 @@ def details(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(reports: list[Report], command: str) -> str:
+def server_failures(server: dict[str, Any] | None) -> int:
+    """Failed server sections (each counts its own deaths, hangs, 5xx and bounds)."""
+    if server is None:
+        return 0
+    return sum(not part["ok"] for name, part in server.items() if isinstance(part, dict))
+
+
+def markdown(reports: list[Report], command: str, server: dict[str, Any] | None = None) -> str:
     total = sum(len(r.findings) for r in reports)
     verdict = ("0 signal deaths, 0 hangs and 0 unclean errors in every section" if not total
                else f"{total} failures: see the sections")  # fmt: skip
+    if server is not None:
+        failed = server_failures(server)
+        verdict += ("; the server: 0 signal deaths, 0 hangs, 0 5xx, RSS within its bounds"
+                    if not failed else f"; {failed} server sections failed: see below")  # fmt: skip
     body = "\n".join(details(r) for r in reports)
+    if server is not None:
+        body += "\n" + reliability_server.server_sections_markdown(server)
     return f"""# Reliability
 
 How hard llamacrab is to break, measured: latest results of `{command}`.
@@ -166,7 +221,7 @@ jobs while this ran, so the times are upper bounds.
 
 Result: {verdict}.
 
-{table(reports)}
+{table(reports) if reports else ""}
 "worked": the case ran to the end (a model loaded and generated, a template rendered, ...);
 "refused": a `LlamaError` subclass naming the problem, the expected answer to a bad input;
 "unclean": any other exception escaping the library; "signal deaths": the child process died
@@ -182,32 +237,82 @@ What the suite found when it was first run (each fixed at its root, with a regre
 `tests/test_reliability.py`):
 
 {found()}
+## The seven FFI traps
+
+`tests/test_ffi_traps.py` names each trap of wrapping llama.cpp and holds a regression test
+for its guard (CI runs it):
+
+{ffi_traps()}
+Duplicate symbols, measured: llama-cpp-python 0.3.36 compiled with its own llama.cpp
+(`scripts/peer_compiled.py`, cached) and llamacrab generate in one interpreter, each import
+order in a child under `LD_DEBUG=bindings`. Both packages load their libraries RTLD_LOCAL
+(Python's import of an extension module; ctypes' default), so neither interposes on the
+other's symbols, and no symbol versioning is involved. That did not protect us: with
+upstream's SONAMEs on both sides (`libllama.so.0`, `libggml.so.0`, `libggml-base.so.0`), the
+dynamic loader satisfied the second package's NEEDED entries with the first one's already
+loaded libraries: with llamacrab first, llama-cpp-python's libllama bound 327 symbols to our
+libggml; with llama-cpp-python first, our cffi module and libmtmd bound 1,143 symbols to its
+libllama and libggml, and ours were never loaded. Both generated the same text anyway (the
+same commit), which is why only the loader's own account shows it. Our libraries now carry
+names and SONAMEs of their own (`build_tools/native.py`: a `CMAKE_SHARED_LIBRARY_PREFIX` of
+`libllamacrab-`); the test asserts that no binding crosses between the two packages' files
+in either order, that each package's libllama and libggml are mapped, and that both generate
+the same greedy tokens from Gemma 3 270M.
+
 ## How it works
 
 `scripts/reliability.py` (this report) and `tests/test_reliability.py` (CI) share
 `tests/reliability_kit/`: `children.py` runs many cases per child process and isolates a
 culprit, `lifecycle.py`, `tampered.py` and `inputs.py` make and run the cases,
-`sections.py` holds the sizes. Tampered variants are the same for a seed; hypothesis draws
-(lifecycle, inputs) may vary between processes, so a failing batch's job file, which holds
-its exact cases, is kept: `PYTHONPATH=tests:scripts python -m reliability_kit.child JOB.json`
-replays it. The server's load, fault and leak checks are reported apart
-from these sections.
+`sections.py` holds the sizes. The cases are the same list in every process for a section,
+mode and seed (hypothesis draws them with `@seed` and no database; the same hypothesis
+version, which each section's report records): a failure's case id, printed with the
+command that replays it, is enough. `python scripts/reliability.py --mode short --seed 2026
+--replay lifecycle-2026-29` draws the cases again and runs that one alone in a child, printing
+its outcome; a failing batch's job file, which holds its exact cases, is also kept
+(`PYTHONPATH=tests:scripts python -m reliability_kit.child JOB.json`).
+The server's load, fault and leak sections (`scripts/reliability_server.py`) have counts of
+their own: requests rather than cases, and 5xx answers and RSS growth as the failures.
 """
+
+
+def replay(case_ids: list[str], mode: str, workdir: Path, seed: int) -> int:
+    """Run the named cases again, in one child, printing each one's outcome."""
+    job = replay_job(case_ids, mode, workdir, seed)
+    print(f"replaying {', '.join(case_ids)} ({mode}, seed {seed}) from {job}", flush=True)
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1",
+           "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO / "scripts"),
+                                          os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env.pop("RELIABILITY_FD", None)  # the child prints its reports
+    child = subprocess.run([sys.executable, "-m", "reliability_kit.child", str(job)], env=env,
+                           cwd=REPO, check=False)  # fmt: skip
+    if child.returncode:
+        print(f"the child ended with exit status {child.returncode}", flush=True)
+    return child.returncode
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("long", "short"), default="long")
-    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--sections", default=",".join([*SECTIONS, SERVER]))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--workdir", type=Path, help="models, work files and kept job files")
     parser.add_argument("--report", type=Path, help="write the Markdown report here")
+    parser.add_argument("--replay", help="case ids (comma-separated) to run again, alone")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llamacrab-reliability-"))
+    if args.replay:
+        sys.exit(replay(args.replay.split(","), args.mode, workdir, args.seed))
     print(f"work files, kept job files and per-case results in {workdir}", flush=True)
+    names = args.sections.split(",")
+    unknown = set(names) - {*SECTIONS, SERVER}
+    if unknown:
+        parser.error(
+            f"no section {sorted(unknown)}; the sections: {', '.join([*SECTIONS, SERVER])}"
+        )
     reports = []
-    for name in args.sections.split(","):
+    for name in (n for n in names if n != SERVER):
         started = time.monotonic()
         print(f"== {name} ({args.mode})", flush=True)
         report = run(name, args.mode, workdir, workers=args.workers, seed=args.seed,
@@ -215,11 +320,23 @@ def main() -> None:
         print(report.summary(), f"({time.monotonic() - started:.0f} s)", flush=True)
         reports.append(report)
         (workdir / f"{name}-results.json").write_text(json.dumps([vars(r) for r in report.results]))
+    server = None
+    if SERVER in names:
+        started = time.monotonic()
+        print(f"== {SERVER} ({args.mode})", flush=True)
+        server = reliability_server.run_server_sections(args.mode == "short", workdir / SERVER)
+        print(f"{SERVER}: {'ok' if server['ok'] else 'FAILED'} "
+              f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+        (workdir / f"{SERVER}-results.json").write_text(json.dumps(server, indent=1))
     command = " ".join(["python scripts/reliability.py", *sys.argv[1:]])
-    print(table(reports))
+    if reports:
+        print(table(reports))
+    if server is not None:
+        print(reliability_server.server_sections_markdown(server))
     if args.report:
-        args.report.write_text(markdown(reports, command))
-    sys.exit(1 if any(r.findings for r in reports) else 0)
+        args.report.write_text(markdown(reports, command, server))
+    failed = any(r.findings for r in reports) or (server is not None and not server["ok"])
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ RELIABILITY.md report) and ``tests/test_reliability.py`` (the short runs in CI).
 - ``lifecycle``: generated sequences of operations on handles, Llama objects and streams;
 - ``tampered``: variants of a GGUF file's header (and a few of its data);
 - ``inputs``: generated grammars, JSON Schemas and chat templates;
-- ``sections``: the sections with their short (CI) and long sizes.
+- ``sections``: the sections with their short (CI) and long sizes, and replaying a case;
+- ``repo``: the repository's scripts/ modules, imported by path.
 
 Not a package anyone installs: both entry points put ``tests/`` on ``sys.path``.
 """
