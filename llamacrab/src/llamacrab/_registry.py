@@ -5,7 +5,6 @@ never when pinned."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import re
@@ -27,6 +26,7 @@ from llamacrab._exceptions import (
     UnknownModelError,
 )
 from llamacrab._features.footprint import PARAM_FIELDS, estimate_llama
+from llamacrab._features.llama_options import EXTRA_NAMES
 from llamacrab._features.models_dir import scan_models_dir
 from llamacrab._features.presets import with_preset
 from llamacrab._llama import Llama
@@ -34,7 +34,13 @@ from llamacrab._native.gguf_memory import MemoryEstimate
 
 Status = Literal["unloaded", "loading", "loaded", "failed"]
 Kind = Literal["generation", "embeddings", "rerank"]
-_LLAMA_OPTIONS = set(inspect.signature(Llama.__init__).parameters) - {"self", "model_path"}
+# Every keyword Llama(...) takes: its parameters, the parameter objects' fields, and the
+# file-and-size options (adapters, control vectors, draft model, prompt cache).
+_LLAMA_OPTIONS = (
+    (set(inspect.signature(Llama.__init__).parameters) - {"self", "model_path"})
+    | PARAM_FIELDS
+    | EXTRA_NAMES
+)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -48,18 +54,6 @@ def parse_size(value: int | str) -> int:
     number, unit, binary = match.groups()
     base = 1024 if binary or not unit else 1000
     return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
-
-
-def _known_options() -> set[str]:
-    """Every keyword ``Llama(...)`` takes: its parameters, the parameter objects' fields, and
-    the file-and-size options (adapters, draft model, cache) where this build has them."""
-    known = _LLAMA_OPTIONS | PARAM_FIELDS
-    try:
-        extra = importlib.import_module("llamacrab._features.llama_options")
-        known |= set(getattr(extra, "EXTRA_NAMES", ()))
-    except ImportError:
-        pass
-    return known
 
 
 @dataclass(frozen=True)
@@ -77,7 +71,7 @@ class ModelEntry:
     def __post_init__(self) -> None:
         if not self.name or not self.model:
             raise InvalidParameterError("a model entry needs a name and a model")
-        unknown = set(self.options) - _known_options()
+        unknown = set(self.options) - _LLAMA_OPTIONS
         if unknown:
             raise InvalidParameterError(f"model {self.name!r}: unknown options {sorted(unknown)}")
         if self.keep_alive is not None and self.keep_alive < 0:
