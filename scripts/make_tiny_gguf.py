@@ -190,10 +190,11 @@ def write_tiny_lora(
     alpha: float = 8.0,
     arch: str = "llama",
     invocation_tokens: list[int] | None = None,
+    n_embd: int = N_EMBD,
 ) -> Path:
     """A LoRA adapter for the tiny model: low-rank deltas on every attention query/output.
-    ``arch`` may name another architecture on purpose; ``invocation_tokens`` make it an aLoRA
-    adapter (applied from the last occurrence of those tokens in a prompt)."""
+    ``arch`` and ``n_embd`` may be another model's on purpose; ``invocation_tokens`` make it an
+    aLoRA adapter (applied from the last occurrence of those tokens in a prompt)."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_type(gguf.GGUFType.ADAPTER)
@@ -209,11 +210,11 @@ def write_tiny_lora(
             # lora_a: ne {n_embd, rank}; lora_b: ne {rank, n_out}; numpy shapes are reversed.
             writer.add_tensor(
                 f"blk.{i}.{name}.weight.lora_a",
-                (rng.standard_normal((rank, N_EMBD)) * 0.5).astype(np.float32),
+                (rng.standard_normal((rank, n_embd)) * 0.5).astype(np.float32),
             )
             writer.add_tensor(
                 f"blk.{i}.{name}.weight.lora_b",
-                (rng.standard_normal((N_EMBD, rank)) * 0.5).astype(np.float32),
+                (rng.standard_normal((n_embd, rank)) * 0.5).astype(np.float32),
             )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -36,6 +36,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "alora": tiny.write_tiny_lora(d / "alora.gguf", invocation_tokens=INVOCATION),
         "alora_plain": tiny.write_tiny_lora(d / "alora-plain.gguf"),  # same weights, no aLoRA
         "qwen_lora": tiny.write_tiny_lora(d / "qwen-lora.gguf", arch="qwen2"),
+        "wide_lora": tiny.write_tiny_lora(d / "wide-lora.gguf", n_embd=96),
         "cvec": tiny.write_tiny_control_vector(d / "cvec.gguf"),
         "cvec_narrow": tiny.write_tiny_control_vector(d / "narrow.gguf", n_embd=32),
         "cvec_deep": tiny.write_tiny_control_vector(d / "deep.gguf", layers=(1, 2, 3, 4)),
@@ -190,6 +191,9 @@ def test_an_adapter_for_another_architecture_is_a_clear_error(
         tiny_llama.load_lora(files["qwen_lora"])
     with pytest.raises(ModelLoadError, match="arch mismatch"):
         Llama(tiny_model_path, n_ctx=64, lora=[str(files["qwen_lora"])])
+    with pytest.raises(ModelLoadError, match="incorrect shape"):  # another model's n_embd
+        tiny_llama.load_lora(files["wide_lora"])
+    assert tiny_llama.adapters == [] and tiny_llama.lora_adapters == {}
     with Llama(tiny_model_path, n_ctx=64, n_threads=2) as other:
         foreign = other.load_lora(files["lora"], scale=0.0)
         with pytest.raises(InvalidParameterError, match="another model"):
