@@ -55,6 +55,11 @@ class Llama:
     a keyword. ``cache`` (a RamCache or DiskCache) keeps prompt states across calls.
     ``preset`` ("low-ram", "balanced", "max-gpu"; see ``PRESETS``) supplies defaults for
     those keywords; the keywords given override it.
+    Files and sizes are keywords too (ExtraOptions): ``lora`` (adapter files or (file, scale)
+    pairs, loaded into ``adapters`` and applied), ``control_vectors`` and
+    ``control_vector_layers``, ``draft_model`` / ``draft_max`` / ``draft_n_gpu_layers`` or
+    ``prompt_lookup`` (speculative decoding), ``prompt_cache`` ("ram" or a directory) and
+    ``prompt_cache_bytes``.
     ``path`` may be a Hugging Face repository id (``org/repo``, when no such local
     path exists): HubOptions fields (filename, revision, token, cache_dir, endpoint, offline,
     mmproj) choose what is fetched.
