@@ -332,3 +332,24 @@ def test_one_entry_serves_requests_that_name_no_model(folder: Path) -> None:
         unknown = httpx.post(server.url + "/v1/completions",
                              json={"model": "gpt-4", "prompt": "the", "max_tokens": 1})  # fmt: skip
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_speculative_entry_serves_concurrent_requests_in_turn(folder: Path) -> None:
+    # Prompt lookup needs one slot; a request arriving mid-stream must wait for the stream,
+    # never cancel it (a one-slot Llama's default is to supersede).
+    config = _toml(folder / "lookup.toml", f'[models.alpha]\nmodel = "alpha.gguf"\n'
+                                           f"prompt_lookup = 3\n{TINY}")  # fmt: skip
+    for server in _serve(ServerSettings(model="", models=config, parallel=2)):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        options: dict[str, Any] = {"model": "alpha", "max_tokens": 120, "temperature": 0,
+                                   "extra_body": {"ignore_eos": True}}  # fmt: skip
+        stream = iter(client.completions.create(prompt="the cat", stream=True, **options))
+        first = next(stream)
+        with ThreadPoolExecutor(1) as pool:
+            second = pool.submit(client.completions.create, prompt="a dog", **options)
+            time.sleep(0.2)  # the second request reaches the model while the stream runs
+            rest = list(stream)
+            assert second.result(timeout=60).choices[0].finish_reason == "length"
+        chunks = [first, *rest]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) > 1

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from llamacrab import (
     ConcurrentUseError,
     EntryStatus,
+    Llama,
     MediaPolicy,
     ModelBudgetError,
     ModelEntry,
@@ -74,7 +75,13 @@ def open_registry(settings: ServerSettings) -> ModelRegistry:
     entries = [_with_defaults(parsed.entry(name), settings) for name in parsed.names()]
     limits = {"max_loaded": parsed.max_loaded, "memory_budget": parsed.memory_budget,
               "keep_alive": parsed.keep_alive}  # fmt: skip
-    return ModelRegistry(entries, **limits)
+    return ModelRegistry(entries, **limits, loader=_served_llama)
+
+
+def _served_llama(entry: ModelEntry) -> Llama:
+    llama = Llama(entry.model, **entry.llama_options())
+    llama.supersede = False  # one slot: a client's request waits, never cancels another's
+    return llama
 
 
 def _with_defaults(entry: ModelEntry, settings: ServerSettings) -> ModelEntry:
@@ -87,7 +94,9 @@ def _with_defaults(entry: ModelEntry, settings: ServerSettings) -> ModelEntry:
         if value is not None:
             options.setdefault(key, value)
     if entry.kind == "generation":
-        options.setdefault("parallel", settings.parallel)
+        # Speculative decoding runs on one slot (parallel=None), like --model-draft alone.
+        drafting = options.get("draft_model") or options.get("prompt_lookup")
+        options.setdefault("parallel", None if drafting else settings.parallel)
         options.setdefault("max_queue", settings.max_queue)
         if settings.chat_template is not None:
             options.setdefault("chat_format", settings.chat_template)
@@ -96,7 +105,7 @@ def _with_defaults(entry: ModelEntry, settings: ServerSettings) -> ModelEntry:
             local_files=False, remote=False, max_media=settings.max_media,
             max_bytes=settings.max_body_bytes))  # fmt: skip
         if preset is None:
-            options.setdefault("n_ctx", settings.n_ctx or 4096 * options["parallel"])
+            options.setdefault("n_ctx", settings.n_ctx or 4096 * (options["parallel"] or 1))
     elif preset is None and settings.n_ctx is not None:
         options.setdefault("n_ctx", settings.n_ctx)
     return ModelEntry(entry.name, entry.model, options, entry.keep_alive, entry.pinned)
