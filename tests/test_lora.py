@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -167,3 +169,34 @@ def test_adapters_are_not_changed_under_running_generations(
         assert [chunk.finish_reason for chunk in stream][-1] in ("length", "eos")
         adapter.close()  # idle now
         assert llm.context.lora_adapters == {}
+
+
+def test_an_adapter_closed_while_a_request_applies_it_is_never_decoded_with(
+    tiny_llama: Llama, lora_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The window: llama.cpp has taken the adapter's pointer for this request, but the context
+    # has not yet recorded it, so close() finds nothing to detach and frees the adapter.
+    from llamacrab._native import context as context_module
+
+    adapter = tiny_llama.load_lora(lora_path)
+    tiny_llama.set_lora_adapters({})  # open, but only this request uses it
+    real_call = context_module.call
+    applying = threading.Event()
+    calls: list[str] = []
+
+    def watched(name: str, *args: object) -> object:
+        calls.append(name)
+        if name == "llama_set_adapters_lora" and not applying.is_set():
+            applying.set()
+            time.sleep(0.3)  # close() now runs on the other thread
+        return real_call(name, *args)
+
+    monkeypatch.setattr(context_module, "call", watched)
+    closer = threading.Thread(target=lambda: (applying.wait(10), adapter.close()))
+    closer.start()
+    with pytest.raises(ClosedHandleError):
+        tiny_llama.create_completion(PROMPT, max_tokens=1, lora={adapter: 1.0})
+    closer.join()
+    assert "llama_decode" not in calls[calls.index("llama_set_adapters_lora") :]
+    monkeypatch.undo()
+    assert tiny_llama.create_completion(PROMPT, max_tokens=2).text  # still usable

@@ -229,8 +229,10 @@ class Context(NativeHandle):
                 "context decodes at once"
             )
         wanted = self._adapters if lora is None else lora
-        with self.exclusive() as ctx:
+        with self.exclusive() as ctx, ExitStack() as adapters:
             self._apply_lora(ctx, wanted)
+            for adapter in self._applied:  # llama.cpp computes with them: none freed meanwhile
+                adapters.enter_context(adapter.in_flight())
             self.arm_cancel()
             status = call("llama_decode", ctx, batch.value)
         if status == 0:
