@@ -17,7 +17,10 @@ alternating from round to round; medians over rounds are reported with ratios pe
 Sections: core (prefill pp512, decode tg128, Python overhead per token on a tiny model),
 startup (import, model load, time to first token, peak RSS; each in a fresh process),
 embeddings (texts/s; rerank docs/s for llamacrab, the peer has no rerank API) and server
-(aggregate tokens/s and time to first token at 1, 4 and 8 streaming clients).
+(aggregate tokens/s and time to first token at 1, 4 and 8 streaming clients); rpc, on request
+(--sections ...,rpc): prefill and decode with every layer on 1 and 2 loopback ggml RPC workers,
+llamacrab's client and workers beside llama-bench and upstream's rpc-server
+(scripts/bench_rpc.py has the details and the bytes per token).
 Writes suite.json, suite.md and suite.png under --out, and the report file.
 """
 
@@ -195,6 +198,20 @@ class Suite:
             started = time.perf_counter()
             reranker.rerank("crab", documents)
             return len(documents) / (time.perf_counter() - started)
+
+    def rpc(self) -> dict[str, Row]:
+        import bench_rpc
+
+        tools = Path(native.build("cpu", rpc=True, tools=bench_rpc.TOOLS)["bin_dir"])
+        rows: dict[str, Row] = {NATIVE: {}, CRAB: {}}
+        model, threads = str(self.model), self.threads
+        for config in ("1 worker", "2 workers"):
+            crab = bench_rpc.crab(model, threads, config, 64)
+            native_row = bench_rpc.native_side(tools, model, threads, config, 64)
+            for side, row in ((CRAB, crab), (NATIVE, native_row)):
+                rows[side][f"rpc {config} prefill t/s"] = row["pp"]
+                rows[side][f"rpc {config} decode t/s"] = row["tg"]
+        return rows
 
     def server(self) -> dict[str, Row]:
         counts, model, threads = [1, 4, 8], self.model, self.threads

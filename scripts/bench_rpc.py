@@ -10,8 +10,9 @@ compute threads in every configuration: local with THREADS threads; 1 worker wit
 - llamacrab: ``Llama(rpc_servers=...)`` against ``llamacrab rpc-worker`` processes; prefill of a
   512-token prompt (tokens/s) and greedy decode of N_GEN tokens (tokens/s after the first);
   bytes per decoded token to and from each worker, read from the kernel's TCP counters (ss).
-- native: llama-bench (pp512, tgN_GEN) against the upstream ggml-rpc-server, both built from the
-  pinned source with the same options (build_tools.native --rpc --tool ...).
+- native: llama-bench (pp512, and tgN_GEN at depth 512: after a prompt, as llamacrab's decode)
+  against the upstream ggml-rpc-server, both built from the pinned source with the same options
+  (build_tools.native --rpc --tool ...).
 The sides and configurations alternate from round to round; medians are reported.
 """
 
@@ -57,10 +58,12 @@ def child(model: str, threads: int, servers: list[str], n_gen: int) -> dict[str,
     options: dict[str, Any] = {"rpc_servers": servers} if servers else {}
     with Llama(model, n_ctx=N_PROMPT + n_gen + 16, n_batch=N_PROMPT, n_ubatch=N_PROMPT,
                n_threads=threads, n_threads_batch=threads, **options) as llm:  # fmt: skip
-        llm.create_completion(prompt, max_tokens=0)  # warm-up
+        # One sampled token: its logits are read back, so the time covers the whole prefill (a
+        # decode that reads nothing back returns before the workers have finished).
+        llm.create_completion(prompt, max_tokens=1, temperature=0)  # warm-up
         llm.reset()
         started = time.perf_counter()
-        llm.create_completion(prompt, max_tokens=0)
+        llm.create_completion(prompt, max_tokens=1, temperature=0)
         prefill = time.perf_counter() - started
         llm.reset()
         ports = [int(s.rsplit(":", 1)[1]) for s in servers]
@@ -107,21 +110,30 @@ def native_side(tools: Path, model: str, threads: int, config: str, n_gen: int) 
             port = _free_port("127.0.0.1")
             server = subprocess.Popen(
                 [str(tools / "ggml-rpc-server"), "-p", str(port), "-t", str(max(1, threads // n))],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
             )  # fmt: skip
             stack.callback(lambda s=server: (s.terminate(), s.wait()))
             endpoints.append(f"127.0.0.1:{port}")
             _wait_listening(port)
+        # Decode at depth N_PROMPT (-d), as llamacrab's decode runs after its prompt.
         command = [str(tools / "llama-bench"), "-m", model, "-p", str(N_PROMPT), "-n", str(n_gen),
-                   "-t", str(threads if n == 0 else 1), "-r", "1", "-o", "json"]  # fmt: skip
+                   "-d", f"0,{N_PROMPT}", "-t", str(threads if n == 0 else 1), "-r", "1",
+                   "-o", "json"]  # fmt: skip
         if endpoints:
             command += ["--rpc", ",".join(endpoints), "-ngl", "99"]
         out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=900)
         rows = json.loads(out.stdout)
     return {
-        "pp": next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"]),
-        "tg": next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"]),
+        "pp": next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_depth"]),
+        "tg": next(r["avg_ts"] for r in rows if r["n_gen"] and r["n_depth"] == N_PROMPT),
     }
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no server outlives the bench
 
 
 def _wait_listening(port: int) -> None:
@@ -138,7 +150,11 @@ def _wait_listening(port: int) -> None:
             time.sleep(0.05)
 
 
-def table(result: dict[str, dict[str, dict[str, float]]], rounds: int) -> str:
+def table(
+    result: dict[str, dict[str, dict[str, float]]],
+    rounds: int,
+    samples: dict[str, dict[str, list[dict[str, float]]]],
+) -> str:
     lines = [
         "| configuration | llamacrab prefill t/s | native prefill t/s | llamacrab decode t/s "
         "| native decode t/s | decode llamacrab / native | decode vs local | sent B/token "
@@ -152,13 +168,21 @@ def table(result: dict[str, dict[str, dict[str, float]]], rounds: int) -> str:
         def cell(value: float | None, digits: int = 1) -> str:
             return "-" if value is None else f"{value:.{digits}f}"
 
+        def spread(side: str, key: str, config: str = config) -> str:
+            values = [r[key] for r in samples.get(side, {}).get(config, [])]
+            median = result.get(side, {}).get(config, {}).get(key)
+            if not values or median is None:
+                return "-"
+            return f"{median:.1f} ({min(values):.1f}-{max(values):.1f})"
+
         ratio = c["tg"] / n["tg"] if n else None
         lines.append(
-            f"| {config} | {cell(c['pp'])} | {cell(n.get('pp'))} | {cell(c['tg'])} | "
-            f"{cell(n.get('tg'))} | {cell(ratio, 2)} | {cell(c['tg'] / local, 2)} | "
+            f"| {config} | {spread('llamacrab', 'pp')} | {spread('native', 'pp')} | "
+            f"{spread('llamacrab', 'tg')} | {spread('native', 'tg')} | "
+            f"{cell(ratio, 2)} | {cell(c['tg'] / local, 2)} | "
             f"{cell(c.get('sent B/token'), 0)} | {cell(c.get('received B/token'), 0)} |"
         )
-    return "\n".join(lines) + f"\n\n(medians of {rounds} rounds)\n"
+    return "\n".join(lines) + f"\n\n(medians of {rounds} rounds, min-max in brackets)\n"
 
 
 def main() -> None:
@@ -199,7 +223,7 @@ def main() -> None:
         }
         for side, configs in samples.items()
     }
-    text = table(result, args.rounds)
+    text = table(result, args.rounds, samples)
     print(text)
     if args.json:
         report = {"threads": args.threads, "n_gen": args.n_gen, "samples": samples,

@@ -83,6 +83,18 @@ def test_workers_listen_on_loopback_unless_the_network_is_declared_insecure() ->
         RpcWorkerOptions(threads=0)
 
 
+def test_registry_entries_take_workers_like_llama(tmp_path: Path) -> None:
+    from llamacrab import ModelRegistry
+
+    toml = tmp_path / "models.toml"
+    toml.write_text('[models.big]\nmodel = "big.gguf"\nrpc_servers = ["10.0.0.2:50052"]\n')
+    entry = ModelRegistry.from_toml(toml).entries()[0]
+    assert entry.name == "big"
+    registry = ModelRegistry()
+    registry.add("split", "big.gguf", rpc_servers="10.0.0.2:50052,10.0.0.3:50052")
+    assert registry.entries()[0].name == "split"
+
+
 def test_serve_takes_workers_as_a_flag_or_llama_cpp_style_list() -> None:
     from llamacrab.server._settings import parse_settings
 
@@ -203,6 +215,21 @@ def test_a_worker_ends_with_the_process_that_started_it() -> None:
         time.sleep(0.1)  # reparented: not our child, so /proc tells whether it still runs
     stat = Path(f"/proc/{pid}/stat")
     assert not stat.exists() or stat.read_text().rsplit(") ", 1)[1].startswith("Z")  # zombie
+
+
+@needs_rpc
+def test_worker_lists_devices_and_refuses_an_unknown_one() -> None:
+    command = [sys.executable, "-m", "llamacrab", "rpc-worker"]
+    listed = subprocess.run(
+        [*command, "--list-devices"], capture_output=True, text=True, timeout=60
+    )
+    assert listed.returncode == 0 and listed.stdout.startswith("CPU\tcpu\t"), listed
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    unknown = subprocess.run([*command, "--port", port, "--device", "CPU,NOPE"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert unknown.returncode == 1 and "unknown device 'NOPE'" in unknown.stderr, unknown
 
 
 @needs_rpc

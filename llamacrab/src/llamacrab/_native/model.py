@@ -135,7 +135,7 @@ class Model(NativeHandle):
             split[0 : len(params.tensor_split)] = list(params.tensor_split)
             c_params.tensor_split = split
             keepalive.append(split)
-        if params.rpc_servers:
+        if params.rpc_servers and not params.vocab_only:  # (no weights: no worker needed)
             devices = offload_devices(params.rpc_servers, params.rpc_timeout)
             c_params.devices = devices
             keepalive.append(devices)
