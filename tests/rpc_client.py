@@ -5,6 +5,8 @@ process running a model whose worker dies, and the test must outlive that.
         greedy tokens of a local run and of a run offloaded to the workers, as JSON
     python tests/rpc_client.py load MODEL ENDPOINT[,...]
         load with the workers; print the error class and message if it fails
+    python tests/rpc_client.py two MODEL ENDPOINT[,...]
+        two models on the same workers at once, then another one
     python tests/rpc_client.py die MODEL PROMPT ENDPOINT[,...]
         stream; after the first token print "streaming" and wait for a line on stdin (the test
         kills a worker meanwhile), then go on
@@ -41,6 +43,20 @@ def load(model: str, servers: str) -> None:
         print(f"{type(error).__name__}: {error}")
 
 
+def two(model: str, servers: str) -> None:
+    """Two models on the same workers at once (ggml shares the connection), then a third."""
+    with (
+        Llama(model, n_ctx=128, rpc_servers=servers) as first,
+        Llama(model, n_ctx=128, rpc_servers=servers) as second,
+    ):
+        a = first.create_completion("hello", max_tokens=4, temperature=0).choices[0].tokens
+        b = second.create_completion("hello", max_tokens=4, temperature=0).choices[0].tokens
+        print("same" if a == b else f"differ {a} {b}")
+    with Llama(model, n_ctx=128, rpc_servers=servers) as third:
+        third.create_completion("hello", max_tokens=2)
+    print("done")
+
+
 def die(model: str, prompt: str, servers: str) -> None:
     with Llama(model, n_ctx=256, n_threads=1, rpc_servers=servers) as llm:
         for i, chunk in enumerate(llm.stream_completion(prompt, max_tokens=64, temperature=0.0)):
@@ -57,5 +73,7 @@ if __name__ == "__main__":
         generate(args[0], args[1], int(args[2]), args[3])
     elif command == "load":
         load(args[0], args[1])
+    elif command == "two":
+        two(args[0], args[1])
     else:
         die(args[0], args[1], args[2])

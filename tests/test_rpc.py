@@ -276,6 +276,17 @@ def test_unreachable_and_duplicate_workers_raise_in_the_client(tiny_model_path: 
         assert result.stdout.startswith(error), result.stdout
 
 
+@needs_rpc
+def test_two_models_of_one_process_share_a_worker(
+    workers: tuple[RpcWorker, RpcWorker], tiny_model_path: Path
+) -> None:
+    # A worker serves one connection; ggml shares it between the models of a process, so the
+    # second model must not be refused by a probe waiting behind the first one's connection.
+    result = client("two", str(tiny_model_path), ",".join(w.endpoint for w in workers))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["same", "done"]
+
+
 # -- generation -----------------------------------------------------------------------------------
 
 

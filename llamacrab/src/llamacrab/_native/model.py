@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,10 @@ def _kv_overrides(overrides: Mapping[str, KvOverrideValue]) -> Any:
     return array
 
 
+# Live models offloaded to RPC workers: their connections are ggml's, shared by address.
+_rpc_models: weakref.WeakSet[Model] = weakref.WeakSet()
+
+
 class Model(NativeHandle):
     """A loaded GGUF model. Closing it closes its contexts and samplers first."""
 
@@ -106,6 +111,11 @@ class Model(NativeHandle):
         self.params = params
         self.vocab = Vocab(self)
         _backend.register_root(self)
+        # The addresses as handed to ggml-rpc, which keys its connections by them.
+        self.rpc_endpoints: tuple[str, ...] = ()
+        if params.rpc_servers and not params.vocab_only:
+            self.rpc_endpoints = tuple(str(e) for e in parse_endpoints(params.rpc_servers))
+            _rpc_models.add(self)
 
     @classmethod
     def load(
@@ -136,7 +146,8 @@ class Model(NativeHandle):
             c_params.tensor_split = split
             keepalive.append(split)
         if params.rpc_servers and not params.vocab_only:  # (no weights: no worker needed)
-            devices = offload_devices(params.rpc_servers, params.rpc_timeout)
+            connected = {e for m in list(_rpc_models) if not m.closed for e in m.rpc_endpoints}
+            devices = offload_devices(params.rpc_servers, params.rpc_timeout, connected)
             c_params.devices = devices
             keepalive.append(devices)
         if params.kv_overrides:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,14 +180,21 @@ def check_endpoints(endpoints: Sequence[str]) -> list[Endpoint]:
     return parsed
 
 
-def offload_devices(endpoints: Sequence[str], timeout: float = PROBE_TIMEOUT) -> Any:
+def offload_devices(
+    endpoints: Sequence[str], timeout: float = PROBE_TIMEOUT, connected: Set[str] = frozenset()
+) -> Any:
     """A NULL-terminated ``ggml_backend_dev_t[]`` for ``llama_model_params.devices``: every
     device of each worker (probed first), then this machine's GPUs, as llama.cpp's default
-    order puts them. The RPC devices live as long as the process (ggml keeps them)."""
+    order puts them. The RPC devices live as long as the process (ggml keeps them).
+
+    ``connected``: addresses a live model of this process uses. ggml shares one connection per
+    address string, and a worker serves one connection at a time, so those are not probed (the
+    probe would wait behind our own connection)."""
     _backend.ensure_initialised()
     workers = check_endpoints(endpoints)
     for endpoint in workers:
-        probe(endpoint, timeout)
+        if str(endpoint) not in connected:
+            probe(endpoint, timeout)
     devices: list[Any] = []
     for endpoint in workers:
         reg = call("ggml_backend_rpc_add_server", c_string(str(endpoint), "RPC worker address"))
