@@ -24,6 +24,7 @@ tests=(
   tests/test_crash_proof.py tests/test_abort.py tests/test_engine_faults.py tests/test_lora.py
   tests/test_multimodal.py tests/test_speculative.py tests/test_embeddings.py
   tests/test_tampered_files.py tests/test_gguf_check.py tests/test_hardening_inputs.py
+  tests/test_ffi_traps.py
 )
 # The lifecycle fuzzing of the reliability suite (short size), where this checkout has it.
 if grep -qs "def test_lifecycle_sequences" tests/test_reliability.py; then

@@ -78,6 +78,11 @@ FOUND = [
      "first 4 bytes claim a long model name",
      "llama.cpp zero-fills a buffer of that length first: 4 GiB and ~5 s per load (the OOM "
      "killer on a smaller machine)", "`_native/context.py`: StateError before llama.cpp reads"),
+    ("lifecycle (ASan)", "one `Llama` closed from two threads at once",
+     "heap-use-after-free in `llama_context::~llama_context`: the second `close()` found the "
+     "context's free taken and freed the model while `llama_free` still read it",
+     "`_native/handle.py`: `close()` waits for a free in progress (test in "
+     "`tests/test_ffi_traps.py`)"),
     ("tampered", "`general.alignment` below 32 (e.g. 1)",
      "SIGABRT: `GGML_ASSERT(... \"buffer pointer must be aligned\")` (ggml-backend.cpp:2527)",
      "`validate_gguf`: the first tensor's data 32-byte aligned"),

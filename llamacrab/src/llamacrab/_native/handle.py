@@ -56,6 +56,12 @@ class NativeHandle:
         # calls in flight; the backend's exit hook closes the roots, which waits.
         self._finalizer.atexit = False
         self._calls = threading.Condition(threading.Lock())
+        # Held while the finalizer runs from close(): weakref.finalize hands the free to the
+        # first caller and returns at once to the others, so a second close() (another thread
+        # closing the same parent) would go on to free the parent while the first is still
+        # inside this object's free, which reads the parent (ASan: llama_free reading a freed
+        # model). Waiting here makes every close() return only once the memory is freed.
+        self._freeing = threading.RLock()
         self._callers: dict[int, int] = {}  # thread id -> native calls in flight
         self._closing = False
         if parent is not None:
@@ -121,7 +127,8 @@ class NativeHandle:
             if not self._calls.wait_for(lambda: not self._callers, timeout):
                 return False
         if closed:
-            self._finalizer()
+            with self._freeing:
+                self._finalizer()
         return closed
 
     def __enter__(self: _H) -> _H:
