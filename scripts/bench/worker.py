@@ -106,11 +106,18 @@ def _after_first(stream: Any, finish_reason: Any) -> float:
 
 
 def speed(
-    side: type, model: str, threads: int, prompt: list[int], n_gen: int, banned: list[int]
+    side: type,
+    model: str,
+    threads: int,
+    prompt: list[int],
+    n_gen: int,
+    banned: list[int],
+    **options: Any,
 ) -> dict[str, float]:
+    """``options``: more keywords for the engine (llamacrab's graph_sampling)."""
     n_prompt = len(prompt)
     engine = side(model, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_ubatch=n_prompt,
-                  n_threads=threads, n_threads_batch=threads)  # fmt: skip
+                  n_threads=threads, n_threads_batch=threads, **options)  # fmt: skip
     engine.prefill(prompt)  # warm-up
     started = time.perf_counter()
     engine.prefill(prompt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -21,6 +22,7 @@ from llamacrab._exceptions import (
     ContextOverflowError,
     DecodeAbortedError,
     InvalidParameterError,
+    LlamaError,
     StateError,
 )
 from llamacrab._native.adapter import LoraAdapter
@@ -208,9 +210,11 @@ class KvState:
 
     def lend(self) -> None:
         """The memory is about to hold other sequences (embedding batches): nothing in it is
-        reusable any more, and no paused generation may go on with it."""
+        reusable any more, and no paused generation may go on with it (nor sample inside the
+        graph: those batches read every output row)."""
         self.owner = None
         self.tokens.clear()
+        self.context.clear_graph_samplers()
 
     def forget(self) -> None:
         """Clear this sequence only; the other sequences of the context keep theirs."""
@@ -322,27 +326,38 @@ def generate(
     """Yield Steps until one has a finish reason. Each step holds ``lock`` while it works in
     llama.cpp (never while it yields), so concurrent generations never interleave there."""
     request.check(kv.context.n_ctx)
-    with lock:
-        started = _start(kv, request, session)
-    if not started:
-        yield Step("", None, "cancelled")
-        return
-    stepper = _Stepper(kv, samplers, request, drafter, stats or SpeculativeStats())
-    produced = 0
-    while True:
+    try:
         with lock:
-            step = _step(kv, session, stepper, produced)
-        produced += 1
-        yield step
-        if step.finish_reason is not None:
+            started = _start(kv, request, session, samplers)
+        if not started:
+            yield Step("", None, "cancelled")
             return
+        stepper = _Stepper(kv, samplers, request, drafter, stats or SpeculativeStats())
+        produced = 0
+        while True:
+            with lock:
+                step = _step(kv, session, stepper, produced)
+            produced += 1
+            yield step
+            if step.finish_reason is not None:
+                return
+    finally:
+        # A context closed or busy meanwhile: its next decode drops a closed chain itself.
+        with lock, contextlib.suppress(LlamaError):
+            samplers.unbind()
 
 
-def _start(kv: KvState, request: Request, session: Session) -> bool:
+def _start(kv: KvState, request: Request, session: Session, samplers: Samplers) -> bool:
     """Put the prompt in memory and take the memory over; False when the session stopped
-    first. One superseded before it starts must not touch the memory: it is the newer one's."""
+    first. One superseded before it starts must not touch the memory: it is the newer one's.
+    The samplers go into the compute graph (or out of it) before the prompt's last decode."""
     if session.stopped():
         return False
+    samplers.bind(kv.context, kv.seq_id)
+    return _start_prompt(kv, request, session)
+
+
+def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
     kv.owner = None  # the memory changes now: the generation before may not touch it again
     try:
         if request.media is not None:

@@ -226,6 +226,7 @@ class Scheduler:
                 self._start_media(slot, job.request.media)
             elif job.todo is None:
                 try:  # a failure here (a cache failure is a miss already) is this slot's alone
+                    job.samplers.bind(self.context, slot.kv.seq_id)
                     keep = slot.kv.prepare(job.request.prompt, job.request.lora)
                 except Exception as error:
                     self._fail([slot], error)
@@ -258,6 +259,7 @@ class Scheduler:
         job = slot.job
         assert job is not None
         try:
+            job.samplers.bind(self.context, slot.kv.seq_id)
             slot.kv.decode_media(chunks, job.request.lora if job else None)
         except Exception as error:
             self._fail([slot], error)
@@ -342,6 +344,7 @@ class Scheduler:
         assert job is not None
         slot.job = None
         try:
+            job.samplers.unbind()
             if step.finish_reason != "cancelled":
                 slot.kv.remember()  # logs and skips a failing cache
         finally:
@@ -351,6 +354,8 @@ class Scheduler:
         for slot in slots:
             if slot.job is not None:
                 with contextlib.suppress(LlamaError):  # e.g. a context already closed
+                    slot.job.samplers.unbind()
+                with contextlib.suppress(LlamaError):
                     slot.kv.forget()
                 slot.job.finish(error)
                 slot.job = None

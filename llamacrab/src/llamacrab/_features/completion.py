@@ -189,7 +189,13 @@ class Completer:
         request.check(self.kv.context.n_ctx_seq)
         speculative = speculative if speculative is not None else default
         drafter = speculative.drafter(self.model) if speculative is not None else None
-        samplers = Samplers(self.model, options, request.min_tokens)
+        # Inside the graph a sequence has no raw logits: log-probabilities, media prompts
+        # (libmtmd decodes them) and speculative decoding (llama.cpp samples one output per
+        # sequence and decode there; a verification decodes several) sample on the CPU.
+        graph = self.kv.context.graph_sampling
+        if request.logprobs is not None or prompt.chunks is not None or drafter is not None:
+            graph = "off"
+        samplers = Samplers(self.model, options, request.min_tokens, graph)
         echo_text = prompt.text if echo else ""
         if self.scheduler is None:
             steps = self._one_slot_steps(request, samplers, session, drafter)

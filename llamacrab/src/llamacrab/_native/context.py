@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from llamacrab._exceptions import (
+    ClosedHandleError,
     ConcurrentUseError,
     ContextError,
     ContextOverflowError,
@@ -55,6 +56,13 @@ KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5
 KV_SETTINGS = ("rope_scaling", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor",
                "yarn_orig_ctx", "type_k", "type_v", "flash_attn", "swa_full")  # fmt: skip
 
+# Where a generation's sampler chain runs when all of it can run inside the compute graph:
+# "auto" there when the output layer is computed off the CPU (a GPU, ggml RPC workers: no
+# logits copied back per token), "on" there always, "off" never (the CPU chain samples).
+# On the CPU backend the graph's sampling costs more than the CPU chain at the pin (see
+# BENCHMARKS.md), hence "auto".
+GRAPH_SAMPLING = ("auto", "on", "off")
+
 _DECODE_STATUS = {
     1: "no KV cache slot for the batch (the context is full)",
     -1: "invalid batch (tokens or positions rejected)",
@@ -90,6 +98,7 @@ class ContextParams:
     pooling: str = "unspecified"
     swa_full: bool = True
     kv_unified: bool = False
+    graph_sampling: str = "auto"  # see GRAPH_SAMPLING
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
@@ -108,6 +117,10 @@ class ContextParams:
         _choice("rope_scaling", self.rope_scaling, ROPE_SCALING)
         _choice("type_k", self.type_k, KV_TYPES)
         _choice("type_v", self.type_v, KV_TYPES)
+        if self.graph_sampling not in GRAPH_SAMPLING:
+            raise InvalidParameterError(
+                f"graph_sampling must be one of {GRAPH_SAMPLING}, not {self.graph_sampling!r}"
+            )
 
     def to_c(self, n_ctx_train: int) -> Any:
         c = lib.llama_context_default_params()
@@ -182,6 +195,8 @@ class Context(NativeHandle):
         self._applied: dict[LoraAdapter, float] = {}  # what llama.cpp applies now (scale != 0)
         self._cvec: tuple[ControlVector, int, int] | None = None
         self._guards: weakref.WeakSet[WeightsGuard] = weakref.WeakSet()
+        # Sampler chains llama.cpp runs inside the compute graph, by sequence (set_graph_sampler).
+        self._graph_samplers: dict[int, NativeHandle] = {}
         # Bumped by every change of the adapters: KV computed under an older value is stale.
         self.weights_generation = 0
         # What, besides the tokens, decides the KV memory: the model, the adapters (file
@@ -195,6 +210,10 @@ class Context(NativeHandle):
         whole = not lib.llama_get_causal_attn(pointer) or lib.llama_get_memory(pointer) == ffi.NULL
         self.max_decode = int(lib.llama_n_ubatch(pointer)) if whole else self.n_batch
         self.n_vocab = model.vocab.n_tokens
+        mode = params.graph_sampling
+        if mode == "auto":
+            mode = "on" if _output_offloaded(model) else "off"
+        self.graph_sampling = mode  # "on" or "off": where fitting chains sample
 
     @contextmanager
     def exclusive(self) -> Iterator[Any]:
@@ -233,6 +252,7 @@ class Context(NativeHandle):
             self._apply_lora(ctx, wanted)
             for adapter in self._applied:  # llama.cpp computes with them: none freed meanwhile
                 adapters.enter_context(adapter.in_flight())
+            self.hold_graph_samplers(ctx, adapters)
             self.arm_cancel()
             status = call("llama_decode", ctx, batch.value)
         if status == 0:
@@ -242,8 +262,52 @@ class Context(NativeHandle):
         reason = _DECODE_STATUS.get(status, "llama.cpp error")
         raise DecodeError(f"llama_decode failed with status {status}: {reason}", status)
 
+    # -- sampling inside the compute graph -----------------------------------------------------
+
+    def set_graph_sampler(self, seq_id: int, chain: NativeHandle | None) -> bool:
+        """Have llama.cpp run the sampler chain ``chain`` inside the compute graph for the
+        outputs of sequence ``seq_id`` (None: none, the CPU chain samples from raw logits).
+        False when llama.cpp refused it. A chain can be given once in its life: llama.cpp
+        initializes it for this context. Outputs of such a sequence have no raw logits."""
+        self._check_sequence(seq_id)
+        if chain is None and seq_id not in self._graph_samplers:
+            return True  # nothing to change: llama.cpp would not reserve its graphs again
+        with self.exclusive() as ctx:
+            if chain is None:
+                call("llama_set_sampler", ctx, seq_id, ffi.NULL)
+                del self._graph_samplers[seq_id]
+                return True
+            with chain.in_flight() as pointer:
+                accepted = bool(call("llama_set_sampler", ctx, seq_id, pointer))
+            if accepted:
+                self._graph_samplers[seq_id] = chain
+            else:  # llama.cpp dropped the sequence's chain, if it had one
+                self._graph_samplers.pop(seq_id, None)
+            return accepted
+
+    def clear_graph_samplers(self) -> None:
+        """Take every chain out of the compute graph."""
+        for seq_id in list(self._graph_samplers):
+            self.set_graph_sampler(seq_id, None)
+
+    def graph_sampler(self, seq_id: int) -> NativeHandle | None:
+        """The chain ``set_graph_sampler`` gave sequence ``seq_id``, if any."""
+        return self._graph_samplers.get(seq_id)
+
+    def hold_graph_samplers(self, ctx: Any, stack: ExitStack) -> None:
+        """Called holding ``exclusive()`` before a decode: the chains llama.cpp will run are
+        kept from being freed during it, and a chain closed since it was set is taken out of
+        llama.cpp first (it would read freed memory)."""
+        for seq_id, chain in list(self._graph_samplers.items()):
+            try:
+                stack.enter_context(chain.in_flight())
+            except ClosedHandleError:
+                call("llama_set_sampler", ctx, seq_id, ffi.NULL)
+                del self._graph_samplers[seq_id]
+
     def logits(self, index: int = -1) -> np.ndarray:
-        """A copy of the logits of output ``index`` of the last decode."""
+        """A copy of the logits of output ``index`` of the last decode (not of a sequence
+        sampled inside the graph: see ``set_graph_sampler``)."""
         with self.exclusive() as ctx:
             row = call("llama_get_logits_ith", ctx, index)
             if row == ffi.NULL:
@@ -571,6 +635,21 @@ def _check_rope_freq_base(model: Model, params: ContextParams) -> None:
         raise InvalidParameterError(
             f"{name} = {base}: {arch} models need a rope base of 10000 (llama.cpp asserts it)"
         )
+
+
+def _output_offloaded(model: Model) -> bool:
+    """Whether llama.cpp computes ``model``'s output layer off the CPU: it offloads the output
+    layer first, so any offloaded layer (n_gpu_layers != 0, llama.cpp's default -1 is all)
+    with a GPU device or ggml RPC workers there."""
+    if model.params.n_gpu_layers == 0:
+        return False
+    if model.params.rpc_servers:
+        return True
+    accelerators = (lib.GGML_BACKEND_DEVICE_TYPE_GPU, lib.GGML_BACKEND_DEVICE_TYPE_IGPU)
+    return any(
+        lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) in accelerators
+        for i in range(lib.ggml_backend_dev_count())
+    )
 
 
 def _scope(seq_id: int | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,9 @@ class Projector(NativeHandle):
             self.in_flight() as projector,
             chunks.in_flight() as chunk_list,
             context.exclusive() as pointer,
+            ExitStack() as held,
         ):
+            context.hold_graph_samplers(pointer, held)
             context.arm_cancel()
             # Split by max_decode: a non-causal text model must not get more than n_ubatch.
             status = call("mtmd_helper_eval_chunks", projector, pointer, chunk_list,

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._exceptions import GrammarError, InvalidParameterError
+from llamacrab._exceptions import GrammarError, InvalidParameterError, NativeError
 from llamacrab._native.call import c_string, call, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
@@ -21,6 +21,8 @@ from llamacrab._native.model import Model
 from llamacrab_sys import python_sampler
 
 # llama.cpp's default order (common/common.h): filters first, temperature last, then `dist`.
+LLAMA_TOKEN_NULL = -1
+
 DEFAULT_ORDER = (
     "penalties", "dry", "top_n_sigma", "top_k", "typical", "top_p", "min_p", "xtc", "temperature",
 )  # fmt: skip
@@ -108,13 +110,39 @@ class SamplerChain(NativeHandle):
             except BaseException:
                 self.close()
                 raise
+        self.in_graph = False  # given to a context, to run inside its compute graph
+
+    def attach(self, context: Context, seq_id: int) -> bool:
+        """Have ``context`` run this chain inside its compute graph for sequence ``seq_id``;
+        True when every sampler of it runs there. Once given to llama.cpp, a chain skips on
+        the CPU the samplers it ran in the graph: on False, build a new chain for the CPU."""
+        if self.in_graph:
+            raise InvalidParameterError("this sampler chain was given to a context already")
+        self.in_graph = True
+        if not context.set_graph_sampler(seq_id, self):
+            return False
+        # llama.cpp marks each sampler it runs in the graph with "+" in its name; a sampler
+        # it cannot run there ("-") would leave the rest of the chain to the CPU.
+        with self.in_flight() as chain:
+            names = [
+                ffi.string(lib.llama_sampler_name(lib.llama_sampler_chain_get(chain, i)))
+                for i in range(lib.llama_sampler_chain_n(chain))
+            ]
+        if names and all(name.startswith(b"+") for name in names):
+            return True
+        context.set_graph_sampler(seq_id, None)
+        return False
 
     def sample(self, context: Context, index: int = -1) -> int:
-        """Pick a token from the logits of output ``index`` and accept it into the chain state."""
+        """Pick a token from the logits of output ``index`` and accept it into the chain state
+        (attached: read the token the graph sampled, and accept it)."""
         with self.in_flight() as chain, context.exclusive() as ctx:
             # llama_sampler_sample asserts (an abort) when the output has no logits: none
             # decoded yet, an index out of range, a token decoded without logits.
-            if call("llama_get_logits_ith", ctx, index) == ffi.NULL:
+            if self.in_graph:
+                if call("llama_get_sampled_token_ith", ctx, index) == LLAMA_TOKEN_NULL:
+                    raise InvalidParameterError(f"no token sampled for output {index}")
+            elif call("llama_get_logits_ith", ctx, index) == ffi.NULL:
                 raise InvalidParameterError(f"no logits for output {index} of the last decode")
             return int(call("llama_sampler_sample", chain, ctx, index))
 
@@ -148,11 +176,53 @@ class _EndBan(CustomSampler):
 
 
 class Samplers:
-    """The chain one generation samples with, plus the min_tokens switch."""
+    """The chain one generation samples with, plus the min_tokens switch. ``graph`` "on"
+    lets ``bind`` run the chain inside the compute graph when every sampler of it can run
+    there (see ``graph_fits``); "off" keeps it on the CPU."""
 
-    def __init__(self, model: Model, options: SamplingOptions, min_tokens: int = 0) -> None:
+    def __init__(
+        self, model: Model, options: SamplingOptions, min_tokens: int = 0, graph: str = "off"
+    ) -> None:
+        self.model, self.options = model, options
         self.ban = _EndBan(model.vocab.eog_tokens) if min_tokens > 0 else None
         self.main = SamplerChain(model, options, first=(self.ban,) if self.ban else ())
+        self.graph = (
+            graph == "on" and self.ban is None and graph_fits(options, model.vocab.n_tokens)
+        )
+        self._bound: tuple[Context, int] | None = None
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether the chain samples inside the compute graph (after ``bind``)."""
+        return self._bound is not None
+
+    def bind(self, context: Context, seq_id: int) -> None:
+        """Before the first decode of a generation on sequence ``seq_id``: give the chain to
+        ``context``'s graph if planned, else take any chain out of that sequence. Called
+        holding the lock that serializes the context's users."""
+        if self.graph and not self.main.in_graph:
+            try:
+                attached = self.main.attach(context, seq_id)
+            except NativeError:  # llama.cpp threw while building the sampling graph
+                attached = False
+            if attached:
+                self._bound = (context, seq_id)
+                return
+            # Refused, or only part of it runs there: the CPU samples with a fresh chain.
+            self.graph = False
+            self.main.close()
+            self.main = SamplerChain(self.model, self.options)
+        context.set_graph_sampler(seq_id, None)
+
+    def unbind(self) -> None:
+        """At the end of the generation (holding the same lock): the sequence's outputs have
+        raw logits again. Another generation's chain, set since, stays."""
+        if self._bound is None:
+            return
+        context, seq_id = self._bound
+        self._bound = None
+        if not context.closed and context.graph_sampler(seq_id) is self.main:
+            context.set_graph_sampler(seq_id, None)
 
     def sample(self, context: Context, end_allowed: bool = True, index: int = -1) -> int:
         if self.ban is not None:
@@ -161,6 +231,31 @@ class Samplers:
 
     def close(self) -> None:
         self.main.close()
+
+
+def graph_fits(options: SamplingOptions, n_vocab: int) -> bool:
+    """Whether every sampler of ``options``' chain has an implementation inside llama.cpp's
+    compute graph at the pin: logit_bias, then greedy, or penalties, top_k, top_p, min_p,
+    temperature (dynatemp too) and dist. Not: Python samplers, grammar, DRY, top_n_sigma,
+    typical, XTC, mirostat, adaptive-p, infill. (llama.cpp runs penalties in the graph only
+    with one output per sequence and decode, its default; ``SamplerChain.attach`` checks what
+    it accepted.)"""
+    o = options
+    if o.custom_samplers or o.grammar is not None:
+        return False
+    if o.greedy:
+        return True
+    if (
+        o.mirostat
+        or o.infill
+        or o.adaptive_p_target is not None
+        or (o.dry_multiplier != 0 and "dry" in o.order)
+        or (o.top_n_sigma > 0 and "top_n_sigma" in o.order)
+        or (o.typical_p < 1 and "typical" in o.order)
+        or (o.xtc_probability > 0 and "xtc" in o.order)
+    ):
+        return False
+    return not ("top_k" in o.order and o.top_k > n_vocab)  # ggml's top_k asserts k <= n
 
 
 def _checked(sampler: Any, what: str) -> Any:
