@@ -284,3 +284,32 @@ def test_speculative_decoding_samples_on_the_cpu(tiny_model_path: Path, bound: l
             results[mode] = llm.create_completion(prompt, max_tokens=16, temperature=0)
     assert results["off"].choices[0].tokens == results["on"].choices[0].tokens
     assert bound == [False, False]  # one output per sequence and decode in the graph
+
+
+def test_a_closed_chain_is_taken_out_before_the_next_decode(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, graph_sampling="on") as llm:
+        context = llm.context
+        samplers = Samplers(llm.model, SamplingOptions(temperature=0), 0, "on")
+        samplers.bind(context, 0)
+        assert context.graph_sampler(0) is samplers.main
+        samplers.close()  # freed while llama.cpp still holds it: never run again
+        batch = Batch(64, 1)
+        batch.set(np.asarray(llm.vocab.tokenize("the cat"), dtype=np.int32), 0, 0, True)
+        context.decode(batch)
+        assert context.graph_sampler(0) is None
+        assert np.isfinite(context.logits()).all()  # raw logits again
+
+
+def test_superseded_and_abandoned_streams(tiny_model_path: Path, bound: list[bool]) -> None:
+    llm = Llama(tiny_model_path, n_ctx=128, n_threads=2, graph_sampling="on")
+    first = llm.stream_completion("the cat", max_tokens=20, temperature=0)
+    next(iter(first))
+    # A newer generation on the CPU chain takes the sequence over; the older one ends.
+    second = llm.create_completion("a b", max_tokens=4, temperature=0, logprobs=1)
+    assert second.choices[0].finish_reason in ("length", "eos")
+    assert [c.finish_reason for c in first][-1] == "cancelled"
+    third = llm.stream_completion("the dog", max_tokens=20, temperature=0)
+    next(iter(third))
+    assert llm.context.graph_sampler(0) is not None
+    llm.close()  # a stream still holding its chain in the graph
+    assert bound == [True, False, True]
