@@ -73,7 +73,8 @@ def native_programs() -> tuple[Path, Path, Path]:
         libs = lib["lib_dir"]
         subprocess.run(
             ["cc", "-O2", str(source), f"-I{lib['include_dir']}", f"-L{libs}", f"-Wl,-rpath,{libs}",
-             "-lllama", "-lggml", "-lggml-base", "-lm", "-o", str(loop)],
+             *(f"-l:{native.LIBRARY_PREFIX}{name}.so" for name in ("llama", "ggml", "ggml-base")),
+             "-lm", "-o", str(loop)],
             check=True,
         )  # fmt: skip
     bin_dir = Path(tools["bin_dir"])
