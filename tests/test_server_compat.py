@@ -270,3 +270,18 @@ def test_stream_chunks_fingerprints_and_metrics(gemma_server: LiveServer) -> Non
     assert values["llamacpp:n_tokens_max"] > 6
     assert values["llamacpp:requests_processing"] == 0 == values["llamacpp:requests_deferred"]
     assert "# TYPE llamacpp:prompt_tokens_total counter" in metrics
+
+
+@pytest.mark.parametrize("text", ["a\u2028b", "nel\x85", "p\u2029q", "plain"])
+def test_events_survive_clients_that_split_lines_like_str_splitlines(text: str) -> None:
+    # httpx's aiter_lines splits at U+0085/U+2028/U+2029 as well as CR/LF; the tiny model's
+    # random tokens produce them, and a raw one cut a chat stream's JSON in half under load.
+    from llamacrab.server import _anthropic_wire, _responses_events, _streaming
+
+    payload = {"type": "delta", "text": text}
+    frames = [_streaming.event(payload), _responses_events.frame(payload),
+              _anthropic_wire.sse("delta", {"text": text})]  # fmt: skip
+    for frame in frames:
+        data = [line for line in frame.splitlines() if line.startswith("data: ")]
+        assert len(data) == 1, frame
+        assert json.loads(data[0][6:])["text"] == text

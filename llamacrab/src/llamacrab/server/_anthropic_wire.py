@@ -42,6 +42,7 @@ from llamacrab.server._anthropic_schemas import (
 from llamacrab.server._errors import ApiError, anthropic_body
 from llamacrab.server._schemas import GenerationFields
 from llamacrab.server._settings import ServerSettings
+from llamacrab.server._sse import sse_json
 
 _STOP_REASONS = {"eos": "end_turn", "length": "max_tokens", "stop": "stop_sequence",
                  "tool_calls": "tool_use"}  # fmt: skip
@@ -325,7 +326,7 @@ def message(result: ChatCompletion | Completion, reply: Reply) -> dict[str, Any]
 
 def sse(name: str, payload: dict[str, Any]) -> str:
     """One server-sent event as Anthropic writes them: its type named twice."""
-    return f"event: {name}\ndata: {json.dumps({'type': name, **payload}, ensure_ascii=False)}\n\n"
+    return f"event: {name}\ndata: {sse_json({'type': name, **payload})}\n\n"
 
 
 def error_event(error: ApiError) -> str:

@@ -4,7 +4,6 @@ by deltas, then one item per function call. Each event has its ``sequence_number
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from llamacrab._types import ChatCompletionChunk, ToolCall
@@ -19,13 +18,14 @@ from llamacrab.server._responses_wire import (
     status,
     usage,
 )
+from llamacrab.server._sse import sse_json
 
 Event = dict[str, Any]
 
 
 def frame(event: Event) -> str:
     """One server-sent event, named by its type as OpenAI names them."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return f"event: {event['type']}\ndata: {sse_json(event)}\n\n"
 
 
 class ResponseEvents:

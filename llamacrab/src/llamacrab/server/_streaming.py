@@ -4,7 +4,6 @@ and whole completions that stop when their client goes away."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar, cast
@@ -19,6 +18,7 @@ from llamacrab._types import ChatCompletion, ChatCompletionChunk, Completion, Co
 from llamacrab.server import _wire as wire
 from llamacrab.server._errors import ApiError, from_llama_error
 from llamacrab.server._schemas import ErrorResponse, GenerationFields
+from llamacrab.server._sse import sse_json
 from llamacrab.server._state import ServerState
 
 _Chunk = TypeVar("_Chunk", CompletionChunk, ChatCompletionChunk)
@@ -37,7 +37,7 @@ async def in_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> 
 
 
 def event(payload: object) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {sse_json(payload)}\n\n"
 
 
 async def sse(
