@@ -23,6 +23,7 @@ LlamaError
 ├── RpcError                   a ggml RPC worker cannot be used or started (.endpoint)
 │   ├── RpcUnavailableError    no connection, or no HELLO answer in time
 │   └── RpcProtocolError       it answered, but not as this build's RPC protocol version
+├── SysVersionError            (also ImportError) the installed llamacrab-sys is not supported
 └── InvalidParameterError      (also ValueError) a parameter out of its range
 """
 
@@ -148,3 +149,8 @@ class RpcUnavailableError(RpcError):
 
 class RpcProtocolError(RpcError):
     """The peer answered, but not as an RPC worker of this build's protocol version."""
+
+
+class SysVersionError(LlamaError, ImportError):
+    """The installed llamacrab-sys (its version, or the llama.cpp commit it was built from) is
+    not one this llamacrab supports; raised by ``import llamacrab``."""

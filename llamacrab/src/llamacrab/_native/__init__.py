@@ -3,3 +3,9 @@
 Every pointer from C is checked here, every handle is freed exactly once (children before
 parents), and every call that can throw goes through a ``noexcept`` shim (``call``).
 """
+
+from llamacrab._native.sys_check import check_installed
+
+# Before any handle module binds to llamacrab_sys.lib: a mismatched llamacrab-sys fails here
+# with both versions named, not later with a missing symbol or a wrong struct layout.
+check_installed()
