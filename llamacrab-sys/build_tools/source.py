@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,9 +70,23 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _fetch_url(url: str, target: Path) -> None:
+    """A pin written by scripts/bump_pin.py names llama.cpp's own release archive by URL."""
+    print(f"llamacrab: downloading {url}", flush=True)
+    partial = target.with_name(target.name + ".partial")
+    try:
+        with urllib.request.urlopen(url, timeout=300) as response, partial.open("wb") as f:
+            shutil.copyfileobj(response, f)
+    except OSError as exc:
+        raise SourceError(f"could not download {url}: {exc}") from exc
+    partial.replace(target)
+
+
 def _download_archive(archive: dict, dest_dir: Path) -> Path:
-    """Fetch the pinned sdist with pip (no build, no dependencies) and verify its hash."""
+    """Fetch the pinned archive (with pip, or from its URL) and verify its hash."""
     target = dest_dir / archive["filename"]
+    if not target.is_file() and "url" in archive:
+        _fetch_url(archive["url"], target)
     if not target.is_file():
         with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
             cmd = [
