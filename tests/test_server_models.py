@@ -353,3 +353,91 @@ def test_a_speculative_entry_serves_concurrent_requests_in_turn(folder: Path) ->
         chunks = [first, *rest]
         assert chunks[-1].choices[0].finish_reason == "length"
         assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) > 1
+
+
+# -- the serve flags as every entry's defaults ---------------------------------------------------
+
+
+def test_serve_flags_are_every_entrys_defaults_under_its_own_options(folder: Path) -> None:
+    from llamacrab.server._models import open_registry
+
+    config = _toml(
+        folder / "defaults.toml",
+        """
+[models.plain]
+model = "alpha.gguf"
+[models.own]
+model = "beta.gguf"
+n_ctx = 384
+type_k = "f16"
+[models.preset]
+model = "gamma.gguf"
+preset = "balanced"
+[models.lookup]
+model = "alpha.gguf"
+prompt_lookup = 3
+[models.ranker]
+model = "ranker.gguf"
+embeddings = true
+pooling = "rank"
+""",
+    )
+    settings = parse_settings(["--models", config, "--n-ctx", "320", "--n-batch", "64",
+                               "--flash-attn", "off", "--cache-type-k", "q8_0", "--cache-type-v",
+                               "f16", "--n-threads", "1", "--preset", "low-ram",
+                               "--parallel", "2"], environ={})  # fmt: skip
+    registry = open_registry(settings)
+    options = {name: dict(registry.entry(name).options) for name in registry.names()}
+    plain = options["plain"]
+    assert (plain["n_ctx"], plain["n_batch"], plain["flash_attn"]) == (320, 64, "off")
+    assert (plain["type_k"], plain["type_v"], plain["n_threads"]) == ("q8_0", "f16", 1)
+    assert (plain["n_ubatch"], plain["parallel"]) == (128, 2)  # --preset low-ram's; the flag's
+    assert (options["own"]["n_ctx"], options["own"]["type_k"]) == (384, "f16")  # its own win
+    # An entry's preset is its own: it overrides the flags, its options override it.
+    assert (options["preset"]["n_ctx"], options["preset"]["type_k"]) == (4096, "f16")
+    assert options["lookup"]["parallel"] is None  # prompt lookup: one slot
+    ranker = options["ranker"]  # no generation options on a reranker, the model flags yes
+    assert "parallel" not in ranker and "media_policy" not in ranker
+    assert (ranker["n_ctx"], ranker["n_batch"], registry.entry("ranker").kind) == (
+        320,
+        64,
+        "rerank",
+    )
+    with registry:
+        params = registry.get("plain").context.params
+        assert (params.n_ctx, params.n_batch, params.n_seq_max) == (320, 64, 2)
+        assert (params.flash_attn, params.type_k, params.swa_full) == ("off", "q8_0", False)
+
+
+def test_flags_left_at_their_defaults_yield_to_presets(folder: Path) -> None:
+    from llamacrab.server._models import open_registry
+
+    settings = parse_settings(["--models-dir", str(folder), "--preset", "low-ram"], environ={})
+    options = open_registry(settings).entry("alpha").options
+    # Not the server's n_batch 2048, n_ubatch 512, flash_attn auto: the preset's.
+    assert (options["n_batch"], options["n_ubatch"], options["flash_attn"]) == (512, 128, "on")
+    assert options["n_ctx"] == 2048
+    bare = open_registry(parse_settings(["--models-dir", str(folder)], environ={}))
+    assert (
+        bare.entry("alpha").options["n_ctx"] == 4096
+        and "n_batch" not in bare.entry("alpha").options
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--lora", "a.gguf"], r"--lora: .* set lora on its entry"),
+        (["--lora-scaled", "a.gguf:0.5", "--control-vector", "v.gguf"],
+         r"--lora-scaled, --control-vector: .* set lora, control_vectors on its entry"),
+        (["--mmproj", "p.gguf"], "set mmproj on its entry"),
+        (["--model-draft", "d.gguf"], "set draft_model on its entry"),
+        (["--hf-filename", "*Q4*"], "set filename on its entry"),
+        (["--model-alias", "chat"], "id is its entry.s name"),
+        (["--pooling", "rank"], "every embedding model a reranker"),
+    ],
+)  # fmt: skip
+def test_flags_naming_one_models_files_are_refused_with_many(flags: list[str], match: str) -> None:
+    with pytest.raises(InvalidParameterError, match=match):
+        parse_settings(["--models-dir", "d", *flags], environ={})
+    parse_settings(["m.gguf", *flags], environ={})  # one model: they apply to it

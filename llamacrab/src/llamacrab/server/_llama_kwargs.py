@@ -1,17 +1,18 @@
 """``llamacrab serve``'s model flags as ``Llama`` keyword arguments: one mapping, used for the
-served model (and reusable for any other whose options take the same names).
+served model, and in the multi-model form for every registry entry (``model_kwargs`` for any
+kind, ``generation_kwargs`` for models that generate).
 
 Every value is plain (numbers, strings, paths, tuples), so the same keywords can come from a
 file: ``Llama(path, **llama_kwargs(settings))``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from llamacrab import InvalidParameterError, MediaPolicy
-
-if TYPE_CHECKING:
-    from llamacrab.server._settings import ServerSettings
+from llamacrab.server._settings import ServerSettings
 
 MIB = 1 << 20
 
@@ -20,19 +21,9 @@ def llama_kwargs(settings: ServerSettings) -> dict[str, Any]:
     """The ``Llama`` keywords ``settings`` ask for (None values left out): model and context
     parameters, the Hub, slots, adapters and control vectors, speculative decoding, the prompt
     cache. Raises InvalidParameterError for values that cannot work together."""
-    options: dict[str, Any] = {
-        "n_batch": settings.n_batch, "n_ubatch": settings.n_ubatch,
-        "n_threads": settings.n_threads, "n_gpu_layers": settings.n_gpu_layers,
-        "flash_attn": settings.flash_attn, "filename": settings.hf_filename,
-        "revision": settings.hf_revision, "token": settings.hf_token,
-        "cache_dir": settings.hf_cache_dir, "endpoint": settings.hf_endpoint,
-        "offline": settings.hf_offline, "mmproj": settings.hf_mmproj or None,
-        "type_k": settings.cache_type_k, "type_v": settings.cache_type_v,
-        "rope_scaling": settings.rope_scaling, "rope_freq_base": settings.rope_freq_base,
-        "rope_freq_scale": settings.rope_freq_scale, "yarn_orig_ctx": settings.yarn_orig_ctx,
-        "yarn_ext_factor": settings.yarn_ext_factor,
-        "rpc_servers": getattr(settings, "rpc_servers", ()) or None,
-    }  # fmt: skip
+    options = model_kwargs(settings)
+    options.update(filename=settings.hf_filename, revision=settings.hf_revision,
+                   mmproj=settings.hf_mmproj or None)  # fmt: skip
     options.update(_adapter_options(settings))
     generating = not (settings.embeddings or settings.reranking)
     if not generating:
@@ -47,16 +38,47 @@ def llama_kwargs(settings: ServerSettings) -> dict[str, Any]:
         options.update(embeddings=True, pooling=pooling, n_ctx=settings.n_ctx)
     else:
         options["n_ctx"] = settings.n_ctx or 4096 * settings.parallel
-        # Clients send media inline (data: URLs): they cannot make the server read its files
-        # or fetch URLs.
-        policy = MediaPolicy(local_files=False, remote=False, max_media=settings.max_media,
-                             max_bytes=settings.max_body_bytes)  # fmt: skip
-        options.update(parallel=settings.parallel, max_queue=settings.max_queue,
-                       chat_format=settings.chat_template, mmproj=settings.mmproj,
-                       media_policy=policy)  # fmt: skip
-        options.update(_speculative_options(settings))
-        options.update(_cache_options(settings))
+        options.update(generation_kwargs(settings), mmproj=settings.mmproj)
     return {k: v for k, v in options.items() if v is not None}
+
+
+def model_kwargs(settings: ServerSettings) -> dict[str, Any]:
+    """The flags any model takes, whatever it serves (None: not given): batch sizes, threads,
+    GPU layers, flash attention, KV types, rope, RPC workers, Hub access."""
+    return {
+        "n_batch": settings.n_batch, "n_ubatch": settings.n_ubatch,
+        "n_threads": settings.n_threads, "n_gpu_layers": settings.n_gpu_layers,
+        "flash_attn": settings.flash_attn, "token": settings.hf_token,
+        "cache_dir": settings.hf_cache_dir, "endpoint": settings.hf_endpoint,
+        "offline": settings.hf_offline,
+        "type_k": settings.cache_type_k, "type_v": settings.cache_type_v,
+        "rope_scaling": settings.rope_scaling, "rope_freq_base": settings.rope_freq_base,
+        "rope_freq_scale": settings.rope_freq_scale, "yarn_orig_ctx": settings.yarn_orig_ctx,
+        "yarn_ext_factor": settings.yarn_ext_factor,
+        "rpc_servers": settings.rpc_servers or None,
+    }  # fmt: skip
+
+
+def generation_kwargs(settings: ServerSettings) -> dict[str, Any]:
+    """The flags of a model that generates: slots and queue, chat format, the media policy,
+    speculative decoding and the prompt cache."""
+    # Clients send media inline (data: URLs): they cannot make the server read its files or
+    # fetch URLs.
+    policy = MediaPolicy(local_files=False, remote=False, max_media=settings.max_media,
+                         max_bytes=settings.max_body_bytes)  # fmt: skip
+    options: dict[str, Any] = {
+        "parallel": settings.parallel, "max_queue": settings.max_queue,
+        "chat_format": settings.chat_template, "media_policy": policy,
+    }  # fmt: skip
+    options.update(_speculative_options(settings))
+    options.update(_cache_options(settings))
+    return options
+
+
+def given(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``options`` whose flags were given: neither None nor the flag's default value."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
+    return {k: v for k, v in options.items() if v is not None and defaults.get(k) != v}
 
 
 def _scaled(items: tuple[str, ...], flag: str) -> list[tuple[str, float]]:

@@ -19,10 +19,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llamacrab import (
+    PRESETS,
     ConcurrentUseError,
     EntryStatus,
     Llama,
-    MediaPolicy,
     ModelBudgetError,
     ModelEntry,
     ModelLoadError,
@@ -30,6 +30,7 @@ from llamacrab import (
     UnknownModelError,
 )
 from llamacrab.server._errors import ApiError, error_body
+from llamacrab.server._llama_kwargs import generation_kwargs, given, model_kwargs
 from llamacrab.server._metrics import escape_label
 from llamacrab.server._settings import ServerSettings
 
@@ -60,8 +61,8 @@ def refusal(name: str, kind: str, wanted: str) -> ApiError:
 
 
 def open_registry(settings: ServerSettings) -> ModelRegistry:
-    """The registry of ``--models`` or ``--models-dir``, every entry given the server's
-    defaults (threads, GPU layers, slots, media policy, context, preset) under its own."""
+    """The registry of ``--models`` or ``--models-dir``, every entry given the serve flags
+    (context, threads, GPU layers, KV types, slots, media policy, preset, ...) under its own."""
     limits: dict[str, Any] = {
         "max_loaded": settings.models_max, "memory_budget": settings.models_memory,
         "keep_alive": settings.keep_alive,
@@ -85,30 +86,30 @@ def _served_llama(entry: ModelEntry) -> Llama:
 
 
 def _with_defaults(entry: ModelEntry, settings: ServerSettings) -> ModelEntry:
-    options = dict(entry.options)
-    if settings.preset is not None:
-        options.setdefault("preset", settings.preset)
-    preset = options.get("preset")
-    given = {"n_threads": settings.n_threads, "n_gpu_layers": settings.n_gpu_layers}
-    for key, value in given.items():
-        if value is not None:
-            options.setdefault(key, value)
+    """``entry`` over the serve flags, as llama-server's router passes its flags to each
+    child. Lowest first: ``--preset``, the flags given, the entry's preset, its options."""
+    own = dict(entry.options)
+    preset = own.pop("preset", None)
+    flags = given(model_kwargs(settings))
+    if settings.n_ctx is not None:
+        flags["n_ctx"] = settings.n_ctx
+    if entry.kind == "generation":
+        flags.update(generation_kwargs(settings))
+    elif entry.kind == "embeddings" and settings.pooling is not None:
+        flags["pooling"] = settings.pooling
+    flags = {k: v for k, v in flags.items() if v is not None}
+    options = {**_under(settings.preset, flags), **_under(preset, own)}
     if entry.kind == "generation":
         # Speculative decoding runs on one slot (parallel=None), like --model-draft alone.
-        drafting = options.get("draft_model") or options.get("prompt_lookup")
-        options.setdefault("parallel", None if drafting else settings.parallel)
-        options.setdefault("max_queue", settings.max_queue)
-        if settings.chat_template is not None:
-            options.setdefault("chat_format", settings.chat_template)
-        # Clients send media inline: they cannot make the server read files or fetch URLs.
-        options.setdefault("media_policy", MediaPolicy(
-            local_files=False, remote=False, max_media=settings.max_media,
-            max_bytes=settings.max_body_bytes))  # fmt: skip
-        if preset is None:
-            options.setdefault("n_ctx", settings.n_ctx or 4096 * (options["parallel"] or 1))
-    elif preset is None and settings.n_ctx is not None:
-        options.setdefault("n_ctx", settings.n_ctx)
+        if (own.get("draft_model") or own.get("prompt_lookup")) and "parallel" not in own:
+            options["parallel"] = None
+        options.setdefault("n_ctx", 4096 * (options["parallel"] or 1))
     return ModelEntry(entry.name, entry.model, options, entry.keep_alive, entry.pinned)
+
+
+def _under(preset: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` over a preset's (both names were checked when parsed)."""
+    return {**(PRESETS[preset].options if preset else {}), **options}
 
 
 def load_pinned(registry: ModelRegistry) -> None:

@@ -158,7 +158,19 @@ class ServerSettings:
         )
 
 
+# Flags naming one model's files (an adapter, vector, projector or draft model fits one
+# architecture; a name or a Hub file one model): in the multi-model form they go on an entry.
+_ONE_MODEL = {"mmproj": "mmproj", "hf_filename": "filename",
+              "hf_revision": "revision", "hf_mmproj": "mmproj", "lora": "lora",
+              "lora_scaled": "lora", "control_vectors": "control_vectors",
+              "control_vectors_scaled": "control_vectors",
+              "control_vector_layer_range": "control_vector_layers",
+              "model_draft": "draft_model", "n_gpu_layers_draft": "draft_n_gpu_layers"}  # fmt: skip
+
+
 def _check_models(settings: ServerSettings) -> None:
+    if settings.multi_model:
+        _check_shared_flags(settings)
     if settings.models is not None and settings.models_dir is not None:
         raise InvalidParameterError("choose --models or --models-dir, not both")
     if settings.multi_model and settings.model:
@@ -180,6 +192,33 @@ def _check_models(settings: ServerSettings) -> None:
             raise InvalidParameterError(
                 f"unknown --preset {settings.preset!r}; one of {', '.join(PRESETS)}"
             )
+
+
+def _check_shared_flags(settings: ServerSettings) -> None:
+    """The multi-model form applies the model flags to every entry: refuse those that name
+    one model's files, each with the entry option that takes it."""
+    named = [f for f in _ONE_MODEL if _is_set(getattr(settings, f))]
+    if named:
+        flags = ", ".join(_flag(_SINGULAR.get(f, f)) for f in named)
+        options = ", ".join(dict.fromkeys(_ONE_MODEL[f] for f in named))
+        raise InvalidParameterError(
+            f"{flags}: with --models / --models-dir the model flags apply to every model, and "
+            f"these name one model's files; set {options} on its entry in the --models TOML "
+            "file instead"
+        )
+    if settings.model_alias is not None:
+        raise InvalidParameterError(
+            "--model-alias: with --models / --models-dir each model's id is its entry's name"
+        )
+    if settings.pooling == "rank":
+        raise InvalidParameterError(
+            "--pooling rank would make every embedding model a reranker: set pooling = 'rank' "
+            "on the reranker's entry in the --models TOML file"
+        )
+
+
+def _is_set(value: object) -> bool:
+    return value is not None and value is not False and value != ()
 
 
 def _check_chat_template(template: str) -> None:
@@ -296,6 +335,7 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("yarn_ext_factor", float, "YaRN: extrapolation mix factor (-1: the model's)"),
 ]
 _PLURAL = {"api_key": "api_keys", "cors_origin": "cors_origins", "rpc": "rpc_servers"}
+_SINGULAR = {"control_vectors": "control_vector", "control_vectors_scaled": "control_vector_scaled"}
 
 
 def add_arguments(

@@ -3,7 +3,6 @@ the counters."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -17,7 +16,7 @@ from llamacrab import (
 )
 from llamacrab._llama import Llama
 from llamacrab.server._errors import ApiError
-from llamacrab.server._llama_kwargs import llama_kwargs
+from llamacrab.server._llama_kwargs import given, llama_kwargs
 from llamacrab.server._metrics import Metrics
 from llamacrab.server._models import lease_error, open_registry, refusal
 from llamacrab.server._settings import ServerSettings
@@ -33,12 +32,12 @@ _FACADE_OPTIONS = ("parallel", "max_queue", "chat_format", "mmproj", "media_poli
 
 def open_llama(settings: ServerSettings) -> Llama:
     """The Llama the settings describe (a path or a Hub repository)."""
-    given = llama_kwargs(settings)
+    options = llama_kwargs(settings)
     # Not model or context parameters: a preset does not replace them.
-    extra = {k: given.pop(k) for k in _FACADE_OPTIONS if k in given}
+    extra = {k: options.pop(k) for k in _FACADE_OPTIONS if k in options}
     if settings.preset is not None:
-        given = _under_flags(settings, given)
-    llama = Llama(settings.model, **extra, **given)
+        options = _under_flags(settings, options)
+    llama = Llama(settings.model, **extra, **options)
     llama.supersede = False  # one slot (speculative decoding): requests wait their turn
     if settings.chat_template is not None and not (settings.embeddings or settings.reranking):
         try:  # a template that cannot render a greeting would fail every chat request
@@ -52,10 +51,9 @@ def open_llama(settings: ServerSettings) -> Llama:
     return llama
 
 
-def _under_flags(settings: ServerSettings, given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` over the settings' preset: the flags left at their defaults yield to it."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
-    kept = {k: v for k, v in given.items() if k not in defaults or v != defaults[k]}
+def _under_flags(settings: ServerSettings, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` over the settings' preset: the flags left at their defaults yield to it."""
+    kept = given(options)
     if settings.n_ctx is None:
         kept.pop("n_ctx", None)
     return {**kept, "preset": settings.preset}
