@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -166,6 +167,38 @@ def test_lora_per_request_on_two_parallel_slots(
         extra_body={"lora": [{"id": 1, "scale": 0.5}]},
     )  # fmt: skip
     assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_lora_per_request_on_the_responses_and_anthropic_routes(lora_server: LiveServer) -> None:
+    url, lora = lora_server.url, [{"id": 1, "scale": 0.5}]
+    messages = [{"role": "user", "content": "the cat sat"}]
+
+    def chat(extra: dict[str, Any]) -> str:
+        body = {"messages": messages, "max_tokens": 10, "temperature": 0.0, **extra}
+        answer = httpx.post(url + "/v1/chat/completions", json=body).json()
+        return str(answer["choices"][0]["message"]["content"])
+
+    def responses(extra: dict[str, Any]) -> str:
+        body = {"input": "the cat sat", "max_output_tokens": 10, "temperature": 0.0, **extra}
+        answer = httpx.post(url + "/v1/responses", json=body).json()
+        return str(answer["output"][0]["content"][0]["text"])
+
+    def anthropic(extra: dict[str, Any]) -> str:
+        body = {"model": "tiny", "messages": messages, "max_tokens": 10, "temperature": 0.0,
+                **extra}  # fmt: skip
+        return str(httpx.post(url + "/v1/messages", json=body).json()["content"][0]["text"])
+
+    default, second = chat({}), chat({"lora": lora})
+    assert default != second  # the adapter set changes this answer
+    for route in (responses, anthropic):
+        assert (route({}), route({"lora": lora})) == (default, second), route.__name__
+    unknown = {"lora": [{"id": 9, "scale": 1.0}], "max_tokens": 4}
+    answer = httpx.post(url + "/v1/responses", json={"input": "hi", **unknown})
+    assert answer.status_code == 400 and "no LoRA adapter with id 9" in answer.text
+    answer = httpx.post(url + "/v1/messages", json={"model": "tiny", "messages": messages,
+                                                     **unknown})  # fmt: skip
+    assert answer.status_code == 400 and answer.json()["type"] == "error"
+    assert "no LoRA adapter with id 9" in answer.json()["error"]["message"]
 
 
 def test_a_request_naming_an_unknown_adapter_is_a_400(lora_server: LiveServer) -> None:

@@ -26,6 +26,7 @@ from llamacrab.server._anthropic_schemas import (
     MessagesRequest,
 )
 from llamacrab.server._errors import ANTHROPIC_PATH, ApiError, anthropic_body, from_llama_error
+from llamacrab.server._lora import request_lora
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import complete, in_thread, sse_events
 
@@ -76,6 +77,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         chat = wire.conversation(body)
         options = wire.chat_options(body, prefill=chat.prefill is not None)
         kwargs = wire.generation_kwargs(body, state.settings)
+        kwargs.update(request_lora(body.lora, llama))
         reply = wire.Reply.of(body, state.model_name(body.model))
         prompt: list[int] | Chunks | None = None
         if chat.prefill is not None or body.stream:  # a stream opens with the prompt's length

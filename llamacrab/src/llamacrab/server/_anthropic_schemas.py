@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from llamacrab.server._schemas import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from llamacrab.server._schemas import MAX_STOP_CHARS, MAX_STOP_STRINGS, LoraEntry
 
 
 class _Strict(BaseModel):
@@ -152,6 +152,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
+    lora: list[LoraEntry] | None = None  # llama-server's: this request's adapter scales
 
 
 # -- responses -----------------------------------------------------------------------------------

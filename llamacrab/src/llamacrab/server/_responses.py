@@ -15,6 +15,7 @@ from starlette.requests import Request
 from llamacrab._types import ChatCompletionChunk
 from llamacrab.server import _responses_wire as wire
 from llamacrab.server._errors import ApiError
+from llamacrab.server._lora import request_lora
 from llamacrab.server._responses_events import ResponseEvents, frame
 from llamacrab.server._responses_schemas import (
     INPUT_ITEMS,
@@ -40,6 +41,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         items = (*_history(store, body.previous_response_id), *body.input)
         messages = wire.chat_messages(body.instructions, items)
         kwargs = chat_kwargs(wire.chat_request(body, messages), settings)
+        kwargs.update(request_lora(body.lora, llama))
         stored = body.store and store.size > 0
         draft = wire.draft(body, state.model_name(body.model), stored)
 

@@ -19,6 +19,8 @@ from pydantic import (
     field_validator,
 )
 
+from llamacrab.server._schemas import LoraEntry
+
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -163,6 +165,7 @@ class ResponseRequest(_Lenient):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    lora: list[LoraEntry] | None = None  # llama-server's: this request's adapter scales
     # Fields refused unless unset (or at their default), named in the error.
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
