@@ -18,7 +18,7 @@ from pathlib import Path
 
 import cffi
 
-from build_tools import declarations, shims
+from build_tools import declarations, required_api, shims
 from build_tools.declarations import SHIMMED_HEADERS
 
 MODULE_NAME = "llamacrab_sys._native"
@@ -81,16 +81,44 @@ def exported_functions(libraries: list[Path]) -> set[str]:
 
 def render(include_dirs: list[Path], libraries: list[Path], cc: str = "cc") -> tuple:
     """Return (declarations, shim header, shim source, cdef) for these headers and libraries."""
-    preprocessed = declarations.preprocess(include_dirs, cc)
+    headers = declarations.present_headers(include_dirs)
+    preprocessed = declarations.preprocess(include_dirs, cc, headers)
     decls = declarations.extract(preprocessed, exported_functions(libraries))
+    decls.headers = headers
     shim_header, shim_source, shim_cdef = shims.generate(decls)
-    return decls, shim_header, shim_source, decls.cdef + shim_cdef + CALLBACKS_CDEF + RPC_CDEF
+    rpc = RPC_CDEF if "ggml-rpc.h" in headers else ""
+    return decls, shim_header, shim_source, decls.cdef + shim_cdef + CALLBACKS_CDEF + rpc
+
+
+def _libraries(native: dict) -> tuple[list[Path], list[Path]]:
+    """(libraries to link, dlopen-only backend modules) of a build or of a user's install."""
+    if native["source_origin"] == "prefix":
+        return [Path(p) for p in native["libraries"]], [Path(p) for p in native["modules"]]
+    return linked_libraries(Path(native["lib_dir"])), backend_modules(Path(native["prefix"]))
+
+
+def _libraries_cmake(native: dict, libraries: list[Path], modules: list[Path]) -> str:
+    """For CMake: what to link, what to ship under which name, where the module finds them."""
+    if native["source_origin"] == "prefix":
+        # A user's install is used in place (build_tools/prefix.py says why): nothing shipped.
+        shipped: list[Path] = []
+        modules = []
+        rpath = native["lib_dir"]
+    else:
+        shipped, rpath = libraries, "$ORIGIN/lib"
+    return (
+        "set(LLAMACRAB_LINK_LIBRARIES\n" + "".join(f'  "{p}"\n' for p in libraries) + ")\n"
+        "set(LLAMACRAB_SHIPPED_FILES\n" + "".join(f'  "{p.resolve()}"\n' for p in shipped) + ")\n"
+        "set(LLAMACRAB_SHIPPED_NAMES\n" + "".join(f'  "{soname(p)}"\n' for p in shipped) + ")\n"
+        "set(LLAMACRAB_BACKEND_MODULES\n" + "".join(f'  "{p}"\n' for p in modules) + ")\n"
+        f'set(LLAMACRAB_RPATH "{rpath}")\n'
+    )
 
 
 def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str = "") -> dict:
-    libraries = linked_libraries(Path(native["lib_dir"]))
-    modules = backend_modules(Path(native["prefix"]))
+    libraries, modules = _libraries(native)
     decls, shim_header, shim_source, cdef = render([Path(native["include_dir"])], libraries, cc)
+    unavailable = required_api.check(decls, native["include_dir"])
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "llamacrab_shims.h").write_text(shim_header)
@@ -119,14 +147,15 @@ def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str =
         "functions": len(decls.functions),
         "shimmed_functions": sum(h in SHIMMED_HEADERS for h in decls.function_headers.values()),
         "skipped_functions": decls.skipped,
+        "unavailable_features": unavailable,
     }
-    # For CMake: link against each library, ship its real file under its SONAME.
-    (out_dir / "libraries.cmake").write_text(
-        "set(LLAMACRAB_LINK_LIBRARIES\n" + "".join(f'  "{p}"\n' for p in libraries) + ")\n"
-        "set(LLAMACRAB_SHIPPED_FILES\n" + "".join(f'  "{p.resolve()}"\n' for p in libraries) + ")\n"
-        "set(LLAMACRAB_SHIPPED_NAMES\n" + "".join(f'  "{soname(p)}"\n' for p in libraries) + ")\n"
-        "set(LLAMACRAB_BACKEND_MODULES\n" + "".join(f'  "{p}"\n' for p in modules) + ")\n"
-    )
+    if native["source_origin"] == "prefix":
+        # Loaded in place: build_info() points at the install, not at the package's lib/.
+        info["llama_cpp_prefix"] = native["prefix"]
+        info["commit_source"] = native["commit_source"]
+        info["library_dir"] = native["lib_dir"]
+        info["module_dir"] = native["module_dir"]
+    (out_dir / "libraries.cmake").write_text(_libraries_cmake(native, libraries, modules))
     (out_dir / "_build_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
     return info
 

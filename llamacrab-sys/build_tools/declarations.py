@@ -21,6 +21,8 @@ from pycparser import c_ast, c_generator, c_parser
 HEADERS = (
     "llama.h", "gguf.h", "ggml-backend.h", "ggml-cpu.h", "ggml-rpc.h", "mtmd.h", "mtmd-helper.h",
 )  # fmt: skip
+# An install a user brings may lack these (upstream installs mtmd.h only with its tools).
+OPTIONAL_HEADERS = ("ggml-rpc.h", "mtmd.h", "mtmd-helper.h")
 # Functions whose C++ implementation may throw: each gets a noexcept shim.
 SHIMMED_HEADERS = ("llama.h", "gguf.h", "ggml-rpc.h", "mtmd.h", "mtmd-helper.h")
 
@@ -71,14 +73,28 @@ class Declarations:
     functions: dict[str, c_ast.Decl] = field(default_factory=dict)
     function_headers: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    # Enumerators and struct fields (by struct or typedef name): what required_api checks.
+    constants: set[str] = field(default_factory=set)
+    structs: dict[str, set[str]] = field(default_factory=dict)
+    headers: tuple[str, ...] = HEADERS
 
 
-def preprocess(include_dirs: list[Path], cc: str = "cc") -> str:
+def present_headers(include_dirs: list[Path]) -> tuple[str, ...]:
+    """HEADERS found in the include directories; only an optional one may be missing."""
+    found = tuple(h for h in HEADERS if any((d / h).is_file() for d in include_dirs))
+    required = [h for h in HEADERS if h not in found and h not in OPTIONAL_HEADERS]
+    if required:
+        dirs = ", ".join(map(str, include_dirs))
+        raise SystemExit(f"llamacrab: {', '.join(required)} not found in {dirs}")
+    return found
+
+
+def preprocess(include_dirs: list[Path], cc: str = "cc", headers: tuple[str, ...] = HEADERS) -> str:
     with tempfile.TemporaryDirectory() as stand_in_dir:
         for name, text in _STAND_INS.items():
             (Path(stand_in_dir) / name).write_text(text)
         umbrella = Path(stand_in_dir) / "llamacrab_all.h"
-        umbrella.write_text("".join(f'#include "{h}"\n' for h in HEADERS))
+        umbrella.write_text("".join(f'#include "{h}"\n' for h in headers))
         cmd = [cc, "-E", "-std=c11", "-nostdinc", "-undef", "-U__GNUC__", "-D__x86_64__"]
         cmd += _DEFINED_AWAY + [f"-I{stand_in_dir}"] + [f"-I{d}" for d in include_dirs]
         return subprocess.run(
@@ -92,6 +108,38 @@ def _from_wanted_header(node: c_ast.Node, header_names: set[str]) -> bool:
 
 def _is_literal(expr: c_ast.Node | None) -> bool:
     return expr is None or (isinstance(expr, c_ast.Constant) and expr.type == "int")
+
+
+class _Members(c_ast.NodeVisitor):
+    """Collect enumerator names and the fields of every struct (anonymous unions flattened)."""
+
+    def __init__(self, decls: Declarations) -> None:
+        self.decls = decls
+
+    def visit_Enumerator(self, node: c_ast.Enumerator) -> None:
+        self.decls.constants.add(node.name)
+
+    def visit_Typedef(self, node: c_ast.Typedef) -> None:
+        inner = node.type.type if isinstance(node.type, c_ast.TypeDecl) else None
+        if isinstance(inner, c_ast.Struct) and inner.decls is not None:
+            self.decls.structs[node.name] = _fields(inner)
+        self.generic_visit(node)
+
+    def visit_Struct(self, node: c_ast.Struct) -> None:
+        if node.name and node.decls is not None:
+            self.decls.structs[node.name] = _fields(node)
+        self.generic_visit(node)
+
+
+def _fields(node: c_ast.Struct | c_ast.Union) -> set[str]:
+    names: set[str] = set()
+    for decl in node.decls or []:
+        inner = decl.type.type if isinstance(decl.type, c_ast.TypeDecl) else decl.type
+        if decl.name is None and isinstance(inner, (c_ast.Struct, c_ast.Union)):
+            names |= _fields(inner)
+        elif decl.name is not None:
+            names.add(decl.name)
+    return names
 
 
 class _Loosen(c_ast.NodeVisitor):
@@ -130,6 +178,7 @@ def extract(preprocessed: str, exported: set[str] | None) -> Declarations:
             continue
         if isinstance(node, c_ast.FuncDef):  # static inline helpers: not part of the ABI
             continue
+        _Members(decls).visit(node)
         node = copy.deepcopy(node)
         if isinstance(node, c_ast.Typedef):
             if node.name in seen_typedefs:

@@ -12,6 +12,7 @@ order, thread safety, and inputs that make llama.cpp abort the process. Applicat
 - ``python_sampler``: a ``struct llama_sampler`` implemented in Python, for a native chain.
 """
 
+from llamacrab_sys import _backends
 from llamacrab_sys._build_info import BuildInfo, build_info
 from llamacrab_sys._callbacks import (
     CallbackHandle,
@@ -29,10 +30,10 @@ if build_info().package_version != __version__:
         f"llamacrab_sys {__version__} found a compiled module built for "
         f"{build_info().package_version}: reinstall llamacrab-sys"
     )
-if build_info().backend_modules:
-    # A portable build links no CPU backend: register the best variant for this machine (and any
-    # other dlopen-only backend) from the package's own directory, once per process.
-    lib.ggml_backend_load_all_from_path(str(build_info().library_dir).encode())
+# A portable build links no CPU backend: register the best variant for this machine (and any
+# other dlopen-only backend) from the module directory, once per process; a GPU backend this
+# machine cannot use is recorded (build_info().missing_backends) and logged once.
+_backends.load(build_info().backend, build_info().module_dir, bool(build_info().backend_modules))
 
 __all__ = [
     "BuildInfo",

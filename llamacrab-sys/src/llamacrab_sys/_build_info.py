@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from llamacrab_sys import _backends
 from llamacrab_sys._native import ffi, lib
 
 LIBRARY_DIR = Path(__file__).resolve().parent / "lib"
@@ -32,6 +33,19 @@ class BuildInfo:
     shimmed_functions: int
     skipped_functions: dict[str, str]
     cdef_sha256: str
+    # Where dlopen-only backend modules are looked for (the library directory by default).
+    module_dir: Path
+    # Feature groups the llama.cpp bound lacks, e.g. "multimodal (libmtmd)" (build_tools).
+    unavailable_features: tuple[str, ...] = ()
+    # Bring your own llama.cpp: the install bound in place (None for the shipped libraries), and
+    # whether its commit was recorded by the install ("install") or given at build time ("given").
+    llama_cpp_prefix: Path | None = None
+    commit_source: str = "pin"
+
+    @property
+    def missing_backends(self) -> dict[str, str]:
+        """Backends built in but unusable in this process (no driver, no device): name -> why."""
+        return _backends.missing()
 
     @property
     def system_info(self) -> str:
@@ -43,6 +57,10 @@ class BuildInfo:
         fields["library_dir"] = str(self.library_dir)
         fields["libraries"] = [str(p) for p in self.libraries]
         fields["backend_modules"] = [str(p) for p in self.backend_modules]
+        fields["module_dir"] = str(self.module_dir)
+        fields["unavailable_features"] = list(self.unavailable_features)
+        fields["llama_cpp_prefix"] = self.llama_cpp_prefix and str(self.llama_cpp_prefix)
+        fields["missing_backends"] = self.missing_backends
         fields["system_info"] = self.system_info
         return fields
 
@@ -55,6 +73,10 @@ def _load_recorded() -> dict[str, Any]:
 @functools.cache
 def build_info() -> BuildInfo:
     raw = _load_recorded()
+    # A user's llama.cpp (LLAMACRAB_LLAMA_CPP_PREFIX) is loaded where it is installed.
+    library_dir = Path(raw.get("library_dir", LIBRARY_DIR))
+    module_dir = Path(raw.get("module_dir", library_dir))
+    prefix = raw.get("llama_cpp_prefix")
     return BuildInfo(
         package_version=raw["package_version"],
         llama_cpp_commit=raw["llama_cpp_commit"],
@@ -64,11 +86,15 @@ def build_info() -> BuildInfo:
         sanitize=raw.get("sanitize", ""),
         cmake_options=tuple(raw["cmake_options"]),
         compilers=raw["compilers"],
-        library_dir=LIBRARY_DIR,
-        libraries=tuple(LIBRARY_DIR / name for name in raw["libraries"]),
-        backend_modules=tuple(LIBRARY_DIR / name for name in raw["backend_modules"]),
+        library_dir=library_dir,
+        libraries=tuple(library_dir / name for name in raw["libraries"]),
+        backend_modules=tuple(module_dir / name for name in raw["backend_modules"]),
         functions=raw["functions"],
         shimmed_functions=raw["shimmed_functions"],
         skipped_functions=raw["skipped_functions"],
         cdef_sha256=raw["cdef_sha256"],
+        module_dir=module_dir,
+        unavailable_features=tuple(raw.get("unavailable_features", ())),
+        llama_cpp_prefix=Path(prefix) if prefix else None,
+        commit_source=raw.get("commit_source", "pin"),
     )

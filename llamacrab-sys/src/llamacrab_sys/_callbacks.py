@@ -53,7 +53,13 @@ def set_log_handler(handler: LogHandler | None) -> None:
     _log_handler = handler
     function = ffi.NULL if handler is None else lib.llamacrab_log_callback
     lib.llama_log_set(function, ffi.NULL)
-    lib.mtmd_helper_log_set(function, ffi.NULL)
+    if hasattr(lib, "mtmd_helper_log_set"):  # a user's llama.cpp may come without libmtmd
+        lib.mtmd_helper_log_set(function, ffi.NULL)
+
+
+def log_handler() -> LogHandler | None:
+    """The handler set_log_handler installed last (None: llama.cpp prints to stderr)."""
+    return _log_handler
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.call import call, ffi, lib
 from llamacrab._native.control_vector import ControlVector
+from llamacrab._native.devices import accelerator_present
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
@@ -645,11 +646,7 @@ def _output_offloaded(model: Model) -> bool:
         return False
     if model.params.rpc_servers:
         return True
-    accelerators = (lib.GGML_BACKEND_DEVICE_TYPE_GPU, lib.GGML_BACKEND_DEVICE_TYPE_IGPU)
-    return any(
-        lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) in accelerators
-        for i in range(lib.ggml_backend_dev_count())
-    )
+    return accelerator_present()
 
 
 def _scope(seq_id: int | None) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError, ModelLoadError
 from llamacrab._native import backend as _backend
 from llamacrab._native.call import c_string, call, ffi, lib, read_string
+from llamacrab._native.devices import warn_if_no_gpu
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
@@ -129,6 +130,8 @@ class Model(NativeHandle):
         params = params or ModelParams()
         file = Path(path)
         validate_gguf(file)
+        if not params.vocab_only:  # (no weights: nothing to offload)
+            warn_if_no_gpu(params.n_gpu_layers, remote=bool(params.rpc_servers))
         c_params = lib.llama_model_default_params()
         for field in ("n_gpu_layers", "main_gpu"):
             if getattr(params, field) is not None:
