@@ -79,6 +79,17 @@ def test_opt_out_warns_instead(
         check_sys("0.2.0", "f" * 40)
 
 
+def test_own_llama_cpp_warns_instead(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(sys_check.ALLOW_ANY_COMMIT_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="llamacrab"):
+        check_sys("0.1.0", "e" * 40, own_llama_cpp=True)
+    assert "continuing with your own llama.cpp build" in caplog.text
+    with pytest.raises(llamacrab.SysVersionError):
+        check_sys("0.3.0", "e" * 40, own_llama_cpp=True)
+
+
 # The child patches what llamacrab_sys reports, then imports llamacrab for the first time.
 _CHILD = """
 import dataclasses, sys

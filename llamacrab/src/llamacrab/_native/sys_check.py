@@ -19,8 +19,7 @@ SYS_SERIES = (0, 1)
 # The llama.cpp commits this llamacrab was tested against; the bump workflow adds each new pin
 # (tests/test_sys_check.py checks that llamacrab-sys/pin.json is listed).
 SUPPORTED_LLAMA_CPP_COMMITS = frozenset({"0c1e57098bba43ac29e6e3b677cdceebdd22334f"})
-# A llamacrab-sys built against another llama.cpp (an install of the user's own) runs at the
-# user's risk with this set: the commit check then warns instead of failing.
+# With this set, any llama.cpp commit runs at the user's risk: the commit check warns instead.
 ALLOW_ANY_COMMIT_ENV = "LLAMACRAB_ALLOW_ANY_LLAMA_CPP"
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)")
@@ -31,8 +30,12 @@ def _series_text() -> str:
     return ".".join(map(str, SYS_SERIES)) + ".x"
 
 
-def check_sys(version: str, commit: str) -> None:
-    """Raise SysVersionError unless llamacrab_sys ``version`` built from ``commit`` is supported."""
+def check_sys(version: str, commit: str, own_llama_cpp: bool = False) -> None:
+    """Raise SysVersionError unless llamacrab_sys ``version`` built from ``commit`` is supported.
+
+    ``own_llama_cpp``: llamacrab-sys was built against the user's own llama.cpp install, whose
+    API the build already checked against what llamacrab calls; another commit only warns.
+    """
     match = _RELEASE.match(version)
     if match is None or (int(match[1]), int(match[2])) != SYS_SERIES:
         raise SysVersionError(
@@ -48,6 +51,9 @@ def check_sys(version: str, commit: str) -> None:
         f"llamacrab-sys {version} was built from llama.cpp {commit[:12] or '(unknown)'}, but "
         f"llamacrab supports llama.cpp {supported}"
     )
+    if own_llama_cpp:
+        _logger.warning("%s; continuing with your own llama.cpp build", message)
+        return
     if os.environ.get(ALLOW_ANY_COMMIT_ENV) == "1":
         _logger.warning("%s; continuing because %s=1", message, ALLOW_ANY_COMMIT_ENV)
         return
@@ -61,4 +67,7 @@ def check_installed() -> None:
     """Check the llamacrab_sys this process imports."""
     import llamacrab_sys
 
-    check_sys(llamacrab_sys.__version__, llamacrab_sys.build_info().llama_cpp_commit)
+    info = llamacrab_sys.build_info()
+    # Builds that predate bring-your-own llama.cpp record no prefix: the shipped libraries.
+    own = getattr(info, "llama_cpp_prefix", None) is not None
+    check_sys(llamacrab_sys.__version__, info.llama_cpp_commit, own_llama_cpp=own)
