@@ -13,13 +13,20 @@ import sys
 from pathlib import Path
 
 import llamacrab_sys
-from llamacrab import Llama
+from llamacrab import Llama, ModelLoadError
 
 
 def main() -> None:
     with Llama(sys.argv[1], n_ctx=128, n_batch=32, n_threads=2, seed=0) as llm:
         choice = llm.create_completion("Hello", max_tokens=8, min_tokens=8, temperature=0.0)
         tokens = list(choice.choices[0].tokens)
+    # Without libmtmd, a projector is refused by name instead of an AttributeError.
+    refusal = ""
+    if "multimodal (libmtmd)" in llamacrab_sys.build_info().unavailable_features:
+        try:
+            Llama(sys.argv[1], mmproj=sys.argv[1], n_ctx=64, n_threads=2).close()
+        except ModelLoadError as exc:
+            refusal = str(exc)
     maps = Path("/proc/self/maps").read_text().splitlines()
     mapped = {line.split()[-1] for line in maps if "/lib" in line and ".so" in line}
     print(json.dumps({
@@ -27,6 +34,7 @@ def main() -> None:
         "info": llamacrab_sys.build_info().as_dict(),
         "mapped": sorted(p for p in mapped if Path(p).name.startswith(("libllama", "libggml"))),
         "tokens": tokens,
+        "projector_refusal": refusal,
     }))  # fmt: skip
 
 

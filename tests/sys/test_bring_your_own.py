@@ -69,6 +69,7 @@ def test_a_users_llama_cpp_is_bound_reported_and_generates(
     assert (info["llama_cpp_commit"], info["commit_source"]) == (PIN, "given")
     assert info["backend"] == "cpu" and info["cmake_options"] == []
     assert info["unavailable_features"] == ["multimodal (libmtmd)", "RPC (ggml-rpc)"]
+    assert "without libmtmd" in result["projector_refusal"]
     # The user's libraries, loaded in place under upstream's names: nothing of ours.
     mapped = [Path(p) for p in result["mapped"]]
     assert {p.name.split(".so")[0] for p in mapped} >= {"libllama", "libggml", "libggml-base"}

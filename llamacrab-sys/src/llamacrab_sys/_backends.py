@@ -84,14 +84,16 @@ def _diagnose(backend: str, module_dir: Path | None, errors: list[str]) -> str |
 def load(backend: str, module_dir: Path | None, load_all: bool) -> None:
     """Register the build's backends (``load_all``: dlopen the modules in ``module_dir``) and
     record, with one warning, a GPU backend this machine cannot use."""
-    # ggml's errors while backends register (a GPU runtime finding no device logs why) explain
-    # a missing backend; they are collected rather than printed to stderr.
-    with _ggml_errors() as errors:
+    # ggml's errors while a GPU backend registers (its runtime finding no device logs why)
+    # explain why it is missing; they are collected rather than printed to stderr.
+    expected = backend != "cpu"
+    collecting: contextlib.AbstractContextManager[list[str]] = (
+        _ggml_errors() if expected else contextlib.nullcontext([])
+    )
+    with collecting as errors:
         if load_all and module_dir is not None:
             lib.ggml_backend_load_all_from_path(str(module_dir).encode())
-        reason = None
-        if backend != "cpu":
-            reason = _diagnose(backend, module_dir if load_all else None, errors)
+        reason = _diagnose(backend, module_dir if load_all else None, errors) if expected else None
     if reason is not None and backend not in _missing:
         _missing[backend] = reason
         logger.warning("%s; running on the CPU", reason)

@@ -48,6 +48,12 @@ class Projector(NativeHandle):
         n_threads: int | None = None,
         use_gpu: bool = True,
     ) -> None:
+        if not hasattr(lib, "mtmd_init_from_file"):
+            # A llama.cpp a user brought may come without libmtmd (build_info()).
+            raise ModelLoadError(
+                "this llamacrab-sys was built against a llama.cpp without libmtmd "
+                "(multimodal): rebuild that llama.cpp with its tools to load a projector"
+            )
         file = Path(path)
         with model.in_flight() as model_pointer:
             rope_type = int(lib.llama_model_rope_type(model_pointer))
