@@ -52,6 +52,10 @@ def test_python_m_llamacrab_sys_prints_build_info_as_json() -> None:
     assert report["llama_cpp_commit"] == build_info().llama_cpp_commit
     assert report["system_info"] == build_info().system_info
     assert report["library_dir"] == str(build_info().library_dir)
+    # The shipped build: the pinned commit, every feature.
+    assert (report["llama_cpp_prefix"], report["commit_source"]) == (None, "pin")
+    assert report["unavailable_features"] == []
+    assert report["missing_backends"] == build_info().missing_backends
 
 
 def test_only_known_functions_were_left_out() -> None:
