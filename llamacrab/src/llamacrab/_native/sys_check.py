@@ -68,6 +68,5 @@ def check_installed() -> None:
     import llamacrab_sys
 
     info = llamacrab_sys.build_info()
-    # Builds that predate bring-your-own llama.cpp record no prefix: the shipped libraries.
-    own = getattr(info, "llama_cpp_prefix", None) is not None
+    own = info.llama_cpp_prefix is not None
     check_sys(llamacrab_sys.__version__, info.llama_cpp_commit, own_llama_cpp=own)
