@@ -19,8 +19,10 @@ import llamacrab
 from llamacrab import StateError
 from llamacrab.compat import (
     Llama,
+    LlamaDiskCache,
     LlamaGrammar,
     LlamaPromptLookupDecoding,
+    LlamaRAMCache,
     LogitsProcessorList,
     MinTokensLogitsProcessor,
     StoppingCriteriaList,
@@ -121,8 +123,42 @@ def test_echo_logprobs_and_token_prompts(llm: Llama) -> None:
         logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
     ):
         assert top is not None and top[token] == value and value is not None and value <= 0
-    with pytest.raises(UnsupportedParameterError, match="echo"):
-        llm(prompt, echo=True, logprobs=1)
+
+
+def test_echo_with_logprobs_rates_the_prompt_tokens_too(llm: Llama) -> None:
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    visible = llm.tokenize(prompt.encode())[1:]  # as llama-cpp-python lists them: no BOS
+    llm(prompt, max_tokens=1)  # the prompt is in memory now: it must be decoded again anyway
+    result = llm(prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    choice = result["choices"][0]
+    logprobs = choice["logprobs"]
+    assert logprobs is not None and choice["text"].startswith(prompt)
+    n = len(visible)
+    assert len(logprobs["tokens"]) == n + 3
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets[n] == len(prompt) and offsets == sorted(offsets)
+    # OpenAI's and llama-cpp-python's convention: nothing for the first token.
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    # " Paris" after "The capital of France is": what the engine read from that prompt row is
+    # what the prefix alone predicts (up to the arithmetic of another batch shape).
+    paris = logprobs["tokens"].index(" Paris")
+    tokens = [llm.token_bos(), *visible]
+    llm.reset()
+    llm.llamacrab.create_completion(tokens[: paris + 1], max_tokens=0)
+    expected = Llama.logits_to_logprobs(llm.llamacrab.context.logits())[tokens[paris + 1]]
+    value = logprobs["token_logprobs"][paris]
+    assert value is not None and abs(value - expected) < 0.1
+    for value, top in zip(
+        logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], strict=True
+    ):
+        assert value is not None and value <= 0 and top is not None and len(top) in (2, 3)
+    streamed = list(llm(prompt, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True))
+    first = streamed[0]["choices"][0]
+    assert first["text"] == prompt and first["logprobs"] is not None
+    assert first["logprobs"]["tokens"] == logprobs["tokens"][:n]
+    with pytest.raises(UnsupportedParameterError, match="suffix"):
+        llm(prompt, suffix="!", echo=True, logprobs=1)
 
 
 def test_sampling_follows_the_llamas_seed_reproducibly(llm: Llama) -> None:
@@ -212,6 +248,40 @@ def test_logits_processors_see_the_ids_and_change_the_scores(llm: Llama) -> None
     assert text(llm(prompt, max_tokens=3, temperature=0)) != " banana banana banana"
 
 
+def test_a_hooks_exception_reaches_the_caller_and_the_llama_stays_usable(llm: Llama) -> None:
+    prompt = "I like to eat"
+    expected = text(llm(prompt, max_tokens=4, temperature=0))
+    calls = 0
+
+    def fails_third(input_ids: np.ndarray, logits: np.ndarray) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyError("criterion failed")
+        return False
+
+    criteria = StoppingCriteriaList([fails_third])
+    with pytest.raises(KeyError, match="criterion failed"):
+        llm(prompt, stopping_criteria=criteria, max_tokens=8, temperature=0)
+    assert calls == 3  # raised at once: the generation did not go on
+    calls = 0
+    chunks = llm(prompt, stopping_criteria=criteria, max_tokens=8, temperature=0, stream=True)
+    with pytest.raises(KeyError, match="criterion failed"):
+        list(chunks)
+    calls = 0
+    with pytest.raises(KeyError, match="criterion failed"):
+        list(llm.generate(llm.tokenize(prompt.encode()), stopping_criteria=criteria))
+
+    def broken(input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        raise RuntimeError("chat processor failed")
+
+    messages = [{"role": "user", "content": "Hi"}]
+    processors = LogitsProcessorList([broken])
+    with pytest.raises(RuntimeError, match="chat processor failed"):
+        llm.create_chat_completion(messages, logits_processor=processors, max_tokens=4)
+    assert text(llm(prompt, max_tokens=4, temperature=0)) == expected
+
+
 def test_stopping_criteria_end_before_the_token_they_see(llm: Llama) -> None:
     prompt = "Count: one, two, three,"
     n_prompt = len(llm.tokenize(prompt.encode()))
@@ -233,6 +303,17 @@ def test_stopping_criteria_end_before_the_token_they_see(llm: Llama) -> None:
                         stream=True))  # fmt: skip
     assert "".join(text(c) for c in streamed) == greedy.text
     assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
+    # Where a grammar forbids ending, a criterion still ends the generation at that token.
+    digits = LlamaGrammar.from_string('root ::= [0-9]+ "."')
+    start = len(llm.tokenize(b"Pi is 3."))
+
+    def after_three(input_ids: np.ndarray, logits: np.ndarray) -> bool:
+        return len(input_ids) >= start + 3
+
+    result = llm("Pi is 3.", stopping_criteria=StoppingCriteriaList([after_three]),
+                 grammar=digits, max_tokens=20, temperature=0)  # fmt: skip
+    assert result["usage"]["completion_tokens"] == 3
+    assert result["choices"][0]["finish_reason"] == "stop" and text(result).isdigit()
 
 
 # -- chat -------------------------------------------------------------------------------------
@@ -344,6 +425,31 @@ def test_save_and_load_state_restore_memory_and_seed(llm: Llama, tiny_model_path
     other = Llama(model_path=str(tiny_model_path), n_ctx=128, verbose=False)
     with other, pytest.raises(StateError, match="different model"):
         other.load_state(state)
+
+
+def test_set_cache_keeps_prompt_states_in_llamacrabs_caches(llm: Llama, tmp_path: Path) -> None:
+    prompt = "A prompt worth caching: the planets of the solar system, in order, are"
+    assert llm.cache is None
+    ram = LlamaRAMCache(capacity_bytes=1 << 30)
+    llm.set_cache(ram)
+    try:
+        assert llm.cache is ram and llm.llamacrab.cache is ram
+        first = text(llm(prompt, max_tokens=2, temperature=0))
+        assert len(ram) == 1 and ram.cache_size > 0
+        llm.reset()  # the KV memory is empty: only the cache holds the prompt now
+        again = llm.llamacrab.create_completion(prompt, max_tokens=2, temperature=0)
+        assert again.usage.cached_tokens > 0 and again.text == first
+        disk = LlamaDiskCache(cache_dir=str(tmp_path / "cache"))
+        llm.cache = disk
+        llm.reset()
+        llm(prompt, max_tokens=2, temperature=0)
+        assert len(disk) == 1 and disk.cache_size > 0 and disk.cache_dir.endswith("cache")
+        with pytest.raises(UnsupportedParameterError, match=r"set_cache\(dict\)"):
+            llm.set_cache({})  # type: ignore[arg-type]
+        assert llm.cache is disk
+    finally:
+        llm.set_cache(None)
+    assert llm.cache is None and llm.llamacrab.cache is None
 
 
 def test_streams_from_two_threads_take_turns(llm: Llama) -> None:
@@ -469,6 +575,8 @@ from llama_cpp.llama import LlamaState
 from llama_cpp.llama_types import CreateCompletionResponse, ChatCompletionRequestMessage
 from llama_cpp.llama_grammar import LlamaGrammar as Grammar2
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+from llama_cpp.llama_cache import LlamaRAMCache, LlamaDiskCache
+assert llama_cpp.LlamaRAMCache is LlamaRAMCache and llama_cpp.LlamaCache is LlamaRAMCache
 assert llama_cpp is compat and Llama is compat.Llama and Grammar2 is LlamaGrammar
 print("version", llama_cpp.__version__, compat.installed())
 compat.uninstall()

@@ -116,6 +116,46 @@ def test_echo_and_token_prompts(gemma: Llama) -> None:
     assert result.text.startswith("Paris is the capital of France")
 
 
+def test_echo_with_logprobs_rates_every_prompt_token(
+    gemma: Llama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    tokens = gemma.tokenize(prompt)  # BOS first: it is not listed
+    gemma.create_completion(prompt, max_tokens=1)  # in memory now: it is decoded again anyway
+    result = gemma.create_completion(prompt, max_tokens=2, echo=True, logprobs=3, **GREEDY)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and result.usage.cached_tokens == 0
+    n = len(tokens) - 1
+    assert len(logprobs.tokens) == n + 2 and "".join(logprobs.tokens[:n]) == prompt
+    assert logprobs.text_offset[:3] == (
+        0,
+        len(logprobs.tokens[0]),
+        len("".join(logprobs.tokens[:2])),
+    )
+    assert logprobs.text_offset[n] == len(prompt)
+    # Each value is what the prefix before the token predicts, decoded alone (up to the
+    # arithmetic of other batch shapes: a row off would be nats away).
+    for k in (1, n // 2, n):
+        gemma.reset()
+        gemma.create_completion(tokens[:k], max_tokens=0)
+        expected = log_softmax(gemma.context.logits())[tokens[k]]
+        assert abs(logprobs.token_logprobs[k - 1] - expected) < 0.1
+        assert len(logprobs.top_logprobs[k - 1]) == 3
+    # Read in decodes of 2 rows (the cap on the logits one decode returns): the same values.
+    monkeypatch.setattr("llamacrab._engine.logprobs._PROMPT_LOGITS_BYTES", 8 * gemma.vocab.n_tokens)
+    chunked = gemma.create_completion(prompt, max_tokens=2, echo=True, logprobs=3, **GREEDY)
+    assert chunked.choices[0].logprobs is not None
+    drift = np.subtract(chunked.choices[0].logprobs.token_logprobs[:n], logprobs.token_logprobs[:n])
+    assert np.abs(drift).max() < 0.3
+
+
+def test_prompt_logprobs_need_one_slot(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, parallel=2) as llm:
+        with pytest.raises(ValueError, match="parallel=None"):
+            llm.create_completion("the cat", echo=True, logprobs=1)
+        assert llm.create_completion("the cat", echo=True, max_tokens=1).text.startswith("the cat")
+
+
 def test_async_stream_does_not_block_the_event_loop(gemma: Llama) -> None:
     async def main() -> tuple[str, int]:
         ticks = 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from llamacrab import CustomSampler, GrammarError, Llama, SamplingOptions
+from llamacrab import CustomSampler, EndGeneration, GrammarError, Llama, SamplingOptions
 
 VARIANTS = [
     {},
@@ -83,6 +85,61 @@ def test_custom_python_sampler_runs_in_the_chain(tiny_llama: Llama) -> None:
     assert result.choices[0].tokens == (dog,) * 4
     assert sampler.applied == 4 and sampler.accepted == [dog] * 4
     assert live_python_samplers() == 0  # freed with its chain
+
+
+class FailsAt(CustomSampler):
+    """Raises ``error`` in ``where`` ("apply" or "accept") at its ``at``-th call there, or
+    ends the generation there when ``error`` is EndGeneration."""
+
+    def __init__(self, at: int, error: BaseException, where: str = "apply") -> None:
+        self.at, self.error, self.where = at, error, where
+        self.calls = {"apply": 0, "accept": 0}
+
+    def _count(self, where: str) -> None:
+        self.calls[where] += 1
+        if where == self.where and self.calls[where] == self.at:
+            raise self.error
+
+    def apply(self, candidates: np.ndarray) -> None:
+        self._count("apply")
+
+    def accept(self, token: int) -> None:
+        self._count("accept")
+
+
+@pytest.mark.parametrize("where", ["apply", "accept"])
+def test_a_python_samplers_exception_reaches_the_caller(tiny_model_path: Path, where: str) -> None:
+    greedy = {"temperature": 0.0, "max_tokens": 6}
+    for parallel in (None, 2):
+        with Llama(tiny_model_path, n_ctx=128, n_threads=2, parallel=parallel) as llm:
+            expected = llm.create_completion("the cat", **greedy).text
+            failing = FailsAt(3, KeyError("sampler failed"), where)
+            with pytest.raises(KeyError, match="sampler failed"):
+                llm.create_completion("the cat", custom_samplers=(failing,), **greedy)
+            assert failing.calls[where] == 3  # no token sampled after the failure
+            again = FailsAt(2, ValueError("again"), where)
+            stream = llm.stream_completion("the cat", custom_samplers=(again,), **greedy)
+            with pytest.raises(ValueError, match="again"):
+                list(stream)
+            assert llm.create_completion("the cat", **greedy).text == expected
+        assert live_python_samplers() == 0
+
+
+def test_end_generation_stops_before_the_token(tiny_llama: Llama) -> None:
+    expected = tiny_llama.create_completion("the", max_tokens=6, temperature=0.0)
+    ender = FailsAt(4, EndGeneration())
+    result = tiny_llama.create_completion(
+        "the", max_tokens=6, temperature=0.0, custom_samplers=(ender,)
+    )
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop" and choice.tokens == expected.choices[0].tokens[:3]
+    # Even where a grammar forbids ending (no end-of-generation token could be forced).
+    grammar = 'root ::= (" the" | " cat" | " dog")+ " sat"'
+    ender = FailsAt(3, EndGeneration())
+    result = tiny_llama.create_completion(
+        "hello", max_tokens=30, grammar=grammar, seed=1, custom_samplers=(ender,)
+    )
+    assert result.choices[0].finish_reason == "stop" and len(result.choices[0].tokens) == 2
 
 
 def live_python_samplers() -> int:

@@ -52,7 +52,7 @@ from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context, ContextParams
 from llamacrab._native.control_vector import ControlVector
-from llamacrab._native.custom_sampler import CustomSampler
+from llamacrab._native.custom_sampler import CustomSampler, EndGeneration
 from llamacrab._native.gguf_memory import MemoryEstimate
 from llamacrab._native.media import Audio, Image
 from llamacrab._native.model import Model, ModelParams
@@ -109,6 +109,7 @@ __all__ = [
     "DecodeError",
     "DiskCache",
     "DraftModel",
+    "EndGeneration",
     "EntryStatus",
     "FinishReason",
     "GrammarError",

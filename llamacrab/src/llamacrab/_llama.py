@@ -185,6 +185,20 @@ class Llama:
         self._completer.supersede = value
 
     @property
+    def cache(self) -> PromptCache | None:
+        """The prompt cache (``cache=`` or ``prompt_cache=``); assigning a RamCache, DiskCache
+        or None changes where the next prompts are looked up and stored."""
+        return self._completer.cache
+
+    @cache.setter
+    def cache(self, cache: PromptCache | None) -> None:
+        if cache is not None and not isinstance(cache, PromptCache):
+            raise InvalidParameterError(
+                f"cache must be a RamCache, DiskCache or None, not {type(cache).__name__}"
+            )
+        self._completer.cache = cache
+
+    @property
     def media_policy(self) -> MediaPolicy:
         return self._media.policy
 
@@ -520,7 +534,9 @@ class Llama:
 
         Breaking out of the loop stops generation; the Llama stays usable. ``max_tokens=None``
         runs until the end of the context. ``min_tokens`` forbids ending earlier. ``logprobs=N``
-        reports each token's log-probability and its N most likely alternatives. ``suffix`` is
+        reports each token's log-probability and its N most likely alternatives; with ``echo``
+        the echoed prompt's too, from its second token on (its whole prompt is decoded again,
+        no cached prefix; one slot only). ``suffix`` is
         appended after the generated text. ``speculative`` (PromptLookup or DraftModel, default
         the Llama's) drafts tokens that one batched decode verifies: the same sampling rule, but
         batched arithmetic may flip a near-tie. ``timeout`` (seconds, counted from the call)
@@ -537,7 +553,8 @@ class Llama:
         if lora is not None:
             self.context.check_lora(lora)
         request = Request(parts.tokens, max_tokens, min_tokens, stops, logprobs, parts.chunks,
-                          None if lora is None else dict(lora))  # fmt: skip
+                          None if lora is None else dict(lora),
+                          prompt_logprobs=echo and logprobs is not None)  # fmt: skip
         options = merge_sampling(sampling, sampling_options, self.seed)
         return self._completer.stream(parts, request, options, Session(timeout, cancel),
                                       (speculative, self.speculative), echo, suffix)  # fmt: skip

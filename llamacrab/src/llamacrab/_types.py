@@ -161,3 +161,15 @@ class CompletionChunk:
     tokens: tuple[int, ...] = ()
     logprobs: Logprobs | None = None
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended it
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share. Here, the lowest layer, because every
+    layer needs it: KV reuse, prompt caches, slot choice, and llama-cpp-python's
+    ``Llama.longest_token_prefix``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

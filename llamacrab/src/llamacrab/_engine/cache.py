@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import InvalidParameterError, StateError
-from llamacrab._native.state import SavedState, common_prefix
+from llamacrab._native.state import SavedState
+from llamacrab._types import common_prefix
 
 
 class PromptCache(abc.ABC):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamacrab._engine.cache import PromptCache
-from llamacrab._engine.logprobs import token_logprobs
+from llamacrab._engine.logprobs import PromptLogprobs, token_logprobs
 from llamacrab._engine.lora import LoraPlan, lora_plan
 from llamacrab._engine.speculative import Drafter, SpeculativeStats
 from llamacrab._engine.stop import StopMatcher
@@ -28,11 +28,12 @@ from llamacrab._exceptions import (
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
+from llamacrab._native.custom_sampler import EndGeneration
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
-from llamacrab._native.state import SavedState, common_prefix
+from llamacrab._native.state import SavedState
 from llamacrab._native.vocab import Vocab
-from llamacrab._types import FinishReason
+from llamacrab._types import FinishReason, common_prefix
 
 log = logging.getLogger("llamacrab")
 
@@ -65,6 +66,8 @@ class Request:
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
     media: Chunks | None = None
     lora: Mapping[LoraAdapter, float] | None = None  # None: the context's default adapters
+    # The prompt's own tokens get logprobs too (echo): decoded whole, every row's logits read.
+    prompt_logprobs: bool = False
 
     def check(self, n_ctx: int) -> None:
         if not self.prompt:
@@ -84,6 +87,10 @@ class Request:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidParameterError(f"logprobs must be between 0 and 20, not {self.logprobs}")
+        if self.prompt_logprobs and (self.logprobs is None or self.media is not None):
+            raise InvalidParameterError(
+                "log-probabilities of the prompt need logprobs= and a prompt of tokens, not media"
+            )
 
 
 class KvState:
@@ -182,16 +189,20 @@ class KvState:
                 log.warning("prompt cache save failed; skipped", exc_info=True)
 
     def prepare(
-        self, prompt: Sequence[int], lora: Mapping[LoraAdapter, float] | None = None
+        self,
+        prompt: Sequence[int],
+        lora: Mapping[LoraAdapter, float] | None = None,
+        reuse: bool = True,
     ) -> int:
         """Drop what the new prompt does not share (tokens, and the adapters they were
         computed with: ``lora``, None for the context's default set); return how many prompt
-        tokens to keep."""
+        tokens to keep (none without ``reuse``: every prompt token is decoded again)."""
         if self.weights != self.context.weights_generation:
             self.forget()  # computed with adapters since replaced: none of it is reusable
         plan = lora_plan(self.context.lora_adapters if lora is None else lora, prompt)
-        self._restore_from_cache(prompt, plan)
-        keep = common_prefix(self.tokens, prompt)
+        if reuse:
+            self._restore_from_cache(prompt, plan)
+        keep = common_prefix(self.tokens, prompt) if reuse else 0
         keep = int(min(keep, self.plan.reusable(plan)))
         keep = min(keep, len(prompt) - 1)  # the last prompt token is decoded again for its logits
         self.plan = plan
@@ -223,23 +234,32 @@ class KvState:
         self.weights = self.context.weights_generation
 
     def decode_prompt(
-        self, prompt: Sequence[int], keep: int, stopped: Callable[[], bool] | None = None
+        self,
+        prompt: Sequence[int],
+        keep: int,
+        stopped: Callable[[], bool] | None = None,
+        scores: PromptLogprobs | None = None,
     ) -> bool:
         """Decode the prompt after ``keep`` in chunks (none crossing the position where the
         adapters start to apply); False when ``stopped()`` is true before a chunk (what was
-        decoded stays in memory, a prefix for the next prompt)."""
+        decoded stays in memory, a prefix for the next prompt). ``scores`` reads every row's
+        logits after each chunk (chunks small enough for that)."""
         todo = np.asarray(prompt[keep:], dtype=np.int32)
+        most = self.max_batch if scores is None else min(self.max_batch, scores.max_rows)
         start = 0
         while start < len(todo):
             if stopped is not None and stopped():
                 return False
-            end = min(start + self.max_batch, len(todo))
+            end = min(start + most, len(todo))
             boundary = self.plan.start - len(self.tokens)
             if 0 < boundary < end - start:
                 end = start + boundary
             chunk = todo[start:end]
-            self.batch.set(chunk, len(self.tokens), self.seq_id, end >= len(todo))
+            position = len(self.tokens)
+            self.batch.set(chunk, position, self.seq_id, end >= len(todo), scores is not None)
             self.decode_tracked(chunk.tolist())
+            if scores is not None:
+                scores.read(self.context, position, len(chunk))
             start = end
         return True
 
@@ -298,6 +318,8 @@ class Session:
         self.cancelled = threading.Event()
         self.wake: Callable[[], None] | None = None  # tells a scheduler to look at it now
         self.reused = 0  # prompt tokens found in memory instead of decoded
+        # With Request.prompt_logprobs: (logprob, top alternatives) of prompt tokens 1, 2, ...
+        self.prompt_logprobs: list[tuple[float, dict[str, float]]] = []
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -366,8 +388,12 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
             # While the prompt is decoded, cancel() aborts the decode in progress too; a timeout
             # or a cancel that comes between two decodes is seen before the next chunk.
             session.wake = kv.context.cancel
-            session.reused = kv.prepare(request.prompt, request.lora)
-            if not kv.decode_prompt(request.prompt, session.reused, session.stopped):
+            scores = None
+            if request.prompt_logprobs:
+                scores = PromptLogprobs(request.prompt, request.logprobs or 0, kv.context.n_vocab)
+                session.prompt_logprobs = scores.values
+            session.reused = kv.prepare(request.prompt, request.lora, reuse=scores is None)
+            if not kv.decode_prompt(request.prompt, session.reused, session.stopped, scores):
                 return False
     except DecodeAbortedError:
         return False
@@ -409,9 +435,14 @@ class Emitter:
 
     def sample(self, context: Context, samplers: Samplers, index: int, produced: int) -> Step:
         """Sample from output ``index``; an end-of-generation token ends with "eos" (it is not
-        output), a stop string with "stop"."""
+        output), a stop string or a Python sampler's EndGeneration with "stop"."""
         request = self.request
-        token = samplers.sample(context, end_allowed=produced >= request.min_tokens, index=index)
+        try:
+            token = samplers.sample(
+                context, end_allowed=produced >= request.min_tokens, index=index
+            )
+        except EndGeneration:  # a Python sampler's stop rule: this token is not output
+            return Step(self.rest(), None, "stop")
         logprob, top = None, None
         if request.logprobs is not None:
             logprob, top = token_logprobs(context, token, request.logprobs, index)

@@ -6,9 +6,15 @@ numpy, and only for requests that ask for logprobs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from llamacrab._native.context import Context
+
+# Logits one prompt decode may return when every row is read: llama.cpp keeps an output buffer
+# as large as the largest decode asked for (a 512-token chunk of Gemma 3 would take 512 MiB).
+_PROMPT_LOGITS_BYTES = 64 << 20
 
 
 def token_logprobs(
@@ -26,3 +32,20 @@ def token_logprobs(
             piece = context.model.vocab.token_to_piece(int(index), special=True)
             top[piece] = float(logits[index]) - log_total
     return float(logits[token]) - log_total, top
+
+
+class PromptLogprobs:
+    """The log-probabilities of a prompt's own tokens, read while it is decoded: the logits
+    at position i rate the token at i + 1 (the first token has nothing before it)."""
+
+    def __init__(self, prompt: Sequence[int], top_n: int, n_vocab: int) -> None:
+        self.prompt, self.top_n = prompt, top_n
+        self.max_rows = max(1, _PROMPT_LOGITS_BYTES // (4 * n_vocab))  # rows per decode
+        self.values: list[tuple[float, dict[str, float]]] = []  # for tokens 1, 2, ...
+
+    def read(self, context: Context, position: int, count: int) -> None:
+        """After a decode of ``count`` prompt tokens from ``position``, every row's logits."""
+        for row in range(count):
+            following = position + row + 1
+            if following < len(self.prompt):
+                self.values.append(token_logprobs(context, self.prompt[following], self.top_n, row))

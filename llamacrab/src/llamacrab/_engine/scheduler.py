@@ -30,7 +30,7 @@ from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
-from llamacrab._native.state import common_prefix
+from llamacrab._types import common_prefix
 
 
 @dataclass(eq=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 import time
 import uuid
@@ -153,6 +154,18 @@ class Completer:
                 kv.forget()
             return held
 
+    @property
+    def cache(self) -> PromptCache | None:
+        return self.kv.cache
+
+    @cache.setter
+    def cache(self, cache: PromptCache | None) -> None:
+        """Every slot's memory looks up and stores prompts in ``cache`` from its next prompt."""
+        with self.lock:  # the scheduler's engine reads the slots' caches under it
+            slots = [] if self.scheduler is None else self.scheduler.slots
+            for kv in [self.kv, *(slot.kv for slot in slots)]:
+                kv.cache = cache
+
     def forget(self) -> None:
         """Drop every cached prompt prefix."""
         if self.scheduler is not None:
@@ -186,6 +199,11 @@ class Completer:
             raise InvalidParameterError("echo and speculative decoding take text prompts only")
         if speculative is not None and self.scheduler is not None:
             raise InvalidParameterError("speculative decoding needs a Llama with parallel=None")
+        if request.prompt_logprobs and self.scheduler is not None:
+            raise InvalidParameterError(
+                "log-probabilities of the prompt (echo with logprobs) need a Llama with "
+                "parallel=None"
+            )
         request.check(self.kv.context.n_ctx_seq)
         speculative = speculative if speculative is not None else default
         drafter = speculative.drafter(self.model) if speculative is not None else None
@@ -300,7 +318,13 @@ class Completer:
         produced, offset = 0, len(echo_text)
         try:
             if echo_text:
-                yield CompletionChunk(chunk_id, created, name, 0, echo_text)
+                prompt_logprobs = None
+                if request.prompt_logprobs:
+                    first = next(steps)  # decodes the prompt, reading its tokens' logprobs
+                    steps = itertools.chain((first,), steps)
+                    prompt_logprobs = _prompt_logprobs(self.model.vocab, request, session)
+                yield CompletionChunk(chunk_id, created, name, 0, echo_text,
+                                      logprobs=prompt_logprobs)  # fmt: skip
             for step in steps:
                 produced += step.token is not None
                 text = step.text
@@ -318,6 +342,26 @@ class Completer:
             session.cancel()  # a consumer that left early stops the generation at once
             if samplers is not None:
                 samplers.close()
+
+
+def _prompt_logprobs(vocab: Vocab, request: Request, session: Session) -> Logprobs | None:
+    """The prompt's tokens from the second on (the first has no logprob; nor is a BOS text)
+    with what the engine read; offsets count the detokenized prompt."""
+    values = session.prompt_logprobs
+    if not values:
+        return None
+    decoder = vocab.decoder()
+    offset = len(decoder.feed(request.prompt[:1]))
+    offsets = []
+    for token in request.prompt[1 : len(values) + 1]:
+        offsets.append(offset)
+        offset += len(decoder.feed((token,)))
+    return Logprobs(
+        tuple(vocab.token_to_piece(t, special=True) for t in request.prompt[1 : len(values) + 1]),
+        tuple(value for value, _ in values),
+        tuple(top for _, top in values),
+        tuple(offsets),
+    )
 
 
 def _step_logprobs(vocab: Vocab, step: Step, offset: int) -> Logprobs | None:

@@ -11,6 +11,11 @@ from llamacrab._native.call import ffi
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
 
+class EndGeneration(Exception):
+    """Raised by a CustomSampler's ``apply`` to end the generation before the token being
+    sampled: it is not output, and the generation finishes with finish_reason "stop"."""
+
+
 class CustomSampler:
     """Subclass and override ``apply`` (and ``accept`` / ``reset`` if it keeps state).
 
@@ -19,7 +24,8 @@ class CustomSampler:
     candidate). Custom samplers run first in the chain, once per generated token, so they see
     the whole vocabulary in token-id order (``candidates["logit"][token_id]``), like a logits
     processor. That is O(vocabulary) per token in numpy: prefer SamplingOptions fields where one
-    exists, they run in C.
+    exists, they run in C. ``apply`` raising ``EndGeneration`` ends the generation there (a
+    per-token stop rule); any other exception ends it too, and reaches the caller.
     """
 
     name = "python"
@@ -35,20 +41,42 @@ class CustomSampler:
 
 
 class _Bridge:
-    """Adapts a CustomSampler to the raw callbacks of llamacrab_sys.python_sampler."""
+    """Adapts a CustomSampler to the raw callbacks of llamacrab_sys.python_sampler. An
+    exception cannot cross llama.cpp's frames: the first one is kept (the sampler then does
+    nothing more) and ``raise_error`` raises it once the C call has returned."""
 
     def __init__(self, sampler: CustomSampler) -> None:
         self.sampler = sampler
         self.name = sampler.name
+        self.error: BaseException | None = None
 
     def apply(self, candidates: Any) -> None:
+        if self.error is not None:
+            return
         size = int(candidates.size)
         raw = ffi.buffer(candidates.data, size * TOKEN_DATA.itemsize)
-        self.sampler.apply(np.frombuffer(raw, dtype=TOKEN_DATA))
-        candidates.sorted = False  # logits may have changed: later samplers must not trust order
+        candidates.sorted = False  # logits may change: later samplers must not trust order
+        try:
+            self.sampler.apply(np.frombuffer(raw, dtype=TOKEN_DATA))
+        except BaseException as error:
+            self.error = error
 
     def accept(self, token: int) -> None:
-        self.sampler.accept(token)
+        if self.error is not None:
+            return
+        try:
+            self.sampler.accept(token)
+        except BaseException as error:
+            self.error = error
 
     def reset(self) -> None:
-        self.sampler.reset()
+        try:
+            self.sampler.reset()
+        except BaseException as error:
+            self.error = self.error or error
+
+    def raise_error(self) -> None:
+        """Raise the exception the sampler raised inside llama.cpp, if any (once)."""
+        error, self.error = self.error, None
+        if error is not None:
+            raise error

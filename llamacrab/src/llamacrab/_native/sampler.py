@@ -96,6 +96,7 @@ class SamplerChain(NativeHandle):
     ) -> None:
         """``first``: Python samplers placed before everything else (see CustomSampler)."""
         self.options = options = options or SamplingOptions()
+        self._bridges = [_Bridge(sampler) for sampler in (*first, *options.custom_samplers)]
         pointer = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         if pointer == ffi.NULL:
             raise InvalidParameterError("llama.cpp could not create a sampler chain")
@@ -105,7 +106,7 @@ class SamplerChain(NativeHandle):
             super().__init__(pointer, lib.llama_sampler_free, model)
             try:
                 with self.in_flight() as chain:
-                    for sampler in _samplers(model, options, first):
+                    for sampler in _samplers(model, options, self._bridges):
                         lib.llama_sampler_chain_add(chain, sampler)  # the chain owns it now
             except BaseException:
                 self.close()
@@ -144,15 +145,24 @@ class SamplerChain(NativeHandle):
                     raise InvalidParameterError(f"no token sampled for output {index}")
             elif call("llama_get_logits_ith", ctx, index) == ffi.NULL:
                 raise InvalidParameterError(f"no logits for output {index} of the last decode")
-            return int(call("llama_sampler_sample", chain, ctx, index))
+            token = int(call("llama_sampler_sample", chain, ctx, index))
+        self._raise_python_error()
+        return token
 
     def accept(self, token: int) -> None:
         with self.in_flight() as chain:
             call("llama_sampler_accept", chain, token)
+        self._raise_python_error()
 
     def reset(self) -> None:
         with self.in_flight() as chain:
             call("llama_sampler_reset", chain)
+        self._raise_python_error()
+
+    def _raise_python_error(self) -> None:
+        """What a Python sampler raised while llama.cpp ran it reaches the caller here."""
+        for bridge in self._bridges:
+            bridge.raise_error()
 
 
 class _EndBan(CustomSampler):
@@ -290,14 +300,14 @@ def _grammar(model: Model, options: SamplingOptions) -> Any:
     return sampler
 
 
-def _samplers(model: Model, o: SamplingOptions, first: Sequence[CustomSampler]) -> Iterator[Any]:
+def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> Iterator[Any]:
     """The samplers of the chain, in order; the last one picks the token. Each is handed to the
     chain as soon as it exists, so an error part-way leaks nothing."""
     n_vocab = model.vocab.n_tokens
     seed = o.seed if o.seed is not None else secrets.randbits(32)
     # Python samplers see every candidate, in token-id order, before anything native runs.
-    for sampler in (*first, *o.custom_samplers):
-        yield python_sampler(_Bridge(sampler))
+    for bridge in python:
+        yield python_sampler(bridge)
     if o.logit_bias:
         tokens = model.vocab.check_tokens(list(o.logit_bias))
         bias = ffi.new("llama_logit_bias[]", len(o.logit_bias))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,12 +111,3 @@ class SavedState:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SavedState:
         return cls.from_bytes(Path(path).read_bytes())
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -57,6 +57,12 @@ from llamacrab.compat.llama import (
     StoppingCriteria,
     StoppingCriteriaList,
 )
+from llamacrab.compat.llama_cache import (
+    BaseLlamaCache,
+    LlamaCache,
+    LlamaDiskCache,
+    LlamaRAMCache,
+)
 from llamacrab.compat.llama_grammar import LlamaGrammar
 from llamacrab.compat.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 from llamacrab.compat.llama_types import *  # noqa: F403  (as llama_cpp exports them)
@@ -95,10 +101,14 @@ __all__ = [
     "LLAMA_SPLIT_MODE_LAYER",
     "LLAMA_SPLIT_MODE_NONE",
     "LLAMA_SPLIT_MODE_ROW",
+    "BaseLlamaCache",
     "Llama",
+    "LlamaCache",
+    "LlamaDiskCache",
     "LlamaDraftModel",
     "LlamaGrammar",
     "LlamaPromptLookupDecoding",
+    "LlamaRAMCache",
     "LlamaState",
     "LlamaTokenizer",
     "LogitsProcessor",

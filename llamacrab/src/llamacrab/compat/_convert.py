@@ -59,6 +59,24 @@ def completion_logprobs(logprobs: Logprobs | None, offset: int) -> CompletionLog
     }
 
 
+def echo_logprobs(logprobs: Logprobs | None, first: str | None) -> CompletionLogprobs:
+    """The echoed prompt's as llama-cpp-python gives them: each prompt token but a BOS, the
+    first without a value (OpenAI's convention). llamacrab lists the tokens from the second
+    on; ``first`` is the first token's text when it is not a BOS."""
+    converted = completion_logprobs(logprobs, 0) or {
+        "tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []
+    }  # fmt: skip
+    if first is not None:
+        converted["tokens"].insert(0, first)
+        converted["text_offset"].insert(0, 0)
+        converted["token_logprobs"].insert(0, None)
+        converted["top_logprobs"].insert(0, None)
+    elif converted["tokens"]:
+        converted["token_logprobs"][0] = None
+        converted["top_logprobs"][0] = None
+    return converted
+
+
 def chat_logprobs(logprobs: Logprobs | None) -> ChatCompletionLogprobs | None:
     if logprobs is None:
         return None

@@ -3,19 +3,15 @@ engine as a CustomSampler (first in the sampler chain, once per generated token)
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from llamacrab import CustomSampler
+from llamacrab import CustomSampler, EndGeneration
 
 LogitsProcessor = Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], npt.NDArray[np.single]]
 StoppingCriteria = Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], bool]
-
-# How far above every other logit a stopping criterion puts the end-of-generation token.
-_END_MARGIN = 1e4
 
 
 class LogitsProcessorList(list[LogitsProcessor]):
@@ -60,9 +56,8 @@ class MinTokensLogitsProcessor:
 class Hooks(CustomSampler):
     """One generation's processors and criteria. They see copies (never llama.cpp's buffer),
     in token-id order; processors' scores are written back. When a criterion fires, the
-    end-of-generation token is made the certain pick, so the generation ends there without
-    emitting the token; should a grammar or bias forbid it, ``cancel`` ends the generation at
-    the next step."""
+    engine ends the generation there (EndGeneration: the token is not emitted, finish_reason
+    "stop"); an exception in either reaches the caller."""
 
     name = "llama-cpp-python hooks"
 
@@ -71,31 +66,16 @@ class Hooks(CustomSampler):
         prompt: Sequence[int],
         processors: LogitsProcessor | None,
         criteria: StoppingCriteria | None,
-        end_token: int,
         n_vocab: int,
     ) -> None:
         self.ids = list(prompt)
         self.n_prompt = len(self.ids)
         self.processors = processors
         self.criteria = criteria
-        self.end_token = end_token
         self.n_vocab = n_vocab
-        self.stopped = False  # a criterion fired
-        self.cancel = threading.Event()
-        # An exception cannot cross llama.cpp: kept here (the generation cancelled) and raised
-        # by the consumer of the stream.
-        self.error: BaseException | None = None
 
     def apply(self, candidates: np.ndarray) -> None:
-        if self.error is not None:
-            return
-        try:
-            self._apply(candidates)
-        except BaseException as error:
-            self.error = error
-            self.cancel.set()
-
-    def _apply(self, candidates: np.ndarray) -> None:
+        # An exception here reaches the caller: the engine raises it once llama.cpp returns.
         ids = candidates["id"]
         logits = candidates["logit"]
         in_order = ids.size == self.n_vocab and ids[0] == 0 and ids[-1] == self.n_vocab - 1
@@ -112,17 +92,8 @@ class Hooks(CustomSampler):
                     f"a logits processor returned shape {scores.shape}, not ({self.n_vocab},)"
                 )
             logits[:] = scores if in_order else scores[ids]
-        if self.criteria is not None and not self.stopped and self.criteria(input_ids, raw):
-            self.stopped = True
-            self.cancel.set()
-            finite = logits[np.isfinite(logits)]
-            top = float(finite.max()) if finite.size else 0.0
-            where = self.end_token if in_order else np.flatnonzero(ids == self.end_token)
-            logits[where] = top + _END_MARGIN
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
+        if self.criteria is not None and self.criteria(input_ids, raw):
+            raise EndGeneration
 
     def accept(self, token: int) -> None:
         self.ids.append(token)

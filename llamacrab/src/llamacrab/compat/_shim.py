@@ -8,12 +8,13 @@ import sys
 from types import ModuleType
 
 # llama_cpp's submodules that llamacrab.compat provides (llama_cpp.X -> llamacrab.compat.X).
-SUBMODULES = ("llama", "llama_types", "llama_grammar", "llama_speculative")
+SUBMODULES = ("llama", "llama_types", "llama_grammar", "llama_speculative", "llama_cache")
 
 
 def install(*, force: bool = False) -> ModuleType:
-    """Make ``import llama_cpp`` (and its ``llama``, ``llama_types``, ``llama_grammar`` and
-    ``llama_speculative`` submodules) import llamacrab.compat, for the rest of this process.
+    """Make ``import llama_cpp`` (and its ``llama``, ``llama_types``, ``llama_grammar``,
+    ``llama_speculative`` and ``llama_cache`` submodules) import llamacrab.compat, for the rest
+    of this process.
 
     Never done on import: call it before the code that imports llama_cpp (or run a script
     with ``python -m llamacrab.compat script.py``). When a real llama-cpp-python is

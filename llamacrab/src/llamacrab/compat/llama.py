@@ -27,11 +27,13 @@ from llamacrab import (
     HubOptions,
     InvalidParameterError,
     ModelParams,
+    PromptCache,
     PromptLookup,
     SavedState,
     Stream,
     ToolCall,
 )
+from llamacrab._types import common_prefix
 from llamacrab.compat import _convert as convert
 from llamacrab.compat._constants import (
     KV_TYPES,
@@ -53,6 +55,7 @@ from llamacrab.compat._hooks import (
     StoppingCriteria,
     StoppingCriteriaList,
 )
+from llamacrab.compat._sampling import Sampling
 from llamacrab.compat._turns import Turns
 from llamacrab.compat.llama_grammar import LlamaGrammar
 from llamacrab.compat.llama_speculative import LlamaDraftModel
@@ -342,7 +345,6 @@ class Llama:
         self.lora_scale = lora_scale
         self.last_n_tokens_size = last_n_tokens_size
         self.spm_infill = spm_infill
-        self.cache = None
         self._logits_all = logits_all
         self._embedding = embedding
         self._seed = seed or LLAMA_DEFAULT_SEED
@@ -456,14 +458,28 @@ class Llama:
         """The seed the next call without ``seed=`` derives its sampling seed from."""
         self._seed = seed
 
-    def set_cache(self, cache: object | None) -> None:
-        if cache is not None:
+    @property
+    def cache(self) -> PromptCache | None:
+        """The prompt cache (``set_cache``); None when prompts are not cached."""
+        return self._llm.cache
+
+    @cache.setter
+    def cache(self, cache: PromptCache | None) -> None:
+        self.set_cache(cache)
+
+    def set_cache(self, cache: PromptCache | None) -> None:
+        """Keep prompt states in ``cache`` (``LlamaRAMCache``, ``LlamaDiskCache``, or
+        llamacrab's ``RamCache`` / ``DiskCache``) from the next call on; None stops caching."""
+        if cache is not None and not isinstance(cache, PromptCache):
             raise UnsupportedParameterError(
                 [
-                    "set_cache (prompt caches are given when the model loads: "
-                    "llamacrab.Llama(path, cache=llamacrab.RamCache(...) or DiskCache(...)))"
+                    f"set_cache({type(cache).__name__}) (llamacrab caches prompts in "
+                    "llamacrab.compat.LlamaRAMCache / LlamaDiskCache or llamacrab's RamCache / "
+                    "DiskCache; llama-cpp-python's own cache classes are not those)"
                 ]
             )
+        with self._turns.turn():
+            self._llm.cache = cache
 
     def reset(self) -> None:
         """Forget the tokens in the KV memory: the next prompt is decoded whole."""
@@ -575,32 +591,13 @@ class Llama:
         has empty text and the finish_reason). ``suffix`` fills in the middle with the
         model's FIM tokens. ``max_tokens`` None or <= 0 runs to the end of the context.
         Sampling without ``seed`` follows the Llama's seed: reproducible run to run."""
-        sampling = self._sampling(
-            temperature=temperature,
-            top_p=top_p,
-            min_p=min_p,
-            typical_p=typical_p,
-            top_k=top_k,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            repeat_penalty=repeat_penalty,
-            tfs_z=tfs_z,
-            mirostat_mode=mirostat_mode,
-            mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta,
-            logit_bias=logit_bias,
-            grammar=grammar,
-            seed=self._call_seed(seed),
-        )
-        if echo and logprobs is not None:
-            raise UnsupportedParameterError(
-                ["logprobs with echo=True (log-probabilities of the prompt's own tokens)"]
-            )
+        sampling = self._sampling(Sampling.of(locals()), self._call_seed(seed))
         options: dict[str, Any] = {
             "max_tokens": _max_tokens(max_tokens),
             "stop": _stops(stop),
             "logprobs": logprobs,
         }
+        engine_echo: _EngineEcho | None = None
         if suffix is not None:
             if not isinstance(prompt, str):
                 raise InvalidParameterError("suffix= needs a text prompt")
@@ -608,10 +605,14 @@ class Llama:
                 raise UnsupportedParameterError(
                     ["logits processors or stopping criteria with suffix= (fill in the middle)"]
                 )
+            if echo and logprobs is not None:
+                raise UnsupportedParameterError(
+                    ["logprobs with echo=True and suffix= (the prompt is the model's FIM layout)"]
+                )
             engine = self._llm.stream_infill(
                 prompt, suffix, spm=self.spm_infill, **options, **sampling
             )
-            prompt_text, hooks = prompt, None
+            prompt_text = prompt
         else:
             if isinstance(prompt, str):
                 tokens = self._llm.tokenize(prompt, add_special=True, parse_special=True)
@@ -619,12 +620,20 @@ class Llama:
             else:
                 tokens = [int(t) for t in prompt]
                 prompt_text = self._llm.detokenize(tokens)
-            hooks = self._hooks(tokens, logits_processor, stopping_criteria, sampling, options)
-            engine = self._llm.stream_completion(tokens, **options, **sampling)
+            self._hooks(tokens, logits_processor, stopping_criteria, sampling)
+            if echo and logprobs is not None:  # the engine echoes, to rate the prompt's tokens
+                vocab = self._llm.vocab
+                first = None if tokens[0] == vocab.bos else vocab.token_to_piece(tokens[0], True)
+                engine_echo = _EngineEcho(prompt_text, first)
+            engine = self._llm.stream_completion(
+                tokens, echo=engine_echo is not None, **options, **sampling
+            )
         meta = _Meta(model if model is not None else self.model_path, "cmpl-")
-        chunks = self._completion_chunks(
-            engine, hooks, meta, prompt_text if echo else "", len(prompt_text)
-        )
+        if engine_echo is not None:  # its offsets count the echoed prompt already
+            chunks = self._completion_chunks(engine, meta, engine_echo, 0)
+        else:
+            echo_text = prompt_text if echo else ""
+            chunks = self._completion_chunks(engine, meta, echo_text, len(prompt_text))
         if stream:
             return chunks
         return self._completion_result(chunks, meta)
@@ -634,28 +643,27 @@ class Llama:
     def _completion_chunks(
         self,
         engine: Stream[CompletionChunk],
-        hooks: Hooks | None,
         meta: _Meta,
-        echo_text: str,
+        echo: str | _EngineEcho,
         offset: int,
     ) -> Generator[CreateCompletionResponse, None, None]:
         """Chunks as llama-cpp-python streams them: text pieces, then an empty last one with
-        the finish_reason; ``meta.outcome`` gets the usage."""
+        the finish_reason; ``meta.outcome`` gets the usage. ``echo``: the prompt text to echo
+        first, or the engine's echo chunk (with the prompt's logprobs) to show as the prompt."""
         self._turns.acquire()
         try:
-            if echo_text:
-                yield convert.completion_chunk(meta.id, meta.created, meta.model, echo_text)
+            if isinstance(echo, _EngineEcho):
+                rated = convert.echo_logprobs(next(engine).logprobs, echo.first)
+                yield convert.completion_chunk(meta.id, meta.created, meta.model, echo.text, rated)
+            elif echo:
+                yield convert.completion_chunk(meta.id, meta.created, meta.model, echo)
             for chunk in engine:
-                if hooks is not None:
-                    hooks.raise_error()
                 logprobs = convert.completion_logprobs(chunk.logprobs, offset)
                 if chunk.text or logprobs is not None:
                     yield convert.completion_chunk(
                         meta.id, meta.created, meta.model, chunk.text, logprobs
                     )
-                meta.record(chunk.finish_reason, chunk.usage, hooks)
-            if hooks is not None:
-                hooks.raise_error()
+                meta.record(chunk.finish_reason, chunk.usage)
             yield convert.completion_chunk(
                 meta.id, meta.created, meta.model, "", None, meta.outcome.finish
             )
@@ -717,37 +725,19 @@ class Llama:
         """The sampled tokens of ``tokens``' continuation, one by one, as llamacrab's engine
         produces them; an end-of-generation token is yielded last, and the generator ends
         there or at the end of the context (a stopping criterion ends it silently)."""
-        sampling = self._sampling(
-            temperature=temp,
-            top_p=top_p,
-            min_p=min_p,
-            typical_p=typical_p,
-            top_k=top_k,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            repeat_penalty=repeat_penalty,
-            tfs_z=tfs_z,
-            mirostat_mode=mirostat_mode,
-            mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta,
-            logit_bias=None,
-            grammar=grammar,
-            seed=self._seed % 2**32,
-        )
+        keywords = Sampling.of({**locals(), "temperature": temp, "logit_bias": None})
+        sampling = self._sampling(keywords, self._seed % 2**32)
         prompt = [int(t) for t in tokens]
-        options: dict[str, Any] = {"max_tokens": None}
-        hooks = self._hooks(prompt, logits_processor, stopping_criteria, sampling, options)
-        engine = self._llm.stream_completion(prompt, **options, **sampling)
-        return self._tokens(engine, hooks)
+        self._hooks(prompt, logits_processor, stopping_criteria, sampling)
+        engine = self._llm.stream_completion(prompt, max_tokens=None, **sampling)
+        return self._tokens(engine)
 
     def _tokens(
-        self, engine: Stream[CompletionChunk], hooks: Hooks | None
+        self, engine: Stream[CompletionChunk]
     ) -> Generator[int, Sequence[int] | None, None]:
         self._turns.acquire()
         try:
             for chunk in engine:
-                if hooks is not None:
-                    hooks.raise_error()
                 for token in chunk.tokens:
                     if (yield token) is not None:
                         raise UnsupportedParameterError(
@@ -757,10 +747,8 @@ class Llama:
                                 "own: draft_model=)"
                             ]
                         )
-                if chunk.finish_reason == "eos" and not (hooks is not None and hooks.stopped):
+                if chunk.finish_reason == "eos":
                     yield self.token_eos()
-            if hooks is not None:
-                hooks.raise_error()
         finally:
             engine.close()
             self._turns.release()
@@ -822,23 +810,7 @@ class Llama:
         function, which a grammar enforces) come back as ``message.tool_calls``.
         ``response_format`` {"type": "json_object"} (optionally with "schema") or
         {"type": "json_schema", ...} constrains the answer."""
-        sampling = self._sampling(
-            temperature=temperature,
-            top_p=top_p,
-            min_p=min_p,
-            typical_p=typical_p,
-            top_k=top_k,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            repeat_penalty=repeat_penalty,
-            tfs_z=tfs_z,
-            mirostat_mode=mirostat_mode,
-            mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta,
-            logit_bias=logit_bias,
-            grammar=grammar,
-            seed=self._call_seed(seed),
-        )
+        sampling = self._sampling(Sampling.of(locals()), self._call_seed(seed))
         if functions is not None and tools is None:
             tools = [{"type": "function", "function": f} for f in functions]
         if function_call is not None and tool_choice is None:
@@ -856,15 +828,14 @@ class Llama:
             "logprobs": _chat_logprobs(logprobs, top_logprobs),
         }
         chat_format = _chat_format(self.chat_format)
-        hooks = None
         if logits_processor is not None:
             prompt = self._chat_prompt_tokens(messages, chat_format, tools)
-            hooks = self._hooks(prompt, logits_processor, None, sampling, chat)
+            self._hooks(prompt, logits_processor, None, sampling)
         engine = self._llm.stream_chat_completion(
             messages, chat_format=chat_format, **chat, **sampling
         )
         meta = _Meta(model if model is not None else self.model_path, "chatcmpl-")
-        chunks = self._chat_chunks(engine, hooks, meta)
+        chunks = self._chat_chunks(engine, meta)
         if stream:
             return chunks
         return self._chat_result(chunks, meta)
@@ -891,14 +862,12 @@ class Llama:
         return self._llm.tokenize(text, add_special=not has_bos, parse_special=True)
 
     def _chat_chunks(
-        self, engine: Stream[ChatCompletionChunk], hooks: Hooks | None, meta: _Meta
+        self, engine: Stream[ChatCompletionChunk], meta: _Meta
     ) -> Generator[CreateChatCompletionStreamResponse, None, None]:
         self._turns.acquire()
         try:
             yield convert.chat_chunk(meta.id, meta.created, meta.model, {"role": "assistant"})
             for chunk in engine:
-                if hooks is not None:
-                    hooks.raise_error()
                 logprobs = convert.chat_logprobs(chunk.logprobs)
                 if chunk.delta.content or logprobs is not None:
                     content: ChatCompletionStreamResponseDelta = {"content": chunk.delta.content}
@@ -912,9 +881,7 @@ class Llama:
                         "tool_calls": convert.tool_call_chunks(chunk.delta.tool_calls),
                     }
                     yield convert.chat_chunk(meta.id, meta.created, meta.model, calls)
-                meta.record(chunk.finish_reason, chunk.usage, hooks)
-            if hooks is not None:
-                hooks.raise_error()
+                meta.record(chunk.finish_reason, chunk.usage)
             yield convert.chat_chunk(meta.id, meta.created, meta.model, {}, meta.outcome.finish)
         finally:
             engine.close()
@@ -968,54 +935,8 @@ class Llama:
         self._seed = seed if seed is not None else random.Random(self._seed).randint(0, 2**32)
         return self._seed % 2**32
 
-    def _sampling(
-        self,
-        *,
-        temperature: float,
-        top_p: float,
-        min_p: float,
-        typical_p: float,
-        top_k: int,
-        frequency_penalty: float,
-        presence_penalty: float,
-        repeat_penalty: float,
-        tfs_z: float,
-        mirostat_mode: int,
-        mirostat_tau: float,
-        mirostat_eta: float,
-        logit_bias: Mapping[int | str, float] | None,
-        grammar: LlamaGrammar | str | None,
-        seed: int,
-    ) -> dict[str, Any]:
-        """llamacrab SamplingOptions fields for llama-cpp-python's sampling keywords."""
-        if tfs_z != 1.0:
-            raise UnsupportedParameterError(
-                [f"tfs_z={tfs_z} (tail-free sampling is no longer part of llama.cpp)"]
-            )
-        options: dict[str, Any] = {
-            "temperature": temperature,
-            "top_k": max(top_k, 0),
-            "top_p": min(top_p, 1.0),
-            "min_p": min_p,
-            "typical_p": typical_p,
-            "frequency_penalty": frequency_penalty,
-            "presence_penalty": presence_penalty,
-            "repeat_penalty": repeat_penalty,
-            "penalty_last_n": self.last_n_tokens_size,
-            "mirostat": mirostat_mode,
-            "mirostat_tau": mirostat_tau,
-            "mirostat_eta": mirostat_eta,
-            "seed": seed,
-        }
-        if temperature < 0:  # llama-cpp-python: sample the plain distribution, no filters
-            options.update(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
-        if logit_bias:
-            options["logit_bias"] = {int(k): float(v) for k, v in logit_bias.items()}
-        if isinstance(grammar, LlamaGrammar):
-            options["grammar"], options["grammar_root"] = grammar.grammar, grammar.root
-        elif grammar is not None:
-            options["grammar"] = str(grammar)
-        return options
+    def _sampling(self, keywords: Sampling, seed: int) -> dict[str, Any]:
+        return keywords.options(seed, self.last_n_tokens_size)
 
     def _hooks(
         self,
@@ -1023,18 +944,11 @@ class Llama:
         processors: LogitsProcessor | None,
         criteria: StoppingCriteria | None,
         sampling: dict[str, Any],
-        options: dict[str, Any],
-    ) -> Hooks | None:
-        """A CustomSampler running ``processors`` / ``criteria``, added to ``sampling`` (and
-        its cancel event to ``options``)."""
-        if processors is None and criteria is None:
-            return None
-        vocab = self._llm.vocab
-        end = vocab.eos if vocab.eos is not None else (vocab.eog_tokens or (0,))[0]
-        hooks = Hooks(prompt, processors, criteria, end, self._n_vocab)
-        sampling["custom_samplers"] = (hooks,)
-        options["cancel"] = hooks.cancel
-        return hooks
+    ) -> None:
+        """A CustomSampler running ``processors`` / ``criteria``, added to ``sampling``."""
+        if processors is not None or criteria is not None:
+            hooks = Hooks(prompt, processors, criteria, self._n_vocab)
+            sampling["custom_samplers"] = (hooks,)
 
     # -- utilities llama-cpp-python offers ----------------------------------------------------
 
@@ -1051,14 +965,16 @@ class Llama:
                 shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True)),
             )
 
-    @staticmethod
-    def longest_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-        n = 0
-        for x, y in zip(a, b, strict=False):
-            if x != y:
-                break
-            n += 1
-        return n
+    longest_token_prefix = staticmethod(common_prefix)
+
+
+@dataclass(frozen=True)
+class _EngineEcho:
+    """The engine echoes the prompt (to rate its tokens): shown as ``text``; ``first`` is
+    the first prompt token's text when it is not a BOS (the engine does not list it)."""
+
+    text: str
+    first: str | None
 
 
 class _Meta:
@@ -1070,12 +986,10 @@ class _Meta:
         self.model = model
         self.outcome = _Outcome()
 
-    def record(
-        self, reason: str | None, usage: llamacrab.Usage | None, hooks: Hooks | None
-    ) -> None:
+    def record(self, reason: str | None, usage: llamacrab.Usage | None) -> None:
         if reason is None:
             return
-        self.outcome.finish = convert.finish_reason(reason, hooks is not None and hooks.stopped)
+        self.outcome.finish = convert.finish_reason(reason)
         if usage is not None:
             self.outcome.prompt_tokens = usage.prompt_tokens
             self.outcome.completion_tokens = usage.completion_tokens
