@@ -8,12 +8,15 @@ import math
 import threading
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from live_server import LiveServer
 
 from llamacrab import CustomSampler, InvalidParameterError, Llama, SamplingOptions
 from llamacrab._native.batch import Batch
 from llamacrab._native.sampler import Samplers, graph_fits
+from llamacrab.server import parse_settings
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
@@ -313,3 +316,20 @@ def test_superseded_and_abandoned_streams(tiny_model_path: Path, bound: list[boo
     assert llm.context.graph_sampler(0) is not None
     llm.close()  # a stream still holding its chain in the graph
     assert bound == [True, False, True]
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_serve_takes_graph_sampling(tiny_model_path: Path, bound: list[bool], mode: str) -> None:
+    settings = parse_settings(
+        [str(tiny_model_path), "--graph-sampling", mode, "--n-ctx", "256"], {}
+    )
+    server = LiveServer(settings)
+    try:
+        assert server.wait_until_loaded() == 200
+        body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        server.close()
+    assert bound == [mode == "on"]
+    with pytest.raises(InvalidParameterError, match="graph_sampling"):
+        parse_settings([str(tiny_model_path), "--graph-sampling", "always"], {})

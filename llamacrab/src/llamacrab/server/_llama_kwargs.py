@@ -69,6 +69,7 @@ def generation_kwargs(settings: ServerSettings) -> dict[str, Any]:
     options: dict[str, Any] = {
         "parallel": settings.parallel, "max_queue": settings.max_queue,
         "chat_format": settings.chat_template, "media_policy": policy,
+        "graph_sampling": settings.graph_sampling,
     }  # fmt: skip
     options.update(_speculative_options(settings))
     options.update(_cache_options(settings))

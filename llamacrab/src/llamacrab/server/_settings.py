@@ -17,6 +17,7 @@ from typing import Any
 from llamacrab._exceptions import InvalidParameterError
 
 FLASH_ATTN = ("auto", "on", "off")
+GRAPH_SAMPLING = ("auto", "on", "off")
 POOLING = ("none", "mean", "cls", "last", "rank")
 
 
@@ -35,6 +36,7 @@ class ServerSettings:
     n_gpu_layers: int | None = None
     rpc_servers: tuple[str, ...] = ()  # ggml RPC workers (host:port) to offload layers to
     flash_attn: str = "auto"
+    graph_sampling: str = "auto"  # samplers inside the compute graph where the chain fits
     parallel: int = 1
     embeddings: bool = False
     reranking: bool = False
@@ -97,6 +99,8 @@ class ServerSettings:
         object.__setattr__(self, "rpc_servers", servers)
         if self.flash_attn not in FLASH_ATTN:
             raise InvalidParameterError(f"flash_attn must be one of {FLASH_ATTN}")
+        if self.graph_sampling not in GRAPH_SAMPLING:
+            raise InvalidParameterError(f"graph_sampling must be one of {GRAPH_SAMPLING}")
         if self.pooling is not None and self.pooling not in POOLING:
             raise InvalidParameterError(f"unknown pooling {self.pooling!r}; one of {POOLING}")
         for name in (
@@ -281,6 +285,12 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("n_gpu_layers", int, "layers to offload to a GPU"),
     ("rpc", list, "ggml RPC workers host:port to offload layers to (comma-separated or repeated)"),
     ("flash_attn", str, f"flash attention: {', '.join(FLASH_ATTN)} (default auto)"),
+    (
+        "graph_sampling",
+        str,
+        f"sample inside the compute graph: {', '.join(GRAPH_SAMPLING)} "
+        "(default auto: on where the output layer runs off the CPU)",
+    ),
     ("parallel", int, "slots: requests generated concurrently (default 1)"),
     ("embeddings", bool, "serve /v1/embeddings (an embedding model) instead of generation"),
     ("reranking", bool, "serve /v1/rerank (a reranker model) instead of generation"),
