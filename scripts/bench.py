@@ -1,7 +1,8 @@
 """The benchmark suite: llamacrab vs native llama.cpp vs llama-cpp-python, side by side.
 
 Usage: python scripts/bench.py [--rounds 5] [--threads 2] [--no-peer] [--report BENCHMARKS.md]
-                               [--sections core,startup,embeddings,server] [--out DIR]
+                               [--sections core,startup,embeddings,server[,rpc,models]]
+                               [--out DIR]
 
 Every side runs the same work on the same model (Gemma 3 270M Q4_K_M; all-MiniLM-L6-v2 for
 embeddings), threads and greedy sampling, in one process tree, the order of the sides
@@ -21,7 +22,12 @@ embeddings (texts/s; rerank docs/s for llamacrab, the peer has no rerank API) an
 (aggregate tokens/s and time to first token at 1, 4 and 8 streaming clients); rpc, on request
 (--sections ...,rpc): prefill and decode with every layer on 1 and 2 loopback ggml RPC workers,
 llamacrab's client and workers beside llama-bench and upstream's rpc-server
-(scripts/bench_rpc.py has the details and the bytes per token).
+(scripts/bench_rpc.py has the details and the bytes per token); models, on request: the time
+to a first token for a cold load, a warm switch between two loaded models and a switch that
+evicts one, ``llamacrab serve --models-dir`` beside llama-server's router mode on the same
+files (scripts/bench_models.py), the side going first alternating from round to round.
+Besides the medians, each metric's min-max over rounds and its llamacrab / native ratio in
+every round are printed (and kept in suite.json): a ratio that one round contradicts is noise.
 Writes suite.json, suite.md and suite.png under --out, and the report file.
 """
 
@@ -134,6 +140,8 @@ class Suite:
         self.tiny = write_tiny_llama(Path(tempfile.mkdtemp()) / "tiny.gguf")
         self.minilm = minilm()
         self.bench, self.llama_server, self.loop = native_programs()
+        self.models_folder: Path | None = None  # the models section's, made on first use
+        self.models_rounds = 0
         self.pythons = {CRAB: Path(sys.executable)}
         if args.peer:
             self.pythons[PEER] = peer_python(cache_root() / "bench", pinned_archive(),
@@ -220,6 +228,18 @@ class Suite:
                 rows[side][f"rpc {config} decode t/s"] = row["tg"]
         return rows
 
+    def models(self) -> dict[str, Row]:
+        import bench_models
+
+        if self.models_folder is None:
+            self.models_folder = bench_models.models_folder(self.model)
+        starts = {NATIVE: bench_models.native_server(self.llama_server),
+                  CRAB: bench_models.llamacrab_server}  # fmt: skip
+        order = list(starts) if self.models_rounds % 2 == 0 else list(reversed(starts))
+        self.models_rounds += 1
+        folder, threads = self.models_folder, self.threads
+        return {side: bench_models.round_row(starts[side], folder, threads) for side in order}
+
     def server(self) -> dict[str, Row]:
         counts, model, threads = [1, 4, 8], self.model, self.threads
         starts: dict[str, tuple[Callable[[], bench_server.Running], dict[str, object]]] = {
@@ -246,6 +266,24 @@ def medians(rounds: list[dict[str, Row]]) -> dict[str, Row]:
             for metric, value in row.items():
                 table.setdefault(side, {}).setdefault(metric, []).append(value)
     return {side: {m: statistics.median(v) for m, v in row.items()} for side, row in table.items()}
+
+
+def spread(rounds: list[dict[str, Row]]) -> str:
+    """Each metric's min-max over rounds per side, and llamacrab / native in every round."""
+    lines = ["| metric | native min-max | llamacrab min-max | llamacrab / native per round |",
+             "| --- | ---: | ---: | --- |"]  # fmt: skip
+    metrics = dict.fromkeys(m for result in rounds for row in result.values() for m in row)
+
+    def span(side: str, metric: str) -> str:
+        values = [r[side][metric] for r in rounds if metric in r.get(side, {})]
+        return f"{min(values):.3g}-{max(values):.3g}" if values else "-"
+
+    for m in metrics:
+        ratios = [r[CRAB][m] / r[NATIVE][m] for r in rounds
+                  if r.get(NATIVE, {}).get(m) and m in r.get(CRAB, {})]  # fmt: skip
+        shown = ", ".join(f"{x:.2f}" for x in ratios) or "-"
+        lines.append(f"| {m} | {span(NATIVE, m)} | {span(CRAB, m)} | {shown} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(result: dict[str, Row]) -> str:
@@ -326,18 +364,20 @@ def main() -> None:
         rounds.append(merged)
         print(f"round {i + 1}: {json.dumps(merged)}", flush=True)
     result = medians(rounds)
-    table = markdown(result)
+    table, spreads = markdown(result), spread(rounds)
     print(table)
+    print(spreads)
     print(goals(result))
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python scripts/bench.py", *sys.argv[1:]])
     (args.out / "suite.json").write_text(json.dumps(
         {"command": command, "machine": machine(), "rounds": args.rounds,
-         "threads": args.threads, "medians": result}, indent=2))  # fmt: skip
+         "threads": args.threads, "medians": result, "per_round": rounds},
+        indent=2))  # fmt: skip
     (args.out / "suite.md").write_text(table)
     chart(result, args.out / "suite.png")
     if args.report:
-        args.report.write_text(report(table, command, args, result))
+        args.report.write_text(report(table, spreads, command, args, result))
 
 
 def goals(result: dict[str, Row]) -> str:
@@ -366,7 +406,9 @@ def _better(metric: str, ours: float, theirs: float) -> bool:
     return ours <= theirs if lower_is_better else ours >= theirs
 
 
-def report(table: str, command: str, args: argparse.Namespace, result: dict[str, Row]) -> str:
+def report(
+    table: str, spreads: str, command: str, args: argparse.Namespace, result: dict[str, Row]
+) -> str:
     return f"""# Benchmarks
 
 Latest results of `{command}` ({args.rounds} rounds, medians; {args.threads} threads).
@@ -376,6 +418,9 @@ Machine: {machine()}.
 {table}
 ![throughput relative to the best side](benchmarks/results/suite.png)
 
+Spread over the rounds, and the ratio in each round:
+
+{spreads}
 Goals:
 {goals(result)}
 

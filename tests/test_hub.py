@@ -16,7 +16,7 @@ import pytest
 from hub_server import HubServer, Repo
 from live_server import LiveServer
 
-from llamacrab import HubError, HubOptions, Llama, resolve
+from llamacrab import HubError, HubOptions, Llama, ModelLoadError, resolve
 from llamacrab.server import ServerSettings
 
 from support import load_repo_module
@@ -88,6 +88,9 @@ def test_split_model_downloads_every_part_and_its_projector(hub: HubServer, tmp_
     assert [p.name for p in files.parts] == ["big-00001-of-00002.gguf", "big-00002-of-00002.gguf"]
     assert files.path == files.parts[0] and all(p.is_file() for p in files.parts)
     assert files.mmproj is not None and files.mmproj.name == "mmproj-big-f16.gguf"
+    # Llama(mmproj=True) (serve --hf-mmproj) fetches it too: here a model, not a projector.
+    with pytest.raises(ModelLoadError, match=r"mmproj-big-f16\.gguf"):
+        Llama("crab/split", endpoint=hub.endpoint, cache_dir=tmp_path, n_ctx=64, mmproj=True)
     with Llama("crab/split", endpoint=hub.endpoint, cache_dir=tmp_path, n_ctx=64) as llm:
         assert llm.model.n_layer == 2
 
@@ -193,3 +196,13 @@ def test_the_server_serves_a_hub_model(hub: HubServer, tmp_path: Path) -> None:
         assert "gated" in error and TOKEN not in error
     finally:
         refused.close()
+
+
+def test_serve_fetches_the_hub_projector_when_asked() -> None:
+    from llamacrab.server import parse_settings
+    from llamacrab.server._llama_kwargs import llama_kwargs
+
+    assert llama_kwargs(parse_settings(["crab/split", "--hf-mmproj"], {}))["mmproj"] is True
+    assert "mmproj" not in llama_kwargs(parse_settings(["crab/split"], {}))
+    given = parse_settings(["crab/split", "--hf-mmproj", "--mmproj", "p.gguf"], {})
+    assert llama_kwargs(given)["mmproj"] == "p.gguf"

@@ -390,3 +390,60 @@ def test_serve_with_workers_answers_and_a_dying_worker_fails_its_clients_not_the
             if server.poll() is None:
                 server.kill()
                 server.wait()
+
+
+@needs_rpc
+def test_the_multi_model_server_survives_a_dying_worker_and_reports_the_model_failed(
+    tmp_path: Path, tiny_model_path: Path, gemma_path: Path
+) -> None:
+    """An entry with workers runs in a process of its own: a dying worker aborts that process
+    only. Its stream ends with an error, the server and its other models go on, /v1/models
+    shows the entry failed with the signal, and once the worker is back it loads again."""
+    import httpx
+    from live_server import LiveServer
+
+    with RpcWorker.start(threads=1) as first, RpcWorker.start(threads=1) as second:
+        config = tmp_path / "models.toml"
+        config.write_text(
+            f'[models.local]\nmodel = "{tiny_model_path}"\nn_ctx = 256\n'
+            f'[models.split]\nmodel = "{gemma_path}"\nn_ctx = 512\n'
+            f'rpc_servers = ["{first.endpoint}", "{second.endpoint}"]\n'
+        )
+        server = LiveServer(ServerSettings(model="", models=str(config), n_threads=1))
+        url = server.url
+
+        def models() -> dict[str, dict[str, object]]:
+            data = httpx.get(url + "/v1/models").json()["data"]
+            return {m["id"]: m["status"] for m in data}
+
+        try:
+            body = {"model": "split", "prompt": "Once upon a time", "max_tokens": 200,
+                    "temperature": 0, "stream": True}  # fmt: skip
+            events: list[str] = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=240) as answer:
+                assert answer.status_code == 200
+                lines = answer.iter_lines()
+                assert next(lines).startswith("data:")
+                second.kill()
+                events.extend(line for line in lines if line)
+            assert "data: [DONE]" not in events
+            error = json.loads(events[-1].removeprefix("data: "))["error"]
+            assert "SIGABRT" in error["message"], error
+            status = models()["split"]
+            assert status["value"] == "failed" and "SIGABRT" in str(status["error"]), status
+            assert "Remote RPC server crashed" in str(status["error"]), status
+            local = {"model": "local", "prompt": "hello", "max_tokens": 4}
+            assert httpx.post(url + "/v1/completions", json=local, timeout=60).status_code == 200
+            # A request starts it again; with the worker still gone that load fails.
+            retried = httpx.post(url + "/v1/completions", json={**body, "stream": False},
+                                 timeout=240)  # fmt: skip
+            assert retried.status_code == 500 and "RpcUnavailableError" in retried.text
+            # The worker back on its port: loading the entry again starts a new process.
+            with RpcWorker.start(port=second.options.port, threads=1):
+                loaded = httpx.post(url + "/models/load", json={"model": "split"}, timeout=240)
+                assert loaded.status_code == 200, loaded.text
+                body = {**body, "stream": False, "max_tokens": 4}
+                again = httpx.post(url + "/v1/completions", json=body, timeout=240)
+                assert again.status_code == 200 and again.json()["choices"][0]["text"]
+        finally:
+            server.close()

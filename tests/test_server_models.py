@@ -272,7 +272,7 @@ model = "beta.gguf"
 {TINY}
 [models.gamma]
 model = "gamma.gguf"
-keep_alive = 0.5
+keep_alive = 3  # seconds: outlasts the status check below on a loaded machine
 {TINY}
 """,
     )
@@ -283,7 +283,7 @@ keep_alive = 0.5
         now = statuses_open(server)
         assert [now[n] for n in ("alpha", "beta", "gamma")] == ["unloaded", "loaded", "loaded"]
         gone = lambda at=server: statuses_open(at)["gamma"] == "unloaded"  # noqa: E731
-        assert _wait_for(gone, timeout=10)
+        assert _wait_for(gone, timeout=30)
         assert statuses_open(server)["beta"] == "loaded"  # no keep_alive: stays
 
 

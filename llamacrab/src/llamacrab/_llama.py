@@ -64,7 +64,8 @@ class Llama:
     path exists): HubOptions fields (filename, revision, token, cache_dir, endpoint, offline,
     mmproj) choose what is fetched.
 
-    ``mmproj`` (or the Hub's projector) makes it multimodal: images and sounds go into
+    ``mmproj`` (a projector file; for a Hub model, True fetches the repository's projector)
+    makes it multimodal: images and sounds go into
     completions (``media=``, one ``media_marker`` per item in the prompt) and chat messages
     (``image_url`` / ``input_audio`` parts, from where ``media_policy`` allows).
 
@@ -93,7 +94,7 @@ class Llama:
         progress: Callable[[float], object] | None = None,
         parallel: int | None = None,
         max_queue: int = 64,
-        mmproj: str | os.PathLike[str] | None = None,
+        mmproj: str | os.PathLike[str] | bool | None = None,
         media_policy: MediaPolicy | None = None,
         preset: str | None = None,
         **options: Any,
@@ -103,6 +104,10 @@ class Llama:
                 raise InvalidParameterError("preset= combines with keyword options, not with "
                                             "ModelParams / ContextParams objects")  # fmt: skip
             options = with_preset(preset, options)
+        if mmproj is True:  # the Hub repository's projector: a fetch option
+            options["mmproj"] = True
+        if isinstance(mmproj, bool):
+            mmproj = None
         extra = take_extra_options(options)  # files and sizes: adapters, draft model, cache
         if extra.speculative and speculative is not None:
             raise InvalidParameterError("pass speculative= or draft_model/prompt_lookup, not both")

@@ -16,8 +16,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+from llamacrab._engine.scheduler import Scheduler
 from llamacrab._exceptions import (
     ConcurrentUseError,
     InvalidParameterError,
@@ -41,6 +42,20 @@ _LLAMA_OPTIONS = (
     | PARAM_FIELDS
     | EXTRA_NAMES
 )
+
+
+class Loaded(Protocol):
+    """What a loader makes of an entry: a ``Llama``, or what stands for one (the server's
+    model in a process of its own). The registry only counts, cancels and closes it."""
+
+    @property
+    def scheduler(self) -> Scheduler | None: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -60,13 +75,15 @@ def parse_size(value: int | str) -> int:
 class ModelEntry:
     """A named model: a GGUF path or a Hub id (``org/repo``), the ``Llama`` keyword options to
     load it with (``preset`` among them), seconds idle before it unloads (``keep_alive``; None:
-    the registry's), and whether it is ``pinned`` (never unloaded but on request)."""
+    the registry's), whether it is ``pinned`` (never unloaded but on request), and whether
+    the server runs it in a process of its own (``isolate``; None: when it uses RPC workers)."""
 
     name: str
     model: str
     options: Mapping[str, Any] = field(default_factory=dict)
     keep_alive: float | None = None
     pinned: bool = False
+    isolate: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.model:
@@ -76,6 +93,8 @@ class ModelEntry:
             raise InvalidParameterError(f"model {self.name!r}: unknown options {sorted(unknown)}")
         if self.keep_alive is not None and self.keep_alive < 0:
             raise InvalidParameterError(f"model {self.name!r}: keep_alive must be >= 0")
+        if self.isolate is not None and not isinstance(self.isolate, bool):
+            raise InvalidParameterError(f"model {self.name!r}: isolate must be true or false")
         self.llama_options()  # an unknown preset fails here, not at first use
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
 
@@ -117,8 +136,9 @@ class _Slot:
     def __init__(self, entry: ModelEntry) -> None:
         self.entry = entry
         self.status: Status = "unloaded"
-        self.llama: Llama | None = None
+        self.llama: Loaded | None = None
         self.error: str | None = None
+        self.crashed = False  # failed while loaded (not at load): the next use loads it again
         self.in_use = 0
         self.used = 0.0  # time.monotonic() of the last use
         self.used_wall: float | None = None
@@ -134,8 +154,8 @@ class _Slot:
         scheduler = self.llama.scheduler
         return scheduler is None or not (scheduler.busy_slots or scheduler.queue_depth)
 
-    def take(self) -> Llama:
-        """Detach the loaded Llama (closed by the caller, outside the lock)."""
+    def take(self) -> Loaded:
+        """Detach the loaded model (closed by the caller, outside the lock)."""
         llama, self.llama, self.status = self.llama, None, "unloaded"
         assert llama is not None
         return llama
@@ -164,7 +184,7 @@ class ModelRegistry:
         max_loaded: int | None = None,
         memory_budget: int | str | None = None,
         keep_alive: float | None = None,
-        loader: Callable[[ModelEntry], Llama] | None = None,
+        loader: Callable[[ModelEntry], Loaded] | None = None,
     ) -> None:
         if max_loaded is not None and max_loaded < 1:
             raise InvalidParameterError(f"max_loaded must be >= 1, not {max_loaded}")
@@ -173,7 +193,9 @@ class ModelRegistry:
         self.max_loaded = max_loaded
         self.memory_budget = None if memory_budget is None else parse_size(memory_budget)
         self.keep_alive = keep_alive
-        self._loader = loader or (lambda entry: Llama(entry.model, **entry.llama_options()))
+        self._loader: Callable[[ModelEntry], Loaded] = loader or (
+            lambda entry: Llama(entry.model, **entry.llama_options())
+        )
         self._lock = threading.Condition()
         self._slots: dict[str, _Slot] = {}
         self._closed = False
@@ -258,7 +280,7 @@ class ModelRegistry:
         """The entry's Llama if it is loaded now (never loads it)."""
         with self._lock:
             slot = self._slot(name)
-            return slot.llama if slot.status == "loaded" else None
+            return slot.llama if slot.status == "loaded" and isinstance(slot.llama, Llama) else None
 
     def entries(self) -> list[EntryStatus]:
         """Every entry's status, in the order they were added."""
@@ -274,16 +296,37 @@ class ModelRegistry:
     def get(self, name: str) -> Llama:
         """The entry's shared Llama, loaded first if needed. A model that failed to load raises
         ModelLoadError with the reason until ``load`` tries again."""
-        return self._obtain(name, lease=False, retry=False)
+        return _llama(name, self._obtain(name, lease=False, retry=False))
 
     def load(self, name: str) -> Llama:
         """Load the entry now (again, if it failed); its Llama."""
-        return self._obtain(name, lease=False, retry=True)
+        return _llama(name, self.start(name))
 
     def acquire(self, name: str) -> Llama:
         """``get``, counting the model in use (never unloaded to make room, nor when idle)
         until ``release(name)``."""
+        return _llama(name, self.lease(name))
+
+    def start(self, name: str) -> Loaded:
+        """``load`` for any loader: what it made of the entry, a Llama or not."""
+        return self._obtain(name, lease=False, retry=True)
+
+    def lease(self, name: str) -> Loaded:
+        """``acquire`` for any loader: what it made of the entry, in use until ``release``."""
         return self._obtain(name, lease=True, retry=False)
+
+    def fail(self, name: str, loaded: Loaded, reason: str) -> bool:
+        """Mark the entry failed because ``loaded``, its model, broke while loaded (a process
+        of its own died): it is reported with ``reason``, and the next use loads it again.
+        False when ``loaded`` is no longer the entry's model."""
+        with self._lock:
+            slot = self._slot(name)
+            if slot.llama is not loaded:
+                return False
+            slot.take()
+            slot.status, slot.error, slot.crashed = "failed", reason, True
+            self._lock.notify_all()
+        return True
 
     def release(self, name: str) -> None:
         with self._lock:
@@ -359,7 +402,7 @@ class ModelRegistry:
                            slot.in_use, entry.pinned, keep_alive, slot.estimate,
                            slot.used_wall)  # fmt: skip
 
-    def _obtain(self, name: str, *, lease: bool, retry: bool) -> Llama:
+    def _obtain(self, name: str, *, lease: bool, retry: bool) -> Loaded:
         with self._lock:
             slot = self._slot(name)
             while True:
@@ -372,9 +415,9 @@ class ModelRegistry:
                 if slot.status == "loading":
                     self._lock.wait()
                     continue
-                if slot.status == "failed" and not retry:
+                if slot.status == "failed" and not (retry or slot.crashed):
                     raise ModelLoadError(f"model {name!r} failed to load: {slot.error}")
-                slot.status, slot.error = "loading", None
+                slot.status, slot.error, slot.crashed = "loading", None, False
                 break
         try:
             llama = self._load(slot)
@@ -397,10 +440,10 @@ class ModelRegistry:
         llama.close()
         raise ModelLoadError("the model registry is closed")
 
-    def _load(self, slot: _Slot) -> Llama:
+    def _load(self, slot: _Slot) -> Loaded:
         entry = slot.entry
         estimate = estimate_llama(entry.model, entry.llama_options())
-        victims: list[Llama] = []
+        victims: list[Loaded] = []
         try:
             with self._lock:
                 slot.estimate = estimate
@@ -410,7 +453,7 @@ class ModelRegistry:
                 llama.close()
         return self._loader(entry)
 
-    def _make_room(self, slot: _Slot, estimate: MemoryEstimate, victims: list[Llama]) -> None:
+    def _make_room(self, slot: _Slot, estimate: MemoryEstimate, victims: list[Loaded]) -> None:
         """Unload least recently used idle models until ``slot`` fits (called locked)."""
         budget = self.memory_budget
         if budget is not None and estimate.total > budget:
@@ -459,7 +502,7 @@ class ModelRegistry:
     def _reap(self) -> None:
         while not self._stop.wait(self._reap_interval()):
             now = time.monotonic()
-            expired: list[Llama] = []
+            expired: list[Loaded] = []
             with self._lock:
                 for slot in self._slots.values():
                     entry = slot.entry
@@ -481,6 +524,13 @@ def estimate_memory(
     return estimate_llama(model, with_preset(preset, options))
 
 
+def _llama(name: str, loaded: Loaded) -> Llama:
+    if not isinstance(loaded, Llama):
+        raise ModelLoadError(f"model {name!r} is not a Llama of this process (its loader made "
+                             f"a {type(loaded).__name__})")  # fmt: skip
+    return loaded
+
+
 def _mib(size: int) -> str:
     return f"{size / 2**20:.0f} MiB"
 
@@ -491,10 +541,11 @@ def _toml_entry(folder: Path, name: str, table: Any) -> ModelEntry:
     options = dict(table)
     model = options.pop("model")
     keep_alive, pinned = options.pop("keep_alive", None), bool(options.pop("pinned", False))
+    isolate = options.pop("isolate", None)
     for key in ("mmproj",):
         if isinstance(options.get(key), str):
             options[key] = _relative(folder, options[key])
-    return ModelEntry(name, _relative(folder, model), options, keep_alive, pinned)
+    return ModelEntry(name, _relative(folder, model), options, keep_alive, pinned, isolate)
 
 
 def _relative(folder: Path, path: str) -> str:

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from llamacrab import __version__
 from llamacrab._exceptions import LlamaError
 from llamacrab._llama import Llama
+from llamacrab._registry import ModelRegistry
 from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic import add_anthropic_routes
 from llamacrab.server._cors import CorsMiddleware
@@ -58,12 +59,15 @@ from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, generate, in_thread
 
 
-def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
+def create_app(
+    settings: ServerSettings, llama: Llama | None = None, registry: ModelRegistry | None = None
+) -> FastAPI:
     """The application. Without ``llama`` it loads ``settings.model`` in the background
-    (``/health`` answers 503 until it is ready)."""
-    if not settings.multi_model:
+    (``/health`` answers 503 until it is ready). ``registry``: serve it (the multi-model form)
+    instead of the one ``--models`` / ``--models-dir`` name."""
+    if not settings.multi_model and registry is None:
         llama_kwargs(settings)  # model flags that cannot work together fail at start
-    state = ServerState(settings, llama)
+    state = ServerState(settings, llama, registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -84,7 +88,8 @@ def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
                   description="An OpenAI-compatible server over llama.cpp")  # fmt: skip
     app.state.llamacrab = state
     if state.registry is not None:  # innermost: after the key and body-size checks
-        app.add_middleware(ModelLeaseMiddleware, registry=state.registry)
+        app.add_middleware(ModelLeaseMiddleware, registry=state.registry,
+                           timeout=settings.timeout)  # fmt: skip
         add_model_routes(app, state.registry, state.created)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)

@@ -38,7 +38,9 @@ def llama_kwargs(settings: ServerSettings) -> dict[str, Any]:
         options.update(embeddings=True, pooling=pooling, n_ctx=settings.n_ctx)
     else:
         options["n_ctx"] = settings.n_ctx or 4096 * settings.parallel
-        options.update(generation_kwargs(settings), mmproj=settings.mmproj)
+        options.update(generation_kwargs(settings))
+        if settings.mmproj:  # a projector file; else --hf-mmproj's choice stands
+            options["mmproj"] = settings.mmproj
     return {k: v for k, v in options.items() if v is not None}
 
 

@@ -29,7 +29,10 @@ from llamacrab import (
     ModelRegistry,
     UnknownModelError,
 )
+from llamacrab._registry import Loaded
 from llamacrab.server._errors import ApiError, error_body
+from llamacrab.server._forward import forward
+from llamacrab.server._isolation import ChildModel, runs_isolated
 from llamacrab.server._llama_kwargs import generation_kwargs, given, model_kwargs
 from llamacrab.server._metrics import escape_label
 from llamacrab.server._settings import ServerSettings
@@ -73,10 +76,27 @@ def open_registry(settings: ServerSettings) -> ModelRegistry:
     else:
         assert settings.models_dir is not None
         parsed = ModelRegistry.from_directory(settings.models_dir, **limits)
-    entries = [_with_defaults(parsed.entry(name), settings) for name in parsed.names()]
+    written = {name: parsed.entry(name) for name in parsed.names()}
+    entries = [_with_defaults(entry, settings) for entry in written.values()]
     limits = {"max_loaded": parsed.max_loaded, "memory_budget": parsed.memory_budget,
               "keep_alive": parsed.keep_alive}  # fmt: skip
-    return ModelRegistry(entries, **limits, loader=_served_llama)
+
+    def load(entry: ModelEntry) -> Loaded:
+        if not runs_isolated(entry):
+            return _served_llama(entry)
+        # The child puts the flags under the entry as written, as this process did.
+        return ChildModel.start(written[entry.name], settings, on_death)
+
+    def on_death(child: ChildModel, reason: str) -> None:
+        registry.fail(child.name, child, reason)
+
+    registry = ModelRegistry(entries, **limits, loader=load)
+    return registry
+
+
+def entry_registry(entry: ModelEntry, settings: ServerSettings) -> ModelRegistry:
+    """The registry of an isolated entry's own process: that entry alone, loaded here."""
+    return ModelRegistry([_with_defaults(entry, settings)], loader=_served_llama)
 
 
 def _served_llama(entry: ModelEntry) -> Llama:
@@ -104,7 +124,8 @@ def _with_defaults(entry: ModelEntry, settings: ServerSettings) -> ModelEntry:
         if (own.get("draft_model") or own.get("prompt_lookup")) and "parallel" not in own:
             options["parallel"] = None
         options.setdefault("n_ctx", 4096 * (options["parallel"] or 1))
-    return ModelEntry(entry.name, entry.model, options, entry.keep_alive, entry.pinned)
+    return ModelEntry(entry.name, entry.model, options, entry.keep_alive, entry.pinned,
+                      entry.isolate)  # fmt: skip
 
 
 def _under(preset: str | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +140,7 @@ def load_pinned(registry: ModelRegistry) -> None:
         for status in registry.entries():
             if status.pinned:
                 with contextlib.suppress(Exception):  # reported by /v1/models and /health
-                    registry.load(status.name)
+                    registry.start(status.name)
 
     threading.Thread(target=load_all, name="llamacrab-load-pinned", daemon=True).start()
 
@@ -171,7 +192,7 @@ def add_model_routes(app: FastAPI, registry: ModelRegistry, created: int) -> Non
     @app.post("/models/load")
     async def load(body: ModelBody) -> JSONResponse:
         try:
-            await run_in_threadpool(registry.load, body.model)
+            await run_in_threadpool(registry.start, body.model)
         except (UnknownModelError, ModelBudgetError, ModelLoadError) as error:
             raise lease_error(error) from None
         return JSONResponse({"success": True, **model_json(registry.status(body.model), created)})
@@ -224,9 +245,10 @@ class ModelLeaseMiddleware:
     and holds it in use until the whole answer, streamed or not, is sent: it is never unloaded
     under a request. An unknown name is 404; a model that cannot serve the route 400."""
 
-    def __init__(self, app: ASGIApp, registry: ModelRegistry) -> None:
+    def __init__(self, app: ASGIApp, registry: ModelRegistry, timeout: float = 600.0) -> None:
         self.app = app
         self.registry = registry
+        self.timeout = timeout  # seconds an isolated entry's process may keep a request silent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in _MODEL_ROUTES:
@@ -258,17 +280,21 @@ class ModelLeaseMiddleware:
         if wanted is not None and kind != wanted:
             await _answer(scope, send, refusal(name, kind, wanted))
             return
-        held: list[bool] = []  # set in the worker thread once the lease is taken
+        held: list[Loaded] = []  # set in the worker thread once the lease is taken
 
         def take() -> None:
-            self.registry.acquire(name)
-            held.append(True)
+            held.append(self.registry.lease(name))
 
         try:
             # A client gone while the model loads: the thread still finishes (and may take
             # the lease), then the cancellation arrives here; ``held`` says what to release.
             await run_in_threadpool(take)
-            await self.app(scope, _replay(messages, receive), send)
+            if isinstance(held[0], ChildModel):
+                await forward(held[0], scope, body, receive, send, self.timeout)
+            else:
+                await self.app(scope, _replay(messages, receive), send)
+        except ApiError as error:  # the isolated entry's process could not answer
+            await _answer(scope, send, error)
         except (UnknownModelError, ModelBudgetError, ModelLoadError) as error:
             if held:
                 raise

@@ -66,16 +66,17 @@ def _shown(template: str) -> str:
 class ServerState:
     """The model (loaded in the background), its load error, and the counters."""
 
-    def __init__(self, settings: ServerSettings, llama: Llama | None) -> None:
+    def __init__(self, settings: ServerSettings, llama: Llama | None,
+                 registry: ModelRegistry | None = None) -> None:  # fmt: skip
         self.settings = settings
         self.llama = llama
         self.error: str | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
         # The multi-model form: models load on demand (ModelLeaseMiddleware), not here.
-        self.registry: ModelRegistry | None = (
-            open_registry(settings) if settings.multi_model and llama is None else None
-        )
+        if registry is None and settings.multi_model and llama is None:
+            registry = open_registry(settings)
+        self.registry = registry
 
     def load(self) -> None:
         try:

@@ -1,0 +1,92 @@
+"""Forwarding one request to an isolated entry's process (server/_isolation.py) and its answer
+back unchanged, streamed as it comes (server-sent events too). The parent's checks (API key,
+body size) ran before; the child gets its own key instead of the client's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import socket
+
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from llamacrab.server._errors import ApiError
+from llamacrab.server._isolation import ChildModel
+from llamacrab.server._sse import sse_json
+
+# Hop-by-hop headers, and the client's credentials (the child takes the parent's key).
+_DROPPED_REQUEST = {b"host", b"authorization", b"x-api-key", b"content-length", b"connection",
+                    b"transfer-encoding", b"keep-alive", b"upgrade", b"te"}  # fmt: skip
+_DROPPED_ANSWER = {"connection", "transfer-encoding", "keep-alive", "server", "date"}
+_CHUNK = 64 * 1024
+
+
+async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive,
+                  send: Send, timeout: float) -> None:  # fmt: skip
+    """Send the request to ``child`` and its answer to the client. Raises ApiError (502) when
+    the child cannot answer before the answer started; after, a broken answer ends with an
+    error event (SSE) or a broken connection."""
+    target = scope.get("raw_path") or scope["path"].encode()
+    if scope.get("query_string"):
+        target += b"?" + scope["query_string"]
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+               if k.lower() not in _DROPPED_REQUEST}  # fmt: skip
+    headers["authorization"] = f"Bearer {child.key}"
+    connection = http.client.HTTPConnection(*child.address, timeout=timeout)
+    gone = asyncio.create_task(_client_gone(receive, connection))
+    try:
+        try:
+            answer = await run_in_threadpool(
+                _open, connection, scope["method"], target.decode("latin-1"), body, headers
+            )
+        except (OSError, http.client.HTTPException) as error:
+            raise ApiError(502, await _broken(child, error), param="model",
+                           code="model_process_failed") from None  # fmt: skip
+        await send({"type": "http.response.start", "status": answer.status,
+                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                                for k, v in answer.getheaders()
+                                if k.lower() not in _DROPPED_ANSWER]})  # fmt: skip
+        events = (answer.getheader("content-type") or "").startswith("text/event-stream")
+        while True:
+            try:
+                chunk = await run_in_threadpool(answer.read1, _CHUNK)
+            except (OSError, http.client.HTTPException) as error:
+                if gone.done() or not events:
+                    raise  # the client left, or no way to tell it but a broken connection
+                error_body = ApiError(502, await _broken(child, error),
+                                      code="model_process_failed").body()  # fmt: skip
+                chunk = f"data: {sse_json(error_body)}\n\n".encode()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                break
+            if not chunk:
+                break
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    finally:
+        gone.cancel()
+        connection.close()
+
+
+def _open(connection: http.client.HTTPConnection, method: str, target: str, body: bytes,
+          headers: dict[str, str]) -> http.client.HTTPResponse:  # fmt: skip
+    connection.request(method, target, body or None, headers)
+    return connection.getresponse()
+
+
+async def _client_gone(receive: Receive, connection: http.client.HTTPConnection) -> None:
+    """When the client disconnects, break the child's connection: it stops generating."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    if connection.sock is not None:
+        with contextlib.suppress(OSError):
+            connection.sock.shutdown(socket.SHUT_RDWR)
+
+
+async def _broken(child: ChildModel, error: Exception) -> str:
+    """Why the child's answer broke: how its process ended, if it did."""
+    # The connection breaks first; the exit and ggml's last line come soon after.
+    if await run_in_threadpool(child.wait, 5):
+        return f"model {child.name!r}: its process {child.ended()}"
+    return f"model {child.name!r}: its process did not answer ({type(error).__name__}: {error})"

@@ -1,0 +1,197 @@
+"""Registry entries in a process of their own (server/_isolation.py, server/_forward.py): the
+parent forwards their requests (status codes, server-sent events and the API key as they are),
+reports a dead child as a failed entry while the other models keep serving, starts it again
+on demand, and counts it like a loaded model under max_loaded. The RPC case is in test_rpc.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from live_server import LiveServer
+
+from llamacrab import ModelEntry, ModelRegistry
+from llamacrab.server import ServerSettings
+from llamacrab.server._isolation import runs_isolated
+
+KEY = "sesame"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def children() -> list[int]:
+    """The pids of this process's isolated-entry children that still run."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text().rsplit(") ", 1)[1].split()
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"server._child" in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+def status_of(server: LiveServer, name: str) -> dict[str, object]:
+    models = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"]
+    return next(m["status"] for m in models if m["id"] == name)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[LiveServer]:
+    config = tmp_path_factory.mktemp("isolated") / "models.toml"
+    config.write_text(
+        f'[models.local]\nmodel = "{tiny_model_path}"\nn_ctx = 256\n'
+        f'[models.apart]\nmodel = "{tiny_model_path}"\nn_ctx = 256\nisolate = true\n'
+    )
+    settings = ServerSettings(model="", models=str(config), api_keys=(KEY,), n_threads=1,
+                              models_max=1)  # fmt: skip
+    live = LiveServer(settings)
+    try:
+        yield live
+    finally:
+        live.close()
+    assert children() == []  # the parent's shutdown stopped its children
+
+
+def complete(server: LiveServer, model: str, **body: object) -> httpx.Response:
+    payload = {"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0, **body}
+    return httpx.post(server.url + "/v1/completions", json=payload, headers=AUTH, timeout=120)
+
+
+def test_which_entries_run_apart() -> None:
+    workers = {"rpc_servers": "127.0.0.1:1"}
+    assert runs_isolated(ModelEntry("a", "m.gguf", workers))
+    assert not runs_isolated(ModelEntry("a", "m.gguf", workers, isolate=False))
+    assert runs_isolated(ModelEntry("a", "m.gguf", isolate=True))
+    assert not runs_isolated(ModelEntry("a", "m.gguf"))
+
+
+def test_isolate_is_read_from_the_registry_file(tmp_path: Path) -> None:
+    config = tmp_path / "models.toml"
+    config.write_text('[models.a]\nmodel = "a.gguf"\nisolate = false\n[models.b]\nmodel = "b"\n')
+    registry = ModelRegistry.from_toml(config)
+    assert registry.entry("a").isolate is False and registry.entry("b").isolate is None
+    config.write_text('[models.a]\nmodel = "a.gguf"\nisolate = "yes"\n')
+    with pytest.raises(ValueError, match="isolate must be true or false"):
+        ModelRegistry.from_toml(config)
+
+
+def test_answers_come_through_the_child_unchanged(server: LiveServer) -> None:
+    local = complete(server, "local")
+    apart = complete(server, "apart")
+    assert apart.status_code == 200, apart.text
+    assert apart.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
+    assert apart.json()["model"] == "apart"
+    assert len(children()) == 1
+    # The child's own error answers keep their status and body.
+    bad = complete(server, "apart", max_tokens=-3)
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+    # The parent's own checks come first (a generation model asked for embeddings).
+    payload = {"model": "apart", "input": "x"}
+    wrong = httpx.post(server.url + "/v1/embeddings", json=payload, headers=AUTH)
+    assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "model_not_capable"
+    # GET routes that name the model go to the child too.
+    props = httpx.get(server.url + "/props", params={"model": "apart"}, headers=AUTH)
+    assert props.status_code == 200, props.text
+
+
+def test_server_sent_events_pass_through(server: LiveServer) -> None:
+    body = {"model": "apart", "prompt": "hello", "max_tokens": 6, "temperature": 0,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=120) as answer:  # fmt: skip
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in answer.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == complete(server, "local", max_tokens=6).json()["choices"][0]["text"]
+
+
+def test_the_parent_checks_the_key_and_the_child_takes_only_its_own(server: LiveServer) -> None:
+    payload = {"model": "apart", "prompt": "hello", "max_tokens": 2}
+    refused = httpx.post(server.url + "/v1/completions", json=payload)
+    assert refused.status_code == 401
+    assert complete(server, "apart").status_code == 200
+    (pid,) = children()
+    port = next(  # the child listens on loopback and refuses the clients' key
+        int(line.split()[1].split(":")[1], 16)
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+        if line.split()[3] == "0A" and _owns_socket(pid, line.split()[9])
+    )
+    direct = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=payload, headers=AUTH)
+    assert direct.status_code == 401
+
+
+def _owns_socket(pid: int, inode: str) -> bool:
+    fds = Path(f"/proc/{pid}/fd")
+    return any(os.readlink(fd) == f"socket:[{inode}]" for fd in fds.iterdir())
+
+
+def test_a_dead_child_is_reported_and_started_again(server: LiveServer) -> None:
+    assert complete(server, "apart").status_code == 200
+    (pid,) = children()
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while status_of(server, "apart")["value"] != "failed":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert "SIGKILL" in str(status_of(server, "apart")["error"])
+    assert complete(server, "local").status_code == 200  # the others keep serving
+    again = complete(server, "apart")  # a later request starts it again
+    assert again.status_code == 200 and status_of(server, "apart")["value"] == "loaded"
+
+
+def test_a_child_counts_as_a_loaded_model(server: LiveServer) -> None:
+    assert complete(server, "apart").status_code == 200
+    assert len(children()) == 1
+    assert complete(server, "local").status_code == 200  # max_loaded 1: the child stops
+    assert children() == [] and status_of(server, "apart")["value"] == "unloaded"
+    assert complete(server, "apart").status_code == 200
+    assert status_of(server, "local")["value"] == "unloaded"
+    unloaded = httpx.post(server.url + "/models/unload", json={"model": "apart"}, headers=AUTH)
+    assert unloaded.json()["unloaded"] is True and children() == []
+
+
+def test_a_child_that_cannot_answer_is_a_502_naming_how_it_ended() -> None:
+    import asyncio
+    import socket
+    import subprocess
+    import sys
+
+    from llamacrab.server._errors import ApiError
+    from llamacrab.server._forward import forward
+    from llamacrab.server._isolation import ChildModel
+
+    script = "import sys; sys.stderr.write('ggml.c:1: no room\\n'); sys.exit(3)"
+    process = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    deaths: list[str] = []
+    child = ChildModel("gone", process, port, "key", lambda _, reason: deaths.append(reason))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "query_string": b""}  # fmt: skip
+    sent: list[object] = []
+
+    async def receive() -> dict[str, object]:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: object) -> None:
+        sent.append(message)
+
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(forward(child, scope, b"{}", receive, send, timeout=5))
+    assert caught.value.status == 502 and sent == []
+    assert caught.value.body()["error"]["message"] == (
+        "model 'gone': its process exited with 3: ggml.c:1: no room"
+    )
+    child.close()
