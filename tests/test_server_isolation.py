@@ -195,3 +195,32 @@ def test_a_child_that_cannot_answer_is_a_502_naming_how_it_ended() -> None:
         "model 'gone': its process exited with 3: ggml.c:1: no room"
     )
     child.close()
+
+
+def test_a_child_ends_when_its_server_is_gone(tmp_path: Path, tiny_model_path: Path) -> None:
+    import shlex
+    import socket
+    import subprocess
+    import sys
+
+    from llamacrab.server._isolation import PARENT_ENV, child_spec
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec = tmp_path / "spec.json"
+    spec.write_text(child_spec(ModelEntry("m", str(tiny_model_path)), ServerSettings(model=""),
+                               port, "key"))  # fmt: skip
+    # The shell stands for the server: it starts the child, then ends without stopping it.
+    script = (f"{PARENT_ENV}=$$ {shlex.quote(sys.executable)} -m llamacrab.server._child "
+              f"< {shlex.quote(str(spec))} >/dev/null 2>&1 & c=$!; echo $c; sleep 6; "
+              "kill -0 $c && echo serving")  # fmt: skip
+    shell = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    printed, running = shell.stdout.split()
+    pid = int(printed)
+    assert running == "serving"  # it serves while the shell lives
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # reparented: not our child, so /proc tells whether it still runs
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(") ", 1)[1].startswith("Z")
