@@ -1,7 +1,8 @@
 """The ``llamacrab`` command line.
 
   llamacrab run [MODEL] [-p PROMPT]   complete a prompt, or chat interactively without one
-  llamacrab serve MODEL [flags]       the OpenAI-compatible server (the ``server`` extra)
+  llamacrab serve MODEL [flags]       the OpenAI-compatible server (the ``server`` extra);
+                                      --ray: replicas of it on Ray Serve (the ``ray`` extra)
   llamacrab info [MODEL]              how llama.cpp was built, and a model's metadata
   llamacrab tokenize MODEL TEXT       token ids (and pieces) of a text
   llamacrab rpc-worker [flags]        serve this machine's devices to ggml RPC clients
@@ -74,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--chat-format", help="a built-in chat format name (default: the model's)")
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_server_arguments(serve)
+    _add_ray_arguments(serve)
     info = commands.add_parser("info", help="build information and a model's metadata")
     _add_model_arguments(info, optional=True)
     info.add_argument("--build-only", action="store_true", help="skip the model")
@@ -103,6 +105,41 @@ def _add_rpc_worker_arguments(commands: Any) -> None:
     worker.add_argument("--insecure-network", action="store_true",
                         help="allow a non-loopback --host (no authentication!)")  # fmt: skip
     worker.add_argument("--list-devices", action="store_true", help="list devices and exit")
+
+
+def _add_ray_arguments(serve: argparse.ArgumentParser) -> None:
+    ray = serve.add_argument_group("replicas on Ray Serve (pip install 'llamacrab[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve replicas of this server through Ray Serve's proxy")  # fmt: skip
+    ray.add_argument("--replicas", type=int, help="a fixed number of replicas (default 1)")
+    ray.add_argument("--autoscale-min", type=int, help="autoscaling: fewest replicas (default 1)")
+    ray.add_argument("--autoscale-max", type=int, help="autoscaling: most replicas")
+    ray.add_argument("--replica-cpus", type=float,
+                     help="CPUs reserved per replica (default: --n-threads, else 1)")  # fmt: skip
+    ray.add_argument("--replica-gpus", type=float, help="GPUs Ray reserves per replica")
+    ray.add_argument("--ray-address",
+                     help="Ray cluster to join (default: RAY_ADDRESS, else a new one)")  # fmt: skip
+
+
+def _ray_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``serve_ray``'s keywords from the flags (the Ray ones need --ray)."""
+    autoscale = args.autoscale_min is not None or args.autoscale_max is not None
+    flags = ("replicas", "autoscale_min", "autoscale_max", "replica_cpus", "replica_gpus",
+             "ray_address")  # fmt: skip
+    given = [f for f in flags if getattr(args, f) is not None]
+    if given and not args.ray:
+        raise InvalidParameterError(f"--{given[0].replace('_', '-')} needs --ray")
+    if autoscale and args.replicas is not None:
+        raise InvalidParameterError("pass --replicas or --autoscale-min/--autoscale-max, not both")
+    if autoscale and args.autoscale_max is None:
+        raise InvalidParameterError("autoscaling needs --autoscale-max")
+    scaling = {"max_replicas": args.autoscale_max}
+    if args.autoscale_min is not None:
+        scaling["min_replicas"] = args.autoscale_min
+    actor = {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus}
+    return {"address": args.ray_address, "num_replicas": args.replicas,
+            "autoscaling_config": scaling if autoscale else None,
+            "ray_actor_options": {k: v for k, v in actor.items() if v is not None}}  # fmt: skip
 
 
 def _hub_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -211,9 +248,13 @@ def _tokenize(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from llamacrab.server import serve
+    from llamacrab import server
 
-    serve(settings_from_args(args))
+    ray_options = _ray_options(args)
+    if args.ray:
+        server.serve_ray(settings_from_args(args), **ray_options)
+    else:
+        server.serve(settings_from_args(args))
 
 
 def _rpc_worker(args: argparse.Namespace) -> None:

@@ -1,15 +1,17 @@
 """An OpenAI-compatible HTTP server (``pip install 'llamacrab[server]'``).
 
 Start it with ``llamacrab serve MODEL`` or ``python -m llamacrab.server MODEL``; embed or test
-the ASGI application that ``create_app(settings)`` returns. The web stack is imported only
-here, when used, so the rest of llamacrab works without the extra.
+the ASGI application that ``create_app(settings)`` returns; ``ray_deployment(settings, ...)``
+runs replicas of it on Ray Serve (``pip install 'llamacrab[ray]'``). The web stack and Ray are
+imported only here, when used, so the rest of llamacrab works without the extras.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llamacrab._exceptions import LlamaError
+from llamacrab.server._extra import MissingExtraError
+from llamacrab.server._ray import ray_deployment, serve_ray
 from llamacrab.server._settings import ServerSettings, add_arguments, parse_settings
 
 if TYPE_CHECKING:
@@ -17,11 +19,16 @@ if TYPE_CHECKING:
 
     from llamacrab._llama import Llama
 
-__all__ = ["ServerSettings", "add_arguments", "create_app", "parse_settings", "serve"]
-
-
-class MissingExtraError(LlamaError):
-    """The server's dependencies are not installed."""
+__all__ = [
+    "MissingExtraError",
+    "ServerSettings",
+    "add_arguments",
+    "create_app",
+    "parse_settings",
+    "ray_deployment",
+    "serve",
+    "serve_ray",
+]
 
 
 def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
