@@ -32,6 +32,7 @@ FRAMEWORKS = (
 )
 # Requires llama-cpp-python<0.4: installed without dependencies.
 WITHOUT_DEPENDENCIES = ("llama-index-llms-llama-cpp==0.7.0",)
+_INSTALLERS = {"pip", "setuptools", "wheel"}
 INSTALL_TIMEOUT = 900  # seconds, for a first install on a slow connection
 
 
@@ -42,10 +43,13 @@ def cache_root() -> Path:
 
 def constraints() -> str:
     """``name==version`` of every distribution installed here from an index (local and
-    editable installs, such as llamacrab itself, are left out)."""
+    editable installs, such as llamacrab itself, are left out, and so are the installers a
+    venv is seeded with: llama-index-core needs a newer setuptools than Python's venv brings)."""
     lines = set()
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]
+        if name in _INSTALLERS:
+            continue
         if name and dist.read_text("direct_url.json") is None:
             lines.add(f"{name}=={dist.version}")
     return "\n".join(sorted(lines)) + "\n"
