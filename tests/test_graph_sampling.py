@@ -107,6 +107,9 @@ def test_greedy_tokens_match_the_cpu_chain_gemma(
         sampled = _texts(graph, PROMPTS[:1], temperature=0.7, seed=11)
     assert bound == [True] * 6
     with contextlib.nullcontext(gemma) as cpu:  # "auto" is the CPU chain on this build
+        # Fresh memory, as the graph side had: a prefix left by earlier tests would decode the
+        # prompts in other batch shapes, whose float sums can flip a near tie.
+        cpu.reset()
         assert _texts(cpu, PROMPTS, temperature=0) == in_graph
         assert _texts(cpu, PROMPTS[:2], **penalized) == in_graph_penalized
         # Not promised (float sums differ), but a seeded run usually agrees token for token.
