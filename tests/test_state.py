@@ -220,7 +220,8 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 10) -> bool:
 
 
 def test_a_slot_moves_to_another_slot_while_a_third_generates(tiny_model_path: Path) -> None:
-    with Llama(tiny_model_path, n_ctx=3 * 128, n_threads=2, parallel=3) as llm:
+    # Room for a long generation: it must outlast the three refused touches on a loaded machine.
+    with Llama(tiny_model_path, n_ctx=3 * 1024, n_threads=2, parallel=3) as llm:
         tokens = llm.tokenize(PROMPT)
         llm.create_completion(PROMPT, max_tokens=0)
         expected = llm.create_completion(PROMPT, max_tokens=8, **GREEDY)
@@ -230,7 +231,7 @@ def test_a_slot_moves_to_another_slot_while_a_third_generates(tiny_model_path: P
         assert list(state.tokens[: len(tokens)]) == tokens
         assert llm.slots()[holder].n_tokens == len(state.tokens)
         # A generation occupies a slot (maybe the holder: a free slot is taken by prefix).
-        stream = llm.stream_completion("0123456789", max_tokens=None, min_tokens=100)
+        stream = llm.stream_completion("0123456789", max_tokens=None, min_tokens=1000)
         next(stream)
         [busy] = [slot.id for slot in llm.slots() if slot.busy]
         for touch in (lambda: llm.save_state(slot=busy), lambda: llm.reset(slot=busy),
