@@ -146,3 +146,65 @@ def live_python_samplers() -> int:
     from llamacrab_sys import _python_sampler
 
     return len(_python_sampler._live)
+
+
+class PassThrough(CustomSampler):
+    """Changes nothing; its presence makes llama.cpp's chain pick instead of numpy."""
+
+    name = "pass-through"
+
+    def apply(self, candidates: np.ndarray) -> None:
+        pass
+
+
+def test_numpy_greedy_picks_what_the_native_chain_picks(tiny_llama: Llama) -> None:
+    """Plain greedy (logit_bias + greedy) picks in numpy: the same token as llama.cpp's chain
+    over rows full of ties, positive, negative and -inf biases, and extra banned tokens; the
+    logits row is left as it was."""
+    from llamacrab._native.call import ffi, lib
+    from llamacrab._native.greedy import BiasedArgmax
+    from llamacrab._native.sampler import SamplerChain
+
+    n_vocab = tiny_llama.vocab.n_tokens
+    rng = np.random.default_rng(7)
+    entry = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+    for trial in range(200):
+        logits = np.round(rng.normal(0, 2, n_vocab)).astype(np.float32)  # many equal maxima
+        tokens = rng.choice(n_vocab, size=int(rng.integers(0, 6)), replace=False)
+        values = rng.choice([-np.inf, -3.0, 0.5, 2.0, 40.0], size=tokens.size)
+        bias = {int(t): float(v) for t, v in zip(tokens, values, strict=True)}
+        banned = rng.choice(n_vocab, size=3, replace=False).astype(np.int32)
+        native_bias = {**bias, **dict.fromkeys(banned.tolist(), float("-inf"))}
+        if trial % 2:  # without extra bans
+            banned, native_bias = None, bias
+        row = logits.copy()
+        picked = BiasedArgmax(n_vocab, bias).pick(ffi.from_buffer("float[]", row), banned)
+        assert np.array_equal(row, logits)
+        candidates = np.zeros(n_vocab, dtype=entry)
+        candidates["id"], candidates["logit"] = np.arange(n_vocab), logits
+        data = ffi.from_buffer("llama_token_data[]", candidates)
+        array = ffi.new("llama_token_data_array *", {"data": data, "size": n_vocab, "selected": -1})
+        options = SamplingOptions(temperature=0, logit_bias=native_bias)
+        with SamplerChain(tiny_llama.model, options) as chain, chain.in_flight() as pointer:
+            lib.llama_sampler_apply(pointer, array)
+        assert picked == int(candidates["id"][array.selected]), trial
+
+
+def test_numpy_greedy_generates_what_the_native_chain_generates(tiny_llama: Llama) -> None:
+    """Whole generations: logit_bias, and min_tokens' end-of-generation ban, the same
+    through numpy's pick and through the C chain (a pass-through Python sampler forces it)."""
+    eos = tiny_llama.vocab.eog_tokens[0]
+    dog = tiny_llama.tokenize(" dog", add_special=False)[-1]
+    cases = [
+        {"logit_bias": {dog: 1.5, eos: float("-inf")}, "max_tokens": 24},
+        {"logit_bias": {eos: 50.0}, "min_tokens": 3, "max_tokens": 8},
+    ]
+    for case in cases:
+        numpy_side = tiny_llama.create_completion("the cat", temperature=0, **case)
+        native_side = tiny_llama.create_completion(
+            "the cat", temperature=0, custom_samplers=(PassThrough(),), **case
+        )
+        assert numpy_side.choices[0].tokens == native_side.choices[0].tokens
+        assert numpy_side.choices[0].finish_reason == native_side.choices[0].finish_reason
+    assert numpy_side.usage.completion_tokens == 3  # the ban held, then the biased end won
+    assert numpy_side.choices[0].finish_reason == "eos"

@@ -15,6 +15,7 @@ from llamacrab._native.call import c_string, call, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
+from llamacrab._native.greedy import BiasedArgmax
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
@@ -82,6 +83,11 @@ class SamplingOptions:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing but logit_bias before it: a pick numpy can make alone."""
+        return self.greedy and self.grammar is None and not self.custom_samplers
+
 
 class SamplerChain(NativeHandle):
     """A native sampler chain bound to a model's vocabulary. It owns the samplers it holds."""
@@ -112,6 +118,17 @@ class SamplerChain(NativeHandle):
                 self.close()
                 raise
         self.in_graph = False  # given to a context, to run inside its compute graph
+        # Built after the chain, which checked the bias's token ids against the vocabulary.
+        self._argmax = (
+            BiasedArgmax(model.vocab.n_tokens, options.logit_bias)
+            if options.plain_greedy and not self._bridges
+            else None
+        )
+
+    @property
+    def picks_in_numpy(self) -> bool:
+        """Whether ``sample`` picks greedily in numpy instead of running the chain in C."""
+        return self._argmax is not None and not self.in_graph
 
     def attach(self, context: Context, seq_id: int) -> bool:
         """Have ``context`` run this chain inside its compute graph for sequence ``seq_id``;
@@ -134,17 +151,22 @@ class SamplerChain(NativeHandle):
         context.set_graph_sampler(seq_id, None)
         return False
 
-    def sample(self, context: Context, index: int = -1) -> int:
+    def sample(self, context: Context, index: int = -1, banned: np.ndarray | None = None) -> int:
         """Pick a token from the logits of output ``index`` and accept it into the chain state
-        (attached: read the token the graph sampled, and accept it)."""
+        (attached: read the token the graph sampled, and accept it). ``banned``: more tokens
+        forbidden at this pick, for a chain that ``picks_in_numpy`` only."""
+        if banned is not None and not self.picks_in_numpy:
+            raise InvalidParameterError("banned tokens need a plain greedy chain on the CPU")
         with self.in_flight() as chain, context.exclusive() as ctx:
             # llama_sampler_sample asserts (an abort) when the output has no logits: none
             # decoded yet, an index out of range, a token decoded without logits.
             if self.in_graph:
                 if call("llama_get_sampled_token_ith", ctx, index) == LLAMA_TOKEN_NULL:
                     raise InvalidParameterError(f"no token sampled for output {index}")
-            elif call("llama_get_logits_ith", ctx, index) == ffi.NULL:
+            elif (logits := call("llama_get_logits_ith", ctx, index)) == ffi.NULL:
                 raise InvalidParameterError(f"no logits for output {index} of the last decode")
+            elif self._argmax is not None:  # logit_bias and greedy keep no state to accept
+                return self._argmax.pick(logits, banned)
             token = int(call("llama_sampler_sample", chain, ctx, index))
         self._raise_python_error()
         return token
@@ -195,7 +217,10 @@ class Samplers:
     ) -> None:
         self.model, self.options = model, options
         self.ban = _EndBan(model.vocab.eog_tokens) if min_tokens > 0 else None
-        self.main = SamplerChain(model, options, first=(self.ban,) if self.ban else ())
+        # A plain greedy pick bans the end tokens itself (see sample); any other chain runs
+        # the ban as its first, Python, sampler.
+        first = (self.ban,) if self.ban is not None and not options.plain_greedy else ()
+        self.main = SamplerChain(model, options, first=first)
         self.graph = (
             graph == "on" and self.ban is None and graph_fits(options, model.vocab.n_tokens)
         )
@@ -235,9 +260,12 @@ class Samplers:
             context.set_graph_sampler(seq_id, None)
 
     def sample(self, context: Context, end_allowed: bool = True, index: int = -1) -> int:
+        banned = None
         if self.ban is not None:
             self.ban.active = not end_allowed
-        return self.main.sample(context, index)
+            if self.ban.active and self.main.picks_in_numpy:
+                banned = self.ban.end_tokens
+        return self.main.sample(context, index, banned)
 
     def close(self) -> None:
         self.main.close()
