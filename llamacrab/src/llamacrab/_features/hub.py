@@ -98,19 +98,25 @@ class _Resolver:
                 return sorted(
                     p.relative_to(folder).as_posix() for p in Path(folder).rglob("*.gguf")
                 )
-            api = huggingface_hub.HfApi(endpoint=self.options.endpoint, token=self.options.token)
+            api = huggingface_hub.HfApi(endpoint=self.endpoint, token=self.options.token)
             return api.list_repo_files(self.repo_id, revision=self.options.revision)
         except Exception as error:
             raise _translate(
                 self.repo_id, self.options, error, offline=bool(self.offline)
             ) from None
 
+    @property
+    def endpoint(self) -> str | None:
+        """The option, else HF_ENDPOINT as it is now: huggingface_hub reads it once, when it is
+        first imported, so a later change would otherwise go unseen."""
+        return self.options.endpoint or os.environ.get("HF_ENDPOINT") or None
+
     def _download(self, filename: str) -> Path:
         import huggingface_hub
 
         try:
             local = huggingface_hub.hf_hub_download(
-                self.repo_id, filename, endpoint=self.options.endpoint,
+                self.repo_id, filename, endpoint=self.endpoint,
                 local_files_only=bool(self.offline), **self._common(),
             )  # fmt: skip
         except Exception as error:
