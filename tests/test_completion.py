@@ -113,6 +113,38 @@ def test_shared_prefix_reuses_the_kv_cache_and_nothing_stale(
     assert np.abs(drift).max() < 0.5
 
 
+def test_a_prefix_is_reused_only_while_the_sliding_window_before_it_is_in_memory(
+    gemma_path: Path,
+) -> None:
+    """Gemma 3's windowed layers keep 512 positions plus a batch (swa_full off, llama-server's
+    choice): after 1,500 tokens they hold positions 476 on. A prefix of 1,400 still has its
+    window and is reused; one of 600 lost it, so the prompt is decoded again in full. Both
+    answer what a fresh memory answers."""
+    text = " ".join(f"Item {i}: crab {i} lives on island {i % 13}." for i in range(200))
+    with Llama(gemma_path, n_ctx=4096, n_threads=2) as llm:
+        assert (llm.context.n_swa, llm.context.params.swa_full) == (512, False)
+        tokens = llm.tokenize(text)[:1500]
+        question = llm.tokenize(" Which island is crab 7 on?", add_special=False)
+        llm.create_completion(tokens, max_tokens=0)
+        oldest, newest = llm.context.positions(0) or (0, 0)
+        assert newest == 1499 and oldest > 0  # older cells of windowed layers were reused
+        answers = {}
+        for shared in (1400, 600):
+            prompt = tokens[:shared] + question
+            answers[shared] = llm.create_completion(prompt, max_tokens=8, **GREEDY)
+        assert answers[1400].usage.cached_tokens == 1400
+        assert answers[600].usage.cached_tokens == 0, "reused without its window"
+        for shared, answer in answers.items():
+            llm.reset()
+            fresh = llm.create_completion(tokens[:shared] + question, max_tokens=8, **GREEDY)
+            assert answer.choices[0].tokens == fresh.choices[0].tokens
+        llm.create_completion(tokens, max_tokens=0)
+        assert not llm.context.remove(0, 600, -1)  # the window before 600 is gone
+        llm.reset()
+        llm.create_completion(tokens, max_tokens=0)
+        assert llm.context.remove(0, 1400, -1)
+
+
 def test_echo_and_token_prompts(gemma: Llama) -> None:
     tokens = gemma.tokenize("Paris is the capital of")
     result = gemma.create_completion(tokens, max_tokens=2, echo=True, **GREEDY)

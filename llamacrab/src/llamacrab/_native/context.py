@@ -97,7 +97,10 @@ class ContextParams:
     yarn_orig_ctx: int = 0
     embeddings: bool = False
     pooling: str = "unspecified"
-    swa_full: bool = True
+    # llama-server's and llama-bench's choice, not the C default: windowed layers keep the
+    # window (plus a batch) instead of n_ctx cells. Half of Gemma 3 270M's memory at 32k, and
+    # prefill and decode at depth stop attending over cells the window masks anyway.
+    swa_full: bool = False
     kv_unified: bool = False
     graph_sampling: str = "auto"  # see GRAPH_SAMPLING
 
@@ -206,6 +209,7 @@ class Context(NativeHandle):
         self.n_ctx = int(lib.llama_n_ctx(pointer))
         self.n_batch = int(lib.llama_n_batch(pointer))
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(pointer))  # what one sequence may hold
+        self.n_swa = model.n_swa
         # llama_decode asserts n_ubatch >= n_tokens (an abort) with non-causal attention, and
         # so does the encoder it runs for a model without KV memory (BERT, gemma-embedding).
         whole = not lib.llama_get_causal_attn(pointer) or lib.llama_get_memory(pointer) == ffi.NULL
@@ -525,10 +529,21 @@ class Context(NativeHandle):
 
     def remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of a sequence (-1: to the end); False if this memory
-        cannot remove part of a sequence (recurrent models)."""
+        cannot remove part of a sequence (recurrent models), or when what is left cannot go on
+        at ``p0``: a sliding-window layer's cache no longer holding the window before it (its
+        cells are reused once out of the window, unless ``swa_full``). After False, clear the
+        sequence before decoding into it again."""
         self._check_range(seq_id, p0, p1)
         with self.exclusive() as ctx:
-            return bool(call("llama_memory_seq_rm", lib.llama_get_memory(ctx), seq_id, p0, p1))
+            memory = lib.llama_get_memory(ctx)
+            if not call("llama_memory_seq_rm", memory, seq_id, p0, p1):
+                return False
+            if p1 >= 0 or p0 == 0 or self.n_swa == 0:
+                return True
+            oldest = int(lib.llama_memory_seq_pos_min(memory, seq_id))  # windowed layers' own
+        # The token at p0 attends to positions after p0 - n_swa in windowed layers: every one
+        # of them must still be there (one more, as llama-server asks, covers chunked windows).
+        return 0 <= oldest <= max(0, p0 - self.n_swa)
 
     def copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         """Make positions [p0, p1) of sequence ``src`` part of ``dst`` too (shared cells)."""

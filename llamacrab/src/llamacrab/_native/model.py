@@ -197,6 +197,11 @@ class Model(NativeHandle):
         return int(lib.llama_model_n_ctx_train(self.pointer))
 
     @property
+    def n_swa(self) -> int:
+        """The sliding-window size of its windowed attention layers (0: none)."""
+        return int(lib.llama_model_n_swa(self.pointer))
+
+    @property
     def n_embd(self) -> int:
         return int(lib.llama_model_n_embd(self.pointer))
 
