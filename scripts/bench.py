@@ -1,7 +1,8 @@
 """The benchmark suite: llamacrab vs native llama.cpp vs llama-cpp-python, side by side.
 
 Usage: python scripts/bench.py [--rounds 5] [--threads 2] [--no-peer] [--report BENCHMARKS.md]
-                               [--sections core,startup,embeddings,server[,rpc,models]]
+                               [--sections core,startup,embeddings,server[,rpc,models]
+                                           [,context,clients,memory]]
                                [--out DIR]
 
 Every side runs the same work on the same model (Gemma 3 270M Q4_K_M; all-MiniLM-L6-v2 for
@@ -25,10 +26,16 @@ llamacrab's client and workers beside llama-bench and upstream's rpc-server
 (scripts/bench_rpc.py has the details and the bytes per token); models, on request: the time
 to a first token for a cold load, a warm switch between two loaded models and a switch that
 evicts one, ``llamacrab serve --models-dir`` beside llama-server's router mode on the same
-files (scripts/bench_models.py), the side going first alternating from round to round.
+files (scripts/bench_models.py), the side going first alternating from round to round;
+context, clients and memory, on request: how cost grows with the work (prefill at 512 / 4k /
+16k tokens and decode at depth 0 / 1k / 4k / 16k beside llama-bench, the server at 1 to 64
+clients beside llama-server, peak RSS against context and slots; scripts/bench_growth.py),
+each reported in its own block with a plot.
 Besides the medians, each metric's min-max over rounds and its llamacrab / native ratio in
 every round are printed (and kept in suite.json): a ratio that one round contradicts is noise.
-Writes suite.json, suite.md and suite.png under --out, and the report file.
+Writes suite.json, suite.md and suite.png (growth-SECTION.png) under --out; --report replaces
+the report's blocks this run measured (``<!-- suite: begin -->`` ... ``end``, one per growth
+section) and keeps the others, and any text outside them, as they are.
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,6 +59,7 @@ sys.path.insert(0, str(REPO / "llamacrab-sys"))
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
+import bench_growth  # noqa: E402
 import bench_server  # noqa: E402
 from bench_embeddings import SHORT  # noqa: E402
 from peer_env import peer_python  # noqa: E402
@@ -147,11 +157,14 @@ class Suite:
             self.pythons[PEER] = peer_python(cache_root() / "bench", pinned_archive(),
                                              build_info().library_dir)  # fmt: skip
         self.prompts, self.banned = {}, {}
+        self.vocabs: dict[Path, tuple[int, int]] = {}
+        self.round = 0  # set by main: sections alternate which side goes first
         for path in (self.model, self.tiny):
             with Model.load(path, ModelParams(vocab_only=True)) as model:
                 vocab = model.vocab
                 assert vocab.bos is not None
                 self.prompts[path] = synthetic_prompt(vocab.bos, vocab.n_tokens)
+                self.vocabs[path] = (vocab.bos, vocab.n_tokens)
                 self.banned[path] = list(vocab.eog_tokens)
         # The random tiny model would also spell invalid UTF-8, which real models do not (and
         # which makes llama-cpp-python rescan its pending bytes per token): bytes >= 0x80 out.
@@ -240,6 +253,51 @@ class Suite:
         folder, threads = self.models_folder, self.threads
         return {side: bench_models.round_row(starts[side], folder, threads) for side in order}
 
+    def ordered(self, sides: dict[str, Callable[[], Row]]) -> dict[str, Row]:
+        """Run each side's measurement, the first side alternating from round to round."""
+        names = list(sides) if self.round % 2 == 0 else list(reversed(sides))
+        return {name: sides[name]() for name in names}
+
+    def context(self) -> dict[str, Row]:
+        vocab, model, threads = self.vocabs[self.model], self.model, self.threads
+        return self.ordered({
+            NATIVE: lambda: bench_growth.native_context(self.bench, model, threads),
+            CRAB: lambda: bench_growth.crab_context(worker, self.pythons[CRAB], CRAB, model,
+                                                    threads, self.banned[model], *vocab),
+        })  # fmt: skip
+
+    def clients(self) -> dict[str, Row]:
+        model, threads = self.model, self.threads
+        starts = {
+            NATIVE: (lambda: bench_server.native_server(self.llama_server, model, threads),
+                     {"ignore_eos": True}),
+            CRAB: (lambda: bench_server.crab_server(model, threads),
+                   {"min_tokens": bench_server.TOKENS}),
+        }  # fmt: skip
+
+        def measure(side: str) -> Row:
+            start, extra = starts[side]
+            with start() as running:
+                return bench_growth.clients_row(running, extra)
+
+        return self.ordered({side: lambda side=side: measure(side) for side in starts})
+
+    def memory(self) -> dict[str, Row]:
+        rows: dict[str, Row] = {NATIVE: {}, CRAB: {}}
+        model, threads = self.model, self.threads
+        for context, slots in bench_growth.MEMORY:
+            metric = bench_growth.memory_metric(context, slots)
+            starts = {
+                NATIVE: partial(bench_server.native_server, self.llama_server, model, threads,
+                                context, slots),
+                CRAB: partial(bench_server.crab_server, model, threads, context, slots),
+            }  # fmt: skip
+            measured_rows = self.ordered({side: partial(_rss_row, start, metric)
+                                          for side, start in starts.items()})  # fmt: skip
+            for side, row in measured_rows.items():
+                rows[side].update(row)
+        return rows
+
     def server(self) -> dict[str, Row]:
         counts, model, threads = [1, 4, 8], self.model, self.threads
         starts: dict[str, tuple[Callable[[], bench_server.Running], dict[str, object]]] = {
@@ -257,6 +315,11 @@ class Suite:
                 measured_row = bench_server.measure(running, counts, extra)
             rows[side] = {f"server {k}": v for k, v in measured_row.items()}
         return rows
+
+
+def _rss_row(start: Callable[[], bench_server.Running], metric: str) -> Row:
+    with start() as running:
+        return {metric: bench_growth.peak_rss_mib(running)}
 
 
 def medians(rounds: list[dict[str, Row]]) -> dict[str, Row]:
@@ -363,21 +426,52 @@ def main() -> None:
                 merged.setdefault(side, {}).update(row)
         rounds.append(merged)
         print(f"round {i + 1}: {json.dumps(merged)}", flush=True)
-    result = medians(rounds)
-    table, spreads = markdown(result), spread(rounds)
-    print(table)
-    print(spreads)
-    print(goals(result))
+        suite.round += 1
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python scripts/bench.py", *sys.argv[1:]])
     (args.out / "suite.json").write_text(json.dumps(
         {"command": command, "machine": machine(), "rounds": args.rounds,
-         "threads": args.threads, "medians": result, "per_round": rounds},
+         "threads": args.threads, "medians": medians(rounds), "per_round": rounds},
         indent=2))  # fmt: skip
-    (args.out / "suite.md").write_text(table)
-    chart(result, args.out / "suite.png")
+    blocks: dict[str, str] = {}
+    core = [_only(r, lambda metric: bench_growth.section_of(metric) is None) for r in rounds]
+    if any(core):
+        result = medians(core)
+        table, spreads = markdown(result), spread(core)
+        print(table, spreads, goals(result), sep="\n")
+        (args.out / "suite.md").write_text(table)
+        chart(result, args.out / "suite.png")
+        blocks["suite"] = report(table, spreads, command, args, result)
+    for section in bench_growth.METRICS:
+        part = [_only(r, lambda m, s=section: bench_growth.section_of(m) == s) for r in rounds]
+        if any(part):
+            blocks[section] = growth_report(section, part, command, args)
+            print(blocks[section])
     if args.report:
-        args.report.write_text(report(table, spreads, command, args, result))
+        update_report(args.report, blocks)
+
+
+def _only(result: dict[str, Row], keep: Callable[[str], bool]) -> dict[str, Row]:
+    """The metrics of one round that ``keep`` selects (sides left with none dropped)."""
+    kept = {side: {m: v for m, v in row.items() if keep(m)} for side, row in result.items()}
+    return {side: row for side, row in kept.items() if row}
+
+
+def update_report(path: Path, blocks: dict[str, str]) -> None:
+    """Replace each named block of the report (``<!-- NAME: begin -->`` to ``end``), or add
+    it at the end; blocks this run did not measure, and text outside blocks, stay as they
+    were (a section measured alone does not erase the others)."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    for name, body in blocks.items():
+        begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+        block = f"{begin}\n{body.strip()}\n{end}"
+        pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+        found = pattern.search(text)
+        if found:
+            text = text[: found.start()] + block + text[found.end() :]
+        else:
+            text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
 
 
 def goals(result: dict[str, Row]) -> str:
@@ -409,9 +503,8 @@ def _better(metric: str, ours: float, theirs: float) -> bool:
 def report(
     table: str, spreads: str, command: str, args: argparse.Namespace, result: dict[str, Row]
 ) -> str:
-    return f"""# Benchmarks
-
-Latest results of `{command}` ({args.rounds} rounds, medians; {args.threads} threads).
+    return f"""Latest results of `{command}`
+({args.rounds} rounds, medians; {args.threads} threads).
 
 Machine: {machine()}.
 
@@ -429,6 +522,25 @@ Throughput rows: higher is better; `s`, `MiB` and `us/token` rows: lower is bett
 is noisy (rounds of the same side differ by up to ~10%): treat ratios within a few percent of
 1 as equal.
 """
+
+
+def growth_report(
+    section: str, rounds: list[dict[str, Row]], command: str, args: argparse.Namespace
+) -> str:
+    """A growth section: its table (medians, min-max, per-round ratios), goals and plot."""
+    metrics = list(dict.fromkeys(m for r in rounds for row in r.values() for m in row))
+    image = f"growth-{section}.png"
+    drawn = bench_growth.plot(section, medians(rounds), args.out / image)
+    figure = f"![{bench_growth.TITLES[section]}](benchmarks/results/{image})\n" if drawn else ""
+    return f"""## {bench_growth.TITLES[section]} (`--sections {section}`)
+
+`{command}`: {args.rounds} rounds, {args.threads} threads; {machine()}.
+How each side runs: the docstring of `scripts/bench_growth.py`.
+
+{bench_growth.markdown_table(metrics, rounds, NATIVE, CRAB)}
+{bench_growth.goals(section, medians(rounds), NATIVE, CRAB)}
+
+{figure}"""
 
 
 if __name__ == "__main__":

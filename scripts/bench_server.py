@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -67,18 +68,20 @@ class Running:
         self.process.wait(timeout=30)
 
 
-def native_server(binary: Path, model: Path, threads: int) -> Running:
+def native_server(
+    binary: Path, model: Path, threads: int, context: int = CONTEXT, slots: int = SLOTS
+) -> Running:
     port = free_port()
     return Running([str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads),
-                    "-c", str(CONTEXT), "-np", str(SLOTS), "--no-kv-unified",
+                    "-c", str(context), "-np", str(slots), "--no-kv-unified",
                     "--host", "127.0.0.1", "--port", str(port)], port)  # fmt: skip
 
 
-def crab_server(model: Path, threads: int) -> Running:
+def crab_server(model: Path, threads: int, context: int = CONTEXT, slots: int = SLOTS) -> Running:
     port = free_port()
     return Running([sys.executable, "-m", "llamacrab.server", str(model),
-                    "--n-threads", str(threads), "--n-ctx", str(CONTEXT),
-                    "--parallel", str(SLOTS), "--port", str(port)], port)  # fmt: skip
+                    "--n-threads", str(threads), "--n-ctx", str(context),
+                    "--parallel", str(slots), "--port", str(port)], port)  # fmt: skip
 
 
 def peer_server(python: Path, model: Path, threads: int) -> Running:
@@ -120,7 +123,10 @@ async def burst(url: str, clients: int, extra: dict[str, object]) -> dict[str, f
         results = await asyncio.gather(*(one_stream(client, url, b) for b in bodies))
         wall = time.perf_counter() - started
     tokens = sum(n for _, n in results)
-    return {"tokens_per_s": tokens / wall, "ttft_s": statistics.mean(t for t, _ in results)}
+    ttfts = sorted(t for t, _ in results)  # p95: the nearest rank
+    return {"tokens_per_s": tokens / wall, "ttft_s": statistics.mean(ttfts),
+            "ttft_p50_s": statistics.median(ttfts),
+            "ttft_p95_s": ttfts[math.ceil(0.95 * len(ttfts)) - 1]}  # fmt: skip
 
 
 def measure(server: Running, counts: list[int], extra: dict[str, object]) -> dict[str, float]:

@@ -11,6 +11,8 @@ Tasks (same work on both sides):
   startup  import time, model load time, time to the first streamed token of a text prompt,
            then 128 tokens, and the process's peak resident memory
   embed    texts/s embedding a list of texts in one call (after a warm-up call)
+  context  prefill t/s at growing prompt sizes and decode t/s at growing context depths
+           (llamacrab only; scripts/bench_growth.py)
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class Llamacrab:
         self.llm.reset()
         self.llm.create_completion(prompt, max_tokens=0)
 
-    def decode_seconds(self, prompt: list[int], n_gen: int, banned: list[int]) -> float:
-        self.llm.reset()
+    def decode_seconds(
+        self, prompt: list[int], n_gen: int, banned: list[int], fresh: bool = True
+    ) -> float:
+        """``fresh=False``: the prompt is in memory already (all but its last token reused)."""
+        if fresh:
+            self.llm.reset()
         bias = dict.fromkeys(banned, float("-inf"))
         stream = self.llm.stream_completion(prompt, max_tokens=n_gen, temperature=0,
                                             logit_bias=bias)  # fmt: skip
@@ -72,8 +78,12 @@ class LlamaCppPython:
         self.llm.reset()
         self.llm.eval(prompt)
 
-    def decode_seconds(self, prompt: list[int], n_gen: int, banned: list[int]) -> float:
-        self.llm.reset()
+    def decode_seconds(
+        self, prompt: list[int], n_gen: int, banned: list[int], fresh: bool = True
+    ) -> float:
+        """``fresh=False``: the prompt is in memory already (all but its last token reused)."""
+        if fresh:
+            self.llm.reset()
         bias = dict.fromkeys(banned, float("-inf"))
         stream = self.llm.create_completion(prompt, max_tokens=n_gen, temperature=0,
                                             logit_bias=bias, stream=True)  # fmt: skip
@@ -151,7 +161,39 @@ def embed(side: type, model: str, threads: int, texts: list[str]) -> dict[str, f
     return {"texts_per_s": len(texts) / (time.perf_counter() - started)}
 
 
-TASKS = {"speed": speed, "startup": startup, "embed": embed}
+def context(
+    side: type,
+    model: str,
+    threads: int,
+    prefill: list[int],
+    depths: list[int],
+    n_gen: int,
+    banned: list[int],
+    bos: int,
+    n_vocab: int,
+) -> dict[str, dict[int, float]]:
+    """Prefill t/s at each size of ``prefill``, and decode t/s of n_gen - 1 tokens at each
+    context depth of ``depths`` (after that prefill: nothing decoded twice), in one model with
+    llama.cpp's default batch sizes; the bench.py synthetic prompt, as long as needed."""
+    longest = max(*prefill, *depths)
+    engine = side(model, n_ctx=longest + n_gen + 64, n_threads=threads, n_threads_batch=threads)
+    tokens = [bos] + [3 + (1000 + i) % (n_vocab - 3) for i in range(1, longest)]
+    engine.prefill(tokens[:512])  # warm-up
+    result: dict[str, dict[int, float]] = {"prefill": {}, "decode": {}}
+    for size in sorted({*prefill, *depths}):
+        prompt = tokens[: max(size, 1)]
+        started = time.perf_counter()
+        engine.prefill(prompt)
+        seconds = time.perf_counter() - started
+        if size in prefill:
+            result["prefill"][size] = size / seconds
+        if size in depths:
+            elapsed = engine.decode_seconds(prompt, n_gen, banned, fresh=False)
+            result["decode"][size] = (n_gen - 1) / elapsed
+    return result
+
+
+TASKS = {"speed": speed, "startup": startup, "embed": embed, "context": context}
 
 
 def main() -> None:
