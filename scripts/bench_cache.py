@@ -9,7 +9,8 @@ loopback. Measured, median over alternating rounds:
   previous one (llama-server cache_prompt; llamacrab's prompt cache), and for llamacrab also from a
   DiskCache in a freshly started process;
 - prompt-lookup speculation on a copy-heavy prompt and on a free-running one (tokens/s, plain vs
-  speculative, and whether the greedy outputs are identical);
+  speculative, and whether the greedy outputs are identical); tokens/s of the generation alone on
+  both sides, from the first token to the last (llama-server's timings.predicted_per_second);
 - a draft-model run: a tiny random model sharing Gemma's vocabulary drafts for Gemma (its
   acceptance is honestly near zero; the point is that adaptive drafting stays near plain speed).
 """
@@ -170,11 +171,17 @@ def crab_disk_second_turn(model: Path, threads: int) -> float:
 def crab_speed(
     llm: Llama, prompt: str, speculative: PromptLookup | DraftModel | None
 ) -> tuple[float, tuple[int, ...]]:
+    """Generation tokens/s as llama-server's ``predicted_per_second`` counts them: from the
+    first token (sampled right after the prompt) to the last, the prompt's decode excluded."""
     llm.reset()
-    started = time.perf_counter()
-    result = llm.create_completion(prompt, max_tokens=160, temperature=0, speculative=speculative)
-    seconds = time.perf_counter() - started
-    return result.usage.completion_tokens / seconds, result.choices[0].tokens
+    tokens: list[int] = []
+    first = 0.0
+    for chunk in llm.stream_completion(prompt, max_tokens=160, temperature=0,
+                                       speculative=speculative):  # fmt: skip
+        if not tokens and chunk.tokens:
+            first = time.perf_counter()
+        tokens.extend(chunk.tokens)
+    return (len(tokens) - 1) / (time.perf_counter() - first), tuple(tokens)
 
 
 def native_speed(server: Server, prompt: str) -> float:
