@@ -294,3 +294,33 @@ def test_the_one_slot_is_busy_while_a_stream_is_unfinished(tiny_llama: Llama) ->
     assert tiny_llama.create_completion(PROMPT, max_tokens=1).usage.cached_tokens > 0
     with pytest.raises(InvalidParameterError, match="slot 1 does not exist"):
         tiny_llama.save_state(slot=1)
+
+
+@pytest.mark.real_model
+def test_a_cached_state_of_a_sliding_window_model_serves_only_what_it_can(
+    gemma_path: Path,
+) -> None:
+    """llama.cpp saves a windowed layer's cells only within the window before a state's last
+    token. A prompt continuing the cached state reuses all of it; one leaving it earlier would
+    miss window cells (the restore used to go ahead and answer otherwise than a fresh memory:
+    "Entry 0" for "Entry 66"), so it is decoded in full. Both answer as a fresh memory does."""
+    text = " ".join(f"Entry {i}: crab {i} guards rock {i % 9}." for i in range(120))
+    with Llama(gemma_path, n_ctx=2048, n_threads=2, cache=RamCache()) as llm:
+        document = llm.tokenize(text)[:900]
+        first = document + llm.tokenize(" Which rock does crab 3 guard?", add_special=False)
+        prompts = {
+            "continues": first + llm.tokenize(" And crab 4?", add_special=False),
+            "leaves early": document + llm.tokenize(" How many crabs?", add_special=False),
+        }
+        answers = {}
+        for name, prompt in prompts.items():
+            llm.create_completion(first, max_tokens=1)  # the cache holds `first`'s state
+            llm.reset()  # only the cache can help now
+            answers[name] = llm.create_completion(prompt, max_tokens=8, temperature=0)
+        assert answers["continues"].usage.cached_tokens == len(first)
+        assert answers["leaves early"].usage.cached_tokens == 0
+        llm.cache = None
+        for name, prompt in prompts.items():
+            llm.reset()
+            fresh = llm.create_completion(prompt, max_tokens=8, temperature=0)
+            assert answers[name].choices[0].tokens == fresh.choices[0].tokens, name
