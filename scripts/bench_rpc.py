@@ -105,9 +105,9 @@ def native_side(tools: Path, model: str, threads: int, config: str, n_gen: int) 
     with ExitStack() as stack:
         endpoints = []
         for _ in range(n):
-            from llamacrab._features.rpc import _free_port
+            from llamacrab._ports import free_port
 
-            port = _free_port("127.0.0.1")
+            port = free_port("127.0.0.1")
             server = subprocess.Popen(
                 [str(tools / "ggml-rpc-server"), "-p", str(port), "-t", str(max(1, threads // n))],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,

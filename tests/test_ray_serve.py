@@ -3,7 +3,6 @@ model behind Serve's proxy, driven with the openai SDK; one replica killed under
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import ray
 from ray import serve
 
 from llamacrab import InvalidParameterError
+from llamacrab._ports import free_port
 from llamacrab.cli import main
 from llamacrab.server import ServerSettings, ray_deployment
 
@@ -25,18 +25,12 @@ KEY = "ray-test-key"
 HEADER = "x-llamacrab-replica"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def base_url(tiny_model_path: Path) -> Iterator[str]:
     """Two replicas (half a CPU each: the machine has two cores) on a fresh local cluster."""
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         settings = ServerSettings(model=str(tiny_model_path), model_alias="tiny", n_ctx=1024,
                                   n_threads=1, chat_template="chatml", api_keys=(KEY,))  # fmt: skip

@@ -349,10 +349,10 @@ def test_serve_with_workers_answers_and_a_dying_worker_fails_its_clients_not_the
     (SIGABRT, as above), and its HTTP client gets a broken stream, an error of its own."""
     import httpx
 
-    from llamacrab._features.rpc import _free_port
+    from llamacrab._ports import free_port
 
     with RpcWorker.start(threads=1) as first, RpcWorker.start(threads=1) as second:
-        port = _free_port("127.0.0.1")
+        port = free_port("127.0.0.1")
         command = [sys.executable, "-m", "llamacrab", "serve", str(gemma_path), "--port",
                    str(port), "--n-ctx", "512", "--n-threads", "1",
                    "--rpc", f"{first.endpoint},{second.endpoint}"]  # fmt: skip

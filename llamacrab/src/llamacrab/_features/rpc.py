@@ -25,6 +25,7 @@ from typing import IO, Any, NoReturn
 from llamacrab._exceptions import InvalidParameterError, RpcError, RpcUnavailableError
 from llamacrab._native import rpc as _rpc
 from llamacrab._native.rpc import DEFAULT_PORT, Device, Endpoint, local_devices, probe
+from llamacrab._ports import free_port
 
 __all__ = ["DEFAULT_PORT", "Device", "RpcWorker", "RpcWorkerOptions", "local_devices", "probe"]
 
@@ -152,12 +153,6 @@ def run_worker(options: RpcWorkerOptions) -> NoReturn:
 _PARENT_ENV = "LLAMACRAB_RPC_WORKER_PARENT"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 class RpcWorker:
     """A ggml RPC worker in a child process (``python -m llamacrab rpc-worker``).
 
@@ -187,7 +182,7 @@ class RpcWorker:
         attempts = 5 if port is None else 1
         for attempt in range(attempts):
             chosen = RpcWorkerOptions(
-                port=_free_port(options.get("host", "127.0.0.1")) if port is None else port,
+                port=free_port(options.get("host", "127.0.0.1")) if port is None else port,
                 **options,
             )
             log = tempfile.TemporaryFile() if output is None else None  # noqa: SIM115 - the worker owns it

@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llamacrab import ModelEntry, ModelLoadError
+from llamacrab._ports import free_port
 from llamacrab.server._settings import ServerSettings
 
 # The child reads what to serve from stdin and its parent's pid from here (it ends when gone).
@@ -84,7 +84,7 @@ class ChildModel:
     ) -> ChildModel:
         """Start the child and load its model; ModelLoadError with the child's reason when
         it cannot (a worker unreachable, a bad file, the child ended)."""
-        port, key = _free_port(), secrets.token_urlsafe(24)
+        port, key = free_port(), secrets.token_urlsafe(24)
         spec = child_spec(entry, settings, port, key)
         process = subprocess.Popen(
             [sys.executable, "-m", "llamacrab.server._child"],
@@ -198,12 +198,6 @@ def _error_message(body: bytes) -> str | None:
         return None
     message = error.get("message") if isinstance(error, dict) else None
     return str(message) if message else None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def settings_from_json(data: dict[str, Any]) -> ServerSettings:
