@@ -148,7 +148,10 @@ def plot(section: str, medians: dict[str, Row], path: Path) -> bool:
             axis.plot(range(len(values)), values, marker="o", label=side)
             axis.set_xticks(range(len(values)), labels)
         axis.set_title(pattern.replace(r"(\d+)", "N").replace("\\", ""), fontsize=10)
-        axis.set_ylim(bottom=0)  # ratios read true: no axis cut off below the data
+        if pattern.endswith(" s"):  # waits span 0.04 s to minutes: a log scale shows each
+            axis.set_yscale("log")
+        else:
+            axis.set_ylim(bottom=0)  # ratios read true: no axis cut off below the data
         axis.legend()
         axis.grid(alpha=0.3)
     figure.suptitle(TITLES[section])
