@@ -266,14 +266,21 @@ class Suite:
                                                     threads, self.banned[model], *vocab),
         })  # fmt: skip
 
-    def clients(self) -> dict[str, Row]:
+    def server_starts(
+        self,
+    ) -> dict[str, tuple[Callable[[], bench_server.Running], dict[str, object]]]:
+        """Each side's server start (8 slots) and the body fields that make every streamed
+        completion exactly bench_server.TOKENS long."""
         model, threads = self.model, self.threads
-        starts = {
+        return {
             NATIVE: (lambda: bench_server.native_server(self.llama_server, model, threads),
                      {"ignore_eos": True}),
             CRAB: (lambda: bench_server.crab_server(model, threads),
                    {"min_tokens": bench_server.TOKENS}),
         }  # fmt: skip
+
+    def clients(self) -> dict[str, Row]:
+        starts = self.server_starts()
 
         def measure(side: str) -> Row:
             start, extra = starts[side]
@@ -299,13 +306,7 @@ class Suite:
         return rows
 
     def server(self) -> dict[str, Row]:
-        counts, model, threads = [1, 4, 8], self.model, self.threads
-        starts: dict[str, tuple[Callable[[], bench_server.Running], dict[str, object]]] = {
-            NATIVE: (lambda: bench_server.native_server(self.llama_server, model, threads),
-                     {"ignore_eos": True}),
-            CRAB: (lambda: bench_server.crab_server(model, threads),
-                   {"min_tokens": bench_server.TOKENS}),
-        }  # fmt: skip
+        counts, starts = [1, 4, 8], self.server_starts()
         if PEER in self.pythons:
             peer = self.pythons[PEER]
             starts[PEER] = (lambda: bench_server.peer_server(peer, self.model, self.threads), {})

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, str(REPO / "llamacrab-sys"))
 
 from build_tools import native  # noqa: E402
 from llamacrab import DraftModel, Llama, PromptLookup, RamCache  # noqa: E402
+from llamacrab._ports import free_port  # noqa: E402
 
 N_CTX = 4096
 CODE = textwrap.dedent('''
@@ -58,12 +58,6 @@ DOCUMENT = " ".join(
 )
 COPY_PROMPT = f"Repeat this code exactly, then stop:\n{CODE}\nThe same code again:\n"
 FREE_PROMPT = "Explain in a few paragraphs why crabs walk sideways."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
