@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import subprocess
 import sys
 import textwrap
@@ -20,8 +22,10 @@ from llamacrab import (
     DiskCache,
     InvalidParameterError,
     Llama,
+    Logprobs,
     RamCache,
     SavedState,
+    StateCheckpoint,
     StateError,
 )
 
@@ -86,6 +90,39 @@ def test_state_files_and_every_kind_of_bad_state(tmp_path: Path, tiny_llama: Lla
     with pytest.raises(StateError, match="rejected"):
         tiny_llama.load_state(bogus)
     assert tiny_llama.create_completion(PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_checkpoints_travel_with_a_state_and_older_states_still_load(
+    tiny_llama: Llama,
+) -> None:
+    tiny_llama.create_completion(PROMPT, max_tokens=0)
+    state = tiny_llama.save_state()
+    n = len(state.tokens)
+    marks = (StateCheckpoint(2, b"early"), StateCheckpoint(n, b"at the end"))
+    with_marks = SavedState(state.tokens, state.payload, state.model_id, state.n_ctx,
+                            checkpoints=marks)  # fmt: skip
+    again = SavedState.from_bytes(with_marks.to_bytes())
+    assert again == with_marks and again.checkpoints == marks and again != state
+    assert with_marks.size_bytes == state.size_bytes + len(b"early") + len(b"at the end")
+    # Format 1 (before checkpoints): the payload runs to the checksum.
+    head = struct.pack("<8sIII32sI", b"LCRBSTAT", 1, 0, state.n_ctx, state.model_id, n)
+    body = head + np.asarray(state.tokens, "<i4").tobytes()
+    body += struct.pack("<Q", len(state.payload)) + bytes(state.payload)
+    assert SavedState.from_bytes(body + hashlib.sha256(body).digest()) == state
+    for bad in ((StateCheckpoint(n + 1, b"x"),), (StateCheckpoint(0, b"x"),), marks[::-1]):
+        with pytest.raises(StateError, match="checkpoint"):
+            SavedState(state.tokens, state.payload, state.model_id, state.n_ctx, checkpoints=bad)
+    with pytest.raises(StateError, match="only a sequence"):
+        SavedState(state.tokens, b"", state.model_id, state.n_ctx, "context", marks)
+    # Lengths inside a checksummed blob are checked too (a writer may lie).
+    blob = bytearray(with_marks.to_bytes()[:-32])
+    blob[-len(b"at the end") - 8 : -len(b"at the end")] = struct.pack("<Q", 99)
+    with pytest.raises(StateError, match="more than the state holds"):
+        SavedState.from_bytes(bytes(blob) + hashlib.sha256(blob).digest())
+    # The tiny model has no sliding window: its memory never needs them, and a state carrying
+    # some loads and answers as before.
+    tiny_llama.load_state(again)
+    assert tiny_llama.create_completion(PROMPT, max_tokens=2).usage.cached_tokens == n - 1
 
 
 def test_state_from_another_model_or_too_large_is_refused(
@@ -297,30 +334,52 @@ def test_the_one_slot_is_busy_while_a_stream_is_unfinished(tiny_llama: Llama) ->
 
 
 @pytest.mark.real_model
-def test_a_cached_state_of_a_sliding_window_model_serves_only_what_it_can(
-    gemma_path: Path,
+@pytest.mark.parametrize("parallel", [None, 2], ids=["one-slot", "scheduler"])
+def test_a_cached_state_of_a_sliding_window_model_serves_what_its_checkpoints_can(
+    gemma_path: Path, tmp_path: Path, parallel: int | None
 ) -> None:
     """llama.cpp saves a windowed layer's cells only within the window before a state's last
-    token. A prompt continuing the cached state reuses all of it; one leaving it earlier would
-    miss window cells (the restore used to go ahead and answer otherwise than a fresh memory:
-    "Entry 0" for "Entry 66"), so it is decoded in full. Both answer as a fresh memory does."""
+    token. A prompt continuing the cached state reuses all of it. One leaving it a few tokens
+    before its end (a chat's next turn, a retry) goes on from the checkpoint taken 4 tokens
+    before the first prompt's end; one leaving it within the last micro-batch (512), from the
+    one taken 4 + 512 before. One leaving it earlier than any checkpoint is decoded in full
+    (the restore used to go ahead without window cells and answer otherwise than a fresh
+    memory: "Entry 0" for "Entry 66"). Each answers as a fresh memory does (llama.cpp's
+    results depend on how the tokens were split into batches, so within a margin: the same
+    tokens, their log-probabilities within 0.2; the prompts are an easy pattern to continue).
+    States go through a DiskCache's bytes with the scheduler, a RamCache's objects without."""
     text = " ".join(f"Entry {i}: crab {i} guards rock {i % 9}." for i in range(120))
-    with Llama(gemma_path, n_ctx=2048, n_threads=2, cache=RamCache()) as llm:
+    cache = RamCache() if parallel is None else DiskCache(tmp_path / "cache")
+    with Llama(gemma_path, n_ctx=4096, n_threads=2, cache=cache, parallel=parallel) as llm:
         document = llm.tokenize(text)[:900]
-        first = document + llm.tokenize(" Which rock does crab 3 guard?", add_special=False)
+        first = document + llm.tokenize(" Entry 200: crab 200 guards rock 2.", add_special=False)
         prompts = {
-            "continues": first + llm.tokenize(" And crab 4?", add_special=False),
-            "leaves early": document + llm.tokenize(" How many crabs?", add_special=False),
+            "continues": first + llm.tokenize(" Entry 201: crab", add_special=False),
+            "leaves near the end": first[:-2] + llm.tokenize("4. Entry 9: crab", add_special=False),
+            "leaves within the last batch": document
+            + llm.tokenize(" Entry 201: crab", add_special=False),
+            "leaves early": document[:300] + llm.tokenize(" Entry 201: crab", add_special=False),
         }
         answers = {}
         for name, prompt in prompts.items():
             llm.create_completion(first, max_tokens=1)  # the cache holds `first`'s state
             llm.reset()  # only the cache can help now
-            answers[name] = llm.create_completion(prompt, max_tokens=8, temperature=0)
+            answers[name] = llm.create_completion(prompt, max_tokens=6, logprobs=1, **GREEDY)
         assert answers["continues"].usage.cached_tokens == len(first)
+        assert answers["leaves near the end"].usage.cached_tokens == len(first) - 4
+        assert answers["leaves within the last batch"].usage.cached_tokens == len(first) - 516
         assert answers["leaves early"].usage.cached_tokens == 0
         llm.cache = None
         for name, prompt in prompts.items():
             llm.reset()
-            fresh = llm.create_completion(prompt, max_tokens=8, temperature=0)
+            fresh = llm.create_completion(prompt, max_tokens=6, logprobs=1, **GREEDY)
             assert answers[name].choices[0].tokens == fresh.choices[0].tokens, name
+            _assert_close(answers[name].choices[0].logprobs, fresh.choices[0].logprobs)
+    if isinstance(cache, DiskCache):
+        cache.close()
+
+
+def _assert_close(reused: Logprobs | None, fresh: Logprobs | None) -> None:
+    assert reused is not None and fresh is not None
+    drift = np.subtract(reused.token_logprobs, fresh.token_logprobs)
+    assert np.abs(drift).max() < 0.2, (reused.token_logprobs, fresh.token_logprobs)

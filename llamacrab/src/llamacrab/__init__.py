@@ -58,7 +58,7 @@ from llamacrab._native.media import Audio, Image
 from llamacrab._native.model import Model, ModelParams
 from llamacrab._native.mtmd import Bitmap, Chunks, Projector
 from llamacrab._native.sampler import SamplerChain, SamplingOptions
-from llamacrab._native.state import SavedState
+from llamacrab._native.state import SavedState, StateCheckpoint
 from llamacrab._native.vocab import IncrementalDecoder, Vocab
 from llamacrab._registry import EntryStatus, ModelEntry, ModelRegistry, estimate_memory
 from llamacrab._types import (
@@ -151,6 +151,7 @@ __all__ = [
     "SavedState",
     "SlotInfo",
     "SpeculativeStats",
+    "StateCheckpoint",
     "StateError",
     "Stream",
     "SysVersionError",

@@ -31,7 +31,7 @@ from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import EndGeneration
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
-from llamacrab._native.state import SavedState
+from llamacrab._native.state import SavedState, StateCheckpoint
 from llamacrab._native.vocab import Vocab
 from llamacrab._types import FinishReason, common_prefix
 
@@ -52,6 +52,14 @@ class Step:
 
 # Stands for a position filled by an image or sound: never equal to a real token.
 MEDIA_TOKEN = -1
+
+# Checkpoints of a sliding-window model's windowed layers, where llama-server takes them:
+# 4 tokens before a prompt's end, so that the next prompt repeating it (a chat's next turn, a
+# retry) finds one even where a template ends the two a little differently, and a micro-batch
+# before that, for one that changes the prompt's last message. At most MAX_CHECKPOINTS per
+# sequence: each holds a window of cells (megabytes for small models, hundreds for large ones).
+CHECKPOINT_BEFORE_END = 4
+MAX_CHECKPOINTS = 3
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ class KvState:
         self.tokens: list[int] = []
         self.weights = context.weights_generation  # the adapters ``tokens`` were computed with
         self.plan = LoraPlan(dict(context.lora_adapters))  # ... and which, by position
+        self.checkpoints: list[StateCheckpoint] = []  # by n_tokens, each within ``tokens``
         self.batch = Batch(context.n_batch, seq_id + 1)
         # The generation these tokens belong to: only it may change the memory. A newer one
         # takes it over, a reset or a loaded state takes it from everyone.
@@ -118,7 +127,8 @@ class KvState:
             raise InvalidParameterError(f"scope must be 'sequence' or 'context', not {scope!r}")
         payload = self.context.state_bytes(self.seq_id if scope == "sequence" else None)
         model_id, n_ctx = self.context.model.identity, self.context.n_ctx
-        return SavedState(tuple(self.tokens), payload, model_id, n_ctx, scope)
+        checkpoints = tuple(self.checkpoints) if scope == "sequence" else ()
+        return SavedState(tuple(self.tokens), payload, model_id, n_ctx, scope, checkpoints)
 
     def restore(self, state: SavedState) -> None:
         """Load a saved state (checked against this model and context)."""
@@ -143,6 +153,7 @@ class KvState:
             self.forget() if state.scope == "sequence" else self.reset()
             raise
         self.tokens.extend(state.tokens)
+        self.checkpoints = list(state.checkpoints)
         # Counts as computed with the present adapters: caches keep states per kv_fingerprint.
         self.weights = self.context.weights_generation
         self.plan = LoraPlan(dict(self.context.lora_adapters))
@@ -207,16 +218,60 @@ class KvState:
         keep = min(keep, len(prompt) - 1)  # the last prompt token is decoded again for its logits
         self.plan = plan
         if keep < len(self.tokens) and not self.context.remove(self.seq_id, keep, -1):
-            self.forget()  # this memory cannot drop a suffix: start over
-            keep = 0
-        del self.tokens[keep:]
+            keep = self._rewind(keep)
+        self._truncate(keep)
         return keep
+
+    def _rewind(self, keep: int) -> int:
+        """The memory cannot go on at ``keep`` (a windowed layer lost the window before it):
+        go back to the newest checkpoint at or before it, or start over. How many tokens are
+        left."""
+        checkpoint = next((c for c in reversed(self.checkpoints) if c.n_tokens <= keep), None)
+        if checkpoint is not None:
+            try:
+                self.context.load_state_bytes(checkpoint.payload, self.seq_id, partial=True)
+                if self.context.remove(self.seq_id, checkpoint.n_tokens, -1):
+                    return checkpoint.n_tokens
+            except StateError:
+                log.warning("a checkpoint was not usable; decoding the prompt again", exc_info=True)
+        self.forget()
+        return 0
+
+    def _truncate(self, keep: int) -> None:
+        del self.tokens[keep:]
+        self.checkpoints = [c for c in self.checkpoints if c.n_tokens <= keep]
+
+    def checkpoint_positions(self, request: Request) -> tuple[int, ...]:
+        """Where decoding the request's prompt (after what this sequence holds) stops for
+        checkpoints, in order: only for sliding-window models, only ahead, and only where the
+        sequence may outgrow the window (before that, the window holds every position)."""
+        end = len(request.prompt) - CHECKPOINT_BEFORE_END
+        longest = len(request.prompt) + (
+            self.context.n_ctx_seq if request.max_tokens is None else request.max_tokens
+        )
+        if self.context.n_swa == 0 or longest <= self.context.n_swa:
+            return ()
+        wanted = (end - self.context.n_ubatch, end)
+        return tuple(position for position in wanted if position > len(self.tokens))
+
+    def take_checkpoint(self) -> None:
+        """Keep the windowed layers' cells as they are now (see ``StateCheckpoint``); one that
+        llama.cpp cannot save is skipped: it only saves decoding later."""
+        try:
+            payload = self.context.state_bytes(self.seq_id, partial=True)
+        except StateError:
+            log.warning("a checkpoint could not be saved; skipped", exc_info=True)
+            return
+        here = len(self.tokens)
+        self.checkpoints = [c for c in self.checkpoints if c.n_tokens < here]  # replaced if here
+        self.checkpoints.append(StateCheckpoint(here, payload))
+        del self.checkpoints[:-MAX_CHECKPOINTS]
 
     def reset(self) -> None:
         """Clear the whole memory (embeddings reuse it with other sequences, too)."""
         self.context.clear()
         self.owner = None
-        self.tokens.clear()
+        self._truncate(0)
         self.weights = self.context.weights_generation
 
     def lend(self) -> None:
@@ -224,13 +279,13 @@ class KvState:
         reusable any more, and no paused generation may go on with it (nor sample inside the
         graph: those batches read every output row)."""
         self.owner = None
-        self.tokens.clear()
+        self._truncate(0)
         self.context.clear_graph_samplers()
 
     def forget(self) -> None:
         """Clear this sequence only; the other sequences of the context keep theirs."""
         self.context.remove(self.seq_id, 0, -1)
-        self.tokens.clear()
+        self._truncate(0)
         self.weights = self.context.weights_generation
 
     def decode_prompt(
@@ -239,11 +294,13 @@ class KvState:
         keep: int,
         stopped: Callable[[], bool] | None = None,
         scores: PromptLogprobs | None = None,
+        checkpoints: Sequence[int] = (),
     ) -> bool:
         """Decode the prompt after ``keep`` in chunks (none crossing the position where the
-        adapters start to apply); False when ``stopped()`` is true before a chunk (what was
-        decoded stays in memory, a prefix for the next prompt). ``scores`` reads every row's
-        logits after each chunk (chunks small enough for that)."""
+        adapters start to apply, nor ``checkpoints``, where they are taken); False when
+        ``stopped()`` is true before a chunk (what was decoded stays in memory, a prefix for
+        the next prompt). ``scores`` reads every row's logits after each chunk (chunks small
+        enough for that)."""
         todo = np.asarray(prompt[keep:], dtype=np.int32)
         most = self.max_batch if scores is None else min(self.max_batch, scores.max_rows)
         start = 0
@@ -251,15 +308,18 @@ class KvState:
             if stopped is not None and stopped():
                 return False
             end = min(start + most, len(todo))
-            boundary = self.plan.start - len(self.tokens)
-            if 0 < boundary < end - start:
-                end = start + boundary
+            for boundary in (self.plan.start, *checkpoints):
+                ahead = boundary - len(self.tokens)
+                if 0 < ahead < end - start:
+                    end = start + int(ahead)
             chunk = todo[start:end]
             position = len(self.tokens)
             self.batch.set(chunk, position, self.seq_id, end >= len(todo), scores is not None)
             self.decode_tracked(chunk.tolist())
             if scores is not None:
                 scores.read(self.context, position, len(chunk))
+            if len(self.tokens) in checkpoints:
+                self.take_checkpoint()
             start = end
         return True
 
@@ -287,7 +347,7 @@ class KvState:
         keep = len(self.tokens) - count
         if not self.context.remove(self.seq_id, keep, -1):
             raise StateError("this model's memory cannot drop tokens: speculation is not possible")
-        del self.tokens[keep:]
+        self._truncate(keep)
 
     def decode_one(self, token: int) -> None:
         self.batch.set_one(token, len(self.tokens), self.seq_id)
@@ -393,7 +453,10 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
                 scores = PromptLogprobs(request.prompt, request.logprobs or 0, kv.context.n_vocab)
                 session.prompt_logprobs = scores.values
             session.reused = kv.prepare(request.prompt, request.lora, reuse=scores is None)
-            if not kv.decode_prompt(request.prompt, session.reused, session.stopped, scores):
+            checkpoints = kv.checkpoint_positions(request)
+            if not kv.decode_prompt(
+                request.prompt, session.reused, session.stopped, scores, checkpoints
+            ):
                 return False
     except DecodeAbortedError:
         return False

@@ -42,6 +42,7 @@ class _Job:
     steps: queue.SimpleQueue[Step | BaseException] = field(default_factory=queue.SimpleQueue)
     todo: list[int] | None = None  # tokens to decode next; None until its slot is prepared
     index: int | None = None  # where the last batch holds its logits
+    checkpoints: tuple[int, ...] = ()  # positions its prompt stops at for checkpoints
     produced: int = 0
 
     def finish(self, last: Step | BaseException) -> None:
@@ -233,6 +234,7 @@ class Scheduler:
                     continue
                 job.session.reused = keep
                 job.todo = list(job.request.prompt[keep:])
+                job.checkpoints = slot.kv.checkpoint_positions(job.request)
         planned, lora = self._plan()
         if not planned:
             return
@@ -249,6 +251,8 @@ class Scheduler:
             return
         for slot, taken in planned:
             slot.kv.tokens.extend(taken)
+            if slot.job is not None and len(slot.kv.tokens) in slot.job.checkpoints:
+                slot.kv.take_checkpoint()
         for slot in self.slots:
             if slot.job is not None and slot.job.index is not None:
                 self._sample(slot)
@@ -289,6 +293,9 @@ class Scheduler:
             limit = room
             if position < plan.start and plan.adapters:  # aLoRA: stop where it starts to apply
                 limit = min(room, plan.start - position)
+            ahead = [c - position for c in job.checkpoints if c > position]
+            if ahead:
+                limit = min(limit, ahead[0])
             taken, job.todo = job.todo[:limit], job.todo[limit:]
             if not taken:
                 break

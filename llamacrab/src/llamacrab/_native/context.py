@@ -64,6 +64,10 @@ KV_SETTINGS = ("rope_scaling", "rope_freq_base", "rope_freq_scale", "yarn_ext_fa
 # BENCHMARKS.md), hence "auto".
 GRAPH_SAMPLING = ("auto", "on", "off")
 
+# LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, a #define cffi does not carry: a sequence state of the
+# sliding-window layers only (and the recurrent states of hybrid models).
+_PARTIAL_ONLY = 1
+
 _DECODE_STATUS = {
     1: "no KV cache slot for the batch (the context is full)",
     -1: "invalid batch (tokens or positions rejected)",
@@ -589,29 +593,38 @@ class Context(NativeHandle):
 
     # -- raw state -----------------------------------------------------------------------------
 
-    def state_bytes(self, seq_id: int | None) -> bytes:
+    def state_bytes(self, seq_id: int | None, partial: bool = False) -> bytes:
         """llama.cpp's serialized state: of one sequence, or of the whole context (None: every
-        sequence, the logits and embeddings of the last decode)."""
+        sequence, the logits and embeddings of the last decode). ``partial``: of a sequence's
+        sliding-window layers only (what a checkpoint keeps; the other layers can be cut)."""
         if seq_id is not None:
             self._check_sequence(seq_id)
+        elif partial:
+            raise InvalidParameterError("a partial state is one sequence's, not the context's")
+        flags = _PARTIAL_ONLY if partial else 0
         with self.exclusive() as ctx:
             if seq_id is None:
                 size = call("llama_state_get_size", ctx)
                 buffer = ffi.new("uint8_t[]", size)
                 written = call("llama_state_get_data", ctx, buffer, size)
             else:
-                size = call("llama_state_seq_get_size", ctx, seq_id)
+                size = call("llama_state_seq_get_size_ext", ctx, seq_id, flags)
                 buffer = ffi.new("uint8_t[]", size)
-                written = call("llama_state_seq_get_data", ctx, buffer, size, seq_id)
+                written = call("llama_state_seq_get_data_ext", ctx, buffer, size, seq_id, flags)
         if written == 0:
             raise StateError(f"llama.cpp could not save the state ({_scope(seq_id)})")
         return bytes(ffi.buffer(buffer, written))
 
-    def load_state_bytes(self, data: bytes | memoryview, seq_id: int | None) -> None:
+    def load_state_bytes(
+        self, data: bytes | memoryview, seq_id: int | None, partial: bool = False
+    ) -> None:
         """Replace one sequence (or, for None, the whole context) with a state from
-        ``state_bytes`` of the same model."""
+        ``state_bytes`` of the same model; ``partial``: only the sequence's sliding-window
+        layers, from ``state_bytes(seq_id, partial=True)``, the other layers left as they are."""
         if seq_id is not None:
             self._check_sequence(seq_id)
+        elif partial:
+            raise InvalidParameterError("a partial state is one sequence's, not the context's")
         elif len(data) >= 4 and int.from_bytes(bytes(data[:4]), "little") > len(data) - 4:
             # A whole-context state opens with the architecture's name, whose length llama.cpp
             # allocates (zeroed, up to 4 GiB) before it checks that the bytes are there.
@@ -621,8 +634,10 @@ class Context(NativeHandle):
             if seq_id is None:
                 read = call("llama_state_set_data", ctx, buffer, len(buffer))
             else:
-                lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
-                read = call("llama_state_seq_set_data", ctx, buffer, len(buffer), seq_id)
+                if not partial:
+                    lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
+                flags = _PARTIAL_ONLY if partial else 0
+                read = call("llama_state_seq_set_data_ext", ctx, buffer, len(buffer), seq_id, flags)
         if read == 0:
             reason = log_lines.take_last_error() or "see the llamacrab logger"
             raise StateError(f"llama.cpp rejected the state ({_scope(seq_id)}): {reason}")

@@ -3,8 +3,10 @@
 Layout (little-endian): magic ``LCRBSTAT``, format version (u32), scope (u32: 0 sequence 0,
 1 whole context), n_ctx (u32), model identity
 (32-byte sha256), token count (u32) and tokens (i32 each), payload length (u64) and llama.cpp's
-own state bytes, then a sha256 of everything before it. A truncated or altered blob fails the
-checksum before llama.cpp reads a byte of it.
+own state bytes; from version 2 a checkpoint count (u32) and per checkpoint its token count
+(u32), payload length (u64) and payload; then a sha256 of everything before it. A truncated or
+altered blob fails the checksum before llama.cpp reads a byte of it. Version 1 (no checkpoints)
+is still read.
 """
 
 from __future__ import annotations
@@ -20,10 +22,23 @@ import numpy as np
 from llamacrab._exceptions import StateError
 
 MAGIC = b"LCRBSTAT"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _HEAD = struct.Struct("<8sIII32sI")
+_CHECKPOINT_HEAD = struct.Struct("<IQ")
 _SCOPES = ("sequence", "context")
 _DIGEST = 32
+
+
+@dataclass(frozen=True)
+class StateCheckpoint:
+    """The windowed layers' cells of a sliding-window model after its first ``n_tokens``
+    tokens (llama.cpp's partial sequence state). Those layers keep only the window before the
+    newest token, so a memory cut back before that window goes on from here instead: the full
+    layers are cut to ``n_tokens`` and these cells put back."""
+
+    n_tokens: int
+    payload: bytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,11 +52,25 @@ class SavedState:
     model_id: bytes
     n_ctx: int
     scope: str = "sequence"
+    checkpoints: tuple[StateCheckpoint, ...] = ()  # by n_tokens, each within ``tokens``
+
+    def __post_init__(self) -> None:
+        previous = 0
+        for checkpoint in self.checkpoints:
+            if not previous < checkpoint.n_tokens <= len(self.tokens):
+                raise StateError(
+                    f"a checkpoint after {checkpoint.n_tokens} tokens does not fit a state of "
+                    f"{len(self.tokens)} tokens (checkpoints go by increasing token counts)"
+                )
+            previous = checkpoint.n_tokens
+        if self.checkpoints and self.scope != "sequence":
+            raise StateError("only a sequence's state has checkpoints")
 
     @property
     def size_bytes(self) -> int:
-        """Memory it holds: llama.cpp's payload and the tokens."""
-        return len(self.payload) + 4 * len(self.tokens)
+        """Memory it holds: llama.cpp's payloads and the tokens."""
+        extra = sum(len(checkpoint.payload) for checkpoint in self.checkpoints)
+        return len(self.payload) + extra + 4 * len(self.tokens)
 
     def to_bytes(self) -> bytes:
         tokens = np.asarray(self.tokens, dtype="<i4").tobytes()
@@ -57,6 +86,11 @@ class SavedState:
             + tokens
             + struct.pack("<Q", len(self.payload))
             + self.payload
+            + struct.pack("<I", len(self.checkpoints))
+            + b"".join(
+                _CHECKPOINT_HEAD.pack(c.n_tokens, len(c.payload)) + c.payload
+                for c in self.checkpoints
+            )
         )
         return body + hashlib.sha256(body).digest()
 
@@ -78,7 +112,7 @@ class SavedState:
         # The checksum proves the blob is whole, not that whoever wrote it was honest: every
         # length below is checked against the bytes actually there.
         _, version, scope, n_ctx, model_id, n_tokens = _HEAD.unpack_from(body)
-        if version != FORMAT_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise StateError(f"state format {version} is not supported (expected {FORMAT_VERSION})")
         if scope >= len(_SCOPES):
             raise StateError(f"unknown state scope {scope}")
@@ -89,16 +123,21 @@ class SavedState:
             )
         tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=_HEAD.size)
         (size,) = struct.unpack_from("<Q", body, offset)
-        payload = body[offset + 8 :]  # still a view
-        if len(payload) != size:
-            raise StateError(f"the state payload has {len(payload)} bytes, its header says {size}")
-        return cls(tuple(int(t) for t in tokens), payload, model_id, n_ctx, _SCOPES[scope])
+        offset += 8
+        rest = len(body) - offset
+        if size > rest or (version == 1 and size != rest):
+            raise StateError(f"the state payload has {rest} bytes, its header says {size}")
+        payload = body[offset : offset + size]  # still a view
+        checkpoints = () if version == 1 else _read_checkpoints(body, offset + size)
+        return cls(
+            tuple(int(t) for t in tokens), payload, model_id, n_ctx, _SCOPES[scope], checkpoints
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SavedState):
             return NotImplemented
-        return (self.tokens, self.model_id, self.n_ctx, self.scope) == (
-            other.tokens, other.model_id, other.n_ctx, other.scope
+        return (self.tokens, self.model_id, self.n_ctx, self.scope, self.checkpoints) == (
+            other.tokens, other.model_id, other.n_ctx, other.scope, other.checkpoints
         ) and self.payload == other.payload  # fmt: skip
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -111,3 +150,24 @@ class SavedState:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SavedState:
         return cls.from_bytes(Path(path).read_bytes())
+
+
+def _read_checkpoints(body: memoryview, offset: int) -> tuple[StateCheckpoint, ...]:
+    """The checkpoints after the payload, each length checked against the bytes there."""
+    if offset + 4 > len(body):
+        raise StateError("the state ends before its checkpoint count")
+    (count,) = struct.unpack_from("<I", body, offset)
+    offset += 4
+    checkpoints = []
+    for _ in range(count):
+        if offset + _CHECKPOINT_HEAD.size > len(body):
+            raise StateError(f"the state ends inside its {count} checkpoints")
+        n_tokens, size = _CHECKPOINT_HEAD.unpack_from(body, offset)
+        offset += _CHECKPOINT_HEAD.size
+        if offset + size > len(body):
+            raise StateError(f"a checkpoint says {size} bytes, more than the state holds")
+        checkpoints.append(StateCheckpoint(n_tokens, bytes(body[offset : offset + size])))
+        offset += size
+    if offset != len(body):
+        raise StateError(f"{len(body) - offset} bytes follow the state's checkpoints")
+    return tuple(checkpoints)
