@@ -1,7 +1,8 @@
 """A GPU build on a machine without its GPU imports, says which backend is missing and why (once,
 as a logging warning and in build_info()), runs on the CPU, and says once that n_gpu_layers has
 no effect. Simulated with ggml's real module loader (GGML_BACKEND_DL) and stand-in CUDA modules
-compiled here: one needing a driver library that is not installed, one that finds no device."""
+compiled here: one needing a driver library that is not installed, one that finds no device,
+one whose runtime library comes from a stand-in of NVIDIA's wheel."""
 
 from __future__ import annotations
 
@@ -42,10 +43,13 @@ def compile_module(out: Path, source: str, *flags: str) -> None:
     c_file.unlink()
 
 
-def run_child(module_dir: Path, model: Path) -> dict[str, Any]:
+def run_child(module_dir: Path, model: Path, site: Path | None = None) -> dict[str, Any]:
+    """The child's result; ``site``: a directory on its import path (NVIDIA's wheels)."""
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     child = subprocess.run([sys.executable, str(CHILD), str(module_dir), str(model)],
-                           capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "GGML_NO_BACKTRACE": "1"})  # fmt: skip
+                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -76,4 +80,21 @@ def test_a_module_that_finds_no_device(tmp_path: Path, tiny_model_path: Path) ->
     compile_module(tmp_path / "modules" / "libggml-cuda.so", NO_DEVICE_MODULE,
                    f"-I{ggml / 'include'}", f"-I{ggml / 'src'}")  # fmt: skip
     result = run_child(tmp_path / "modules", tiny_model_path)
+    assert_runs_on_cpu_and_warns_once(result, "the CUDA backend found no device")
+
+
+def test_the_cuda_runtime_comes_from_nvidias_wheels(tmp_path: Path, tiny_model_path: Path) -> None:
+    """A CUDA wheel does not bundle libcudart: it depends on nvidia-cuda-runtime, which pip puts
+    in site-packages/nvidia/cu13/lib. Without it the module cannot load; with it on the import
+    path, llamacrab_sys loads it first and the module loads (and here finds no device). The
+    stand-in is major version 99: no system CUDA install has that one."""
+    runtime = tmp_path / "site" / "nvidia" / "cu13" / "lib" / "libcudart.so.99"
+    compile_module(runtime, "int cudart_stand_in;\n", "-Wl,-soname,libcudart.so.99")
+    ggml = resolve_source().path / "ggml"
+    compile_module(tmp_path / "modules" / "libggml-cuda.so", NO_DEVICE_MODULE,
+                   f"-I{ggml / 'include'}", f"-I{ggml / 'src'}",
+                   "-Wl,--no-as-needed", str(runtime))  # fmt: skip
+    without = run_child(tmp_path / "modules", tiny_model_path)
+    assert "libcudart.so.99: cannot open shared object file" in without["missing"]["cuda"]
+    result = run_child(tmp_path / "modules", tiny_model_path, site=tmp_path / "site")
     assert_runs_on_cpu_and_warns_once(result, "the CUDA backend found no device")

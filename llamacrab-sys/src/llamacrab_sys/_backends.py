@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from llamacrab_sys import _cuda_runtime
 from llamacrab_sys._callbacks import log_handler, set_log_handler
 from llamacrab_sys._native import ffi, lib
 
@@ -92,6 +93,8 @@ def load(backend: str, module_dir: Path | None, load_all: bool) -> None:
     )
     with collecting as errors:
         if load_all and module_dir is not None:
+            if backend == "cuda":
+                _cuda_runtime.preload()  # from the nvidia-* wheels, before the module needs them
             lib.ggml_backend_load_all_from_path(str(module_dir).encode())
         reason = _diagnose(backend, module_dir if load_all else None, errors) if expected else None
     if reason is not None and backend not in _missing:
