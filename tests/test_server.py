@@ -21,6 +21,7 @@ from test_tool_calls import TEMPLATE, WEATHER
 from llamacrab import InvalidParameterError, Llama
 from llamacrab.cli import main as cli_main
 from llamacrab.server import ServerSettings, parse_settings
+from llamacrab.server._llama_kwargs import generation_kwargs
 
 from support import Gate, load_repo_module
 
@@ -417,6 +418,8 @@ def test_settings_come_from_flags_and_environment() -> None:
     for secret in (*settings.api_keys, "hf_env_token_77d3"):  # keys stay out of reprs
         assert secret not in repr(settings) and secret not in str(settings)
     assert parse_settings(["--model", "x.gguf"], {}).host == "127.0.0.1"
+    checkpoints = parse_settings(["m.gguf", "--ctx-checkpoints", "0"], {})
+    assert generation_kwargs(checkpoints)["ctx_checkpoints"] == 0
     with pytest.raises(InvalidParameterError, match="unknown pooling"):
         parse_settings(["m.gguf", "--pooling", "avg"], {})
     with pytest.raises(InvalidParameterError, match="no model"):

@@ -334,6 +334,25 @@ def test_the_one_slot_is_busy_while_a_stream_is_unfinished(tiny_llama: Llama) ->
 
 
 @pytest.mark.real_model
+def test_ctx_checkpoints_bounds_the_checkpoints_a_sequence_keeps(gemma_path: Path) -> None:
+    """Two per prompt (4 and 4 + n_ubatch tokens before its end), the newest kept; none for a
+    prompt whose generation fits the window (512), nor with ctx_checkpoints=0."""
+    text = " ".join(f"Entry {i}: crab {i} guards rock {i % 9}." for i in range(120))
+    for limit, wanted in ((3, [384, 896, 1096]), (1, [1096]), (0, [])):
+        with Llama(gemma_path, n_ctx=2048, n_threads=2, ctx_checkpoints=limit) as llm:
+            tokens = llm.tokenize(text)
+            llm.create_completion(tokens[:200], max_tokens=8)  # within the window: none
+            assert llm.save_state().checkpoints == ()
+            llm.create_completion(tokens[:900], max_tokens=0)
+            llm.create_completion(tokens[:1100], max_tokens=0)  # reuses 900
+            kept = llm.save_state().checkpoints
+            assert [c.n_tokens for c in kept] == wanted
+            assert all(len(c.payload) > 0 for c in kept)
+    with pytest.raises(InvalidParameterError, match="ctx_checkpoints"):
+        ContextParams(ctx_checkpoints=-1)
+
+
+@pytest.mark.real_model
 @pytest.mark.parametrize("parallel", [None, 2], ids=["one-slot", "scheduler"])
 def test_a_cached_state_of_a_sliding_window_model_serves_what_its_checkpoints_can(
     gemma_path: Path, tmp_path: Path, parallel: int | None

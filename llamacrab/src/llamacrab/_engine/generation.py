@@ -56,10 +56,9 @@ MEDIA_TOKEN = -1
 # Checkpoints of a sliding-window model's windowed layers, where llama-server takes them:
 # 4 tokens before a prompt's end, so that the next prompt repeating it (a chat's next turn, a
 # retry) finds one even where a template ends the two a little differently, and a micro-batch
-# before that, for one that changes the prompt's last message. At most MAX_CHECKPOINTS per
-# sequence: each holds a window of cells (megabytes for small models, hundreds for large ones).
+# before that, for one that changes the prompt's last message. At most
+# ContextParams.ctx_checkpoints per sequence, the newest.
 CHECKPOINT_BEFORE_END = 4
-MAX_CHECKPOINTS = 3
 
 
 @dataclass(frozen=True)
@@ -249,7 +248,11 @@ class KvState:
         longest = len(request.prompt) + (
             self.context.n_ctx_seq if request.max_tokens is None else request.max_tokens
         )
-        if self.context.n_swa == 0 or longest <= self.context.n_swa:
+        if (
+            self.context.n_swa == 0
+            or longest <= self.context.n_swa
+            or self.context.params.ctx_checkpoints == 0
+        ):
             return ()
         wanted = (end - self.context.n_ubatch, end)
         return tuple(position for position in wanted if position > len(self.tokens))
@@ -265,7 +268,7 @@ class KvState:
         here = len(self.tokens)
         self.checkpoints = [c for c in self.checkpoints if c.n_tokens < here]  # replaced if here
         self.checkpoints.append(StateCheckpoint(here, payload))
-        del self.checkpoints[:-MAX_CHECKPOINTS]
+        del self.checkpoints[: max(0, len(self.checkpoints) - self.context.params.ctx_checkpoints)]
 
     def reset(self) -> None:
         """Clear the whole memory (embeddings reuse it with other sequences, too)."""

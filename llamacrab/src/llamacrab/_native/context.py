@@ -107,6 +107,10 @@ class ContextParams:
     swa_full: bool = False
     kv_unified: bool = False
     graph_sampling: str = "auto"  # see GRAPH_SAMPLING
+    # Checkpoints of a sliding-window model's windowed layers kept per sequence (llama-server's
+    # --ctx-checkpoints; 0: none). Each holds a window of cells: ~7.5 MiB for Gemma 3 270M,
+    # hundreds of MiB for 27B-class models.
+    ctx_checkpoints: int = 3
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
@@ -125,6 +129,8 @@ class ContextParams:
         _choice("rope_scaling", self.rope_scaling, ROPE_SCALING)
         _choice("type_k", self.type_k, KV_TYPES)
         _choice("type_v", self.type_v, KV_TYPES)
+        if self.ctx_checkpoints < 0:
+            raise InvalidParameterError(f"ctx_checkpoints must be >= 0, not {self.ctx_checkpoints}")
         if self.graph_sampling not in GRAPH_SAMPLING:
             raise InvalidParameterError(
                 f"graph_sampling must be one of {GRAPH_SAMPLING}, not {self.graph_sampling!r}"

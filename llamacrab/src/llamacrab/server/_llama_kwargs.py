@@ -71,7 +71,7 @@ def generation_kwargs(settings: ServerSettings) -> dict[str, Any]:
     options: dict[str, Any] = {
         "parallel": settings.parallel, "max_queue": settings.max_queue,
         "chat_format": settings.chat_template, "media_policy": policy,
-        "graph_sampling": settings.graph_sampling,
+        "graph_sampling": settings.graph_sampling, "ctx_checkpoints": settings.ctx_checkpoints,
     }  # fmt: skip
     options.update(_speculative_options(settings))
     options.update(_cache_options(settings))

@@ -37,6 +37,7 @@ class ServerSettings:
     rpc_servers: tuple[str, ...] = ()  # ggml RPC workers (host:port) to offload layers to
     flash_attn: str = "auto"
     graph_sampling: str = "auto"  # samplers inside the compute graph where the chain fits
+    ctx_checkpoints: int = 3  # per slot, of a sliding-window model's windowed layers
     parallel: int = 1
     embeddings: bool = False
     reranking: bool = False
@@ -290,6 +291,12 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
         str,
         f"sample inside the compute graph: {', '.join(GRAPH_SAMPLING)} "
         "(default auto: on where the output layer runs off the CPU)",
+    ),
+    (
+        "ctx_checkpoints",
+        int,
+        "checkpoints per slot of a sliding-window model's windowed layers, to reuse a prompt "
+        "prefix the window has passed (default 3; 0: none)",
     ),
     ("parallel", int, "slots: requests generated concurrently (default 1)"),
     ("embeddings", bool, "serve /v1/embeddings (an embedding model) instead of generation"),
