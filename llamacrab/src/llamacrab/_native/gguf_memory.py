@@ -4,9 +4,11 @@ Read before loading (a registry keeps to its memory budget with it): the weights
 the tensors' sizes; the KV memory is what llama.cpp allocates for the context's cells in each
 attention layer (sliding-window layers get fewer cells unless ``swa_full``); the compute buffer
 is dominated by the logits of one micro-batch (``n_ubatch`` x vocabulary floats) plus the
-activations, and without flash attention the attention scores. Recurrent state and backend
-repacking are not counted. tests/test_registry.py compares the estimate with the buffer sizes
-llama.cpp logs after loading.
+activations, and without flash attention the attention scores; checkpoints are the windowed
+layers' cells of one window, ``ctx_checkpoints`` per sequence, which a sliding-window model
+takes while prompts are decoded. Recurrent state and backend repacking are not counted.
+tests/test_registry.py compares the estimate with the buffer sizes llama.cpp logs after loading
+and with a checkpoint's size.
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ _CELL_PAD = 256  # llama.cpp pads a context's cells to a multiple of 256
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes a model will take: ``weights`` (plus a projector), ``kv`` (the context's KV
-    memory) and ``compute`` (compute and output buffers)."""
+    memory) and ``compute`` (compute and output buffers), allocated when it loads; and at most
+    ``checkpoints`` more in host memory once prompts come (sliding-window models only)."""
 
     weights: int
     kv: int
     compute: int
+    checkpoints: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute
+        return self.weights + self.kv + self.compute + self.checkpoints
 
 
 def _pad(n: int) -> int:
@@ -65,21 +69,22 @@ def _file_header(path: Path) -> tuple[Any, dict[str, Any], list[Any]]:
 
 def _kv_bytes(
     reader: Any, arch: str, metadata: dict[str, Any], params: ContextParams, n_ctx: int
-) -> int:
+) -> tuple[int, int]:
+    """The KV memory, and the most its checkpoints take."""
     causal = metadata.get(f"{arch}.attention.causal", True)
     n_layer = _uint(metadata, f"{arch}.block_count") or 0
     n_head = _per_layer(reader, metadata, f"{arch}.attention.head_count", n_layer)
     if not causal or not n_layer or not n_head:
-        return 0  # encoders (BERT) keep no KV memory
+        return 0, 0  # encoders (BERT) keep no KV memory
     n_head_kv = _per_layer(reader, metadata, f"{arch}.attention.head_count_kv", n_layer) or n_head
     sizes = _head_sizes(arch, metadata, max(n_head))
     swa = _swa_layers(reader, arch, metadata, n_layer) or (False, [False] * n_layer)
     if sizes is None:
-        return 0
+        return 0, 0
     window = _uint(metadata, f"{arch}.attention.sliding_window") or n_ctx
     n_ubatch = min(params.n_ubatch, params.n_batch)
     swa_cells = n_ctx if params.swa_full else min(n_ctx, _pad(window * params.n_seq_max + n_ubatch))
-    total = 0
+    total = windowed_cell = 0
     for layer in range(n_layer):
         if n_head_kv[layer] == 0:
             continue  # a recurrent or attention-free layer
@@ -89,7 +94,11 @@ def _kv_bytes(
         k = lib.ggml_row_size(KV_TYPES[params.type_k], n_head_kv[layer] * head.key)
         v = lib.ggml_row_size(KV_TYPES[params.type_v], n_head_kv[layer] * head.value)
         total += (k + v) * cells
-    return int(total)
+        windowed_cell += (k + v) if sliding else 0
+    # A checkpoint holds one window of cells; none are taken where the window spans n_ctx.
+    if window >= n_ctx:
+        return int(total), 0
+    return int(total), int(windowed_cell * window * params.n_seq_max * params.ctx_checkpoints)
 
 
 def _compute_bytes(
@@ -131,8 +140,10 @@ def estimate_memory(
     n_ctx = params.n_ctx if params.n_ctx is not None else min(n_ctx_train, 4096)
     n_ctx = _pad(max(n_ctx, params.n_seq_max))
     causal = metadata.get(f"{arch}.attention.causal", True) is not False
+    kv, checkpoints = _kv_bytes(reader, arch, metadata, params, n_ctx)
     return MemoryEstimate(
         weights=weights,
-        kv=_kv_bytes(reader, arch, metadata, params, n_ctx),
+        kv=kv,
         compute=_compute_bytes(arch, metadata, params, n_ctx, logits=causal),
+        checkpoints=checkpoints,
     )
