@@ -166,6 +166,28 @@ def test_a_killed_replica_is_replaced_and_no_request_is_lost_silently(base_url: 
     _wait_for(lambda: new in _replicas_answering(base_url, 8), 120, "the new replica answering")
 
 
+def test_autoscaling_adds_a_replica_under_load(base_url: str, tiny_model_path: Path) -> None:
+    """The same application redeployed with autoscaling (one to two replicas, one request
+    each as Serve's target): it starts at one, and streaming clients make Serve add the
+    second, which then answers too. Runs after the other replica tests: it replaces their app."""
+    settings = ServerSettings(model=str(tiny_model_path), model_alias="tiny", n_ctx=1024,
+                              n_threads=1, chat_template="chatml", api_keys=(KEY,))  # fmt: skip
+    scaling = {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2,
+               "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 600,
+               "look_back_period_s": 2, "metrics_interval_s": 0.5}  # fmt: skip
+    app = ray_deployment(settings, autoscaling_config=scaling, ray_actor_options={"num_cpus": 0.5})
+    serve.run(app, name="llamacrab", route_prefix="/")
+    alone = _wait_for(lambda: len(a := _replica_actors()) == 1 and a, 120, "one replica")
+    load = _Load(base_url, clients=4)
+    try:
+        grown = _wait_for(lambda: len(a := _replica_actors()) == 2 and a, 120, "a second replica")
+        added = next(iter(grown.keys() - alone.keys()))
+        _wait_for(lambda: added in load.streaming_on(), 120, "the added replica streaming")
+    finally:
+        outcomes = load.finish()
+    assert {kind for kind, _, _ in outcomes} <= {"ok"}, outcomes
+
+
 def test_deployment_options_are_checked_before_ray_sees_them(tiny_model_path: Path) -> None:
     settings = ServerSettings(model=str(tiny_model_path))
     with pytest.raises(InvalidParameterError, match="not both"):
