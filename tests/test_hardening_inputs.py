@@ -90,6 +90,12 @@ def _head(n_tokens: int, *, version: int = 1, scope: int = 0) -> bytes:
 GOOD = SavedState((1, 2, 3), b"payload", b"m" * 32, 512)
 
 
+def _v2_body() -> bytes:
+    """A format-2 state of three tokens up to its payload: checkpoints follow."""
+    tokens = struct.pack("<3i", 1, 2, 3)
+    return _head(3, version=2) + tokens + struct.pack("<Q", 7) + b"payload"
+
+
 @pytest.mark.parametrize(
     "blob",
     [
@@ -101,6 +107,14 @@ GOOD = SavedState((1, 2, 3), b"payload", b"m" * 32, 512)
         _sealed(_head(0, scope=2**32 - 1) + struct.pack("<Q", 0)),
         _sealed(state.MAGIC + b"\x00" * 40),  # too short for a header, long enough to sniff
         GOOD.to_bytes()[:-1] + b"\x00",
+        # Format 2's checkpoints: a count with nothing after it, a size past the end, bytes
+        # after the last one, one after more tokens than the state has, one after none.
+        _sealed(_v2_body() + struct.pack("<I", 2**32 - 1)),
+        _sealed(_v2_body() + struct.pack("<IIQ", 1, 2, 2**63) + b"x"),
+        _sealed(_v2_body() + struct.pack("<IIQ", 1, 2, 1) + b"xy"),
+        _sealed(_v2_body() + struct.pack("<IIQ", 1, 4, 1) + b"x"),
+        _sealed(_v2_body() + struct.pack("<IIQ", 1, 0, 1) + b"x"),
+        _sealed(_v2_body()),  # no checkpoint count at all
         b"",
         "a string, not bytes",
         np.zeros(40, dtype=np.int64)[::2],  # bytes-like but not contiguous
@@ -118,6 +132,10 @@ def test_states_still_round_trip(tmp_path: object) -> None:
     assert SavedState.from_bytes(memoryview(blob)) == GOOD
     empty = SavedState((), b"", b"m" * 32, 512, "context")
     assert SavedState.from_bytes(empty.to_bytes()) == empty
+    marked = SavedState((1, 2, 3), b"payload", b"m" * 32, 512,
+                        checkpoints=(state.StateCheckpoint(2, b"cells"),))  # fmt: skip
+    assert SavedState.from_bytes(marked.to_bytes()) == marked
+    assert SavedState.from_bytes(_sealed(_v2_body() + struct.pack("<I", 0))) == GOOD
 
 
 # -- chat templates --------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 import subprocess
 import sys
@@ -402,3 +403,48 @@ def _assert_close(reused: Logprobs | None, fresh: Logprobs | None) -> None:
     assert reused is not None and fresh is not None
     drift = np.subtract(reused.token_logprobs, fresh.token_logprobs)
     assert np.abs(drift).max() < 0.2, (reused.token_logprobs, fresh.token_logprobs)
+
+
+FORGED_CHECKPOINTS = """
+import json, os, sys
+from dataclasses import replace
+from llamacrab import Llama, SavedState, StateCheckpoint
+text = " ".join(f"Entry {i}: crab {i} guards rock {i % 9}." for i in range(120))
+with Llama(sys.argv[1], n_ctx=2048, n_threads=2) as llm:
+    first = llm.tokenize(text)[:900]
+    near = first[:-2] + llm.tokenize("4. Entry 9: crab", add_special=False)
+    llm.create_completion(first, max_tokens=1)
+    state = llm.save_state()
+    early, late = state.checkpoints
+    n = late.n_tokens
+    forgeries = {
+        "noise": (StateCheckpoint(n, os.urandom(len(late.payload))),),
+        "the full state as a checkpoint": (StateCheckpoint(n, bytes(state.payload)),),
+        "truncated": (StateCheckpoint(n, late.payload[: len(late.payload) // 2]),),
+        "an earlier one labelled later": (StateCheckpoint(n, early.payload),),
+        "a later one labelled earlier": (StateCheckpoint(early.n_tokens, late.payload),),
+    }
+    results = {}
+    for name, checkpoints in forgeries.items():
+        llm.load_state(replace(state, checkpoints=checkpoints))
+        answer = llm.create_completion(near, max_tokens=4, temperature=0)
+        results[name] = [answer.usage.cached_tokens, list(answer.choices[0].tokens)]
+    llm.reset()
+    fresh = llm.create_completion(near, max_tokens=4, temperature=0)
+    print(json.dumps({"results": results, "fresh": list(fresh.choices[0].tokens)}))
+"""
+
+
+@pytest.mark.real_model
+def test_forged_checkpoints_are_declined_without_harm(gemma_path: Path) -> None:
+    """Checkpoints in a state from elsewhere are llama.cpp bytes a writer chose (the checksum
+    proves a blob whole, not honest). Noise, a full state, half of one, or one labelled with
+    another position: each is declined (the prompt is decoded in full and answers as a fresh
+    memory does); the process, in a child here, never dies."""
+    child = subprocess.run([sys.executable, "-c", FORGED_CHECKPOINTS, str(gemma_path)],
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    for name, (cached, tokens) in report["results"].items():
+        assert cached == 0, name
+        assert tokens == report["fresh"], name

@@ -227,10 +227,14 @@ class KvState:
         left."""
         checkpoint = next((c for c in reversed(self.checkpoints) if c.n_tokens <= keep), None)
         if checkpoint is not None:
+            n = checkpoint.n_tokens
             try:
                 self.context.load_state_bytes(checkpoint.payload, self.seq_id, partial=True)
-                if self.context.remove(self.seq_id, checkpoint.n_tokens, -1):
-                    return checkpoint.n_tokens
+                # Its cells must end where it says (a state from elsewhere may lie): the next
+                # token goes at n, and llama.cpp refuses a batch that does not follow them.
+                held = self.context.positions(self.seq_id)
+                if held is not None and held[1] == n - 1 and self.context.remove(self.seq_id, n):
+                    return n
             except StateError:
                 log.warning("a checkpoint was not usable; decoding the prompt again", exc_info=True)
         self.forget()
