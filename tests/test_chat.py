@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from llamacrab import InvalidParameterError, Llama, TemplateError
+from llamacrab import ChatCompletion, InvalidParameterError, Llama, RamCache, TemplateError
 from llamacrab._features.chat import chat_tokens
 
 from support import load_repo_module
@@ -127,3 +128,38 @@ def test_async_chat_stream(templated: Llama) -> None:
     assert (
         "".join(pieces) == templated.create_chat_completion(HELLO, max_tokens=4, temperature=0).text
     )
+
+
+@pytest.mark.real_model
+def test_a_new_question_after_the_same_document_resumes_at_its_start(gemma_path: Path) -> None:
+    """A sliding-window model keeps a checkpoint where the last message's text starts (for
+    Gemma, after the system text, which its template puts inside the same user turn). A second
+    question after the same document, served from a prompt cache, decodes only itself
+    (without that checkpoint: 4 + 512 tokens before the first prompt's end, and the question),
+    and answers as a fresh memory does."""
+    document = " ".join(f"Entry {i}: crab {i} guards rock {i % 9}." for i in range(110))
+    with Llama(gemma_path, n_ctx=4096, n_threads=2, cache=RamCache()) as llm:
+
+        def ask(question: str) -> ChatCompletion:
+            messages = [{"role": "system", "content": document},
+                        {"role": "user", "content": question}]  # fmt: skip
+            return llm.create_chat_completion(messages, max_tokens=6, temperature=0)
+
+        ask("Which rock does crab 3 guard?")
+        llm.reset()  # only the cache can help now
+        second = ask("Which rock does crab 40 guard?")
+        assert second.usage.prompt_tokens > 1500
+        assert second.usage.prompt_tokens - second.usage.cached_tokens < 20
+        llm.cache = None
+        llm.reset()
+        fresh = ask("Which rock does crab 40 guard?")
+        assert fresh.choices[0].message.content == second.choices[0].message.content
+
+
+def test_checkpoint_positions_are_checked(tiny_llama: Llama) -> None:
+    n = len(tiny_llama.tokenize("the cat sat"))
+    for bad in ([0], [n], ["1"], [True]):
+        with pytest.raises(InvalidParameterError, match="checkpoint_at"):
+            tiny_llama.create_completion("the cat sat", max_tokens=1, checkpoint_at=bad)
+    done = tiny_llama.create_completion("the cat sat", max_tokens=1, checkpoint_at=[1])
+    assert done.usage.completion_tokens == 1  # no sliding window: nothing to take

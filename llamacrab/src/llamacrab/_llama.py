@@ -530,6 +530,7 @@ class Llama:
         cancel: threading.Event | None = None,
         sampling: SamplingOptions | None = None,
         lora: Mapping[LoraAdapter, float] | None = None,
+        checkpoint_at: Sequence[int] = (),
         **sampling_options: Any,
     ) -> Stream[CompletionChunk]:
         """Generate text chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
@@ -549,9 +550,13 @@ class Llama:
         event that may stop several calls, e.g. all the choices of ``create_completion``, from
         any thread; nothing needs the stream object). ``lora`` ({adapter: scale}, adapters of
         this model) replaces the default adapters for this call alone; parallel slots run
-        calls with different sets side by side, one set per decode, taking turns. Other
-        keywords are SamplingOptions fields (temperature, top_k, top_p, seed, grammar,
-        logit_bias, ...).
+        calls with different sets side by side, one set per decode, taking turns.
+        ``checkpoint_at`` (positions among the prompt's tokens) asks a sliding-window model for
+        checkpoints there too, besides 4 and 4 + n_ubatch tokens before the prompt's end: a
+        later prompt that leaves this one at such a point (a new question after a shared
+        document) resumes there from the memory or a prompt cache; the chat methods pass
+        where the last message's content starts. Other keywords are SamplingOptions fields
+        (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
         """
         parts = completion_prompt(self.vocab, self._media, prompt, media)
         stops = [stop] if isinstance(stop, str) else stop
@@ -559,7 +564,8 @@ class Llama:
             self.context.check_lora(lora)
         request = Request(parts.tokens, max_tokens, min_tokens, stops, logprobs, parts.chunks,
                           None if lora is None else dict(lora),
-                          prompt_logprobs=echo and logprobs is not None)  # fmt: skip
+                          prompt_logprobs=echo and logprobs is not None,
+                          checkpoint_at=tuple(checkpoint_at))  # fmt: skip
         options = merge_sampling(sampling, sampling_options, self.seed)
         return self._completer.stream(parts, request, options, Session(timeout, cancel),
                                       (speculative, self.speculative), echo, suffix)  # fmt: skip

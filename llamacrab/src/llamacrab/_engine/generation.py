@@ -75,6 +75,8 @@ class Request:
     lora: Mapping[LoraAdapter, float] | None = None  # None: the context's default adapters
     # The prompt's own tokens get logprobs too (echo): decoded whole, every row's logits read.
     prompt_logprobs: bool = False
+    # Prompt positions to take checkpoints at too (a sliding-window model's; see KvState).
+    checkpoint_at: tuple[int, ...] = ()
 
     def check(self, n_ctx: int) -> None:
         if not self.prompt:
@@ -94,6 +96,15 @@ class Request:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidParameterError(f"logprobs must be between 0 and 20, not {self.logprobs}")
+        for position in self.checkpoint_at:
+            if isinstance(position, bool) or not isinstance(position, int):
+                raise InvalidParameterError(
+                    f"checkpoint_at takes token positions, not {position!r}"
+                )
+            if not 0 < position < len(self.prompt):
+                raise InvalidParameterError(
+                    f"checkpoint_at {position} is not inside the prompt's {len(self.prompt)} tokens"
+                )
         if self.prompt_logprobs and (self.logprobs is None or self.media is not None):
             raise InvalidParameterError(
                 "log-probabilities of the prompt need logprobs= and a prompt of tokens, not media"
@@ -258,7 +269,7 @@ class KvState:
             or self.context.params.ctx_checkpoints == 0
         ):
             return ()
-        wanted = (end - self.context.n_ubatch, end)
+        wanted = sorted({*request.checkpoint_at, end - self.context.n_ubatch, end})
         return tuple(position for position in wanted if position > len(self.tokens))
 
     def take_checkpoint(self) -> None:

@@ -33,8 +33,13 @@ def chat_request(
             options.generic_tools = True
         else:
             tools = None
-    tokens = chat_tokens(model, media, messages, chat_format, tools)
-    return tokens, options.completion_kwargs(kwargs, source)
+    prompt, tokens = _prompt_and_tokens(model, media, messages, chat_format, tools)
+    completion = options.completion_kwargs(kwargs, source)
+    if isinstance(tokens, list) and model.n_swa > 0:
+        start = _last_content_start(model, messages, prompt, tokens)
+        if start is not None:
+            completion["checkpoint_at"] = (*completion.get("checkpoint_at", ()), start)
+    return tokens, completion
 
 
 def chat_tokens(
@@ -44,17 +49,53 @@ def chat_tokens(
     chat_format: str | None,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int] | Chunks:
+    return _prompt_and_tokens(model, media, messages, chat_format, tools)[1]
+
+
+def _prompt_and_tokens(
+    model: Model,
+    media: MediaInput,
+    messages: Sequence[Mapping[str, Any]],
+    chat_format: str | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> tuple[str, list[int] | Chunks]:
     items: list[Media] = []
     if has_media(messages):
         messages, items = extract_media(messages, media.projector.marker, media.policy)
     prompt = chat_prompt(model, messages, chat_format, tools=tools)
-    vocab = model.vocab
-    bos = vocab.bos
-    # A template that writes BOS itself must not get a second one from the tokenizer.
-    has_bos = bos is not None and prompt.startswith(vocab.token_to_piece(bos, True))
     if items:
-        return media.tokenize(prompt, items, add_special=not has_bos, parse_special=True)
-    return vocab.tokenize(prompt, add_special=not has_bos, parse_special=True)
+        add_special = _adds_bos(model, prompt)
+        return prompt, media.tokenize(prompt, items, add_special=add_special, parse_special=True)
+    return prompt, _tokenize(model, prompt)
+
+
+def _adds_bos(model: Model, prompt: str) -> bool:
+    """Whether the tokenizer adds BOS: not to a template that writes it itself."""
+    bos = model.vocab.bos
+    return not (bos is not None and prompt.startswith(model.vocab.token_to_piece(bos, True)))
+
+
+def _tokenize(model: Model, prompt: str) -> list[int]:
+    return model.vocab.tokenize(prompt, add_special=_adds_bos(model, prompt), parse_special=True)
+
+
+def _last_content_start(
+    model: Model, messages: Sequence[Mapping[str, Any]], prompt: str, tokens: list[int]
+) -> int | None:
+    """How many prompt tokens precede the last message's text, where the next request of a
+    conversation asking something else (after the same document, say) leaves this prompt.
+    Found as text (templates insert it verbatim, perhaps stripped), then as the tokens that
+    end the prompt from there; None where the tokenizer joined it to what came before."""
+    last = messages[-1] if messages else None
+    content = last.get("content") if last is not None else None
+    if not isinstance(content, str) or not content.strip():
+        return None
+    where = prompt.rfind(content.strip())
+    if where <= 0:
+        return None
+    rest = model.vocab.tokenize(prompt[where:], add_special=False, parse_special=True)
+    start = len(tokens) - len(rest)
+    return start if start > 0 and tokens[start:] == rest else None
 
 
 def chat_completion(result: Completion, options: ChatOptions) -> ChatCompletion:
