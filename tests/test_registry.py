@@ -69,6 +69,7 @@ def test_preset_sets_options_and_explicit_keywords_override_it(gemma_path: Path)
     with Llama(gemma_path, preset="low-ram", n_ctx=256, n_threads=2) as llm:
         params = llm.context.params
         assert (params.type_k, params.type_v, params.n_ubatch) == ("q8_0", "q8_0", 128)
+        assert params.ctx_checkpoints == 1
         assert params.n_ctx == 256  # explicit, over the preset's 2048
         assert llm.model.params.use_extra_bufts is False
         assert llm.create_completion("Paris is the capital of", max_tokens=2,

@@ -24,10 +24,12 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
     "low-ram": Preset("low-ram", MappingProxyType({
         "n_ctx": 2048, "n_batch": 512, "n_ubatch": 128, "type_k": "q8_0", "type_v": "q8_0",
         "flash_attn": "on", "swa_full": False, "use_mmap": True, "use_extra_bufts": False,
+        "ctx_checkpoints": 1,
     }), "the compute buffer holds n_ubatch x vocabulary logits (128 MiB at n_ubatch 512 for a "
         "64k vocabulary), so a small n_ubatch shrinks it most; a q8_0 KV memory is half of f16 "
-        "(quantized V needs flash attention); sliding-window layers keep only their window; "
-        "mapped weights stay shareable page cache, and no repacked copies are made"),
+        "(quantized V needs flash attention); sliding-window layers keep only their window, "
+        "and one checkpoint of it; mapped weights stay shareable page cache, and no repacked "
+        "copies are made"),
     "balanced": Preset("balanced", MappingProxyType({
         "n_ctx": 4096, "n_batch": 2048, "n_ubatch": 512, "n_gpu_layers": -1,
         "flash_attn": "auto", "type_k": "f16", "type_v": "f16", "use_mmap": True,
