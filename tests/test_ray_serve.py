@@ -172,9 +172,10 @@ def test_autoscaling_adds_a_replica_under_load(base_url: str, tiny_model_path: P
     second, which then answers too. Runs after the other replica tests: it replaces their app."""
     settings = ServerSettings(model=str(tiny_model_path), model_alias="tiny", n_ctx=1024,
                               n_threads=1, chat_template="chatml", api_keys=(KEY,))  # fmt: skip
+    # Serve wants its look-back period longer than its 10 s metrics interval.
     scaling = {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2,
                "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 600,
-               "look_back_period_s": 2}  # fmt: skip
+               "look_back_period_s": 12}  # fmt: skip
     app = ray_deployment(settings, autoscaling_config=scaling, ray_actor_options={"num_cpus": 0.5})
     serve.run(app, name="llamacrab", route_prefix="/")
     alone = _wait_for(lambda: len(a := _replica_actors()) == 1 and a, 120, "one replica")
