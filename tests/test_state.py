@@ -34,6 +34,8 @@ from support import load_repo_module
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
 GREEDY = {"temperature": 0.0}
+# An easy pattern to continue, ~1,700 Gemma tokens: the sliding-window tests' document.
+CRAB_ENTRIES = " ".join(f"Entry {i}: crab {i} guards rock {i % 9}." for i in range(120))
 PROMPT = "the cat sat on the mat the dog sat on the cat"
 
 
@@ -338,10 +340,9 @@ def test_the_one_slot_is_busy_while_a_stream_is_unfinished(tiny_llama: Llama) ->
 def test_ctx_checkpoints_bounds_the_checkpoints_a_sequence_keeps(gemma_path: Path) -> None:
     """Two per prompt (4 and 4 + n_ubatch tokens before its end), the newest kept; none for a
     prompt whose generation fits the window (512), nor with ctx_checkpoints=0."""
-    text = " ".join(f"Entry {i}: crab {i} guards rock {i % 9}." for i in range(120))
     for limit, wanted in ((3, [384, 896, 1096]), (1, [1096]), (0, [])):
         with Llama(gemma_path, n_ctx=2048, n_threads=2, ctx_checkpoints=limit) as llm:
-            tokens = llm.tokenize(text)
+            tokens = llm.tokenize(CRAB_ENTRIES)
             llm.create_completion(tokens[:200], max_tokens=8)  # within the window: none
             assert llm.save_state().checkpoints == ()
             llm.create_completion(tokens[:900], max_tokens=0)
@@ -368,10 +369,9 @@ def test_a_cached_state_of_a_sliding_window_model_serves_what_its_checkpoints_ca
     results depend on how the tokens were split into batches, so within a margin: the same
     tokens, their log-probabilities within 0.2; the prompts are an easy pattern to continue).
     States go through a DiskCache's bytes with the scheduler, a RamCache's objects without."""
-    text = " ".join(f"Entry {i}: crab {i} guards rock {i % 9}." for i in range(120))
     cache = RamCache() if parallel is None else DiskCache(tmp_path / "cache")
     with Llama(gemma_path, n_ctx=4096, n_threads=2, cache=cache, parallel=parallel) as llm:
-        document = llm.tokenize(text)[:900]
+        document = llm.tokenize(CRAB_ENTRIES)[:900]
         first = document + llm.tokenize(" Entry 200: crab 200 guards rock 2.", add_special=False)
         prompts = {
             "continues": first + llm.tokenize(" Entry 201: crab", add_special=False),

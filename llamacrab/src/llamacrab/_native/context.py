@@ -603,11 +603,7 @@ class Context(NativeHandle):
         """llama.cpp's serialized state: of one sequence, or of the whole context (None: every
         sequence, the logits and embeddings of the last decode). ``partial``: of a sequence's
         sliding-window layers only (what a checkpoint keeps; the other layers can be cut)."""
-        if seq_id is not None:
-            self._check_sequence(seq_id)
-        elif partial:
-            raise InvalidParameterError("a partial state is one sequence's, not the context's")
-        flags = _PARTIAL_ONLY if partial else 0
+        flags = self._state_flags(seq_id, partial)
         with self.exclusive() as ctx:
             if seq_id is None:
                 size = call("llama_state_get_size", ctx)
@@ -627,13 +623,11 @@ class Context(NativeHandle):
         """Replace one sequence (or, for None, the whole context) with a state from
         ``state_bytes`` of the same model; ``partial``: only the sequence's sliding-window
         layers, from ``state_bytes(seq_id, partial=True)``, the other layers left as they are."""
-        if seq_id is not None:
-            self._check_sequence(seq_id)
-        elif partial:
-            raise InvalidParameterError("a partial state is one sequence's, not the context's")
-        elif len(data) >= 4 and int.from_bytes(bytes(data[:4]), "little") > len(data) - 4:
-            # A whole-context state opens with the architecture's name, whose length llama.cpp
-            # allocates (zeroed, up to 4 GiB) before it checks that the bytes are there.
+        flags = self._state_flags(seq_id, partial)
+        # A whole-context state opens with the architecture's name, whose length llama.cpp
+        # allocates (zeroed, up to 4 GiB) before it checks that the bytes are there.
+        named = int.from_bytes(bytes(data[:4]), "little") if len(data) >= 4 else 0
+        if seq_id is None and named > len(data) - 4:
             raise StateError("the state's model name runs past its end (corrupted)")
         with self.exclusive() as ctx:
             buffer = ffi.from_buffer("uint8_t[]", data)
@@ -642,11 +636,18 @@ class Context(NativeHandle):
             else:
                 if not partial:
                     lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
-                flags = _PARTIAL_ONLY if partial else 0
                 read = call("llama_state_seq_set_data_ext", ctx, buffer, len(buffer), seq_id, flags)
         if read == 0:
             reason = log_lines.take_last_error() or "see the llamacrab logger"
             raise StateError(f"llama.cpp rejected the state ({_scope(seq_id)}): {reason}")
+
+    def _state_flags(self, seq_id: int | None, partial: bool) -> int:
+        """llama.cpp's flags for a state of ``seq_id`` (None: the context), checked first."""
+        if seq_id is not None:
+            self._check_sequence(seq_id)
+        elif partial:
+            raise InvalidParameterError("a partial state is one sequence's, not the context's")
+        return _PARTIAL_ONLY if partial else 0
 
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"
