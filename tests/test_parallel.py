@@ -116,7 +116,9 @@ def test_a_full_queue_refuses_and_a_waiting_stream_can_be_cancelled(
         assert not waiter.is_alive()
         gate.open.set()
         first.join(timeout=30)
-        assert [c.finish_reason for c in running][-1] in ("length", "eos")
+        # The first chunk may already be the last one (the tiny model can end at once).
+        first_chunk = next(r for r in results if not isinstance(r, list))
+        assert [first_chunk, *running][-1].finish_reason in ("length", "eos")
     cancelled = next(r for r in results if isinstance(r, list))
     assert [c.finish_reason for c in cancelled] == ["cancelled"]
 
