@@ -399,6 +399,31 @@ def test_a_cached_state_of_a_sliding_window_model_serves_what_its_checkpoints_ca
         cache.close()
 
 
+@pytest.mark.real_model
+def test_a_new_last_sentence_after_the_same_text_resumes_at_its_start(gemma_path: Path) -> None:
+    """A text prompt's last sentence starts a checkpoint; the one 4 tokens before the end is
+    left out, fewer than MIN_CHECKPOINT_GAP (16) tokens after it. A completion asking
+    something else after the same document, from a prompt cache, decodes only its own last
+    sentence (without that checkpoint: 516 tokens more) and answers as a fresh memory does."""
+    question = " Question: which rock does crab 3 guard?"
+    with Llama(gemma_path, n_ctx=4096, n_threads=2, cache=RamCache()) as llm:
+        tokens = llm.tokenize(CRAB_ENTRIES + question)
+        llm.create_completion(CRAB_ENTRIES + question, max_tokens=1)
+        sentence = len(tokens) - len(llm.tokenize(question, add_special=False))
+        assert sentence > len(tokens) - 4 - 16
+        kept = [c.n_tokens for c in llm.save_state().checkpoints]
+        assert kept == [len(tokens) - 4 - 512, sentence]
+        llm.reset()  # only the cache can help now
+        prompt = CRAB_ENTRIES + " Question: which crab guards rock 4?"
+        second = llm.create_completion(prompt, max_tokens=6, logprobs=1, **GREEDY)
+        assert second.usage.cached_tokens == sentence
+        llm.cache = None
+        llm.reset()
+        fresh = llm.create_completion(prompt, max_tokens=6, logprobs=1, **GREEDY)
+    assert second.choices[0].tokens == fresh.choices[0].tokens
+    _assert_close(second.choices[0].logprobs, fresh.choices[0].logprobs)
+
+
 def _assert_close(reused: Logprobs | None, fresh: Logprobs | None) -> None:
     assert reused is not None and fresh is not None
     drift = np.subtract(reused.token_logprobs, fresh.token_logprobs)

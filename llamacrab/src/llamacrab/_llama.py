@@ -20,6 +20,7 @@ from llamacrab._engine.speculative import DraftModel, SpeculativeStats
 from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._features.chat import chat_completion, chat_request
+from llamacrab._features.checkpoint_hints import last_sentence_start
 from llamacrab._features.completion import Completer, Speculative, completion_prompt
 from llamacrab._features.embeddings import DEFAULT_PACK_TOKENS, Embeddings
 from llamacrab._features.hub import HubOptions, ResolvedModel
@@ -552,20 +553,25 @@ class Llama:
         this model) replaces the default adapters for this call alone; parallel slots run
         calls with different sets side by side, one set per decode, taking turns.
         ``checkpoint_at`` (positions among the prompt's tokens) asks a sliding-window model for
-        checkpoints there too, besides 4 and 4 + n_ubatch tokens before the prompt's end: a
-        later prompt that leaves this one at such a point (a new question after a shared
-        document) resumes there from the memory or a prompt cache; the chat methods pass
-        where the last message's content starts. Other keywords are SamplingOptions fields
+        checkpoints there too, besides 4 and 4 + n_ubatch tokens before the prompt's end and
+        (for a text prompt) where its last sentence or line starts: a later prompt that
+        leaves this one at such a point (a new question after a shared document) resumes
+        there from the memory or a prompt cache; the chat methods pass where the last
+        message's content starts. Other keywords are SamplingOptions fields
         (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
         """
         parts = completion_prompt(self.vocab, self._media, prompt, media)
+        checkpoint_at = tuple(checkpoint_at)
+        if isinstance(prompt, str) and not media and self.model.n_swa > 0:
+            sentence = last_sentence_start(self.vocab, prompt, parts.tokens)
+            checkpoint_at += () if sentence is None else (sentence,)
         stops = [stop] if isinstance(stop, str) else stop
         if lora is not None:
             self.context.check_lora(lora)
         request = Request(parts.tokens, max_tokens, min_tokens, stops, logprobs, parts.chunks,
                           None if lora is None else dict(lora),
                           prompt_logprobs=echo and logprobs is not None,
-                          checkpoint_at=tuple(checkpoint_at))  # fmt: skip
+                          checkpoint_at=checkpoint_at)  # fmt: skip
         options = merge_sampling(sampling, sampling_options, self.seed)
         return self._completer.stream(parts, request, options, Session(timeout, cancel),
                                       (speculative, self.speculative), echo, suffix)  # fmt: skip

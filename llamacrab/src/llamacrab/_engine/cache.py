@@ -10,6 +10,7 @@ so a state computed under other weights or settings is never found.
 from __future__ import annotations
 
 import abc
+import io
 import os
 import threading
 import warnings
@@ -122,7 +123,8 @@ class DiskCache(PromptCache):
         return int(self._cache.volume())
 
     def store(self, state: SavedState, namespace: bytes = b"") -> None:
-        self._cache.set(_key(namespace, state.tokens), state.to_bytes())
+        # As a file to read: diskcache writes plain bytes line by line (one write per b"\n").
+        self._cache.set(_key(namespace, state.tokens), io.BytesIO(state.to_bytes()), read=True)
         self._cache.cull()  # enforce the size limit now, not on some later write
 
     def _keys(self, namespace: bytes) -> list[tuple[int, ...]]:

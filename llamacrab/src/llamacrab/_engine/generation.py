@@ -59,6 +59,9 @@ MEDIA_TOKEN = -1
 # before that, for one that changes the prompt's last message. At most
 # ContextParams.ctx_checkpoints per sequence, the newest.
 CHECKPOINT_BEFORE_END = 4
+# A checkpoint this close after another saves less decoding than it costs (its own decode
+# split, a copy of the window): resuming from the earlier one decodes these few tokens again.
+MIN_CHECKPOINT_GAP = 16
 
 
 @dataclass(frozen=True)
@@ -257,8 +260,9 @@ class KvState:
 
     def checkpoint_positions(self, request: Request) -> tuple[int, ...]:
         """Where decoding the request's prompt (after what this sequence holds) stops for
-        checkpoints, in order: only for sliding-window models, only ahead, and only where the
-        sequence may outgrow the window (before that, the window holds every position)."""
+        checkpoints, in order: only for sliding-window models, only ahead, only where the
+        sequence may outgrow the window (before that, the window holds every position), and
+        none within MIN_CHECKPOINT_GAP tokens after another."""
         end = len(request.prompt) - CHECKPOINT_BEFORE_END
         longest = len(request.prompt) + (
             self.context.n_ctx_seq if request.max_tokens is None else request.max_tokens
@@ -270,7 +274,13 @@ class KvState:
         ):
             return ()
         wanted = sorted({*request.checkpoint_at, end - self.context.n_ubatch, end})
-        return tuple(position for position in wanted if position > len(self.tokens))
+        taken: list[int] = []
+        last = max((c.n_tokens for c in self.checkpoints), default=-MIN_CHECKPOINT_GAP)
+        for position in wanted:
+            if position > len(self.tokens) and position - last >= MIN_CHECKPOINT_GAP:
+                taken.append(position)
+                last = position
+        return tuple(taken)
 
     def take_checkpoint(self) -> None:
         """Keep the windowed layers' cells as they are now (see ``StateCheckpoint``); one that

@@ -9,6 +9,7 @@ from typing import Any
 from llamacrab._chat.media_parts import extract_media, has_media
 from llamacrab._chat.options import ChatOptions
 from llamacrab._chat.prompt import chat_prompt, presents_tools, template_source
+from llamacrab._features.checkpoint_hints import suffix_start
 from llamacrab._features.media import MediaInput
 from llamacrab._native.media import Media
 from llamacrab._native.model import Model
@@ -90,12 +91,7 @@ def _last_content_start(
     content = last.get("content") if last is not None else None
     if not isinstance(content, str) or not content.strip():
         return None
-    where = prompt.rfind(content.strip())
-    if where <= 0:
-        return None
-    rest = model.vocab.tokenize(prompt[where:], add_special=False, parse_special=True)
-    start = len(tokens) - len(rest)
-    return start if start > 0 and tokens[start:] == rest else None
+    return suffix_start(model.vocab, prompt, tokens, prompt.rfind(content.strip()), True)
 
 
 def chat_completion(result: Completion, options: ChatOptions) -> ChatCompletion:

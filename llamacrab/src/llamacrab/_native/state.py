@@ -73,26 +73,21 @@ class SavedState:
         return len(self.payload) + extra + 4 * len(self.tokens)
 
     def to_bytes(self) -> bytes:
-        tokens = np.asarray(self.tokens, dtype="<i4").tobytes()
-        body = (
-            _HEAD.pack(
-                MAGIC,
-                FORMAT_VERSION,
-                _SCOPES.index(self.scope),
-                self.n_ctx,
-                self.model_id,
-                len(self.tokens),
-            )
-            + tokens
-            + struct.pack("<Q", len(self.payload))
-            + self.payload
-            + struct.pack("<I", len(self.checkpoints))
-            + b"".join(
-                _CHECKPOINT_HEAD.pack(c.n_tokens, len(c.payload)) + c.payload
-                for c in self.checkpoints
-            )
-        )
-        return body + hashlib.sha256(body).digest()
+        head = _HEAD.pack(
+            MAGIC, FORMAT_VERSION, _SCOPES.index(self.scope), self.n_ctx, self.model_id,
+            len(self.tokens),
+        )  # fmt: skip
+        parts = [head, np.asarray(self.tokens, dtype="<i4").tobytes(),
+                 struct.pack("<Q", len(self.payload)), self.payload,
+                 struct.pack("<I", len(self.checkpoints))]  # fmt: skip
+        for checkpoint in self.checkpoints:
+            parts += [_CHECKPOINT_HEAD.pack(checkpoint.n_tokens, len(checkpoint.payload)),
+                      checkpoint.payload]  # fmt: skip
+        # Hashed part by part and joined once: states are tens of megabytes.
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(part)
+        return b"".join([*parts, digest.digest()])
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> SavedState:
