@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -194,6 +195,84 @@ def test_disk_cache_survives_a_restart(tmp_path: Path, tiny_model_path: Path) ->
     assert int(runs[0].stdout) == 0 and int(runs[1].stdout) > 10
 
 
+def test_a_disk_cache_writes_behind_and_bounds_what_waits(
+    tmp_path: Path, tiny_llama: Llama
+) -> None:
+    """store() returns before the disk is written (a generation does not wait for it); the
+    state is found at once; at most MAX_PENDING wait, a further store waits for room; flush()
+    and close() wait for the writes, and a later store is refused."""
+    states = []
+    for i in range(3):
+        tiny_llama.reset()
+        tiny_llama.create_completion([1, 260 + i, 261, 262], max_tokens=0)
+        states.append(tiny_llama.save_state())
+    cache = DiskCache(tmp_path / "cache")
+    gate = threading.Event()
+    write = cache._cache.set
+    cache._cache.set = lambda *args, **kwargs: (gate.wait(10), write(*args, **kwargs))[1]
+    cache.store(states[0])
+    cache.store(states[1])  # both return with the writer held at the gate
+    assert cache.longest_prefix(states[1].tokens) == (len(states[1].tokens), states[1])
+    assert len(cache) == 2 and len(DiskCache(tmp_path / "cache")) == 0
+    third = threading.Thread(target=cache.store, args=(states[2],))
+    third.start()
+    third.join(timeout=0.3)
+    assert third.is_alive()  # two wait already: this store waits for room
+    gate.set()
+    third.join(timeout=10)
+    assert not third.is_alive()
+    cache.flush()
+    reopened = DiskCache(tmp_path / "cache")
+    assert len(reopened) == 3
+    assert reopened.longest_prefix(states[2].tokens) == (len(states[2].tokens), states[2])
+    reopened.close()
+    cache.close()
+    with pytest.raises(StateError, match="closed"):
+        cache.store(states[0])
+
+
+def test_a_failed_disk_write_is_logged_and_dropped(
+    tmp_path: Path, tiny_llama: Llama, caplog: pytest.LogCaptureFixture
+) -> None:
+    tiny_llama.create_completion([1, 260, 261, 262], max_tokens=0)
+    state = tiny_llama.save_state()
+    cache = DiskCache(tmp_path / "cache")
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    cache._cache.set = disk_full
+    with caplog.at_level("WARNING", logger="llamacrab"):
+        cache.store(state)
+        cache.flush()
+    assert "prompt cache save failed" in caplog.text
+    assert len(cache) == 0 and cache.longest_prefix(state.tokens) is None
+    cache.close()
+
+
+def test_the_interpreter_exit_waits_for_pending_disk_writes(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """A process that ends right after a generation (no close()) still leaves its state on
+    disk: the writer is not a daemon thread. Here each write takes a second more."""
+    script = textwrap.dedent(f"""
+        import time
+        from llamacrab import DiskCache, Llama
+        cache = DiskCache({str(tmp_path / "cache")!r})
+        write = cache._cache.set
+        cache._cache.set = lambda *a, **k: (time.sleep(1), write(*a, **k))[1]
+        with Llama({str(tiny_model_path)!r}, n_ctx=128, cache=cache) as llm:
+            llm.create_completion({PROMPT!r}, max_tokens=2)
+        print(len(cache._pending))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert int(run.stdout) == 1  # still pending when the script's last line ran
+    cache = DiskCache(tmp_path / "cache")
+    assert len(cache) == 1
+    cache.close()
+
+
 def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: Llama) -> None:
     states = []
     for i in range(6):
@@ -205,6 +284,7 @@ def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: L
     cache = DiskCache(tmp_path / "small", capacity_bytes=empty + int(size * 3.5))
     for state in states:
         cache.store(state)
+    cache.flush()  # written behind: the limit holds once they are on disk
     assert 2 <= len(cache) < 6 and cache.size_bytes <= cache.capacity_bytes
     key = (b"", np.asarray([1, 2, 3], dtype="<i4").tobytes())  # namespace, tokens
     cache._cache.set(key, b"LCRBSTAT corrupted")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import io
+import logging
 import os
 import threading
 import warnings
@@ -23,6 +24,8 @@ import numpy as np
 from llamacrab._exceptions import InvalidParameterError, StateError
 from llamacrab._native.state import SavedState
 from llamacrab._types import common_prefix
+
+log = logging.getLogger("llamacrab")
 
 
 class PromptCache(abc.ABC):
@@ -106,7 +109,15 @@ class RamCache(PromptCache):
 
 class DiskCache(PromptCache):
     """States in ``directory`` (a ``diskcache.Cache``), least recently used evicted beyond
-    ``capacity_bytes``. A corrupt entry is discarded with a warning."""
+    ``capacity_bytes``. A corrupt entry is discarded with a warning.
+
+    States are written behind: ``store`` hands a state to a writer thread and returns, so the
+    generation that made it (and, with parallel slots, every other one) does not wait for the
+    disk; a lookup finds it at once. At most MAX_PENDING states wait to be written (a store
+    beyond that waits for room). ``close()`` and the interpreter's exit wait for what is still
+    being written; a write that fails is logged and skipped, as a failed store was before."""
+
+    MAX_PENDING = 2
 
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int = 8 << 30) -> None:
         import diskcache  # type: ignore[import-untyped]
@@ -117,26 +128,82 @@ class DiskCache(PromptCache):
             os.fspath(directory), size_limit=capacity_bytes,
             eviction_policy="least-recently-used", cull_limit=0,
         )  # fmt: skip
+        self._pending: OrderedDict[tuple[bytes, bytes], SavedState] = OrderedDict()
+        self._changed = threading.Condition()
+        self._writer: threading.Thread | None = None
+        self._closed = False
 
     @property
     def size_bytes(self) -> int:
-        return int(self._cache.volume())
+        with self._changed:
+            waiting = sum(state.size_bytes for state in self._pending.values())
+        return int(self._cache.volume()) + waiting
 
     def store(self, state: SavedState, namespace: bytes = b"") -> None:
-        # As a file to read: diskcache writes plain bytes line by line (one write per b"\n").
-        self._cache.set(_key(namespace, state.tokens), io.BytesIO(state.to_bytes()), read=True)
-        self._cache.cull()  # enforce the size limit now, not on some later write
+        key = _key(namespace, state.tokens)
+        with self._changed:
+            while (
+                not self._closed
+                and len(self._pending) >= self.MAX_PENDING
+                and key not in self._pending
+                and self._writing()
+            ):
+                self._changed.wait(timeout=1.0)
+            if self._closed:
+                raise StateError("this DiskCache is closed")
+            self._pending[key] = state
+            if not self._writing():
+                # Not a daemon: the interpreter's exit waits for the states still pending.
+                self._writer = threading.Thread(
+                    target=self._write_pending, name="llamacrab-disk-cache", daemon=False
+                )
+                self._writer.start()
+
+    def _writing(self) -> bool:
+        # A forked child inherits the attribute, not the thread: is_alive() tells.
+        return self._writer is not None and self._writer.is_alive()
+
+    def _write_pending(self) -> None:
+        """Write pending states oldest first; the thread ends when none is left."""
+        while True:
+            with self._changed:
+                if not self._pending:
+                    self._writer = None
+                    self._changed.notify_all()
+                    return
+                key, state = next(iter(self._pending.items()))
+            try:
+                # As a file to read: diskcache writes plain bytes line by line (a write per
+                # b"\n" byte, ~80,000 for a 37 MB state).
+                self._cache.set(key, io.BytesIO(state.to_bytes()), read=True)
+                self._cache.cull()  # enforce the size limit now, not on some later write
+            except Exception:  # a full disk, a locked database: the generation stands
+                log.warning("prompt cache save failed; skipped", exc_info=True)
+            with self._changed:
+                if self._pending.get(key) is state:  # not stored again meanwhile
+                    del self._pending[key]
+                self._changed.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every stored state is on disk (or its write failed and was logged)."""
+        with self._changed:
+            while self._writing():
+                self._changed.wait(timeout=1.0)
 
     def _keys(self, namespace: bytes) -> list[tuple[int, ...]]:
         # Keys of another form (an older llamacrab's bare token bytes) belong to no namespace.
-        return [
-            tuple(np.frombuffer(key[1], dtype="<i4").tolist())
-            for key in self._cache.iterkeys()
-            if isinstance(key, tuple) and key[0] == namespace
-        ]
+        with self._changed:
+            pending = [key for key in self._pending if key[0] == namespace]
+        stored = [key for key in self._cache.iterkeys() if isinstance(key, tuple)]
+        keys = {key[1] for key in (*pending, *stored) if key[0] == namespace}
+        return [tuple(np.frombuffer(key, dtype="<i4").tolist()) for key in keys]
 
     def _get(self, namespace: bytes, tokens: tuple[int, ...]) -> SavedState | None:
         key = _key(namespace, tokens)
+        with self._changed:
+            pending = self._pending.get(key)
+        if pending is not None:
+            return pending
         raw = self._cache.get(key)
         if raw is None:
             return None
@@ -148,10 +215,16 @@ class DiskCache(PromptCache):
             return None
 
     def close(self) -> None:
+        """Write what is pending, then close the directory; later stores raise StateError."""
+        with self._changed:
+            self._closed = True
+        self.flush()
         self._cache.close()
 
     def __len__(self) -> int:
-        return len(self._cache)
+        with self._changed:
+            pending = set(self._pending)
+        return len(pending | set(self._cache.iterkeys()))
 
 
 def _key(namespace: bytes, tokens: Sequence[int]) -> tuple[bytes, bytes]:
