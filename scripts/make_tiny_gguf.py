@@ -150,6 +150,56 @@ def write_tiny_llama_split(
     return paths
 
 
+def write_tiny_mamba(path: Path, seed: int = 0) -> Path:
+    """A tiny random Mamba (a recurrent model: its memory is one state per sequence, which
+    cannot be cut back to an earlier position) with the tiny llama's vocabulary."""
+    rng = np.random.default_rng(seed)
+    d_inner, d_conv, d_state, dt_rank = 2 * N_EMBD, 4, 16, N_EMBD // 16
+    tokens, scores, types = vocabulary()
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_name("llamacrab-tiny-mamba")
+    writer.add_context_length(N_CTX_TRAIN)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(dt_rank)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    tensors = {"token_embd.weight": weight(len(tokens), N_EMBD, scale=1.0)}
+    for i in range(N_LAYER):  # numpy shapes are GGUF's ne reversed
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
+            f"blk.{i}.ssm_in.weight": weight(2 * d_inner, N_EMBD),
+            f"blk.{i}.ssm_conv1d.weight": weight(d_inner, d_conv),
+            f"blk.{i}.ssm_conv1d.bias": weight(d_inner),
+            f"blk.{i}.ssm_x.weight": weight(dt_rank + 2 * d_state, d_inner),
+            f"blk.{i}.ssm_dt.weight": weight(d_inner, dt_rank),
+            f"blk.{i}.ssm_dt.bias": weight(d_inner),
+            # A = -exp(A_log) < 0: the state decays, as a trained Mamba's does.
+            f"blk.{i}.ssm_a": -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1)),
+            f"blk.{i}.ssm_d": np.ones(d_inner, dtype=np.float32),
+            f"blk.{i}.ssm_out.weight": weight(N_EMBD, d_inner),
+        }
+    tensors["output_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+    tensors["output.weight"] = weight(len(tokens), N_EMBD, scale=1.0)
+    write_gguf(writer, tensors)
+    return path
+
+
 def write_tiny_draft(path: Path, source: Path, seed: int = 0) -> Path:
     """A tiny random llama-architecture model with ``source``'s tokenizer (every tokenizer.*
     key copied), so it can draft for that model. Its drafts are noise: it exercises the

@@ -504,6 +504,60 @@ def test_a_new_last_sentence_after_the_same_text_resumes_at_its_start(gemma_path
     _assert_close(second.choices[0].logprobs, fresh.choices[0].logprobs)
 
 
+@pytest.fixture(scope="module")
+def tiny_mamba_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.write_tiny_mamba(tmp_path_factory.mktemp("mamba") / "tiny-mamba.gguf")
+
+
+MAMBA_DOCUMENT = "the cat sat on the mat. " * 10
+
+
+@pytest.mark.parametrize("parallel", [None, 2], ids=["one-slot", "scheduler"])
+def test_a_recurrent_model_resumes_from_its_checkpoints(
+    tiny_mamba_path: Path, tmp_path: Path, parallel: int | None
+) -> None:
+    """A recurrent state cannot be cut back: a prompt leaving the memory before its end went
+    back to the start. Checkpoints of the state (where the prompt's last sentence starts and
+    4 tokens before its end) let it resume there, in memory and from a DiskCache, with the
+    answer of a fresh memory; with ctx_checkpoints=0 it still decodes everything again."""
+    first = MAMBA_DOCUMENT + "the dog sat on the mat."
+    second = MAMBA_DOCUMENT + "the cat is on the mat."
+    cache = DiskCache(tmp_path / "cache")
+    with Llama(tiny_mamba_path, n_ctx=1024, n_threads=1, parallel=parallel) as llm:
+        assert llm.model.recurrent and llm.model.needs_checkpoints
+        n = len(llm.tokenize(first))
+        sentence = n - len(llm.tokenize("the dog sat on the mat.", add_special=False))
+        llm.create_completion(first, max_tokens=2)
+        slot = next(s.id for s in llm.slots() if s.n_tokens)
+        assert [c.n_tokens for c in llm.save_state(slot=slot).checkpoints] == [sentence, n - 4]
+        in_memory = llm.create_completion(second, max_tokens=6, logprobs=1, **GREEDY)
+        llm.cache = cache
+        llm.create_completion(first, max_tokens=2)  # the cache holds `first`'s state
+        llm.reset()  # only the DiskCache can help now
+        from_disk = llm.create_completion(second, max_tokens=6, logprobs=1, **GREEDY)
+        llm.cache = None
+        llm.reset()
+        fresh = llm.create_completion(second, max_tokens=6, logprobs=1, **GREEDY)
+    cache.close()
+    assert in_memory.usage.cached_tokens == from_disk.usage.cached_tokens == sentence
+    assert fresh.usage.cached_tokens == 0
+    for answer in (in_memory, from_disk):
+        assert answer.choices[0].tokens == fresh.choices[0].tokens
+        _assert_close(answer.choices[0].logprobs, fresh.choices[0].logprobs)
+    with Llama(tiny_mamba_path, n_ctx=1024, n_threads=1, ctx_checkpoints=0) as llm:
+        llm.create_completion(first, max_tokens=2)
+        assert llm.save_state().checkpoints == ()
+        again = llm.create_completion(second, max_tokens=6, **GREEDY)
+        assert again.usage.cached_tokens == 0
+        assert again.choices[0].tokens == fresh.choices[0].tokens
+
+
+def test_models_say_whether_they_need_checkpoints(tiny_llama: Llama, tiny_mamba_path: Path) -> None:
+    assert not tiny_llama.model.recurrent and not tiny_llama.model.needs_checkpoints
+    with Llama(tiny_mamba_path, n_ctx=64, n_threads=1) as mamba:
+        assert mamba.model.recurrent and mamba.model.n_swa == 0
+
+
 def _assert_close(reused: Logprobs | None, fresh: Logprobs | None) -> None:
     assert reused is not None and fresh is not None
     drift = np.subtract(reused.token_logprobs, fresh.token_logprobs)

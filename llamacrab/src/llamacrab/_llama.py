@@ -562,7 +562,7 @@ class Llama:
         """
         parts = completion_prompt(self.vocab, self._media, prompt, media)
         checkpoint_at = tuple(checkpoint_at)
-        if isinstance(prompt, str) and not media and self.model.n_swa > 0:
+        if isinstance(prompt, str) and not media and self.model.needs_checkpoints:
             sentence = last_sentence_start(self.vocab, prompt, parts.tokens)
             checkpoint_at += () if sentence is None else (sentence,)
         stops = [stop] if isinstance(stop, str) else stop

@@ -260,20 +260,20 @@ class KvState:
 
     def checkpoint_positions(self, request: Request) -> tuple[int, ...]:
         """Where decoding the request's prompt (after what this sequence holds) stops for
-        checkpoints, in order: only for sliding-window models, only ahead, only where the
-        sequence may outgrow the window (before that, the window holds every position), and
-        none within MIN_CHECKPOINT_GAP tokens after another."""
+        checkpoints, in order: only for sliding-window and recurrent models, only ahead, for a
+        sliding-window one only where the sequence may outgrow the window (before that, the
+        window holds every position), and none within MIN_CHECKPOINT_GAP tokens after
+        another."""
+        context = self.context
         end = len(request.prompt) - CHECKPOINT_BEFORE_END
         longest = len(request.prompt) + (
-            self.context.n_ctx_seq if request.max_tokens is None else request.max_tokens
+            context.n_ctx_seq if request.max_tokens is None else request.max_tokens
         )
-        if (
-            self.context.n_swa == 0
-            or longest <= self.context.n_swa
-            or self.context.params.ctx_checkpoints == 0
-        ):
+        fits_window = not context.recurrent and longest <= context.n_swa
+        needed = context.n_swa > 0 or context.recurrent
+        if not needed or fits_window or context.params.ctx_checkpoints == 0:
             return ()
-        wanted = sorted({*request.checkpoint_at, end - self.context.n_ubatch, end})
+        wanted = sorted({*request.checkpoint_at, end - context.n_ubatch, end})
         taken: list[int] = []
         last = max((c.n_tokens for c in self.checkpoints), default=-MIN_CHECKPOINT_GAP)
         for position in wanted:

@@ -36,7 +36,7 @@ def chat_request(
             tools = None
     prompt, tokens = _prompt_and_tokens(model, media, messages, chat_format, tools)
     completion = options.completion_kwargs(kwargs, source)
-    if isinstance(tokens, list) and model.n_swa > 0:
+    if isinstance(tokens, list) and model.needs_checkpoints:
         start = _last_content_start(model, messages, prompt, tokens)
         if start is not None:
             completion["checkpoint_at"] = (*completion.get("checkpoint_at", ()), start)

@@ -6,7 +6,8 @@ attention layer (sliding-window layers get fewer cells unless ``swa_full``); the
 is dominated by the logits of one micro-batch (``n_ubatch`` x vocabulary floats) plus the
 activations, and without flash attention the attention scores; checkpoints are the windowed
 layers' cells of one window, ``ctx_checkpoints`` per sequence, which a sliding-window model
-takes while prompts are decoded. Recurrent state and backend repacking are not counted.
+takes while prompts are decoded. Recurrent state (and a recurrent model's checkpoints of it)
+and backend repacking are not counted.
 tests/test_registry.py compares the estimate with the buffer sizes llama.cpp logs after loading
 and with a checkpoint's size.
 """

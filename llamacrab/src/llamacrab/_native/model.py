@@ -202,6 +202,20 @@ class Model(NativeHandle):
         return int(lib.llama_model_n_swa(self.pointer))
 
     @property
+    def recurrent(self) -> bool:
+        """Whether its memory keeps a recurrent state (Mamba, RWKV; hybrids such as Jamba or
+        Granite 4 beside their attention): one state per sequence, which cannot be cut back
+        to an earlier position."""
+        pointer = self.pointer
+        return bool(lib.llama_model_is_recurrent(pointer) or lib.llama_model_is_hybrid(pointer))
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """Whether a memory cut back within what it holds goes on only from a checkpoint:
+        sliding-window layers have dropped the window before it, a recurrent state all of it."""
+        return self.n_swa > 0 or self.recurrent
+
+    @property
     def n_embd(self) -> int:
         return int(lib.llama_model_n_embd(self.pointer))
 
