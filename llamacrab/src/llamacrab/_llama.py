@@ -552,12 +552,12 @@ class Llama:
         any thread; nothing needs the stream object). ``lora`` ({adapter: scale}, adapters of
         this model) replaces the default adapters for this call alone; parallel slots run
         calls with different sets side by side, one set per decode, taking turns.
-        ``checkpoint_at`` (positions among the prompt's tokens) asks a sliding-window model for
-        checkpoints there too, besides 4 and 4 + n_ubatch tokens before the prompt's end and
-        (for a text prompt) where its last sentence or line starts: a later prompt that
-        leaves this one at such a point (a new question after a shared document) resumes
-        there from the memory or a prompt cache; the chat methods pass where the last
-        message's content starts. Other keywords are SamplingOptions fields
+        ``checkpoint_at`` (positions among the prompt's tokens) asks a sliding-window or
+        recurrent model for checkpoints there too, besides 4 and 4 + n_ubatch tokens before
+        the prompt's end and (for a text prompt) where its last sentence or line starts: a
+        later prompt that leaves this one at such a point (a new question after a shared
+        document) resumes there from the memory or a prompt cache; the chat methods pass
+        where the last message's content starts. Other keywords are SamplingOptions fields
         (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
         """
         parts = completion_prompt(self.vocab, self._media, prompt, media)

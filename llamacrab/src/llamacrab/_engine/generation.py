@@ -53,7 +53,8 @@ class Step:
 # Stands for a position filled by an image or sound: never equal to a real token.
 MEDIA_TOKEN = -1
 
-# Checkpoints of a sliding-window model's windowed layers, where llama-server takes them:
+# Checkpoints of a sliding-window model's windowed layers (a recurrent model's state), where
+# llama-server takes them:
 # 4 tokens before a prompt's end, so that the next prompt repeating it (a chat's next turn, a
 # retry) finds one even where a template ends the two a little differently, and a micro-batch
 # before that, for one that changes the prompt's last message. At most
@@ -78,7 +79,7 @@ class Request:
     lora: Mapping[LoraAdapter, float] | None = None  # None: the context's default adapters
     # The prompt's own tokens get logprobs too (echo): decoded whole, every row's logits read.
     prompt_logprobs: bool = False
-    # Prompt positions to take checkpoints at too (a sliding-window model's; see KvState).
+    # Prompt positions to take checkpoints at too (sliding-window and recurrent models; KvState).
     checkpoint_at: tuple[int, ...] = ()
 
     def check(self, n_ctx: int) -> None:

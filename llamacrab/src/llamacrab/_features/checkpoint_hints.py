@@ -1,7 +1,7 @@
-"""Where a sliding-window model keeps a checkpoint inside a text prompt: the points a later
-prompt is likely to leave this one at, so that it resumes there instead of a whole window
-earlier. A chat's last message starts one; a completion's last sentence (or line) another:
-a new question after the same document."""
+"""Where a sliding-window or recurrent model keeps a checkpoint inside a text prompt: the
+points a later prompt is likely to leave this one at, so that it resumes there instead of a
+whole window earlier (or, recurrent, from the start). A chat's last message starts one; a
+completion's last sentence (or line) another: a new question after the same document."""
 
 from __future__ import annotations
 
