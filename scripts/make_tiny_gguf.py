@@ -10,6 +10,7 @@ through llama.cpp's real code paths. Its outputs are noise: it tests mechanics, 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -150,23 +151,21 @@ def write_tiny_llama_split(
     return paths
 
 
-def write_tiny_mamba(path: Path, seed: int = 0) -> Path:
-    """A tiny random Mamba (a recurrent model: its memory is one state per sequence, which
-    cannot be cut back to an earlier position) with the tiny llama's vocabulary."""
-    rng = np.random.default_rng(seed)
-    d_inner, d_conv, d_state, dt_rank = 2 * N_EMBD, 4, 16, N_EMBD // 16
+# The selective-state-space (Mamba) layers' sizes: llama.cpp supports an expansion of 2 only.
+D_INNER, D_CONV, D_STATE, DT_RANK = 2 * N_EMBD, 4, 16, N_EMBD // 16
+
+
+def _recurrent_metadata(writer: gguf.GGUFWriter, name: str, n_ff: int) -> None:
     tokens, scores, types = vocabulary()
-    writer = gguf.GGUFWriter(str(path), "mamba")
-    writer.add_name("llamacrab-tiny-mamba")
+    writer.add_name(name)
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(0)
-    writer.add_head_count(0)
-    writer.add_ssm_conv_kernel(d_conv)
-    writer.add_ssm_inner_size(d_inner)
-    writer.add_ssm_state_size(d_state)
-    writer.add_ssm_time_step_rank(dt_rank)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_ssm_conv_kernel(D_CONV)
+    writer.add_ssm_inner_size(D_INNER)
+    writer.add_ssm_state_size(D_STATE)
+    writer.add_ssm_time_step_rank(DT_RANK)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("llama")
@@ -176,27 +175,83 @@ def write_tiny_mamba(path: Path, seed: int = 0) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
-    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    tensors = {"token_embd.weight": weight(len(tokens), N_EMBD, scale=1.0)}
-    for i in range(N_LAYER):  # numpy shapes are GGUF's ne reversed
+def _mamba_layer(weight: Callable[..., np.ndarray], i: int) -> dict[str, np.ndarray]:
+    """One Mamba layer's tensors (numpy shapes are GGUF's ne reversed)."""
+    return {
+        f"blk.{i}.ssm_in.weight": weight(2 * D_INNER, N_EMBD),
+        f"blk.{i}.ssm_conv1d.weight": weight(D_INNER, D_CONV),
+        f"blk.{i}.ssm_conv1d.bias": weight(D_INNER),
+        f"blk.{i}.ssm_x.weight": weight(DT_RANK + 2 * D_STATE, D_INNER),
+        f"blk.{i}.ssm_dt.weight": weight(D_INNER, DT_RANK),
+        f"blk.{i}.ssm_dt.bias": weight(D_INNER),
+        # A = -exp(A_log) < 0: the state decays, as a trained Mamba's does.
+        f"blk.{i}.ssm_a": -np.tile(np.arange(1, D_STATE + 1, dtype=np.float32), (D_INNER, 1)),
+        f"blk.{i}.ssm_d": np.ones(D_INNER, dtype=np.float32),
+        f"blk.{i}.ssm_out.weight": weight(N_EMBD, D_INNER),
+    }
+
+
+def _weights(seed: int) -> Callable[..., np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return lambda *shape, scale=0.1: (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _ends(weight: Callable[..., np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    n_vocab = len(vocabulary()[0])
+    first = {"token_embd.weight": weight(n_vocab, N_EMBD, scale=1.0)}
+    last = {"output_norm.weight": np.ones(N_EMBD, dtype=np.float32),
+            "output.weight": weight(n_vocab, N_EMBD, scale=1.0)}  # fmt: skip
+    return first, last
+
+
+def write_tiny_mamba(path: Path, seed: int = 0) -> Path:
+    """A tiny random Mamba (a recurrent model: its memory is one state per sequence, which
+    cannot be cut back to an earlier position) with the tiny llama's vocabulary."""
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    _recurrent_metadata(writer, "llamacrab-tiny-mamba", n_ff=0)
+    writer.add_head_count(0)
+    weight = _weights(seed)
+    tensors, last = _ends(weight)
+    for i in range(N_LAYER):
+        tensors[f"blk.{i}.attn_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+        tensors |= _mamba_layer(weight, i)
+    write_gguf(writer, tensors | last)
+    return path
+
+
+def write_tiny_jamba(path: Path, seed: int = 0) -> Path:
+    """A tiny random Jamba (a hybrid: a Mamba layer, then an attention layer, each with a
+    feed-forward block), so its memory is a recurrent state beside a KV cache."""
+    writer = gguf.GGUFWriter(str(path), "jamba")
+    _recurrent_metadata(writer, "llamacrab-tiny-jamba", n_ff=N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv([0] + [N_HEAD_KV] * (N_LAYER - 1))  # 0: a recurrent layer
+    weight = _weights(seed)
+    tensors, last = _ends(weight)
+    head_dim = N_EMBD // N_HEAD
+    for i in range(N_LAYER):
+        tensors[f"blk.{i}.attn_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+        if i == 0:
+            tensors |= _mamba_layer(weight, i) | {
+                f"blk.{i}.ssm_dt_norm.weight": np.ones(DT_RANK, dtype=np.float32),
+                f"blk.{i}.ssm_b_norm.weight": np.ones(D_STATE, dtype=np.float32),
+                f"blk.{i}.ssm_c_norm.weight": np.ones(D_STATE, dtype=np.float32),
+            }
+        else:
+            tensors |= {
+                f"blk.{i}.attn_q.weight": weight(N_EMBD, N_EMBD),
+                f"blk.{i}.attn_k.weight": weight(N_HEAD_KV * head_dim, N_EMBD),
+                f"blk.{i}.attn_v.weight": weight(N_HEAD_KV * head_dim, N_EMBD),
+                f"blk.{i}.attn_output.weight": weight(N_EMBD, N_EMBD),
+            }
         tensors |= {
-            f"blk.{i}.attn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
-            f"blk.{i}.ssm_in.weight": weight(2 * d_inner, N_EMBD),
-            f"blk.{i}.ssm_conv1d.weight": weight(d_inner, d_conv),
-            f"blk.{i}.ssm_conv1d.bias": weight(d_inner),
-            f"blk.{i}.ssm_x.weight": weight(dt_rank + 2 * d_state, d_inner),
-            f"blk.{i}.ssm_dt.weight": weight(d_inner, dt_rank),
-            f"blk.{i}.ssm_dt.bias": weight(d_inner),
-            # A = -exp(A_log) < 0: the state decays, as a trained Mamba's does.
-            f"blk.{i}.ssm_a": -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1)),
-            f"blk.{i}.ssm_d": np.ones(d_inner, dtype=np.float32),
-            f"blk.{i}.ssm_out.weight": weight(N_EMBD, d_inner),
+            f"blk.{i}.ffn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
+            f"blk.{i}.ffn_gate.weight": weight(N_FF, N_EMBD),
+            f"blk.{i}.ffn_up.weight": weight(N_FF, N_EMBD),
+            f"blk.{i}.ffn_down.weight": weight(N_EMBD, N_FF),
         }
-    tensors["output_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
-    tensors["output.weight"] = weight(len(tokens), N_EMBD, scale=1.0)
-    write_gguf(writer, tensors)
+    write_gguf(writer, tensors | last)
     return path
 
 

@@ -505,25 +505,31 @@ def test_a_new_last_sentence_after_the_same_text_resumes_at_its_start(gemma_path
 
 
 @pytest.fixture(scope="module")
-def tiny_mamba_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny.write_tiny_mamba(tmp_path_factory.mktemp("mamba") / "tiny-mamba.gguf")
+def tiny_recurrent_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A recurrent model (Mamba) and a hybrid one (Jamba: a Mamba layer, an attention one)."""
+    folder = tmp_path_factory.mktemp("recurrent")
+    return {"mamba": tiny.write_tiny_mamba(folder / "tiny-mamba.gguf"),
+            "jamba": tiny.write_tiny_jamba(folder / "tiny-jamba.gguf")}  # fmt: skip
 
 
 MAMBA_DOCUMENT = "the cat sat on the mat. " * 10
 
 
+@pytest.mark.parametrize("arch", ["mamba", "jamba"])
 @pytest.mark.parametrize("parallel", [None, 2], ids=["one-slot", "scheduler"])
 def test_a_recurrent_model_resumes_from_its_checkpoints(
-    tiny_mamba_path: Path, tmp_path: Path, parallel: int | None
+    tiny_recurrent_paths: dict[str, Path], tmp_path: Path, parallel: int | None, arch: str
 ) -> None:
     """A recurrent state cannot be cut back: a prompt leaving the memory before its end went
     back to the start. Checkpoints of the state (where the prompt's last sentence starts and
     4 tokens before its end) let it resume there, in memory and from a DiskCache, with the
-    answer of a fresh memory; with ctx_checkpoints=0 it still decodes everything again."""
+    answer of a fresh memory; with ctx_checkpoints=0 it still decodes everything again. A
+    hybrid's checkpoint holds its recurrent state only; its KV cache is cut there."""
+    path = tiny_recurrent_paths[arch]
     first = MAMBA_DOCUMENT + "the dog sat on the mat."
     second = MAMBA_DOCUMENT + "the cat is on the mat."
     cache = DiskCache(tmp_path / "cache")
-    with Llama(tiny_mamba_path, n_ctx=1024, n_threads=1, parallel=parallel) as llm:
+    with Llama(path, n_ctx=1024, n_threads=1, parallel=parallel) as llm:
         assert llm.model.recurrent and llm.model.needs_checkpoints
         n = len(llm.tokenize(first))
         sentence = n - len(llm.tokenize("the dog sat on the mat.", add_special=False))
@@ -544,7 +550,7 @@ def test_a_recurrent_model_resumes_from_its_checkpoints(
     for answer in (in_memory, from_disk):
         assert answer.choices[0].tokens == fresh.choices[0].tokens
         _assert_close(answer.choices[0].logprobs, fresh.choices[0].logprobs)
-    with Llama(tiny_mamba_path, n_ctx=1024, n_threads=1, ctx_checkpoints=0) as llm:
+    with Llama(path, n_ctx=1024, n_threads=1, ctx_checkpoints=0) as llm:
         llm.create_completion(first, max_tokens=2)
         assert llm.save_state().checkpoints == ()
         again = llm.create_completion(second, max_tokens=6, **GREEDY)
@@ -552,10 +558,13 @@ def test_a_recurrent_model_resumes_from_its_checkpoints(
         assert again.choices[0].tokens == fresh.choices[0].tokens
 
 
-def test_models_say_whether_they_need_checkpoints(tiny_llama: Llama, tiny_mamba_path: Path) -> None:
+def test_models_say_whether_they_need_checkpoints(
+    tiny_llama: Llama, tiny_recurrent_paths: dict[str, Path]
+) -> None:
     assert not tiny_llama.model.recurrent and not tiny_llama.model.needs_checkpoints
-    with Llama(tiny_mamba_path, n_ctx=64, n_threads=1) as mamba:
-        assert mamba.model.recurrent and mamba.model.n_swa == 0
+    for path in tiny_recurrent_paths.values():
+        with Llama(path, n_ctx=64, n_threads=1) as llm:
+            assert llm.model.recurrent and llm.model.needs_checkpoints and llm.model.n_swa == 0
 
 
 def _assert_close(reused: Logprobs | None, fresh: Logprobs | None) -> None:
