@@ -25,6 +25,7 @@ from llamacrab import (
     InvalidParameterError,
     Llama,
     Logprobs,
+    PromptLookup,
     RamCache,
     SavedState,
     StateCheckpoint,
@@ -556,6 +557,21 @@ def test_a_recurrent_model_resumes_from_its_checkpoints(
         again = llm.create_completion(second, max_tokens=6, **GREEDY)
         assert again.usage.cached_tokens == 0
         assert again.choices[0].tokens == fresh.choices[0].tokens
+
+
+def test_speculation_on_a_recurrent_model_is_refused_before_it_starts(
+    tiny_recurrent_paths: dict[str, Path],
+) -> None:
+    """Rejected drafts cannot be dropped from a recurrent state: refused before any decode
+    (it used to fail at the first rejected draft, mid-answer), the Llama still usable."""
+    for path in tiny_recurrent_paths.values():
+        with Llama(path, n_ctx=256, n_threads=1) as llm:
+            with pytest.raises(InvalidParameterError, match="recurrent or hybrid"):
+                llm.create_completion("the cat sat", max_tokens=8, speculative=PromptLookup())
+            done = llm.create_completion("the cat", max_tokens=3, min_tokens=3)
+            assert done.usage.completion_tokens == 3
+        with pytest.raises(InvalidParameterError, match="recurrent or hybrid"):
+            Llama(path, n_ctx=256, n_threads=1, speculative=PromptLookup())
 
 
 def test_models_say_whether_they_need_checkpoints(

@@ -21,7 +21,12 @@ from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._features.chat import chat_completion, chat_request
 from llamacrab._features.checkpoint_hints import last_sentence_start
-from llamacrab._features.completion import Completer, Speculative, completion_prompt
+from llamacrab._features.completion import (
+    Completer,
+    Speculative,
+    check_speculation,
+    completion_prompt,
+)
 from llamacrab._features.embeddings import DEFAULT_PACK_TOKENS, Embeddings
 from llamacrab._features.hub import HubOptions, ResolvedModel
 from llamacrab._features.hub import resolve as resolve_model
@@ -131,6 +136,8 @@ class Llama:
             self.adapters: list[LoraAdapter] = []  # loaded through this Llama: ids, in order
             self._draft: Llama | None = None  # a draft model this Llama opened (and closes)
             speculative = self._apply_extra_options(extra, speculative)
+            if speculative is not None:
+                check_speculation(self.model)
         except BaseException:
             if getattr(self, "_draft", None) is not None:
                 self._draft.close()  # type: ignore[union-attr]

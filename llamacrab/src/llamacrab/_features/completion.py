@@ -22,6 +22,7 @@ from llamacrab._exceptions import ConcurrentUseError, InvalidParameterError
 from llamacrab._features.media import MediaInput
 from llamacrab._native.context import Context
 from llamacrab._native.media import Media
+from llamacrab._native.model import Model
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers, SamplingOptions
 from llamacrab._native.state import SavedState
@@ -62,6 +63,16 @@ def completion_prompt(
         return Prompt(vocab.tokenize(prompt), prompt)
     tokens = vocab.check_tokens(prompt).tolist()
     return Prompt(tokens, vocab.detokenize(tokens))
+
+
+def check_speculation(model: Model) -> None:
+    """Speculative decoding drops rejected drafts from the memory: before any decode, refuse a
+    model whose memory cannot (it used to fail at the first rejected draft, mid-answer)."""
+    if model.recurrent:
+        raise InvalidParameterError(
+            "speculative decoding needs a memory that can drop rejected drafts; a recurrent or "
+            "hybrid model's state cannot (Model.recurrent)"
+        )
 
 
 class Completer:
@@ -206,6 +217,8 @@ class Completer:
             )
         request.check(self.kv.context.n_ctx_seq)
         speculative = speculative if speculative is not None else default
+        if speculative is not None:
+            check_speculation(self.model)
         drafter = speculative.drafter(self.model) if speculative is not None else None
         # Inside the graph a sequence has no raw logits: log-probabilities, media prompts
         # (libmtmd decodes them) and speculative decoding (llama.cpp samples one output per
