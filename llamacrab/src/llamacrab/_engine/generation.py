@@ -271,8 +271,7 @@ class KvState:
             context.n_ctx_seq if request.max_tokens is None else request.max_tokens
         )
         fits_window = not context.recurrent and longest <= context.n_swa
-        needed = context.n_swa > 0 or context.recurrent
-        if not needed or fits_window or context.params.ctx_checkpoints == 0:
+        if not context.needs_checkpoints or fits_window or context.params.ctx_checkpoints == 0:
             return ()
         wanted = sorted({*request.checkpoint_at, end - context.n_ubatch, end})
         taken: list[int] = []

@@ -221,6 +221,7 @@ class Context(NativeHandle):
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(pointer))  # what one sequence may hold
         self.n_swa = model.n_swa
         self.recurrent = model.recurrent
+        self.needs_checkpoints = model.needs_checkpoints
         # llama_decode asserts n_ubatch >= n_tokens (an abort) with non-causal attention, and
         # so does the encoder it runs for a model without KV memory (BERT, gemma-embedding).
         whole = not lib.llama_get_causal_attn(pointer) or lib.llama_get_memory(pointer) == ffi.NULL
