@@ -246,11 +246,13 @@ def main() -> None:
         print(f"round {i + 1} done", flush=True)
     medians = {name: statistics.median(values) for name, values in rows.items()}
     for name, value in medians.items():
-        print(f"{name:<55} {value:9.3f}")
+        spread = f"({min(rows[name]):.3f}-{max(rows[name]):.3f})"
+        print(f"{name:<55} {value:9.3f} {spread}")
     print("greedy output identical with prompt lookup:", identical)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"medians": medians, "identical": identical}, indent=2))
+        report = {"medians": medians, "rounds": rows, "identical": identical}
+        args.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

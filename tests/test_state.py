@@ -295,6 +295,34 @@ def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: L
     cache.close()
 
 
+def test_state_files_are_mapped_and_may_vanish_or_be_bad(tmp_path: Path, tiny_llama: Llama) -> None:
+    tiny_llama.create_completion(PROMPT, max_tokens=0)
+    state = tiny_llama.save_state()
+    cache = DiskCache(tmp_path / "cache")
+    cache.store(state)
+    cache.flush()
+    found = cache.longest_prefix(state.tokens)
+    assert found == (len(state.tokens), state)
+    cache._cache.clear()  # the file goes; the state read from it stays whole
+    tiny_llama.reset()
+    tiny_llama.load_state(found[1])
+    again = tiny_llama.create_completion(PROMPT + " more", max_tokens=1)
+    assert again.usage.cached_tokens == len(state.tokens)
+    cache.store(state)
+    cache.flush()
+    (value,) = (tmp_path / "cache").rglob("*.val")
+    damaged = bytearray(value.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01
+    value.write_bytes(damaged)
+    with pytest.warns(UserWarning, match="corrupt"):
+        assert cache.longest_prefix(state.tokens) is None
+    cache.close()
+    for size in (0, 5, len(state.to_bytes()) - 1):
+        (tmp_path / "cut.bin").write_bytes(state.to_bytes()[:size])
+        with pytest.raises(StateError):
+            SavedState.load(tmp_path / "cut.bin")
+
+
 def test_caches_find_states_in_their_namespace_only(tmp_path: Path, tiny_llama: Llama) -> None:
     tiny_llama.create_completion([1, 260, 261, 262], max_tokens=0)
     state = tiny_llama.save_state()

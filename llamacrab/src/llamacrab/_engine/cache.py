@@ -204,11 +204,16 @@ class DiskCache(PromptCache):
             pending = self._pending.get(key)
         if pending is not None:
             return pending
-        raw = self._cache.get(key)
-        if raw is None:
+        # A file to map, not bytes read into memory; bytes for a value small enough to live in
+        # diskcache's database (an older llamacrab stored states as plain bytes).
+        entry = self._cache.get(key, read=True)
+        if entry is None:
             return None
         try:
-            return SavedState.from_bytes(raw)
+            if isinstance(entry, bytes):
+                return SavedState.from_bytes(entry)
+            with entry:
+                return SavedState.from_file(entry)
         except StateError as error:
             warnings.warn(f"discarding a corrupt prompt-cache entry: {error}", stacklevel=3)
             self._cache.delete(key)

@@ -12,6 +12,8 @@ is still read.
 from __future__ import annotations
 
 import hashlib
+import io
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -90,7 +92,7 @@ class SavedState:
         return b"".join([*parts, digest.digest()])
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> SavedState:
+    def from_bytes(cls, blob: bytes | mmap.mmap) -> SavedState:
         """The state in ``blob``; StateError for anything that is not a whole, well-formed one."""
         # Views, not slices: copying tens of megabytes would cost more than the checksum.
         try:
@@ -144,7 +146,20 @@ class SavedState:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SavedState:
-        return cls.from_bytes(Path(path).read_bytes())
+        with open(path, "rb") as file:
+            return cls.from_file(file)
+
+    @classmethod
+    def from_file(cls, file: io.BufferedIOBase) -> SavedState:
+        """The state in an open file, mapped rather than read when it is a real one: reading
+        copies tens of megabytes into fresh memory, which costs more than the checksum (a
+        29 MB state: ~30 ms read, ~21 ms hashed, here). As with a model file llama.cpp maps,
+        a file cut short by another program while mapped ends the process (SIGBUS); nothing
+        of ours shortens a state file in place (diskcache writes new files and unlinks old
+        ones, ``save`` replaces atomically), and the payload views keep the mapping alive."""
+        if os.fstat(file.fileno()).st_size == 0:  # mmap refuses empty files
+            return cls.from_bytes(b"")
+        return cls.from_bytes(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def _read_checkpoints(body: memoryview, offset: int) -> tuple[StateCheckpoint, ...]:
