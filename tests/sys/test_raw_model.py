@@ -103,10 +103,14 @@ def test_the_gguf_string_walker_stops_at_the_end_of_the_data() -> None:
     data = b"".join(struct.pack("<Q", len(s)) + s for s in strings) + b"tail"
     buffer = ffi.from_buffer("uint8_t[]", data)
     end = len(data) - 4
-    assert lib.llamacrab_gguf_skip_strings(buffer, len(data), 0, len(strings)) == end
-    assert lib.llamacrab_gguf_skip_strings(buffer, len(data), 0, 2) == 8 + 9
+    skip = lib.llamacrab_gguf_skip_strings
+    starts = ffi.new("uint64_t[]", len(strings))
+    assert skip(buffer, len(data), 0, len(strings), starts) == end
+    assert list(starts) == [8, 16, 25, 38]  # each string's first byte
+    assert [data[b : b + len(s)] for b, s in zip(starts, strings, strict=True)] == strings
+    assert skip(buffer, len(data), 0, 2, ffi.NULL) == 8 + 9
     past = 2**64 - 1  # SIZE_MAX
-    assert lib.llamacrab_gguf_skip_strings(buffer, end - 1, 0, len(strings)) == past
+    assert skip(buffer, end - 1, 0, len(strings), ffi.NULL) == past
     huge = struct.pack("<Q", 2**63) + b"x"
-    assert lib.llamacrab_gguf_skip_strings(ffi.from_buffer("uint8_t[]", huge), 9, 0, 1) == past
-    assert lib.llamacrab_gguf_skip_strings(buffer, len(data), len(data) + 5, 1) == past
+    assert skip(ffi.from_buffer("uint8_t[]", huge), 9, 0, 1, ffi.NULL) == past
+    assert skip(buffer, len(data), len(data) + 5, 1, ffi.NULL) == past

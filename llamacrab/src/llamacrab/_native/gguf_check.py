@@ -17,6 +17,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from llamacrab._exceptions import InvalidModelError, ModelLoadError
 from llamacrab._native import gguf_archs as archs
 from llamacrab_sys import ffi, lib
@@ -92,10 +94,11 @@ class _Reader:
         self.offset += length
         return raw.decode("utf-8", "replace")
 
-    def _skip_strings(self, count: int) -> None:
-        # Vocabularies hold hundreds of thousands of strings: their lengths are walked in C.
+    def _skip_strings(self, count: int, starts: Any = ffi.NULL) -> None:
+        # Vocabularies hold hundreds of thousands of strings: their lengths are walked in C,
+        # which also notes where each one starts when ``starts`` has room for ``count``.
         end = lib.llamacrab_gguf_skip_strings(
-            ffi.from_buffer("uint8_t[]", self.data), len(self.data), self.offset, count
+            ffi.from_buffer("uint8_t[]", self.data), len(self.data), self.offset, count, starts
         )
         if end == _WALKED_PAST_END:
             raise self.fail("a string array runs past the end of the file")
@@ -103,16 +106,18 @@ class _Reader:
 
     def _strings(self, count: int) -> tuple[bytes, ...]:
         """``count`` strings as raw bytes (llama.cpp compares tokens byte for byte); the walk in
-        C checks first that they lie inside the file."""
-        start = self.offset
-        self._skip_strings(count)
-        data, offset, length = self.data, start, struct.Struct("<Q")
-        words = []
-        for _ in range(count):
-            (size,) = length.unpack_from(data, offset)
-            words.append(data[offset + 8 : offset + 8 + size])
-            offset += 8 + size
-        return tuple(words)
+        C checks first that they lie inside the file and finds where each starts."""
+        if count == 0:
+            return ()
+        first = self.offset
+        starts = np.empty(count, dtype=np.uint64)
+        self._skip_strings(count, ffi.from_buffer("uint64_t[]", starts))
+        # Slices of one bytes object: a string ends 8 bytes (the next one's length) before the
+        # next one starts, the last one where the walk ended.
+        region = bytes(self.data[first : self.offset])
+        begins = (starts - first).tolist()
+        ends = [*(starts[1:] - first - 8).tolist(), self.offset - first]
+        return tuple(region[b:e] for b, e in zip(begins, ends, strict=True))
 
     def value(self, kind: int, whole: bool = False) -> Any:
         """The next value; ``whole`` decodes an array of up to _MAX_VOCABULARY entries."""
