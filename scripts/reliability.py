@@ -11,6 +11,7 @@ tests/test_reliability.py, and a long one, the default here):
 - lifecycle: generated sequences of operations on handles, Llama objects and streams;
 - tampered-tiny, tampered-gemma: variants of the tiny model's and Gemma 3 270M's GGUF files;
 - inputs: generated grammars, JSON Schemas and chat templates through the public API;
+- states: saved states (KV cache, recurrent, hybrid) tampered under a valid checksum;
 - server: the server under load and faults, and leaks (scripts/reliability_server.py; CI runs
   its short size through tests/test_reliability_server.py).
 
@@ -268,7 +269,7 @@ the same greedy tokens from Gemma 3 270M.
 
 `scripts/reliability.py` (this report) and `tests/test_reliability.py` (CI) share
 `tests/reliability_kit/`: `children.py` runs many cases per child process and isolates a
-culprit, `lifecycle.py`, `tampered.py` and `inputs.py` make and run the cases,
+culprit, `lifecycle.py`, `tampered.py`, `inputs.py` and `states.py` make and run the cases,
 `sections.py` holds the sizes. The cases are the same list in every process for a section,
 mode and seed (hypothesis draws them with `@seed` and no database; the same hypothesis
 version, which each section's report records): a failure's case id, printed with the

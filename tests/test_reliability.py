@@ -1,7 +1,8 @@
-"""The reliability suite's short sizes (CI): lifecycle fuzzing, tampered models, and generated
-grammars, schemas and templates, each asserting no signal death, no hang and no unclean error
-over at least its case count. ``scripts/reliability.py`` runs the long sizes and writes
-RELIABILITY.md. Below them, a regression test for each crash the suite found."""
+"""The reliability suite's short sizes (CI): lifecycle fuzzing, tampered models, generated
+grammars, schemas and templates, and tampered saved states, each asserting no signal death, no
+hang and no unclean error over at least its case count. ``scripts/reliability.py`` runs the
+long sizes and writes RELIABILITY.md. Below them, a regression test for each crash the suite
+found."""
 
 from __future__ import annotations
 
@@ -62,6 +63,12 @@ def test_tampered_tiny_models(workdir: Path) -> None:
 def test_tampered_gemma_models(workdir: Path) -> None:
     report = run_short("tampered-gemma", workdir)
     assert_clean(report, 500)
+    assert report.count("ok") > 0 and report.count("error") > 0
+
+
+def test_tampered_saved_states(workdir: Path) -> None:
+    report = run_short("states", workdir)
+    assert_clean(report, 2000)
     assert report.count("ok") > 0 and report.count("error") > 0
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reliability_kit import children, inputs, lifecycle, tampered
+from reliability_kit import children, inputs, lifecycle, states, tampered
 from reliability_kit.repo import script
 
 
@@ -62,6 +62,15 @@ SECTIONS = {
         "hostile messages, through the public API",
         Size(500, 150), Size(4000, 3600), batch_size=50, case_timeout=60, memory_limit=4 * GIB,
     ),
+    "states": Section(
+        "Tampered saved states",
+        "a sequence's, a whole context's or a checkpoint's saved state of a tiny attention, "
+        "recurrent (Mamba) or hybrid (Jamba) model changed in one place (an integer where the "
+        "counts, positions and sequence ids sit or anywhere, random bytes, a cut, bytes "
+        "added) under a valid checksum, loaded and used; the same Llama answers afterwards",
+        Size(2000, 120), Size(20_000, 1800), batch_size=500, case_timeout=60,
+        memory_limit=4 * GIB,
+    ),
 }  # fmt: skip
 SEED = 2026
 
@@ -94,6 +103,8 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
     if name == "inputs":
         setup = {"model": str(tiny), "workdir": str(workdir / "inputs")}
         return inputs.generate(size.cases or 1000, seed), setup
+    if name == "states":
+        return states.cases(seed, size.cases or 1000), {"models": states.models(workdir)}
     model = tiny if name == "tampered-tiny" else gemma_path()
     label = name.removeprefix("tampered-")
     setup = {"model": str(model), "workdir": str(workdir / "tampered")}
