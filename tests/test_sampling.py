@@ -208,3 +208,63 @@ def test_numpy_greedy_generates_what_the_native_chain_generates(tiny_llama: Llam
         assert numpy_side.choices[0].finish_reason == native_side.choices[0].finish_reason
     assert numpy_side.usage.completion_tokens == 3  # the ban held, then the biased end won
     assert numpy_side.choices[0].finish_reason == "eos"
+
+
+TOP_K_CHAINS = [
+    {},  # llama.cpp's defaults: top_k 40, top_p 0.95, min_p 0.05, temperature 0.8
+    {"top_k": 5, "top_p": 0.9, "min_p": 0.02},
+    {"top_k": 100, "temperature": 1.5, "typical_p": 0.9},
+    {"top_k": 20, "dynatemp_range": 0.5, "xtc_probability": 0.5, "xtc_threshold": 0.05},
+    {"top_k": 4096},  # the whole tiny vocabulary
+    # logit_bias before top_k: lifted into the top_k, banned, pushed down from the top
+    {"top_k": 8, "logit_bias": {7: 2.0, 30: 1.0, 2: float("-inf"), 50: -3.0}},
+    {"top_k": 3, "temperature": 2.0, "logit_bias": dict.fromkeys(range(40, 100), 4.0)},
+]
+
+
+@pytest.mark.parametrize("options", TOP_K_CHAINS)
+def test_a_chain_starting_with_top_k_samples_what_the_whole_chain_samples(
+    tiny_llama: Llama, options: dict
+) -> None:
+    """Such a chain is handed only the top_k largest logits, picked in one pass in C: the same
+    seed gives the same tokens as the same chain handed every candidate (a pass-through Python
+    sampler first forces that)."""
+    assert SamplingOptions(**options).top_k_first
+    fast = tiny_llama.create_completion("the cat", max_tokens=24, seed=5, **options)
+    whole = tiny_llama.create_completion(
+        "the cat", max_tokens=24, seed=5, custom_samplers=(PassThrough(),), **options
+    )
+    assert fast.choices[0].tokens == whole.choices[0].tokens
+    assert len(set(fast.choices[0].tokens)) > 1  # sampled, not one token over and over
+
+
+@pytest.mark.real_model
+def test_top_k_first_on_a_real_vocabulary(gemma: Llama) -> None:
+    """262,144 candidates, of which top_k 40 reach the rest of llama.cpp's default chain."""
+    prompt = "Write a short story about a crab who finds a lighthouse."
+    for seed in (1, 2):
+        fast = gemma.create_completion(prompt, max_tokens=32, seed=seed)
+        whole = gemma.create_completion(
+            prompt, max_tokens=32, seed=seed, custom_samplers=(PassThrough(),)
+        )
+        assert fast.choices[0].tokens == whole.choices[0].tokens
+
+
+def test_which_chains_start_with_top_k() -> None:
+    assert SamplingOptions().top_k_first
+    assert SamplingOptions(order=("top_p", "top_k"), top_p=1.0).top_k_first  # top_p does nothing
+    assert SamplingOptions(logit_bias={1: 1.0}).top_k_first  # the biased tokens go along
+    for other in [
+        {"temperature": 0},  # greedy: argmax in numpy
+        {"logit_bias": dict.fromkeys(range(65), 1.0)},  # beyond MAX_BIAS_FIRST
+        {"repeat_penalty": 1.1},
+        {"dry_multiplier": 0.8},
+        {"top_n_sigma": 1.0},
+        {"top_k": 0},
+        {"top_k": 5000},  # beyond MAX_TOP_K_FIRST
+        {"mirostat": 2},
+        {"grammar": 'root ::= "a"'},
+        {"order": ("temperature", "top_k")},
+        {"order": ("top_p", "min_p")},
+    ]:
+        assert not SamplingOptions(**other).top_k_first, other

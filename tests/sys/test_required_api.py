@@ -28,9 +28,9 @@ def used_names() -> set[str]:
         for path in root.rglob("*.py"):
             for match in USES.finditer(path.read_text()):
                 names.add((match.group(1) or match.group(2)).removeprefix("safe_"))
-    # Our own shims and callback trampolines come with every build.
+    # Our own shims, their error codes and callback trampolines come with every build.
     # ("lib.safe_<name>" in prose leaves an empty name.)
-    return {n for n in names if n and not n.startswith("llamacrab_")}
+    return {n for n in names if n and not n.lower().startswith("llamacrab_")}
 
 
 def listed_names() -> set[str]:

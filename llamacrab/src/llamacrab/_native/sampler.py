@@ -24,6 +24,10 @@ from llamacrab_sys import python_sampler
 # llama.cpp's default order (common/common.h): filters first, temperature last, then `dist`.
 LLAMA_TOKEN_NULL = -1
 
+# A top_k this large or smaller, after a logit_bias of this many tokens at most, picks its
+# candidates in one pass over the logits (a heap of k plus the biased tokens).
+MAX_TOP_K_FIRST = 4096
+MAX_BIAS_FIRST = 64
 DEFAULT_ORDER = (
     "penalties", "dry", "top_n_sigma", "top_k", "typical", "top_p", "min_p", "xtc", "temperature",
 )  # fmt: skip
@@ -88,6 +92,17 @@ class SamplingOptions:
         """Greedy with nothing but logit_bias before it: a pick numpy can make alone."""
         return self.greedy and self.grammar is None and not self.custom_samplers
 
+    @property
+    def top_k_first(self) -> bool:
+        """Whether nothing before top_k changes the logits but a logit_bias of a few tokens:
+        the chain then needs only the top_k largest and those tokens (``SamplerChain.sample``)."""
+        if self.greedy or self.mirostat or self.grammar is not None or self.custom_samplers:
+            return False
+        if not 0 < self.top_k <= MAX_TOP_K_FIRST or len(self.logit_bias) > MAX_BIAS_FIRST:
+            return False
+        before = self.order[: list(self.order).index("top_k")] if "top_k" in self.order else None
+        return before is not None and not any(_active(self, name) for name in before)
+
 
 class SamplerChain(NativeHandle):
     """A native sampler chain bound to a model's vocabulary. It owns the samplers it holds."""
@@ -124,6 +139,12 @@ class SamplerChain(NativeHandle):
             if options.plain_greedy and not self._bridges
             else None
         )
+        # The top_k candidates the chain keeps anyway (and the biased tokens), picked in C.
+        self._top_k_first = options.top_k_first and not self._bridges
+        if self._top_k_first:
+            biased = list(options.logit_bias)
+            self._biased = ffi.new("llama_token[]", biased)
+            self._scratch = ffi.new("llama_token_data[]", options.top_k + 2 * len(biased))
 
     @property
     def picks_in_numpy(self) -> bool:
@@ -167,6 +188,16 @@ class SamplerChain(NativeHandle):
                 raise InvalidParameterError(f"no logits for output {index} of the last decode")
             elif self._argmax is not None:  # logit_bias and greedy keep no state to accept
                 return self._argmax.pick(logits, banned)
+            elif self._top_k_first:
+                k, biased = self.options.top_k, self._biased
+                token = int(lib.llamacrab_sample_top_k_first(
+                    chain, ctx, index, k, biased, len(biased), self._scratch))  # fmt: skip
+                if token == LLAMA_TOKEN_NULL:  # where llama_sampler_sample would abort
+                    raise NativeError(
+                        "llamacrab_sample_top_k_first", lib.LLAMACRAB_UNKNOWN_EXCEPTION,
+                        "the chain selected no token, or a C++ exception",
+                    )  # fmt: skip
+                return token
             token = int(call("llama_sampler_sample", chain, ctx, index))
         self._raise_python_error()
         return token
@@ -283,14 +314,12 @@ def graph_fits(options: SamplingOptions, n_vocab: int) -> bool:
         return False
     if o.greedy:
         return True
+    outside = ("dry", "top_n_sigma", "typical", "xtc")
     if (
         o.mirostat
         or o.infill
         or o.adaptive_p_target is not None
-        or (o.dry_multiplier != 0 and "dry" in o.order)
-        or (o.top_n_sigma > 0 and "top_n_sigma" in o.order)
-        or (o.typical_p < 1 and "typical" in o.order)
-        or (o.xtc_probability > 0 and "xtc" in o.order)
+        or any(_active(o, name) for name in o.order if name in outside)
     ):
         return False
     return not ("top_k" in o.order and o.top_k > n_vocab)  # ggml's top_k asserts k <= n
@@ -358,8 +387,8 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
         yield _checked(miro, "mirostat")
         return
     for name in o.order:
-        for sampler in _filter(model, o, name, seed):
-            yield _checked(sampler, name)
+        if _active(o, name):
+            yield _checked(_filter(model, o, name, seed), name)
     if o.infill:
         yield _checked(call("llama_sampler_init_infill", model.vocab.pointer), "infill")
     if o.adaptive_p_target is not None:
@@ -369,37 +398,39 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
     yield _checked(final, "final")
 
 
-def _filter(model: Model, o: SamplingOptions, name: str, seed: int) -> list[Any]:
+def _active(o: SamplingOptions, name: str) -> bool:
+    """Whether the sampler ``name`` of ``o.order`` has anything to do (a neutral one is left
+    out of the chain)."""
     if name == "penalties":
-        if o.repeat_penalty == 1.0 and o.frequency_penalty == 0 and o.presence_penalty == 0:
-            return []
-        return [lib.llama_sampler_init_penalties(
+        return o.repeat_penalty != 1.0 or o.frequency_penalty != 0 or o.presence_penalty != 0
+    return {
+        "dry": o.dry_multiplier != 0, "top_n_sigma": o.top_n_sigma > 0, "top_k": o.top_k > 0,
+        "typical": o.typical_p < 1, "top_p": o.top_p < 1, "min_p": o.min_p > 0,
+        "xtc": o.xtc_probability > 0, "temperature": True,
+    }[name]  # fmt: skip
+
+
+def _filter(model: Model, o: SamplingOptions, name: str, seed: int) -> Any:
+    """The native sampler ``name`` of ``o.order``, which ``_active`` said has work to do."""
+    if name == "penalties":
+        return lib.llama_sampler_init_penalties(
             model.vocab.n_tokens, o.penalty_last_n, o.repeat_penalty,
-            o.frequency_penalty, o.presence_penalty)]  # fmt: skip
+            o.frequency_penalty, o.presence_penalty)  # fmt: skip
     if name == "dry":
-        if o.dry_multiplier == 0:
-            return []
         breakers = [ffi.new("char[]", c_string(b, "dry breaker")) for b in o.dry_sequence_breakers]
-        return [call("llama_sampler_init_dry", model.vocab.pointer, o.dry_multiplier, o.dry_base,
-                     o.dry_allowed_length, o.dry_penalty_last_n,
-                     ffi.new("const char *[]", breakers), len(breakers))]  # fmt: skip
-    if name == "top_n_sigma":
-        return [] if o.top_n_sigma <= 0 else [lib.llama_sampler_init_top_n_sigma(o.top_n_sigma)]
-    if name == "top_k":
-        return [] if o.top_k <= 0 else [lib.llama_sampler_init_top_k(o.top_k)]
-    if name == "typical":
-        return [] if o.typical_p >= 1 else [lib.llama_sampler_init_typical(o.typical_p, 1)]
-    if name == "top_p":
-        return [] if o.top_p >= 1 else [lib.llama_sampler_init_top_p(o.top_p, 1)]
-    if name == "min_p":
-        return [] if o.min_p <= 0 else [lib.llama_sampler_init_min_p(o.min_p, 1)]
-    if name == "xtc":
-        if o.xtc_probability <= 0:
-            return []
-        return [lib.llama_sampler_init_xtc(o.xtc_probability, o.xtc_threshold, 1, seed)]
-    # temperature
-    if o.dynatemp_range > 0:
-        return [
-            lib.llama_sampler_init_temp_ext(o.temperature, o.dynatemp_range, o.dynatemp_exponent)
-        ]
-    return [lib.llama_sampler_init_temp(o.temperature)]
+        return call("llama_sampler_init_dry", model.vocab.pointer, o.dry_multiplier, o.dry_base,
+                    o.dry_allowed_length, o.dry_penalty_last_n,
+                    ffi.new("const char *[]", breakers), len(breakers))  # fmt: skip
+    simple = {
+        "top_n_sigma": lambda: lib.llama_sampler_init_top_n_sigma(o.top_n_sigma),
+        "top_k": lambda: lib.llama_sampler_init_top_k(o.top_k),
+        "typical": lambda: lib.llama_sampler_init_typical(o.typical_p, 1),
+        "top_p": lambda: lib.llama_sampler_init_top_p(o.top_p, 1),
+        "min_p": lambda: lib.llama_sampler_init_min_p(o.min_p, 1),
+        "xtc": lambda: lib.llama_sampler_init_xtc(o.xtc_probability, o.xtc_threshold, 1, seed),
+    }
+    if name in simple:
+        return simple[name]()
+    if o.dynatemp_range > 0:  # temperature
+        return lib.llama_sampler_init_temp_ext(o.temperature, o.dynatemp_range, o.dynatemp_exponent)
+    return lib.llama_sampler_init_temp(o.temperature)
