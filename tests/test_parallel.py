@@ -241,3 +241,34 @@ def test_a_stream_dropped_unread_stops_its_generation(tiny_model_path: Path) -> 
         calls = slow.calls
         time.sleep(0.2)
         assert slow.calls == calls <= 20  # stopped, not merely paused
+
+
+def test_a_burst_to_an_idle_engine_shares_its_first_step(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests reaching an idle engine a little apart (a server tokenizes each on its own
+    thread) go into one first step together, so none waits a whole prompt decode for its
+    first token; the window is widened here so that the test does not depend on timing."""
+    from llamacrab._engine import scheduler
+    from llamacrab._native.context import Context
+
+    monkeypatch.setattr(scheduler, "GATHER_SECONDS", 0.5)
+    monkeypatch.setattr(scheduler, "GATHER_LIMIT", 2.0)
+    decoded: list[int] = []
+    decode = Context.decode
+
+    def counting(self: Context, batch: Batch, *args: object, **kwargs: object) -> None:
+        decoded.append(batch.value.n_tokens)
+        decode(self, batch, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Context, "decode", counting)
+    with Llama(tiny_model_path, n_ctx=512, n_threads=1, parallel=4) as llm:
+        prompts = PROMPTS[:3]
+        lengths = [len(llm.tokenize(prompt)) for prompt in prompts]
+        streams = []
+        for prompt in prompts:
+            streams.append(llm.stream_completion(prompt, max_tokens=2, temperature=0))
+            time.sleep(0.05)  # apart, each within the (widened) window of the one before
+        for stream in streams:
+            assert list(stream)
+    assert decoded[0] == sum(lengths), decoded[:3]

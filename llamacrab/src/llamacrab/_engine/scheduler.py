@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ from llamacrab._native.context import Context
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
 from llamacrab._types import common_prefix
+
+# How long an idle engine waits for the next request of a burst, and for the whole burst.
+GATHER_SECONDS = 0.003
+GATHER_LIMIT = 0.010
 
 
 @dataclass(eq=False)
@@ -189,6 +194,10 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
+                if not any(slot.job for slot in self.slots):
+                    while not self._closed and not self.waiting:
+                        self._cond.wait()
+                    self._gather()
                 while not self._closed and not self._admit():
                     self._cond.wait()
                 if self._closed:
@@ -202,6 +211,21 @@ class Scheduler:
         for job in self.waiting:
             job.finish(closed)
         self._fail([s for s in self.slots if s.job], closed)
+
+    def _gather(self) -> None:
+        """The engine was idle and a request came: wait while more keep coming, each within
+        GATHER_SECONDS of the last (at most GATHER_LIMIT in all, and no longer than there are
+        free slots for them). A burst's requests reach the engine a few ms apart (a server
+        parses and tokenizes each on its own thread); started on the first alone, the others
+        would wait a whole step (a prompt's decode) for their first token. Holds ``_cond``."""
+        deadline = time.monotonic() + GATHER_LIMIT
+        while not self._closed and len(self.waiting) < len(self.slots):
+            arrived = len(self.waiting)
+            window = min(GATHER_SECONDS, deadline - time.monotonic())
+            if window > 0:
+                self._cond.wait(window)  # a submit, close or cancel notifies
+            if len(self.waiting) == arrived:
+                return  # none came within the window (a wake-up without one ends it too)
 
     def _admit(self) -> bool:
         """Move waiting jobs into free slots (the one holding the longest shared prefix of its
