@@ -21,16 +21,16 @@ from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
 from llamacrab_sys import python_sampler
 
-# llama.cpp's default order (common/common.h): filters first, temperature last, then `dist`.
 LLAMA_TOKEN_NULL = -1
 
+# llama.cpp's default order (common/common.h): filters first, temperature last, then `dist`.
+DEFAULT_ORDER = (
+    "penalties", "dry", "top_n_sigma", "top_k", "typical", "top_p", "min_p", "xtc", "temperature",
+)  # fmt: skip
 # A top_k this large or smaller, after a logit_bias of this many tokens at most, picks its
 # candidates in one pass over the logits (a heap of k plus the biased tokens).
 MAX_TOP_K_FIRST = 4096
 MAX_BIAS_FIRST = 64
-DEFAULT_ORDER = (
-    "penalties", "dry", "top_n_sigma", "top_k", "typical", "top_p", "min_p", "xtc", "temperature",
-)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
