@@ -944,7 +944,10 @@ def test_deepseek2_ocr_refuses_another_rope_base_from_the_context(tmp_path: Path
     path = tiny_model(tmp_path / "m.gguf", OCR, "deepseek2-ocr", square_kv())
     for base in (0.0, 10000.0, 10000.0001):  # 0 keeps the file's; 10000.0001 is 10000.0f
         with Llama(path, n_ctx=64, n_threads=1, rope_freq_base=base) as llm:
-            assert llm.create_completion("the cat", max_tokens=1).usage.completion_tokens == 1
+            assert (
+                llm.create_completion("the cat", max_tokens=1, min_tokens=1).usage.completion_tokens
+                == 1
+            )
     bases = [{"rope_freq_base": base} for base in (5000.0, 10000.01, -10000.0, float("nan"))]
     override = {"kv_overrides": {"deepseek2-ocr.rope.freq_base": 5000.0}}
     for options in [*bases, override]:

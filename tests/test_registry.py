@@ -180,7 +180,9 @@ def test_get_loads_on_first_use_and_shares_the_llama(registry: ModelRegistry) ->
     assert registry.get("alpha") is first
     status = registry.status("alpha")
     assert status.status == "loaded" and status.estimate is not None and status.kind == "generation"
-    assert first.create_completion("the cat", max_tokens=2).usage.completion_tokens == 2
+    assert (
+        first.create_completion("the cat", max_tokens=2, min_tokens=2).usage.completion_tokens == 2
+    )
     registry.get("gamma")  # a split model
     assert statuses(registry) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded",
                                   "broken": "unloaded"}  # fmt: skip
@@ -198,7 +200,9 @@ def test_a_broken_entry_fails_with_its_reason_and_the_others_keep_working(
     assert status.status == "failed" and status.error and "broken.gguf" in status.error
     with pytest.raises(ModelLoadError, match="failed to load"):
         registry.get("broken")  # reported again, not retried
-    assert alpha.create_completion("the cat", max_tokens=1).usage.completion_tokens == 1
+    assert (
+        alpha.create_completion("the cat", max_tokens=1, min_tokens=1).usage.completion_tokens == 1
+    )
     assert registry.unload("broken") is False and registry.status("broken").status == "unloaded"
 
 
