@@ -151,8 +151,8 @@ class SavedState:
 
     @classmethod
     def from_file(cls, file: io.BufferedIOBase) -> SavedState:
-        """The state in an open file, mapped rather than read when it is a real one: reading
-        copies tens of megabytes into fresh memory, which costs more than the checksum (a
+        """The state in an open file (a real one, with a descriptor), mapped rather than read:
+        reading copies tens of megabytes into fresh memory, which costs more than the checksum (a
         29 MB state: ~30 ms read, ~21 ms hashed, here). As with a model file llama.cpp maps,
         a file cut short by another program while mapped ends the process (SIGBUS); nothing
         of ours shortens a state file in place (diskcache writes new files and unlinks old
