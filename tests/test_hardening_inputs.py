@@ -12,6 +12,7 @@ import zlib
 
 import numpy as np
 import pytest
+import xxhash
 from PIL import Image as PILImage
 
 from llamacrab import MediaError, StateError, TemplateError
@@ -79,7 +80,9 @@ def test_pixel_arrays_are_bounded_too(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _sealed(body: bytes) -> bytes:
-    """``body`` with the valid checksum SavedState.to_bytes appends."""
+    """``body`` with a valid checksum: sha256 for formats 1 and 2, XXH3-128 from 3."""
+    if struct.unpack_from("<I", body, 8)[0] >= 3:
+        return body + xxhash.xxh3_128(body).digest()
     return body + hashlib.sha256(body).digest()
 
 
@@ -88,6 +91,13 @@ def _head(n_tokens: int, *, version: int = 1, scope: int = 0) -> bytes:
 
 
 GOOD = SavedState((1, 2, 3), b"payload", b"m" * 32, 512)
+
+
+def _v3_body() -> bytes:
+    """GOOD as the present format writes it, checksum included."""
+    blob = GOOD.to_bytes()
+    assert struct.unpack_from("<I", blob, 8)[0] == 3
+    return blob
 
 
 def _v2_body() -> bytes:
@@ -115,6 +125,11 @@ def _v2_body() -> bytes:
         _sealed(_v2_body() + struct.pack("<IIQ", 1, 4, 1) + b"x"),
         _sealed(_v2_body() + struct.pack("<IIQ", 1, 0, 1) + b"x"),
         _sealed(_v2_body()),  # no checkpoint count at all
+        # Format 3 checks with XXH3-128: a sha256 after it, a cut checksum, a lying length.
+        _v3_body()[:-16] + hashlib.sha256(_v3_body()[:-16]).digest(),
+        _v3_body()[:-1],
+        _sealed(_v3_body()[:-16].replace(struct.pack("<Q", 7), struct.pack("<Q", 8))),
+        _sealed(state.MAGIC + struct.pack("<I", 3)),  # a header cut after the version
         b"",
         "a string, not bytes",
         np.zeros(40, dtype=np.int64)[::2],  # bytes-like but not contiguous
@@ -136,6 +151,9 @@ def test_states_still_round_trip(tmp_path: object) -> None:
                         checkpoints=(state.StateCheckpoint(2, b"cells"),))  # fmt: skip
     assert SavedState.from_bytes(marked.to_bytes()) == marked
     assert SavedState.from_bytes(_sealed(_v2_body() + struct.pack("<I", 0))) == GOOD
+    # Format 3 is format 2 with another checksum.
+    assert blob == _sealed(_v2_body().replace(struct.pack("<I", 2), struct.pack("<I", 3), 1)
+                           + struct.pack("<I", 0))  # fmt: skip
 
 
 # -- chat templates --------------------------------------------------------------------------
