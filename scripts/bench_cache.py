@@ -7,7 +7,7 @@ pinned source with the same options (build_tools.native --tool llama-server) and
 loopback. Measured, median over alternating rounds:
 - second turn: the time to the first token of a prompt sharing a ~1,400-token prefix with the
   previous one (llama-server cache_prompt; llamacrab's prompt cache), and for llamacrab also from a
-  DiskCache in a freshly started process;
+  DiskCache in a freshly started process (warmed up at load, as llama-server starts);
 - prompt-lookup speculation on a copy-heavy prompt and on a free-running one (tokens/s, plain vs
   speculative, and whether the greedy outputs are identical); tokens/s of the generation alone on
   both sides, from the first token to the last (llama-server's timings.predicted_per_second);
@@ -143,7 +143,7 @@ sys.path.insert(0, sys.argv[4])
 from bench_cache import first_token_seconds
 from llamacrab import DiskCache, Llama
 model, cache_dir, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.stdin.read()
-with Llama(model, n_ctx=4096, n_threads=threads, cache=DiskCache(cache_dir)) as llm:
+with Llama(model, n_ctx=4096, n_threads=threads, cache=DiskCache(cache_dir), warmup=True) as llm:
     print(first_token_seconds(llm, prompt))
 """
 

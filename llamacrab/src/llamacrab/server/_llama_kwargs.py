@@ -46,7 +46,7 @@ def llama_kwargs(settings: ServerSettings) -> dict[str, Any]:
 
 def model_kwargs(settings: ServerSettings) -> dict[str, Any]:
     """The flags any model takes, whatever it serves (None: not given): batch sizes, threads,
-    GPU layers, flash attention, KV types, rope, RPC workers, Hub access."""
+    GPU layers, flash attention, KV types, rope, RPC workers, Hub access, the warm-up."""
     return {
         "n_batch": settings.n_batch, "n_ubatch": settings.n_ubatch,
         "n_threads": settings.n_threads, "n_gpu_layers": settings.n_gpu_layers,
@@ -57,7 +57,7 @@ def model_kwargs(settings: ServerSettings) -> dict[str, Any]:
         "rope_scaling": settings.rope_scaling, "rope_freq_base": settings.rope_freq_base,
         "rope_freq_scale": settings.rope_freq_scale, "yarn_orig_ctx": settings.yarn_orig_ctx,
         "yarn_ext_factor": settings.yarn_ext_factor,
-        "rpc_servers": settings.rpc_servers or None,
+        "rpc_servers": settings.rpc_servers or None, "warmup": not settings.no_warmup,
     }  # fmt: skip
 
 

@@ -38,6 +38,7 @@ class ServerSettings:
     flash_attn: str = "auto"
     graph_sampling: str = "auto"  # samplers inside the compute graph where the chain fits
     ctx_checkpoints: int = 3  # per slot, of a sliding-window model's windowed layers
+    no_warmup: bool = False  # skip the decode at load that spares the first request its cost
     parallel: int = 1
     embeddings: bool = False
     reranking: bool = False
@@ -297,6 +298,12 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
         int,
         "checkpoints per slot of a sliding-window model's windowed layers, to reuse a prompt "
         "prefix the window has passed (default 3; 0: none)",
+    ),
+    (
+        "no_warmup",
+        bool,
+        "skip the warm-up decode at load (llama-server's flag; by default the first request "
+        "does not pay for faulting the weights in)",
     ),
     ("parallel", int, "slots: requests generated concurrently (default 1)"),
     ("embeddings", bool, "serve /v1/embeddings (an embedding model) instead of generation"),
