@@ -259,12 +259,19 @@ class Suite:
         return {name: sides[name]() for name in names}
 
     def context(self) -> dict[str, Row]:
+        """Size by size, the side going first alternating from one size to the next too."""
         vocab, model, threads = self.vocabs[self.model], self.model, self.threads
-        return self.ordered({
-            NATIVE: lambda: bench_growth.native_context(self.bench, model, threads),
-            CRAB: lambda: bench_growth.crab_context(worker, self.pythons[CRAB], CRAB, model,
-                                                    threads, self.banned[model], *vocab),
-        })  # fmt: skip
+        rows: dict[str, Row] = {NATIVE: {}, CRAB: {}}
+        for index, size in enumerate(bench_growth.context_sizes()):
+            sides = {
+                NATIVE: partial(bench_growth.native_context, self.bench, model, threads, size),
+                CRAB: partial(bench_growth.crab_context, worker, self.pythons[CRAB], CRAB, model,
+                              threads, size, self.banned[model], *vocab),
+            }  # fmt: skip
+            names = list(sides) if (self.round + index) % 2 == 0 else list(reversed(sides))
+            for name in names:
+                rows[name].update(sides[name]())
+        return rows
 
     def server_starts(
         self,

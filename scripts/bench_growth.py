@@ -7,10 +7,12 @@ llama.cpp is built from the same source and options as llamacrab-sys.
 - context: prefill t/s of a 512, 4096 and 16384-token prompt (``llama-bench -p S -n 0``, after
   a discarded 64-token test that warms the process up) and decode t/s of 32 tokens at a context
   depth of 0, 1024, 4096 and 16384 tokens (``llama-bench -p 0 -n 32 -d D``: no sampling);
-  llamacrab: one ``Llama`` with llama.cpp's batch sizes (2048 / 512) and room for 16384 + 64
-  tokens, warmed up by a 512-token prefill, then per size a prefill timed alone and 33 greedy
-  tokens after it (end-of-generation tokens banned; timed from the first streamed token, so
-  32 decodes at that depth, the prompt kept in memory).
+  llamacrab: a ``Llama`` with llama.cpp's batch sizes (2048 / 512) and room for the size + 64
+  tokens, warmed up by a 512-token prefill, then a prefill timed alone and 33 greedy tokens
+  after it (end-of-generation tokens banned; timed from the first streamed token, so 32
+  decodes at that depth, the prompt kept in memory). One size at a time, each side in a fresh
+  process, the sides alternating size by size: the machine's speed drifts over minutes, and
+  a 16384-token prefill takes one and a half.
 - clients: the server at 1, 4, 8, 16, 32 and 64 streaming clients, 8 slots of 512 tokens, each
   client one 128-token completion (scripts/bench_server.py), beside llama-server with the same
   slots: aggregate tokens/s and the median and 95th-percentile time to first token.
@@ -52,15 +54,22 @@ def memory_metric(context: int, slots: int) -> str:
     return f"memory ctx {context} x {slots} slots MiB"
 
 
-def native_context(llama_bench: Path, model: Path, threads: int) -> Row:
-    """llama-bench's prefill sizes and decode depths (one process each, -r 1)."""
+def context_sizes() -> list[int]:
+    """Every size the context section measures, a prefill size, a decode depth or both."""
+    return sorted({*PREFILL_SIZES, *DEPTHS})
+
+
+def native_context(llama_bench: Path, model: Path, threads: int, size: int) -> Row:
+    """llama-bench's prefill of ``size`` tokens and decode at that depth, as the size is one
+    or the other (one process each, -r 1)."""
     common = [str(llama_bench), "-m", str(model), "-t", str(threads), "-r", "1", "-o", "json"]
-    sizes = ",".join(str(s) for s in (64, *PREFILL_SIZES))
-    prefill = _run_json([*common, "-p", sizes, "-n", "0", "--no-warmup"])
-    depths = ",".join(str(d) for d in DEPTHS)
-    decode = _run_json([*common, "-p", "0", "-n", str(DEPTH_TOKENS), "-d", depths])
-    row = {prefill_metric(r["n_prompt"]): r["avg_ts"] for r in prefill if r["n_prompt"] > 64}
-    row.update({depth_metric(r["n_depth"]): r["avg_ts"] for r in decode})
+    row = {}
+    if size in PREFILL_SIZES:
+        prefill = _run_json([*common, "-p", f"64,{size}", "-n", "0", "--no-warmup"])
+        row.update({prefill_metric(size): r["avg_ts"] for r in prefill if r["n_prompt"] == size})
+    if size in DEPTHS:
+        decode = _run_json([*common, "-p", "0", "-n", str(DEPTH_TOKENS), "-d", str(size)])
+        row[depth_metric(size)] = decode[0]["avg_ts"]
     return row
 
 
@@ -68,10 +77,11 @@ Worker = Callable[..., dict[str, dict[str, float]]]
 
 
 def crab_context(worker: Worker, python: Path, side: str, model: Path, threads: int,
-                 banned: list[int], bos: int, n_vocab: int) -> Row:  # fmt: skip
+                 size: int, banned: list[int], bos: int, n_vocab: int) -> Row:  # fmt: skip
     """``worker``: scripts/bench.py's runner of one worker task in a fresh process."""
     result = worker(python, side, "context", model=str(model), threads=threads,
-                    prefill=PREFILL_SIZES, depths=DEPTHS, n_gen=DEPTH_TOKENS + 1,
+                    prefill=[size] if size in PREFILL_SIZES else [],
+                    depths=[size] if size in DEPTHS else [], n_gen=DEPTH_TOKENS + 1,
                     banned=banned, bos=bos, n_vocab=n_vocab)  # fmt: skip
     row = {prefill_metric(int(size)): value for size, value in result["prefill"].items()}
     row.update({depth_metric(int(depth)): value for depth, value in result["decode"].items()})

@@ -175,7 +175,7 @@ def context(
     """Prefill t/s at each size of ``prefill``, and decode t/s of n_gen - 1 tokens at each
     context depth of ``depths`` (after that prefill: nothing decoded twice), in one model with
     llama.cpp's default batch sizes; the bench.py synthetic prompt, as long as needed."""
-    longest = max(*prefill, *depths)
+    longest = max(512, *prefill, *depths)  # the warm-up's 512 tokens at least
     engine = side(model, n_ctx=longest + n_gen + 64, n_threads=threads, n_threads_batch=threads)
     tokens = [bos] + [3 + (1000 + i) % (n_vocab - 3) for i in range(1, longest)]
     engine.prefill(tokens[:512])  # warm-up
