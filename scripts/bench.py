@@ -271,7 +271,9 @@ class Suite:
             names = list(sides) if (self.round + index) % 2 == 0 else list(reversed(sides))
             for name in names:
                 rows[name].update(sides[name]())
-        return rows
+        # Reported prefill sizes first, then decode depths, as the section's plot has them.
+        return {side: dict(sorted(row.items(), key=lambda item: "decode" in item[0]))
+                for side, row in rows.items()}  # fmt: skip
 
     def server_starts(
         self,

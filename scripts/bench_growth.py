@@ -6,10 +6,10 @@ llama.cpp is built from the same source and options as llamacrab-sys.
 
 - context: prefill t/s of a 512, 4096 and 16384-token prompt (``llama-bench -p S -n 0``, after
   a discarded 64-token test that warms the process up) and decode t/s of 32 tokens at a context
-  depth of 0, 1024, 4096 and 16384 tokens (``llama-bench -p 0 -n 32 -d D``: no sampling);
+  depth of 0, 1024, 4096 and 16384 tokens (``llama-bench -p 0 -n 128 -d D``: no sampling);
   llamacrab: a ``Llama`` with llama.cpp's batch sizes (2048 / 512) and room for the size + 64
-  tokens, warmed up by a 512-token prefill, then a prefill timed alone and 33 greedy tokens
-  after it (end-of-generation tokens banned; timed from the first streamed token, so 32
+  tokens, warmed up by a 512-token prefill, then a prefill timed alone and 129 greedy tokens
+  after it (end-of-generation tokens banned; timed from the first streamed token, so 128
   decodes at that depth, the prompt kept in memory). One size at a time, each side in a fresh
   process, the sides alternating size by size: the machine's speed drifts over minutes, and
   a 16384-token prefill takes one and a half.
@@ -35,7 +35,7 @@ import httpx
 
 PREFILL_SIZES = (512, 4096, 16384)
 DEPTHS = (0, 1024, 4096, 16384)
-DEPTH_TOKENS = 32
+DEPTH_TOKENS = 128  # a second or more at any depth: 32 tokens swung ±30% with the machine
 CLIENTS = (1, 4, 8, 16, 32, 64)
 MEMORY = ((2048, 1), (8192, 1), (32768, 1), (8192, 4), (32768, 8))
 
