@@ -253,13 +253,14 @@ class Suite:
         folder, threads = self.models_folder, self.threads
         return {side: bench_models.round_row(starts[side], folder, threads) for side in order}
 
-    def ordered(self, sides: dict[str, Callable[[], Row]]) -> dict[str, Row]:
-        """Run each side's measurement, the first side alternating from round to round."""
-        names = list(sides) if self.round % 2 == 0 else list(reversed(sides))
+    def ordered(self, sides: dict[str, Callable[[], Row]], step: int = 0) -> dict[str, Row]:
+        """Run each side's measurement, the first side alternating from round to round (and
+        from ``step`` to step within a round)."""
+        names = list(sides) if (self.round + step) % 2 == 0 else list(reversed(sides))
         return {name: sides[name]() for name in names}
 
     def context(self) -> dict[str, Row]:
-        """Size by size, the side going first alternating from one size to the next too."""
+        """Size by size, the side going first alternating from one size to the next."""
         vocab, model, threads = self.vocabs[self.model], self.model, self.threads
         rows: dict[str, Row] = {NATIVE: {}, CRAB: {}}
         for index, size in enumerate(bench_growth.context_sizes()):
@@ -268,9 +269,8 @@ class Suite:
                 CRAB: partial(bench_growth.crab_context, worker, self.pythons[CRAB], CRAB, model,
                               threads, size, self.banned[model], *vocab),
             }  # fmt: skip
-            names = list(sides) if (self.round + index) % 2 == 0 else list(reversed(sides))
-            for name in names:
-                rows[name].update(sides[name]())
+            for name, row in self.ordered(sides, index).items():
+                rows[name].update(row)
         # Reported prefill sizes first, then decode depths, as the section's plot has them.
         return {side: dict(sorted(row.items(), key=lambda item: "decode" in item[0]))
                 for side, row in rows.items()}  # fmt: skip

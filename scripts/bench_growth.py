@@ -5,8 +5,8 @@ going first from round to round and reports medians, min-max and per-round ratio
 llama.cpp is built from the same source and options as llamacrab-sys.
 
 - context: prefill t/s of a 512, 4096 and 16384-token prompt (``llama-bench -p S -n 0``, after
-  a discarded 64-token test that warms the process up) and decode t/s of 32 tokens at a context
-  depth of 0, 1024, 4096 and 16384 tokens (``llama-bench -p 0 -n 128 -d D``: no sampling);
+  a discarded 64-token test that warms the process up) and decode t/s of 128 tokens at a
+  context depth of 0, 1024, 4096 and 16384 tokens (``llama-bench -p 0 -n 128 -d D``: no sampling);
   llamacrab: a ``Llama`` with llama.cpp's batch sizes (2048 / 512) and room for the size + 64
   tokens, warmed up by a 512-token prefill, then a prefill timed alone and 129 greedy tokens
   after it (end-of-generation tokens banned; timed from the first streamed token, so 128
