@@ -32,6 +32,9 @@ int main(int argc, char **argv) {
     cp.n_ctx = n_prompt + n_gen + 16;
     cp.n_batch = cp.n_ubatch = n_prompt;
     cp.n_threads = cp.n_threads_batch = n_threads;
+    /* As llamacrab, llama-server and llama-bench: a sliding-window model keeps only its window's
+     * cells (the C default, true, keeps a full-size cache and a different memory layout). */
+    cp.swa_full = false;
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) { fprintf(stderr, "cannot create a context\n"); return 1; }
     const double load_seconds = (llama_time_us() - t_load) / 1e6;
