@@ -238,15 +238,47 @@ def test_a_chain_starting_with_top_k_samples_what_the_whole_chain_samples(
     assert len(set(fast.choices[0].tokens)) > 1  # sampled, not one token over and over
 
 
+def test_min_tokens_bans_the_end_inside_a_top_k_first_chain(tiny_llama: Llama) -> None:
+    """min_tokens' end-of-generation ban leaves the end tokens out of the top_k candidates
+    picked in C, with no Python sampler in the chain: the same seed gives the same tokens as
+    the whole chain behind the ban as a Python sampler."""
+    from llamacrab._native.sampler import Samplers
+
+    eos = tiny_llama.vocab.eos
+    assert eos is not None
+    samplers = Samplers(tiny_llama.model, SamplingOptions(), min_tokens=3)
+    assert samplers.main.takes_banned  # no Python sampler: the fast path
+    samplers.close()
+    cases = [
+        {"top_k": 8, "logit_bias": {eos: 50.0}, "min_tokens": 4, "max_tokens": 10},
+        {"top_k": 40, "temperature": 1.5, "min_tokens": 16, "max_tokens": 16},
+    ]
+    for case in cases:
+        fast = tiny_llama.create_completion("the cat", seed=9, **case)
+        whole = tiny_llama.create_completion(
+            "the cat", seed=9, custom_samplers=(PassThrough(),), **case
+        )
+        assert fast.choices[0].tokens == whole.choices[0].tokens, case
+        assert not set(fast.choices[0].tokens[: case["min_tokens"]]) & set(
+            tiny_llama.vocab.eog_tokens
+        )
+    # The first case: the ban held for 4 tokens, then the biased end token won.
+    assert fast.usage.completion_tokens == 16
+    first = tiny_llama.create_completion("the cat", seed=9, **cases[0])
+    assert first.usage.completion_tokens == 4 and first.choices[0].finish_reason == "eos"
+
+
 @pytest.mark.real_model
 def test_top_k_first_on_a_real_vocabulary(gemma: Llama) -> None:
-    """262,144 candidates, of which top_k 40 reach the rest of llama.cpp's default chain."""
+    """262,144 candidates, of which top_k 40 reach the rest of llama.cpp's default chain;
+    with min_tokens, Gemma's end tokens left out of them."""
     prompt = "Write a short story about a crab who finds a lighthouse."
-    for seed in (1, 2):
-        fast = gemma.create_completion(prompt, max_tokens=32, seed=seed)
+    for seed, min_tokens in ((1, 0), (2, 0), (3, 32)):
+        fast = gemma.create_completion(prompt, max_tokens=32, seed=seed, min_tokens=min_tokens)
         whole = gemma.create_completion(
-            prompt, max_tokens=32, seed=seed, custom_samplers=(PassThrough(),)
-        )
+            prompt, max_tokens=32, seed=seed, min_tokens=min_tokens,
+            custom_samplers=(PassThrough(),),
+        )  # fmt: skip
         assert fast.choices[0].tokens == whole.choices[0].tokens
 
 

@@ -151,6 +151,12 @@ class SamplerChain(NativeHandle):
         """Whether ``sample`` picks greedily in numpy instead of running the chain in C."""
         return self._argmax is not None and not self.in_graph
 
+    @property
+    def takes_banned(self) -> bool:
+        """Whether ``sample`` can forbid more tokens itself: a greedy pick in numpy, or a
+        chain handed only its top_k candidates, from which the banned ones are left out."""
+        return (self._argmax is not None or self._top_k_first) and not self.in_graph
+
     def attach(self, context: Context, seq_id: int) -> bool:
         """Have ``context`` run this chain inside its compute graph for sequence ``seq_id``;
         True when every sampler of it runs there. Once given to llama.cpp, a chain skips on
@@ -175,9 +181,12 @@ class SamplerChain(NativeHandle):
     def sample(self, context: Context, index: int = -1, banned: np.ndarray | None = None) -> int:
         """Pick a token from the logits of output ``index`` and accept it into the chain state
         (attached: read the token the graph sampled, and accept it). ``banned``: more tokens
-        forbidden at this pick, for a chain that ``picks_in_numpy`` only."""
-        if banned is not None and not self.picks_in_numpy:
-            raise InvalidParameterError("banned tokens need a plain greedy chain on the CPU")
+        forbidden at this pick (int32, in the vocabulary), for a chain that ``takes_banned``
+        only."""
+        if banned is not None and not self.takes_banned:
+            raise InvalidParameterError(
+                "banned tokens need a greedy or top_k-first chain on the CPU"
+            )
         with self.in_flight() as chain, context.exclusive() as ctx:
             # llama_sampler_sample asserts (an abort) when the output has no logits: none
             # decoded yet, an index out of range, a token decoded without logits.
@@ -190,8 +199,11 @@ class SamplerChain(NativeHandle):
                 return self._argmax.pick(logits, banned)
             elif self._top_k_first:
                 k, biased = self.options.top_k, self._biased
+                ban = ffi.NULL if banned is None else ffi.from_buffer("llama_token[]", banned)
+                n_ban = 0 if banned is None else len(banned)
                 token = int(lib.llamacrab_sample_top_k_first(
-                    chain, ctx, index, k, biased, len(biased), self._scratch))  # fmt: skip
+                    chain, ctx, index, k, biased, len(biased), ban, n_ban, self._scratch
+                ))  # fmt: skip
                 if token == LLAMA_TOKEN_NULL:  # where llama_sampler_sample would abort
                     raise NativeError(
                         "llamacrab_sample_top_k_first", lib.LLAMACRAB_UNKNOWN_EXCEPTION,
@@ -248,9 +260,10 @@ class Samplers:
     ) -> None:
         self.model, self.options = model, options
         self.ban = _EndBan(model.vocab.eog_tokens) if min_tokens > 0 else None
-        # A plain greedy pick bans the end tokens itself (see sample); any other chain runs
-        # the ban as its first, Python, sampler.
-        first = (self.ban,) if self.ban is not None and not options.plain_greedy else ()
+        # A plain greedy pick and a top_k-first chain ban the end tokens themselves (see
+        # sample); any other chain runs the ban as its first, Python, sampler.
+        bans_itself = options.plain_greedy or options.top_k_first
+        first = (self.ban,) if self.ban is not None and not bans_itself else ()
         self.main = SamplerChain(model, options, first=first)
         self.graph = (
             graph == "on" and self.ban is None and graph_fits(options, model.vocab.n_tokens)
@@ -294,7 +307,7 @@ class Samplers:
         banned = None
         if self.ban is not None:
             self.ban.active = not end_allowed
-            if self.ban.active and self.main.picks_in_numpy:
+            if self.ban.active and self.main.takes_banned:
                 banned = self.ban.end_tokens
         return self.main.sample(context, index, banned)
 
