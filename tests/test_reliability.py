@@ -151,6 +151,24 @@ elif check == "embedding-rows":
     print(context.embeddings(model.n_embd_out, count=3).shape)
     refused(lambda: context.embeddings(10**7))
     refused(lambda: context.embeddings(model.n_embd_out, count=1000))
+elif check == "copy-part-across-buffers":
+    model = Model.load(path)
+    context = Context(model, ContextParams(n_ctx=256, n_seq_max=2, n_threads=1))  # 2 buffers
+    batch = Batch(8, 2)
+    batch.set(np.array([1, 5, 6, 7], dtype=np.int32), 0, seq_id=0)
+    context.decode(batch)
+    refused(lambda: context.copy(0, 1, 1, 3))
+    refused(lambda: context.copy(0, 1, 0, 2))
+    context.copy(0, 1)  # a whole sequence: replaces sequence 1's
+    batch.set(np.array([8], dtype=np.int32), 4, seq_id=1)
+    context.decode(batch)
+    print(context.positions(0), context.positions(1))
+    assert context.positions(1) == (0, 4)
+    unified = Context(model, ContextParams(n_ctx=256, n_seq_max=2, kv_unified=True, n_threads=1))
+    batch.set(np.array([1, 5, 6, 7], dtype=np.int32), 0, seq_id=0)
+    unified.decode(batch)
+    unified.copy(0, 1, 1, 3)  # one buffer: a part shares its cells
+    assert unified.positions(1) == (1, 2)
 elif check.startswith("close-while-"):
     work = check.removeprefix("close-while-")
     for delay in (0.0, 0.001, 0.005, 0.02):
@@ -187,7 +205,7 @@ print("ok")
 @pytest.mark.parametrize(
     "check",
     ["sample-without-logits", "more-sequences-than-rows", "batch-bounds", "embedding-rows",
-     "close-while-tokenizing", "close-while-building-a-sampler", "close-while-creating-a-context",
+     "copy-part-across-buffers", "close-while-tokenizing", "close-while-building-a-sampler", "close-while-creating-a-context",
      "close-while-loading-an-adapter"],
 )  # fmt: skip
 def test_handles_refuse_what_used_to_crash(

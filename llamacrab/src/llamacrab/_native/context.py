@@ -582,9 +582,18 @@ class Context(NativeHandle):
         return 0 <= oldest <= max(0, p0 - self.n_swa)
 
     def copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
-        """Make positions [p0, p1) of sequence ``src`` part of ``dst`` too (shared cells)."""
+        """Make positions [p0, p1) of sequence ``src`` part of ``dst`` too (shared cells).
+        With a memory per sequence (``kv_unified`` False and several sequences) the copy goes
+        from one buffer to another: only whole sequences, and it replaces what ``dst`` held."""
         self._check_range(src, p0, p1)
         self._check_sequence(dst)
+        separate = not self.params.kv_unified and self.params.n_seq_max > 1
+        if separate and src != dst and (p0 != 0 or p1 >= 0):
+            # llama.cpp asserts (an abort) on a part of a sequence across buffers.
+            raise InvalidParameterError(
+                f"positions [{p0}, {p1}) are part of sequence {src}: with a memory per sequence "
+                "(kv_unified=False) only whole sequences copy (p0=0, p1=-1)"
+            )
         with self.exclusive() as ctx:
             call("llama_memory_seq_cp", lib.llama_get_memory(ctx), src, dst, p0, p1)
 
