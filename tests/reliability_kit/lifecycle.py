@@ -81,7 +81,8 @@ def strategies() -> Any:
                n_seq=st.sampled_from([1, 1, 2, 4]), emb=st.sampled_from([False, False, True]),
                pooling=st.sampled_from(["unspecified", "none", "mean", "last", "rank"]),
                flash=st.sampled_from(["auto", "on", "off"]),
-               type_k=st.sampled_from(["f16", "f16", "q8_0", "f32"]))),
+               type_k=st.sampled_from(["f16", "f16", "q8_0", "f32"]),
+               unified=st.booleans())),
         (3, op("sampler", m=idx, temperature=st.sampled_from([0.0, 0.8, 5.0, -1.0, math.nan]),
                top_k=st.sampled_from([40, 0, 1]), grammar=st.sampled_from(GRAMMARS),
                bias=st.dictionaries(st.integers(0, TINY_VOCAB - 1),
@@ -166,7 +167,8 @@ def strategies() -> Any:
             [{**llama_prelude[0], "parallel": 2}],
             [{"op": "model", "vocab_only": False, "mmap": True},
              {"op": "context", "m": 0, "n_ctx": 64, "n_batch": 32, "n_ubatch": 32, "n_seq": 2,
-              "emb": False, "pooling": "unspecified", "flash": "auto", "type_k": "f16"},
+              "emb": False, "pooling": "unspecified", "flash": "auto", "type_k": "f16",
+              "unified": False},
              {"op": "batch", "capacity": 32, "n_seq": 2},
              {"op": "sampler", "m": 0, "temperature": 0.0, "top_k": 40, "grammar": None,
               "bias": {}, "mirostat": 0, "penalty": 1.0, "dry": 0.0, "xtc": 0.0, "seed": 0}],
@@ -362,7 +364,7 @@ class Machine:
         params = ContextParams(n_ctx=op["n_ctx"], n_batch=op["n_batch"], n_ubatch=op["n_ubatch"],
                                n_seq_max=op["n_seq"], n_threads=1, embeddings=op["emb"],
                                pooling=op["pooling"], flash_attn=op["flash"],
-                               type_k=op["type_k"])  # fmt: skip
+                               type_k=op["type_k"], kv_unified=op["unified"])  # fmt: skip
         self.add("context", Context(model, params))
 
     def op_sampler(self, op: dict[str, Any]) -> None:
