@@ -267,6 +267,36 @@ def test_grammar_repetition_below_its_minimum_is_refused_at_once(tiny_llama: Lla
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        # The inputs section's case (seed 2027): minutes on the tiny model's 4k vocabulary.
+        'root ::= (r0){1000}\nr0 ::= ([a-c]){3} | "" | . | ("xy" | [0-9])',
+        'root ::= ([a-z]?){300}',
+        'root ::= a{30}\na ::= b{30}\nb ::= "x"?',  # 900 through two rules
+        'root ::= ' + " ".join(["opt"] * 300) + '\nopt ::= [a-z] |',  # written out, one by one
+    ],
+)  # fmt: skip
+def test_grammars_opening_too_many_stacks_are_refused_at_once(
+    tiny_llama: Llama, grammar: str
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(GrammarError, match="ways to continue at one position"):
+        tiny_llama.create_completion("the cat", max_tokens=2, grammar=grammar)
+    assert time.monotonic() - started < 5
+    assert tiny_llama.create_completion("the cat", max_tokens=2).usage.completion_tokens >= 0
+
+
+def test_grammars_with_many_optional_items_still_run(tiny_llama: Llama) -> None:
+    """Below the bound: what JSON Schemas and llama.cpp's example grammars need (an object of
+    40 optional properties opens ~80 stacks), and a bounded repetition of a required item."""
+    properties = {f"p{i}": {"type": "integer"} for i in range(40)}
+    schema = schema_to_grammar({"type": "object", "properties": properties})
+    for grammar in [schema, 'root ::= [a-z]{0,1000}', 'root ::= ("a" | ""){200}']:
+        result = tiny_llama.create_completion("the cat", max_tokens=2, grammar=grammar)
+        assert result.usage.completion_tokens >= 1
+
+
 DOUBLING = (
     "{% set ns = namespace(x='ab') %}{% for i in range(100) %}{% set ns.x = ns.x ~ ns.x %}"
     "{% endfor %}{{ ns.x | length }}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llamacrab._exceptions import GrammarError
+from llamacrab._native.grammar_fanout import check_grammar_fanout
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_NESTING = 128  # nested ( ) groups
@@ -54,6 +55,7 @@ def check_grammar(text: str) -> None:
             f"the grammar defines about {rules} rules (groups and repetitions included); "
             f"the limit is {MAX_GRAMMAR_RULES}"
         )
+    check_grammar_fanout(text)  # after the nesting bound, which its parser relies on
 
 
 def check_trigger_words(words: Sequence[str]) -> None:
