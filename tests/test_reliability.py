@@ -205,8 +205,8 @@ print("ok")
 @pytest.mark.parametrize(
     "check",
     ["sample-without-logits", "more-sequences-than-rows", "batch-bounds", "embedding-rows",
-     "copy-part-across-buffers", "close-while-tokenizing", "close-while-building-a-sampler", "close-while-creating-a-context",
-     "close-while-loading-an-adapter"],
+     "copy-part-across-buffers", "close-while-tokenizing", "close-while-building-a-sampler",
+     "close-while-creating-a-context", "close-while-loading-an-adapter"],
 )  # fmt: skip
 def test_handles_refuse_what_used_to_crash(
     tiny_model_path: Path, tmp_path: Path, check: str
@@ -292,7 +292,7 @@ def test_grammars_with_many_optional_items_still_run(tiny_llama: Llama) -> None:
     40 optional properties opens ~80 stacks), and a bounded repetition of a required item."""
     properties = {f"p{i}": {"type": "integer"} for i in range(40)}
     schema = schema_to_grammar({"type": "object", "properties": properties})
-    for grammar in [schema, 'root ::= [a-z]{0,1000}', 'root ::= ("a" | ""){200}']:
+    for grammar in [schema, "root ::= [a-z]{0,1000}", 'root ::= ("a" | ""){200}']:
         result = tiny_llama.create_completion("the cat", max_tokens=2, grammar=grammar)
         assert result.usage.completion_tokens >= 1
 
