@@ -275,13 +275,16 @@ def test_grammar_repetition_below_its_minimum_is_refused_at_once(tiny_llama: Lla
         'root ::= ([a-z]?){300}',
         'root ::= a{30}\na ::= b{30}\nb ::= "x"?',  # 900 through two rules
         'root ::= ' + " ".join(["opt"] * 300) + '\nopt ::= [a-z] |',  # written out, one by one
+        # Splits of a token among optional items sharing characters: 22 s for 2 Gemma tokens.
+        "root ::= ([a-z]?){24}",
+        "root ::= " + " ".join(["[a-z]*"] * 12),
     ],
 )  # fmt: skip
 def test_grammars_opening_too_many_stacks_are_refused_at_once(
     tiny_llama: Llama, grammar: str
 ) -> None:
     started = time.monotonic()
-    with pytest.raises(GrammarError, match="ways to continue at one position"):
+    with pytest.raises(GrammarError, match=r"ways to continue at one position|can split"):
         tiny_llama.create_completion("the cat", max_tokens=2, grammar=grammar)
     assert time.monotonic() - started < 5
     assert tiny_llama.create_completion("the cat", max_tokens=2).usage.completion_tokens >= 0
@@ -289,10 +292,11 @@ def test_grammars_opening_too_many_stacks_are_refused_at_once(
 
 def test_grammars_with_many_optional_items_still_run(tiny_llama: Llama) -> None:
     """Below the bound: what JSON Schemas and llama.cpp's example grammars need (an object of
-    40 optional properties opens ~80 stacks), and a bounded repetition of a required item."""
+    40 optional properties opens ~80 stacks), a bounded repetition of a required item, and
+    a run of optional items that splits a 10-character token 12,870 ways."""
     properties = {f"p{i}": {"type": "integer"} for i in range(40)}
     schema = schema_to_grammar({"type": "object", "properties": properties})
-    for grammar in [schema, "root ::= [a-z]{0,1000}", 'root ::= ("a" | ""){200}']:
+    for grammar in [schema, "root ::= [a-z]{0,1000}", "root ::= ([a-z]?){16}"]:
         result = tiny_llama.create_completion("the cat", max_tokens=2, grammar=grammar)
         assert result.usage.completion_tokens >= 1
 

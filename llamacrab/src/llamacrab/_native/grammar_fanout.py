@@ -1,120 +1,153 @@
-"""How many parse stacks a GBNF grammar can keep open at once, before llama.cpp runs it.
+"""Grammars that would hold the engine inside llama.cpp's grammar sampler, refused first.
 
-llama.cpp's grammar sampler keeps one stack per way the text so far can continue. Where a
-sequence holds optional items in a row (``x?``, ``x*``, an item with an empty alternative, a
-repetition of such an item), every one of them may be skipped, so a position opens a stack for
-every item it can reach; where those items accept the same characters, each character of a
-candidate token multiplies the ways again. The reliability suite's ``root ::= (r0){1000}``
-with such an ``r0`` held the engine for minutes on a 4k vocabulary. This module parses the
-grammar (without recursion: rule chains may be thousands deep), finds which rules can match
-nothing, and counts the stacks one position can open: the items reachable from it through
-skippable ones, each counted by the stacks its own start opens. Past MAX_GRAMMAR_FANOUT the
-grammar is refused. Below it, ambiguous runs still cost: on Gemma 3's 262k vocabulary (long
-tokens) ``root ::= ([a-z]?){24}`` took 22 s for 2 tokens (``[a-z]{0,24}``, the same language,
-0.2 s); refusing those would need the character sets that overlap, not done yet.
-Syntax errors are left to llama.cpp; a grammar this parser cannot follow is not refused here.
+llama.cpp keeps one parse stack per way the text so far can continue, and checks each
+candidate token character by character against every stack, following every way a character
+can continue before it rejects a token. Where a sequence holds optional items in a row (``x?``,
+``x*``, an item with an empty alternative, a repetition of such an item), every one of them may
+be skipped: a position opens a stack for each item it reaches, and where those items accept the
+same characters, a token of L such characters is split among them in every possible way. Both
+counts are bounded here, from the grammar's structure (``gbnf_structure``):
+
+- fan-out: the stacks one position opens (the reliability suite's ``root ::= (r0){1000}`` with
+  an ``r0`` that may match nothing: 5000; minutes a token on a 4k vocabulary);
+- splits: the ways a string of LONGEST_TOKEN characters, all accepted by every item that
+  shares a first character, divides among the optional items of a run.
+
+Measured on Gemma 3's 262k vocabulary, two tokens (0.2-0.3 s without a grammar):
+``([a-z]?){16}`` 0.8 s (12,870 splits of 10 characters), ``{24}`` 22 s (1,961,256);
+``[a-z]*`` written 8 times 0.9 s (19,448), 12 times 8.5 s (352,716), 24 times over 100 s.
+The count assumes every character matches, so it can refuse a grammar whose real tokens never
+split that way (``("ab"?){24}``); the JSON Schemas we generate stay far below both bounds.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+import functools
 
 from llamacrab._exceptions import GrammarError
+from llamacrab._native.gbnf_structure import (
+    Facts,
+    Item,
+    Parser,
+    Rule,
+    Unparsed,
+    facts,
+    item_first,
+    item_lengths,
+    item_nullable,
+)
 
 # Stacks one position may open. Our JSON Schemas open ~11, plus ~2 per optional property (an
-# object of 90 optional properties: 178; 100 of them exceed MAX_GRAMMAR_RULES first).
+# object of 40 optional properties: ~90; llama.cpp's parser refuses 60 of them anyway).
 MAX_GRAMMAR_FANOUT = 256
-
-_NAME = re.compile(r"[A-Za-z0-9-]+")
-_INT = re.compile(r"[0-9]+")
-
-
-@dataclass
-class _Item:
-    rule: int | None  # a rule (named, or a group's), or None: a terminal
-    low: int = 1  # repetitions: at least, at most (None: unbounded)
-    high: int | None = 1
-
-
-@dataclass
-class _Rule:
-    alternatives: list[list[_Item]] = field(default_factory=list)
-
-
-class _Unparsed(Exception):
-    """Text this parser does not follow: llama.cpp judges it."""
+# Ways a token may split among a run's optional items: ~1 s for two tokens of Gemma 3 at the
+# bound (see above). An object's optional properties split a token one way each: ~90 at most.
+MAX_GRAMMAR_SPLITS = 50_000
+LONGEST_TOKEN = 10  # characters: most tokens of large vocabularies are shorter
 
 
 def check_grammar_fanout(text: str) -> None:
-    """Raise GrammarError if one position of ``text``'s grammar can open more than
-    MAX_GRAMMAR_FANOUT parse stacks."""
+    """Raise GrammarError if ``text``'s grammar exceeds MAX_GRAMMAR_FANOUT or
+    MAX_GRAMMAR_SPLITS; syntax is left to llama.cpp."""
+    problem = _problem(text)
+    if problem is not None:
+        raise GrammarError(problem)
+
+
+@functools.lru_cache(maxsize=16)  # a server sees the same response_format again and again
+def _problem(text: str) -> str | None:
     try:
-        rules = _Parser(text).parse()
-    except _Unparsed:
-        return
-    nullable = _nullable(rules)
-    reach = _entry_reach(rules, nullable)
+        rules = Parser(text).parse()
+    except Unparsed:
+        return None
+    known = facts(rules)
+    reach = _entry_reach(rules, known)
     if reach is None:  # left recursion: llama.cpp refuses it
-        return
-    worst = 0
+        return None
+    fanout = splits = 0
     for rule in rules:
         for sequence in rule.alternatives:
-            worst = max(worst, _sequence_fanout(sequence, nullable, reach))
-    if worst > MAX_GRAMMAR_FANOUT:
-        raise GrammarError(
-            f"the grammar can hold {worst} ways to continue at one position (optional items "
+            for run in _runs(sequence, known):
+                fanout = max(fanout, sum(_item_reach(item, known, reach) for item in run))
+                if len(run) > 1 or _copies(run[0], known) > 1:
+                    splits = max(splits, _splits(run, known))
+    if fanout > MAX_GRAMMAR_FANOUT:
+        return (
+            f"the grammar can hold {fanout} ways to continue at one position (optional items "
             f"in a row, or a repetition of an optional item); the limit is {MAX_GRAMMAR_FANOUT}"
         )
+    if splits > MAX_GRAMMAR_SPLITS:
+        return (
+            f"the grammar's optional items in a row can split {LONGEST_TOKEN} characters "
+            f"{splits} ways, each checked for every token; the limit is {MAX_GRAMMAR_SPLITS} "
+            "(bound the repetition of one item instead, e.g. [a-z]{0,24})"
+        )
+    return None
 
 
-def _item_reach(item: _Item, nullable: list[bool], reach: list[int]) -> int:
-    """Stacks opened by entering ``item``: every copy of a skippable item is reachable."""
-    own = 1 if item.rule is None else reach[item.rule]
-    if item.rule is not None and nullable[item.rule]:
-        copies = item.high if item.high is not None else item.low + 1
-        return own * max(copies, 1)
-    return own
-
-
-def _item_nullable(item: _Item, nullable: list[bool]) -> bool:
-    return item.low == 0 or (item.rule is not None and nullable[item.rule])
-
-
-def _sequence_fanout(sequence: list[_Item], nullable: list[bool], reach: list[int]) -> int:
-    """The most stacks any position of ``sequence`` opens: the items from it up to and
-    including the first that cannot be skipped. The most is at the start of a run of
-    skippable items, so one pass summing each run suffices."""
-    worst = total = 0
+def _runs(sequence: list[Item], known: Facts) -> list[list[Item]]:
+    """Each run of skippable items with the first item that is not (where one position's
+    stacks stop): the most any position of the sequence reaches is at a run's start."""
+    runs: list[list[Item]] = []
+    current: list[Item] = []
     for item in sequence:
-        total += _item_reach(item, nullable, reach)
-        worst = max(worst, total)
-        if not _item_nullable(item, nullable):
-            total = 0
+        current.append(item)
+        if not item_nullable(item, known.nullable):
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def _copies(item: Item, known: Facts) -> int:
+    """Copies of ``item`` one position reaches: every copy of a skippable rule."""
+    if item.rule is not None and known.nullable[item.rule]:
+        return max(1, item.high if item.high is not None else item.low + 1)
+    return 1
+
+
+def _item_reach(item: Item, known: Facts, reach: list[int]) -> int:
+    """Stacks opened by entering ``item``."""
+    return (1 if item.rule is None else reach[item.rule]) * _copies(item, known)
+
+
+def _splits(run: list[Item], known: Facts) -> int:
+    """The most ways a string of LONGEST_TOKEN characters or fewer, every character accepted,
+    divides in order among the run's items that can start with one same character (each item
+    taking nothing or between its shortest and longest match)."""
+    items: list[tuple[frozenset[int], int, int]] = []
+    for item in run:
+        copies = _copies(item, known)
+        if copies > 1:  # each copy matches what the rule matches once
+            assert item.rule is not None
+            lengths = known.shortest[item.rule], known.longest[item.rule]
+        else:
+            lengths = item_lengths(item, known)
+        items += [(item_first(item, known), *lengths)] * copies
+    if len(items) < 2:
+        return 1
+    members: dict[int, list[int]] = {}
+    for index, (first, _, _) in enumerate(items):
+        for bucket in first:
+            members.setdefault(bucket, []).append(index)
+    worst = 1
+    for group in {tuple(m) for m in members.values() if len(m) > 1}:
+        ways = [1] + [0] * LONGEST_TOKEN  # ways[n]: splits of n characters so far
+        for index in group:
+            _, shortest, longest = items[index]
+            longest = min(longest, LONGEST_TOKEN)
+            ways = [
+                ways[n] + sum(ways[n - k] for k in range(max(shortest, 1), min(longest, n) + 1))
+                for n in range(LONGEST_TOKEN + 1)
+            ]
+        worst = max(worst, max(ways[1:]))
+        if worst > MAX_GRAMMAR_SPLITS:
+            break
     return worst
 
 
-def _nullable(rules: list[_Rule]) -> list[bool]:
-    """Which rules can match nothing: a worklist over the rules that refer to each."""
-    users: list[list[int]] = [[] for _ in rules]
-    for index, rule in enumerate(rules):
-        for sequence in rule.alternatives:
-            for item in sequence:
-                if item.rule is not None:
-                    users[item.rule].append(index)
-    nullable = [False] * len(rules)
-    pending = list(range(len(rules)))
-    while pending:
-        index = pending.pop()
-        if nullable[index]:
-            continue
-        if any(all(_item_nullable(i, nullable) for i in s) for s in rules[index].alternatives):
-            nullable[index] = True
-            pending.extend(users[index])
-    return nullable
-
-
-def _entry_reach(rules: list[_Rule], nullable: list[bool]) -> list[int] | None:
+def _entry_reach(rules: list[Rule], known: Facts) -> list[int] | None:
     """Stacks opened by entering each rule, rules reached first computed first (iteratively,
     in an order where a rule comes after those its start reaches); None on a cycle."""
     starts: list[set[int]] = []
@@ -124,7 +157,7 @@ def _entry_reach(rules: list[_Rule], nullable: list[bool]) -> list[int] | None:
             for item in sequence:
                 if item.rule is not None:
                     reached.add(item.rule)
-                if not _item_nullable(item, nullable):
+                if not item_nullable(item, known.nullable):
                     break
         starts.append(reached)
     waiting_on = [len(s) for s in starts]
@@ -141,8 +174,8 @@ def _entry_reach(rules: list[_Rule], nullable: list[bool]) -> list[int] | None:
         total = 0
         for sequence in rules[index].alternatives:
             for item in sequence:
-                total += _item_reach(item, nullable, reach)
-                if not _item_nullable(item, nullable):
+                total += _item_reach(item, known, reach)
+                if not item_nullable(item, known.nullable):
                     break
         reach[index] = min(total, MAX_GRAMMAR_FANOUT + 1)  # past the limit, the size is moot
         for user in users[index]:
@@ -150,155 +183,3 @@ def _entry_reach(rules: list[_Rule], nullable: list[bool]) -> list[int] | None:
             if waiting_on[user] == 0:
                 ready.append(user)
     return reach if done == len(rules) else None
-
-
-class _Parser:
-    """GBNF as llama.cpp's parser reads it, as far as structure goes: rules of alternatives
-    of items (literals, classes, tokens and ``.`` are terminals; groups become rules)."""
-
-    def __init__(self, text: str) -> None:
-        self.text, self.pos = text, 0
-        self.rules: list[_Rule] = []
-        self.names: dict[str, int] = {}
-
-    def parse(self) -> list[_Rule]:
-        self._space()
-        while self.pos < len(self.text):
-            name = self._name()
-            self._space()
-            if not self.text.startswith("::=", self.pos):
-                raise _Unparsed
-            self.pos += 3
-            self._space()
-            self._alternates(self._named(name), nested=False)
-            self._space()
-        if any(not rule.alternatives for rule in self.rules):  # referred to, never defined
-            raise _Unparsed
-        return self.rules
-
-    def _named(self, name: str) -> int:
-        if name not in self.names:
-            self.names[name] = len(self.rules)
-            self.rules.append(_Rule())
-        return self.names[name]
-
-    def _alternates(self, index: int, nested: bool) -> None:
-        """Alternatives up to the end of the rule (a newline outside groups) or a ``)``. Groups
-        nest at most MAX_GRAMMAR_NESTING deep (checked before), so this recursion is bounded."""
-        target = self.rules[index]
-        sequence: list[_Item] = []
-        target.alternatives.append(sequence)
-        while True:
-            self._space(newlines=nested)
-            if self.pos >= len(self.text):
-                return
-            char = self.text[self.pos]
-            if char == "\n" or char == "\r":
-                return
-            if char == ")":
-                if not nested:
-                    raise _Unparsed
-                return
-            if char == "|":
-                self.pos += 1
-                self._space()  # a newline may follow, as llama.cpp reads it
-                sequence = []
-                target.alternatives.append(sequence)
-            elif char in "*+?{":
-                self._repetition(sequence)
-            elif char == "(":
-                self.pos += 1
-                group = len(self.rules)
-                self.rules.append(_Rule())
-                self._alternates(group, nested=True)
-                if not self.text.startswith(")", self.pos):
-                    raise _Unparsed
-                self.pos += 1
-                sequence.append(_Item(group))
-            elif char in '"[':
-                start = self.pos
-                self._skip_until('"' if char == '"' else "]")
-                # "", [] and [^] add nothing to the rule in llama.cpp: they match nothing.
-                if self.text[start : self.pos] not in ('""', "[]", "[^]"):
-                    sequence.append(_Item(None))
-            elif char == ".":
-                self.pos += 1
-                sequence.append(_Item(None))
-            elif char in "<!":
-                end = self.text.find(">", self.pos)
-                if end < 0:
-                    raise _Unparsed
-                self.pos = end + 1
-                sequence.append(_Item(None))
-            else:
-                sequence.append(_Item(self._named(self._name())))
-
-    def _repetition(self, sequence: list[_Item]) -> None:
-        if not sequence:
-            raise _Unparsed
-        char = self.text[self.pos]
-        self.pos += 1
-        high: int | None
-        if char == "{":
-            self._space(newlines=True)
-            low = high = self._int()
-            self._space(newlines=True)
-            if self.text.startswith(",", self.pos):
-                self.pos += 1
-                self._space(newlines=True)
-                high = self._int() if self._at_digit() else None
-                self._space(newlines=True)
-            if not self.text.startswith("}", self.pos):
-                raise _Unparsed
-            self.pos += 1
-        else:
-            low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[char]
-        last = sequence[-1]
-        if (last.low, last.high) != (1, 1):
-            # llama.cpp repeats what the last repetition produced: a group's worth.
-            nested = _Rule([[last]])
-            self.rules.append(nested)
-            last = sequence[-1] = _Item(len(self.rules) - 1)
-        last.low, last.high = low, high
-
-    def _at_digit(self) -> bool:
-        return (
-            self.pos < len(self.text)
-            and self.text[self.pos].isascii()
-            and (self.text[self.pos].isdigit())
-        )
-
-    def _int(self) -> int:
-        match = _INT.match(self.text, self.pos)
-        if match is None:
-            raise _Unparsed
-        self.pos = match.end()
-        return int(match.group())
-
-    def _name(self) -> str:
-        match = _NAME.match(self.text, self.pos)
-        if match is None:
-            raise _Unparsed
-        self.pos = match.end()
-        return match.group()
-
-    def _skip_until(self, closing: str) -> None:
-        i = self.pos + 1
-        while i < len(self.text) and self.text[i] != closing:
-            i += 2 if self.text[i] == "\\" else 1
-        if i >= len(self.text):
-            raise _Unparsed
-        self.pos = i + 1
-
-    def _space(self, newlines: bool = True) -> None:
-        """Past spaces and comments; newlines only where they do not end a rule."""
-        text = self.text
-        while self.pos < len(text):
-            char = text[self.pos]
-            if char == "#":
-                end = text.find("\n", self.pos)
-                self.pos = len(text) if end < 0 else end
-            elif char in " \t" or (newlines and char in "\r\n"):
-                self.pos += 1
-            else:
-                return
