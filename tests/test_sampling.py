@@ -50,7 +50,10 @@ def test_grammar_constrains_the_output(tiny_llama: Llama) -> None:
 def test_invalid_grammar(tiny_llama: Llama) -> None:
     with pytest.raises(GrammarError, match="invalid grammar"):
         tiny_llama.create_completion("hello", grammar="root ::= (")
-    assert tiny_llama.create_completion("hello", max_tokens=1).usage.completion_tokens == 1
+    assert (
+        tiny_llama.create_completion("hello", max_tokens=1, min_tokens=1).usage.completion_tokens
+        == 1
+    )
 
 
 def test_logit_bias_is_applied_natively(tiny_llama: Llama) -> None:
