@@ -194,6 +194,14 @@ def _rule_longest(rule: Rule, longest: list[int]) -> int:
     return best
 
 
+def skip_quoted(text: str, start: int, closing: str) -> int:
+    """The index of the closing quote or bracket (or the end): escapes skip a character."""
+    i = start + 1
+    while i < len(text) and text[i] != closing:
+        i += 2 if text[i] == "\\" else 1
+    return i
+
+
 def _decoded(body: str) -> list[int]:
     """A literal's code points (llama.cpp's escapes: \\x.., \\u...., \\U........, n, r, t)."""
     points: list[int] = []
@@ -379,9 +387,7 @@ class Parser:
         return match.group()
 
     def _skip_until(self, closing: str) -> None:
-        i = self.pos + 1
-        while i < len(self.text) and self.text[i] != closing:
-            i += 2 if self.text[i] == "\\" else 1
+        i = skip_quoted(self.text, self.pos, closing)
         if i >= len(self.text):
             raise Unparsed
         self.pos = i + 1

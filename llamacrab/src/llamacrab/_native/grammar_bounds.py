@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llamacrab._exceptions import GrammarError
+from llamacrab._native.gbnf_structure import skip_quoted
 from llamacrab._native.grammar_fanout import check_grammar_fanout
 
 MAX_GRAMMAR_BYTES = 256 * 1024
@@ -34,7 +35,7 @@ def check_grammar(text: str) -> None:
             end = text.find("\n", i)
             i = n if end < 0 else end
         elif char in '"[':  # a literal or a character class: skip it, escapes included
-            i = _skip_quoted(text, i, '"' if char == '"' else "]")
+            i = skip_quoted(text, i, '"' if char == '"' else "]")
         elif char == "(":
             depth += 1
             rules += 1
@@ -99,12 +100,4 @@ def _skip_space(text: str, i: int) -> int:
             i += 1
         else:
             break
-    return i
-
-
-def _skip_quoted(text: str, start: int, closing: str) -> int:
-    """The index of the closing quote or bracket (or the end): escapes skip a character."""
-    i = start + 1
-    while i < len(text) and text[i] != closing:
-        i += 2 if text[i] == "\\" else 1
     return i
