@@ -5,9 +5,10 @@ Prints one JSON line. The orchestrator (scripts/bench.py) runs it with each side
 it imports only the side it measures, so it runs in llama-cpp-python's own virtual environment.
 
 Tasks (same work on both sides):
-  speed    prefill of a token prompt (tokens/s) and greedy decode of n_gen tokens through each
-           library's streaming text-completion API, the ``banned`` tokens (end of generation)
-           banned with its logit_bias, timed from the first chunk to the end of the stream
+  speed    prefill of a token prompt (tokens/s) and decode of n_gen tokens after it (greedy, or
+           the ``sampling`` keywords given) through each library's streaming text-completion
+           API, the ``banned`` tokens (end of generation) banned with its logit_bias, timed
+           from the first chunk to the end of the stream
   startup  import time, model load time, time to the first streamed token of a text prompt,
            then 128 tokens, and the process's peak resident memory
   embed    texts/s embedding a list of texts in one call (after a warm-up call)
@@ -22,6 +23,8 @@ import resource
 import sys
 import time
 from typing import Any
+
+GREEDY = {"temperature": 0}
 
 
 class Llamacrab:
@@ -39,14 +42,20 @@ class Llamacrab:
         self.llm.create_completion(prompt, max_tokens=0)
 
     def decode_seconds(
-        self, prompt: list[int], n_gen: int, banned: list[int], fresh: bool = True
+        self,
+        prompt: list[int],
+        n_gen: int,
+        banned: list[int],
+        fresh: bool = True,
+        sampling: dict[str, Any] | None = None,
     ) -> float:
-        """``fresh=False``: the prompt is in memory already (all but its last token reused)."""
+        """``fresh=False``: the prompt is in memory already (all but its last token reused);
+        ``sampling``: the request's sampling keywords (None: greedy)."""
         if fresh:
             self.llm.reset()
         bias = dict.fromkeys(banned, float("-inf"))
-        stream = self.llm.stream_completion(prompt, max_tokens=n_gen, temperature=0,
-                                            logit_bias=bias)  # fmt: skip
+        stream = self.llm.stream_completion(prompt, max_tokens=n_gen, logit_bias=bias,
+                                            **(sampling or GREEDY))  # fmt: skip
         return _after_first(stream, lambda chunk: chunk.finish_reason)
 
     def first_token_then_rest(self, text: str, n_gen: int) -> float:
@@ -79,14 +88,19 @@ class LlamaCppPython:
         self.llm.eval(prompt)
 
     def decode_seconds(
-        self, prompt: list[int], n_gen: int, banned: list[int], fresh: bool = True
+        self,
+        prompt: list[int],
+        n_gen: int,
+        banned: list[int],
+        fresh: bool = True,
+        sampling: dict[str, Any] | None = None,
     ) -> float:
-        """``fresh=False``: the prompt is in memory already (all but its last token reused)."""
+        """As Llamacrab.decode_seconds."""
         if fresh:
             self.llm.reset()
         bias = dict.fromkeys(banned, float("-inf"))
-        stream = self.llm.create_completion(prompt, max_tokens=n_gen, temperature=0,
-                                            logit_bias=bias, stream=True)  # fmt: skip
+        stream = self.llm.create_completion(prompt, max_tokens=n_gen, logit_bias=bias,
+                                            stream=True, **(sampling or GREEDY))  # fmt: skip
         return _after_first(stream, lambda chunk: chunk["choices"][0]["finish_reason"])
 
     def first_token_then_rest(self, text: str, n_gen: int) -> float:
@@ -122,9 +136,11 @@ def speed(
     prompt: list[int],
     n_gen: int,
     banned: list[int],
+    sampling: dict[str, Any] | None = None,
     **options: Any,
 ) -> dict[str, float]:
-    """``options``: more keywords for the engine (llamacrab's graph_sampling)."""
+    """``sampling``: the decode's sampling keywords (None: greedy); ``options``: more keywords
+    for the engine (llamacrab's graph_sampling)."""
     n_prompt = len(prompt)
     engine = side(model, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_ubatch=n_prompt,
                   n_threads=threads, n_threads_batch=threads, **options)  # fmt: skip
@@ -135,7 +151,7 @@ def speed(
     # After the first token's chunk: n_gen - 1 more samples and decodes.
     return {
         "pp": n_prompt / prefill,
-        "tg": (n_gen - 1) / engine.decode_seconds(prompt, n_gen, banned),
+        "tg": (n_gen - 1) / engine.decode_seconds(prompt, n_gen, banned, sampling=sampling),
     }
 
 
