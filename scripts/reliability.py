@@ -201,6 +201,10 @@ def details(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_average() -> str:
+    return " / ".join(f"{value:.1f}" for value in os.getloadavg())
+
+
 def server_failures(server: dict[str, Any] | None) -> int:
     """Failed server sections (each counts its own deaths, hangs, 5xx and bounds)."""
     if server is None:
@@ -208,7 +212,9 @@ def server_failures(server: dict[str, Any] | None) -> int:
     return sum(not part["ok"] for name, part in server.items() if isinstance(part, dict))
 
 
-def markdown(reports: list[Report], command: str, server: dict[str, Any] | None = None) -> str:
+def markdown(
+    reports: list[Report], command: str, workers: int, server: dict[str, Any] | None = None
+) -> str:
     total = sum(len(r.findings) for r in reports)
     verdict = ("0 signal deaths, 0 hangs and 0 unclean errors in every section" if not total
                else f"{total} failures: see the sections")  # fmt: skip
@@ -222,8 +228,9 @@ def markdown(reports: list[Report], command: str, server: dict[str, Any] | None 
     return f"""# Reliability
 
 How hard llamacrab is to break, measured: latest results of `{command}`.
-Machine: {machine()}; 2 workers (child processes at a time). The machine was shared with other
-jobs while this ran, so the times are upper bounds.
+Machine: {machine()}; {workers} worker{"s" * (workers != 1)} (child processes at a time); load
+average at the end {load_average()} (1 / 5 / 15 minutes, the run's own children included): the
+times are upper bounds.
 
 Result: {verdict}.
 
@@ -340,7 +347,7 @@ def main() -> None:
     if server is not None:
         print(reliability_server.server_sections_markdown(server))
     if args.report:
-        args.report.write_text(markdown(reports, command, server))
+        args.report.write_text(markdown(reports, command, args.workers, server))
     failed = any(r.findings for r in reports) or (server is not None and not server["ok"])
     sys.exit(1 if failed else 0)
 
