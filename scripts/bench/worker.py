@@ -27,19 +27,21 @@ from typing import Any
 GREEDY = {"temperature": 0}
 
 
-class Llamacrab:
+class _Side:
+    """What both sides run, through each library's streaming text completion (``stream``)."""
+
+    llm: Any
+
+    def stream(self, prompt: str | list[int], n_gen: int, **sampling: Any) -> Any:
+        raise NotImplementedError
+
     @staticmethod
-    def library() -> Any:
-        import llamacrab
+    def text(chunk: Any) -> str:
+        raise NotImplementedError
 
-        return llamacrab
-
-    def __init__(self, model: str, **options: Any) -> None:
-        self.llm = self.library().Llama(model, **options)
-
-    def prefill(self, prompt: list[int]) -> None:
-        self.llm.reset()
-        self.llm.create_completion(prompt, max_tokens=0)
+    @staticmethod
+    def finish_reason(chunk: Any) -> str | None:
+        raise NotImplementedError
 
     def decode_seconds(
         self,
@@ -54,15 +56,14 @@ class Llamacrab:
         if fresh:
             self.llm.reset()
         bias = dict.fromkeys(banned, float("-inf"))
-        stream = self.llm.stream_completion(prompt, max_tokens=n_gen, logit_bias=bias,
-                                            **(sampling or GREEDY))  # fmt: skip
-        return _after_first(stream, lambda chunk: chunk.finish_reason)
+        stream = self.stream(prompt, n_gen, logit_bias=bias, **(sampling or GREEDY))
+        return _after_first(stream, self.finish_reason)
 
     def first_token_then_rest(self, text: str, n_gen: int) -> float:
         started = time.perf_counter()
         first = None
-        for chunk in self.llm.stream_completion(text, max_tokens=n_gen, temperature=0):
-            if first is None and chunk.text:
+        for chunk in self.stream(text, n_gen, **GREEDY):
+            if first is None and self.text(chunk):
                 first = time.perf_counter() - started
         return first if first is not None else float("nan")
 
@@ -70,7 +71,33 @@ class Llamacrab:
         self.llm.embed(texts)
 
 
-class LlamaCppPython:
+class Llamacrab(_Side):
+    @staticmethod
+    def library() -> Any:
+        import llamacrab
+
+        return llamacrab
+
+    def __init__(self, model: str, **options: Any) -> None:
+        self.llm = self.library().Llama(model, **options)
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.llm.reset()
+        self.llm.create_completion(prompt, max_tokens=0)
+
+    def stream(self, prompt: str | list[int], n_gen: int, **sampling: Any) -> Any:
+        return self.llm.stream_completion(prompt, max_tokens=n_gen, **sampling)
+
+    @staticmethod
+    def text(chunk: Any) -> str:
+        return chunk.text  # type: ignore[no-any-return]
+
+    @staticmethod
+    def finish_reason(chunk: Any) -> str | None:
+        return chunk.finish_reason  # type: ignore[no-any-return]
+
+
+class LlamaCppPython(_Side):
     @staticmethod
     def library() -> Any:
         import llama_cpp
@@ -87,33 +114,16 @@ class LlamaCppPython:
         self.llm.reset()
         self.llm.eval(prompt)
 
-    def decode_seconds(
-        self,
-        prompt: list[int],
-        n_gen: int,
-        banned: list[int],
-        fresh: bool = True,
-        sampling: dict[str, Any] | None = None,
-    ) -> float:
-        """As Llamacrab.decode_seconds."""
-        if fresh:
-            self.llm.reset()
-        bias = dict.fromkeys(banned, float("-inf"))
-        stream = self.llm.create_completion(prompt, max_tokens=n_gen, logit_bias=bias,
-                                            stream=True, **(sampling or GREEDY))  # fmt: skip
-        return _after_first(stream, lambda chunk: chunk["choices"][0]["finish_reason"])
+    def stream(self, prompt: str | list[int], n_gen: int, **sampling: Any) -> Any:
+        return self.llm.create_completion(prompt, max_tokens=n_gen, stream=True, **sampling)
 
-    def first_token_then_rest(self, text: str, n_gen: int) -> float:
-        started = time.perf_counter()
-        first = None
-        for chunk in self.llm.create_completion(text, max_tokens=n_gen, temperature=0,
-                                                stream=True):  # fmt: skip
-            if first is None and chunk["choices"][0]["text"]:
-                first = time.perf_counter() - started
-        return first if first is not None else float("nan")
+    @staticmethod
+    def text(chunk: Any) -> str:
+        return chunk["choices"][0]["text"]  # type: ignore[no-any-return]
 
-    def embed(self, texts: list[str]) -> None:
-        self.llm.embed(texts)
+    @staticmethod
+    def finish_reason(chunk: Any) -> str | None:
+        return chunk["choices"][0]["finish_reason"]  # type: ignore[no-any-return]
 
 
 SIDES = {"llamacrab": Llamacrab, "llama-cpp-python": LlamaCppPython}
