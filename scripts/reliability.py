@@ -304,19 +304,24 @@ def replay(case_ids: list[str], mode: str, workdir: Path, seed: int) -> int:
     return child.returncode
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("long", "short"), default="long")
     parser.add_argument("--sections", default=",".join([*SECTIONS, SERVER]))
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--seed", type=int, help=f"a fresh set of cases (default: {SEED}; "
+                        "the server sections' default: 0)")  # fmt: skip
     parser.add_argument("--workdir", type=Path, help="models, work files and kept job files")
     parser.add_argument("--report", type=Path, help="write the Markdown report here")
     parser.add_argument("--replay", help="case ids (comma-separated) to run again, alone")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llamacrab-reliability-"))
     if args.replay:
-        sys.exit(replay(args.replay.split(","), args.mode, workdir, args.seed))
+        sys.exit(replay(args.replay.split(","), args.mode, workdir, _or(args.seed, SEED)))
     print(f"work files, kept job files and per-case results in {workdir}", flush=True)
     names = args.sections.split(",")
     unknown = set(names) - {*SECTIONS, SERVER}
@@ -328,7 +333,7 @@ def main() -> None:
     for name in (n for n in names if n != SERVER):
         started = time.monotonic()
         print(f"== {name} ({args.mode})", flush=True)
-        report = run(name, args.mode, workdir, workers=args.workers, seed=args.seed,
+        report = run(name, args.mode, workdir, workers=args.workers, seed=_or(args.seed, SEED),
                      progress=lambda line: print("  " + line, flush=True))  # fmt: skip
         print(report.summary(), f"({time.monotonic() - started:.0f} s)", flush=True)
         reports.append(report)
@@ -337,7 +342,8 @@ def main() -> None:
     if SERVER in names:
         started = time.monotonic()
         print(f"== {SERVER} ({args.mode})", flush=True)
-        server = reliability_server.run_server_sections(args.mode == "short", workdir / SERVER)
+        server = reliability_server.run_server_sections(args.mode == "short", workdir / SERVER,
+                                                        _or(args.seed, 0))  # fmt: skip
         print(f"{SERVER}: {'ok' if server['ok'] else 'FAILED'} "
               f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
         (workdir / f"{SERVER}-results.json").write_text(json.dumps(server, indent=1))

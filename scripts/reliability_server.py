@@ -610,16 +610,18 @@ SHORT = {"load_seconds": 15.0, "schemathesis_examples": 5, "leak_count": 2_000}
 LONG = {"load_seconds": 60.0, "schemathesis_examples": 50, "leak_count": 10_000}
 
 
-def run_server_sections(short: bool = True, workdir: Path | None = None) -> dict[str, Any]:
+def run_server_sections(
+    short: bool = True, workdir: Path | None = None, seed: int = 0
+) -> dict[str, Any]:
     """Every section (short: CI's sizes; long: the issue's), as a dict of counts per section;
     ``ok`` overall and per section. ``workdir`` keeps the models and server logs (default: a
-    temporary directory)."""
+    temporary directory); ``seed`` draws the storm's drop points and schemathesis' requests."""
     sizes = SHORT if short else LONG
     with _workdir(workdir) as work:
         sections = {
             "load": load_test(work, 64, sizes["load_seconds"]),
-            "disconnect_storm": disconnect_storm(work, 100),
-            "schemathesis": schemathesis_run(work, int(sizes["schemathesis_examples"])),
+            "disconnect_storm": disconnect_storm(work, 100, seed),
+            "schemathesis": schemathesis_run(work, int(sizes["schemathesis_examples"]), seed),
             "leaks": leak_test(work, int(sizes["leak_count"]), warm_up=1_000),
         }
     return {"short": short, **sections, "ok": all(s["ok"] for s in sections.values())}
@@ -670,8 +672,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the counts here")
     parser.add_argument("--workdir", type=Path, help="keep models and server logs here")
     parser.add_argument("--markdown", action="store_true", help="print the report's section")
+    parser.add_argument("--seed", type=int, default=0, help="a fresh set of generated cases")
     args = parser.parse_args()
-    result = run_server_sections(short=not args.long, workdir=args.workdir)
+    result = run_server_sections(short=not args.long, workdir=args.workdir, seed=args.seed)
     text = json.dumps(result, indent=2)
     if args.json:
         args.json.write_text(text + "\n")
