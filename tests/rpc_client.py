@@ -2,7 +2,8 @@
 process running a model whose worker dies, and the test must outlive that.
 
     python tests/rpc_client.py generate MODEL PROMPT N ENDPOINT[,ENDPOINT...]
-        greedy tokens of a local run and of a run offloaded to the workers, as JSON
+        greedy tokens of a local run, of a run offloaded to the workers and of one sampled in
+        their graph, as JSON
     python tests/rpc_client.py load MODEL ENDPOINT[,...]
         load with the workers; print the error class and message if it fails
     python tests/rpc_client.py two MODEL ENDPOINT[,...]
@@ -31,7 +32,13 @@ def generate(model: str, prompt: str, n: int, servers: str) -> None:
             choice = out.choices[0]
             assert choice.logprobs is not None
             top = [sorted(t.values(), reverse=True)[:2] for t in choice.logprobs.top_logprobs]
-            result[name] = {"tokens": list(choice.tokens), "text": choice.text, "top": top}
+            result[name] = {"tokens": list(choice.tokens), "text": choice.text, "top": top,
+                            "auto": llm.context.graph_sampling}  # fmt: skip
+    # The same greedy run sampled inside the workers' graph (no logprobs: nothing needs the
+    # raw logits on this side).
+    with Llama(model, n_ctx=256, n_threads=1, rpc_servers=servers, graph_sampling="on") as llm:
+        out = llm.create_completion(prompt, max_tokens=n, temperature=0.0)
+        result["rpc in graph"] = {"tokens": list(out.choices[0].tokens)}
     print(json.dumps(result))
 
 

@@ -31,6 +31,7 @@ from llamacrab._native.devices import accelerator_present
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
+from llamacrab._native.rpc import Endpoint
 
 FLASH_ATTN = {
     "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -234,7 +235,7 @@ class Context(NativeHandle):
         self.n_vocab = model.vocab.n_tokens
         mode = params.graph_sampling
         if mode == "auto":
-            mode = "on" if _output_offloaded(model) else "off"
+            mode = "on" if _graph_sampling_pays(model) else "off"
         self.graph_sampling = mode  # "on" or "off": where fitting chains sample
 
     def _warm_up(self) -> None:
@@ -710,15 +711,21 @@ def _check_rope_freq_base(model: Model, params: ContextParams) -> None:
         )
 
 
-def _output_offloaded(model: Model) -> bool:
-    """Whether llama.cpp computes ``model``'s output layer off the CPU: it offloads the output
-    layer first, so any offloaded layer (n_gpu_layers != 0, llama.cpp's default -1 is all)
-    with a GPU device or ggml RPC workers there."""
+def _graph_sampling_pays(model: Model) -> bool:
+    """What graph_sampling="auto" resolves to: sample inside the graph when llama.cpp computes
+    the output layer on a GPU of this machine (it offloads the output layer first, to the last
+    device: local GPUs come after the RPC workers), or on an RPC worker on another machine,
+    whose logits (1 MiB a token for a 262k vocabulary) would cross the network. Not on the
+    CPU, nor on a worker on this machine: at the pin the graph's sampling ops run on one
+    thread of a CPU backend, ~1.8 ms a token for Gemma 3's vocabulary (docs/graph-sampling.md),
+    more than copying the logits over loopback (a worker reports no device type, so one on
+    loopback counts as a CPU)."""
     if model.params.n_gpu_layers == 0:
         return False
-    if model.params.rpc_servers:
+    if accelerator_present():
         return True
-    return accelerator_present()
+    servers = model.params.rpc_servers
+    return bool(servers) and not Endpoint.parse(servers[-1]).on_this_machine
 
 
 def _scope(seq_id: int | None) -> str:
