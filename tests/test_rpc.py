@@ -314,7 +314,8 @@ def test_two_workers_give_the_local_greedy_tokens(
     tiny = generate(tiny_model_path, "hello world", 24, servers)
     assert tiny["rpc"]["tokens"] == tiny["local"]["tokens"]
     assert tiny["rpc in graph"]["tokens"] == tiny["local"]["tokens"]
-    # Workers on loopback are CPU backends to llama.cpp's eyes: "auto" samples on this side.
+    # A worker on loopback counts as a CPU backend (ggml's RPC devices do not say which they
+    # are): "auto" samples on this side.
     assert tiny["rpc"]["auto"] == tiny["local"]["auto"] == "off"
     # Workers keep weights in plain CPU buffers; the local run uses the same kernels with
     # use_extra_bufts=False (rpc_client.py), so even Gemma's near-ties decide alike.
