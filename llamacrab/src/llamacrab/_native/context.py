@@ -31,7 +31,6 @@ from llamacrab._native.devices import accelerator_present
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
-from llamacrab._native.rpc import Endpoint
 
 FLASH_ATTN = {
     "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -59,10 +58,10 @@ KV_SETTINGS = ("rope_scaling", "rope_freq_base", "rope_freq_scale", "yarn_ext_fa
                "yarn_orig_ctx", "type_k", "type_v", "flash_attn", "swa_full")  # fmt: skip
 
 # Where a generation's sampler chain runs when all of it can run inside the compute graph:
-# "auto" there when the output layer is computed off the CPU (a GPU, ggml RPC workers: no
-# logits copied back per token), "on" there always, "off" never (the CPU chain samples).
-# On the CPU backend the graph's sampling costs more than the CPU chain at the pin (see
-# BENCHMARKS.md), hence "auto".
+# "auto" there when the output layer is computed on a GPU of this machine (no logits copied
+# back per token; _graph_sampling_pays), "on" there always, "off" never (the CPU chain
+# samples). On the CPU backend the graph's sampling costs more than the CPU chain at the pin
+# (docs/graph-sampling.md), hence "auto".
 GRAPH_SAMPLING = ("auto", "on", "off")
 
 # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, a #define cffi does not carry: a sequence state of the
@@ -714,18 +713,12 @@ def _check_rope_freq_base(model: Model, params: ContextParams) -> None:
 def _graph_sampling_pays(model: Model) -> bool:
     """What graph_sampling="auto" resolves to: sample inside the graph when llama.cpp computes
     the output layer on a GPU of this machine (it offloads the output layer first, to the last
-    device: local GPUs come after the RPC workers), or on an RPC worker on another machine,
-    whose logits (1 MiB a token for a 262k vocabulary) would cross the network. Not on the
-    CPU, nor on a worker on this machine: at the pin the graph's sampling ops run on one
-    thread of a CPU backend, ~1.8 ms a token for Gemma 3's vocabulary (docs/graph-sampling.md),
-    more than copying the logits over loopback (a worker reports no device type, so one on
-    loopback counts as a CPU)."""
-    if model.params.n_gpu_layers == 0:
-        return False
-    if accelerator_present():
-        return True
-    servers = model.params.rpc_servers
-    return bool(servers) and not Endpoint.parse(servers[-1]).on_this_machine
+    device; local GPUs come after any RPC workers), where the vocabulary's logits need not be
+    copied to the host. Not on the CPU backend, where the pinned graph's sampling ops run on one
+    thread (~1.8 ms a token for Gemma 3's vocabulary, docs/graph-sampling.md), nor on RPC
+    workers: a worker still sends 1 MiB a token back with the chain in its graph (measured),
+    so nothing is saved, and one computing on its CPU is slower."""
+    return model.params.n_gpu_layers != 0 and accelerator_present()
 
 
 def _scope(seq_id: int | None) -> str:

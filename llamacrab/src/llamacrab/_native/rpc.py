@@ -14,7 +14,6 @@ The probe speaks the wire format of ``ggml/src/ggml-rpc/ggml-rpc.cpp`` at the pi
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import struct
 import time
@@ -84,16 +83,6 @@ class Endpoint:
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
-
-    @property
-    def on_this_machine(self) -> bool:
-        """``localhost`` or a loopback address (no lookup: any other name counts as remote)."""
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.IPv4Address(self.host).is_loopback
-        except ValueError:
-            return False
 
     def resolve(self) -> tuple[str, int]:
         """The IPv4 address ggml would connect to (it uses the first one, IPv4 only)."""
