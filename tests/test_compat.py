@@ -141,14 +141,21 @@ def test_echo_with_logprobs_rates_the_prompt_tokens_too(llm: Llama) -> None:
     # OpenAI's and llama-cpp-python's convention: nothing for the first token.
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     # " Paris" after "The capital of France is": what the engine read from that prompt row is
-    # what the prefix alone predicts (up to the arithmetic of another batch shape).
+    # what the prefix alone predicts, not what one token less or more does. Up to the
+    # arithmetic of another batch shape: 0.17 apart on an AVX-512 machine, where the rows
+    # one token off predict it 6 nats apart.
     paris = logprobs["tokens"].index(" Paris")
     tokens = [llm.token_bos(), *visible]
-    llm.reset()
-    llm.llamacrab.create_completion(tokens[: paris + 1], max_tokens=0)
-    expected = Llama.logits_to_logprobs(llm.llamacrab.context.logits())[tokens[paris + 1]]
+    predicted = {}
+    for prefix in (paris, paris + 1, paris + 2):
+        llm.reset()
+        llm.llamacrab.create_completion(tokens[:prefix], max_tokens=0)
+        logprob = Llama.logits_to_logprobs(llm.llamacrab.context.logits())[tokens[paris + 1]]
+        predicted[prefix] = float(logprob)
     value = logprobs["token_logprobs"][paris]
-    assert value is not None and abs(value - expected) < 0.1
+    assert value is not None
+    assert min(predicted, key=lambda prefix: abs(predicted[prefix] - value)) == paris + 1
+    assert abs(value - predicted[paris + 1]) < 0.5, predicted
     for value, top in zip(
         logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], strict=True
     ):
