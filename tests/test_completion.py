@@ -169,12 +169,13 @@ def test_echo_with_logprobs_rates_every_prompt_token(
     )
     assert logprobs.text_offset[n] == len(prompt)
     # Each value is what the prefix before the token predicts, decoded alone (up to the
-    # arithmetic of other batch shapes: a row off would be nats away).
+    # arithmetic of other batch shapes, 0.17 apart on an AVX-512 machine; a row off would be
+    # nats away, see test_compat's echo test).
     for k in (1, n // 2, n):
         gemma.reset()
         gemma.create_completion(tokens[:k], max_tokens=0)
         expected = log_softmax(gemma.context.logits())[tokens[k]]
-        assert abs(logprobs.token_logprobs[k - 1] - expected) < 0.1
+        assert abs(logprobs.token_logprobs[k - 1] - expected) < 0.3
         assert len(logprobs.top_logprobs[k - 1]) == 3
     # Read in decodes of 2 rows (the cap on the logits one decode returns): the same values.
     monkeypatch.setattr("llamacrab._engine.logprobs._PROMPT_LOGITS_BYTES", 8 * gemma.vocab.n_tokens)
