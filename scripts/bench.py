@@ -185,25 +185,24 @@ class Suite:
                         "llama-bench tg t/s": bench["tg"]}  # fmt: skip
         tiny_native = native_loop(self.loop, self.tiny, 1, TINY_GEN)["tg"]
         for side, python in self.pythons.items():
-            big = worker(python, side, "speed", model=str(self.model), threads=self.threads,
-                         prompt=self.prompts[self.model], n_gen=N_GEN,
-                         banned=self.banned[self.model])  # fmt: skip
-            tiny = worker(python, side, "speed", model=str(self.tiny), threads=1,
-                          prompt=self.prompts[self.tiny], n_gen=TINY_GEN,
-                          banned=self.banned[self.tiny])  # fmt: skip
+            big = self._speed(python, side, self.model)
+            tiny = self._speed(python, side, self.tiny, threads=1, n_gen=TINY_GEN)
             overhead = 1e6 / tiny["tg"] - 1e6 / tiny_native
             rows[side] = {"prefill t/s": big["pp"], "decode t/s": big["tg"],
+                          "decode top-k t/s": self._speed(python, side, self.model,
+                                                          sampling=TOP_K)["tg"],
                           "overhead us/token": overhead}  # fmt: skip
-            sampled = worker(python, side, "speed", model=str(self.model), threads=self.threads,
-                             prompt=self.prompts[self.model], n_gen=N_GEN,
-                             banned=self.banned[self.model], sampling=TOP_K)  # fmt: skip
-            rows[side]["decode top-k t/s"] = sampled["tg"]
             if side == CRAB:  # greedy with the sampler chain inside the graph, forced
-                graph = worker(python, side, "speed", model=str(self.model), threads=self.threads,
-                               prompt=self.prompts[self.model], n_gen=N_GEN,
-                               banned=self.banned[self.model], graph_sampling="on")  # fmt: skip
+                graph = self._speed(python, side, self.model, graph_sampling="on")
                 rows[side]["decode in graph t/s"] = graph["tg"]
         return rows
+
+    def _speed(self, python: Path, side: str, model: Path, threads: int | None = None,
+               n_gen: int = N_GEN, **extra: object) -> Row:  # fmt: skip
+        """The worker's speed task on ``model``'s synthetic prompt, its end tokens banned."""
+        return worker(python, side, "speed", model=str(model), threads=threads or self.threads,
+                      prompt=self.prompts[model], n_gen=n_gen, banned=self.banned[model],
+                      **extra)  # fmt: skip
 
     def startup(self) -> dict[str, Row]:
         loop = native_loop(self.loop, self.model, self.threads, N_GEN)

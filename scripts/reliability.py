@@ -304,10 +304,6 @@ def replay(case_ids: list[str], mode: str, workdir: Path, seed: int) -> int:
     return child.returncode
 
 
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("long", "short"), default="long")
@@ -319,9 +315,10 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="write the Markdown report here")
     parser.add_argument("--replay", help="case ids (comma-separated) to run again, alone")
     args = parser.parse_args()
+    seed, server_seed = (SEED, 0) if args.seed is None else (args.seed, args.seed)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llamacrab-reliability-"))
     if args.replay:
-        sys.exit(replay(args.replay.split(","), args.mode, workdir, _or(args.seed, SEED)))
+        sys.exit(replay(args.replay.split(","), args.mode, workdir, seed))
     print(f"work files, kept job files and per-case results in {workdir}", flush=True)
     names = args.sections.split(",")
     unknown = set(names) - {*SECTIONS, SERVER}
@@ -333,7 +330,7 @@ def main() -> None:
     for name in (n for n in names if n != SERVER):
         started = time.monotonic()
         print(f"== {name} ({args.mode})", flush=True)
-        report = run(name, args.mode, workdir, workers=args.workers, seed=_or(args.seed, SEED),
+        report = run(name, args.mode, workdir, workers=args.workers, seed=seed,
                      progress=lambda line: print("  " + line, flush=True))  # fmt: skip
         print(report.summary(), f"({time.monotonic() - started:.0f} s)", flush=True)
         reports.append(report)
@@ -343,7 +340,7 @@ def main() -> None:
         started = time.monotonic()
         print(f"== {SERVER} ({args.mode})", flush=True)
         server = reliability_server.run_server_sections(args.mode == "short", workdir / SERVER,
-                                                        _or(args.seed, 0))  # fmt: skip
+                                                        server_seed)  # fmt: skip
         print(f"{SERVER}: {'ok' if server['ok'] else 'FAILED'} "
               f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
         (workdir / f"{SERVER}-results.json").write_text(json.dumps(server, indent=1))
