@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -62,6 +61,7 @@ sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
 import bench_growth  # noqa: E402
 import bench_server  # noqa: E402
+import machine_info  # noqa: E402
 from bench_embeddings import SHORT  # noqa: E402
 from peer_env import peer_python  # noqa: E402
 
@@ -416,16 +416,6 @@ def chart(result: dict[str, Row], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (
-        f"{cpu}, {os.cpu_count()} logical CPUs, {memory:.0f} GiB memory, "
-        f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)  # rounds differ by ~8% here
@@ -450,7 +440,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python scripts/bench.py", *sys.argv[1:]])
     (args.out / "suite.json").write_text(json.dumps(
-        {"command": command, "machine": machine(), "rounds": args.rounds,
+        {"command": command, "machine": machine_info.describe(), "rounds": args.rounds,
          "threads": args.threads, "medians": medians(rounds), "per_round": rounds},
         indent=2))  # fmt: skip
     blocks: dict[str, str] = {}
@@ -530,7 +520,7 @@ def report(
     return f"""Latest results of `{command}`
 ({args.rounds} rounds, medians; {args.threads} threads).
 
-Machine: {machine()}.
+Machine: {machine_info.describe()}.
 
 {table}
 ![throughput relative to the best side](benchmarks/results/suite.png)
@@ -558,7 +548,7 @@ def growth_report(
     figure = f"![{bench_growth.TITLES[section]}](benchmarks/results/{image})\n" if drawn else ""
     return f"""## {bench_growth.TITLES[section]} (`--sections {section}`)
 
-`{command}`: {args.rounds} rounds, {args.threads} threads; {machine()}.
+`{command}`: {args.rounds} rounds, {args.threads} threads; {machine_info.describe()}.
 How each side runs: the docstring of `scripts/bench_growth.py`.
 
 {bench_growth.markdown_table(metrics, rounds, NATIVE, CRAB)}

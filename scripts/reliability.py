@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "scripts"))
 
+import machine_info  # noqa: E402
 import reliability_server  # noqa: E402
 
 from reliability_kit.children import TESTS, Report  # noqa: E402
@@ -142,16 +142,6 @@ def found() -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (
-        f"{cpu}, {os.cpu_count()} logical CPUs, {memory:.0f} GiB memory, "
-        f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
-    )
-
-
 def table(reports: list[Report]) -> str:
     columns = ["cases", "worked", "refused", "signal deaths", "hangs", "unclean errors"]
     lines = ["| section | " + " | ".join(columns) + " | slowest case s | peak RSS MiB | wall s |",
@@ -228,9 +218,9 @@ def markdown(
     return f"""# Reliability
 
 How hard llamacrab is to break, measured: latest results of `{command}`.
-Machine: {machine()}; {workers} worker{"s" * (workers != 1)} (child processes at a time); load
-average at the end {load_average()} (1 / 5 / 15 minutes, the run's own children included): the
-times are upper bounds.
+Machine: {machine_info.describe()}; {workers} worker{"s" * (workers != 1)} (child processes
+at a time); load average at the end {load_average()} (1 / 5 / 15 minutes, the run's own children
+included): the times are upper bounds.
 
 Result: {verdict}.
 
