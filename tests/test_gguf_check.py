@@ -733,6 +733,15 @@ def test_repeated_tokens_are_rejected(tmp_path: Path, tokens: list[Any], repeate
     rejects(header(tmp_path / "m.gguf", vocabulary(tokens)), f"holds {repeated!r} twice")
 
 
+def test_a_repeat_is_found_anywhere_in_a_large_vocabulary(tmp_path: Path) -> None:
+    # Compared in C (llamacrab_gguf_first_repeated_string): many strings of the same length,
+    # so its hash table fills and probes; the repeat is the last token, of the first one.
+    words = [f"w{i:06d}" for i in range(50_000)]
+    validate_gguf(header(tmp_path / "a.gguf", vocabulary(words)))
+    rejects(header(tmp_path / "b.gguf", vocabulary([*words, "w000000"])), "'w000000' twice")
+    rejects(header(tmp_path / "c.gguf", vocabulary([*words, "w049999\0tail"])), "'w049999' twice")
+
+
 def test_distinct_tokens_validate_and_a_missing_vocabulary_is_not_read(tmp_path: Path) -> None:
     validate_gguf(header(tmp_path / "a.gguf", vocabulary(["", "", "a", "b"])))
     validate_gguf(header(tmp_path / "b.gguf", vocabulary(["a", "a"], model="none")))
