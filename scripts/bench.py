@@ -70,6 +70,7 @@ from build_tools.cache import cache_root  # noqa: E402
 from build_tools.source import pinned_archive  # noqa: E402
 
 N_PROMPT, N_GEN, TINY_GEN = 512, 128, 512
+TINY_TG = "tiny decode t/s"  # the overhead row's inputs, not reported themselves
 # llama.cpp's default sampler chain (llama-cli, llama-server), seeded.
 TOP_K = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 1}
 WORKER = REPO / "scripts" / "bench" / "worker.py"
@@ -178,24 +179,34 @@ class Suite:
         self.banned[self.tiny] += list(range(3 + 0x80, 3 + 0x100))
 
     def core(self) -> dict[str, Row]:
-        rows: dict[str, Row] = {}
+        """Native and each Python side, the side going first alternating by round: which one
+        ran first after the previous section swung prefill by ±10% here."""
+        sides: dict[str, Callable[[], Row]] = {NATIVE: self._core_native}
+        for side, python in self.pythons.items():
+            sides[side] = partial(self._core_python, side, python)
+        rows = self.ordered(sides)
+        tiny_native = rows[NATIVE].pop(TINY_TG)
+        for side in self.pythons:
+            rows[side]["overhead us/token"] = 1e6 / rows[side].pop(TINY_TG) - 1e6 / tiny_native
+        return rows
+
+    def _core_native(self) -> Row:
         bench = llama_bench(self.bench, self.model, self.threads)
         loop = native_loop(self.loop, self.model, self.threads, N_GEN)
-        rows[NATIVE] = {"prefill t/s": bench["pp"], "decode t/s": loop["tg"],
-                        "llama-bench tg t/s": bench["tg"]}  # fmt: skip
-        tiny_native = native_loop(self.loop, self.tiny, 1, TINY_GEN)["tg"]
-        for side, python in self.pythons.items():
-            big = self._speed(python, side, self.model)
-            tiny = self._speed(python, side, self.tiny, threads=1, n_gen=TINY_GEN)
-            overhead = 1e6 / tiny["tg"] - 1e6 / tiny_native
-            rows[side] = {"prefill t/s": big["pp"], "decode t/s": big["tg"],
-                          "decode top-k t/s": self._speed(python, side, self.model,
-                                                          sampling=TOP_K)["tg"],
-                          "overhead us/token": overhead}  # fmt: skip
-            if side == CRAB:  # greedy with the sampler chain inside the graph, forced
-                graph = self._speed(python, side, self.model, graph_sampling="on")
-                rows[side]["decode in graph t/s"] = graph["tg"]
-        return rows
+        return {"prefill t/s": bench["pp"], "decode t/s": loop["tg"],
+                "llama-bench tg t/s": bench["tg"],
+                TINY_TG: native_loop(self.loop, self.tiny, 1, TINY_GEN)["tg"]}  # fmt: skip
+
+    def _core_python(self, side: str, python: Path) -> Row:
+        big = self._speed(python, side, self.model)
+        tiny = self._speed(python, side, self.tiny, threads=1, n_gen=TINY_GEN)
+        row = {"prefill t/s": big["pp"], "decode t/s": big["tg"],
+               "decode top-k t/s": self._speed(python, side, self.model, sampling=TOP_K)["tg"],
+               TINY_TG: tiny["tg"]}  # fmt: skip
+        if side == CRAB:  # greedy with the sampler chain inside the graph, forced
+            row["decode in graph t/s"] = self._speed(python, side, self.model,
+                                                     graph_sampling="on")["tg"]  # fmt: skip
+        return row
 
     def _speed(self, python: Path, side: str, model: Path, threads: int | None = None,
                n_gen: int = N_GEN, **extra: object) -> Row:  # fmt: skip
@@ -205,22 +216,30 @@ class Suite:
                       **extra)  # fmt: skip
 
     def startup(self) -> dict[str, Row]:
-        loop = native_loop(self.loop, self.model, self.threads, N_GEN)
-        rows = {NATIVE: {"load s": loop["load_s"], "peak RSS MiB": loop["peak_rss_mib"]}}
+        sides: dict[str, Callable[[], Row]] = {NATIVE: self._startup_native}
         for side, python in self.pythons.items():
-            result = worker(python, side, "startup", model=str(self.model),
-                            threads=self.threads, text=STORY)  # fmt: skip
-            rows[side] = {"import s": result["import_s"], "load s": result["load_s"],
-                          "first token s": result["ttft_s"],
-                          "peak RSS MiB": result["peak_rss_mib"]}  # fmt: skip
-        return rows
+            sides[side] = partial(self._startup_python, side, python)
+        return self.ordered(sides)
+
+    def _startup_native(self) -> Row:
+        loop = native_loop(self.loop, self.model, self.threads, N_GEN)
+        return {"load s": loop["load_s"], "peak RSS MiB": loop["peak_rss_mib"]}
+
+    def _startup_python(self, side: str, python: Path) -> Row:
+        result = worker(python, side, "startup", model=str(self.model), threads=self.threads,
+                        text=STORY)  # fmt: skip
+        return {"import s": result["import_s"], "load s": result["load_s"],
+                "first token s": result["ttft_s"],
+                "peak RSS MiB": result["peak_rss_mib"]}  # fmt: skip
 
     def embeddings(self) -> dict[str, Row]:
-        rows: dict[str, Row] = {}
-        for side, python in self.pythons.items():
+        def embed(side: str, python: Path) -> Row:
             result = worker(python, side, "embed", model=str(self.minilm), threads=self.threads,
                             texts=SHORT)  # fmt: skip
-            rows[side] = {"embeddings texts/s": result["texts_per_s"]}
+            return {"embeddings texts/s": result["texts_per_s"]}
+
+        rows = self.ordered({side: partial(embed, side, python)
+                             for side, python in self.pythons.items()})  # fmt: skip
         rows[CRAB]["rerank docs/s"] = self.rerank_rate()
         return rows
 
@@ -267,7 +286,8 @@ class Suite:
         """Run each side's measurement, the first side alternating from round to round (and
         from ``step`` to step within a round)."""
         names = list(sides) if (self.round + step) % 2 == 0 else list(reversed(sides))
-        return {name: sides[name]() for name in names}
+        rows = {name: sides[name]() for name in names}
+        return {name: rows[name] for name in sides}  # reported in the order given
 
     def context(self) -> dict[str, Row]:
         """Size by size, the side going first alternating from one size to the next."""
@@ -329,12 +349,14 @@ class Suite:
         if PEER in self.pythons:
             peer = self.pythons[PEER]
             starts[PEER] = (lambda: bench_server.peer_server(peer, self.model, self.threads), {})
-        rows = {}
-        for side, (start, extra) in starts.items():
+
+        def measure(start: Callable[[], bench_server.Running], extra: dict[str, object]) -> Row:
             with start() as running:
                 measured_row = bench_server.measure(running, counts, extra)
-            rows[side] = {f"server {k}": v for k, v in measured_row.items()}
-        return rows
+            return {f"server {k}": v for k, v in measured_row.items()}
+
+        return self.ordered({side: partial(measure, start, extra)
+                             for side, (start, extra) in starts.items()})  # fmt: skip
 
 
 def _rss_row(start: Callable[[], bench_server.Running], metric: str) -> Row:
