@@ -34,7 +34,8 @@ clients beside llama-server, peak RSS against context and slots; scripts/bench_g
 each reported in its own block with a plot.
 Besides the medians, each metric's min-max over rounds and its llamacrab / native ratio in
 every round are printed (and kept in suite.json): a ratio that one round contradicts is noise.
-Writes suite.json, suite.md and suite.png (growth-SECTION.png) under --out; --report replaces
+Writes suite.json (sections-NAMES.json when only growth sections ran), suite.md and
+suite.png (growth-SECTION.png) under --out; --report replaces
 the report's blocks this run measured (``<!-- suite: begin -->`` ... ``end``, one per growth
 section) and keeps the others, and any text outside them, as they are.
 """
@@ -461,12 +462,14 @@ def main() -> None:
         suite.round += 1
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python scripts/bench.py", *sys.argv[1:]])
-    (args.out / "suite.json").write_text(json.dumps(
+    core = [_only(r, lambda metric: bench_growth.section_of(metric) is None) for r in rounds]
+    # A run of other sections only keeps the suite's own record of its last full run.
+    record = "suite.json" if any(core) else f"sections-{'-'.join(sections)}.json"
+    (args.out / record).write_text(json.dumps(
         {"command": command, "machine": machine_info.describe(), "rounds": args.rounds,
          "threads": args.threads, "medians": medians(rounds), "per_round": rounds},
         indent=2))  # fmt: skip
     blocks: dict[str, str] = {}
-    core = [_only(r, lambda metric: bench_growth.section_of(metric) is None) for r in rounds]
     if any(core):
         result = medians(core)
         table, spreads = markdown(result), spread(core)
