@@ -180,12 +180,9 @@ class Suite:
         self.banned[self.tiny] += list(range(3 + 0x80, 3 + 0x100))
 
     def core(self) -> dict[str, Row]:
-        """Native and each Python side, the side going first alternating by round: which one
-        ran first after the previous section swung prefill by ±10% here."""
-        sides: dict[str, Callable[[], Row]] = {NATIVE: self._core_native}
-        for side, python in self.pythons.items():
-            sides[side] = partial(self._core_python, side, python)
-        rows = self.ordered(sides)
+        """Native and each Python side, the side going first alternating by round (with native
+        always first, prefill ratios flipped with the round's parity)."""
+        rows = self.each_side(self._core_python, self._core_native)
         tiny_native = rows[NATIVE].pop(TINY_TG)
         for side in self.pythons:
             rows[side]["overhead us/token"] = 1e6 / rows[side].pop(TINY_TG) - 1e6 / tiny_native
@@ -217,10 +214,7 @@ class Suite:
                       **extra)  # fmt: skip
 
     def startup(self) -> dict[str, Row]:
-        sides: dict[str, Callable[[], Row]] = {NATIVE: self._startup_native}
-        for side, python in self.pythons.items():
-            sides[side] = partial(self._startup_python, side, python)
-        return self.ordered(sides)
+        return self.each_side(self._startup_python, self._startup_native)
 
     def _startup_native(self) -> Row:
         loop = native_loop(self.loop, self.model, self.threads, N_GEN)
@@ -239,8 +233,7 @@ class Suite:
                             texts=SHORT)  # fmt: skip
             return {"embeddings texts/s": result["texts_per_s"]}
 
-        rows = self.ordered({side: partial(embed, side, python)
-                             for side, python in self.pythons.items()})  # fmt: skip
+        rows = self.each_side(embed)
         rows[CRAB]["rerank docs/s"] = self.rerank_rate()
         return rows
 
@@ -289,6 +282,16 @@ class Suite:
         names = list(sides) if (self.round + step) % 2 == 0 else list(reversed(sides))
         rows = {name: sides[name]() for name in names}
         return {name: rows[name] for name in sides}  # reported in the order given
+
+    def each_side(
+        self, python_side: Callable[[str, Path], Row], native: Callable[[], Row] | None = None
+    ) -> dict[str, Row]:
+        """``native()`` if given and ``python_side(side, interpreter)`` for each Python side,
+        in ``ordered``'s alternation."""
+        sides = {} if native is None else {NATIVE: native}
+        sides.update({side: partial(python_side, side, python)
+                      for side, python in self.pythons.items()})  # fmt: skip
+        return self.ordered(sides)
 
     def context(self) -> dict[str, Row]:
         """Size by size, the side going first alternating from one size to the next."""
