@@ -40,7 +40,7 @@ _STAMP = "complete.json"
 
 
 def _entry() -> tuple[Path, Path]:
-    source = resolve_source()
+    source = resolve_source(patched=False)  # a user builds upstream's source, not ours
     identity = {"commit": source.commit, "options": OPTIONS, "compilers": compilers("cpu", [])}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "user-llama-cpp" / f"{source.commit[:12]}-{digest}", source.path

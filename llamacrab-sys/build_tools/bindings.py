@@ -134,6 +134,7 @@ def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str =
         "package_version": package_version,
         "llama_cpp_commit": native["commit"],
         "source_origin": native["source_origin"],
+        "llama_cpp_patches": native.get("patches", []),
         "backend": native["backend"],
         "portable": native["portable"],
         "rpc": native["rpc"],

@@ -146,6 +146,7 @@ def cache_key(
     identity: dict[str, object] = {
         "commit": source.commit,
         "source": str(source.path) if source.origin == "local" else "pinned",
+        "patches": source.patches_digest,
         "backend": backend,
         "options": options,
         "compilers": compiler_ids,
@@ -219,6 +220,7 @@ def build(
             "commit": source.commit,
             "source": str(source.path),
             "source_origin": source.origin,
+            "patches": list(source.patches),
             "backend": backend,
             "portable": portable,
             "rpc": rpc,

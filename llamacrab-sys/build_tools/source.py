@@ -1,4 +1,5 @@
-"""Locate the pinned llama.cpp source tree: a local checkout, the cache, or the pinned archive."""
+"""Locate the llama.cpp source tree to build: a local checkout, or the pinned archive's tree
+(extracted once into the cache) with llamacrab's patches applied to a copy of it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from build_tools import patches
 from build_tools.cache import cache_root, locked
 
 PIN_FILE = Path(__file__).resolve().parent.parent / "pin.json"
@@ -32,6 +34,9 @@ class Source:
     path: Path
     commit: str
     origin: str  # "local", "cache" or "archive"
+    # llamacrab's patches applied to this tree (build_tools/patches.py), and their digest.
+    patches: tuple[str, ...] = ()
+    patches_digest: str = ""
 
     @property
     def immutable(self) -> bool:
@@ -140,9 +145,45 @@ def pinned_archive() -> Path:
     return _download_archive(read_pin()["source_archive"], dest)
 
 
-def resolve_source() -> Source:
-    """Return the llama.cpp tree to build, fetching and extracting the pinned one if needed."""
-    pin = read_pin()
+def _pristine_tree(pin: dict) -> tuple[Path, str]:
+    """The pinned archive's tree as released (extracted into the cache once), and whether it
+    came from the cache or was extracted now."""
+    commit, archive = pin["llama_cpp_commit"], pin["source_archive"]
+    tree = cache_root() / "src" / commit
+    if (tree / _EXTRACTED_STAMP).is_file():
+        return tree, "cache"
+    with locked(tree.parent / f"{commit}.lock"):
+        if not (tree / _EXTRACTED_STAMP).is_file():
+            _extract_tree(_download_archive(archive, tree.parent), archive["tree"], tree)
+    return tree, "archive"
+
+
+def _patched_tree(pristine: Path, commit: str, digest: str) -> Path:
+    """A copy of the pristine tree with the patches applied, one per patch set."""
+    tree = pristine.with_name(f"{commit}-patched-{digest[:16]}")
+    if (tree / _EXTRACTED_STAMP).is_file():
+        return tree
+    with locked(tree.with_name(tree.name + ".lock")):
+        if (tree / _EXTRACTED_STAMP).is_file():
+            return tree
+        staging = tree.with_name(tree.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(pristine, staging)
+        try:
+            patches.apply(staging)
+        except patches.PatchError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise SourceError(str(exc)) from exc
+        stamp = staging / _EXTRACTED_STAMP
+        stamp.write_text(stamp.read_text() + f"patches {digest}\n")
+        shutil.rmtree(tree, ignore_errors=True)
+        staging.rename(tree)
+    return tree
+
+
+def resolve_source(patched: bool = True) -> Source:
+    """Return the llama.cpp tree to build, fetching and extracting the pinned one if needed;
+    with ``patched`` False, the pinned tree as upstream released it (a user's own build)."""
     local = os.environ.get(LOCAL_CHECKOUT_ENV)
     if local:
         path = Path(local).expanduser().resolve()
@@ -151,17 +192,17 @@ def resolve_source() -> Source:
         _check_tree(path)
         return Source(path, _local_commit(path), "local")
 
+    pin = read_pin()
     commit = pin["llama_cpp_commit"]
-    tree = cache_root() / "src" / commit
-    if (tree / _EXTRACTED_STAMP).is_file():
-        return Source(tree, commit, "cache")
-    with locked(tree.parent / f"{commit}.lock"):
-        if not (tree / _EXTRACTED_STAMP).is_file():
-            archive = _download_archive(pin["source_archive"], tree.parent)
-            _extract_tree(archive, pin["source_archive"]["tree"], tree)
-    return Source(tree, commit, "archive")
+    tree, origin = _pristine_tree(pin)
+    if not patched or not patches.PATCHES:
+        return Source(tree, commit, origin)
+    digest = patches.digest()
+    names = tuple(p.name for p in patches.PATCHES)
+    return Source(_patched_tree(tree, commit, digest), commit, origin, names, digest)
 
 
 if __name__ == "__main__":
     src = resolve_source()
-    print(json.dumps({"path": str(src.path), "commit": src.commit, "origin": src.origin}))
+    print(json.dumps({"path": str(src.path), "commit": src.commit, "origin": src.origin,
+                      "patches": list(src.patches)}))  # fmt: skip

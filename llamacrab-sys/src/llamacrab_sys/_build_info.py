@@ -41,6 +41,9 @@ class BuildInfo:
     # whether its commit was recorded by the install ("install") or given at build time ("given").
     llama_cpp_prefix: Path | None = None
     commit_source: str = "pin"
+    # llamacrab's changes to the pinned source (build_tools/patches.py); none for a local
+    # checkout or a user's install, which are built or bound as they are.
+    llama_cpp_patches: tuple[str, ...] = ()
 
     @property
     def missing_backends(self) -> dict[str, str]:
@@ -59,6 +62,7 @@ class BuildInfo:
         fields["backend_modules"] = [str(p) for p in self.backend_modules]
         fields["module_dir"] = str(self.module_dir)
         fields["unavailable_features"] = list(self.unavailable_features)
+        fields["llama_cpp_patches"] = list(self.llama_cpp_patches)
         fields["llama_cpp_prefix"] = self.llama_cpp_prefix and str(self.llama_cpp_prefix)
         fields["missing_backends"] = self.missing_backends
         fields["system_info"] = self.system_info
@@ -97,4 +101,5 @@ def build_info() -> BuildInfo:
         unavailable_features=tuple(raw.get("unavailable_features", ())),
         llama_cpp_prefix=Path(prefix) if prefix else None,
         commit_source=raw.get("commit_source", "pin"),
+        llama_cpp_patches=tuple(raw.get("llama_cpp_patches", ())),
     )
