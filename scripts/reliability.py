@@ -107,6 +107,11 @@ FOUND = [
      "TypeError escaping (unclean); unbounded memory", "`_grammar/json_schema.py`: GrammarError"),
     ("inputs", "chat message content parts that are not objects",
      "AttributeError escaping (unclean)", "`_chat/prompt.py`: InvalidParameterError"),
+    ("inputs (seed 2031)", "a GBNF rule that comes back to itself through rules matching "
+     "nothing only through a group (`root ::= r0 r1 root \"\"`, `r0 ::= (\"\" | \"\")`), "
+     "which llama.cpp's left-recursion check misses",
+     "SIGABRT at the first token: `GGML_ASSERT(!stacks.empty())` (llama-grammar.cpp:948)",
+     "`_native/grammar_fanout.py`: GrammarError for any left recursion"),
 ]  # fmt: skip
 
 

@@ -56,6 +56,31 @@ def test_a_deeply_nested_grammar_is_refused_not_a_crash(tiny_model_path: Path) -
     assert "completion_tokens=2" in child.stdout
 
 
+LEFT_RECURSIVE_CHILD = """
+    import sys
+    from llamacrab import GrammarError, Llama
+    # Found by the reliability suite's inputs section (seed 2031): r0 matches nothing only
+    # through a group, so llama.cpp's left-recursion check missed it, and with no other way on
+    # the grammar had no parse stack: GGML_ASSERT(!stacks.empty()) at the first token.
+    grammar = 'root ::= r0 r1 root ""\\nr0 ::= ("" | "")\\nr1 ::= ""'
+    with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:
+        try:
+            llm.create_completion("the cat", max_tokens=2, grammar=grammar)
+        except GrammarError as error:
+            print("refused:", error)
+        print(llm.create_completion("the cat", max_tokens=2, temperature=0).usage)
+"""
+
+
+def test_a_left_recursive_grammar_llama_cpp_misses_is_refused_not_a_crash(
+    tiny_model_path: Path,
+) -> None:
+    child = run_child(LEFT_RECURSIVE_CHILD, str(tiny_model_path))
+    assert_clean_exit(child)
+    assert "refused: the grammar is left-recursive: rule 'root'" in child.stdout
+    assert "completion_tokens=2" in child.stdout
+
+
 @pytest.mark.parametrize(
     ("grammar", "limit"),
     [

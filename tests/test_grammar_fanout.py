@@ -1,13 +1,17 @@
-"""The structural bounds on grammars (``_native/grammar_fanout.py``): what they count, and
-that they leave ordinary grammars and syntax errors alone."""
+"""The structural bounds on grammars (``_native/grammar_fanout.py``): what they count, the
+left recursion they refuse, and that they leave ordinary grammars (llama.cpp's own examples
+among them) and syntax errors alone."""
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from llamacrab import JSON_OBJECT_GRAMMAR, GrammarError, Llama, schema_to_grammar
+from llamacrab._native.grammar_bounds import check_grammar
 from llamacrab._native.grammar_fanout import check_grammar_fanout
 
 
@@ -40,6 +44,52 @@ def test_the_counts_refused(grammar: str, count: str) -> None:
 )  # fmt: skip
 def test_ordinary_grammars_pass(grammar: str) -> None:
     check_grammar_fanout(grammar)
+
+
+@pytest.mark.parametrize(
+    ("grammar", "rule"),
+    [
+        ('root ::= r0 r1 root ""\nr0 ::= ("" | "")\nr1 ::= ""', "root"),  # seed 2031's abort
+        ('root ::= x\nx ::= y x\ny ::= ("")', "x"),  # no stack from the start: an abort
+        ('root ::= "a" r\nr ::= e r\ne ::= ("")', "r"),  # none after "a": an abort
+        ('root ::= r0 root | "a"\nr0 ::= ("")', "root"),  # llama.cpp drops the recursion
+        ('root ::= x "a"\nx ::= y x | "b"\ny ::= z\nz ::= ("" | "q")', "x"),
+        ('root ::= root "a" | "b"', "root"),  # the direct kind llama.cpp refuses itself
+    ],
+)
+def test_left_recursion_through_rules_that_match_nothing_is_refused(
+    grammar: str, rule: str
+) -> None:
+    with pytest.raises(GrammarError, match=f"left-recursive: rule '{rule}'"):
+        check_grammar_fanout(grammar)
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= (r0)* "a"\nr0 ::= ("" | "")',  # a repetition of nothing is not recursion
+        'root ::= e "a" root | "b"\ne ::= ("")',  # a character before the recursion
+        'root ::= "(" root ")" | ""',  # recursion in the middle
+    ],
+)
+def test_recursion_after_a_character_passes(grammar: str) -> None:
+    check_grammar_fanout(grammar)
+
+
+def _example_grammars() -> list[Path]:
+    sys_dir = str(Path(__file__).resolve().parents[1] / "llamacrab-sys")
+    if sys_dir not in sys.path:
+        sys.path.insert(0, sys_dir)  # build_tools: the pinned source tree
+    from build_tools.source import resolve_source
+
+    return sorted((resolve_source().path / "grammars").glob("*.gbnf"))
+
+
+def test_llama_cpp_example_grammars_pass_every_check() -> None:
+    examples = _example_grammars()
+    assert {"arithmetic.gbnf", "c.gbnf", "json.gbnf"} <= {path.name for path in examples}
+    for path in examples:
+        check_grammar(path.read_text(encoding="utf-8"))
 
 
 def test_a_chain_of_thousands_of_rules_is_walked_without_recursion() -> None:

@@ -18,6 +18,13 @@ Measured on Gemma 3's 262k vocabulary, two tokens (0.2-0.3 s without a grammar):
 ``[a-z]*`` written 8 times 0.9 s (19,448), 12 times 8.5 s (352,716), 24 times over 100 s.
 The count assumes every character matches, so it can refuse a grammar whose real tokens never
 split that way (``("ab"?){24}``); the JSON Schemas we generate stay far below both bounds.
+
+Left recursion is refused too: a rule that can come back to itself before matching a character.
+llama.cpp refuses it only where the way back is a rule with an empty alternative of its own;
+through a rule that matches nothing by referring to such a rule (``r0 ::= ("" | "")``) it goes
+unnoticed, and a grammar with no other way on starts, or goes on, with no parse stack at all:
+``GGML_ASSERT(!stacks.empty())`` aborts the process at the next token (the reliability suite's
+inputs section, seed 2031: ``root ::= r0 r1 root ""``).
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from llamacrab._native.gbnf_structure import (
     Facts,
     Item,
     Parser,
-    Rule,
     Unparsed,
     facts,
     item_first,
@@ -47,8 +53,8 @@ LONGEST_TOKEN = 10  # characters: most tokens of large vocabularies are shorter
 
 
 def check_grammar_fanout(text: str) -> None:
-    """Raise GrammarError if ``text``'s grammar exceeds MAX_GRAMMAR_FANOUT or
-    MAX_GRAMMAR_SPLITS; syntax is left to llama.cpp."""
+    """Raise GrammarError if ``text``'s grammar is left-recursive or exceeds
+    MAX_GRAMMAR_FANOUT or MAX_GRAMMAR_SPLITS; syntax is left to llama.cpp."""
     problem = _problem(text)
     if problem is not None:
         raise GrammarError(problem)
@@ -56,14 +62,15 @@ def check_grammar_fanout(text: str) -> None:
 
 @functools.lru_cache(maxsize=16)  # a server sees the same response_format again and again
 def _problem(text: str) -> str | None:
+    parser = Parser(text)
     try:
-        rules = Parser(text).parse()
+        rules = parser.parse()
     except Unparsed:
         return None
     known = facts(rules)
-    reach = _entry_reach(rules, known)
-    if reach is None:  # left recursion: llama.cpp refuses it
-        return None
+    reach = _entry_reach(parser, known)
+    if isinstance(reach, str):
+        return reach
     fanout = splits = 0
     for rule in rules:
         for sequence in rule.alternatives:
@@ -147,9 +154,11 @@ def _splits(run: list[Item], known: Facts) -> int:
     return worst
 
 
-def _entry_reach(rules: list[Rule], known: Facts) -> list[int] | None:
+def _entry_reach(parser: Parser, known: Facts) -> list[int] | str:
     """Stacks opened by entering each rule, rules reached first computed first (iteratively,
-    in an order where a rule comes after those its start reaches); None on a cycle."""
+    in an order where a rule comes after those its start reaches); on a cycle, what refuses
+    the grammar as left-recursive."""
+    rules = parser.rules
     starts: list[set[int]] = []
     for rule in rules:
         reached: set[int] = set()
@@ -167,10 +176,8 @@ def _entry_reach(rules: list[Rule], known: Facts) -> list[int] | None:
             users[other].append(index)
     ready = [i for i, n in enumerate(waiting_on) if n == 0]
     reach = [0] * len(rules)
-    done = 0
     while ready:
         index = ready.pop()
-        done += 1
         total = 0
         for sequence in rules[index].alternatives:
             for item in sequence:
@@ -182,4 +189,24 @@ def _entry_reach(rules: list[Rule], known: Facts) -> list[int] | None:
             waiting_on[user] -= 1
             if waiting_on[user] == 0:
                 ready.append(user)
-    return reach if done == len(rules) else None
+    stuck = [i for i, n in enumerate(waiting_on) if n > 0]
+    if not stuck:
+        return reach
+    name = _on_a_cycle(parser, starts, waiting_on, stuck[0])
+    return (
+        f"the grammar is left-recursive: rule {name!r} can come back to itself before "
+        "matching a character (through rules that may match nothing); llama.cpp's parser "
+        "cannot run that"
+    )
+
+
+def _on_a_cycle(parser: Parser, starts: list[set[int]], waiting_on: list[int], rule: int) -> str:
+    """The name of a rule on the cycle that ``rule`` (one never computed) waits on: only named
+    rules can be referred to from elsewhere, so every cycle passes one."""
+    seen: dict[int, int] = {}
+    while rule not in seen:  # every stuck rule waits on a stuck rule: this walk ends on a cycle
+        seen[rule] = len(seen)
+        rule = next(r for r in starts[rule] if waiting_on[r] > 0)
+    cycle = [r for r, order in seen.items() if order >= seen[rule]]
+    names = {index: name for name, index in parser.names.items()}
+    return next((names[r] for r in cycle if r in names), "root")
