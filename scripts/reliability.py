@@ -107,8 +107,19 @@ FOUND = [
      "TypeError escaping (unclean); unbounded memory", "`_grammar/json_schema.py`: GrammarError"),
     ("inputs", "chat message content parts that are not objects",
      "AttributeError escaping (unclean)", "`_chat/prompt.py`: InvalidParameterError"),
+    ("inputs (seed 2027)", "`root ::= (r0){1000}` where `r0` may match nothing "
+     "(`\"\" \\| . \\| ...`)", "a hang: minutes in llama.cpp's grammar sampler, every stack "
+     "of 1000 skippable items opened at each character",
+     "`_native/grammar_fanout.py`: GrammarError past 256 stacks at one position, or past "
+     "50,000 ways to split 10 characters among optional items in a row (`([a-z]?){24}`: 22 s "
+     "for two Gemma 3 tokens)"),
+    ("lifecycle (seed 2027)", "`Context.copy(src, dst, p0, p1)` of part of a sequence when "
+     "each sequence has its own buffer (`kv_unified=False`, several sequences)",
+     "SIGABRT: `GGML_ASSERT(is_full && \"seq_cp() is only supported for full KV buffers\")` "
+     "(llama-kv-cache.cpp:506)", "`_native/context.py`: InvalidParameterError; whole "
+     "sequences copy"),
     ("inputs (seed 2031)", "a GBNF rule that comes back to itself through rules matching "
-     "nothing only through a group (`root ::= r0 r1 root \"\"`, `r0 ::= (\"\" | \"\")`), "
+     "nothing only through a group (`root ::= r0 r1 root \"\"`, `r0 ::= (\"\" \\| \"\")`), "
      "which llama.cpp's left-recursion check misses",
      "SIGABRT at the first token: `GGML_ASSERT(!stacks.empty())` (llama-grammar.cpp:948)",
      "`_native/grammar_fanout.py`: GrammarError for any left recursion"),

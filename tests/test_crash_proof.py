@@ -81,6 +81,33 @@ def test_a_left_recursive_grammar_llama_cpp_misses_is_refused_not_a_crash(
     assert "completion_tokens=2" in child.stdout
 
 
+AMBIGUOUS_GRAMMAR_CHILD = """
+    import pathlib, sys
+    from llamacrab import GrammarError, Llama
+    # From a grammar search: r2 starts root over after any character (.), so the ways to read
+    # the text multiplied with each token: 0.01 s for the first tokens, 3.4 s for the sixth,
+    # minutes soon after, all inside one sampling call that nothing can interrupt.
+    grammar = pathlib.Path(sys.argv[2]).read_text(encoding="utf-8")
+    with Llama(sys.argv[1], n_ctx=128, n_threads=1) as llm:
+        try:
+            llm.create_completion("the", max_tokens=64, grammar=grammar, temperature=1.0, seed=981)
+        except GrammarError as error:
+            print("refused:", error)
+        print(llm.create_completion("the cat", max_tokens=2, temperature=0).usage)
+"""
+
+
+def test_an_ambiguous_grammar_is_stopped_at_the_stack_bound_not_left_to_run(
+    tiny_model_path: Path,
+) -> None:
+    grammar = Path(__file__).parent / "reliability_kit" / "ambiguous.gbnf"
+    child = run_child(AMBIGUOUS_GRAMMAR_CHILD, str(tiny_model_path), str(grammar))
+    assert_clean_exit(child)
+    assert "refused: the grammar holds" in child.stdout
+    assert "the limit is 1024" in child.stdout
+    assert "completion_tokens=2" in child.stdout
+
+
 @pytest.mark.parametrize(
     ("grammar", "limit"),
     [

@@ -47,6 +47,39 @@ PATCHES: tuple[SourcePatch, ...] = (
             "is always the fast case (docs/aligned-work-buffer.md)."
         ),
     ),
+    SourcePatch(
+        name="llama-grammar-stack-bound",
+        path="src/llama-grammar.cpp",
+        edits=(
+            (
+                "    grammar.stacks = std::move(stacks_new);\n"
+                "    grammar.partial_utf8 = decoded.second;\n",
+                "    grammar.stacks = std::move(stacks_new);\n"
+                "    grammar.partial_utf8 = decoded.second;\n"
+                "    if (grammar.stacks.size() > LLAMACRAB_GRAMMAR_MAX_STACKS) {\n"
+                '        throw std::runtime_error("llamacrab: the grammar holds " +\n'
+                '            std::to_string(grammar.stacks.size()) + " parse stacks after a "\n'
+                '            "token; the limit is " +\n'
+                "            std::to_string(LLAMACRAB_GRAMMAR_MAX_STACKS));\n"
+                "    }\n",
+            ),
+            (
+                "void llama_grammar_accept_token(",
+                "// llamacrab: the ways an ambiguous grammar can go on may multiply with every "
+                "token\n#define LLAMACRAB_GRAMMAR_MAX_STACKS 1024\n\n"
+                "void llama_grammar_accept_token(",
+            ),
+        ),
+        why=(
+            "An ambiguous grammar (a rule that can start over inside itself after any "
+            "character) keeps one parse stack per way the text so far can be read, and their "
+            "number can multiply with every token: each next token then takes seconds, then "
+            "minutes, inside one uninterruptible sampling call (found by a grammar search: "
+            "0.01 s for the first tokens, 3.4 s for the sixth). Past 1,024 stacks accepting a "
+            "token throws, as llama.cpp already does when none is left; llamacrab reports a "
+            "GrammarError. Our JSON Schemas and llama.cpp's example grammars stay far below."
+        ),
+    ),
 )
 
 

