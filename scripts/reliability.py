@@ -123,6 +123,12 @@ FOUND = [
      "which llama.cpp's left-recursion check misses",
      "SIGABRT at the first token: `GGML_ASSERT(!stacks.empty())` (llama-grammar.cpp:948)",
      "`_native/grammar_fanout.py`: GrammarError for any left recursion"),
+    ("a grammar search", "an ambiguous grammar: a rule that starts the root over after any "
+     "character (`tests/reliability_kit/ambiguous.gbnf`), sampled",
+     "a hang: its parse stacks multiplied with every token (0.01 s for the first tokens, "
+     "3.4 s for the sixth, minutes after) inside one sampling call",
+     "llamacrab-sys patch `llama-grammar-stack-bound`: past 1,024 stacks the token's accept "
+     "throws; `_native/sampler.py`: GrammarError"),
 ]  # fmt: skip
 
 
