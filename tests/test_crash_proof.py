@@ -3,6 +3,7 @@ signal death (SIGSEGV, SIGABRT) fails the test instead of the test run."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,14 +35,13 @@ def assert_clean_exit(child: subprocess.CompletedProcess[str]) -> None:
 
 # -- grammars ----------------------------------------------------------------------------------
 
-NESTED_GRAMMAR_CHILD = """
-    import sys
+HOSTILE_GRAMMAR_CHILD = """
+    import json, pathlib, sys
     from llamacrab import GrammarError, Llama
-    depth = 20_000  # ~40 KB: llama.cpp's parser recursed once per level and overflowed
-    grammar = 'root ::= ' + '(' * depth + '"a"' + ')' * depth
-    with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:
+    grammar = pathlib.Path(sys.argv[2]).read_text(encoding="utf-8")
+    with Llama(sys.argv[1], n_ctx=128, n_threads=1) as llm:
         try:
-            llm.create_completion("the cat", max_tokens=2, grammar=grammar)
+            llm.create_completion("the cat", grammar=grammar, **json.loads(sys.argv[3]))
         except GrammarError as error:
             print("refused:", error)
         # The model stays usable.
@@ -49,63 +49,46 @@ NESTED_GRAMMAR_CHILD = """
 """
 
 
-def test_a_deeply_nested_grammar_is_refused_not_a_crash(tiny_model_path: Path) -> None:
-    child = run_child(NESTED_GRAMMAR_CHILD, str(tiny_model_path))
+def refused_in_a_child(model: Path, grammar: Path, **options: object) -> str:
+    """Run ``grammar`` in a child process; what it printed, once it exited cleanly having
+    refused the grammar and generated with the same model afterwards."""
+    child = run_child(HOSTILE_GRAMMAR_CHILD, str(model), str(grammar), json.dumps(options))
     assert_clean_exit(child)
-    assert f"the limit is {MAX_GRAMMAR_NESTING}" in child.stdout
-    assert "completion_tokens=2" in child.stdout
+    assert "refused: " in child.stdout and "completion_tokens=2" in child.stdout, child.stdout
+    return child.stdout
 
 
-LEFT_RECURSIVE_CHILD = """
-    import sys
-    from llamacrab import GrammarError, Llama
-    # Found by the reliability suite's inputs section (seed 2031): r0 matches nothing only
-    # through a group, so llama.cpp's left-recursion check missed it, and with no other way on
-    # the grammar had no parse stack: GGML_ASSERT(!stacks.empty()) at the first token.
-    grammar = 'root ::= r0 r1 root ""\\nr0 ::= ("" | "")\\nr1 ::= ""'
-    with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:
-        try:
-            llm.create_completion("the cat", max_tokens=2, grammar=grammar)
-        except GrammarError as error:
-            print("refused:", error)
-        print(llm.create_completion("the cat", max_tokens=2, temperature=0).usage)
-"""
+def test_a_deeply_nested_grammar_is_refused_not_a_crash(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    depth = 20_000  # ~40 KB: llama.cpp's parser recursed once per level and overflowed
+    grammar = tmp_path / "nested.gbnf"
+    grammar.write_text("root ::= " + "(" * depth + '"a"' + ")" * depth)
+    out = refused_in_a_child(tiny_model_path, grammar, max_tokens=2)
+    assert f"the limit is {MAX_GRAMMAR_NESTING}" in out
 
 
 def test_a_left_recursive_grammar_llama_cpp_misses_is_refused_not_a_crash(
-    tiny_model_path: Path,
+    tiny_model_path: Path, tmp_path: Path
 ) -> None:
-    child = run_child(LEFT_RECURSIVE_CHILD, str(tiny_model_path))
-    assert_clean_exit(child)
-    assert "refused: the grammar is left-recursive: rule 'root'" in child.stdout
-    assert "completion_tokens=2" in child.stdout
-
-
-AMBIGUOUS_GRAMMAR_CHILD = """
-    import pathlib, sys
-    from llamacrab import GrammarError, Llama
-    # From a grammar search: r2 starts root over after any character (.), so the ways to read
-    # the text multiplied with each token: 0.01 s for the first tokens, 3.4 s for the sixth,
-    # minutes soon after, all inside one sampling call that nothing can interrupt.
-    grammar = pathlib.Path(sys.argv[2]).read_text(encoding="utf-8")
-    with Llama(sys.argv[1], n_ctx=128, n_threads=1) as llm:
-        try:
-            llm.create_completion("the", max_tokens=64, grammar=grammar, temperature=1.0, seed=981)
-        except GrammarError as error:
-            print("refused:", error)
-        print(llm.create_completion("the cat", max_tokens=2, temperature=0).usage)
-"""
+    # Found by the reliability suite's inputs section (seed 2031): r0 matches nothing only
+    # through a group, so llama.cpp's left-recursion check missed it, and with no other way on
+    # the grammar had no parse stack: GGML_ASSERT(!stacks.empty()) at the first token.
+    grammar = tmp_path / "left.gbnf"
+    grammar.write_text('root ::= r0 r1 root ""\nr0 ::= ("" | "")\nr1 ::= ""')
+    out = refused_in_a_child(tiny_model_path, grammar, max_tokens=2)
+    assert "the grammar is left-recursive: rule 'root'" in out
 
 
 def test_an_ambiguous_grammar_is_stopped_at_the_stack_bound_not_left_to_run(
     tiny_model_path: Path,
 ) -> None:
+    # From a grammar search: r2 starts root over after any character (.), so the ways to read
+    # the text multiplied with each token: 0.01 s for the first tokens, 3.4 s for the sixth,
+    # minutes soon after, all inside one sampling call that nothing can interrupt.
     grammar = Path(__file__).parent / "reliability_kit" / "ambiguous.gbnf"
-    child = run_child(AMBIGUOUS_GRAMMAR_CHILD, str(tiny_model_path), str(grammar))
-    assert_clean_exit(child)
-    assert "refused: the grammar holds" in child.stdout
-    assert "the limit is 1024" in child.stdout
-    assert "completion_tokens=2" in child.stdout
+    out = refused_in_a_child(tiny_model_path, grammar, max_tokens=64, temperature=1.0, seed=981)
+    assert "the grammar holds" in out and "the limit is 1024" in out
 
 
 @pytest.mark.parametrize(
