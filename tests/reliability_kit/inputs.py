@@ -57,6 +57,35 @@ def _gbnf_strategy() -> Any:
     return st.tuples(rules, edit).map(lambda t: _edit(*t))
 
 
+# Terminals of the grammars that run, listed so that references (up to 4 names) are under a
+# third of the leaves: more reference the rule they are in, and more are left-recursive.
+_TERMINALS = ['""', '""', '"a"', '"b"', '"ab"', '" "', '"\\n"', '"é"', "[a-z]", "[^a]", "."]
+
+
+def _runnable_gbnf_strategy() -> Any:
+    """Grammars that parse and mostly run: every reference names a defined rule. The strategy
+    above mostly draws grammars that llama.cpp or our checks refuse before they run; a search
+    shaped like this one found the ambiguous grammar of ambiguous.gbnf."""
+    from hypothesis import strategies as st
+
+    def extend(inner: Any) -> Any:
+        repeat = st.sampled_from(["*", "+", "?", "{0,1}", "{2,3}", "{3}", "{0,}"])
+        return st.one_of(
+            st.lists(inner, min_size=1, max_size=3).map(" ".join),
+            st.lists(inner, min_size=2, max_size=3).map(lambda xs: "(" + " | ".join(xs) + ")"),
+            st.tuples(inner, repeat).map(lambda t: f"({t[0]}){t[1]}"),
+        )
+
+    @st.composite
+    def grammar(draw: Any) -> str:
+        names = ["root", "r0", "r1", "r2"][: draw(st.integers(1, 4))]
+        expr = st.recursive(st.sampled_from(_TERMINALS + names), extend, max_leaves=8)
+        alternatives = st.lists(expr, min_size=1, max_size=3).map(" | ".join)
+        return "\n".join(f"{name} ::= {draw(alternatives)}" for name in names)
+
+    return grammar()
+
+
 def _edit(text: str, edit: tuple[str, int]) -> str:
     kind, at = edit
     if not text or kind == "none":
@@ -294,7 +323,7 @@ def generate(count: int, seed: int) -> list[dict[str, Any]]:
     formats = ["chatml", "llama3", "gemma", "mistral-instruct", "alpaca", "plain", "bogus"]
     drawn: list[dict[str, Any]] = []
     strategy = st.one_of(
-        st.tuples(st.just("gbnf"), _gbnf_strategy()),
+        st.tuples(st.just("gbnf"), st.one_of(_gbnf_strategy(), _runnable_gbnf_strategy())),
         st.tuples(st.just("schema"), _schema_strategy()),
         st.tuples(st.just("template"), _template_strategy(), _messages_strategy(),
                   st.booleans()),
