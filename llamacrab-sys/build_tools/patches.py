@@ -83,6 +83,10 @@ PATCHES: tuple[SourcePatch, ...] = (
 )
 
 
+def names() -> tuple[str, ...]:
+    return tuple(p.name for p in PATCHES)
+
+
 def digest() -> str:
     """What identifies the patch set (for cache keys): its names and edits."""
     identity = [[p.name, p.path, [list(edit) for edit in p.edits]] for p in PATCHES]
@@ -102,11 +106,10 @@ def patched_text(patch: SourcePatch, text: str) -> str:
     return text
 
 
-def apply(tree: Path) -> tuple[str, ...]:
-    """Apply every patch to a llama.cpp tree in place; the names applied."""
+def apply(tree: Path) -> None:
+    """Apply every patch to a llama.cpp tree in place."""
     for patch in PATCHES:
         target = tree / patch.path
         if not target.is_file():
             raise PatchError(f"llamacrab patch {patch.name!r}: {patch.path} is not in {tree}")
         target.write_text(patched_text(patch, target.read_text(encoding="utf-8")), "utf-8")
-    return tuple(p.name for p in PATCHES)

@@ -198,8 +198,7 @@ def resolve_source(patched: bool = True) -> Source:
     if not patched or not patches.PATCHES:
         return Source(tree, commit, origin)
     digest = patches.digest()
-    names = tuple(p.name for p in patches.PATCHES)
-    return Source(_patched_tree(tree, commit, digest), commit, origin, names, digest)
+    return Source(_patched_tree(tree, commit, digest), commit, origin, patches.names(), digest)
 
 
 if __name__ == "__main__":
