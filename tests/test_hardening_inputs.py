@@ -1,5 +1,6 @@
 """Untrusted inputs that must fail with llamacrab's own error, quickly and without a huge
-allocation: image dimensions, saved-state blobs, and chat templates that build big values."""
+allocation: image dimensions and files, sound lengths, saved-state blobs, and chat templates
+that build big values."""
 
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ from PIL import Image as PILImage
 from llamacrab import MediaError, StateError, TemplateError
 from llamacrab._chat.template import MAX_INT_BITS, MAX_VALUE_SIZE, render
 from llamacrab._native import media, state
-from llamacrab._native.media import MAX_IMAGE_PIXELS, Image, rgb_pixels
+from llamacrab._native.media import (
+    MAX_AUDIO_SECONDS,
+    MAX_IMAGE_PIXELS,
+    Audio,
+    Image,
+    pcm_for_rate,
+    rgb_pixels,
+)
 from llamacrab._native.state import SavedState
 
 # -- images ----------------------------------------------------------------------------------
@@ -74,6 +82,45 @@ def test_pixel_arrays_are_bounded_too(monkeypatch: pytest.MonkeyPatch) -> None:
     PILImage.new("RGB", (10, 11), "red").save(small := io.BytesIO(), format="PNG")
     with pytest.raises(MediaError, match="limit of 100 pixels"):
         rgb_pixels(Image(data=small.getvalue()))
+
+
+def test_any_error_pillow_raises_on_a_broken_file_is_a_media_error() -> None:
+    header = struct.pack(">IIBBBBB", 4, 4, 8, 0, 0, 0, 0)
+    rows = zlib.compress(bytes(5) * 4)
+    valid = b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", rows)
+    valid += _chunk(b"IEND", b"")
+    assert rgb_pixels(Image(data=valid)).shape == (4, 4, 3)
+    # An empty IDAT, then a chunk whose type is not four letters: Pillow's load() raises
+    # SyntaxError("broken PNG file") (found by fuzzing; not an OSError or a ValueError).
+    bad_chunk = bytes(4) + struct.pack(">I", 5) + b"_\x82\xc2z"
+    broken = valid[:33] + struct.pack(">I", 0) + b"IDAT" + bad_chunk + rows
+    with pytest.raises(SyntaxError):
+        PILImage.open(io.BytesIO(broken)).load()
+    with pytest.raises(MediaError, match=r"could not decode the image.*broken PNG file"):
+        rgb_pixels(Image(data=broken))
+
+
+# -- sounds ----------------------------------------------------------------------------------
+
+
+def test_samples_at_a_low_rate_are_refused_before_resampling() -> None:
+    # 100,000 samples declared at 1 Hz: 28 hours, 1.6 billion samples at 16 kHz.
+    low = Audio(samples=np.zeros(100_000, np.float32), sample_rate=1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(MediaError, match=f"limit of {MAX_AUDIO_SECONDS} seconds"):
+            pcm_for_rate(low, 16_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 10_000_000
+    hour = Audio(samples=np.zeros(MAX_AUDIO_SECONDS * 2, np.float32), sample_rate=2)
+    assert len(pcm_for_rate(hour, 16)) == MAX_AUDIO_SECONDS * 16  # at the limit: resampled
+    wide = np.broadcast_to(np.zeros(1, np.float32), (16_000, 1_000_000))  # 64 GB as float32
+    with pytest.raises(MediaError, match="1000000 channels; the limit is 64"):
+        pcm_for_rate(Audio(samples=wide, sample_rate=16_000), 16_000)
+    with pytest.raises(MediaError, match="must be numbers"):
+        pcm_for_rate(Audio(samples=np.array(["a", "b"]), sample_rate=16_000), 16_000)
 
 
 # -- saved states ----------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import io
 import itertools
 import json
 import signal
+import struct
+import time
 import wave
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -168,6 +170,24 @@ def test_audio_from_wav_bytes_and_samples_resampled(hearing: Llama) -> None:
     assert np.abs(from_stereo - reference)[:-1].max() < 0.02
     other = pcm(hearing, Audio(samples=tone(16000) * 0.5, sample_rate=16000))
     assert np.abs(other - reference).max() > 0.2
+
+
+def test_a_short_file_declaring_hours_of_sound_is_refused_before_decoding(
+    hearing: Llama,
+) -> None:
+    # 100 kB of 8-bit samples at a declared 1 Hz: 28 hours, 6.4 GB of float samples at
+    # 16 kHz, which unpatched libmtmd allocates and fills first (42 s here before bad_alloc).
+    fmt = struct.pack("<HHIIHH", 1, 1, 1, 1, 1, 8)
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt + b"data"
+    body += struct.pack("<I", 100_000) + bytes(100_000)
+    bomb = b"RIFF" + struct.pack("<I", len(body)) + body
+    started = time.perf_counter()
+    with pytest.raises(MediaError, match=r"1600000000 samples at 16000 Hz; the limit is 3600 s"):
+        hearing.create_completion(f"{hearing.media_marker}.", media=[Audio(data=bomb)], **GREEDY)
+    assert time.perf_counter() - started < 5
+    valid = wav_bytes(np.zeros(10, np.float32), 16000)  # and the Llama goes on
+    assert hearing.create_completion(f"{hearing.media_marker}.", media=[Audio(data=valid)],
+                                     **GREEDY).usage.completion_tokens == 6  # fmt: skip
 
 
 def pcm(llm: Llama, sound: Audio) -> np.ndarray:

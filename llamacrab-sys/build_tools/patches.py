@@ -80,6 +80,37 @@ PATCHES: tuple[SourcePatch, ...] = (
             "GrammarError. Our JSON Schemas and llama.cpp's example grammars stay far below."
         ),
     ),
+    SourcePatch(
+        name="mtmd-audio-length-bound",
+        path="tools/mtmd/mtmd-helper.cpp",
+        edits=(
+            (
+                "#include <vector>\n",
+                "#include <vector>\n#include <stdexcept>\n#include <string>\n\n"
+                "// llamacrab: the longest sound file decoded, in seconds (llamacrab's "
+                "MAX_AUDIO_SECONDS)\n#define LLAMACRAB_MAX_AUDIO_SECONDS 3600\n",
+            ),
+            (
+                "    pcmf32_mono.resize(frame_count);\n",
+                "    if (frame_count > (ma_uint64) LLAMACRAB_MAX_AUDIO_SECONDS * "
+                "target_sampler_rate) {\n"
+                "        ma_decoder_uninit(&decoder);\n"
+                '        throw std::runtime_error("llamacrab: the audio decodes to " +\n'
+                '            std::to_string(frame_count) + " samples at " +\n'
+                '            std::to_string(target_sampler_rate) + " Hz; the limit is " +\n'
+                '            std::to_string(LLAMACRAB_MAX_AUDIO_SECONDS) + " seconds");\n'
+                "    }\n"
+                "    pcmf32_mono.resize(frame_count);\n",
+            ),
+        ),
+        why=(
+            "A sound file's header sets its sample rate, and libmtmd resamples to the "
+            "projector's rate into one buffer it allocates (and zero-fills) from the decoded "
+            "length first: a 100 kB WAV declaring 1 Hz became 6 GB and 42 s before failing, and "
+            "FLAC compresses silence further. Past an hour of decoded audio the helper throws "
+            "before allocating; llamacrab reports a MediaError."
+        ),
+    ),
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from llamacrab._exceptions import InvalidParameterError, NativeError
+from llamacrab._exceptions import InvalidParameterError, LlamaError, NativeError
 from llamacrab_sys import ffi, lib
 
 _local = threading.local()
@@ -25,6 +25,22 @@ def call(name: str, *args: Any) -> Any:
     if err.code != 0:
         raise NativeError(name, err.code, ffi.string(err.message).decode("utf-8", "replace"))
     return result
+
+
+# How the C++ exceptions thrown by llamacrab-sys's patches to llama.cpp begin
+# (llamacrab-sys/build_tools/patches.py): each bounds what hostile input could make endless.
+PATCH_REFUSAL = "llamacrab: "
+
+
+def call_bounded(name: str, *args: Any, refusal: type[LlamaError], explain: str = "") -> Any:
+    """``call`` for an entry point a patch bounds: the patch's refusal becomes ``refusal``
+    (its message, then ``explain``); any other C++ error stays a NativeError."""
+    try:
+        return call(name, *args)
+    except NativeError as error:
+        if not error.message.startswith(PATCH_REFUSAL):
+            raise
+        raise refusal(error.message.removeprefix(PATCH_REFUSAL) + explain) from error
 
 
 def c_string(text: str, what: str) -> bytes:
@@ -47,4 +63,4 @@ def read_string(fill: Any, initial: int = 256) -> str:
         size = needed + 1
 
 
-__all__ = ["c_string", "call", "ffi", "lib", "read_string"]
+__all__ = ["PATCH_REFUSAL", "c_string", "call", "call_bounded", "ffi", "lib", "read_string"]

@@ -19,6 +19,11 @@ from llamacrab._exceptions import MediaError
 # colour compresses about a thousandfold), so the header's dimensions are checked before a
 # single pixel is decoded.
 MAX_IMAGE_PIXELS = 50_000_000
+# The longest sound, in seconds (an hour at 16 kHz is 230 MB of float samples). A sound file's
+# header sets its sample rate: a few kB declaring 1 Hz would resample to gigabytes. Sound files
+# are held to it by libmtmd (the mtmd-audio-length-bound patch: a fixed hour), samples here.
+MAX_AUDIO_SECONDS = 3600
+MAX_AUDIO_CHANNELS = 64  # of samples given as an array (averaged to mono)
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,7 +119,8 @@ def decode_image(data: bytes) -> np.ndarray:
             f"the image is over the limit of {MAX_IMAGE_PIXELS} pixels "
             f"(llamacrab._native.media.MAX_IMAGE_PIXELS): {error}"
         ) from None
-    except (OSError, ValueError) as error:
+    except Exception as error:  # Pillow's decoders raise SyntaxError, struct.error, EOFError,
+        # ... on malformed files as well as OSError and ValueError
         raise MediaError(f"could not decode the image ({len(data)} bytes): {error}") from None
 
 
@@ -136,17 +142,30 @@ def rgb_pixels(image: Image) -> np.ndarray:
 
 def pcm_for_rate(audio: Audio, rate: int) -> np.ndarray:
     """Mono float32 PCM at ``rate`` Hz (linear resampling when the recording's rate differs)."""
-    samples = np.asarray(audio.samples, dtype=np.float32)
+    given = np.asarray(audio.samples)  # its length is checked before any copy or conversion
+    if given.ndim not in (1, 2):
+        raise MediaError(f"audio samples must be (n,) or (n, channels), not {given.shape}")
+    assert audio.sample_rate is not None
+    seconds = given.shape[0] / audio.sample_rate
+    if seconds > MAX_AUDIO_SECONDS:  # resampling would allocate rate / sample_rate times more
+        raise MediaError(
+            f"the audio lasts {seconds:.0f} seconds ({given.shape[0]} samples at "
+            f"{audio.sample_rate} Hz), over the limit of {MAX_AUDIO_SECONDS} seconds "
+            "(llamacrab._native.media.MAX_AUDIO_SECONDS)"
+        )
+    if given.ndim == 2 and given.shape[1] > MAX_AUDIO_CHANNELS:
+        raise MediaError(f"the audio has {given.shape[1]} channels; the limit is "
+                         f"{MAX_AUDIO_CHANNELS} (samples are (n,) or (n, channels))")  # fmt: skip
+    try:
+        samples = given.astype(np.float32, copy=False)
+    except (TypeError, ValueError) as error:
+        raise MediaError(f"audio samples must be numbers: {error}") from None
     if samples.ndim == 2:
-        samples = samples.mean(axis=1)
-    if samples.ndim != 1:
-        raise MediaError(f"audio samples must be (n,) or (n, channels), not {samples.shape}")
+        samples = samples.mean(axis=1, dtype=np.float32)
     if not np.isfinite(samples).all():
         raise MediaError("audio samples contain NaN or infinity")
-    assert audio.sample_rate is not None
     if audio.sample_rate != rate and len(samples) > 1:
-        duration = len(samples) / audio.sample_rate
-        target = np.arange(round(duration * rate)) / rate
+        target = np.arange(round(seconds * rate)) / rate
         times = np.arange(len(samples)) / audio.sample_rate
         samples = np.interp(target, times, samples).astype(np.float32)
     if len(samples) < 2:  # libmtmd asserts (aborts) on a single sample

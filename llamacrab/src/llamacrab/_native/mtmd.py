@@ -13,7 +13,7 @@ import numpy as np
 
 from llamacrab._exceptions import DecodeError, InvalidParameterError, MediaError, ModelLoadError
 from llamacrab._native import gguf_archs as archs
-from llamacrab._native.call import c_string, call, ffi, lib
+from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
@@ -108,9 +108,12 @@ class Projector(NativeHandle):
         """A sound file decoded (and resampled) by libmtmd; ``sniff`` made sure it is audio, so
         libmtmd takes its audio path and never its video fallback (which runs ffprobe)."""
         log_lines.take_last_error()
-        wrapper = call("mtmd_helper_bitmap_init_from_buf", self.pointer,
-                       ffi.from_buffer("unsigned char[]", data), len(data), False,
-                       lib.mtmd_helper_init_opt_default())  # fmt: skip
+        # Patched libmtmd refuses a file decoding to more than MAX_AUDIO_SECONDS before it
+        # allocates the samples (a few kB can declare hours; llamacrab-sys's patches).
+        wrapper = call_bounded("mtmd_helper_bitmap_init_from_buf", self.pointer,
+                               ffi.from_buffer("unsigned char[]", data), len(data), False,
+                               lib.mtmd_helper_init_opt_default(),
+                               refusal=MediaError)  # fmt: skip
         if wrapper.bitmap == ffi.NULL:
             reason = log_lines.take_last_error() or "unrecognized format"
             raise MediaError(f"could not decode the audio ({len(data)} bytes): {reason}")

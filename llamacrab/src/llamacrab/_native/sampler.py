@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import GrammarError, InvalidParameterError, NativeError
-from llamacrab._native.call import c_string, call, ffi, lib
+from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
@@ -230,22 +230,12 @@ class SamplerChain(NativeHandle):
             bridge.raise_error()
 
 
-# What llamacrab-sys's llama-grammar-stack-bound patch throws when an ambiguous grammar's ways
-# to go on multiplied past its bound (llamacrab-sys/build_tools/patches.py).
-_GRAMMAR_BOUND = "llamacrab: the grammar holds"
-
-
 def _grammar_call(name: str, *args: Any) -> Any:
-    """``call`` for the sampling entry points, where a grammar can hit that bound."""
-    try:
-        return call(name, *args)
-    except NativeError as error:
-        if not error.message.startswith(_GRAMMAR_BOUND):
-            raise
-        raise GrammarError(
-            error.message.removeprefix("llamacrab: ") + " (an ambiguous grammar: a rule that "
-            "can start over inside itself, so the ways to read the text multiply)"
-        ) from error
+    """``call`` for the sampling entry points, where an ambiguous grammar can hit the bound of
+    llamacrab-sys's llama-grammar-stack-bound patch."""
+    return call_bounded(name, *args, refusal=GrammarError, explain=(
+        " (an ambiguous grammar: a rule that can start over inside itself, so the ways to read "
+        "the text multiply)"))  # fmt: skip
 
 
 class _EndBan(CustomSampler):
