@@ -12,6 +12,8 @@ tests/test_reliability.py, and a long one, the default here):
 - tampered-tiny, tampered-gemma: variants of the tiny model's and Gemma 3 270M's GGUF files;
 - inputs: generated grammars, JSON Schemas and chat templates through the public API;
 - states: saved states (KV cache, recurrent, hybrid) tampered under a valid checksum;
+- media: sound files, image files and pixel arrays, valid and tampered, through a tiny
+  model with a vision or an audio projector;
 - server: the server under load and faults, and leaks (scripts/reliability_server.py; CI runs
   its short size through tests/test_reliability_server.py).
 
@@ -129,6 +131,15 @@ FOUND = [
      "3.4 s for the sixth, minutes after) inside one sampling call",
      "llamacrab-sys patch `llama-grammar-stack-bound`: past 1,024 stacks the token's accept "
      "throws; `_native/sampler.py`: GrammarError"),
+    ("reading libmtmd's sound decoding, then a crafted file", "a 100 kB WAV declaring a "
+     "sample rate of 1 Hz (28 hours at the projector's 16 kHz)", "6 GB allocated and "
+     "zero-filled, 42 s, then `std::bad_alloc` (the OOM killer on a smaller machine)",
+     "llamacrab-sys patch `mtmd-audio-length-bound`: past an hour the helper throws before "
+     "allocating; `_native/mtmd.py`: MediaError. Samples: `_native/media.py` checks "
+     "`MAX_AUDIO_SECONDS` before resampling"),
+    ("mutated images (before the media section)", "a PNG whose IDAT declares 0 bytes, then a "
+     "chunk type that is not letters", "SyntaxError escaping from Pillow (unclean)",
+     "`_native/media.py`: any error while Pillow decodes is a MediaError"),
 ]  # fmt: skip
 
 
@@ -288,10 +299,11 @@ the same greedy tokens from Gemma 3 270M.
 
 `scripts/reliability.py` (this report) and `tests/test_reliability.py` (CI) share
 `tests/reliability_kit/`: `children.py` runs many cases per child process and isolates a
-culprit, `lifecycle.py`, `tampered.py`, `inputs.py` and `states.py` make and run the cases,
-`sections.py` holds the sizes. The cases are the same list in every process for a section,
-mode and seed (hypothesis draws them with `@seed` and no database; the same hypothesis
-version, which each section's report records): a failure's case id, printed with the
+culprit, `lifecycle.py`, `tampered.py`, `inputs.py`, `states.py` and `media.py` make and run the
+cases, `sections.py` holds the sizes. The cases are the same list in every process for a
+section, mode and seed (hypothesis draws them with `@seed` and no database, the media section
+with a seeded `random.Random`; the same hypothesis version, which each section's report
+records): a failure's case id, printed with the
 command that replays it, is enough. `python scripts/reliability.py --mode short --seed 2026
 --replay lifecycle-2026-29` draws the cases again and runs that one alone in a child, printing
 its outcome; a failing batch's job file, which holds its exact cases, is also kept

@@ -1,8 +1,8 @@
 """The reliability suite's short sizes (CI): lifecycle fuzzing, tampered models, generated
-grammars, schemas and templates, and tampered saved states, each asserting no signal death, no
-hang and no unclean error over at least its case count. ``scripts/reliability.py`` runs the
-long sizes and writes RELIABILITY.md. Below them, a regression test for each crash the suite
-found."""
+grammars, schemas and templates, tampered saved states, and hostile images and sounds, each
+asserting no signal death, no hang and no unclean error over at least its case count.
+``scripts/reliability.py`` runs the long sizes and writes RELIABILITY.md. Below them, a
+regression test for each crash the suite found."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from llamacrab import (
     schema_to_grammar,
 )
 
-from reliability_kit import sections, tampered
+from reliability_kit import media, sections, tampered
 from reliability_kit.children import Report, Result
 
 
@@ -79,17 +79,26 @@ def test_grammars_schemas_and_templates(workdir: Path) -> None:
     assert slowest is not None and slowest.seconds < 30, slowest
 
 
+def test_hostile_images_and_sounds(workdir: Path) -> None:
+    report = run_short("media", workdir)
+    assert_clean(report, 300)
+    # The seed files decode as made (the generator's files are valid), and changes get refused.
+    made = [r for r in report.results if int(r.id.rsplit("-", 1)[1]) < len(media.seeds())]
+    assert all(r.outcome == "ok" for r in made), [r for r in made if r.outcome != "ok"]
+    assert report.count("error") > 0
+
+
 DRAW = """
 import hashlib, json, sys
-from reliability_kit import inputs, lifecycle
-module = {"lifecycle": lifecycle, "inputs": inputs}[sys.argv[1]]
+from reliability_kit import inputs, lifecycle, media
+module = {"lifecycle": lifecycle, "inputs": inputs, "media": media}[sys.argv[1]]
 cases = module.generate(200, 7)
 assert len(cases) >= 150, len(cases)
 print(hashlib.sha256(json.dumps(cases).encode()).hexdigest())
 """
 
 
-@pytest.mark.parametrize("section", ["lifecycle", "inputs"])
+@pytest.mark.parametrize("section", ["lifecycle", "inputs", "media"])
 def test_a_failing_case_id_replays_in_another_process(section: str) -> None:
     """The generated cases are the same list in every process for a seed (PYTHONHASHSEED and
     all), so the case id a failure reports is enough to replay it (`--replay`)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reliability_kit import children, inputs, lifecycle, states, tampered
+from reliability_kit import children, inputs, lifecycle, media, states, tampered
 from reliability_kit.repo import script
 
 
@@ -71,6 +71,15 @@ SECTIONS = {
         Size(2000, 120), Size(20_000, 1800), batch_size=500, case_timeout=60,
         memory_limit=4 * GIB,
     ),
+    "media": Section(
+        "Images and sounds",
+        "sound files (WAV, FLAC, MP3) decoded by libmtmd, image files decoded by Pillow and "
+        "pixel arrays of extreme shapes, valid ones and ones changed in their header fields "
+        "or anywhere (a sample rate of 1 Hz, a length past the end, bytes cut, repeated or "
+        "replaced), each in a completion of a tiny model with a vision or an audio projector; "
+        "the same Llama answers afterwards",
+        Size(300, 150), Size(3000, 3600), batch_size=50, case_timeout=60, memory_limit=4 * GIB,
+    ),
 }  # fmt: skip
 SEED = 2026
 
@@ -105,6 +114,9 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
         return inputs.generate(size.cases or 1000, seed), setup
     if name == "states":
         return states.cases(seed, size.cases or 1000), {"models": states.models(workdir)}
+    if name == "media":
+        models = {"text": str(tiny), **media.projectors(workdir)}
+        return media.generate(size.cases or 1000, seed), {"models": models}
     model = tiny if name == "tampered-tiny" else gemma_path()
     label = name.removeprefix("tampered-")
     setup = {"model": str(model), "workdir": str(workdir / "tampered")}
