@@ -9,9 +9,10 @@ import itertools
 import json
 import signal
 import struct
+import sys
 import time
 import wave
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from llamacrab._native.mtmd import embeddings_refusal
 from llamacrab.server import ServerSettings
 from llamacrab_sys import ffi, lib
 
+from reliability_kit import tampered
 from support import assert_same_up_to_near_ties, load_repo_module
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
@@ -454,3 +456,103 @@ def test_the_glm4_refusal_turns_an_abort_into_an_error(
         f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
     )
     assert "does not support multimodal" in unchecked.stderr
+
+
+# -- projector files that disagree with themselves -------------------------------------------
+
+
+def projector_variant(original: Path, out: Path, change: Callable[[tampered.Header], None]) -> Path:
+    """``original`` with its header changed by ``change`` (the tensor data kept as it is)."""
+    header = tampered.parse(original)
+    change(header)
+    encoded = header.encode()
+    data = original.read_bytes()[header.data_offset :]
+    out.write_bytes(encoded + bytes(-len(encoded) % header.alignment) + data)
+    return out
+
+
+def renamed_first_tensor(header: tampered.Header) -> None:
+    name, dims, ttype, offset = header.tensors[0]
+    header.tensors[0] = (b"v.unused." + name, dims, ttype, offset)
+
+
+def with_u32(key: bytes, value: int) -> Callable[[tampered.Header], None]:
+    def change(header: tampered.Header) -> None:
+        header.kvs = [(k, t, struct.pack("<I", value) if k == key else v)
+                      for k, t, v in header.kvs]  # fmt: skip
+
+    return change
+
+
+def as_float(key: bytes) -> Callable[[tampered.Header], None]:
+    def change(header: tampered.Header) -> None:
+        header.kvs = [(k, tampered.F32, struct.pack("<f", 4.0)) if k == key else (k, t, v)
+                      for k, t, v in header.kvs]  # fmt: skip
+
+    return change
+
+
+PROBE_CHILD = """
+    import sys
+    import numpy as np
+    from llamacrab import Audio, Image, Llama, ModelLoadError
+    try:
+        llm = Llama(sys.argv[1], n_ctx=1024, n_threads=1, mmproj=sys.argv[2],
+                    mmproj_probe=sys.argv[3] == "probe")
+    except ModelLoadError as error:
+        print("refused:", error)
+    else:
+        media = (Image(pixels=np.full((20, 30, 3), 90, np.uint8)) if llm.projector.vision
+                 else Audio(samples=np.zeros(8000, np.float32), sample_rate=16000))
+        llm.create_completion(f"{llm.media_marker} .", media=[media], max_tokens=1)
+        print("answered")
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (renamed_first_tensor, "SIGSEGV"),  # building the graph at load
+        (with_u32(b"clip.vision.attention.head_count", 5), "GGML_ASSERT"),
+        # More patches than position embeddings: fails at the first encode, not at load.
+        (with_u32(b"clip.vision.image_size", 64), "GGML_ASSERT(i01 >= 0 && i01 < ne01)"),
+    ],
+    ids=["a tensor missing", "a head count that does not divide the width", "an image size"],
+)
+def test_a_projector_that_kills_its_trial_load_is_refused(
+    files: dict[str, Path], tmp_path: Path, change: Callable[[tampered.Header], None],
+    reason: str,
+) -> None:  # fmt: skip
+    bad = projector_variant(files["vision"], tmp_path / "bad.gguf", change)
+    checked = run_child(PROBE_CHILD, str(files["text"]), str(bad), "probe")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert checked.stdout.startswith("refused:") and "killed a" in checked.stdout
+    assert reason in checked.stdout, checked.stdout
+    # Without the trial load the same file kills the process (what the probe is for).
+    unchecked = run_child(PROBE_CHILD, str(files["text"]), str(bad), "trust")
+    assert unchecked.returncode < 0, (unchecked.returncode, unchecked.stdout)
+    # A sound projector passes its trial and works (the test files' own, made valid).
+    good = run_child(PROBE_CHILD, str(files["text"]), str(files["audio"]), "probe")
+    assert good.stdout.strip() == "answered", good.stdout + good.stderr[-2000:]
+
+
+def test_a_projector_key_of_another_type_is_a_load_error(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    # libmtmd reads it with gguf_get_val_u32, which asserted the type (an abort) before the
+    # clip-metadata-types patch; it throws now, and the load fails cleanly.
+    bad = projector_variant(files["vision"], tmp_path / "typed.gguf",
+                            as_float(b"clip.vision.block_count"))  # fmt: skip
+    with pytest.raises(ModelLoadError, match=r"clip.vision.block_count is a f32, not a u32"):
+        Llama(files["text"], n_ctx=256, n_threads=1, mmproj=bad, mmproj_probe=False)
+
+
+def test_a_probe_that_cannot_start_says_how_to_do_without(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.raises(ModelLoadError, match=r"could not start a child.*mmproj_probe=False"):
+        Llama(files["text"], n_ctx=256, n_threads=1, mmproj=files["vision"])
+    with Llama(files["text"], n_ctx=256, n_threads=1, mmproj=files["vision"],
+               mmproj_probe=False) as llm:  # fmt: skip
+        assert llm.projector is not None and llm.projector.vision

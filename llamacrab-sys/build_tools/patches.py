@@ -111,6 +111,62 @@ PATCHES: tuple[SourcePatch, ...] = (
             "before allocating; llamacrab reports a MediaError."
         ),
     ),
+    SourcePatch(
+        name="clip-metadata-types",
+        path="tools/mtmd/clip.cpp",
+        edits=(
+            (
+                "    void get_bool(const std::string & key, bool & output, bool required = true) "
+                "const {\n",
+                "    // llamacrab: gguf_get_val_* assert (abort) on a key of another type\n"
+                "    void require_type(const std::string & key, int i, gguf_type type) const {\n"
+                "        const gguf_type found = gguf_get_kv_type(ctx_gguf.get(), i);\n"
+                "        if (found != type) {\n"
+                "            // (key.c_str(): clip's string_format keeps the NUL in the string)\n"
+                '            throw std::runtime_error(std::string("llamacrab: the projector\'s ") '
+                "+\n"
+                "                key.c_str() +\n"
+                '                " is a " + gguf_type_name(found) + ", not a " + '
+                "gguf_type_name(type));\n"
+                "        }\n"
+                "    }\n\n"
+                "    void get_bool(const std::string & key, bool & output, bool required = true) "
+                "const {\n",
+            ),
+            (
+                "        output = gguf_get_val_bool(ctx_gguf.get(), i);\n",
+                "        require_type(key, i, GGUF_TYPE_BOOL);\n"
+                "        output = gguf_get_val_bool(ctx_gguf.get(), i);\n",
+            ),
+            (
+                "        output = gguf_get_val_i32(ctx_gguf.get(), i);\n",
+                "        require_type(key, i, GGUF_TYPE_INT32);\n"
+                "        output = gguf_get_val_i32(ctx_gguf.get(), i);\n",
+            ),
+            (
+                "        const uint32_t val = gguf_get_val_u32(ctx_gguf.get(), i);\n",
+                "        require_type(key, i, GGUF_TYPE_UINT32);\n"
+                "        const uint32_t val = gguf_get_val_u32(ctx_gguf.get(), i);\n",
+            ),
+            (
+                "        output = gguf_get_val_f32(ctx_gguf.get(), i);\n",
+                "        require_type(key, i, GGUF_TYPE_FLOAT32);\n"
+                "        output = gguf_get_val_f32(ctx_gguf.get(), i);\n",
+            ),
+            (
+                "        output = std::string(gguf_get_val_str(ctx_gguf.get(), i));\n",
+                "        require_type(key, i, GGUF_TYPE_STRING);\n"
+                "        output = std::string(gguf_get_val_str(ctx_gguf.get(), i));\n",
+            ),
+        ),
+        why=(
+            "libmtmd reads a projector's scalar metadata with gguf_get_val_*, which assert "
+            "(abort) when the key holds another type or an array: a projector file with one "
+            "key of the wrong type killed the process (70% of the signal deaths of the "
+            "tampered-projector sections). Its array reads already check and throw; the "
+            "scalar ones now do too, and the load fails with a ModelLoadError."
+        ),
+    ),
 )
 
 

@@ -113,7 +113,8 @@ OPTIONAL_GROUPS = (
             _words("""
         mtmd_bitmap_free mtmd_bitmap_get_n_bytes mtmd_bitmap_init mtmd_bitmap_init_from_audio
         mtmd_context_params_default mtmd_decode_use_mrope mtmd_decode_use_non_causal
-        mtmd_default_marker mtmd_free mtmd_get_audio_sample_rate mtmd_helper_bitmap_init_from_buf
+        mtmd_default_marker mtmd_encode_chunk mtmd_free mtmd_get_audio_sample_rate
+        mtmd_helper_bitmap_init_from_buf
         mtmd_helper_eval_chunks mtmd_helper_get_n_pos mtmd_helper_get_n_tokens
         mtmd_helper_init_opt_default mtmd_helper_log_set mtmd_init_from_file
         mtmd_input_chunk_get_n_tokens mtmd_input_chunk_get_type mtmd_input_chunks_free

@@ -73,7 +73,9 @@ class Llama:
     ``mmproj`` (a projector file; for a Hub model, True fetches the repository's projector)
     makes it multimodal: images and sounds go into
     completions (``media=``, one ``media_marker`` per item in the prompt) and chat messages
-    (``image_url`` / ``input_audio`` parts, from where ``media_policy`` allows).
+    (``image_url`` / ``input_audio`` parts, from where ``media_policy`` allows). The projector
+    is loaded in a child process first and refused if that dies (a file whose tensors disagree
+    with its description makes libmtmd abort); ``mmproj_probe=False`` skips that second load.
 
     Calls are serialized: a completion started from another thread waits for the one running,
     and a new call supersedes an unfinished stream (which then ends "cancelled").
@@ -101,6 +103,7 @@ class Llama:
         parallel: int | None = None,
         max_queue: int = 64,
         mmproj: str | os.PathLike[str] | bool | None = None,
+        mmproj_probe: bool = True,
         media_policy: MediaPolicy | None = None,
         preset: str | None = None,
         **options: Any,
@@ -132,7 +135,8 @@ class Llama:
             projector = mmproj or self.files.mmproj
             self.projector: Projector | None = None
             if projector is not None:
-                self.projector = Projector(self.model, projector, self.context.params.n_threads)
+                self.projector = Projector(self.model, projector, self.context.params.n_threads,
+                                           probe=mmproj_probe)  # fmt: skip
             self.adapters: list[LoraAdapter] = []  # loaded through this Llama: ids, in order
             self._draft: Llama | None = None  # a draft model this Llama opened (and closes)
             speculative = self._apply_extra_options(extra, speculative)

@@ -31,7 +31,7 @@ class LoraAdapter(NativeHandle):
         file = Path(path)
         validate_gguf(file, kind="adapter")
         stat = file.stat()  # before loading: the identity describes the bytes llama.cpp reads
-        log_lines.take_last_error()
+        log_lines.take_errors()
         # Set before it is adopted: closing the model from another thread may close it at once.
         self._users: weakref.WeakSet[AdapterUser] = weakref.WeakSet()
         # Closing the model from another thread waits for the load, then closes this too.
@@ -40,7 +40,7 @@ class LoraAdapter(NativeHandle):
                 "llama_adapter_lora_init", model_pointer, c_string(str(file), "adapter path")
             )
             if pointer == ffi.NULL:
-                reason = log_lines.take_last_error() or "see the llamacrab logger"
+                reason = log_lines.take_errors() or "see the llamacrab logger"
                 raise ModelLoadError(f"llama.cpp could not load the LoRA adapter {file}: {reason}")
             super().__init__(pointer, lib.llama_adapter_lora_free, model)
         self.model = model

@@ -188,13 +188,13 @@ class Context(NativeHandle):
         # llama.cpp allows it: llama_init_from_model logs a warning ("possible training
         # context overflow") to the llamacrab logger. Only the share counts: n_ctx 1024 for
         # two slots of a model trained for 512 is within it.
-        log_lines.take_last_error()
+        log_lines.take_errors()
         # Closing the model from another thread waits for the creation, then closes this too.
         with model.in_flight() as model_pointer:
             c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
             pointer = call("llama_init_from_model", model_pointer, c_params)
             if pointer == ffi.NULL:
-                reason = log_lines.take_last_error() or "see the llamacrab logger"
+                reason = log_lines.take_errors() or "see the llamacrab logger"
                 raise ContextError(f"llama.cpp could not create a context ({params}): {reason}")
             # ggml polls the abort callback at every graph node: a C function reading a flag
             # keeps that poll free of the GIL; cancel() just sets the flag.
@@ -501,7 +501,7 @@ class Context(NativeHandle):
                     status = call("llama_set_adapter_cvec", ctx, buffer, data.size,
                                   vector.n_embd, start, end)  # fmt: skip
             if status != 0:
-                reason = log_lines.take_last_error() or "see the llamacrab logger"
+                reason = log_lines.take_errors() or "see the llamacrab logger"
                 raise InvalidParameterError(f"llama.cpp refused the control vector: {reason}")
             self._cvec = None if vector is None else (vector, start, end)
             self.weights_generation += 1
@@ -673,7 +673,7 @@ class Context(NativeHandle):
                     lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
                 read = call("llama_state_seq_set_data_ext", ctx, buffer, len(buffer), seq_id, flags)
         if read == 0:
-            reason = log_lines.take_last_error() or "see the llamacrab logger"
+            reason = log_lines.take_errors() or "see the llamacrab logger"
             raise StateError(f"llama.cpp rejected the state ({_scope(seq_id)}): {reason}")
 
     def _state_flags(self, seq_id: int | None, partial: bool) -> int:

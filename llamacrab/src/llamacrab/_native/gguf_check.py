@@ -1015,6 +1015,15 @@ def _check_enums(reader: _Reader, arch: str, metadata: dict[str, Any]) -> None:
             )
 
 
+def _check_projector_epsilons(reader: _Reader, metadata: dict[str, Any]) -> None:
+    """libmtmd passes its layer norms' epsilons to ggml as they are, and ggml's norm asserts
+    (aborts) on a negative or NaN one when the first image or sound is encoded."""
+    for key, value in metadata.items():
+        epsilon = key.startswith("clip.") and "epsilon" in key and isinstance(value, float)
+        if epsilon and not (value > 0 and math.isfinite(value)):
+            raise reader.fail(f"{key} = {value} must be a positive finite number")
+
+
 def _check_hyperparameters(
     reader: _Reader, metadata: dict[str, Any], tensors: list[Any], kind: Kind
 ) -> None:
@@ -1022,9 +1031,11 @@ def _check_hyperparameters(
     if not isinstance(arch, str) or not arch:
         raise reader.fail("general.architecture is missing")
     _check_header_types(reader, metadata)
-    # llama.cpp reads no hyperparameters for adapters and projectors, nor for a "clip" model
-    # (it refuses that one after loading its tensors). general.type is never consulted: the
-    # model loader does not read it, so a model claiming to be an adapter is still a model.
+    # llama.cpp reads no hyperparameters for adapters, nor for a "clip" model loaded as a
+    # model (it refuses that one after loading its tensors). general.type is never consulted:
+    # the model loader does not read it, so a model claiming to be an adapter is still a model.
+    if kind == "projector":
+        _check_projector_epsilons(reader, metadata)
     if kind != "model" or arch == "clip":
         return
     _check_generic(reader, arch, metadata)
@@ -1090,8 +1101,9 @@ def validate_gguf(path: Path, kind: Kind = "model") -> None:
     """Raise ModelLoadError / InvalidModelError unless ``path`` looks safe to hand to llama.cpp.
     For a split model, ``path`` is the first part and every part is checked. ``kind`` is how the
     file will be loaded: as a model (llama_model_load_from_file, whatever its general.type says;
-    every hyperparameter check), as a LoRA adapter or as a multimodal projector (header and
-    tensors only: their loaders read no model hyperparameters)."""
+    every hyperparameter check), as a LoRA adapter (header and tensors only: its loader reads
+    no model hyperparameters) or as a multimodal projector (header, tensors and the epsilons
+    ggml asserts on; the rest is tried in a child process: ``projector_probe``)."""
     reader, metadata, tensors = _read_file(path)
     count = metadata.get("split.count", 1)
     if isinstance(count, int) and count > 1:

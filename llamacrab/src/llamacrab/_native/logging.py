@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 
 from llamacrab_sys import lib, set_log_handler
 
@@ -18,6 +19,9 @@ _LEVELS = {
 }
 
 
+_ERRORS_KEPT = 3
+
+
 class _LineAssembler:
     """llama.cpp logs in fragments (GGML_LOG_LEVEL_CONT continues a line): emit whole lines."""
 
@@ -25,14 +29,16 @@ class _LineAssembler:
         self._lock = threading.Lock()
         self._pending = ""
         self._level = logging.INFO
-        self.last_error = ""
+        # The error lines since the last take_errors(): a failing loader often logs its
+        # reason first and a generic "failed to load" after it.
+        self.errors: deque[str] = deque(maxlen=_ERRORS_KEPT)
 
     def __call__(self, ggml_level: int, text: str) -> None:
         with self._lock:
             if ggml_level != lib.GGML_LOG_LEVEL_CONT:
                 self._level = _LEVELS.get(ggml_level, logging.INFO)
-            if self._level >= logging.ERROR:
-                self.last_error = text.strip() or self.last_error
+            if self._level >= logging.ERROR and text.strip():
+                self.errors.append(text.strip())
             if not logger.isEnabledFor(self._level):
                 return
             self._pending += text
@@ -42,11 +48,13 @@ class _LineAssembler:
         for line in lines.rstrip("\n").splitlines():
             logger.log(self._level, "%s", line)
 
-    def take_last_error(self) -> str:
-        """The last error line llama.cpp logged (cleared), to explain a NULL it returned."""
+    def take_errors(self) -> str:
+        """The error lines llama.cpp logged since the last call (the last few, joined; then
+        cleared), to explain a NULL it returned."""
         with self._lock:
-            message, self.last_error = self.last_error, ""
-        return message
+            lines = list(dict.fromkeys(self.errors))
+            self.errors.clear()
+        return " / ".join(lines)
 
 
 log_lines = _LineAssembler()

@@ -162,10 +162,10 @@ class Model(NativeHandle):
             c_params.progress_callback = callback.function
             c_params.progress_callback_user_data = callback.user_data
             keepalive.append(callback)
-        log_lines.take_last_error()
+        log_lines.take_errors()
         pointer = call("llama_model_load_from_file", c_string(str(file), "model path"), c_params)
         if pointer == ffi.NULL:
-            reason = log_lines.take_last_error() or "see the llamacrab logger for details"
+            reason = log_lines.take_errors() or "see the llamacrab logger for details"
             raise ModelLoadError(f"llama.cpp could not load {file}: {reason}")
         # Overrides and split arrays are read during load only; nothing C keeps points into them.
         model = cls(pointer, file, params)

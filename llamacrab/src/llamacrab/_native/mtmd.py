@@ -13,6 +13,7 @@ import numpy as np
 
 from llamacrab._exceptions import DecodeError, InvalidParameterError, MediaError, ModelLoadError
 from llamacrab._native import gguf_archs as archs
+from llamacrab._native import projector_probe
 from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.gguf_check import validate_gguf
@@ -47,7 +48,11 @@ class Projector(NativeHandle):
         path: str | os.PathLike[str],
         n_threads: int | None = None,
         use_gpu: bool = True,
+        probe: bool = True,
     ) -> None:
+        """``probe``: load the file in a child process first, and refuse it if that dies
+        (``projector_probe``: libmtmd cannot tell a file whose tensors disagree with its
+        description, and aborts on it); False saves that second load for trusted files."""
         if not hasattr(lib, "mtmd_init_from_file"):
             # A llama.cpp a user brought may come without libmtmd (build_info()).
             raise ModelLoadError(
@@ -61,18 +66,20 @@ class Projector(NativeHandle):
         if refusal is not None:
             raise MediaError(f"{model.path.name} cannot take images or audio: {refusal}")
         validate_gguf(file, kind="projector")
+        if probe:
+            projector_probe.probe(model.path, file)
         params = lib.mtmd_context_params_default()
         params.use_gpu = use_gpu
         params.print_timings = False
         if n_threads is not None:
             params.n_threads = n_threads
-        log_lines.take_last_error()
+        log_lines.take_errors()
         # Closing the model from another thread waits for the load, then closes this too.
         with model.in_flight() as model_pointer:
             pointer = call("mtmd_init_from_file", c_string(str(file), "path"), model_pointer,
                            params)  # fmt: skip
             if pointer == ffi.NULL:
-                reason = log_lines.take_last_error() or "see the llamacrab logger"
+                reason = log_lines.take_errors() or "see the llamacrab logger"
                 raise ModelLoadError(f"libmtmd could not load the projector {file.name}: {reason}")
             super().__init__(pointer, lib.mtmd_free, model)
             with self.in_flight():
@@ -107,7 +114,7 @@ class Projector(NativeHandle):
     def _decoded_audio(self, data: bytes) -> Bitmap:
         """A sound file decoded (and resampled) by libmtmd; ``sniff`` made sure it is audio, so
         libmtmd takes its audio path and never its video fallback (which runs ffprobe)."""
-        log_lines.take_last_error()
+        log_lines.take_errors()
         # Patched libmtmd refuses a file decoding to more than MAX_AUDIO_SECONDS before it
         # allocates the samples (a few kB can declare hours; llamacrab-sys's patches).
         wrapper = call_bounded("mtmd_helper_bitmap_init_from_buf", self.pointer,
@@ -115,7 +122,7 @@ class Projector(NativeHandle):
                                lib.mtmd_helper_init_opt_default(),
                                refusal=MediaError)  # fmt: skip
         if wrapper.bitmap == ffi.NULL:
-            reason = log_lines.take_last_error() or "unrecognized format"
+            reason = log_lines.take_errors() or "unrecognized format"
             raise MediaError(f"could not decode the audio ({len(data)} bytes): {reason}")
         bitmap = Bitmap(self, wrapper.bitmap)
         # libmtmd asserts (aborts) on audio of a single sample.
@@ -145,12 +152,12 @@ class Projector(NativeHandle):
         struct.add_special, struct.parse_special = add_special, parse_special
         pointers = ffi.new("mtmd_bitmap *[]", [b.pointer for b in bitmaps] or [ffi.NULL])
         chunks = Chunks(self)
-        log_lines.take_last_error()
+        log_lines.take_errors()
         status = call("mtmd_tokenize", self.pointer, chunks.pointer, struct, pointers,
                       len(bitmaps))  # fmt: skip
         if status != 0:
             chunks.close()
-            reason = log_lines.take_last_error() or f"status {status}"
+            reason = log_lines.take_errors() or f"status {status}"
             raise MediaError(f"libmtmd could not tokenize the multimodal prompt: {reason}")
         if chunks.media_tokens()[-1]:
             # An image's embeddings yield no logits: sampling after one would abort.

@@ -362,7 +362,7 @@ def _grammar(model: Model, options: SamplingOptions) -> Any:
     vocab = model.vocab.pointer
     grammar = c_string(options.grammar, "grammar")
     root = c_string(options.grammar_root, "grammar_root")
-    log_lines.take_last_error()
+    log_lines.take_errors()
     if options.grammar_trigger_words:
         # llama.cpp takes regular expressions: a trigger word must match only itself.
         patterns = [_REGEX_SPECIAL.sub(r"\\\g<0>", w) for w in options.grammar_trigger_words]
@@ -373,7 +373,7 @@ def _grammar(model: Model, options: SamplingOptions) -> Any:
     else:
         sampler = call("llama_sampler_init_grammar", vocab, grammar, root)
     if sampler == ffi.NULL:
-        reason = log_lines.take_last_error() or "see the llamacrab logger"
+        reason = log_lines.take_errors() or "see the llamacrab logger"
         raise GrammarError(f"invalid grammar: {reason}")
     return sampler
 
