@@ -10,6 +10,10 @@ tests/test_reliability.py, and a long one, the default here):
 
 - lifecycle: generated sequences of operations on handles, Llama objects and streams;
 - tampered-tiny, tampered-gemma: variants of the tiny model's and Gemma 3 270M's GGUF files;
+- tampered-vision, tampered-audio: variants of the tiny vision and audio projectors, each
+  loaded as the tiny model's projector and given an image or a sound;
+- tampered-lora: variants of the tiny LoRA adapter, each applied to a completion of the tiny
+  model;
 - inputs: generated grammars, JSON Schemas and chat templates through the public API;
 - states: saved states (KV cache, recurrent, hybrid) tampered under a valid checksum;
 - media: sound files, image files and pixel arrays, valid and tampered, through a tiny
@@ -137,6 +141,22 @@ FOUND = [
      "llamacrab-sys patch `mtmd-audio-length-bound`: past an hour the helper throws before "
      "allocating; `_native/mtmd.py`: MediaError. Samples: `_native/media.py` checks "
      "`MAX_AUDIO_SECONDS` before resampling"),
+    ("tampered-vision, tampered-audio", "a projector with a `clip.*` key of another type "
+     "(a float `block_count`, an array for a scalar)",
+     "SIGABRT: `GGML_ASSERT(type_to_gguf_type<T>::value == type)` (gguf.cpp:196) or "
+     "`get_ne() == 1` (gguf.cpp:1140-1182): 176 of the first run's 245 signal deaths",
+     "llamacrab-sys patch `clip-metadata-types`: libmtmd's scalar getters throw; "
+     "ModelLoadError"),
+    ("tampered-vision, tampered-audio", "a projector whose tensors disagree with its "
+     "hyperparameters or each other (renamed, removed, reshaped; a width, head count or image "
+     "size changed)", "SIGABRT in ggml's shape assertions while libmtmd builds its warm-up "
+     "graph or computes the first image (a position table shorter than the patches), SIGSEGV "
+     "on a missing tensor: 63 deaths", "`_native/projector_probe.py`: the projector is loaded, "
+     "and a small image or sound encoded, in a child process first; a death there is a "
+     "ModelLoadError"),
+    ("tampered-vision, tampered-audio", "a projector's layer-norm epsilon set negative, NaN "
+     "or -inf", "SIGABRT at the first image or sound (ggml's norm kernel)",
+     "`_native/gguf_check.py`: positive and finite (InvalidModelError)"),
     ("mutated images (before the media section)", "a PNG whose IDAT declares 0 bytes, then a "
      "chunk type that is not letters", "SyntaxError escaping from Pillow (unclean)",
      "`_native/media.py`: any error while Pillow decodes is a MediaError"),

@@ -66,6 +66,13 @@ def test_tampered_gemma_models(workdir: Path) -> None:
     assert report.count("ok") > 0 and report.count("error") > 0
 
 
+@pytest.mark.parametrize("name", ["tampered-vision", "tampered-audio", "tampered-lora"])
+def test_tampered_files_used_with_the_tiny_model(workdir: Path, name: str) -> None:
+    report = run_short(name, workdir)
+    assert_clean(report, 300)
+    assert report.count("ok") > 0 and report.count("error") > 0
+
+
 def test_tampered_saved_states(workdir: Path) -> None:
     report = run_short("states", workdir)
     assert_clean(report, 2000)

@@ -55,6 +55,27 @@ SECTIONS = {
         Size(500, 400), Size(None, 3600), batch_size=50, case_timeout=120,
         memory_limit=16 * GIB,
     ),
+    "tampered-vision": Section(
+        "Tampered projectors: vision",
+        "variants of the generated tiny vision projector's header (and a few of its data), "
+        "each loaded as the tiny model's projector and given an image",
+        Size(300, 150), Size(None, 1800), batch_size=100, case_timeout=60,
+        memory_limit=16 * GIB,
+    ),
+    "tampered-audio": Section(
+        "Tampered projectors: audio",
+        "variants of the generated tiny audio projector's header (and a few of its data), "
+        "each loaded as the tiny model's projector and given half a second of sound",
+        Size(300, 150), Size(None, 1800), batch_size=100, case_timeout=60,
+        memory_limit=16 * GIB,
+    ),
+    "tampered-lora": Section(
+        "Tampered LoRA adapters",
+        "variants of the generated tiny LoRA adapter's header (and a few of its data), each "
+        "loaded with the tiny model and applied to a completion",
+        Size(300, 150), Size(None, 1800), batch_size=100, case_timeout=60,
+        memory_limit=16 * GIB,
+    ),
     "inputs": Section(
         "Grammars, JSON Schemas and chat templates",
         "generated and deeply nested GBNF grammars, JSON Schemas (response_format) and Jinja "
@@ -82,6 +103,8 @@ SECTIONS = {
     ),
 }  # fmt: skip
 SEED = 2026
+# tampered-*: files used with the tiny model, and how (a projector's input, or as an adapter)
+WITH_BASE = {"vision": "image", "audio": "audio", "lora": "lora"}
 
 
 def tiny_files(workdir: Path) -> tuple[Path, Path]:
@@ -117,9 +140,14 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
     if name == "media":
         models = {"text": str(tiny), **media.projectors(workdir)}
         return media.generate(size.cases or 1000, seed), {"models": models}
-    model = tiny if name == "tampered-tiny" else gemma_path()
     label = name.removeprefix("tampered-")
-    setup = {"model": str(model), "workdir": str(workdir / "tampered")}
+    setup: dict[str, Any] = {"workdir": str(workdir / "tampered")}
+    if label in WITH_BASE:
+        model = lora if label == "lora" else Path(media.projectors(workdir)[label])
+        setup.update(base=str(tiny), use=WITH_BASE[label])
+    else:
+        model = tiny if name == "tampered-tiny" else gemma_path()
+    setup["model"] = str(model)
     return tampered.cases(model, label, seed, size.cases), setup
 
 
@@ -165,7 +193,7 @@ def replay_command(mode: str, seed: int) -> str:
 def section_of(case_id: str) -> str:
     """The section a case id belongs to (``lifecycle-2026-29``, ``tiny-740``, ``gemma-3``)."""
     prefix = case_id.split("-", 1)[0]
-    name = {"tiny": "tampered-tiny", "gemma": "tampered-gemma"}.get(prefix, prefix)
+    name = f"tampered-{prefix}" if prefix in ("tiny", "gemma", *WITH_BASE) else prefix
     if name not in SECTIONS:
         raise ValueError(f"{case_id!r} is no case id of a section ({', '.join(SECTIONS)})")
     return name

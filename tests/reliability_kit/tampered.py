@@ -1,4 +1,6 @@
-"""Tampered models: variants of a GGUF file, each loaded and decoded through the public API.
+"""Tampered models: variants of a GGUF file, each loaded and decoded through the public API
+(a projector's or a LoRA adapter's variants, when the setup names the base model, loaded with
+it: a projector given an image or a sound, an adapter applied to a completion).
 
 The header (magic, counts, metadata, tensor infos) is parsed into its parts, and each variant
 changes one thing: a truncation; the version or a count; each metadata value set to 0, 1, its
@@ -495,7 +497,8 @@ def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     work = WorkFile.create(Path(config["model"]), directory, slot)
     return {"work": work, "scratch": directory / f"scratch-{os.getpid()}.gguf",
-            "prompt": config.get("prompt", "the cat")}  # fmt: skip
+            "prompt": config.get("prompt", "the cat"), "base": config.get("base"),
+            "use": config.get("use")}  # fmt: skip
 
 
 def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
@@ -506,6 +509,8 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     work: WorkFile = state["work"]
     path, undo = work.prepare(case["spec"], state["scratch"])
     try:
+        if state["base"] is not None:  # a projector or an adapter of that model
+            return _with_base_case(path, state)
         with Llama(path, n_ctx=64, n_batch=64, n_threads=1) as llm:
             completion = llm.create_completion(state["prompt"], max_tokens=2, temperature=0)
             llm.tokenize("<start_of_turn>user é🙂<s>", parse_special=True)
@@ -514,6 +519,29 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         return "ok", f"loaded; {completion.usage.completion_tokens} tokens"
     finally:
         work.restore(undo)
+
+
+def _with_base_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
+    """Load the variant with the base model: as its LoRA adapter, applied to a completion, or
+    as its projector, given an image or a sound."""
+    import numpy as np
+
+    from llamacrab import Audio, Image, Llama
+
+    use = state["use"]
+    if use == "lora":
+        with Llama(state["base"], n_ctx=128, n_threads=1, lora=[str(path)]) as llm:
+            completion = llm.create_completion(state["prompt"], max_tokens=2, temperature=0)
+        return "ok", f"applied; {completion.usage.completion_tokens} tokens"
+    if use == "audio":
+        tone = np.sin(np.arange(8000, dtype=np.float32) * 0.2) * 0.5
+        media: Any = Audio(samples=tone, sample_rate=16000)
+    else:
+        media = Image(pixels=np.full((24, 32, 3), 120, np.uint8))
+    with Llama(state["base"], n_ctx=1024, n_threads=1, mmproj=path) as llm:
+        completion = llm.create_completion(f"{llm.media_marker} then", media=[media],
+                                           max_tokens=2, temperature=0)  # fmt: skip
+    return "ok", f"loaded; {completion.usage.prompt_tokens} prompt tokens"
 
 
 def cases(model: Path, label: str, seed: int, count: int | None) -> list[dict[str, Any]]:
