@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from reliability_kit.repo import script
+from reliability_kit.repo import made_once, script
 
 HOSTILE_32 = (0, 1, 2, 0x7FFF, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFFE)
 
@@ -254,15 +254,9 @@ def generate(count: int, seed: int) -> list[dict[str, Any]]:
 def projectors(workdir: Path) -> dict[str, str]:
     """The tiny vision and audio projectors (scripts/make_tiny_mmproj.py), made once."""
     make_mmproj = script("make_tiny_mmproj")
-    workdir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for kind, write in (("vision", make_mmproj.write_tiny_vision_mmproj),
-                        ("audio", make_mmproj.write_tiny_audio_mmproj)):  # fmt: skip
-        path = workdir / f"tiny-{kind}-mmproj.gguf"
-        if not path.exists():
-            write(path)
-        paths[kind] = str(path)
-    return paths
+    writers = {"vision": make_mmproj.write_tiny_vision_mmproj,
+               "audio": make_mmproj.write_tiny_audio_mmproj}  # fmt: skip
+    return made_once(workdir, "tiny-{}-mmproj.gguf", writers)
 
 
 # -- the child's side ----------------------------------------------------------------------------

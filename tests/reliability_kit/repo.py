@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -26,3 +27,18 @@ def script(name: str) -> ModuleType:
             del sys.modules[name]
             raise
     return sys.modules[name]
+
+
+def made_once(
+    workdir: Path, pattern: str, writers: dict[str, Callable[[Path], object]]
+) -> dict[str, str]:
+    """``workdir / pattern.format(key)`` for each key of ``writers``, written by its writer
+    (one of the scripts' generators) when it is not there yet."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for key, write in writers.items():
+        path = workdir / pattern.format(key)
+        if not path.exists():
+            write(path)
+        paths[key] = str(path)
+    return paths

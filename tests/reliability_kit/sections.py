@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from reliability_kit import children, inputs, lifecycle, media, states, tampered
-from reliability_kit.repo import script
+from reliability_kit.repo import made_once, script
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,15 @@ class Section:
 
 
 GIB = 1 << 30
+
+
+def _used_with_tiny_model(title: str, file: str, use: str) -> Section:
+    """A section of a tiny file's variants, each used with the tiny model (``WITH_BASE``)."""
+    what = f"variants of the generated tiny {file}'s header (and a few of its data), each {use}"
+    return Section(title, what, Size(300, 150), Size(None, 1800), batch_size=100,
+                   case_timeout=60, memory_limit=16 * GIB)  # fmt: skip
+
+
 SECTIONS = {
     "lifecycle": Section(
         "Lifecycle fuzzing",
@@ -55,26 +64,17 @@ SECTIONS = {
         Size(500, 400), Size(None, 3600), batch_size=50, case_timeout=120,
         memory_limit=16 * GIB,
     ),
-    "tampered-vision": Section(
-        "Tampered projectors: vision",
-        "variants of the generated tiny vision projector's header (and a few of its data), "
-        "each loaded as the tiny model's projector and given an image",
-        Size(300, 150), Size(None, 1800), batch_size=100, case_timeout=60,
-        memory_limit=16 * GIB,
+    "tampered-vision": _used_with_tiny_model(
+        "Tampered projectors: vision", "vision projector",
+        "loaded as the tiny model's projector and given an image",
     ),
-    "tampered-audio": Section(
-        "Tampered projectors: audio",
-        "variants of the generated tiny audio projector's header (and a few of its data), "
-        "each loaded as the tiny model's projector and given half a second of sound",
-        Size(300, 150), Size(None, 1800), batch_size=100, case_timeout=60,
-        memory_limit=16 * GIB,
+    "tampered-audio": _used_with_tiny_model(
+        "Tampered projectors: audio", "audio projector",
+        "loaded as the tiny model's projector and given half a second of sound",
     ),
-    "tampered-lora": Section(
-        "Tampered LoRA adapters",
-        "variants of the generated tiny LoRA adapter's header (and a few of its data), each "
+    "tampered-lora": _used_with_tiny_model(
+        "Tampered LoRA adapters", "LoRA adapter",
         "loaded with the tiny model and applied to a completion",
-        Size(300, 150), Size(None, 1800), batch_size=100, case_timeout=60,
-        memory_limit=16 * GIB,
     ),
     "inputs": Section(
         "Grammars, JSON Schemas and chat templates",
@@ -110,14 +110,9 @@ WITH_BASE = {"vision": "image", "audio": "audio", "lora": "lora"}
 def tiny_files(workdir: Path) -> tuple[Path, Path]:
     """The tiny model and its LoRA adapter (scripts/make_tiny_gguf.py), made once."""
     make_tiny = script("make_tiny_gguf")
-    write_tiny_llama, write_tiny_lora = make_tiny.write_tiny_llama, make_tiny.write_tiny_lora
-    workdir.mkdir(parents=True, exist_ok=True)
-    model, lora = workdir / "tiny-llama.gguf", workdir / "tiny-lora.gguf"
-    if not model.exists():
-        write_tiny_llama(model)
-    if not lora.exists():
-        write_tiny_lora(lora)
-    return model, lora
+    writers = {"llama": make_tiny.write_tiny_llama, "lora": make_tiny.write_tiny_lora}
+    paths = made_once(workdir, "tiny-{}.gguf", writers)
+    return Path(paths["llama"]), Path(paths["lora"])
 
 
 def gemma_path() -> Path:

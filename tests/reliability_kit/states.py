@@ -20,7 +20,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from reliability_kit.repo import script
+from reliability_kit.repo import made_once, script
 
 MODELS = ("llama", "mamba", "jamba")
 SCOPES = ("sequence", "context", "checkpoint")
@@ -87,14 +87,7 @@ def models(workdir: Path) -> dict[str, str]:
     make_tiny = script("make_tiny_gguf")
     writers = {"llama": make_tiny.write_tiny_llama, "mamba": make_tiny.write_tiny_mamba,
                "jamba": make_tiny.write_tiny_jamba}  # fmt: skip
-    workdir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name, write in writers.items():
-        path = workdir / f"tiny-{name}.gguf"
-        if not path.exists():
-            write(path)
-        paths[name] = str(path)
-    return paths
+    return made_once(workdir, "tiny-{}.gguf", writers)
 
 
 # -- the child's side ---------------------------------------------------------------------------
