@@ -7,7 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamacrab import CustomSampler, EndGeneration, GrammarError, Llama, SamplingOptions
+from llamacrab import (
+    CustomSampler,
+    EndGeneration,
+    GrammarError,
+    InvalidParameterError,
+    Llama,
+    SamplingOptions,
+)
 
 VARIANTS = [
     {},
@@ -61,6 +68,29 @@ def test_logit_bias_is_applied_natively(tiny_llama: Llama) -> None:
     options = SamplingOptions(temperature=0.0, logit_bias={dog: 100.0})
     result = tiny_llama.create_completion("the", max_tokens=3, sampling=options)
     assert result.choices[0].tokens == (dog, dog, dog)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"logit_bias": {"5": 1.0}}, "keys are token ids, not '5'"),
+        ({"logit_bias": {True: 1.0}}, "keys are token ids, not True"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias of token 5 is nan"),
+        ({"logit_bias": {5: "1"}}, "logit_bias of token 5 is '1'"),
+        ({"top_k": 2**31}, "top_k 2147483648"),
+    ],
+)
+def test_sampler_settings_that_c_cannot_take_are_refused(
+    tiny_llama: Llama, options: dict, match: str
+) -> None:
+    # Before: TypeError or OverflowError from cffi, or a NaN logit sampled from.
+    with pytest.raises(InvalidParameterError, match=match):
+        tiny_llama.create_completion("the", max_tokens=2, **options)
+    # numpy numbers are ids and biases too; -inf bans
+    (first,) = tiny_llama.create_completion("the", max_tokens=1, temperature=0.0).choices[0].tokens
+    banned = {np.int32(first): np.float32(-np.inf)}
+    again = tiny_llama.create_completion("the", max_tokens=1, temperature=0.0, logit_bias=banned)
+    assert again.choices[0].tokens != (first,)
 
 
 class OnlyToken(CustomSampler):

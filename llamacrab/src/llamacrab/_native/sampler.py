@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
@@ -76,10 +77,20 @@ class SamplingOptions:
             raise InvalidParameterError(f"unknown samplers in order: {sorted(unknown)}")
         if self.mirostat not in (0, 1, 2):
             raise InvalidParameterError(f"mirostat must be 0, 1 or 2, not {self.mirostat}")
-        if self.top_k < 0 or not 0 <= self.top_p <= 1 or not 0 <= self.min_p <= 1:
+        if not 0 <= self.top_k < 2**31 or not 0 <= self.top_p <= 1 or not 0 <= self.min_p <= 1:
             raise InvalidParameterError(
                 f"top_k {self.top_k} / top_p {self.top_p} / min_p {self.min_p} out of range"
             )
+        for token, bias in self.logit_bias.items():
+            # A token id given as text, or a NaN bias, would reach C as garbage (or a TypeError).
+            if isinstance(token, bool) or not isinstance(token, int | np.integer):
+                raise InvalidParameterError(f"logit_bias keys are token ids, not {token!r}")
+            number = isinstance(bias, int | float | np.integer | np.floating)
+            if isinstance(bias, bool) or not number or math.isnan(bias):
+                raise InvalidParameterError(
+                    f"logit_bias of token {token} is {bias!r}; a number is needed "
+                    "(-inf bans the token)"
+                )
         if self.seed is not None and not 0 <= self.seed < 2**32:
             raise InvalidParameterError(f"seed must fit in 32 bits, not {self.seed}")
 
