@@ -133,6 +133,38 @@ def test_malformed_control_vector_files_are_refused(
         ControlVector.load([tmp_path / "missing.gguf"])
 
 
+@pytest.mark.parametrize("layer", [513, 100_000_000, 2**62])
+def test_a_control_vector_layer_past_any_model_is_refused_before_allocating(
+    tmp_path: Path, layer: int
+) -> None:
+    # The directions become one row per layer up to the highest: 10^8 rows were 24 GiB (a
+    # MemoryError), 2^62 a ValueError from numpy.
+    path = tiny.write_tiny_control_vector(tmp_path / "far.gguf", layers=(1, layer))
+    with pytest.raises(InvalidModelError, match=rf"direction\.{layer}'.*layer 1\.\.512"):
+        ControlVector.load([path])
+
+
+@pytest.mark.parametrize(
+    ("strength", "match"),
+    [
+        (float("nan"), "strength of control vector .* is nan"),
+        (float("inf"), "is inf"),
+        ("0.5", "must be a number, not '0.5'"),
+        (None, "must be a number, not None"),
+        (True, "must be a number, not True"),
+        (1e39, "too large for 32-bit floats"),
+    ],
+)
+def test_a_control_vector_strength_must_be_a_finite_number(
+    tiny_llama: Llama, files: dict[str, Path], strength: object, match: str
+) -> None:
+    base = prompt_logits(tiny_llama)
+    with pytest.raises(InvalidParameterError, match=match):
+        tiny_llama.set_control_vector([(files["cvec"], strength)])  # type: ignore[list-item]
+    assert tiny_llama.context.control_vector is None
+    assert np.array_equal(prompt_logits(tiny_llama), base)
+
+
 # -- LoRA per request --------------------------------------------------------------------------
 
 

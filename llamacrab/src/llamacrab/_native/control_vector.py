@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError
-from llamacrab._native.gguf_check import read_gguf_tensors
+from llamacrab._native.gguf_check import LLAMA_MAX_LAYERS, read_gguf_tensors
 
 _F32 = 0  # GGML_TYPE_F32
 
@@ -56,6 +56,7 @@ class ControlVector:
         for source in sources:
             path, strength = (source, 1.0) if not isinstance(source, tuple) else source
             path = Path(path)
+            strength = _strength(path, strength)
             hint, found = _directions(path)
             if hint is not None:
                 hints.add(hint)
@@ -66,9 +67,9 @@ class ControlVector:
                         f"other files have {width}"
                     )
                 width = vector.size
-                layers[layer] = (
-                    layers.get(layer, np.zeros(width, np.float32)) + np.float32(strength) * vector
-                )
+                with np.errstate(over="ignore"):  # checked once the sum is complete
+                    scaled = np.float32(strength) * vector
+                    layers[layer] = layers.get(layer, np.zeros(width, np.float32)) + scaled
             shown.append((str(path), float(strength)))
         if not shown:
             raise InvalidParameterError("no control-vector files given")
@@ -77,6 +78,11 @@ class ControlVector:
         directions = np.zeros((max(layers), width), np.float32)
         for layer, vector in layers.items():
             directions[layer - 1] = vector
+        if not np.isfinite(directions).all():
+            raise InvalidParameterError(
+                f"the control vectors' strengths {[s for _, s in shown]} make directions too "
+                "large for 32-bit floats"
+            )
         if len(hints) > 1:
             raise InvalidModelError(f"control vectors made for different models: {sorted(hints)}")
         return cls(directions, tuple(shown), next(iter(hints), None))
@@ -106,6 +112,17 @@ class ControlVector:
             )
 
 
+def _strength(path: Path, strength: object) -> float:
+    """A file's strength, checked: a finite real number."""
+    if isinstance(strength, bool) or not isinstance(strength, int | float | np.floating):
+        raise InvalidParameterError(
+            f"the strength of control vector {path} must be a number, not {strength!r}"
+        )
+    if not np.isfinite(strength):
+        raise InvalidParameterError(f"the strength of control vector {path} is {strength}")
+    return float(strength)
+
+
 def _directions(path: Path) -> tuple[str | None, list[tuple[int, np.ndarray]]]:
     """The model hint (``controlvector.model_hint``) and the directions of one file."""
     if not path.is_file():
@@ -115,9 +132,11 @@ def _directions(path: Path) -> tuple[str | None, list[tuple[int, np.ndarray]]]:
     found = []
     for name, dims, ggml_type, offset in tensors:
         prefix, _, index = name.partition(".")
-        if prefix != "direction" or not index.isdigit() or int(index) < 1:
+        # Bounded like a model's layers: the directions become one row per layer up to it.
+        if prefix != "direction" or not index.isdigit() or not 1 <= int(index) <= LLAMA_MAX_LAYERS:
             raise InvalidModelError(
-                f"{path}: tensor {name!r} is not a direction.<layer> tensor (layer >= 1)"
+                f"{path}: tensor {name!r} is not a direction.<layer> tensor (layer "
+                f"1..{LLAMA_MAX_LAYERS})"
             )
         if ggml_type != _F32 or len(dims) != 1:
             raise InvalidModelError(f"{path}: tensor {name!r} is not a one-dimensional F32 vector")
