@@ -958,10 +958,13 @@ def test_deepseek2_ocr_refuses_another_rope_base_from_the_context(tmp_path: Path
                 == 1
             )
     bases = [{"rope_freq_base": base} for base in (5000.0, 10000.01, -10000.0, float("nan"))]
-    override = {"kv_overrides": {"deepseek2-ocr.rope.freq_base": 5000.0}}
-    for options in [*bases, override]:
+    for options in bases:
         with pytest.raises(InvalidParameterError, match="deepseek2-ocr models need a rope base"):
             Llama(path, n_ctx=64, n_threads=1, **options)
+    # An override is checked with the file, as the value llama.cpp reads
+    override = {"deepseek2-ocr.rope.freq_base": 5000.0}
+    with pytest.raises(InvalidModelError, match=r"kv_overrides .* needs rope\.freq_base == 10000"):
+        Llama(path, n_ctx=64, n_threads=1, kv_overrides=override)
     with Llama(tiny_model(tmp_path / "llama.gguf", {}), n_ctx=64, rope_freq_base=5000.0):
         pass  # other architectures take any base
     checked = subprocess.run([sys.executable, "-c", OCR_ROPE_CHILD, str(path), "checked"],

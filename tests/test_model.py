@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from llamacrab import Context, InvalidParameterError, Llama, Model, ModelLoadError, ModelParams
+from llamacrab import (
+    Context,
+    InvalidModelError,
+    InvalidParameterError,
+    Llama,
+    Model,
+    ModelLoadError,
+    ModelParams,
+)
 
 
 @pytest.mark.real_model
@@ -28,6 +36,29 @@ def test_kv_overrides_reach_llama_cpp(tiny_model_path: Path) -> None:
         assert model.metadata["llama.context_length"] == "2048"
     with pytest.raises(InvalidParameterError, match="unsupported value"):
         Model.load(tiny_model_path, ModelParams(kv_overrides={"x": [1, 2]}))  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        # 2^40 became 0 layers in llama.cpp's uint32: GGML_ASSERT(n_layer_all > 0), an abort
+        ({"llama.block_count": 2**40}, InvalidModelError, "block_count = 1099511627776 is out of"),
+        ({"llama.attention.head_count": 3}, InvalidModelError, "head_count = 3 is not a multiple"),
+        ({"llama.expert_count": 4}, InvalidModelError, "expert_used_count > 0"),
+        ({"tokenizer.ggml.model": "rwkv"}, InvalidModelError, "an rwkv vocabulary"),
+        # llama.cpp ignores an override of another type, and would then read the file's value
+        ({"llama.block_count": 2.5}, InvalidParameterError, "is a float; .* stores an integer"),
+        ({"general.name": 5}, InvalidParameterError, "is an integer; .* stores a string"),
+    ],
+)
+def test_overrides_are_checked_as_the_file_is(
+    tiny_model_path: Path, overrides: dict, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        Model.load(tiny_model_path, ModelParams(kv_overrides=overrides))
+    if error is InvalidModelError:
+        with pytest.raises(error, match=r"tiny.*with kv_overrides .* would not load safely"):
+            Model.load(tiny_model_path, ModelParams(kv_overrides=overrides))
 
 
 def test_vocab_only_model_tokenizes_but_cannot_decode(tiny_model_path: Path) -> None:

@@ -690,23 +690,17 @@ class Context(NativeHandle):
 
 def _check_rope_freq_base(model: Model, params: ContextParams) -> None:
     """deepseek2-ocr's graph asserts (an abort) that the context's rope base, as a float, is
-    10000: a user rope_freq_base (0 keeps the file's, which validate_gguf checked) or a
-    kv_overrides value of {arch}.rope.freq_base must be 10000 too."""
+    10000: a user rope_freq_base must be 10000 too (0 keeps the file's value, or its
+    kv_overrides value, both of which validate_gguf checked)."""
     arch = model.metadata.get("general.architecture")
-    if arch != "deepseek2-ocr":
-        return
-    key = f"{arch}.rope.freq_base"
-    override = (model.params.kv_overrides or {}).get(key)
-    if params.rope_freq_base != 0:
-        base, name = params.rope_freq_base, "rope_freq_base"
-    elif isinstance(override, int | float) and not isinstance(override, bool):
-        base, name = override, f"kv_overrides[{key!r}]"
-    else:
+    base = params.rope_freq_base
+    if arch != "deepseek2-ocr" or base == 0:
         return
     # As a C float (the assert's operand): only 10000.0f itself is within 1e-4 of 10000.
     if not (abs(base - 10000.0) < 1e-3 and float(np.float32(base)) == 10000.0):
         raise InvalidParameterError(
-            f"{name} = {base}: {arch} models need a rope base of 10000 (llama.cpp asserts it)"
+            f"rope_freq_base = {base}: {arch} models need a rope base of 10000 (llama.cpp "
+            "asserts it)"
         )
 
 

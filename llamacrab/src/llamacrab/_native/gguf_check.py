@@ -8,10 +8,12 @@ InvalidModelError instead. docs/native-aborts.md lists the asserts and which che
 
 from __future__ import annotations
 
+import copy
 import math
 import mmap
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from llamacrab._exceptions import InvalidModelError, ModelLoadError
+from llamacrab._exceptions import InvalidModelError, InvalidParameterError, ModelLoadError
 from llamacrab._native import gguf_archs as archs
 from llamacrab_sys import ffi, lib
 
@@ -107,9 +109,10 @@ class _Reader:
     def __init__(self, data: Any, path: Path) -> None:
         self.data, self.offset, self.path = data, 0, path
         self.types: dict[str, int] = {}  # GGUF value type of each metadata key
+        self.failing = f"{path} is not a valid GGUF file"  # what a problem makes the file
 
     def fail(self, problem: str) -> InvalidModelError:
-        return InvalidModelError(f"{self.path} is not a valid GGUF file: {problem}")
+        return InvalidModelError(f"{self.failing}: {problem}")
 
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize("<" + fmt)
@@ -1097,16 +1100,56 @@ def split_parts(path: Path, count: int) -> list[Path]:
     ]
 
 
-def validate_gguf(path: Path, kind: Kind = "model") -> None:
+def validate_gguf(
+    path: Path, kind: Kind = "model", overrides: Mapping[str, int | float | str] | None = None
+) -> None:
     """Raise ModelLoadError / InvalidModelError unless ``path`` looks safe to hand to llama.cpp.
     For a split model, ``path`` is the first part and every part is checked. ``kind`` is how the
     file will be loaded: as a model (llama_model_load_from_file, whatever its general.type says;
     every hyperparameter check), as a LoRA adapter (header and tensors only: its loader reads
     no model hyperparameters) or as a multimodal projector (header, tensors and the epsilons
-    ggml asserts on; the rest is tried in a child process: ``projector_probe``)."""
+    ggml asserts on; the rest is tried in a child process: ``projector_probe``). A model's
+    ``overrides`` (``kv_overrides``) are checked as the values llama.cpp will read."""
     reader, metadata, tensors = _read_file(path)
     count = metadata.get("split.count", 1)
     if isinstance(count, int) and count > 1:
         for part in split_parts(path, count)[1:]:
             tensors = tensors + _read_file(part)[2]
     _check_hyperparameters(reader, metadata, tensors, kind)
+    if overrides and kind == "model":
+        _check_hyperparameters(*_overridden(reader, metadata, overrides), tensors, kind)
+
+
+def _overridden(
+    reader: _Reader, metadata: dict[str, Any], overrides: Mapping[str, int | float | str]
+) -> tuple[_Reader, dict[str, Any]]:
+    """The header as llama.cpp's loader reads it with ``overrides``: an override instead of a
+    scalar key (or one the file lacks), read by any getter of its kind (an integer one by any
+    integer type), never instead of an array. An override of another kind than the file's value
+    is refused: llama.cpp would ignore it (and warn) where its getter reads the file's kind."""
+    seen, merged = copy.copy(reader), dict(metadata)
+    seen.types = dict(reader.types)
+    seen.failing = f"{reader.path.name} with kv_overrides {dict(overrides)} would not load safely"
+    for key, value in overrides.items():
+        if isinstance(metadata.get(key), GgufArray):
+            continue
+        kind = next(kind for type_, kind in _OVERRIDE_KINDS if isinstance(value, type_))
+        if key in reader.types and _stored_kind(reader.types[key]) != kind:
+            raise InvalidParameterError(
+                f"kv_overrides[{key!r}] = {value!r} is {_KIND_NAMES[kind]}; {reader.path.name} "
+                f"stores {_KIND_NAMES[_stored_kind(reader.types[key])]} there (llama.cpp would "
+                "ignore the override)"
+            )
+        merged[key] = value
+        seen.types[key] = {"bool": _BOOL, "int": _INT32, "float": _FLOAT32, "str": _STRING}[kind]
+    return seen, merged
+
+
+_OVERRIDE_KINDS = ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"))
+_KIND_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a float", "str": "a string"}
+
+
+def _stored_kind(gguf_type: int) -> str:
+    """The kind of override llama.cpp's getter for a value of this GGUF type takes."""
+    formats = {"?": "bool", "f": "float", "d": "float"}
+    return "str" if gguf_type == _STRING else formats.get(_SCALARS.get(gguf_type, ""), "int")

@@ -129,7 +129,9 @@ class Model(NativeHandle):
         _backend.ensure_initialised()
         params = params or ModelParams()
         file = Path(path)
-        validate_gguf(file)
+        # Their types checked first: the header is checked again with them.
+        overrides = _kv_overrides(params.kv_overrides) if params.kv_overrides else None
+        validate_gguf(file, overrides=params.kv_overrides)
         if not params.vocab_only:  # (no weights: nothing to offload)
             warn_if_no_gpu(params.n_gpu_layers, remote=bool(params.rpc_servers))
         c_params = lib.llama_model_default_params()
@@ -153,8 +155,7 @@ class Model(NativeHandle):
             devices = offload_devices(params.rpc_servers, params.rpc_timeout, connected)
             c_params.devices = devices
             keepalive.append(devices)
-        if params.kv_overrides:
-            overrides = _kv_overrides(params.kv_overrides)
+        if overrides is not None:
             c_params.kv_overrides = overrides
             keepalive.append(overrides)
         if progress is not None:
