@@ -71,6 +71,34 @@ def test_context_parameters_out_of_range(tiny_model_path: Path) -> None:
         Llama(tiny_model_path, n_ctxx=5)
 
 
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        # Before: OverflowError or TypeError from cffi filling the C structs
+        ({"n_ctx": 2**32}, r"n_ctx must be an integer in 1\.\.4294967295, not 4294967296"),
+        ({"n_batch": 10**30}, "n_batch must be an integer"),
+        ({"n_threads": 2**31}, r"n_threads must be an integer in 1\.\.2147483647"),
+        ({"yarn_orig_ctx": -1}, "yarn_orig_ctx must be an integer in 0"),
+        ({"n_gpu_layers": 2**31}, "n_gpu_layers must be an integer"),
+        ({"main_gpu": 2**63}, "main_gpu must be an integer"),
+        ({"n_ctx": 64.5}, "n_ctx must be an integer"),
+        ({"tensor_split": ("x",)}, "tensor_split holds shares"),
+        ({"tensor_split": (float("nan"),)}, "tensor_split holds shares"),
+        ({"lora": [5]}, r"lora holds files or \(file, scale\) pairs, not 5"),
+        ({"lora": [("a.gguf",)]}, r"lora holds files .*, not \('a.gguf',\)"),
+        ({"control_vectors": [("a.gguf", 1.0, 2)]}, "control_vectors holds files or"),
+        # Accepted before, then NaN positions: every logit NaN
+        ({"rope_freq_base": float("nan")}, "rope_freq_base must be finite"),
+        ({"yarn_ext_factor": float("inf")}, "yarn_ext_factor must be finite"),
+    ],
+)
+def test_parameters_c_cannot_hold_are_refused_before_they_reach_it(
+    tiny_model_path: Path, options: dict, match: str
+) -> None:
+    with pytest.raises(InvalidParameterError, match=match):
+        Llama(tiny_model_path, **{"n_ctx": 64, **options})
+
+
 def test_bad_prompts_leave_the_llama_usable(tiny_llama: Llama) -> None:
     with pytest.raises(InvalidParameterError, match="empty"):
         tiny_llama.create_completion("")

@@ -48,6 +48,13 @@ class ExtraOptions:
             raise InvalidParameterError("control_vector_layers needs control_vectors")
         if self.control_vector_layers is not None and len(self.control_vector_layers) != 2:
             raise InvalidParameterError("control_vector_layers is (first, last)")
+        for name, each in (("lora", "scale"), ("control_vectors", "strength")):
+            for item in getattr(self, name):
+                file = item[0] if isinstance(item, tuple) and len(item) == 2 else item
+                if not isinstance(file, str | os.PathLike):
+                    raise InvalidParameterError(
+                        f"{name} holds files or (file, {each}) pairs, not {item!r}"
+                    )
 
     @property
     def speculative(self) -> bool:

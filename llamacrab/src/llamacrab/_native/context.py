@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 import weakref
@@ -25,7 +26,7 @@ from llamacrab._exceptions import (
 )
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
-from llamacrab._native.call import call, ffi, lib
+from llamacrab._native.call import INT32_MAX, UINT32_MAX, call, check_range, ffi, lib
 from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.devices import accelerator_present
 from llamacrab._native.handle import NativeHandle
@@ -117,16 +118,17 @@ class ContextParams:
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise InvalidParameterError(f"{name} must be positive, not {getattr(self, name)}")
+            check_range(name, getattr(self, name), 1, UINT32_MAX)
         if self.n_seq_max > lib.llama_max_parallel_sequences():
             raise InvalidParameterError(
                 f"n_seq_max {self.n_seq_max} exceeds {lib.llama_max_parallel_sequences()}"
             )
         for name in ("n_threads", "n_threads_batch"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InvalidParameterError(f"{name} must be at least 1, not {value}")
+            check_range(name, getattr(self, name), 1, INT32_MAX)
+        check_range("yarn_orig_ctx", self.yarn_orig_ctx, 0, UINT32_MAX)
+        for name in ("rope_freq_base", "rope_freq_scale", "yarn_ext_factor"):
+            if not math.isfinite(getattr(self, name)):  # NaN positions: every logit NaN
+                raise InvalidParameterError(f"{name} must be finite, not {getattr(self, name)}")
         _choice("flash_attn", self.flash_attn, FLASH_ATTN)
         _choice("pooling", self.pooling, POOLING)
         _choice("rope_scaling", self.rope_scaling, ROPE_SCALING)
@@ -436,8 +438,12 @@ class Context(NativeHandle):
         for adapter, scale in adapters.items():
             if adapter.model is not self.model:
                 raise InvalidParameterError(f"{adapter!r} was loaded for another model")
-            if not isinstance(scale, int | float) or not np.isfinite(scale):
-                raise InvalidParameterError(f"the scale of {adapter!r} is {scale!r}, not a number")
+            # llama.cpp takes a C float: 1e39 would be inf there.
+            number = isinstance(scale, int | float) and not isinstance(scale, bool)
+            if not number or not abs(scale) <= np.finfo(np.float32).max:
+                raise InvalidParameterError(
+                    f"the scale of {adapter!r} is {scale!r}, not a number a C float holds"
+                )
             adapter.pointer  # noqa: B018 -- raises ClosedHandleError for a closed adapter
 
     def use_lora(self, lora: Mapping[LoraAdapter, float] | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -13,7 +14,7 @@ from typing import Any
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError, ModelLoadError
 from llamacrab._native import backend as _backend
-from llamacrab._native.call import c_string, call, ffi, lib, read_string
+from llamacrab._native.call import INT32_MAX, c_string, call, check_range, ffi, lib, read_string
 from llamacrab._native.devices import warn_if_no_gpu
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
@@ -66,6 +67,14 @@ class ModelParams:
                 f"tensor_split has {len(self.tensor_split)} entries; this build supports "
                 f"{lib.llama_max_devices()} devices"
             )
+        for share in self.tensor_split or ():
+            number = isinstance(share, int | float) and not isinstance(share, bool)
+            if not number or not 0 <= share < math.inf:
+                raise InvalidParameterError(
+                    f"tensor_split holds shares (finite numbers >= 0), not {share!r}"
+                )
+        for name in ("n_gpu_layers", "main_gpu"):
+            check_range(name, getattr(self, name), -INT32_MAX - 1, INT32_MAX)
 
 
 def _load_mode(params: ModelParams) -> int:
