@@ -77,16 +77,26 @@ def test_context_parameters_out_of_range(tiny_model_path: Path) -> None:
         # Before: OverflowError or TypeError from cffi filling the C structs
         ({"n_ctx": 2**32}, r"n_ctx must be an integer in 1\.\.4294967295, not 4294967296"),
         ({"n_batch": 10**30}, "n_batch must be an integer"),
-        ({"n_threads": 2**31}, r"n_threads must be an integer in 1\.\.2147483647"),
+        ({"n_threads": 2**31}, r"n_threads must be an integer in 1\.\.512"),
+        # libgomp exited the process (status 1) when 4097 threads could not be created
+        ({"n_threads_batch": 4097}, r"n_threads_batch must be an integer in 1\.\.512"),
         ({"yarn_orig_ctx": -1}, "yarn_orig_ctx must be an integer in 0"),
         ({"n_gpu_layers": 2**31}, "n_gpu_layers must be an integer"),
         ({"main_gpu": 2**63}, "main_gpu must be an integer"),
         ({"n_ctx": 64.5}, "n_ctx must be an integer"),
-        ({"tensor_split": ("x",)}, "tensor_split holds shares"),
+        ({"tensor_split": ("x",)}, "tensor_split must be a list of items each a number or None"),
         ({"tensor_split": (float("nan"),)}, "tensor_split holds shares"),
         ({"lora": [5]}, r"lora holds files or \(file, scale\) pairs, not 5"),
         ({"lora": [("a.gguf",)]}, r"lora holds files .*, not \('a.gguf',\)"),
         ({"control_vectors": [("a.gguf", 1.0, 2)]}, "control_vectors holds files or"),
+        # Another type: TypeError from a comparison, or OverflowError from cffi, before
+        ({"max_queue": "1", "parallel": 2}, "max_queue must be an integer"),
+        ({"check_tensors": 2}, "check_tensors must be a bool, not 2"),
+        ({"lora": True}, "lora must be a list"),
+        ({"n_batch": None}, "n_batch must be an integer, not None"),
+        ({"prompt_cache": [1]}, "prompt_cache must be a string or PathLike or None"),
+        ({"prompt_cache": "cache\0"}, "cannot hold a prompt cache"),
+        ({"kv_overrides": {"general.name": 10**30}}, r"kv_overrides\['general.name'\] must be"),
         # Accepted before, then NaN positions: every logit NaN
         ({"rope_freq_base": float("nan")}, "rope_freq_base must be finite"),
         ({"yarn_ext_factor": float("inf")}, "yarn_ext_factor must be finite"),

@@ -77,7 +77,20 @@ def test_logit_bias_is_applied_natively(tiny_llama: Llama) -> None:
         ({"logit_bias": {True: 1.0}}, "keys are token ids, not True"),
         ({"logit_bias": {5: float("nan")}}, "logit_bias of token 5 is nan"),
         ({"logit_bias": {5: "1"}}, "logit_bias of token 5 is '1'"),
-        ({"top_k": 2**31}, "top_k 2147483648"),
+        ({"top_k": 2**31}, "top_k must be an integer in -2147483648..2147483647"),
+        ({"dry_allowed_length": 10**30}, "dry_allowed_length must be an integer in"),
+        # A ring of 2^31 - 1 tokens: 8 GB zero-filled, or std::bad_alloc escaping (SIGABRT)
+        ({"penalty_last_n": 2**31 - 1, "repeat_penalty": 1.1}, r"in -1\.\.1048576"),
+        ({"dry_penalty_last_n": 2**31 - 1, "dry_multiplier": 0.8}, r"in -1\.\.1048576"),
+        ({"typical_p": None}, "typical_p must be a number, not None"),
+        ({"min_p": {"a": 1}}, "min_p must be a number"),
+        ({"temperature": float("nan")}, "temperature is NaN"),
+        ({"logprobs": [1]}, "logprobs must be an integer or None"),
+        ({"stop": 5}, "stop must be a list of items each a string, not 5"),
+        ({"n": 10**6}, r"n must be an integer in 1\.\.128"),
+        ({"best_of": "2"}, "best_of must be an integer"),
+        ({"n": None, "best_of": 0}, "best_of must be an integer in 1"),  # (n=None is 1)
+        ({"seed": "1"}, "seed must be an integer"),
     ],
 )
 def test_sampler_settings_that_c_cannot_take_are_refused(

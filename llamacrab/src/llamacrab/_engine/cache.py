@@ -124,10 +124,15 @@ class DiskCache(PromptCache):
 
         _check_capacity(capacity_bytes)
         self.capacity_bytes = capacity_bytes
-        self._cache: Any = diskcache.Cache(
-            os.fspath(directory), size_limit=capacity_bytes,
-            eviction_policy="least-recently-used", cull_limit=0,
-        )  # fmt: skip
+        try:
+            self._cache: Any = diskcache.Cache(
+                os.fspath(directory), size_limit=capacity_bytes,
+                eviction_policy="least-recently-used", cull_limit=0,
+            )  # fmt: skip
+        except (OSError, ValueError) as error:  # cannot be made or opened; a NUL in the path
+            raise InvalidParameterError(
+                f"{directory!r} cannot hold a prompt cache: {error}"
+            ) from error
         self._pending: OrderedDict[tuple[bytes, bytes], SavedState] = OrderedDict()
         self._changed = threading.Condition()
         self._writer: threading.Thread | None = None

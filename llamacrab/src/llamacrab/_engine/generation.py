@@ -29,6 +29,7 @@ from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import EndGeneration
+from llamacrab._native.field_types import check_field_types
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
 from llamacrab._native.state import SavedState, StateCheckpoint
@@ -83,6 +84,7 @@ class Request:
     checkpoint_at: tuple[int, ...] = ()
 
     def check(self, n_ctx: int) -> None:
+        check_field_types(self, skip={"prompt"})  # (tokens checked against the vocabulary)
         if not self.prompt:
             raise InvalidParameterError("the prompt is empty (no tokens to decode)")
         if len(self.prompt) >= n_ctx:

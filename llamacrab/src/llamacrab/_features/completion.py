@@ -21,6 +21,7 @@ from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import ConcurrentUseError, InvalidParameterError
 from llamacrab._features.media import MediaInput
 from llamacrab._native.context import Context
+from llamacrab._native.field_types import UINT32_MAX, check_range
 from llamacrab._native.media import Media
 from llamacrab._native.model import Model
 from llamacrab._native.mtmd import Chunks
@@ -37,6 +38,7 @@ from llamacrab._types import (
 )
 
 Speculative = PromptLookup | DraftModel
+MAX_CHOICES = 128  # n and best_of, as OpenAI's API bounds n: each choice is a generation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,10 +252,14 @@ class Completer:
     ) -> Completion:
         """``n`` completions from ``start(**kwargs, seed=...)`` streams; ``best_of`` > n keeps
         the n with the highest total log-probability."""
+        n = 1 if n is None else n  # as OpenAI's API takes null
+        check_range("n", n, 1, MAX_CHOICES)
+        check_range("best_of", best_of, 1, MAX_CHOICES)
         best_of = best_of or n
         if not 1 <= n <= best_of:
             raise InvalidParameterError(f"need 1 <= n ({n}) <= best_of ({best_of})")
         seed = kwargs.pop("seed", None)
+        check_range("seed", seed, 0, UINT32_MAX)
         want_logprobs = kwargs.get("logprobs")
         if best_of > n and want_logprobs is None:
             kwargs["logprobs"] = 0  # needed to rank the candidates

@@ -13,6 +13,7 @@ from llamacrab._engine.cache import DiskCache, PromptCache, RamCache
 from llamacrab._engine.speculative import PromptLookup
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._native.control_vector import ControlVector, ControlVectorSource
+from llamacrab._native.field_types import check_field_types
 
 Path = str | os.PathLike[str]
 ScaledPath = Path | tuple[Path, float]
@@ -38,6 +39,14 @@ class ExtraOptions:
     prompt_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        for name, each in (("lora", "scale"), ("control_vectors", "strength")):
+            for item in getattr(self, name) if isinstance(getattr(self, name), tuple) else ():
+                file = item[0] if isinstance(item, tuple) and len(item) == 2 else item
+                if not isinstance(file, str | os.PathLike):
+                    raise InvalidParameterError(
+                        f"{name} holds files or (file, {each}) pairs, not {item!r}"
+                    )
+        check_field_types(self)  # (after the items: their own message says more)
         if self.draft_model is not None and self.prompt_lookup is not None:
             raise InvalidParameterError("choose draft_model or prompt_lookup, not both")
         if self.draft_max is not None and self.draft_max < 1:
@@ -48,13 +57,6 @@ class ExtraOptions:
             raise InvalidParameterError("control_vector_layers needs control_vectors")
         if self.control_vector_layers is not None and len(self.control_vector_layers) != 2:
             raise InvalidParameterError("control_vector_layers is (first, last)")
-        for name, each in (("lora", "scale"), ("control_vectors", "strength")):
-            for item in getattr(self, name):
-                file = item[0] if isinstance(item, tuple) and len(item) == 2 else item
-                if not isinstance(file, str | os.PathLike):
-                    raise InvalidParameterError(
-                        f"{name} holds files or (file, {each}) pairs, not {item!r}"
-                    )
 
     @property
     def speculative(self) -> bool:
@@ -92,7 +94,7 @@ def take_extra_options(options: dict[str, Any]) -> ExtraOptions:
         value = found.get(name)
         if isinstance(value, str | os.PathLike):
             found[name] = (value,)  # one file
-        elif value is not None:
+        elif isinstance(value, list | tuple):  # (anything else: ExtraOptions refuses it)
             found[name] = tuple(tuple(v) if isinstance(v, list) else v for v in value)
     if isinstance(found.get("control_vector_layers"), list):
         found["control_vector_layers"] = tuple(found["control_vector_layers"])

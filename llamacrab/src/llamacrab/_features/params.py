@@ -8,6 +8,7 @@ from typing import Any
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._features.hub import HubOptions
 from llamacrab._native.context import ContextParams
+from llamacrab._native.field_types import INT32_MAX, check_range
 from llamacrab._native.model import ModelParams
 from llamacrab._native.sampler import SamplingOptions
 
@@ -35,10 +36,10 @@ def with_slots(
     params: ContextParams | None, parallel: int | None, max_queue: int, speculative: object
 ) -> ContextParams | None:
     """Context parameters with room for ``parallel`` sequences."""
+    check_range("max_queue", max_queue, 0, INT32_MAX)
     if parallel is None:
         return params
-    if parallel < 1 or max_queue < 0:
-        raise InvalidParameterError(f"need parallel >= 1 ({parallel}) and max_queue >= 0")
+    check_range("parallel", parallel, 1, INT32_MAX)
     if speculative is not None:
         raise InvalidParameterError("speculative decoding needs a Llama with parallel=None")
     params = params or ContextParams()

@@ -43,19 +43,6 @@ def call_bounded(name: str, *args: Any, refusal: type[LlamaError], explain: str 
         raise refusal(error.message.removeprefix(PATCH_REFUSAL) + explain) from error
 
 
-INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
-
-
-def check_range(name: str, value: int | None, low: int, high: int) -> None:
-    """Raise InvalidParameterError unless ``value`` (None: llama.cpp's default) is an integer in
-    low..high: a C field's range at most, which cffi would otherwise answer with an
-    OverflowError or a TypeError."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidParameterError(f"{name} must be an integer in {low}..{high}, not {value!r}")
-
-
 def c_string(text: str, what: str) -> bytes:
     """Encode text for C: UTF-8, NUL-terminated by cffi, so an embedded NUL would truncate it."""
     if "\0" in text:

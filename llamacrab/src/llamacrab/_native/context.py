@@ -26,12 +26,15 @@ from llamacrab._exceptions import (
 )
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
-from llamacrab._native.call import INT32_MAX, UINT32_MAX, call, check_range, ffi, lib
+from llamacrab._native.call import call, ffi, lib
 from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.devices import accelerator_present
+from llamacrab._native.field_types import FLOAT32_MAX, UINT32_MAX, check_field_types, check_range
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
+
+GGML_MAX_N_THREADS = 512  # ggml.h
 
 FLASH_ATTN = {
     "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -117,6 +120,7 @@ class ContextParams:
     warmup: bool = False
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
             check_range(name, getattr(self, name), 1, UINT32_MAX)
         if self.n_seq_max > lib.llama_max_parallel_sequences():
@@ -124,7 +128,9 @@ class ContextParams:
                 f"n_seq_max {self.n_seq_max} exceeds {lib.llama_max_parallel_sequences()}"
             )
         for name in ("n_threads", "n_threads_batch"):
-            check_range(name, getattr(self, name), 1, INT32_MAX)
+            # ggml's per-thread arrays hold GGML_MAX_N_THREADS; past what the system allows,
+            # libgomp exits the process when a thread cannot be created (4097 did here).
+            check_range(name, getattr(self, name), 1, GGML_MAX_N_THREADS)
         check_range("yarn_orig_ctx", self.yarn_orig_ctx, 0, UINT32_MAX)
         for name in ("rope_freq_base", "rope_freq_scale", "yarn_ext_factor"):
             if not math.isfinite(getattr(self, name)):  # NaN positions: every logit NaN
@@ -440,7 +446,7 @@ class Context(NativeHandle):
                 raise InvalidParameterError(f"{adapter!r} was loaded for another model")
             # llama.cpp takes a C float: 1e39 would be inf there.
             number = isinstance(scale, int | float) and not isinstance(scale, bool)
-            if not number or not abs(scale) <= np.finfo(np.float32).max:
+            if not number or not abs(scale) <= FLOAT32_MAX:
                 raise InvalidParameterError(
                     f"the scale of {adapter!r} is {scale!r}, not a number a C float holds"
                 )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -14,8 +13,9 @@ from typing import Any
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError, ModelLoadError
 from llamacrab._native import backend as _backend
-from llamacrab._native.call import INT32_MAX, c_string, call, check_range, ffi, lib, read_string
+from llamacrab._native.call import c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import warn_if_no_gpu
+from llamacrab._native.field_types import FLOAT32_MAX, INT32_MAX, check_field_types, check_range
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
@@ -47,12 +47,14 @@ class ModelParams:
     use_extra_bufts: bool = True  # CPU weight repacking (faster kernels) where available
     kv_overrides: Mapping[str, KvOverrideValue] | None = None
     # ggml RPC workers ("host:port") to offload layers to, probed before llama.cpp sees them.
-    rpc_servers: Sequence[str] | None = None
+    # A list, or "host:port,host:port" as llama.cpp's --rpc (a tuple once checked).
+    rpc_servers: Sequence[str] | str | None = None
     rpc_timeout: float = 5.0  # seconds each worker has to answer the probe
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.rpc_servers is not None:
-            servers = self.rpc_servers  # a list, or "host:port,host:port" as llama.cpp's --rpc
+            servers = self.rpc_servers
             items = servers.split(",") if isinstance(servers, str) else servers
             object.__setattr__(self, "rpc_servers", tuple(s.strip() for s in items if s.strip()))
             parse_endpoints(self.rpc_servers)
@@ -69,7 +71,7 @@ class ModelParams:
             )
         for share in self.tensor_split or ():
             number = isinstance(share, int | float) and not isinstance(share, bool)
-            if not number or not 0 <= share < math.inf:
+            if not number or not 0 <= share <= FLOAT32_MAX:
                 raise InvalidParameterError(
                     f"tensor_split holds shares (finite numbers >= 0), not {share!r}"
                 )
@@ -96,6 +98,7 @@ def _kv_overrides(overrides: Mapping[str, KvOverrideValue]) -> Any:
         if isinstance(value, bool):
             entry.tag, entry.val_bool = lib.LLAMA_KV_OVERRIDE_TYPE_BOOL, value
         elif isinstance(value, int):
+            check_range(f"kv_overrides[{key!r}]", value, -(2**63), 2**63 - 1)
             entry.tag, entry.val_i64 = lib.LLAMA_KV_OVERRIDE_TYPE_INT, value
         elif isinstance(value, float):
             entry.tag, entry.val_f64 = lib.LLAMA_KV_OVERRIDE_TYPE_FLOAT, value

@@ -15,6 +15,7 @@ from llamacrab._exceptions import GrammarError, InvalidParameterError, NativeErr
 from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
+from llamacrab._native.field_types import INT32_MAX, check_field_types, check_range
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
 from llamacrab._native.greedy import BiasedArgmax
 from llamacrab._native.handle import NativeHandle
@@ -32,6 +33,8 @@ DEFAULT_ORDER = (
 # candidates in one pass over the logits (a heap of k plus the biased tokens).
 MAX_TOP_K_FIRST = 4096
 MAX_BIAS_FIRST = 64
+# The most tokens a penalty looks back over: more than any context holds (-1: the context).
+MAX_PENALTY_WINDOW = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +75,15 @@ class SamplingOptions:
     order: Sequence[str] = DEFAULT_ORDER
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in ("top_k", "dry_allowed_length"):
+            check_range(name, getattr(self, name), -INT32_MAX - 1, INT32_MAX)  # C int32s
+        for name in ("penalty_last_n", "dry_penalty_last_n"):
+            # llama.cpp allocates (and zero-fills) a ring of this many tokens: 2^31 was 8 GB
+            check_range(name, getattr(self, name), -1, MAX_PENALTY_WINDOW)
+        for name, value in vars(self).items():  # a NaN setting makes NaN probabilities
+            if isinstance(value, float) and math.isnan(value):
+                raise InvalidParameterError(f"{name} is NaN")
         unknown = set(self.order) - set(DEFAULT_ORDER)
         if unknown:
             raise InvalidParameterError(f"unknown samplers in order: {sorted(unknown)}")
@@ -402,20 +414,22 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
         bias = ffi.new("llama_logit_bias[]", len(o.logit_bias))
         for entry, token, value in zip(bias, tokens, o.logit_bias.values(), strict=True):
             entry.token, entry.bias = int(token), value
-        yield _checked(lib.llama_sampler_init_logit_bias(n_vocab, len(bias), bias), "logit_bias")
+        yield _checked(
+            call("llama_sampler_init_logit_bias", n_vocab, len(bias), bias), "logit_bias"
+        )
     if o.grammar is not None:
         yield _grammar(model, o)
     if o.greedy:
-        yield _checked(lib.llama_sampler_init_greedy(), "greedy")
+        yield _checked(call("llama_sampler_init_greedy"), "greedy")
         return
     if o.mirostat:
-        yield _checked(lib.llama_sampler_init_temp(o.temperature), "temperature")
+        yield _checked(call("llama_sampler_init_temp", o.temperature), "temperature")
         if o.mirostat == 1:
-            miro = lib.llama_sampler_init_mirostat(
-                n_vocab, seed, o.mirostat_tau, o.mirostat_eta, 100
+            miro = call(
+                "llama_sampler_init_mirostat", n_vocab, seed, o.mirostat_tau, o.mirostat_eta, 100
             )
         else:
-            miro = lib.llama_sampler_init_mirostat_v2(seed, o.mirostat_tau, o.mirostat_eta)
+            miro = call("llama_sampler_init_mirostat_v2", seed, o.mirostat_tau, o.mirostat_eta)
         yield _checked(miro, "mirostat")
         return
     for name in o.order:
@@ -424,9 +438,9 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
     if o.infill:
         yield _checked(call("llama_sampler_init_infill", model.vocab.pointer), "infill")
     if o.adaptive_p_target is not None:
-        final = lib.llama_sampler_init_adaptive_p(o.adaptive_p_target, o.adaptive_p_decay, seed)
+        final = call("llama_sampler_init_adaptive_p", o.adaptive_p_target, o.adaptive_p_decay, seed)
     else:
-        final = lib.llama_sampler_init_dist(seed)
+        final = call("llama_sampler_init_dist", seed)
     yield _checked(final, "final")
 
 
@@ -445,24 +459,25 @@ def _active(o: SamplingOptions, name: str) -> bool:
 def _filter(model: Model, o: SamplingOptions, name: str, seed: int) -> Any:
     """The native sampler ``name`` of ``o.order``, which ``_active`` said has work to do."""
     if name == "penalties":
-        return lib.llama_sampler_init_penalties(
-            model.vocab.n_tokens, o.penalty_last_n, o.repeat_penalty,
-            o.frequency_penalty, o.presence_penalty)  # fmt: skip
+        return call("llama_sampler_init_penalties", model.vocab.n_tokens, o.penalty_last_n,
+                    o.repeat_penalty, o.frequency_penalty, o.presence_penalty)  # fmt: skip
     if name == "dry":
         breakers = [ffi.new("char[]", c_string(b, "dry breaker")) for b in o.dry_sequence_breakers]
         return call("llama_sampler_init_dry", model.vocab.pointer, o.dry_multiplier, o.dry_base,
                     o.dry_allowed_length, o.dry_penalty_last_n,
                     ffi.new("const char *[]", breakers), len(breakers))  # fmt: skip
     simple = {
-        "top_n_sigma": lambda: lib.llama_sampler_init_top_n_sigma(o.top_n_sigma),
-        "top_k": lambda: lib.llama_sampler_init_top_k(o.top_k),
-        "typical": lambda: lib.llama_sampler_init_typical(o.typical_p, 1),
-        "top_p": lambda: lib.llama_sampler_init_top_p(o.top_p, 1),
-        "min_p": lambda: lib.llama_sampler_init_min_p(o.min_p, 1),
-        "xtc": lambda: lib.llama_sampler_init_xtc(o.xtc_probability, o.xtc_threshold, 1, seed),
+        "top_n_sigma": lambda: call("llama_sampler_init_top_n_sigma", o.top_n_sigma),
+        "top_k": lambda: call("llama_sampler_init_top_k", o.top_k),
+        "typical": lambda: call("llama_sampler_init_typical", o.typical_p, 1),
+        "top_p": lambda: call("llama_sampler_init_top_p", o.top_p, 1),
+        "min_p": lambda: call("llama_sampler_init_min_p", o.min_p, 1),
+        "xtc": lambda: call("llama_sampler_init_xtc", o.xtc_probability, o.xtc_threshold, 1, seed),
     }
     if name in simple:
         return simple[name]()
     if o.dynatemp_range > 0:  # temperature
-        return lib.llama_sampler_init_temp_ext(o.temperature, o.dynatemp_range, o.dynatemp_exponent)
-    return lib.llama_sampler_init_temp(o.temperature)
+        return call(
+            "llama_sampler_init_temp_ext", o.temperature, o.dynatemp_range, o.dynatemp_exponent
+        )
+    return call("llama_sampler_init_temp", o.temperature)

@@ -1,0 +1,121 @@
+"""Options checked before they reach C: integers against the C fields' ranges
+(``check_range``), and options dataclasses against their own annotations
+(``check_field_types``), so that a value of another type (a list for a float, text for an
+integer, None where a number is required) or past a C type is an InvalidParameterError naming
+the field, not a TypeError from a comparison further on or an OverflowError from cffi.
+
+Simple annotations are checked: int, float (an int too), bool (0 and 1 too), str, None, their
+unions, Literal, and containers by kind (a tuple or list, whose items are checked against
+``tuple[X, ...]`` / ``Sequence[X]``; a mapping). A path may be text; any other class is an
+isinstance check; what cannot be resolved is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import types
+import typing
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from llamacrab._exceptions import InvalidParameterError
+
+INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # past it a C float is infinite
+
+
+def check_range(name: str, value: int | None, low: int, high: int) -> None:
+    """Raise InvalidParameterError unless ``value`` (None: llama.cpp's default) is an integer in
+    low..high: a C field's range at most, which cffi would otherwise answer with an
+    OverflowError or a TypeError."""
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | np.integer)
+        or not low <= value <= high
+    ):
+        raise InvalidParameterError(f"{name} must be an integer in {low}..{high}, not {value!r}")
+
+
+def check_field_types(options: Any, skip: Collection[str] = ()) -> None:
+    """Raise InvalidParameterError for the first field of dataclass ``options`` (but those
+    in ``skip``) whose value does not match its annotation."""
+    hints = _hints(type(options))  # type: ignore[arg-type]  # (a class is hashable)
+    for field in dataclasses.fields(options):
+        if field.name in skip:
+            continue
+        expected = hints.get(field.name)
+        value = getattr(options, field.name)
+        if expected is not None and not _matches(value, expected):
+            raise InvalidParameterError(
+                f"{field.name} must be {_describe(expected)}, not {_shown(value)}"
+            )
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation only a type checker resolves
+        return {}
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if expected is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if expected is type(None):
+        return value is None
+    if expected is bool:
+        return isinstance(value, bool | np.bool_) or (type(value) is int and value in (0, 1))
+    if expected is int:
+        return isinstance(value, int | np.integer) and not isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+            value, bool
+        )
+    if origin in (tuple, list, Sequence):
+        if not isinstance(value, tuple | list):
+            return False
+        item = args[0] if args and (origin is not tuple or args[-1] is Ellipsis) else Any
+        return all(_matches(v, item) for v in value)
+    if origin in (dict, Mapping):
+        return isinstance(value, Mapping)
+    if isinstance(expected, type) and issubclass(expected, os.PathLike):  # a Path: text too
+        return isinstance(value, str | os.PathLike)
+    if isinstance(expected, type):
+        return isinstance(value, expected)
+    if isinstance(origin, type):  # another generic class (os.PathLike[str], Callable[...])
+        return isinstance(value, origin)
+    return True
+
+
+def _describe(expected: Any) -> str:
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in args)
+    if origin is typing.Literal:
+        return " or ".join(repr(arg) for arg in args)
+    if expected is type(None):
+        return "None"
+    if origin in (tuple, list, Sequence):
+        item = args[0] if args and (origin is not tuple or args[-1] is Ellipsis) else None
+        return "a list" + (f" of items each {_describe(item)}" if item is not None else "")
+    if origin in (dict, Mapping):
+        return "a mapping"
+    names = {bool: "a bool", int: "an integer", float: "a number", str: "a string"}
+    return names.get(expected, getattr(expected, "__name__", str(expected)))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
