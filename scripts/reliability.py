@@ -12,8 +12,9 @@ tests/test_reliability.py, and a long one, the default here):
 - tampered-tiny, tampered-gemma: variants of the tiny model's and Gemma 3 270M's GGUF files;
 - tampered-vision, tampered-audio: variants of the tiny vision and audio projectors, each
   loaded as the tiny model's projector and given an image or a sound;
-- tampered-lora: variants of the tiny LoRA adapter, each applied to a completion of the tiny
-  model;
+- tampered-lora, tampered-cvec: variants of the tiny LoRA adapter and of a control vector,
+  each applied to a completion of the tiny model;
+- parameters: Llama and completion keywords set to extreme or ill-typed values;
 - inputs: generated grammars, JSON Schemas and chat templates through the public API;
 - states: saved states (KV cache, recurrent, hybrid) tampered under a valid checksum;
 - media: sound files, image files and pixel arrays, valid and tampered, through a tiny
@@ -160,6 +161,31 @@ FOUND = [
     ("mutated images (before the media section)", "a PNG whose IDAT declares 0 bytes, then a "
      "chunk type that is not letters", "SyntaxError escaping from Pillow (unclean)",
      "`_native/media.py`: any error while Pillow decodes is a MediaError"),
+    ("reading the control-vector loader (then tampered-cvec)", "a control vector whose tensor "
+     "is `direction.100000000` (or 2^31)", "one row per layer up to it: 24 GiB asked of numpy, "
+     "a MemoryError (unclean; the OOM killer where overcommit lets it through)",
+     "`_native/control_vector.py`: layers 1..512 (InvalidModelError); strengths finite"),
+    ("extreme Llama keywords, each in a child (then parameters)", "`kv_overrides="
+     "{\"llama.block_count\": 2**40}`", "SIGABRT: `GGML_ASSERT(hparams.n_layer_all > 0 && ... "
+     "<= LLAMA_MAX_LAYERS)` (llama-model.cpp:1328): llama.cpp reads the override, which "
+     "`validate_gguf` had not seen, into a uint32 (0)", "`_native/gguf_check.py`: the header "
+     "checked again with the overrides applied as llama.cpp reads them; an override of "
+     "another type than the file's value is an InvalidParameterError"),
+    ("extreme Llama and completion keywords (then parameters)", "values of another type or "
+     "past the C types: `n_ctx=2**32`, `n_threads=2**31`, `top_k=2**31`, `logit_bias="
+     "{\"5\": 1.0}`, `typical_p=None`, `logprobs=[1]`, `max_queue=\"1\"`, `lora=True`, "
+     "`prompt_cache=\"dir\\0\"`, a kv_overrides integer past 64 bits; `n=2**31 - 1`",
+     "OverflowError or TypeError from cffi or a comparison, ValueError from a path (unclean); "
+     "NaN settings accepted (NaN logits); 2 billion choices started",
+     "`_native/field_types.py`: options dataclasses checked against their annotations; "
+     "`check_range` for C integers; NaN refused; n and best_of at most 128"),
+    ("parameters", "`penalty_last_n=2**31 - 1` (or `dry_penalty_last_n`)", "SIGABRT: "
+     "std::bad_alloc escaping `llama_sampler_init_penalties`, called without its shim, for a "
+     "ring of 2^31 tokens (8 GB zero-filled where memory allows it)", "`_native/sampler.py`: "
+     "every sampler made through its `noexcept` shim; the windows at most 2^20 tokens"),
+    ("parameters", "`n_threads=4097` (or `n_threads_batch`)", "the process exits with status 1: "
+     "libgomp could not create the threads (`Thread creation failed`)", "`_native/context.py`: "
+     "1..512 threads (ggml's GGML_MAX_N_THREADS)"),
 ]  # fmt: skip
 
 

@@ -66,11 +66,21 @@ def test_tampered_gemma_models(workdir: Path) -> None:
     assert report.count("ok") > 0 and report.count("error") > 0
 
 
-@pytest.mark.parametrize("name", ["tampered-vision", "tampered-audio", "tampered-lora"])
-def test_tampered_files_used_with_the_tiny_model(workdir: Path, name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "cases"),
+    [("tampered-vision", 300), ("tampered-audio", 300), ("tampered-lora", 300),
+     ("tampered-cvec", 241)],  # (every variant of the small control vector)
+)  # fmt: skip
+def test_tampered_files_used_with_the_tiny_model(workdir: Path, name: str, cases: int) -> None:
     report = run_short(name, workdir)
-    assert_clean(report, 300)
+    assert_clean(report, cases)
     assert report.count("ok") > 0 and report.count("error") > 0
+
+
+def test_extreme_and_ill_typed_parameters(workdir: Path) -> None:
+    report = run_short("parameters", workdir)
+    assert_clean(report, 400)
+    assert report.count("ok") >= 100 and report.count("error") >= 100
 
 
 def test_tampered_saved_states(workdir: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from reliability_kit.repo import made_once, script
+from reliability_kit.usable import then_still_answers
 
 HOSTILE_32 = (0, 1, 2, 0x7FFF, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFFE)
 
@@ -276,7 +277,7 @@ def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
 def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     """The file (or the pixels) in a completion; a LlamaError out of here is the expected
     refusal, and either way the same Llama must answer a plain prompt afterwards."""
-    from llamacrab import Audio, Image, LlamaError
+    from llamacrab import Audio, Image
 
     kind = case["kind"]
     llm = state["audio" if kind == "audio" else "image"]
@@ -285,17 +286,10 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     else:
         data = bytes.fromhex(case["data"])
         media = Audio(data=data) if kind == "audio" else Image(data=data)
-    refusal, detail = None, ""
-    try:
+
+    def complete() -> str:
         result = llm.create_completion(f"{llm.media_marker} then", media=[media], max_tokens=2,
                                        temperature=0)  # fmt: skip
-        detail = f"{result.usage.prompt_tokens} prompt tokens"
-    except LlamaError as error:
-        refusal = error
-    try:
-        llm.create_completion("plain words", max_tokens=1, temperature=0)
-    except LlamaError as error:  # not a refusal of the file: the Llama itself is broken
-        raise RuntimeError(f"the Llama failed after the file: {error}") from error
-    if refusal is not None:
-        raise refusal
-    return "ok", detail
+        return f"{result.usage.prompt_tokens} prompt tokens"
+
+    return then_still_answers(llm, complete, "file")

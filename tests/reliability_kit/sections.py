@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reliability_kit import children, inputs, lifecycle, media, states, tampered
+from reliability_kit import children, inputs, lifecycle, media, parameters, states, tampered
 from reliability_kit.repo import made_once, script
 
 
@@ -76,12 +76,25 @@ SECTIONS = {
         "Tampered LoRA adapters", "LoRA adapter",
         "loaded with the tiny model and applied to a completion",
     ),
+    "tampered-cvec": _used_with_tiny_model(
+        "Tampered control vectors", "control vector",
+        "loaded with the tiny model and applied to a completion",
+    ),
     "inputs": Section(
         "Grammars, JSON Schemas and chat templates",
         "generated and deeply nested GBNF grammars, JSON Schemas (response_format) and Jinja "
         "chat templates (given as chat_format, or as the model's own in its GGUF), with "
         "hostile messages, through the public API",
         Size(500, 150), Size(4000, 3600), batch_size=50, case_timeout=60, memory_limit=4 * GIB,
+    ),
+    "parameters": Section(
+        "Parameters",
+        "one to three keywords of Llama (a load) or create_completion set to extreme or "
+        "ill-typed values (integers past the C types, NaN, infinities, strings naming no "
+        "choice, values of another type), with the tiny model; the same Llama answers after "
+        "each completion",
+        Size(400, 150), Size(20_000, 1800), batch_size=200, case_timeout=60,
+        memory_limit=4 * GIB,
     ),
     "states": Section(
         "Tampered saved states",
@@ -104,15 +117,19 @@ SECTIONS = {
 }  # fmt: skip
 SEED = 2026
 # tampered-*: files used with the tiny model, and how (a projector's input, or as an adapter)
-WITH_BASE = {"vision": "image", "audio": "audio", "lora": "lora"}
+WITH_BASE = {"vision": "image", "audio": "audio", "lora": "lora", "cvec": "control vector"}
 
 
-def tiny_files(workdir: Path) -> tuple[Path, Path]:
-    """The tiny model and its LoRA adapter (scripts/make_tiny_gguf.py), made once."""
+def tiny_files(workdir: Path) -> dict[str, Path]:
+    """The tiny model (``llama``), its LoRA adapter (``lora``) and a control vector for both
+    its layers (``cvec``) from scripts/make_tiny_gguf.py, made once."""
     make_tiny = script("make_tiny_gguf")
-    writers = {"llama": make_tiny.write_tiny_llama, "lora": make_tiny.write_tiny_lora}
-    paths = made_once(workdir, "tiny-{}.gguf", writers)
-    return Path(paths["llama"]), Path(paths["lora"])
+    writers = {
+        "llama": make_tiny.write_tiny_llama,
+        "lora": make_tiny.write_tiny_lora,
+        "cvec": lambda path: make_tiny.write_tiny_control_vector(path, layers=(1, 2)),
+    }
+    return {key: Path(path) for key, path in made_once(workdir, "tiny-{}.gguf", writers).items()}
 
 
 def gemma_path() -> Path:
@@ -123,13 +140,18 @@ def gemma_path() -> Path:
 
 def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any], dict[str, Any]]:
     """The cases of a section and the setup its children get."""
-    tiny, lora = tiny_files(workdir)
+    files = tiny_files(workdir)
+    tiny, lora = files["llama"], files["lora"]
     if name == "lifecycle":
         return lifecycle.generate(size.cases or 1000, seed), {"model": str(tiny),
                                                               "lora": str(lora)}  # fmt: skip
     if name == "inputs":
         setup = {"model": str(tiny), "workdir": str(workdir / "inputs")}
         return inputs.generate(size.cases or 1000, seed), setup
+    if name == "parameters":
+        setup = {"files": {key: str(path.resolve()) for key, path in files.items()},
+                 "workdir": str((workdir / "parameters").resolve())}  # fmt: skip
+        return parameters.generate(size.cases or 1000, seed), setup
     if name == "states":
         return states.cases(seed, size.cases or 1000), {"models": states.models(workdir)}
     if name == "media":
@@ -138,7 +160,7 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
     label = name.removeprefix("tampered-")
     setup: dict[str, Any] = {"workdir": str(workdir / "tampered")}
     if label in WITH_BASE:
-        model = lora if label == "lora" else Path(media.projectors(workdir)[label])
+        model = files[label] if label in files else Path(media.projectors(workdir)[label])
         setup.update(base=str(tiny), use=WITH_BASE[label])
     else:
         model = tiny if name == "tampered-tiny" else gemma_path()

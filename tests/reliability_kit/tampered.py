@@ -1,6 +1,7 @@
 """Tampered models: variants of a GGUF file, each loaded and decoded through the public API
-(a projector's or a LoRA adapter's variants, when the setup names the base model, loaded with
-it: a projector given an image or a sound, an adapter applied to a completion).
+(a projector's, a LoRA adapter's or a control vector's variants, when the setup names the base
+model, loaded with it: a projector given an image or a sound, an adapter or a control vector
+applied to a completion).
 
 The header (magic, counts, metadata, tensor infos) is parsed into its parts, and each variant
 changes one thing: a truncation; the version or a count; each metadata value set to 0, 1, its
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import shutil
 import struct
 from dataclasses import dataclass, field
@@ -249,6 +251,14 @@ def variants(header: Header, file_size: int, seed: int, *, n_random: int = 40,
         positions = [rng.randrange(24, end) for _ in range(rng.choice((1, 2, 4, 8)))]
         add("bytes", edits=[[p, rng.choice((0x00, 0xFF, 0x7F, 0x80, rng.randrange(256)))]
                             for p in positions])  # fmt: skip
+    # Numbers in tensor names made huge (a layer index: blk.N, direction.N); last, so that
+    # the ids of the variants above stay what they were before these were added
+    for t in chosen:
+        name = header.tensors[t][0].decode(errors="replace")
+        for number in (513, 2**31, 2**64):
+            huge = re.sub(r"\d+", str(number), name)
+            if huge != name:
+                add("tensor", index=t, name=huge)
     return specs
 
 
@@ -529,8 +539,9 @@ def _with_base_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
     from llamacrab import Audio, Image, Llama
 
     use = state["use"]
-    if use == "lora":
-        with Llama(state["base"], n_ctx=128, n_threads=1, lora=[str(path)]) as llm:
+    if use in ("lora", "control vector"):
+        file = {"lora": [str(path)]} if use == "lora" else {"control_vectors": [str(path)]}
+        with Llama(state["base"], n_ctx=128, n_threads=1, **file) as llm:
             completion = llm.create_completion(state["prompt"], max_tokens=2, temperature=0)
         return "ok", f"applied; {completion.usage.completion_tokens} tokens"
     if use == "audio":
