@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from llamacrab import (
+    ContextError,
     ContextOverflowError,
     InvalidModelError,
     InvalidParameterError,
@@ -107,6 +109,16 @@ def test_parameters_c_cannot_hold_are_refused_before_they_reach_it(
 ) -> None:
     with pytest.raises(InvalidParameterError, match=match):
         Llama(tiny_model_path, **{"n_ctx": 64, **options})
+
+
+def test_a_context_whose_cells_outgrow_the_machine_is_refused_at_once(
+    tiny_model_path: Path,
+) -> None:
+    # llama.cpp zero-filled 48 bytes per cell first: 8 GB and 15 s here, then std::bad_alloc
+    started = time.monotonic()
+    with pytest.raises(ContextError, match=r"n_ctx 2147483647 needs 96\.0 GiB for its KV cells"):
+        Llama(tiny_model_path, n_ctx=2**31 - 1, n_threads=1)
+    assert time.monotonic() - started < 5
 
 
 def test_bad_prompts_leave_the_llama_usable(tiny_llama: Llama) -> None:

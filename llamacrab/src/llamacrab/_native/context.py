@@ -35,6 +35,7 @@ from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
 
 GGML_MAX_N_THREADS = 512  # ggml.h
+KV_CELL_BYTES = 48  # llama_kv_cells: pos, shift and ext (x, y) int32s, a std::bitset<256>
 
 FLASH_ATTN = {
     "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -200,6 +201,7 @@ class Context(NativeHandle):
         # Closing the model from another thread waits for the creation, then closes this too.
         with model.in_flight() as model_pointer:
             c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
+            _check_cell_memory(c_params.n_ctx, model_pointer)
             pointer = call("llama_init_from_model", model_pointer, c_params)
             if pointer == ffi.NULL:
                 reason = log_lines.take_errors() or "see the llamacrab logger"
@@ -698,6 +700,23 @@ class Context(NativeHandle):
 
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"
+
+
+def _check_cell_memory(n_ctx: int, model_pointer: Any) -> None:
+    """A KV cache keeps, besides its tensors, 48 bytes of host memory per cell (a position, a
+    shift, an M-RoPE position, a 256-bit set of sequences), allocated and zero-filled first:
+    n_ctx 2^31 took 8 GB and 15 s here before std::bad_alloc (the OOM killer on a smaller
+    machine). Refuse a context whose cells alone exceed the machine's memory (a recurrent
+    model's memory has a cell per sequence, not per position)."""
+    if lib.llama_model_is_recurrent(model_pointer):
+        return
+    need = n_ctx * KV_CELL_BYTES
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > physical:
+        raise ContextError(
+            f"n_ctx {n_ctx} needs {need / 2**30:.1f} GiB for its KV cells' bookkeeping alone, "
+            f"before the cache itself; this machine has {physical / 2**30:.1f} GiB"
+        )
 
 
 def _check_rope_freq_base(model: Model, params: ContextParams) -> None:
