@@ -536,7 +536,7 @@ def test_from_pretrained_uses_the_hub_cache(
         with Llama.from_pretrained("crab/tiny", "*Q4_K_M.gguf", cache_dir=tmp_path, n_ctx=64,
                                    verbose=False) as llm:  # fmt: skip
             assert Path(llm.model_path).name == "tiny-Q4_K_M.gguf"
-            assert llm("the cat", max_tokens=2)["usage"]["completion_tokens"] == 2
+            assert llm("the cat", max_tokens=2, temperature=0)["usage"]["completion_tokens"] == 2
         with pytest.raises(UnsupportedParameterError, match="local_dir"):
             Llama.from_pretrained("crab/tiny", "*.gguf", local_dir=tmp_path)
     finally:
