@@ -39,6 +39,8 @@ from llamacrab import (
 )
 from llamacrab._native.mtmd import embeddings_refusal
 from llamacrab.server import ServerSettings
+from llamacrab.server._llama_kwargs import llama_kwargs
+from llamacrab.server._settings import parse_settings
 from llamacrab_sys import ffi, lib
 
 from reliability_kit import tampered
@@ -556,3 +558,12 @@ def test_a_probe_that_cannot_start_says_how_to_do_without(
     with Llama(files["text"], n_ctx=256, n_threads=1, mmproj=files["vision"],
                mmproj_probe=False) as llm:  # fmt: skip
         assert llm.projector is not None and llm.projector.vision
+
+
+def test_the_server_probes_its_projector_unless_told_not_to(files: dict[str, Path]) -> None:
+    shown = {"model": str(files["text"]), "mmproj": str(files["vision"])}
+    assert llama_kwargs(ServerSettings(**shown))["mmproj_probe"] is True
+    trusting = parse_settings([shown["model"], "--mmproj", shown["mmproj"],
+                               "--no-mmproj-probe"], {})  # fmt: skip
+    assert trusting.no_mmproj_probe
+    assert llama_kwargs(trusting)["mmproj_probe"] is False

@@ -41,6 +41,7 @@ def llama_kwargs(settings: ServerSettings) -> dict[str, Any]:
         options.update(generation_kwargs(settings))
         if settings.mmproj:  # a projector file; else --hf-mmproj's choice stands
             options["mmproj"] = settings.mmproj
+        options["mmproj_probe"] = not settings.no_mmproj_probe
     return {k: v for k, v in options.items() if v is not None}
 
 

@@ -45,6 +45,7 @@ class ServerSettings:
     pooling: str | None = None
     chat_template: str | None = None
     mmproj: str | None = None  # a multimodal projector: images and audio in chat messages
+    no_mmproj_probe: bool = False  # load it without trying it in a child process first
     max_media: int = 8  # images/sounds per request
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     cors_origins: tuple[str, ...] = ()
@@ -311,6 +312,12 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("pooling", str, f"embedding pooling: {', '.join(POOLING)} (default: the model's)"),
     ("chat_template", str, "a built-in chat format name or a Jinja template (default: model's)"),
     ("mmproj", str, "multimodal projector GGUF: image_url/input_audio parts in chat"),
+    (
+        "no_mmproj_probe",
+        bool,
+        "load the projector without trying it in a child process first (a file you trust; "
+        "by default one that would abort is refused)",
+    ),
     ("max_media", int, "images/sounds per request (default 8)"),
     ("api_key", list, "accepted Bearer key (repeatable; env: comma-separated)"),
     ("cors_origin", list, "allowed CORS origin or * (repeatable; default: CORS off)"),
