@@ -29,7 +29,13 @@ from llamacrab._native.batch import Batch
 from llamacrab._native.call import call, ffi, lib
 from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.devices import accelerator_present
-from llamacrab._native.field_types import FLOAT32_MAX, UINT32_MAX, check_field_types, check_range
+from llamacrab._native.field_types import (
+    FLOAT32_MAX,
+    UINT32_MAX,
+    check_field_types,
+    check_range,
+    is_number,
+)
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
@@ -447,8 +453,7 @@ class Context(NativeHandle):
             if adapter.model is not self.model:
                 raise InvalidParameterError(f"{adapter!r} was loaded for another model")
             # llama.cpp takes a C float: 1e39 would be inf there.
-            number = isinstance(scale, int | float) and not isinstance(scale, bool)
-            if not number or not abs(scale) <= FLOAT32_MAX:
+            if not is_number(scale) or not abs(scale) <= FLOAT32_MAX:
                 raise InvalidParameterError(
                     f"the scale of {adapter!r} is {scale!r}, not a number a C float holds"
                 )

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError
+from llamacrab._native.field_types import is_number
 from llamacrab._native.gguf_check import LLAMA_MAX_LAYERS, read_gguf_tensors
 
 _F32 = 0  # GGML_TYPE_F32
@@ -114,7 +115,7 @@ class ControlVector:
 
 def _strength(path: Path, strength: object) -> float:
     """A file's strength, checked: a finite real number."""
-    if isinstance(strength, bool) or not isinstance(strength, int | float | np.floating):
+    if not is_number(strength):
         raise InvalidParameterError(
             f"the strength of control vector {path} must be a number, not {strength!r}"
         )

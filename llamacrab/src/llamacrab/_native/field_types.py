@@ -18,7 +18,7 @@ import os
 import types
 import typing
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -40,6 +40,11 @@ def check_range(name: str, value: int | None, low: int, high: int) -> None:
         or not low <= value <= high
     ):
         raise InvalidParameterError(f"{name} must be an integer in {low}..{high}, not {value!r}")
+
+
+def is_number(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
+    """A real number as C takes one: Python's or numpy's, but not a bool."""
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
 
 
 def check_field_types(options: Any, skip: Collection[str] = ()) -> None:
@@ -80,14 +85,11 @@ def _matches(value: Any, expected: Any) -> bool:
     if expected is int:
         return isinstance(value, int | np.integer) and not isinstance(value, bool)
     if expected is float:
-        return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
-            value, bool
-        )
+        return is_number(value)
     if origin in (tuple, list, Sequence):
         if not isinstance(value, tuple | list):
             return False
-        item = args[0] if args and (origin is not tuple or args[-1] is Ellipsis) else Any
-        return all(_matches(v, item) for v in value)
+        return all(_matches(v, _item_type(origin, args) or Any) for v in value)
     if origin in (dict, Mapping):
         return isinstance(value, Mapping)
     if isinstance(expected, type) and issubclass(expected, os.PathLike):  # a Path: text too
@@ -108,12 +110,17 @@ def _describe(expected: Any) -> str:
     if expected is type(None):
         return "None"
     if origin in (tuple, list, Sequence):
-        item = args[0] if args and (origin is not tuple or args[-1] is Ellipsis) else None
+        item = _item_type(origin, args)
         return "a list" + (f" of items each {_describe(item)}" if item is not None else "")
     if origin in (dict, Mapping):
         return "a mapping"
     names = {bool: "a bool", int: "an integer", float: "a number", str: "a string"}
     return names.get(expected, getattr(expected, "__name__", str(expected)))
+
+
+def _item_type(origin: Any, args: tuple[Any, ...]) -> Any:
+    """The type of every item of ``Sequence[X]`` / ``tuple[X, ...]``; None for a fixed tuple."""
+    return args[0] if args and (origin is not tuple or args[-1] is Ellipsis) else None
 
 
 def _shown(value: Any) -> str:

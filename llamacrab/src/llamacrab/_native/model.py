@@ -15,7 +15,13 @@ from llamacrab._exceptions import InvalidModelError, InvalidParameterError, Mode
 from llamacrab._native import backend as _backend
 from llamacrab._native.call import c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import warn_if_no_gpu
-from llamacrab._native.field_types import FLOAT32_MAX, INT32_MAX, check_field_types, check_range
+from llamacrab._native.field_types import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    check_field_types,
+    check_range,
+    is_number,
+)
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
@@ -70,8 +76,7 @@ class ModelParams:
                 f"{lib.llama_max_devices()} devices"
             )
         for share in self.tensor_split or ():
-            number = isinstance(share, int | float) and not isinstance(share, bool)
-            if not number or not 0 <= share <= FLOAT32_MAX:
+            if not is_number(share) or not 0 <= share <= FLOAT32_MAX:
                 raise InvalidParameterError(
                     f"tensor_split holds shares (finite numbers >= 0), not {share!r}"
                 )

@@ -15,7 +15,7 @@ from llamacrab._exceptions import GrammarError, InvalidParameterError, NativeErr
 from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
-from llamacrab._native.field_types import INT32_MAX, check_field_types, check_range
+from llamacrab._native.field_types import INT32_MAX, check_field_types, check_range, is_number
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
 from llamacrab._native.greedy import BiasedArgmax
 from llamacrab._native.handle import NativeHandle
@@ -97,8 +97,7 @@ class SamplingOptions:
             # A token id given as text, or a NaN bias, would reach C as garbage (or a TypeError).
             if isinstance(token, bool) or not isinstance(token, int | np.integer):
                 raise InvalidParameterError(f"logit_bias keys are token ids, not {token!r}")
-            number = isinstance(bias, int | float | np.integer | np.floating)
-            if isinstance(bias, bool) or not number or math.isnan(bias):
+            if not is_number(bias) or math.isnan(bias):
                 raise InvalidParameterError(
                     f"logit_bias of token {token} is {bias!r}; a number is needed "
                     "(-inf bans the token)"
