@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from llamacrab import (
+    Context,
     ContextError,
     ContextOverflowError,
+    ContextParams,
     InvalidModelError,
     InvalidParameterError,
     Llama,
     LlamaError,
+    Model,
     ModelLoadError,
     TokenizeError,
 )
@@ -116,9 +121,41 @@ def test_a_context_whose_cells_outgrow_the_machine_is_refused_at_once(
 ) -> None:
     # llama.cpp zero-filled 48 bytes per cell first: 8 GB and 15 s here, then std::bad_alloc
     started = time.monotonic()
-    with pytest.raises(ContextError, match=r"n_ctx 2147483647 needs 96\.0 GiB for its KV cells"):
+    with pytest.raises(ContextError, match=r"n_ctx 2147483648 needs .* 96\.0 GiB for its KV cells"):
         Llama(tiny_model_path, n_ctx=2**31 - 1, n_threads=1)
     assert time.monotonic() - started < 5
+
+
+def _past_memory(bytes_per_cell: int) -> int:
+    """The first power of two of cells whose ``bytes_per_cell`` exceed this machine's memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 1 << math.ceil(math.log2(physical / bytes_per_cell + 1))
+
+
+@pytest.mark.parametrize(
+    ("options", "bytes_per_cell"),
+    [
+        # The tiny model's 2 layers x (32 keys + 32 values) at f16; a 1-token micro-batch's mask.
+        ({"n_ubatch": 1}, 48 + 256 + 2),
+        # The mask of a 512-token micro-batch, f16: 1 KiB per cell.
+        ({"n_ubatch": 512}, 48 + 1024),
+    ],
+)
+def test_a_context_whose_cache_or_mask_outgrows_the_machine_is_refused_at_once(
+    tiny_model_path: Path, options: dict, bytes_per_cell: int
+) -> None:
+    # Below the cells' own limit, llama.cpp zero-filled the cells and the KV cache, then failed
+    # on the mask: n_ctx 2^26 took 19 GiB and 60 s here (the OOM killer on a smaller machine).
+    n_ctx = _past_memory(bytes_per_cell)
+    assert n_ctx * 48 < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    started = time.monotonic()
+    message = rf"n_ctx {n_ctx} needs .* GiB of host memory .* keys and values .* attention mask"
+    with Model.load(tiny_model_path) as model:
+        with pytest.raises(ContextError, match=message):
+            Context(model, ContextParams(n_ctx=n_ctx, n_threads=1, flash_attn="on", **options))
+        assert time.monotonic() - started < 5
+        with Context(model, ContextParams(n_ctx=256, n_threads=1, **options)) as context:
+            assert context.n_ctx == 256  # the model is still usable
 
 
 def test_bad_prompts_leave_the_llama_usable(tiny_llama: Llama) -> None:

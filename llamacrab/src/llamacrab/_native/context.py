@@ -37,6 +37,7 @@ from llamacrab._native.field_types import (
     is_number,
 )
 from llamacrab._native.handle import NativeHandle
+from llamacrab._native.kv_layout import pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
 
@@ -207,7 +208,7 @@ class Context(NativeHandle):
         # Closing the model from another thread waits for the creation, then closes this too.
         with model.in_flight() as model_pointer:
             c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
-            _check_cell_memory(c_params.n_ctx, model_pointer)
+            _check_host_memory(model, params, c_params)
             pointer = call("llama_init_from_model", model_pointer, c_params)
             if pointer == ffi.NULL:
                 reason = log_lines.take_errors() or "see the llamacrab logger"
@@ -707,21 +708,48 @@ class Context(NativeHandle):
         return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"
 
 
-def _check_cell_memory(n_ctx: int, model_pointer: Any) -> None:
-    """A KV cache keeps, besides its tensors, 48 bytes of host memory per cell (a position, a
-    shift, an M-RoPE position, a 256-bit set of sequences), allocated and zero-filled first:
-    n_ctx 2^31 took 8 GB and 15 s here before std::bad_alloc (the OOM killer on a smaller
-    machine). Refuse a context whose cells alone exceed the machine's memory (a recurrent
-    model's memory has a cell per sequence, not per position)."""
-    if lib.llama_model_is_recurrent(model_pointer):
-        return
-    need = n_ctx * KV_CELL_BYTES
+def _check_host_memory(model: Model, params: ContextParams, c_params: Any) -> None:
+    """llama.cpp allocates a context's KV cache, and zero-fills it, before anything can fail
+    cleanly: 48 bytes of host bookkeeping per cell (a position, a shift, an M-RoPE position, a
+    256-bit set of sequences), then the keys and values of every layer, in host memory for the
+    layers it does not offload; only then the compute buffers, whose attention mask (a host
+    input, f16 at least) has a column per cell for each token of a micro-batch. n_ctx 2^31
+    took 8 GB and 15 s here before std::bad_alloc; n_ctx 2^26 of the tiny model 19 GiB and
+    60 s of cells and cache before its 64 GiB mask failed (the OOM killer on a smaller
+    machine). Refuse a context whose host part exceeds the machine's memory. A recurrent
+    model's memory has a cell per sequence, not per position."""
+    n_ctx = pad_cells(c_params.n_ctx or model.n_ctx_train)
+    layout = model.kv_layout
+    cells = 0 if lib.llama_model_is_recurrent(model.pointer) else n_ctx * KV_CELL_BYTES
+    sliding = layout.sliding_cells(n_ctx, c_params.n_seq_max, c_params.n_ubatch, params.swa_full)
+    kv = layout.bytes(
+        n_ctx, sliding, c_params.type_k, c_params.type_v, n_layers=_host_layers(model, params)
+    )
+    streams = 1 if params.kv_unified else c_params.n_seq_max
+    mask = n_ctx * c_params.n_ubatch * 2 // streams if layout.attends else 0
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > physical:
+    if cells + kv + mask > physical:
         raise ContextError(
-            f"n_ctx {n_ctx} needs {need / 2**30:.1f} GiB for its KV cells' bookkeeping alone, "
-            f"before the cache itself; this machine has {physical / 2**30:.1f} GiB"
+            f"n_ctx {n_ctx} needs {(cells + kv + mask) / 2**30:.1f} GiB of host memory before "
+            f"its first token: {cells / 2**30:.1f} GiB for its KV cells' bookkeeping, "
+            f"{kv / 2**30:.1f} GiB for keys and values ({params.type_k}/{params.type_v}), "
+            f"{mask / 2**30:.1f} GiB for the attention mask of a {c_params.n_ubatch}-token "
+            f"micro-batch; this machine has {physical / 2**30:.1f} GiB"
         )
+
+
+def _host_layers(model: Model, params: ContextParams) -> int:
+    """How many layers, from the first, keep their KV cache in host memory: those llama.cpp
+    does not offload (it offloads the last n_gpu_layers, the output layer counting as one, to
+    a GPU or an RPC worker when there is one), or all without ``offload_kqv``."""
+    n_layer = len(model.kv_layout.layers)
+    offloading = accelerator_present() or bool(model.params.rpc_servers)
+    if not params.offload_kqv or not offloading:
+        return n_layer
+    n_gpu_layers = model.params.n_gpu_layers
+    if n_gpu_layers is None or n_gpu_layers < 0:
+        return 0
+    return max(n_layer + 1 - n_gpu_layers, 0)
 
 
 def _check_rope_freq_base(model: Model, params: ContextParams) -> None:

@@ -21,18 +21,10 @@ from typing import Any
 
 from llamacrab._native.call import lib
 from llamacrab._native.context import KV_TYPES, ContextParams
-from llamacrab._native.gguf_check import (
-    GgufArray,
-    _head_sizes,
-    _per_layer,
-    _read_file,
-    _swa_layers,
-    _uint,
-    split_parts,
-)
+from llamacrab._native.gguf_check import GgufArray, _read_file, _uint, split_parts
+from llamacrab._native.kv_layout import kv_layout, pad_cells
 
 _FLOAT = 4
-_CELL_PAD = 256  # llama.cpp pads a context's cells to a multiple of 256
 
 
 @dataclass(frozen=True)
@@ -49,10 +41,6 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.compute + self.checkpoints
-
-
-def _pad(n: int) -> int:
-    return -(-n // _CELL_PAD) * _CELL_PAD
 
 
 def _tensor_bytes(tensors: list[Any]) -> int:
@@ -72,34 +60,18 @@ def _kv_bytes(
     reader: Any, arch: str, metadata: dict[str, Any], params: ContextParams, n_ctx: int
 ) -> tuple[int, int]:
     """The KV memory, and the most its checkpoints take."""
-    causal = metadata.get(f"{arch}.attention.causal", True)
-    n_layer = _uint(metadata, f"{arch}.block_count") or 0
-    n_head = _per_layer(reader, metadata, f"{arch}.attention.head_count", n_layer)
-    if not causal or not n_layer or not n_head:
-        return 0, 0  # encoders (BERT) keep no KV memory
-    n_head_kv = _per_layer(reader, metadata, f"{arch}.attention.head_count_kv", n_layer) or n_head
-    sizes = _head_sizes(arch, metadata, max(n_head))
-    swa = _swa_layers(reader, arch, metadata, n_layer) or (False, [False] * n_layer)
-    if sizes is None:
-        return 0, 0
-    window = _uint(metadata, f"{arch}.attention.sliding_window") or n_ctx
+    layout = kv_layout(reader, arch, metadata)
     n_ubatch = min(params.n_ubatch, params.n_batch)
-    swa_cells = n_ctx if params.swa_full else min(n_ctx, _pad(window * params.n_seq_max + n_ubatch))
-    total = windowed_cell = 0
-    for layer in range(n_layer):
-        if n_head_kv[layer] == 0:
-            continue  # a recurrent or attention-free layer
-        sliding = swa[1][layer] if layer < len(swa[1]) else False
-        head = sizes[1] if sliding else sizes[0]
-        cells = swa_cells if sliding else n_ctx
-        k = lib.ggml_row_size(KV_TYPES[params.type_k], n_head_kv[layer] * head.key)
-        v = lib.ggml_row_size(KV_TYPES[params.type_v], n_head_kv[layer] * head.value)
-        total += (k + v) * cells
-        windowed_cell += (k + v) if sliding else 0
+    sliding = layout.sliding_cells(n_ctx, params.n_seq_max, n_ubatch, params.swa_full)
+    type_k, type_v = KV_TYPES[params.type_k], KV_TYPES[params.type_v]
+    total = layout.bytes(n_ctx, sliding, type_k, type_v)
     # A checkpoint holds one window of cells; none are taken where the window spans n_ctx.
-    if window >= n_ctx:
-        return int(total), 0
-    return int(total), int(windowed_cell * window * params.n_seq_max * params.ctx_checkpoints)
+    if not layout.window or layout.window >= n_ctx:
+        return total, 0
+    windowed_cell = sum(
+        layout.layer_bytes(layer, type_k, type_v) for layer in layout.layers if layer.sliding
+    )
+    return total, windowed_cell * layout.window * params.n_seq_max * params.ctx_checkpoints
 
 
 def _compute_bytes(
@@ -139,7 +111,7 @@ def estimate_memory(
         weights += _tensor_bytes(_file_header(Path(projector))[2])
     n_ctx_train = _uint(metadata, f"{arch}.context_length") or 4096
     n_ctx = params.n_ctx if params.n_ctx is not None else min(n_ctx_train, 4096)
-    n_ctx = _pad(max(n_ctx, params.n_seq_max))
+    n_ctx = pad_cells(max(n_ctx, params.n_seq_max))
     causal = metadata.get(f"{arch}.attention.causal", True) is not False
     kv, checkpoints = _kv_bytes(reader, arch, metadata, params, n_ctx)
     return MemoryEstimate(

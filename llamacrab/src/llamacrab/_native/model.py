@@ -24,6 +24,7 @@ from llamacrab._native.field_types import (
 )
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
+from llamacrab._native.kv_layout import KvLayout, read_kv_layout
 from llamacrab._native.logging import log_lines
 from llamacrab._native.rpc import offload_devices, parse_endpoints
 from llamacrab._native.vocab import Vocab
@@ -123,10 +124,12 @@ class Model(NativeHandle):
 
     kind = "model"
 
-    def __init__(self, pointer: Any, path: Path, params: ModelParams) -> None:
+    def __init__(self, pointer: Any, path: Path, params: ModelParams, kv_layout: KvLayout) -> None:
         super().__init__(pointer, lib.llama_model_free, None)
         self.path = path
         self.params = params
+        # What each layer's KV cache holds per cell (contexts are checked against the memory).
+        self.kv_layout = kv_layout
         self.vocab = Vocab(self)
         _backend.register_root(self)
         # The addresses as handed to ggml-rpc, which keys its connections by them.
@@ -149,6 +152,7 @@ class Model(NativeHandle):
         # Their types checked first: the header is checked again with them.
         overrides = _kv_overrides(params.kv_overrides) if params.kv_overrides else None
         validate_gguf(file, overrides=params.kv_overrides)
+        kv_layout = read_kv_layout(file, params.kv_overrides)
         if not params.vocab_only:  # (no weights: nothing to offload)
             warn_if_no_gpu(params.n_gpu_layers, remote=bool(params.rpc_servers))
         c_params = lib.llama_model_default_params()
@@ -186,7 +190,7 @@ class Model(NativeHandle):
             reason = log_lines.take_errors() or "see the llamacrab logger for details"
             raise ModelLoadError(f"llama.cpp could not load {file}: {reason}")
         # Overrides and split arrays are read during load only; nothing C keeps points into them.
-        model = cls(pointer, file, params)
+        model = cls(pointer, file, params, kv_layout)
         try:
             model.vocab.check_usable()
         except InvalidModelError as error:
