@@ -19,6 +19,8 @@ tests/test_reliability.py, and a long one, the default here):
 - states: saved states (KV cache, recurrent, hybrid) tampered under a valid checksum;
 - media: sound files, image files and pixel arrays, valid and tampered, through a tiny
   model with a vision or an audio projector;
+- registry: programs of operations on a ModelRegistry from several threads (loads, leases,
+  streams, unloads with and without force, keep-alive expiry, close);
 - server: the server under load and faults, and leaks (scripts/reliability_server.py; CI runs
   its short size through tests/test_reliability_server.py).
 
@@ -186,6 +188,21 @@ FOUND = [
     ("parameters", "`n_threads=4097` (or `n_threads_batch`)", "the process exits with status 1: "
      "libgomp could not create the threads (`Thread creation failed`)", "`_native/context.py`: "
      "1..512 threads (ggml's GGML_MAX_N_THREADS)"),
+    ("extreme Llama keywords (the memory a context takes)", "`n_ctx=2**26` on the tiny model "
+     "(below the cells' own limit)", "llama.cpp zero-filled 3 GiB of KV cells and a 16 GiB "
+     "cache (60 s, 19 GiB RSS) before its 64 GiB attention mask failed to allocate (the OOM "
+     "killer on a smaller machine)", "`_native/context.py`: the cells, the host layers' keys "
+     "and values (`_native/kv_layout.py`, from the GGUF header) and one micro-batch's mask "
+     "checked against the machine's memory first (ContextError)"),
+    ("registry", "a one-slot model reached through `ModelRegistry.get` while it generates, "
+     "with a short `keep_alive`", "the keep-alive timer closed it under its own generation "
+     "(ClosedHandleError mid-stream); `unload()` without force too", "`_registry.py`: a model "
+     "is idle only when no generation runs or waits (`Llama.busy`), on one slot as on "
+     "parallel slots"),
+    ("registry", "`ModelRegistry(max_loaded=\"2\")`, `keep_alive=\"1\"` or NaN, "
+     "`memory_budget=0`, `ModelEntry(pinned=\"yes\")`", "TypeError from a comparison "
+     "(unclean); a budget of 0 or NaN keep-alive accepted", "`_registry.py`: limits and "
+     "entries checked by type and range (InvalidParameterError)"),
 ]  # fmt: skip
 
 

@@ -4,12 +4,14 @@ multi-model form is tested in test_server_models.py)."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 import shutil
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -293,6 +295,45 @@ def test_keep_alive_unloads_an_idle_model_but_not_one_in_use(models: Path) -> No
         while not again.closed and time.monotonic() < deadline:
             time.sleep(0.05)
         assert again.closed and registry.status("alpha").status == "unloaded"
+
+
+def test_a_generation_from_get_keeps_its_model_loaded_until_it_ends(models: Path) -> None:
+    # Found by the registry reliability section: with a short keep_alive, a one-slot model
+    # reached through get() was closed under its own generation (ClosedHandleError mid-stream).
+    with ModelRegistry(keep_alive=0.0) as registry:
+        registry.add("alpha", models / "alpha.gguf", **TINY)
+        stream = registry.get("alpha").stream_completion("the cat", max_tokens=8, min_tokens=8)
+        next(stream)
+        time.sleep(0.5)  # the keep-alive timer looked several times meanwhile
+        assert registry.status("alpha").status == "loaded"
+        with pytest.raises(ConcurrentUseError, match=r"0 leases, generating"):
+            registry.unload("alpha")
+        rest = list(stream)  # the generation went on to its end
+        assert sum(len(c.tokens) for c in rest) == 7 and rest[-1].finish_reason == "length"
+        deadline = time.monotonic() + 10
+        while registry.status("alpha").status == "loaded" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert registry.status("alpha").status == "unloaded"  # idle once it ended
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: ModelRegistry(max_loaded="2"), "max_loaded must be an integer"),
+        (lambda: ModelRegistry(max_loaded=0), "max_loaded must be an integer in 1"),
+        (lambda: ModelRegistry(keep_alive=math.nan), "keep_alive must be a number"),
+        (lambda: ModelRegistry(keep_alive="1"), "keep_alive must be a number"),
+        (lambda: ModelRegistry(memory_budget=0), "memory_budget must be positive"),
+        (lambda: ModelRegistry(memory_budget="-1GiB"), "not a size"),
+        (lambda: ModelEntry("a", "a.gguf", keep_alive=-1), "keep_alive must be a number"),
+        (lambda: ModelEntry("a", "a.gguf", pinned="yes"), "pinned"),  # type: ignore[arg-type]
+        (lambda: ModelEntry("a", "a.gguf", options=[1]), "options"),  # type: ignore[arg-type]
+    ],
+)
+def test_limits_and_entries_of_another_type_or_range_are_refused(make: Any, match: str) -> None:
+    # Found by the registry reliability section: TypeErrors from a comparison before.
+    with pytest.raises(InvalidParameterError, match=match):
+        make()
 
 
 def test_from_toml_reads_entries_limits_and_relative_paths(models: Path, tmp_path: Path) -> None:

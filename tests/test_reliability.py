@@ -105,6 +105,12 @@ def test_hostile_images_and_sounds(workdir: Path) -> None:
     assert report.count("error") > 0
 
 
+def test_model_registry_programs(workdir: Path) -> None:
+    report = run_short("registry", workdir)
+    assert_clean(report, 300)
+    assert report.count("ok") >= 150 and report.count("error") > 0
+
+
 DRAW = """
 import hashlib, json, sys
 from reliability_kit import inputs, lifecycle, media

@@ -79,7 +79,7 @@ def test_isolate_is_read_from_the_registry_file(tmp_path: Path) -> None:
     registry = ModelRegistry.from_toml(config)
     assert registry.entry("a").isolate is False and registry.entry("b").isolate is None
     config.write_text('[models.a]\nmodel = "a.gguf"\nisolate = "yes"\n')
-    with pytest.raises(ValueError, match="isolate must be true or false"):
+    with pytest.raises(ValueError, match=r"model 'a': isolate must be a bool or None, not 'yes'"):
         ModelRegistry.from_toml(config)
 
 

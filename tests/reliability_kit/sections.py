@@ -11,7 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reliability_kit import children, inputs, lifecycle, media, parameters, states, tampered
+from reliability_kit import (
+    children,
+    inputs,
+    lifecycle,
+    media,
+    parameters,
+    registry,
+    states,
+    tampered,
+)
 from reliability_kit.repo import made_once, script
 
 
@@ -105,6 +114,16 @@ SECTIONS = {
         Size(2000, 120), Size(20_000, 1800), batch_size=500, case_timeout=60,
         memory_limit=4 * GIB,
     ),
+    "registry": Section(
+        "Model registry",
+        "programs of operations on one ModelRegistry (drawn limits; entries of the tiny "
+        "model with one and two slots, a truncated file, a context too large for the "
+        "machine) from several threads: complete, use, acquire and release, streams left "
+        "open, unload with and without force, load, entries, keep-alive expiry, add, close, "
+        "and leaving the interpreter mid-program; the registry answers afterwards",
+        Size(300, 150), Size(5000, 1800), batch_size=50, case_timeout=60,
+        memory_limit=4 * GIB,
+    ),
     "media": Section(
         "Images and sounds",
         "sound files (WAV, FLAC, MP3) decoded by libmtmd, image files decoded by Pillow and "
@@ -152,6 +171,9 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
         setup = {"files": {key: str(path.resolve()) for key, path in files.items()},
                  "workdir": str((workdir / "parameters").resolve())}  # fmt: skip
         return parameters.generate(size.cases or 1000, seed), setup
+    if name == "registry":
+        setup = {"model": str(tiny.resolve()), "workdir": str((workdir / "registry").resolve())}
+        return registry.generate(size.cases or 1000, seed), setup
     if name == "states":
         return states.cases(seed, size.cases or 1000), {"models": states.models(workdir)}
     if name == "media":

@@ -187,6 +187,12 @@ class Llama:
         return self._completer.scheduler
 
     @property
+    def busy(self) -> bool:
+        """Whether a generation is under way (an unfinished stream too) or waiting for a
+        slot: what a ``ModelRegistry`` never unloads without force."""
+        return self._completer.busy
+
+    @property
     def speculative_stats(self) -> SpeculativeStats:
         """Drafted and accepted tokens of the last one-slot completion."""
         return self._completer.speculative_stats

@@ -6,6 +6,7 @@ never when pinned."""
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import re
 import sys
@@ -31,6 +32,7 @@ from llamacrab._features.llama_options import EXTRA_NAMES
 from llamacrab._features.models_dir import scan_models_dir
 from llamacrab._features.presets import with_preset
 from llamacrab._llama import Llama
+from llamacrab._native.field_types import INT32_MAX, check_field_types, check_range, is_number
 from llamacrab._native.gguf_memory import MemoryEstimate
 
 Status = Literal["unloaded", "loading", "loaded", "failed"]
@@ -51,12 +53,21 @@ class Loaded(Protocol):
     @property
     def scheduler(self) -> Scheduler | None: ...
 
+    @property
+    def busy(self) -> bool: ...
+
     def cancel(self) -> None: ...
 
     def close(self) -> None: ...
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def check_keep_alive(value: object, name: str) -> None:
+    """None (never unloaded when idle) or a finite number of seconds >= 0."""
+    if value is not None and not (is_number(value) and 0 <= value < math.inf):
+        raise InvalidParameterError(f"{name} must be a number of seconds >= 0, not {value!r}")
 
 
 def parse_size(value: int | str) -> int:
@@ -88,13 +99,14 @@ class ModelEntry:
     def __post_init__(self) -> None:
         if not self.name or not self.model:
             raise InvalidParameterError("a model entry needs a name and a model")
+        try:
+            check_field_types(self, skip=("model",))  # a path object is taken too
+        except InvalidParameterError as error:
+            raise InvalidParameterError(f"model {self.name!r}: {error}") from None
         unknown = set(self.options) - _LLAMA_OPTIONS
         if unknown:
             raise InvalidParameterError(f"model {self.name!r}: unknown options {sorted(unknown)}")
-        if self.keep_alive is not None and self.keep_alive < 0:
-            raise InvalidParameterError(f"model {self.name!r}: keep_alive must be >= 0")
-        if self.isolate is not None and not isinstance(self.isolate, bool):
-            raise InvalidParameterError(f"model {self.name!r}: isolate must be true or false")
+        check_keep_alive(self.keep_alive, f"model {self.name!r}: keep_alive")
         self.llama_options()  # an unknown preset fails here, not at first use
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
 
@@ -148,11 +160,11 @@ class _Slot:
         self.used, self.used_wall = time.monotonic(), time.time()
 
     def idle(self) -> bool:
-        """Loaded, and nothing uses it: no lease, no busy or queued parallel slot."""
+        """Loaded, and nothing uses it: no lease, no generation under way or waiting (one
+        from ``get``, an unfinished stream, a busy or queued parallel slot)."""
         if self.status != "loaded" or self.in_use or self.llama is None:
             return False
-        scheduler = self.llama.scheduler
-        return scheduler is None or not (scheduler.busy_slots or scheduler.queue_depth)
+        return not self.llama.busy
 
     def take(self) -> Loaded:
         """Detach the loaded model (closed by the caller, outside the lock)."""
@@ -186,12 +198,12 @@ class ModelRegistry:
         keep_alive: float | None = None,
         loader: Callable[[ModelEntry], Loaded] | None = None,
     ) -> None:
-        if max_loaded is not None and max_loaded < 1:
-            raise InvalidParameterError(f"max_loaded must be >= 1, not {max_loaded}")
-        if keep_alive is not None and keep_alive < 0:
-            raise InvalidParameterError("keep_alive must be >= 0")
+        check_range("max_loaded", max_loaded, 1, INT32_MAX)
+        check_keep_alive(keep_alive, "keep_alive")
         self.max_loaded = max_loaded
         self.memory_budget = None if memory_budget is None else parse_size(memory_budget)
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise InvalidParameterError(f"memory_budget must be positive, not {memory_budget!r}")
         self.keep_alive = keep_alive
         self._loader: Callable[[ModelEntry], Loaded] = loader or (
             lambda entry: Llama(entry.model, **entry.llama_options())
@@ -358,7 +370,10 @@ class ModelRegistry:
                 slot.status, slot.error = "unloaded", None
                 return False
             if not slot.idle() and not force:
-                raise ConcurrentUseError(f"model {name!r} is in use ({slot.in_use} requests)")
+                raise ConcurrentUseError(
+                    f"model {name!r} is in use ({slot.in_use} leases"
+                    f"{', generating' if slot.llama and slot.llama.busy else ''})"
+                )
             llama = slot.take()
             self._lock.notify_all()
         llama.cancel()

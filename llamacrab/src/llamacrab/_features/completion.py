@@ -109,6 +109,14 @@ class Completer:
         if self._stop_engine is not None:
             self._stop_engine()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a generation is under way (an unfinished stream too) or waiting for a
+        slot."""
+        if self.scheduler is None:
+            return self._running is not None
+        return bool(self.scheduler.busy_slots or self.scheduler.queue_depth)
+
     def one_slot(self, what: str) -> KvState:
         if self.scheduler is not None:
             raise InvalidParameterError(

@@ -59,6 +59,7 @@ class ChildModel:
     it; ``on_death(reason)`` is called when it ends without being closed."""
 
     scheduler: None = None  # its slots are the child's own
+    busy = False  # its requests hold the registry's leases while they run
 
     def __init__(self, name: str, process: subprocess.Popen[bytes], port: int, key: str,
                  on_death: Callable[[ChildModel, str], None]) -> None:  # fmt: skip

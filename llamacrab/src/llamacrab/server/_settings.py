@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -190,8 +191,8 @@ def _check_models(settings: ServerSettings) -> None:
         )
     if settings.models_max is not None and settings.models_max < 1:
         raise InvalidParameterError("models_max must be >= 1")
-    if settings.keep_alive is not None and settings.keep_alive < 0:
-        raise InvalidParameterError("keep_alive must be >= 0")
+    if settings.keep_alive is not None and not 0 <= settings.keep_alive < math.inf:  # NaN too
+        raise InvalidParameterError(f"keep_alive must be >= 0 seconds, not {settings.keep_alive}")
     if settings.preset is not None:
         from llamacrab import PRESETS  # the native library: only when a preset is given
 
