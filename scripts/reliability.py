@@ -184,7 +184,7 @@ FOUND = [
     ("parameters", "`penalty_last_n=2**31 - 1` (or `dry_penalty_last_n`)", "SIGABRT: "
      "std::bad_alloc escaping `llama_sampler_init_penalties`, called without its shim, for a "
      "ring of 2^31 tokens (8 GB zero-filled where memory allows it)", "`_native/sampler.py`: "
-     "every sampler made through its `noexcept` shim; the windows at most 2^20 tokens"),
+     "every sampler made through its exception-safe shim; the windows at most 2^20 tokens"),
     ("parameters", "`n_threads=4097` (or `n_threads_batch`)", "the process exits with status 1: "
      "libgomp could not create the threads (`Thread creation failed`)", "`_native/context.py`: "
      "1..512 threads (ggml's GGML_MAX_N_THREADS)"),
@@ -203,6 +203,12 @@ FOUND = [
      "`memory_budget=0`, `ModelEntry(pinned=\"yes\")`", "TypeError from a comparison "
      "(unclean); a budget of 0 or NaN keep-alive accepted", "`_registry.py`: limits and "
      "entries checked by type and range (InvalidParameterError)"),
+    ("registry (1 in 5,000 programs)", "leaving the interpreter while another thread loads a "
+     "model (llama.cpp logging through Python meanwhile)", "SIGABRT at exit: \"FATAL: "
+     "exception not rethrown\": Python ends the thread with `pthread_exit` when it asks for "
+     "the GIL back, and the shim's `catch (...)` swallowed glibc's forced unwind",
+     "`build_tools/shims.py`: the shims rethrow `abi::__forced_unwind` (no longer `noexcept`); "
+     "`tests/test_ffi_traps.py` reproduces it every time with the old shims"),
 ]  # fmt: skip
 
 
@@ -213,7 +219,7 @@ FFI_TRAPS = [
     ("allocator mismatch", "each object freed by its own llama.cpp free function; batches and "
      "string buffers are Python's (numpy, `ffi.new`, sized by asking C first); shim errors "
      "copied into a Python-owned struct", "TestAllocatorMismatch"),
-    ("C++ exceptions crossing the FFI", "a generated `noexcept` shim per llama.cpp function: "
+    ("C++ exceptions crossing the FFI", "a generated exception-safe shim per llama.cpp function: "
      "`NativeError`", "TestCppExceptions"),
     ("one context, several threads", "`ConcurrentUseError`; a `Llama` serializes its calls; "
      "`close()` waits for the call in flight", "TestOneContextManyThreads"),

@@ -5,7 +5,7 @@ one place that names the trap and proves the guard.
 
 1. lifetimes: a child keeps its parent alive; a closed handle never reaches C;
 2. allocator mismatch: memory is freed by the allocator that made it;
-3. C++ exceptions crossing the FFI: a noexcept shim turns them into Python exceptions;
+3. C++ exceptions crossing the FFI: an exception-safe shim turns them into Python exceptions;
 4. one context used from several threads: refused or serialized, never concurrent;
 5. KV reuse pollution: a request never sees what an earlier one left in the KV cache;
 6. NUL-terminated strings: an embedded NUL is a byte of a prompt, or refused, never a cut;
@@ -204,7 +204,45 @@ class TestAllocatorMismatch:
 
 class TestCppExceptions:
     """A C++ exception unwinding through cffi's C frames would terminate the process; every
-    llama.cpp call goes through a noexcept shim that catches it, and Python raises."""
+    llama.cpp call goes through a shim that catches it, and Python raises."""
+
+    EXIT_DURING_LOAD = """
+import gc, sys, threading, time
+from llamacrab import Model
+
+loading = threading.Event()
+
+def progress(fraction):
+    loading.set()
+    time.sleep(0.2)  # wakes while the interpreter is finalizing: it may not take the GIL back
+    return True
+
+class SlowTeardown:
+    def __del__(self, sleep=time.sleep):
+        sleep(1.0)  # the final collection, after finalizing began: the thread's window
+
+gc.disable()
+threading.Thread(target=Model.load, args=(sys.argv[1], None, progress), daemon=True).start()
+loading.wait(30)
+teardown = SlowTeardown()
+teardown.cycle = teardown
+del teardown
+"""
+
+    def test_leaving_while_a_daemon_thread_is_inside_a_callback_of_a_shimmed_call(
+        self, tiny_model_path: Path
+    ) -> None:
+        # Python 3.11-3.13 end such a thread with pthread_exit once it asks for the GIL back:
+        # glibc unwinds it through llama.cpp's loader into the shim, whose catch (...) once
+        # swallowed the unwind: "FATAL: exception not rethrown", SIGABRT (found by the
+        # registry reliability section: a model loading on another thread at exit).
+        for _ in range(3):
+            child = subprocess.run(
+                [sys.executable, "-c", self.EXIT_DURING_LOAD, str(tiny_model_path)],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert child.returncode == 0, child.stderr[-2000:]
+            assert "exception not rethrown" not in child.stderr
 
     def test_a_throwing_call_becomes_a_native_error(self, tiny_llama: Llama) -> None:
         vocab = tiny_llama.model.vocab

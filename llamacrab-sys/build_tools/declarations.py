@@ -23,7 +23,7 @@ HEADERS = (
 )  # fmt: skip
 # An install a user brings may lack these (upstream installs mtmd.h only with its tools).
 OPTIONAL_HEADERS = ("ggml-rpc.h", "mtmd.h", "mtmd-helper.h")
-# Functions whose C++ implementation may throw: each gets a noexcept shim.
+# Functions whose C++ implementation may throw: each gets an exception-safe shim.
 SHIMMED_HEADERS = ("llama.h", "gguf.h", "ggml-rpc.h", "mtmd.h", "mtmd-helper.h")
 
 # Just enough of the C library for the headers to parse; cffi knows these types natively.

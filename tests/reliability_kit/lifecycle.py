@@ -22,14 +22,13 @@ import math
 import random
 import threading
 import time
-import traceback
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from reliability_kit.programs import THREAD_JOIN_SECONDS, Program, stacks
+
 KINDS = ("model", "context", "sampler", "batch", "adapter", "llama", "stream")
 TINY_VOCAB = 271  # scripts/make_tiny_gguf.py: 3 control, 256 bytes, 12 word pieces
-THREAD_JOIN_SECONDS = 30.0
 EXIT_EVERY = 40  # one program in 40 ends by leaving the interpreter mid-decode
 GRAMMARS = (
     None,
@@ -242,7 +241,7 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         return machine.outcome()
     stuck = machine.join_threads()
     if stuck:
-        return "hang", f"a thread never finished: {stuck}; {machine.summary()}"
+        return "hang", f"threads never finished: {machine.summary()}\n{stacks(stuck)}"
     machine.teardown(case["teardown"])
     leftover = _wait_for_threads(baseline)
     if leftover:
@@ -260,18 +259,14 @@ def _wait_for_threads(baseline: set[int | None], seconds: float = 10.0) -> list[
         time.sleep(0.01)
 
 
-class Machine:
+class Machine(Program):
     """The objects of one program and the interpreter of its operations."""
 
     def __init__(self, model_path: Path, lora_path: Path) -> None:
+        super().__init__()
         self.model_path, self.lora_path = model_path, lora_path
         self.objects: dict[str, list[Any]] = {kind: [] for kind in KINDS}
         self.states: list[Any] = []
-        self.threads: list[threading.Thread] = []
-        self.unclean: list[str] = []
-        self.refused: Counter[str] = Counter()
-        self.ran = 0
-        self.lock = threading.Lock()
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -283,52 +278,6 @@ class Machine:
         with self.lock:
             self.objects[kind].append(obj)
         return obj
-
-    def outcome(self) -> tuple[str, str]:
-        if self.unclean:
-            return "unclean", "; ".join(self.unclean[:3])[:3000]
-        return "ok", self.summary()
-
-    def summary(self) -> str:
-        refused = ", ".join(f"{k} {v}" for k, v in self.refused.most_common())
-        return f"{self.ran} operations; refused: {refused or 'none'}"
-
-    def run(self, op: dict[str, Any]) -> None:
-        from llamacrab import LlamaError
-
-        try:
-            getattr(self, "op_" + op["op"])(op)
-            with self.lock:
-                self.ran += 1
-        except LlamaError as error:
-            with self.lock:
-                self.ran += 1
-                self.refused[type(error).__name__] += 1
-        except Exception as error:
-            frames = traceback.format_exc(limit=-4)
-            with self.lock:
-                self.unclean.append(f"{op['op']} {op}: {type(error).__name__}: {error}\n{frames}")
-
-    def spawn(self, target: Any, *args: Any) -> threading.Thread:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        thread.start()
-        with self.lock:
-            self.threads.append(thread)
-        return thread
-
-    def join_threads(self) -> list[str]:
-        """Join every thread, those the threads start meanwhile too; the names of any still
-        running after THREAD_JOIN_SECONDS."""
-        deadline = time.monotonic() + THREAD_JOIN_SECONDS
-        joined: set[threading.Thread] = set()
-        while True:
-            with self.lock:
-                pending = [t for t in self.threads if t not in joined]
-            if not pending:
-                return [t.name for t in self.threads if t.is_alive()]
-            for thread in pending:
-                thread.join(max(0.0, deadline - time.monotonic()))
-                joined.add(thread)
 
     def teardown(self, how: str) -> None:
         order = [o for kind in KINDS for o in self.objects[kind] if o is not None]

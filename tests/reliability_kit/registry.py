@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import random
 import shutil
-import threading
 import time
-import traceback
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from reliability_kit.programs import Program, stacks
+
 NAMES = ("one", "two", "broken", "huge", "unknown")
 EXIT_EVERY = 40
-THREAD_JOIN_SECONDS = 30.0
 # Ordinary limits (the tiny model's estimate is ~1 MiB); one program in five has one a registry
 # refuses.
 LIMITS: dict[str, list[Any]] = {
@@ -115,14 +113,15 @@ def entries(state: dict[str, Any]) -> list[Any]:
     ]
 
 
-_EXITING: list[Program] = []  # an "exit" program's objects, alive while the interpreter leaves
+# An "exit" program's objects, alive while the interpreter leaves.
+_EXITING: list[RegistryProgram] = []
 
 
 def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     from llamacrab import ModelRegistry
 
     registry = ModelRegistry(entries(state), **case["limits"])  # may refuse the limits
-    program = Program(registry, case["limits"]["max_loaded"], state)
+    program = RegistryProgram(registry, case["limits"]["max_loaded"], state)
     for op in case["ops"]:
         program.dispatch(op)
     if case.get("exit"):
@@ -130,64 +129,26 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         return program.outcome()
     stuck = program.join_threads()
     if stuck:
-        return "hang", f"a thread never finished: {stuck}; {program.summary()}"
+        return "hang", f"threads never finished: {program.summary()}\n{stacks(stuck)}"
     program.still_answers()
     return program.outcome()
 
 
-class Program:
-    """One program's registry, its leases and streams, and the interpreter of its operations."""
+class RegistryProgram(Program):
+    """One program's registry, its leases and streams, and its operations."""
 
     def __init__(self, registry: Any, max_loaded: int | None, state: dict[str, Any]) -> None:
+        super().__init__()
         self.registry, self.max_loaded, self.state = registry, max_loaded, state
         self.leases: list[str] = []
         self.closed = False
         self.streams: list[Any] = []
-        self.threads: list[threading.Thread] = []
-        self.unclean: list[str] = []
-        self.refused: Counter[str] = Counter()
-        self.ran = 0
-        self.lock = threading.Lock()
-
-    def outcome(self) -> tuple[str, str]:
-        if self.unclean:
-            return "unclean", "; ".join(self.unclean[:3])[:3000]
-        return "ok", self.summary()
-
-    def summary(self) -> str:
-        refused = ", ".join(f"{k} {v}" for k, v in self.refused.most_common())
-        return f"{self.ran} operations; refused: {refused or 'none'}"
 
     def dispatch(self, op: dict[str, Any]) -> None:
-        if not op["thread"]:
+        if op["thread"]:
+            self.spawn(self.run, op)
+        else:
             self.run(op)
-            return
-        thread = threading.Thread(target=self.run, args=(op,), daemon=True)
-        thread.start()
-        with self.lock:
-            self.threads.append(thread)
-
-    def run(self, op: dict[str, Any]) -> None:
-        from llamacrab import LlamaError
-
-        try:
-            getattr(self, "op_" + op["op"])(op)
-            with self.lock:
-                self.ran += 1
-        except LlamaError as error:
-            with self.lock:
-                self.ran += 1
-                self.refused[type(error).__name__] += 1
-        except Exception as error:
-            frames = traceback.format_exc(limit=-4)
-            with self.lock:
-                self.unclean.append(f"{op}: {type(error).__name__}: {error}\n{frames}")
-
-    def join_threads(self) -> list[str]:
-        deadline = time.monotonic() + THREAD_JOIN_SECONDS
-        for thread in list(self.threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return [t.name for t in self.threads if t.is_alive()]
 
     # -- operations ----------------------------------------------------------------------------
 

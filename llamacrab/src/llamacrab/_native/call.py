@@ -1,4 +1,4 @@
-"""The one boundary to llamacrab_sys: calls through the noexcept shims, C++ errors as exceptions."""
+"""The one boundary to llamacrab_sys: calls through the exception-safe shims, C++ errors raised."""
 
 from __future__ import annotations
 
