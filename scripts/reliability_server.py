@@ -11,6 +11,11 @@ writes them into RELIABILITY.md; tests/test_reliability_server.py runs the short
   warm-up.
 - ``disconnect_storm``: 100 streams dropped mid-way (some while still queued for a slot): every
   slot free, and the queue empty, within a second of the last drop.
+- ``models``: 16 clients against a server of four models with room for one (two that load, a
+  broken file, a context too large for the machine): completions (some streamed and dropped),
+  chats, embeddings, loads and unloads (forced or not) naming any of them, an unknown one or
+  none; no 5xx but the expected refusals, no loadable model reported failed, and each answers
+  afterwards.
 - ``schemathesis``: requests generated from ``/openapi.json`` for every operation, valid and
   invalid: no 5xx.
 - ``leaks``: short completions (``max_tokens=1``) through the Python API and through the server:
@@ -455,6 +460,156 @@ def disconnect_storm(workdir: Path, streams: int = 100, seed: int = 0) -> dict[s
     return result
 
 
+# -- models: several models in one server -------------------------------------------------------
+
+CHURN_KEY = "reliability"
+# Expected refusals with a 5xx: a file that cannot load, and no room for a model (every loaded one
+# busy) or a request cut by a forced unload (503).
+CHURN_EXPECTED_5XX = {"model_load_failed", "model_busy", "shutting_down"}
+CHURN_LOADABLE = ("alpha", "beta")
+CHURN_MODELS = (*CHURN_LOADABLE, "broken", "huge", "nope", None)
+
+
+def _churn_config(workdir: Path) -> Path:
+    """Two tiny entries that load (one and two slots), a truncated file, and a context too large
+    for any machine; one loaded at a time, and idle ones unloaded after 0.2 s."""
+    model = tiny_model(workdir)
+    broken = workdir / "churn-broken.gguf"
+    broken.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    config = workdir / "churn.toml"
+    config.write_text(
+        textwrap.dedent(f"""\
+        max_loaded = 1
+        keep_alive = 0.2
+        [models.alpha]
+        model = "{model}"
+        n_ctx = 256
+        n_threads = 1
+        [models.beta]
+        model = "{model}"
+        n_ctx = 512
+        parallel = 2
+        n_threads = 1
+        [models.broken]
+        model = "{broken}"
+        [models.huge]
+        model = "{model}"
+        n_ctx = {2**31 - 1}
+        n_threads = 1
+    """)
+    )
+    return config
+
+
+async def _churn(url: str, clients: int, seconds: float, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    statuses: Counter[int] = Counter()
+    codes: Counter[str] = Counter()
+    failures: list[str] = []
+    headers = {"Authorization": f"Bearer {CHURN_KEY}"}
+    deadline = time.monotonic() + seconds
+
+    def note(kind: str, model: str | None, status: int, text: str) -> None:
+        statuses[status] += 1
+        code = ""
+        if status >= 400:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                code = json.loads(text)["error"].get("code") or ""
+            codes[code or str(status)] += 1
+        unexpected = status >= 500 and code not in CHURN_EXPECTED_5XX
+        # A model that loads must never be reported failed, whatever else happens around it.
+        lost = code == "model_load_failed" and model in CHURN_LOADABLE
+        if (unexpected or lost) and len(failures) < 20:
+            failures.append(f"{kind} {model} -> {status} {code}: {text[:300]}")
+
+    async with httpx.AsyncClient(timeout=120, headers=headers) as client:
+
+        async def request(kind: str, model: str | None) -> None:
+            body: dict[str, Any] = {} if model is None else {"model": model}
+            if kind in ("complete", "stream"):
+                body.update(prompt="the cat", max_tokens=rng.choice([1, 4, 16]))
+            if kind == "stream":
+                body["stream"] = True
+                async with client.stream("POST", url + "/v1/completions", json=body) as answer:
+                    events = rng.randint(0, 6)  # 0: dropped at once
+                    text = ""
+                    async for line in answer.aiter_lines():
+                        text += line
+                        events -= line.startswith("data: ")
+                        if events < 0:
+                            break  # leaving the block drops the connection
+                    note(kind, model, answer.status_code, text)
+                return
+            if kind == "complete":
+                answer = await client.post(url + "/v1/completions", json=body)
+            elif kind == "chat":
+                body.update(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+                answer = await client.post(url + "/v1/chat/completions", json=body)
+            elif kind == "embed":
+                answer = await client.post(url + "/v1/embeddings", json={**body, "input": "hi"})
+            elif kind in ("load", "unload"):
+                body["force"] = rng.random() < 0.5
+                answer = await client.post(url + f"/models/{kind}", json=body)
+            else:
+                answer = await client.get(url + "/v1/models")
+            note(kind, model, answer.status_code, answer.text)
+
+        async def one() -> None:
+            kinds = ["complete"] * 4 + ["stream"] * 3 + ["chat", "embed", "load", "unload", "list"]
+            while time.monotonic() < deadline:
+                try:
+                    await request(rng.choice(kinds), rng.choice(CHURN_MODELS))
+                except httpx.TransportError as error:
+                    if len(failures) < 20:
+                        failures.append(f"transport: {type(error).__name__}: {error}")
+
+        await asyncio.gather(*(one() for _ in range(clients)))
+    return {"statuses": statuses, "codes": codes, "failures": failures}
+
+
+def model_churn(
+    workdir: Path, clients: int = 16, seconds: float = 15, seed: int = 0
+) -> dict[str, Any]:
+    """``clients`` clients for ``seconds`` against a server of several models with room for one:
+    completions (some streamed and dropped) naming a model that loads, one that cannot, an
+    unknown one or none, chats, embeddings of a text model, loads and unloads (forced or not)
+    and model lists. No 5xx but the expected refusals (a file that fails, no room, a request
+    cut by a forced unload); a model that loads never reported failed; afterwards each of them
+    answers."""
+    flags = ["--models", str(_churn_config(workdir)), "--api-key", CHURN_KEY, "--n-threads", "1"]
+    server = ServerProcess(flags, workdir / "churn.log")
+    try:
+        churn = asyncio.run(_churn(server.url, clients, seconds, seed))
+        headers = {"Authorization": f"Bearer {CHURN_KEY}"}
+        answers = {}
+        for name in CHURN_LOADABLE:
+            body = {"model": name, "prompt": "the cat", "max_tokens": 2, "min_tokens": 1}
+            answer = httpx.post(server.url + "/v1/completions", json=body, headers=headers,
+                                timeout=60)  # fmt: skip
+            answers[name] = answer.status_code
+    finally:
+        exit_info = server.close()
+    statuses: Counter[int] = churn["statuses"]
+    result = {
+        "clients": clients,
+        "seconds": seconds,
+        "requests": sum(statuses.values()),
+        "statuses": _statuses(statuses),
+        "codes": dict(churn["codes"].most_common()),
+        "server_errors": len(churn["failures"]),
+        "failures": churn["failures"],
+        "afterwards": answers,
+        "server": exit_info,
+        "crashes": int(exit_info["crashed"] or exit_info["signal_death"]),
+        "hangs": int(exit_info["hung_at_exit"]),
+    }
+    result["ok"] = (
+        not churn["failures"] and all(status == 200 for status in answers.values())
+        and result["crashes"] == result["hangs"] == 0
+    )  # fmt: skip
+    return result
+
+
 # -- schemathesis --------------------------------------------------------------------------------
 
 
@@ -606,8 +761,18 @@ def leak_test(workdir: Path, count: int = 10_000, warm_up: int = 1_000) -> dict[
 
 # -- all sections --------------------------------------------------------------------------------
 
-SHORT = {"load_seconds": 15.0, "schemathesis_examples": 5, "leak_count": 2_000}
-LONG = {"load_seconds": 60.0, "schemathesis_examples": 50, "leak_count": 10_000}
+SHORT = {
+    "load_seconds": 15.0,
+    "schemathesis_examples": 5,
+    "leak_count": 2_000,
+    "churn_seconds": 15.0,
+}
+LONG = {
+    "load_seconds": 60.0,
+    "schemathesis_examples": 50,
+    "leak_count": 10_000,
+    "churn_seconds": 120.0,
+}
 
 
 def run_server_sections(
@@ -621,6 +786,7 @@ def run_server_sections(
         sections = {
             "load": load_test(work, 64, sizes["load_seconds"]),
             "disconnect_storm": disconnect_storm(work, 100, seed),
+            "models": model_churn(work, 16, sizes["churn_seconds"], seed),
             "schemathesis": schemathesis_run(work, int(sizes["schemathesis_examples"]), seed),
             "leaks": leak_test(work, int(sizes["leak_count"]), warm_up=1_000),
         }
@@ -629,7 +795,7 @@ def run_server_sections(
 
 def server_sections_markdown(result: dict[str, Any]) -> str:
     """A Markdown section for RELIABILITY.md from ``run_server_sections``' result."""
-    load, storm = result["load"], result["disconnect_storm"]
+    load, storm, churn = result["load"], result["disconnect_storm"], result["models"]
     fuzz, leaks = result["schemathesis"], result["leaks"]
     size = "short" if result["short"] else "long"
     rows = [
@@ -643,6 +809,10 @@ def server_sections_markdown(result: dict[str, Any]) -> str:
          f"({storm['dropped_while_queued']} while queued)", storm["crashes"], storm["hangs"],
          storm["server_errors"], f"every slot free {storm['slots_free_after_s']} s after the "
          "last drop"),
+        ("models", f"{churn['requests']:,} requests, {churn['clients']} clients, "
+         f"{churn['seconds']:.0f} s, 4 models with room for 1", churn["crashes"], churn["hangs"],
+         churn["server_errors"], ", ".join(f"{n} x {code}" for code, n in churn["codes"].items())
+         + "; afterwards " + ", ".join(f"{m} {s}" for m, s in churn["afterwards"].items())),
         ("schemathesis", f"{fuzz['cases']:,} generated requests, {fuzz['operations']} "
          "operations", fuzz["crashes"], fuzz["hangs"], fuzz["server_errors"],
          ", ".join(f"{n} x {status}" for status, n in fuzz["statuses"].items())),

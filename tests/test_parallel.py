@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -152,6 +153,50 @@ def test_close_during_a_generation_raises_in_the_consumer(tiny_model_path: Path)
         list(stream)
     with pytest.raises(ClosedHandleError):
         llm.create_completion("again")
+
+
+def test_a_close_while_queued_streams_are_cancelled_ends_every_stream(
+    tiny_model_path: Path,
+) -> None:
+    # Found by the server's models section (a forced unload while clients left): the engine
+    # thread, leaving after the close, iterated its queue while a cancelled stream took its job
+    # out of it; "deque mutated during iteration" killed the thread, and the jobs after it
+    # waited forever (the server's leases with them).
+    died: list[BaseException | None] = []
+    previous, threading.excepthook = threading.excepthook, lambda a: died.append(a.exc_value)
+    try:
+        for _ in range(5):
+            _close_while_cancelling_the_queue(tiny_model_path)
+    finally:
+        threading.excepthook = previous
+    assert died == []
+
+
+def _close_while_cancelling_the_queue(model: Path) -> None:
+    gate = Gate()
+    llm = Llama(model, n_ctx=128, parallel=1, max_queue=400)
+    scheduler = llm.scheduler
+    assert scheduler is not None
+    running = llm.stream_completion("one", max_tokens=8, custom_samplers=(gate,))
+    assert _wait_for(lambda: scheduler.busy_slots == 1)  # held inside its first sample
+    queued = [llm.stream_completion("two", max_tokens=4) for _ in range(300)]
+    closer = threading.Thread(target=llm.close)
+    canceller = threading.Thread(target=lambda: [s.cancel() for s in queued])
+    closer.start()
+    canceller.start()
+    gate.open.set()  # the engine goes on to its exit while the cancels come
+    readers = [threading.Thread(target=_drain, args=(s,)) for s in [running, *queued]]
+    for thread in readers:
+        thread.start()
+    for thread in [closer, canceller, *readers]:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "a stream was never ended"
+
+
+def _drain(stream: Iterator[object]) -> None:
+    with contextlib.suppress(ClosedHandleError):
+        for _ in stream:
+            pass
 
 
 def test_one_slot_only_features_are_refused_clearly(tiny_model_path: Path) -> None:

@@ -316,6 +316,17 @@ def test_a_generation_from_get_keeps_its_model_loaded_until_it_ends(models: Path
         assert registry.status("alpha").status == "unloaded"  # idle once it ended
 
 
+def test_an_entry_whose_context_cannot_be_made_fails_to_load(models: Path) -> None:
+    # Any refusal while loading is the entry's failure to load, the first time as every later
+    # one (a ContextError escaped the first get, and the server's routes, before).
+    with ModelRegistry() as registry:
+        registry.add("huge", models / "alpha.gguf", **{**TINY, "n_ctx": 2**31 - 1})
+        for _ in range(2):
+            with pytest.raises(ModelLoadError, match="failed to load: ContextError: n_ctx"):
+                registry.get("huge")
+        assert registry.status("huge").status == "failed"
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [

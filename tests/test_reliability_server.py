@@ -1,5 +1,6 @@
 """The short versions of the server's reliability sections (scripts/reliability_server.py; the
-long ones run from scripts/reliability.py): load, a disconnect storm, schemathesis, leaks."""
+long ones run from scripts/reliability.py): load, a disconnect storm, several models churning,
+schemathesis, leaks."""
 
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def test_a_disconnect_storm_frees_every_slot_within_a_second(workdir: Path) -> N
     assert result["dropped_mid_stream"] + result["dropped_while_queued"] == 100
     assert result["dropped_mid_stream"] >= 50  # most got a slot and left during their stream
     assert result["slots_free_after_s"] <= 1.0
+
+
+def test_several_models_with_room_for_one_under_churn(workdir: Path) -> None:
+    result = sections.model_churn(workdir, clients=16, seconds=sections.SHORT["churn_seconds"])
+    assert result["ok"], _shown(result)
+    assert result["requests"] >= 200 and result["afterwards"] == {"alpha": 200, "beta": 200}
+    # The churn reached every kind of answer it is meant to: served, unknown, failed, no room.
+    assert {"model_not_found", "model_load_failed", "model_busy"} <= set(result["codes"])
+    assert result["statuses"].get("200", 0) >= 50
 
 
 def test_schemathesis_finds_no_server_error(workdir: Path) -> None:

@@ -290,6 +290,37 @@ keep_alive = 3  # seconds: outlasts the status check below on a loaded machine
         assert statuses_open(server)["beta"] == "loaded"  # no keep_alive: stays
 
 
+def test_a_forced_unload_answers_its_requests_503_and_a_context_too_large_fails_to_load(
+    folder: Path,
+) -> None:
+    # Found by the server's models section: a whole completion cancelled by a forced unload
+    # was answered 504 "ran past the timeout", and an entry whose context llama.cpp could not
+    # hold a bare 500 (its ContextError escaped the routes) on its first use.
+    config = _toml(
+        folder / "unload.toml",
+        f'[models.alpha]\nmodel = "alpha.gguf"\nn_ctx = 4096\nn_threads = 1\n'
+        f'[models.huge]\nmodel = "alpha.gguf"\nn_ctx = {2**31 - 1}\nn_threads = 1\n',
+    )
+    for server in _serve(ServerSettings(model="", models=config)):
+        body = {"model": "alpha", "prompt": "the", "max_tokens": 4000, "min_tokens": 4000}
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, server.url + "/v1/completions", json=body,
+                                  timeout=120)  # fmt: skip
+            loaded = lambda at=server: statuses_open(at)["alpha"] == "loaded"  # noqa: E731
+            assert _wait_for(loaded)
+            time.sleep(0.3)  # generating now
+            forced = httpx.post(server.url + "/models/unload", json={"model": "alpha",
+                                                                     "force": True})  # fmt: skip
+            assert forced.json()["unloaded"] is True
+            answer = running.result(timeout=60)
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
+        assert "unloaded" in answer.json()["error"]["message"]
+        huge = httpx.post(server.url + "/v1/completions",
+                          json={"model": "huge", "prompt": "the", "max_tokens": 1})  # fmt: skip
+        assert huge.status_code == 500 and huge.json()["error"]["code"] == "model_load_failed"
+        assert "host memory" in huge.json()["error"]["message"]
+
+
 def statuses_open(server: LiveServer) -> dict[str, str]:
     return {m["id"]: m["status"]["value"]
             for m in httpx.get(server.url + "/v1/models").json()["data"]}  # fmt: skip

@@ -109,7 +109,7 @@ def entries(state: dict[str, Any]) -> list[Any]:
         ModelEntry("one", model, options=common),
         ModelEntry("two", model, options={**common, "parallel": 2}),
         ModelEntry("broken", str(state["broken"]), options=common),
-        ModelEntry("huge", model, options={"n_ctx": 2**26, "n_threads": 1}),
+        ModelEntry("huge", model, options={"n_ctx": 2**31 - 1, "n_threads": 1}),
     ]
 
 

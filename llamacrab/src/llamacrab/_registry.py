@@ -23,6 +23,7 @@ from llamacrab._engine.scheduler import Scheduler
 from llamacrab._exceptions import (
     ConcurrentUseError,
     InvalidParameterError,
+    LlamaError,
     ModelBudgetError,
     ModelLoadError,
     UnknownModelError,
@@ -443,6 +444,11 @@ class ModelRegistry:
                 else:
                     slot.status, slot.error = "failed", f"{type(error).__name__}: {error}"
                 self._lock.notify_all()
+            refused = isinstance(error, LlamaError)
+            if refused and not isinstance(error, ModelBudgetError | ModelLoadError):
+                # A context or an option refused: still this entry's failure to load, as every
+                # later use reports it (a server answers model_load_failed, not a bare 500).
+                raise ModelLoadError(f"model {name!r} failed to load: {slot.error}") from error
             raise
         with self._lock:
             slot.llama, slot.status = llama, "loaded"

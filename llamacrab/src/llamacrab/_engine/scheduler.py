@@ -208,7 +208,10 @@ class Scheduler:
                 except BaseException as error:  # a bug must not leave clients waiting forever
                     self._fail([s for s in self.slots if s.job], error)
         closed = ClosedHandleError("this Llama was closed during the generation")
-        for job in self.waiting:
+        with self._cond:  # a client leaving meanwhile takes its job out of the queue (_wake)
+            waiting = list(self.waiting)
+            self.waiting.clear()
+        for job in waiting:
             job.finish(closed)
         self._fail([s for s in self.slots if s.job], closed)
 

@@ -63,6 +63,13 @@ def error_body(path: str, error: ApiError) -> dict[str, Any]:
     return error.body()
 
 
+def model_closed() -> ApiError:
+    """A request whose model closed (or cancelled it) under it: the server stops, or (several
+    models) a forced unload."""
+    return ApiError(503, "the model was closed while this request used it: the server is "
+                    "shutting down or the model was unloaded", code="shutting_down")  # fmt: skip
+
+
 def from_llama_error(error: LlamaError) -> ApiError:
     """The status a library error deserves: bad input 400, busy 503, the rest 500."""
     if isinstance(error, ContextOverflowError):
@@ -72,7 +79,7 @@ def from_llama_error(error: LlamaError) -> ApiError:
     if isinstance(error, QueueFullError):
         return ApiError(503, str(error), code="server_busy")
     if isinstance(error, ClosedHandleError):
-        return ApiError(503, "the server is shutting down", code="shutting_down")
+        return model_closed()
     if isinstance(error, ValueError):  # InvalidParameterError, GrammarError, TemplateError, ...
         return ApiError(400, str(error))
     return ApiError(500, f"{type(error).__name__}: {error}")

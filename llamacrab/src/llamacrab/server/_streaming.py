@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar, cast
 
@@ -16,7 +17,7 @@ from llamacrab import Stream
 from llamacrab._exceptions import LlamaError
 from llamacrab._types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from llamacrab.server import _wire as wire
-from llamacrab.server._errors import ApiError, from_llama_error
+from llamacrab.server._errors import ApiError, from_llama_error, model_closed
 from llamacrab.server._schemas import ErrorResponse, GenerationFields
 from llamacrab.server._sse import sse_json
 from llamacrab.server._state import ServerState
@@ -135,9 +136,14 @@ async def generate(
 async def complete(state: ServerState, client: Request, create: Callable[..., _Result]) -> _Result:
     """A whole completion (``create`` takes ``cancel=``): 504 past the timeout, tokens counted,
     stopped early if the client goes away."""
+    started = time.monotonic()
     result = await until_disconnected(client, create)
     if any(choice.finish_reason == "cancelled" for choice in result.choices):
-        raise timed_out(state)
+        # Past the deadline, or cancelled before it (the model unloaded by force, the server
+        # stopping; a client that left gets no answer anyway).
+        if time.monotonic() - started >= state.settings.timeout:
+            raise timed_out(state)
+        raise model_closed()
     used = result.usage
     state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
     return cast(_Result, result)
