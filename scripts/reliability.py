@@ -209,6 +209,18 @@ FOUND = [
      "the GIL back, and the shim's `catch (...)` swallowed glibc's forced unwind",
      "`build_tools/shims.py`: the shims rethrow `abi::__forced_unwind` (no longer `noexcept`); "
      "`tests/test_ffi_traps.py` reproduces it every time with the old shims"),
+    ("server: models (several models, room for one)", "a forced unload (or a close) while "
+     "clients leave the two-slot model's queue", "a hang: the engine thread, leaving, walked "
+     "its queue while a cancelled stream took a job out (\"deque mutated during iteration\"); "
+     "the jobs after it waited forever with the model's lease held (503 model_busy for good)",
+     "`_engine/scheduler.py`: the queue taken under the engine's lock (test in "
+     "`tests/test_parallel.py`)"),
+    ("server: models", "an entry whose context the machine cannot hold; a whole completion "
+     "cut by a forced unload", "a bare 500 \"Internal Server Error\" on the entry's first use "
+     "(a ContextError escaped the routes; a broken connection for a stream); a 504 \"ran past "
+     "the timeout\"", "`_registry.py`: any refusal while loading is the entry's "
+     "ModelLoadError (`model_load_failed`); `server/_streaming.py`: cancelled before the "
+     "deadline is 503 `shutting_down`"),
 ]  # fmt: skip
 
 
