@@ -21,8 +21,9 @@ tests/test_reliability.py, and a long one, the default here):
   model with a vision or an audio projector;
 - registry: programs of operations on a ModelRegistry from several threads (loads, leases,
   streams, unloads with and without force, keep-alive expiry, close);
-- server: the server under load and faults, and leaks (scripts/reliability_server.py; CI runs
-  its short size through tests/test_reliability_server.py).
+- server: the server under load and faults, several models under churn, and leaks
+  (scripts/reliability_server.py; CI runs its short size through
+  tests/test_reliability_server.py).
 
 Every case runs in a child process (many per child; a death or hang is pinned on one case by
 rerunning alone), and is counted as worked, refused (a LlamaError subclass), unclean (any other
