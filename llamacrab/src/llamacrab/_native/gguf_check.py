@@ -1102,14 +1102,15 @@ def split_parts(path: Path, count: int) -> list[Path]:
 
 def validate_gguf(
     path: Path, kind: Kind = "model", overrides: Mapping[str, int | float | str] | None = None
-) -> None:
+) -> tuple[_Reader, dict[str, Any]]:
     """Raise ModelLoadError / InvalidModelError unless ``path`` looks safe to hand to llama.cpp.
     For a split model, ``path`` is the first part and every part is checked. ``kind`` is how the
     file will be loaded: as a model (llama_model_load_from_file, whatever its general.type says;
     every hyperparameter check), as a LoRA adapter (header and tensors only: its loader reads
     no model hyperparameters) or as a multimodal projector (header, tensors and the epsilons
     ggml asserts on; the rest is tried in a child process: ``projector_probe``). A model's
-    ``overrides`` (``kv_overrides``) are checked as the values llama.cpp will read."""
+    ``overrides`` (``kv_overrides``) are checked as the values llama.cpp will read. Returns the
+    first part's header as llama.cpp will read it (the overrides applied)."""
     reader, metadata, tensors = _read_file(path)
     count = metadata.get("split.count", 1)
     if isinstance(count, int) and count > 1:
@@ -1117,7 +1118,9 @@ def validate_gguf(
             tensors = tensors + _read_file(part)[2]
     _check_hyperparameters(reader, metadata, tensors, kind)
     if overrides and kind == "model":
-        _check_hyperparameters(*_overridden(reader, metadata, overrides), tensors, kind)
+        reader, metadata = _overridden(reader, metadata, overrides)
+        _check_hyperparameters(reader, metadata, tensors, kind)
+    return reader, metadata
 
 
 def _overridden(

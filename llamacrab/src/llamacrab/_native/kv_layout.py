@@ -7,17 +7,13 @@ before that (``Context``), and a registry estimate a model before loading it (``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from llamacrab._native.call import lib
 from llamacrab._native.gguf_check import (
     _head_sizes,
-    _overridden,
     _per_layer,
-    _read_file,
     _Reader,
     _swa_layers,
     _uint,
@@ -98,12 +94,3 @@ def kv_layout(reader: _Reader, arch: str, metadata: dict[str, Any]) -> KvLayout:
         layers.append(LayerKv(heads * head.key, heads * head.value, sliding))
     window = _uint(metadata, f"{arch}.attention.sliding_window") or 0
     return KvLayout(tuple(layers), window)
-
-
-def read_kv_layout(path: Path, overrides: Mapping[str, int | float | str] | None) -> KvLayout:
-    """The layout of the model at ``path`` (its first part) as llama.cpp loads it with
-    ``overrides`` (``kv_overrides``, already validated with the file)."""
-    reader, metadata, _ = _read_file(path)
-    if overrides:
-        reader, metadata = _overridden(reader, metadata, overrides)
-    return kv_layout(reader, str(metadata.get("general.architecture", "")), metadata)

@@ -24,7 +24,7 @@ from llamacrab._native.field_types import (
 )
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
-from llamacrab._native.kv_layout import KvLayout, read_kv_layout
+from llamacrab._native.kv_layout import KvLayout, kv_layout
 from llamacrab._native.logging import log_lines
 from llamacrab._native.rpc import offload_devices, parse_endpoints
 from llamacrab._native.vocab import Vocab
@@ -151,8 +151,8 @@ class Model(NativeHandle):
         file = Path(path)
         # Their types checked first: the header is checked again with them.
         overrides = _kv_overrides(params.kv_overrides) if params.kv_overrides else None
-        validate_gguf(file, overrides=params.kv_overrides)
-        kv_layout = read_kv_layout(file, params.kv_overrides)
+        reader, metadata = validate_gguf(file, overrides=params.kv_overrides)
+        layout = kv_layout(reader, str(metadata.get("general.architecture", "")), metadata)
         if not params.vocab_only:  # (no weights: nothing to offload)
             warn_if_no_gpu(params.n_gpu_layers, remote=bool(params.rpc_servers))
         c_params = lib.llama_model_default_params()
@@ -190,7 +190,7 @@ class Model(NativeHandle):
             reason = log_lines.take_errors() or "see the llamacrab logger for details"
             raise ModelLoadError(f"llama.cpp could not load {file}: {reason}")
         # Overrides and split arrays are read during load only; nothing C keeps points into them.
-        model = cls(pointer, file, params, kv_layout)
+        model = cls(pointer, file, params, layout)
         try:
             model.vocab.check_usable()
         except InvalidModelError as error:
