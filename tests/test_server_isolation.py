@@ -197,6 +197,64 @@ def test_a_child_that_cannot_answer_is_a_502_naming_how_it_ended() -> None:
     child.close()
 
 
+# A child that starts a stream, sends one event and dies (exit 9) with the answer unfinished.
+_DYING_STREAM = """
+import os, socket, sys
+sock = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("listening", flush=True)
+connection, _ = sock.accept()
+connection.recv(65536)
+connection.sendall(b"HTTP/1.1 200 OK\\r\\ncontent-type: text/event-stream\\r\\n"
+                   b"transfer-encoding: chunked\\r\\n\\r\\n10\\r\\ndata: {\\"n\\": 1}\\n\\n\\r\\n")
+sys.stderr.write("ggml.c:2: worker gone\\n")
+os._exit(9)
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/v1/messages", 'event: error\ndata: {"type": "error", "error": {"type": "api_error", '),
+        ("/v1/chat/completions", 'data: {"error": {"message": '),
+    ],
+)
+def test_a_stream_broken_by_the_child_ends_with_the_error_event_of_its_api(
+    path: str, expected: str
+) -> None:
+    import asyncio
+    import socket
+    import subprocess
+    import sys
+
+    from llamacrab.server._forward import forward
+    from llamacrab.server._isolation import ChildModel
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-c", _DYING_STREAM, str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert process.stdout is not None and process.stdout.readline() == b"listening\n"
+    child = ChildModel("dying", process, port, "key", lambda *_: None)
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+    sent: list[bytes] = []
+
+    async def receive() -> dict[str, object]:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message.get("body", b""))  # type: ignore[arg-type]
+
+    asyncio.run(forward(child, scope, b"{}", receive, send, timeout=10))
+    child.close()
+    text = b"".join(sent).decode()
+    assert text.startswith('data: {"n": 1}\n\n'), text
+    last = text.split("\n\n")[-2] + "\n\n"  # the stream's last event
+    assert last.startswith(expected), text
+    assert "its process exited with 9: ggml.c:2: worker gone" in last
+
+
 def test_a_child_ends_when_its_server_is_gone(tmp_path: Path, tiny_model_path: Path) -> None:
     import shlex
     import socket

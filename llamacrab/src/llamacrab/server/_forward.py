@@ -12,7 +12,8 @@ import socket
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from llamacrab.server._errors import ApiError
+from llamacrab.server import _anthropic_wire
+from llamacrab.server._errors import ANTHROPIC_PATH, ApiError
 from llamacrab.server._isolation import ChildModel
 from llamacrab.server._sse import sse_json
 
@@ -55,9 +56,8 @@ async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive
             except (OSError, http.client.HTTPException) as error:
                 if gone.done() or not events:
                     raise  # the client left, or no way to tell it but a broken connection
-                error_body = ApiError(502, await _broken(child, error),
-                                      code="model_process_failed").body()  # fmt: skip
-                chunk = f"data: {sse_json(error_body)}\n\n".encode()
+                broken = ApiError(502, await _broken(child, error), code="model_process_failed")
+                chunk = _error_event(scope["path"], broken).encode()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 break
             if not chunk:
@@ -67,6 +67,15 @@ async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive
     finally:
         gone.cancel()
         connection.close()
+
+
+def _error_event(path: str, error: ApiError) -> str:
+    """The event that ends a broken stream, as the route's API ends one: Anthropic's ``error``
+    event (its SDK ignores a nameless one, and the answer would end silently cut), else
+    OpenAI's ``data: {"error": ...}``, which its SDK raises on every route."""
+    if path == ANTHROPIC_PATH:
+        return _anthropic_wire.error_event(error)
+    return f"data: {sse_json(error.body())}\n\n"
 
 
 def _open(connection: http.client.HTTPConnection, method: str, target: str, body: bytes,
