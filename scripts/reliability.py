@@ -21,7 +21,8 @@ tests/test_reliability.py, and a long one, the default here):
   model with a vision or an audio projector;
 - registry: programs of operations on a ModelRegistry from several threads (loads, leases,
   streams, unloads with and without force, keep-alive expiry, close);
-- server: the server under load and faults, several models under churn, and leaks
+- server: the server under load and faults, several models under churn (in its process and
+  in processes of their own killed at random), and leaks
   (scripts/reliability_server.py; CI runs its short size through
   tests/test_reliability_server.py).
 
@@ -222,6 +223,19 @@ FOUND = [
      "the timeout\"", "`_registry.py`: any refusal while loading is the entry's "
      "ModelLoadError (`model_load_failed`); `server/_streaming.py`: cancelled before the "
      "deadline is 503 `shutting_down`"),
+    ("server: isolated (models in processes of their own, killed at random)", "a stream on "
+     "Anthropic's `/v1/messages` whose model process dies mid-answer", "an OpenAI-shaped "
+     "`data: {\"error\": ...}` line, which Anthropic's SDK skips: a silently cut message",
+     "`server/_forward.py`: the error event in the shape of the route's API (test in "
+     "`tests/test_server_isolation.py`)"),
+    ("server: isolated", "a stream whose generation a forced unload cancelled mid-answer",
+     "its error event said `timeout` (\"ran past 600 s\") after a fraction of a second",
+     "`server/_streaming.py`: a stream cancelled before its deadline ends with `shutting_down`, "
+     "as a whole completion does (test in `tests/test_server_models.py`)"),
+    ("server: isolated", "an entry that fails to load, asked twice through Anthropic's route",
+     "two different messages: the first the file's error alone, later ones \"model 'x' failed "
+     "to load: ...\"", "`_registry.py`: every failure to load is worded the same, naming the "
+     "entry"),
 ]  # fmt: skip
 
 

@@ -11,11 +11,9 @@ writes them into RELIABILITY.md; tests/test_reliability_server.py runs the short
   warm-up.
 - ``disconnect_storm``: 100 streams dropped mid-way (some while still queued for a slot): every
   slot free, and the queue empty, within a second of the last drop.
-- ``models``: 16 clients against a server of four models with room for one (two that load, a
-  broken file, a context too large for the machine): completions (some streamed and dropped),
-  chats, embeddings, loads and unloads (forced or not) naming any of them, an unknown one or
-  none; no 5xx but the expected refusals, no loadable model reported failed, and each answers
-  afterwards.
+- ``models`` and ``isolated``: 16 clients against a server of several models under churn, the
+  second with models in processes of their own killed at random moments
+  (scripts/reliability_models.py).
 - ``schemathesis``: requests generated from ``/openapi.json`` for every operation, valid and
   invalid: no 5xx.
 - ``leaks``: short completions (``max_tokens=1``) through the Python API and through the server:
@@ -35,16 +33,13 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +49,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 import convert_bert  # noqa: E402
-import make_tiny_gguf  # noqa: E402
+from reliability_models import isolated_churn, model_churn  # noqa: E402
+from server_process import (  # noqa: E402
+    ServerProcess,
+    kept_or_temporary,
+    server_errors,
+    status_counts,
+    tiny_model,
+)
 
 MIB = 1024 * 1024
 # The issue's bound: 10,000 short completions grow RSS by less than 5 MB.
@@ -64,117 +66,6 @@ LEAK_BOUND_PER = 10_000
 # counts as stable: allocator arenas of the worker threads settle in the first quarter; a leak
 # of one small object per request (~100,000 requests in a long run) shows well above this.
 LOAD_RSS_BOUND_BYTES = 16 * MIB
-
-# A server process: binds a free loopback port itself, says which, then serves.
-_LAUNCH = textwrap.dedent("""\
-    import json, socket, sys
-    import uvicorn
-    from llamacrab.server import create_app, parse_settings
-    settings = parse_settings(json.loads(sys.argv[1]), {})
-    # proto given: asyncio sets TCP_NODELAY on accepted sockets only when it reads IPPROTO_TCP
-    # (with proto 0, each keep-alive request waits ~40 ms on a delayed ACK; uvicorn #3149).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    print("PORT", sock.getsockname()[1], flush=True)
-    config = uvicorn.Config(create_app(settings), log_level="warning", backlog=1024)
-    uvicorn.Server(config).run(sockets=[sock])
-""")
-
-
-def rss_bytes(pid: int) -> int:
-    """The resident set size of a process (Linux: /proc/PID/status)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-class ServerProcess:
-    """``python -c _LAUNCH FLAGS`` on loopback: ``llamacrab serve`` with a port of its own."""
-
-    def __init__(self, flags: list[str], log: Path, timeout: float = 120) -> None:
-        self.log = log
-        self._out = log.open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCH, json.dumps(flags)],
-            stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.pid = self.process.pid
-        deadline = time.monotonic() + timeout
-        port = None
-        while port is None:
-            found = re.search(rb"^PORT (\d+)$", log.read_bytes(), re.MULTILINE)
-            port = int(found.group(1)) if found else None
-            if port is None and (self.process.poll() is not None or time.monotonic() > deadline):
-                self.close()
-                raise RuntimeError(f"the server did not start:\n{self.tail()}")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{port}"
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=10).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the server did not load its model:\n{self.tail()}")
-            time.sleep(0.05)
-
-    def rss(self) -> int:
-        return rss_bytes(self.pid)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def tail(self, size: int = 4000) -> str:
-        return self.log.read_bytes()[-size:].decode("utf-8", "replace")
-
-    def close(self) -> dict[str, Any]:
-        """Stop it (SIGTERM: uvicorn's graceful shutdown); how it ended."""
-        died = self.process.poll()  # before we asked: a crash
-        hung = False
-        if died is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                hung = True
-                self.process.kill()
-                self.process.wait()
-        self._out.close()
-        code = self.process.returncode
-        return {
-            "crashed": died is not None,
-            "signal_death": code is not None and code < 0 and code != -signal.SIGTERM,
-            "hung_at_exit": hung,
-            "exit_code": code,
-        }
-
-
-def _statuses(counter: Counter[int]) -> dict[str, int]:
-    return {str(k): v for k, v in sorted(counter.items())}
-
-
-def _server_errors(counter: Counter[int]) -> int:
-    return sum(v for k, v in counter.items() if k >= 500)
-
-
-@contextmanager
-def _workdir(path: Path | None) -> Iterator[Path]:
-    if path is not None:
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="llamacrab-reliability-") as tmp:
-        yield Path(tmp)
-
-
-def tiny_model(workdir: Path) -> Path:
-    path = workdir / "tiny-llama.gguf"
-    if not path.is_file():
-        make_tiny_gguf.write_tiny_llama(path)
-    return path
 
 
 def generation_flags(model: Path, parallel: int, **extra: object) -> list[str]:
@@ -328,8 +219,8 @@ async def _load(servers: dict[str, ServerProcess], clients: int, seconds: float)
         "seconds": round(elapsed, 1),
         "requests": requests,
         "by_kind": dict(kinds),
-        "statuses": _statuses(statuses),
-        "server_errors": _server_errors(statuses),
+        "statuses": status_counts(statuses),
+        "server_errors": server_errors(statuses),
         "unanswered": len(unanswered),
         "unanswered_examples": unanswered[:5],
         "malformed": len(malformed),
@@ -444,8 +335,8 @@ def disconnect_storm(workdir: Path, streams: int = 100, seed: int = 0) -> dict[s
         "streams": streams,
         "dropped_mid_stream": storm["dropped"]["mid_stream"],
         "dropped_while_queued": storm["dropped"]["before_first_event"],
-        "statuses": _statuses(statuses),
-        "server_errors": _server_errors(statuses),
+        "statuses": status_counts(statuses),
+        "server_errors": server_errors(statuses),
         "slots_free_after_s": None if free_after is None else round(free_after, 3),
         "follow_up_status": follow.status_code,
         "rss_growth_mib": round((rss_after - rss_before) / MIB, 2),
@@ -456,156 +347,6 @@ def disconnect_storm(workdir: Path, streams: int = 100, seed: int = 0) -> dict[s
     result["ok"] = (
         free_after is not None and free_after <= 1.0 and result["server_errors"] == 0
         and follow.status_code == 200 and result["crashes"] == result["hangs"] == 0
-    )  # fmt: skip
-    return result
-
-
-# -- models: several models in one server -------------------------------------------------------
-
-CHURN_KEY = "reliability"
-# Expected refusals with a 5xx: a file that cannot load, and no room for a model (every loaded one
-# busy) or a request cut by a forced unload (503).
-CHURN_EXPECTED_5XX = {"model_load_failed", "model_busy", "shutting_down"}
-CHURN_LOADABLE = ("alpha", "beta")
-CHURN_MODELS = (*CHURN_LOADABLE, "broken", "huge", "nope", None)
-
-
-def _churn_config(workdir: Path) -> Path:
-    """Two tiny entries that load (one and two slots), a truncated file, and a context too large
-    for any machine; one loaded at a time, and idle ones unloaded after 0.2 s."""
-    model = tiny_model(workdir)
-    broken = workdir / "churn-broken.gguf"
-    broken.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
-    config = workdir / "churn.toml"
-    config.write_text(
-        textwrap.dedent(f"""\
-        max_loaded = 1
-        keep_alive = 0.2
-        [models.alpha]
-        model = "{model}"
-        n_ctx = 256
-        n_threads = 1
-        [models.beta]
-        model = "{model}"
-        n_ctx = 512
-        parallel = 2
-        n_threads = 1
-        [models.broken]
-        model = "{broken}"
-        [models.huge]
-        model = "{model}"
-        n_ctx = {2**31 - 1}
-        n_threads = 1
-    """)
-    )
-    return config
-
-
-async def _churn(url: str, clients: int, seconds: float, seed: int) -> dict[str, Any]:
-    rng = random.Random(seed)
-    statuses: Counter[int] = Counter()
-    codes: Counter[str] = Counter()
-    failures: list[str] = []
-    headers = {"Authorization": f"Bearer {CHURN_KEY}"}
-    deadline = time.monotonic() + seconds
-
-    def note(kind: str, model: str | None, status: int, text: str) -> None:
-        statuses[status] += 1
-        code = ""
-        if status >= 400:
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                code = json.loads(text)["error"].get("code") or ""
-            codes[code or str(status)] += 1
-        unexpected = status >= 500 and code not in CHURN_EXPECTED_5XX
-        # A model that loads must never be reported failed, whatever else happens around it.
-        lost = code == "model_load_failed" and model in CHURN_LOADABLE
-        if (unexpected or lost) and len(failures) < 20:
-            failures.append(f"{kind} {model} -> {status} {code}: {text[:300]}")
-
-    async with httpx.AsyncClient(timeout=120, headers=headers) as client:
-
-        async def request(kind: str, model: str | None) -> None:
-            body: dict[str, Any] = {} if model is None else {"model": model}
-            if kind in ("complete", "stream"):
-                body.update(prompt="the cat", max_tokens=rng.choice([1, 4, 16]))
-            if kind == "stream":
-                body["stream"] = True
-                async with client.stream("POST", url + "/v1/completions", json=body) as answer:
-                    events = rng.randint(0, 6)  # 0: dropped at once
-                    text = ""
-                    async for line in answer.aiter_lines():
-                        text += line
-                        events -= line.startswith("data: ")
-                        if events < 0:
-                            break  # leaving the block drops the connection
-                    note(kind, model, answer.status_code, text)
-                return
-            if kind == "complete":
-                answer = await client.post(url + "/v1/completions", json=body)
-            elif kind == "chat":
-                body.update(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-                answer = await client.post(url + "/v1/chat/completions", json=body)
-            elif kind == "embed":
-                answer = await client.post(url + "/v1/embeddings", json={**body, "input": "hi"})
-            elif kind in ("load", "unload"):
-                body["force"] = rng.random() < 0.5
-                answer = await client.post(url + f"/models/{kind}", json=body)
-            else:
-                answer = await client.get(url + "/v1/models")
-            note(kind, model, answer.status_code, answer.text)
-
-        async def one() -> None:
-            kinds = ["complete"] * 4 + ["stream"] * 3 + ["chat", "embed", "load", "unload", "list"]
-            while time.monotonic() < deadline:
-                try:
-                    await request(rng.choice(kinds), rng.choice(CHURN_MODELS))
-                except httpx.TransportError as error:
-                    if len(failures) < 20:
-                        failures.append(f"transport: {type(error).__name__}: {error}")
-
-        await asyncio.gather(*(one() for _ in range(clients)))
-    return {"statuses": statuses, "codes": codes, "failures": failures}
-
-
-def model_churn(
-    workdir: Path, clients: int = 16, seconds: float = 15, seed: int = 0
-) -> dict[str, Any]:
-    """``clients`` clients for ``seconds`` against a server of several models with room for one:
-    completions (some streamed and dropped) naming a model that loads, one that cannot, an
-    unknown one or none, chats, embeddings of a text model, loads and unloads (forced or not)
-    and model lists. No 5xx but the expected refusals (a file that fails, no room, a request
-    cut by a forced unload); a model that loads never reported failed; afterwards each of them
-    answers."""
-    flags = ["--models", str(_churn_config(workdir)), "--api-key", CHURN_KEY, "--n-threads", "1"]
-    server = ServerProcess(flags, workdir / "churn.log")
-    try:
-        churn = asyncio.run(_churn(server.url, clients, seconds, seed))
-        headers = {"Authorization": f"Bearer {CHURN_KEY}"}
-        answers = {}
-        for name in CHURN_LOADABLE:
-            body = {"model": name, "prompt": "the cat", "max_tokens": 2, "min_tokens": 1}
-            answer = httpx.post(server.url + "/v1/completions", json=body, headers=headers,
-                                timeout=60)  # fmt: skip
-            answers[name] = answer.status_code
-    finally:
-        exit_info = server.close()
-    statuses: Counter[int] = churn["statuses"]
-    result = {
-        "clients": clients,
-        "seconds": seconds,
-        "requests": sum(statuses.values()),
-        "statuses": _statuses(statuses),
-        "codes": dict(churn["codes"].most_common()),
-        "server_errors": len(churn["failures"]),
-        "failures": churn["failures"],
-        "afterwards": answers,
-        "server": exit_info,
-        "crashes": int(exit_info["crashed"] or exit_info["signal_death"]),
-        "hangs": int(exit_info["hung_at_exit"]),
-    }
-    result["ok"] = (
-        not churn["failures"] and all(status == 200 for status in answers.values())
-        and result["crashes"] == result["hangs"] == 0
     )  # fmt: skip
     return result
 
@@ -670,8 +411,8 @@ def schemathesis_run(workdir: Path, max_examples: int = 10, seed: int = 0) -> di
         "operations": operations,
         "cases": sum(statuses.values()),
         "max_examples": max_examples,
-        "statuses": _statuses(statuses),
-        "server_errors": _server_errors(statuses),
+        "statuses": status_counts(statuses),
+        "server_errors": server_errors(statuses),
         "failures": failures,
         "server": exit_info,
         "crashes": int(exit_info["crashed"] or exit_info["signal_death"]),
@@ -747,14 +488,14 @@ def leak_test(workdir: Path, count: int = 10_000, warm_up: int = 1_000) -> dict[
     finally:
         exit_info = server.close()
     served = _leak_verdict(count, before, after, time.perf_counter() - started)
-    served["statuses"] = _statuses(statuses)
+    served["statuses"] = status_counts(statuses)
     served["ok"] = served["ok"] and set(statuses) == {200}
     return {
         "library": library,
         "server": served,
         "crashes": int(child.returncode < 0)
         + int(exit_info["crashed"] or exit_info["signal_death"]),
-        "server_errors": _server_errors(statuses),
+        "server_errors": server_errors(statuses),
         "ok": library["ok"] and served["ok"] and not exit_info["crashed"],
     }
 
@@ -782,20 +523,30 @@ def run_server_sections(
     ``ok`` overall and per section. ``workdir`` keeps the models and server logs (default: a
     temporary directory); ``seed`` draws the storm's drop points and schemathesis' requests."""
     sizes = SHORT if short else LONG
-    with _workdir(workdir) as work:
+    with kept_or_temporary(workdir) as work:
         sections = {
             "load": load_test(work, 64, sizes["load_seconds"]),
             "disconnect_storm": disconnect_storm(work, 100, seed),
             "models": model_churn(work, 16, sizes["churn_seconds"], seed),
+            "isolated": isolated_churn(work, 16, sizes["churn_seconds"], seed),
             "schemathesis": schemathesis_run(work, int(sizes["schemathesis_examples"]), seed),
             "leaks": leak_test(work, int(sizes["leak_count"]), warm_up=1_000),
         }
     return {"short": short, **sections, "ok": all(s["ok"] for s in sections.values())}
 
 
+def _churn_row(name: str, churn: dict[str, Any], models: str) -> tuple[object, ...]:
+    codes = ", ".join(f"{n} x {code}" for code, n in churn["codes"].items())
+    afterwards = ", ".join(f"{m} {s}" for m, s in churn["afterwards"].items())
+    return (name, f"{churn['requests']:,} requests, {churn['clients']} clients, "
+            f"{churn['seconds']:.0f} s, {models}", churn["crashes"], churn["hangs"],
+            churn["server_errors"], f"{codes}; afterwards {afterwards}")  # fmt: skip
+
+
 def server_sections_markdown(result: dict[str, Any]) -> str:
     """A Markdown section for RELIABILITY.md from ``run_server_sections``' result."""
     load, storm, churn = result["load"], result["disconnect_storm"], result["models"]
+    isolated = result["isolated"]
     fuzz, leaks = result["schemathesis"], result["leaks"]
     size = "short" if result["short"] else "long"
     rows = [
@@ -809,10 +560,9 @@ def server_sections_markdown(result: dict[str, Any]) -> str:
          f"({storm['dropped_while_queued']} while queued)", storm["crashes"], storm["hangs"],
          storm["server_errors"], f"every slot free {storm['slots_free_after_s']} s after the "
          "last drop"),
-        ("models", f"{churn['requests']:,} requests, {churn['clients']} clients, "
-         f"{churn['seconds']:.0f} s, 4 models with room for 1", churn["crashes"], churn["hangs"],
-         churn["server_errors"], ", ".join(f"{n} x {code}" for code, n in churn["codes"].items())
-         + "; afterwards " + ", ".join(f"{m} {s}" for m, s in churn["afterwards"].items())),
+        _churn_row("models", churn, "4 models with room for 1"),
+        _churn_row("isolated", isolated, "3 models in processes of their own and 1 in the "
+                   f"server's, room for 2; {isolated['killed']} model processes killed"),
         ("schemathesis", f"{fuzz['cases']:,} generated requests, {fuzz['operations']} "
          "operations", fuzz["crashes"], fuzz["hangs"], fuzz["server_errors"],
          ", ".join(f"{n} x {status}" for status, n in fuzz["statuses"].items())),

@@ -196,12 +196,14 @@ def test_a_broken_entry_fails_with_its_reason_and_the_others_keep_working(
     registry: ModelRegistry,
 ) -> None:
     alpha = registry.get("alpha")
-    with pytest.raises(ModelLoadError):
+    failed = r"model 'broken' failed to load: .*broken\.gguf"
+    with pytest.raises(ModelLoadError, match=failed) as first:
         registry.get("broken")
     status = registry.status("broken")
     assert status.status == "failed" and status.error and "broken.gguf" in status.error
-    with pytest.raises(ModelLoadError, match="failed to load"):
-        registry.get("broken")  # reported again, not retried
+    with pytest.raises(ModelLoadError) as again:
+        registry.get("broken")  # reported again, not retried, in the same words
+    assert str(again.value) == str(first.value)
     assert (
         alpha.create_completion("the cat", max_tokens=1, min_tokens=1).usage.completion_tokens == 1
     )

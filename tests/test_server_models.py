@@ -4,10 +4,13 @@ max_loaded and a memory budget, keep-alive, a broken entry beside good ones."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -18,6 +21,9 @@ from test_tool_calls import TEMPLATE
 
 from llamacrab import InvalidParameterError, estimate_memory
 from llamacrab.server import ServerSettings, parse_settings
+from llamacrab.server._errors import ApiError
+from llamacrab.server._state import ServerState
+from llamacrab.server._streaming import sse_events
 
 from support import load_repo_module
 
@@ -303,22 +309,60 @@ def test_a_forced_unload_answers_its_requests_503_and_a_context_too_large_fails_
     )
     for server in _serve(ServerSettings(model="", models=config)):
         body = {"model": "alpha", "prompt": "the", "max_tokens": 4000, "min_tokens": 4000}
-        with ThreadPoolExecutor(1) as pool:
+
+        with ThreadPoolExecutor(2) as pool:
             running = pool.submit(httpx.post, server.url + "/v1/completions", json=body,
                                   timeout=120)  # fmt: skip
             loaded = lambda at=server: statuses_open(at)["alpha"] == "loaded"  # noqa: E731
             assert _wait_for(loaded)
             time.sleep(0.3)  # generating now
+            waiting = pool.submit(
+                stream_lines, server.url + "/v1/completions", {**body, "stream": True}
+            )  # one slot: it waits its turn
+            time.sleep(0.3)
             forced = httpx.post(server.url + "/models/unload", json={"model": "alpha",
                                                                      "force": True})  # fmt: skip
             assert forced.json()["unloaded"] is True
             answer = running.result(timeout=60)
+            status, lines = waiting.result(timeout=60)
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
         assert "unloaded" in answer.json()["error"]["message"]
+        # A stream waiting for the slot has no answer yet: it gets the same 503.
+        assert status == 503 and json.loads(lines[0])["error"]["code"] == "shutting_down"
         huge = httpx.post(server.url + "/v1/completions",
                           json={"model": "huge", "prompt": "the", "max_tokens": 1})  # fmt: skip
         assert huge.status_code == 500 and huge.json()["error"]["code"] == "model_load_failed"
         assert "host memory" in huge.json()["error"]["message"]
+
+
+def test_a_stream_cancelled_before_its_deadline_ends_with_shutting_down_not_timeout() -> None:
+    # Found by the server's isolated section: a stream whose model was unloaded by force while
+    # it generated (its generation ended "cancelled") ended with a "timeout" error event.
+    async def ending(timeout: float) -> list[str]:
+        state = ServerState(ServerSettings(model="m", timeout=timeout), None)
+
+        async def chunks() -> AsyncIterator[SimpleNamespace]:
+            yield SimpleNamespace(finish_reason=None, usage=None)
+            await asyncio.sleep(0.05)
+            yield SimpleNamespace(finish_reason="cancelled", usage=None)
+
+        async def write(items: AsyncIterator[SimpleNamespace]) -> AsyncIterator[str]:
+            try:
+                async for _ in items:
+                    yield "chunk"
+            except ApiError as error:
+                yield f"{error.status} {error.code}"
+
+        answer = await sse_events(state, chunks(), write)  # type: ignore[arg-type]
+        return [text async for text in answer.body_iterator]  # type: ignore[misc]
+
+    assert asyncio.run(ending(600)) == ["chunk", "503 shutting_down"]
+    assert asyncio.run(ending(0.01)) == ["chunk", "504 timeout"]
+
+
+def stream_lines(url: str, body: dict[str, Any]) -> tuple[int, list[str]]:
+    with httpx.stream("POST", url, json=body, timeout=120) as streamed:
+        return streamed.status_code, list(streamed.iter_lines())
 
 
 def statuses_open(server: LiveServer) -> dict[str, str]:

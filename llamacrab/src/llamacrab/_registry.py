@@ -444,10 +444,10 @@ class ModelRegistry:
                 else:
                     slot.status, slot.error = "failed", f"{type(error).__name__}: {error}"
                 self._lock.notify_all()
-            refused = isinstance(error, LlamaError)
-            if refused and not isinstance(error, ModelBudgetError | ModelLoadError):
-                # A context or an option refused: still this entry's failure to load, as every
-                # later use reports it (a server answers model_load_failed, not a bare 500).
+            if isinstance(error, LlamaError) and not isinstance(error, ModelBudgetError):
+                # A bad file, a context or an option refused: the entry's failure to load,
+                # named and worded as every later use reports it (a server answers
+                # model_load_failed, never a bare 500, and the same message each time).
                 raise ModelLoadError(f"model {name!r} failed to load: {slot.error}") from error
             raise
         with self._lock:

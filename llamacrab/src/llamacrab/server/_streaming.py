@@ -77,6 +77,7 @@ async def sse_events(
     grammar) gets its proper status. Later, a library error or a run past the timeout reaches
     ``write`` as an ApiError raised by the chunks it iterates. Tokens are counted, and the stream
     is closed (its slot freed) when the client goes away."""
+    started = time.monotonic()
     chunks = aiter(stream)
     try:
         first = await anext(chunks)
@@ -87,7 +88,7 @@ async def sse_events(
         chunk = first
         while True:
             if chunk.finish_reason == "cancelled":
-                raise timed_out(state)
+                raise cancelled(state, started)
             if chunk.finish_reason is not None and chunk.usage is not None:
                 used = chunk.usage
                 state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
@@ -111,8 +112,13 @@ async def sse_events(
                              headers={"Cache-Control": "no-cache"})  # fmt: skip
 
 
-def timed_out(state: ServerState) -> ApiError:
-    return ApiError(504, f"the request ran past {state.settings.timeout} s", code="timeout")
+def cancelled(state: ServerState, started: float) -> ApiError:
+    """Why a generation begun at ``started`` (``time.monotonic()``) ended "cancelled": it ran
+    past the timeout (504), or its model was closed before (a forced unload, the server
+    stopping: 503). A client that left gets no answer anyway."""
+    if time.monotonic() - started >= state.settings.timeout:
+        return ApiError(504, f"the request ran past {state.settings.timeout} s", code="timeout")
+    return model_closed()
 
 
 async def generate(
@@ -139,11 +145,7 @@ async def complete(state: ServerState, client: Request, create: Callable[..., _R
     started = time.monotonic()
     result = await until_disconnected(client, create)
     if any(choice.finish_reason == "cancelled" for choice in result.choices):
-        # Past the deadline, or cancelled before it (the model unloaded by force, the server
-        # stopping; a client that left gets no answer anyway).
-        if time.monotonic() - started >= state.settings.timeout:
-            raise timed_out(state)
-        raise model_closed()
+        raise cancelled(state, started)
     used = result.usage
     state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
     return cast(_Result, result)
