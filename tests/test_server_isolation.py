@@ -20,22 +20,17 @@ from llamacrab import ModelEntry, ModelRegistry
 from llamacrab.server import ServerSettings
 from llamacrab.server._isolation import runs_isolated
 
+from support import load_repo_module
+
+reliability_models = load_repo_module("scripts/reliability_models.py")
+
 KEY = "sesame"
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
 def children() -> list[int]:
     """The pids of this process's isolated-entry children that still run."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_text().rsplit(") ", 1)[1].split()
-            cmdline = (proc / "cmdline").read_bytes()
-        except (OSError, IndexError):
-            continue
-        if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"server._child" in cmdline:
-            found.append(int(proc.name))
-    return found
+    return reliability_models.model_processes(os.getpid())  # type: ignore[no-any-return]
 
 
 def status_of(server: LiveServer, name: str) -> dict[str, object]:

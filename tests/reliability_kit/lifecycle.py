@@ -1,5 +1,6 @@
 """Lifecycle fuzzing: generated sequences of operations on models, contexts, samplers, batches,
-LoRA adapters, Llama objects (one slot and parallel slots) and their streams.
+LoRA adapters, Llama objects (one slot and parallel slots; with speculative decoding, a vision
+projector or a prompt cache on disk) and their streams.
 
 A program is a list of operations (JSON), drawn with hypothesis in the parent: create, use,
 cancel, close, drop (forget the reference), ``gc.collect``, run an operation on another thread
@@ -20,10 +21,13 @@ import contextlib
 import gc
 import math
 import random
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from reliability_kit.programs import THREAD_JOIN_SECONDS, Program, stacks
 
@@ -50,6 +54,9 @@ PROMPTS: tuple[Any, ...] = (
     [-1],
     [],
 )
+# What a Llama may have beside the model: speculative decoding (prompt lookup, or a draft model:
+# the tiny model again), a vision projector, a prompt cache on disk.
+LLAMA_EXTRAS = ("plain",) * 5 + ("lookup", "draft", "vision", "disk_cache")
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
 
@@ -115,8 +122,9 @@ def strategies() -> Any:
         (2, op("set_adapters", c=idx, adapters=st.lists(st.tuples(idx, scale), max_size=3))),
         (3, op("llama", parallel=st.sampled_from([None, None, 2, 3]),
                n_ctx=st.sampled_from([64, 128, 512]), n_batch=st.sampled_from([8, 32, 512]),
-               lora=st.sampled_from([False, False, True]), cache=st.booleans())),
-        (6, op("complete", l=idx, prompt=st.sampled_from(PROMPTS),
+               lora=st.sampled_from([False, False, True]), cache=st.booleans(),
+               extra=st.sampled_from(LLAMA_EXTRAS))),
+        (6, op("complete", l=idx, prompt=st.sampled_from(PROMPTS), image=st.booleans(),
                max_tokens=st.sampled_from([0, 1, 4, 16, 64]),
                temperature=st.sampled_from([0.0, 0.8]), n=st.sampled_from([1, 1, 2]),
                grammar=st.sampled_from(GRAMMARS), stop=st.sampled_from([(), ("a",), ("",)]),
@@ -141,7 +149,8 @@ def strategies() -> Any:
         (2, op("gc")),
         (3, op("close_during", l=idx, what=st.sampled_from(["llama", "context", "model"]),
                work=st.sampled_from(["complete", "complete", "tokenize", "detokenize",
-                                     "context", "sampler", "adapter", "metadata", "embed"]),
+                                     "context", "sampler", "adapter", "metadata", "embed",
+                                     "image"]),
                delay=st.sampled_from([0.0, 0.001, 0.01]))),
         (1, op("sleep", seconds=st.sampled_from([0.0, 0.001, 0.01]))),
     ]  # fmt: skip
@@ -158,12 +167,14 @@ def strategies() -> Any:
         )
     )
     llama_prelude = [{"op": "llama", "parallel": None, "n_ctx": 128, "n_batch": 32,
-                      "lora": False, "cache": False}]  # fmt: skip
+                      "lora": False, "cache": False, "extra": "plain"}]  # fmt: skip
     preludes = st.sampled_from(
         [
             [],
             llama_prelude,
             [{**llama_prelude[0], "parallel": 2}],
+            [{**llama_prelude[0], "n_ctx": 512, "extra": "vision"}],
+            [{**llama_prelude[0], "n_ctx": 512, "extra": "draft"}],
             [{"op": "model", "vocab_only": False, "mmap": True},
              {"op": "context", "m": 0, "n_ctx": 64, "n_batch": 32, "n_ubatch": 32, "n_seq": 2,
               "emb": False, "pooling": "unspecified", "flash": "auto", "type_k": "f16",
@@ -179,6 +190,8 @@ def strategies() -> Any:
         "open_stream",
         "parallel_streams",
         "closing",
+        "encoding_image",
+        "drafting",
     ]
     exit_op = op("exit", mode=st.sampled_from(exit_modes))[1]
 
@@ -225,14 +238,15 @@ def generate(count: int, seed: int) -> list[dict[str, Any]]:
 
 
 def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
-    return {"model": Path(config["model"]), "lora": Path(config["lora"])}
+    return {"model": Path(config["model"]), "lora": Path(config["lora"]),
+            "vision": Path(config["vision"])}  # fmt: skip
 
 
 _EXITING: list[Machine] = []  # an "exit" program's objects, alive while the interpreter leaves
 
 
 def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
-    machine = Machine(state["model"], state["lora"])
+    machine = Machine(state["model"], state["lora"], state["vision"])
     baseline = {t.ident for t in threading.enumerate()}
     for op in case["ops"]:
         machine.run(op)
@@ -249,6 +263,13 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     return machine.outcome()
 
 
+def _image(side: int = 8) -> Any:
+    """A small grey image (the tiny projector encodes it in milliseconds)."""
+    from llamacrab import Image
+
+    return Image(pixels=np.full((side, side, 3), 128, np.uint8))
+
+
 def _wait_for_threads(baseline: set[int | None], seconds: float = 10.0) -> list[str]:
     deadline = time.monotonic() + seconds
     while True:
@@ -262,11 +283,12 @@ def _wait_for_threads(baseline: set[int | None], seconds: float = 10.0) -> list[
 class Machine(Program):
     """The objects of one program and the interpreter of its operations."""
 
-    def __init__(self, model_path: Path, lora_path: Path) -> None:
+    def __init__(self, model_path: Path, lora_path: Path, vision_path: Path) -> None:
         super().__init__()
-        self.model_path, self.lora_path = model_path, lora_path
+        self.model_path, self.lora_path, self.vision_path = model_path, lora_path, vision_path
         self.objects: dict[str, list[Any]] = {kind: [] for kind in KINDS}
         self.states: list[Any] = []
+        self.disk_caches: list[tempfile.TemporaryDirectory[str]] = []
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -292,6 +314,8 @@ class Machine(Program):
         self.states.clear()
         del order
         gc.collect()
+        for folder in self.disk_caches:
+            folder.cleanup()
 
     # -- operations ----------------------------------------------------------------------------
 
@@ -460,8 +484,16 @@ class Machine(Program):
         from llamacrab import Llama, RamCache
 
         cache = RamCache(capacity_bytes=1 << 22) if op["cache"] else None
+        extra: dict[str, Any] = {
+            "plain": {}, "lookup": {"prompt_lookup": 3},
+            "draft": {"draft_model": self.model_path, "draft_max": 4},
+            "vision": {"mmproj": self.vision_path, "mmproj_probe": False},
+        }.get(op["extra"], {})  # fmt: skip
+        if op["extra"] == "disk_cache":
+            self.disk_caches.append(tempfile.TemporaryDirectory(prefix="lifecycle-cache-"))
+            cache, extra = None, {"prompt_cache": self.disk_caches[-1].name}
         llm = Llama(self.model_path, n_ctx=op["n_ctx"], n_batch=op["n_batch"], n_threads=1,
-                    parallel=op["parallel"], cache=cache, seed=0)  # fmt: skip
+                    parallel=op["parallel"], cache=cache, seed=0, **extra)  # fmt: skip
         self.add("llama", llm)
         if op["lora"]:
             self.add("adapter", llm.load_lora(self.lora_path))
@@ -470,9 +502,12 @@ class Machine(Program):
         llm = self.get("llama", op["l"])
         if llm is None:
             return
+        prompt, media = op["prompt"], []
+        if op["image"]:  # a Llama without a projector refuses it (InvalidParameterError)
+            prompt, media = f"<__media__> {prompt}", [_image()]
         llm.create_completion(
-            op["prompt"], max_tokens=op["max_tokens"], temperature=op["temperature"], n=op["n"],
-            grammar=op["grammar"], stop=list(op["stop"]), logprobs=op["logprobs"],
+            prompt, media=media, max_tokens=op["max_tokens"], temperature=op["temperature"],
+            n=op["n"], grammar=op["grammar"], stop=list(op["stop"]), logprobs=op["logprobs"],
             min_tokens=op["min_tokens"], echo=op["echo"], timeout=op["timeout"],
         )  # fmt: skip
 
@@ -607,6 +642,8 @@ class Machine(Program):
                     _ = model.metadata, model.chat_template(), model.vocab.eog_tokens
             elif work == "embed":
                 llm.embed("the cat")
+            elif work == "image":
+                llm.create_completion("<__media__> the cat", media=[_image(64)], max_tokens=16)
             else:
                 llm.create_completion(PROMPTS[1], max_tokens=64, min_tokens=64)
 
@@ -630,7 +667,10 @@ class Machine(Program):
                 stream = self.add("stream", llm.stream_completion(PROMPTS[1], max_tokens=400))
                 next(stream, None)
             return
-        llm = self.add("llama", Llama(self.model_path, n_ctx=2048, n_batch=512, n_threads=1))
+        extra = {"encoding_image": {"mmproj": self.vision_path, "mmproj_probe": False},
+                 "drafting": {"draft_model": self.model_path}}.get(mode, {})  # fmt: skip
+        llm = self.add("llama", Llama(self.model_path, n_ctx=2048, n_batch=512, n_threads=1,
+                                      **extra))  # fmt: skip
         if mode == "open_stream":
             stream = self.add("stream", llm.stream_completion(PROMPTS[1], max_tokens=2000))
             next(stream, None)
@@ -640,6 +680,9 @@ class Machine(Program):
         def generate() -> None:
             started.set()
             with contextlib.suppress(Exception):  # the interpreter is leaving: any outcome
+                if mode == "encoding_image":
+                    while True:
+                        llm.create_completion("<__media__>", media=[_image(64)], max_tokens=1)
                 llm.create_completion(PROMPTS[1] * 4, max_tokens=None, min_tokens=1500)
 
         daemon = mode != "decoding_thread"

@@ -56,7 +56,8 @@ SECTIONS = {
         "Lifecycle fuzzing",
         "sequences of create / use / cancel / close / drop / gc / other-thread / exit operations "
         "on models, contexts, samplers, batches, LoRA adapters, Llama (one slot and parallel "
-        "slots) and streams, drawn with hypothesis",
+        "slots; with speculative decoding, a vision projector or a disk cache) and streams, "
+        "drawn with hypothesis",
         Size(1000, 150), Size(10_000, 3600), batch_size=50, case_timeout=60,
     ),
     "tampered-tiny": Section(
@@ -162,8 +163,9 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
     files = tiny_files(workdir)
     tiny, lora = files["llama"], files["lora"]
     if name == "lifecycle":
-        return lifecycle.generate(size.cases or 1000, seed), {"model": str(tiny),
-                                                              "lora": str(lora)}  # fmt: skip
+        vision = media.projectors(workdir)["vision"]
+        setup = {"model": str(tiny), "lora": str(lora), "vision": str(vision)}
+        return lifecycle.generate(size.cases or 1000, seed), setup
     if name == "inputs":
         setup = {"model": str(tiny), "workdir": str(workdir / "inputs")}
         return inputs.generate(size.cases or 1000, seed), setup
