@@ -181,7 +181,7 @@ FOUND = [
      "`prompt_cache=\"dir\\0\"`, a kv_overrides integer past 64 bits; `n=2**31 - 1`",
      "OverflowError or TypeError from cffi or a comparison, ValueError from a path (unclean); "
      "NaN settings accepted (NaN logits); 2 billion choices started",
-     "`_native/field_types.py`: options dataclasses checked against their annotations; "
+     "`_field_types.py`: options dataclasses checked against their annotations; "
      "`check_range` for C integers; NaN refused; n and best_of at most 128"),
     ("parameters", "`penalty_last_n=2**31 - 1` (or `dry_penalty_last_n`)", "SIGABRT: "
      "std::bad_alloc escaping `llama_sampler_init_penalties`, called without its shim, for a "
@@ -223,6 +223,19 @@ FOUND = [
      "the timeout\"", "`_registry.py`: any refusal while loading is the entry's "
      "ModelLoadError (`model_load_failed`); `server/_streaming.py`: cancelled before the "
      "deadline is 503 `shutting_down`"),
+    ("compat (llama-cpp-python's API)", "keywords of another type: `temperature=\"1\"`, "
+     "`top_k=[1]`, `logit_bias=True` or `{2: [1]}`, `logprobs=\"yes\"`, `functions=True`, "
+     "`function_call={\"type\": \"function\"}`, `chat_format=5`, `lora_path=5` (28 of 400 "
+     "cases)", "TypeError from a comparison, AttributeError, KeyError or ValueError from deep "
+     "inside (unclean)", "`compat/_checked.py`: the public methods check their arguments "
+     "against their annotations (`check_arguments` in `_field_types.py`, which moved below "
+     "the handles for it); logit_bias and function_call checked by shape"),
+    ("compat", "`Llama(5)`, `Model.load(\"a\\0b\")`, a projector, adapter, draft model or control "
+     "vector path of 5,000 characters; `create_chat_completion(tools={\"a\": 1})`",
+     "TypeError from pathlib, OSError \"File name too long\" (`Path.is_file()` lets it "
+     "through), AttributeError (unclean)", "`_field_types.file_path` for every path; "
+     "`_native/gguf_check.py` turns an OSError into ModelLoadError; `_chat/options.py` checks "
+     "its fields"),
     ("server: isolated (models in processes of their own, killed at random)", "a stream on "
      "Anthropic's `/v1/messages` whose model process dies mid-answer", "an OpenAI-shaped "
      "`data: {\"error\": ...}` line, which Anthropic's SDK skips: a silently cut message",

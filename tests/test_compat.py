@@ -16,7 +16,7 @@ import pytest
 from hub_server import HubServer, Repo
 
 import llamacrab
-from llamacrab import StateError
+from llamacrab import InvalidParameterError, StateError
 from llamacrab.compat import (
     Llama,
     LlamaDiskCache,
@@ -639,3 +639,40 @@ def test_example_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "completion: ' France" in result.stdout and "| length" in result.stdout
     assert "engine: llamacrab._llama" in result.stdout
+
+
+def test_values_of_another_type_are_refused_by_keyword(tiny_model_path: Path) -> None:
+    # Found by the compat reliability section: values code written for llama-cpp-python passes
+    # through unchecked failed deep inside (a TypeError from a comparison, AttributeError,
+    # KeyError), instead of a ValueError naming the keyword.
+    with pytest.raises(InvalidParameterError, match="chat_format must be"):
+        Llama(tiny_model_path, n_ctx=64, verbose=False, chat_format=5)  # type: ignore[arg-type]
+    with Llama(tiny_model_path, n_ctx=128, verbose=False, chat_format="chatml") as llm:
+        hi = [{"role": "user", "content": "hi"}]
+        refused: list[tuple[str, dict[str, Any]]] = [
+            ("temperature must be a number", {"temperature": "1"}),
+            ("top_k must be an integer", {"top_k": [1]}),
+            ("logit_bias must be a mapping", {"logit_bias": True}),
+            ("logit_bias maps token ids to numbers", {"logit_bias": {2: [1]}}),
+            ("logit_bias maps token ids to numbers", {"logit_bias": {"two": 1.0}}),
+            ("stop must be", {"stop": 5}),
+        ]
+        for message, keywords in refused:
+            with pytest.raises(InvalidParameterError, match=message):
+                llm.create_completion("the cat", max_tokens=2, **keywords)
+        chat_refused: list[tuple[str, dict[str, Any]]] = [
+            ("logprobs must be", {"logprobs": "yes"}),
+            ("functions must be a list", {"functions": True}),
+            ("tools must be a list", {"tools": {"a": 1}}),
+            ("function_call must be", {"function_call": {"type": "function"}}),
+            ("messages must be a list of items each", {"messages": [5]}),
+        ]
+        for message, keywords in chat_refused:
+            with pytest.raises(InvalidParameterError, match=message):
+                llm.create_chat_completion(**{"messages": hi, "max_tokens": 2, **keywords})
+        # Still usable; token ids as a numpy array and as text keys are what they always were.
+        tokens = np.asarray(llm.tokenize(b"the cat"), dtype=np.intc)
+        done = llm.create_completion(tokens, max_tokens=2, logit_bias={"5": 1.0}, seed=1)
+        assert done["usage"]["prompt_tokens"] == len(tokens)
+        with pytest.raises(TypeError, match="unexpected keyword"):  # Python's own, as before
+            llm.create_completion("the cat", no_such_keyword=1)  # type: ignore[call-arg]

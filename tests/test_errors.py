@@ -33,6 +33,34 @@ def test_missing_file(tmp_path: Path) -> None:
         Llama(tmp_path / "nope.gguf")
 
 
+def test_paths_that_are_no_file_names_are_refused_by_name(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    # Found by the compat reliability section: a number for a path was a TypeError from
+    # pathlib, a name too long an OSError from stat() (is_file() lets ENAMETOOLONG through).
+    with pytest.raises(InvalidParameterError, match="the model must be a file path"):
+        Llama(5)  # type: ignore[arg-type]
+    nul = r"model path must be a file path \(text .* not 'a\\x00b'"
+    with pytest.raises(InvalidParameterError, match=nul):
+        Model.load("a\0b")
+    with pytest.raises(ModelLoadError, match=r"cannot read .*File name too long"):
+        Llama(tmp_path / ("x" * 5000))
+    too_long = str(tmp_path / ("y" * 5000))
+    for keywords in ({"mmproj": 5}, {"mmproj": too_long}, {"lora": [too_long]},
+                     {"draft_model": too_long}, {"control_vectors": [too_long]}):  # fmt: skip
+        with pytest.raises(LlamaError):
+            Llama(tiny_model_path, n_ctx=64, n_threads=1, **keywords)  # type: ignore[arg-type]
+
+
+def test_chat_tools_of_another_shape_are_refused(tiny_llama: Llama) -> None:
+    # Found by the compat reliability section: a dict for tools was an AttributeError.
+    hi = [{"role": "user", "content": "hi"}]
+    for tools in ({"a": 1}, ["look"], [5], "look"):
+        with pytest.raises(InvalidParameterError, match="tool"):
+            tiny_llama.create_chat_completion(hi, tools=tools, max_tokens=1)  # type: ignore[arg-type]
+    assert tiny_llama.create_chat_completion(hi, max_tokens=1, chat_format="chatml").choices
+
+
 def test_not_a_gguf(tmp_path: Path) -> None:
     path = tmp_path / "text.gguf"
     path.write_text("hello, I am not a model" * 10)

@@ -83,6 +83,12 @@ def test_extreme_and_ill_typed_parameters(workdir: Path) -> None:
     assert report.count("ok") >= 100 and report.count("error") >= 100
 
 
+def test_llama_cpp_python_api_with_extreme_and_ill_typed_values(workdir: Path) -> None:
+    report = run_short("compat", workdir)
+    assert_clean(report, 400)
+    assert report.count("ok") >= 100 and report.count("error") >= 100
+
+
 def test_tampered_saved_states(workdir: Path) -> None:
     report = run_short("states", workdir)
     assert_clean(report, 2000)

@@ -490,7 +490,10 @@ class Machine(Program):
             "vision": {"mmproj": self.vision_path, "mmproj_probe": False},
         }.get(op["extra"], {})  # fmt: skip
         if op["extra"] == "disk_cache":
-            self.disk_caches.append(tempfile.TemporaryDirectory(prefix="lifecycle-cache-"))
+            # Its writer may still be busy when the folder goes (a Llama dropped, not closed).
+            folder = tempfile.TemporaryDirectory(prefix="lifecycle-cache-",
+                                                 ignore_cleanup_errors=True)  # fmt: skip
+            self.disk_caches.append(folder)
             cache, extra = None, {"prompt_cache": self.disk_caches[-1].name}
         llm = Llama(self.model_path, n_ctx=op["n_ctx"], n_batch=op["n_batch"], n_threads=1,
                     parallel=op["parallel"], cache=cache, seed=0, **extra)  # fmt: skip

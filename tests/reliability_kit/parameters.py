@@ -112,7 +112,7 @@ COMPLETION: dict[str, tuple[str, list[Any]]] = {
 }
 
 
-def _value(kind: str, ordinary: list[Any], rng: random.Random) -> Any:
+def drawn_value(kind: str, ordinary: list[Any], rng: random.Random) -> Any:
     """A value of a keyword of ``kind``: an ordinary one half the time, else an extreme one."""
     if ordinary and rng.random() < 0.5:
         return rng.choice(ordinary)
@@ -154,7 +154,7 @@ def generate(count: int, seed: int) -> list[dict[str, Any]]:
         where = "load" if rng.random() < 0.4 else "completion"
         table = LOAD if where == "load" else COMPLETION
         names = rng.sample(sorted(table), rng.choice((1, 1, 2, 3)))
-        options = {name: _value(*table[name], rng) for name in names}
+        options = {name: drawn_value(*table[name], rng) for name in names}
         cases.append({"id": f"parameters-{seed}-{i}", "where": where, "options": options})
     return cases
 
@@ -177,7 +177,7 @@ def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
 def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     from llamacrab import Llama
 
-    options = _with_files(case["options"], state["files"])
+    options = with_files(case["options"], state["files"])
     if case["where"] == "load":
         keywords = {"n_ctx": 128, "n_threads": 1, **options}
         with Llama(state["files"]["llama"], **keywords) as llm:
@@ -192,7 +192,7 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     return then_still_answers(llm, complete, "values")
 
 
-def _with_files(options: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:
+def with_files(options: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:
     """The keywords as the API takes them: the tiny LoRA adapter and control vector for their
     names ("lora", "cvec"), a logit_bias dict from its pairs."""
 
@@ -205,7 +205,7 @@ def _with_files(options: dict[str, Any], files: dict[str, str]) -> dict[str, Any
 
     decoded = {}
     for name, value in options.items():
-        if name in ("lora", "control_vectors"):
+        if name in ("lora", "control_vectors", "lora_path"):
             value = real(value)
         elif name == "logit_bias" and isinstance(value, dict) and "pairs" in value:
             value = dict((key, bias) for key, bias in value["pairs"])

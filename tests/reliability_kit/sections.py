@@ -13,6 +13,7 @@ from typing import Any
 
 from reliability_kit import (
     children,
+    compat,
     inputs,
     lifecycle,
     media,
@@ -106,6 +107,15 @@ SECTIONS = {
         Size(400, 150), Size(20_000, 1800), batch_size=200, case_timeout=60,
         memory_limit=4 * GIB,
     ),
+    "compat": Section(
+        "llama-cpp-python's API",
+        "one to three keywords of llamacrab.compat's Llama (a load), create_completion or "
+        "create_chat_completion set to the parameters section's extreme or ill-typed values, "
+        "or (chat) to malformed messages, tools, tool choices, legacy functions and response "
+        "formats, with the tiny model; the same compat Llama answers after each call",
+        Size(400, 150), Size(10_000, 1800), batch_size=200, case_timeout=60,
+        memory_limit=4 * GIB,
+    ),
     "states": Section(
         "Tampered saved states",
         "a sequence's, a whole context's or a checkpoint's saved state of a tiny attention, "
@@ -173,6 +183,9 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
         setup = {"files": {key: str(path.resolve()) for key, path in files.items()},
                  "workdir": str((workdir / "parameters").resolve())}  # fmt: skip
         return parameters.generate(size.cases or 1000, seed), setup
+    if name == "compat":
+        setup = {"files": {key: str(path.resolve()) for key, path in files.items()}}
+        return compat.generate(size.cases or 1000, seed), setup
     if name == "registry":
         setup = {"model": str(tiny.resolve()), "workdir": str((workdir / "registry").resolve())}
         return registry.generate(size.cases or 1000, seed), setup

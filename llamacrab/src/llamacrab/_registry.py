@@ -32,8 +32,8 @@ from llamacrab._features.footprint import PARAM_FIELDS, estimate_llama
 from llamacrab._features.llama_options import EXTRA_NAMES
 from llamacrab._features.models_dir import scan_models_dir
 from llamacrab._features.presets import with_preset
+from llamacrab._field_types import INT32_MAX, check_field_types, check_range, is_number
 from llamacrab._llama import Llama
-from llamacrab._native.field_types import INT32_MAX, check_field_types, check_range, is_number
 from llamacrab._native.gguf_memory import MemoryEstimate
 
 Status = Literal["unloaded", "loading", "loaded", "failed"]

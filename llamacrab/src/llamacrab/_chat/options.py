@@ -18,6 +18,7 @@ from llamacrab._chat.tool_calls import (
 )
 from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import InvalidParameterError
+from llamacrab._field_types import check_field_types
 from llamacrab._grammar.json_schema import JSON_OBJECT_GRAMMAR, schema_to_grammar
 from llamacrab._types import (
     ChatChoice,
@@ -43,6 +44,7 @@ class ChatOptions:
     generic_tools: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.tools:
             tool_names(self.tools)  # validates their shape
         elif self.tool_choice not in ("auto", "none"):

@@ -118,7 +118,8 @@ class ToolCallSplitter:
 def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
     names = []
     for i, tool in enumerate(tools):
-        function = tool.get("function") if tool.get("type", "function") == "function" else None
+        is_function = isinstance(tool, Mapping) and tool.get("type", "function") == "function"
+        function = tool.get("function") if is_function else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise InvalidParameterError(
                 f"tool {i} is not {{'type': 'function', 'function': {{'name': ...}}}}"

@@ -25,11 +25,11 @@ from llamacrab._exceptions import (
     LlamaError,
     StateError,
 )
+from llamacrab._field_types import check_field_types
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import EndGeneration
-from llamacrab._native.field_types import check_field_types
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
 from llamacrab._native.state import SavedState, StateCheckpoint

@@ -20,8 +20,8 @@ from llamacrab._engine.speculative import Drafter, DraftModel, PromptLookup, Spe
 from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import ConcurrentUseError, InvalidParameterError
 from llamacrab._features.media import MediaInput
+from llamacrab._field_types import UINT32_MAX, check_range
 from llamacrab._native.context import Context
-from llamacrab._native.field_types import UINT32_MAX, check_range
 from llamacrab._native.media import Media
 from llamacrab._native.model import Model
 from llamacrab._native.mtmd import Chunks

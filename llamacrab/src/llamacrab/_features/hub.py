@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from llamacrab._exceptions import HubError
+from llamacrab._field_types import file_path
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -55,8 +56,8 @@ def looks_like_repo_id(spec: str | os.PathLike[str]) -> bool:
 def resolve(spec: str | os.PathLike[str], options: HubOptions | None = None) -> ResolvedModel:
     """A local path stays as it is; ``org/repo`` is looked up and downloaded (or found in the
     cache when offline)."""
+    path = file_path("the model", spec)  # a repository id is text too
     if not looks_like_repo_id(spec):
-        path = Path(spec)
         return ResolvedModel(path, (path,))
     return _Resolver(os.fspath(spec), options or HubOptions()).run()
 

@@ -12,8 +12,8 @@ from typing import Any
 from llamacrab._engine.cache import DiskCache, PromptCache, RamCache
 from llamacrab._engine.speculative import PromptLookup
 from llamacrab._exceptions import InvalidParameterError
+from llamacrab._field_types import check_field_types
 from llamacrab._native.control_vector import ControlVector, ControlVectorSource
-from llamacrab._native.field_types import check_field_types
 
 Path = str | os.PathLike[str]
 ScaledPath = Path | tuple[Path, float]

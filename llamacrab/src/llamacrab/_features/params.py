@@ -7,8 +7,8 @@ from typing import Any
 
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._features.hub import HubOptions
+from llamacrab._field_types import INT32_MAX, check_range
 from llamacrab._native.context import ContextParams
-from llamacrab._native.field_types import INT32_MAX, check_range
 from llamacrab._native.model import ModelParams
 from llamacrab._native.sampler import SamplingOptions
 

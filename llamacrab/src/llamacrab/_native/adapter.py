@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import weakref
-from pathlib import Path
 from typing import Any, Protocol
 
 from llamacrab._exceptions import ModelLoadError
+from llamacrab._field_types import file_path
 from llamacrab._native.call import c_string, call, ffi, lib, read_string
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
@@ -28,7 +28,7 @@ class LoraAdapter(NativeHandle):
     kind = "LoRA adapter"
 
     def __init__(self, model: Model, path: str | os.PathLike[str]) -> None:
-        file = Path(path)
+        file = file_path("the adapter path", path)
         validate_gguf(file, kind="adapter")
         stat = file.stat()  # before loading: the identity describes the bytes llama.cpp reads
         log_lines.take_errors()

@@ -24,18 +24,18 @@ from llamacrab._exceptions import (
     InvalidParameterError,
     StateError,
 )
-from llamacrab._native.adapter import LoraAdapter
-from llamacrab._native.batch import Batch
-from llamacrab._native.call import call, ffi, lib
-from llamacrab._native.control_vector import ControlVector
-from llamacrab._native.devices import accelerator_present
-from llamacrab._native.field_types import (
+from llamacrab._field_types import (
     FLOAT32_MAX,
     UINT32_MAX,
     check_field_types,
     check_range,
     is_number,
 )
+from llamacrab._native.adapter import LoraAdapter
+from llamacrab._native.batch import Batch
+from llamacrab._native.call import call, ffi, lib
+from llamacrab._native.control_vector import ControlVector
+from llamacrab._native.devices import accelerator_present
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.kv_layout import pad_cells
 from llamacrab._native.logging import log_lines, logger

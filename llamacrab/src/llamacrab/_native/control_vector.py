@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError
-from llamacrab._native.field_types import is_number
+from llamacrab._field_types import file_path, is_number
 from llamacrab._native.gguf_check import LLAMA_MAX_LAYERS, read_gguf_tensors
 
 _F32 = 0  # GGML_TYPE_F32
@@ -56,7 +56,7 @@ class ControlVector:
         hints: set[str] = set()
         for source in sources:
             path, strength = (source, 1.0) if not isinstance(source, tuple) else source
-            path = Path(path)
+            path = file_path("a control vector", path)
             strength = _strength(path, strength)
             hint, found = _directions(path)
             if hint is not None:
@@ -126,7 +126,11 @@ def _strength(path: Path, strength: object) -> float:
 
 def _directions(path: Path) -> tuple[str | None, list[tuple[int, np.ndarray]]]:
     """The model hint (``controlvector.model_hint``) and the directions of one file."""
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError as error:  # a name too long: is_file() lets it through
+        raise InvalidParameterError(f"control vector {path}: {error.strerror}") from None
+    if not is_file:
         raise InvalidParameterError(f"control vector file not found: {path}")
     metadata, tensors = read_gguf_tensors(path)  # header and tensor bounds checked
     hint = metadata.get("controlvector.model_hint")

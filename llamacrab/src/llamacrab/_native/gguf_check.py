@@ -1065,16 +1065,19 @@ _SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
 def _read_file(path: Path) -> tuple[_Reader, dict[str, Any], list[Any]]:
     """Header of one file, with its own tensors checked against its size."""
-    if not path.is_file():
-        raise ModelLoadError(f"model file not found: {path}")
-    size = path.stat().st_size
-    if size < 24:
-        raise InvalidModelError(f"{path} is not a valid GGUF file: only {size} bytes")
-    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        reader = _Reader(data, path)
-        metadata, tensors = _read_header(reader)
-        _check_tensors(reader, metadata, tensors)
-        reader.data = b""  # the mapping closes here; later checks use the parsed header only
+    try:
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        size = path.stat().st_size
+        if size < 24:
+            raise InvalidModelError(f"{path} is not a valid GGUF file: only {size} bytes")
+        with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            reader = _Reader(data, path)
+            metadata, tensors = _read_header(reader)
+            _check_tensors(reader, metadata, tensors)
+            reader.data = b""  # the mapping closes here; later checks use the parsed header only
+    except OSError as error:  # a name too long, no permission: is_file() lets those through
+        raise ModelLoadError(f"cannot read {path}: {error.strerror or error}") from None
     return reader, metadata, tensors
 
 

@@ -12,16 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError, ModelLoadError
-from llamacrab._native import backend as _backend
-from llamacrab._native.call import c_string, call, ffi, lib, read_string
-from llamacrab._native.devices import warn_if_no_gpu
-from llamacrab._native.field_types import (
+from llamacrab._field_types import (
     FLOAT32_MAX,
     INT32_MAX,
     check_field_types,
     check_range,
+    file_path,
     is_number,
 )
+from llamacrab._native import backend as _backend
+from llamacrab._native.call import c_string, call, ffi, lib, read_string
+from llamacrab._native.devices import warn_if_no_gpu
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.kv_layout import KvLayout, kv_layout
@@ -148,7 +149,7 @@ class Model(NativeHandle):
         """Load ``path``. ``progress(fraction)`` may return False to cancel loading."""
         _backend.ensure_initialised()
         params = params or ModelParams()
-        file = Path(path)
+        file = file_path("the model path", path)
         # Their types checked first: the header is checked again with them.
         overrides = _kv_overrides(params.kv_overrides) if params.kv_overrides else None
         reader, metadata = validate_gguf(file, overrides=params.kv_overrides)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from llamacrab._exceptions import DecodeError, InvalidParameterError, MediaError, ModelLoadError
+from llamacrab._field_types import file_path
 from llamacrab._native import gguf_archs as archs
 from llamacrab._native import projector_probe
 from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
@@ -59,7 +59,7 @@ class Projector(NativeHandle):
                 "this llamacrab-sys was built against a llama.cpp without libmtmd "
                 "(multimodal): rebuild that llama.cpp with its tools to load a projector"
             )
-        file = Path(path)
+        file = file_path("the projector path", path)
         with model.in_flight() as model_pointer:
             rope_type = int(lib.llama_model_rope_type(model_pointer))
         refusal = embeddings_refusal(model.metadata.get("general.architecture", ""), rope_type)

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import GrammarError, InvalidParameterError, NativeError
+from llamacrab._field_types import INT32_MAX, check_field_types, check_range, is_number
 from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
-from llamacrab._native.field_types import INT32_MAX, check_field_types, check_range, is_number
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
 from llamacrab._native.greedy import BiasedArgmax
 from llamacrab._native.handle import NativeHandle

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from llamacrab import InvalidParameterError
+from llamacrab._field_types import is_number
 from llamacrab.compat._errors import UnsupportedParameterError
 from llamacrab.compat.llama_grammar import LlamaGrammar
 
@@ -60,9 +62,22 @@ class Sampling:
         if self.temperature < 0:  # llama-cpp-python: sample the plain distribution, no filters
             options.update(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
         if self.logit_bias:
-            options["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+            options["logit_bias"] = _logit_bias(self.logit_bias)
         if isinstance(self.grammar, LlamaGrammar):
             options["grammar"], options["grammar_root"] = self.grammar.grammar, self.grammar.root
         elif self.grammar is not None:
             options["grammar"] = str(self.grammar)
         return options
+
+
+def _logit_bias(bias: Mapping[int | str, float]) -> dict[int, float]:
+    """llama-cpp-python's logit_bias (token ids, as integers or their text) as llamacrab's."""
+    converted = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, int) or not is_number(value):
+            raise InvalidParameterError(
+                f"logit_bias maps token ids to numbers, not {key!r} to {value!r}"
+            )
+        converted[token] = float(value)
+    return converted

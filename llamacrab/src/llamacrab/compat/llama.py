@@ -35,6 +35,7 @@ from llamacrab import (
 )
 from llamacrab._types import common_prefix
 from llamacrab.compat import _convert as convert
+from llamacrab.compat._checked import checked
 from llamacrab.compat._constants import (
     KV_TYPES,
     LLAMA_ATTENTION_TYPE_UNSPECIFIED,
@@ -104,17 +105,21 @@ class LlamaTokenizer:
     def __init__(self, llama: Llama) -> None:
         self._llama = llama
 
+    @checked
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
         return self._llama.tokenize(text, add_bos=add_bos, special=special)
 
+    @checked
     def detokenize(
         self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None, special: bool = False
     ) -> bytes:
         return self._llama.detokenize(tokens, prev_tokens=prev_tokens, special=special)
 
+    @checked
     def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         return self.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
 
+    @checked
     def decode(self, tokens: Sequence[int]) -> str:
         return self.detokenize(tokens).decode("utf-8", errors="ignore")
 
@@ -143,6 +148,7 @@ class Llama:
     each other. ``llamacrab`` is the underlying ``llamacrab.Llama``, for everything else.
     """
 
+    @checked
     def __init__(
         self,
         model_path: str | os.PathLike[str],
@@ -371,6 +377,7 @@ class Llama:
         self.close()
 
     @classmethod
+    @checked
     def from_pretrained(
         cls,
         repo_id: str,
@@ -401,6 +408,7 @@ class Llama:
 
     # -- tokens -------------------------------------------------------------------------------
 
+    @checked
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
         """Tokens of UTF-8 ``text``; ``add_bos`` adds the special tokens the model wants
         around a text, ``special`` parses control-token text such as ``<bos>``."""
@@ -411,6 +419,7 @@ class Llama:
                 raise llamacrab.TokenizeError(f"text is not UTF-8: {error}") from error
         return self._llm.tokenize(text, add_special=add_bos, parse_special=special)
 
+    @checked
     def detokenize(
         self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None, special: bool = False
     ) -> bytes:
@@ -454,6 +463,7 @@ class Llama:
 
     # -- state --------------------------------------------------------------------------------
 
+    @checked
     def set_seed(self, seed: int) -> None:
         """The seed the next call without ``seed=`` derives its sampling seed from."""
         self._seed = seed
@@ -510,6 +520,7 @@ class Llama:
 
     # -- embeddings ---------------------------------------------------------------------------
 
+    @checked
     def embed(
         self,
         input: str | Sequence[str],
@@ -539,6 +550,7 @@ class Llama:
         count = sum(len(self._llm.tokenize(t)[:limit]) for t in texts)
         return output, count
 
+    @checked
     def create_embedding(
         self, input: str | Sequence[str], model: str | None = None
     ) -> CreateEmbeddingResponse:
@@ -558,6 +570,7 @@ class Llama:
 
     # -- completion ---------------------------------------------------------------------------
 
+    @checked
     def create_completion(
         self,
         prompt: str | Sequence[int],
@@ -701,6 +714,7 @@ class Llama:
             "usage": convert.usage(outcome.prompt_tokens, outcome.completion_tokens),
         }
 
+    @checked
     def generate(
         self,
         tokens: Sequence[int],
@@ -753,6 +767,7 @@ class Llama:
             engine.close()
             self._turns.release()
 
+    @checked
     def eval(self, tokens: Sequence[int]) -> None:
         raise UnsupportedParameterError(
             [
@@ -772,6 +787,7 @@ class Llama:
 
     # -- chat ---------------------------------------------------------------------------------
 
+    @checked
     def create_chat_completion(
         self,
         messages: Sequence[ChatCompletionRequestMessage | Mapping[str, Any]],
@@ -814,11 +830,7 @@ class Llama:
         if functions is not None and tools is None:
             tools = [{"type": "function", "function": f} for f in functions]
         if function_call is not None and tool_choice is None:
-            tool_choice = (
-                function_call
-                if isinstance(function_call, str)
-                else {"type": "function", "function": {"name": function_call["name"]}}
-            )
+            tool_choice = _function_choice(function_call)
         chat: dict[str, Any] = {
             "max_tokens": _max_tokens(max_tokens),
             "stop": _stops(stop),
@@ -1067,10 +1079,24 @@ def _tool_choice(
     if choice is None:
         return "auto"
     if isinstance(choice, str) and choice not in ("auto", "none", "required"):
-        names = {(t.get("function") or {}).get("name") for t in tools or ()}
+        functions = [t.get("function") for t in tools or ()]
+        names = {f.get("name") for f in functions if isinstance(f, Mapping)}
         if choice in names:
             return {"type": "function", "function": {"name": choice}}
     return choice
+
+
+def _function_choice(function_call: str | Mapping[str, Any]) -> str | Mapping[str, Any]:
+    """The legacy ``function_call`` ("auto", "none", a name, or {"name": ...}) as a
+    tool_choice."""
+    if isinstance(function_call, str):
+        return function_call
+    name = function_call.get("name")
+    if not isinstance(name, str):
+        raise InvalidParameterError(
+            f'function_call must be "auto", "none" or {{"name": ...}}, not {function_call!r}'
+        )
+    return {"type": "function", "function": {"name": name}}
 
 
 def _chat_logprobs(logprobs: bool | int | None, top_logprobs: int | None) -> int | None:

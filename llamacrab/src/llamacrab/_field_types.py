@@ -1,13 +1,14 @@
 """Options checked before they reach C: integers against the C fields' ranges
-(``check_range``), and options dataclasses against their own annotations
-(``check_field_types``), so that a value of another type (a list for a float, text for an
-integer, None where a number is required) or past a C type is an InvalidParameterError naming
-the field, not a TypeError from a comparison further on or an OverflowError from cffi.
+(``check_range``), options dataclasses against their own annotations (``check_field_types``)
+and a function's arguments against its annotations (``check_arguments``, for APIs that take
+plain keywords), so that a value of another type (a list for a float, text for an integer,
+None where a number is required) or past a C type is an InvalidParameterError naming the
+field, not a TypeError from a comparison further on or an OverflowError from cffi.
 
 Simple annotations are checked: int, float (an int too), bool (0 and 1 too), str, None, their
 unions, Literal, and containers by kind (a tuple or list, whose items are checked against
-``tuple[X, ...]`` / ``Sequence[X]``; a mapping). A path may be text; any other class is an
-isinstance check; what cannot be resolved is left alone.
+``tuple[X, ...]`` / ``Sequence[X]``; a mapping, a TypedDict too). A path may be text; any other
+class is an isinstance check; what cannot be resolved is left alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import functools
 import os
 import types
 import typing
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -42,6 +44,17 @@ def check_range(name: str, value: int | None, low: int, high: int) -> None:
         raise InvalidParameterError(f"{name} must be an integer in {low}..{high}, not {value!r}")
 
 
+def file_path(what: str, path: object) -> Path:
+    """``path`` (text or os.PathLike) as a Path; InvalidParameterError naming ``what`` for
+    anything else or a NUL inside (which no file name holds), not a TypeError or ValueError
+    from pathlib or ``open``."""
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if not isinstance(text, str) or "\0" in text:
+        raise InvalidParameterError(f"{what} must be a file path (text or os.PathLike without "
+                                    f"NUL), not {_shown(path)}")  # fmt: skip
+    return Path(text)
+
+
 def is_number(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
     """A real number as C takes one: Python's or numpy's, but not a bool."""
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
@@ -50,22 +63,26 @@ def is_number(value: object) -> TypeGuard[int | float | np.integer | np.floating
 def check_field_types(options: Any, skip: Collection[str] = ()) -> None:
     """Raise InvalidParameterError for the first field of dataclass ``options`` (but those
     in ``skip``) whose value does not match its annotation."""
-    hints = _hints(type(options))  # type: ignore[arg-type]  # (a class is hashable)
-    for field in dataclasses.fields(options):
-        if field.name in skip:
-            continue
-        expected = hints.get(field.name)
-        value = getattr(options, field.name)
+    values = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)
+              if field.name not in skip}  # fmt: skip
+    check_arguments(type(options), values)
+
+
+def check_arguments(function: Callable[..., Any], arguments: Mapping[str, Any]) -> None:
+    """Raise InvalidParameterError for the first of ``arguments`` (name: value, as passed to
+    ``function``, or a dataclass's fields) whose value does not match its annotation."""
+    hints = _hints(function)
+    for name, value in arguments.items():
+        expected = hints.get(name)
         if expected is not None and not _matches(value, expected):
-            raise InvalidParameterError(
-                f"{field.name} must be {_describe(expected)}, not {_shown(value)}"
-            )
+            described = _describe(expected)
+            raise InvalidParameterError(f"{name} must be {described}, not {_shown(value)}")
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(annotated: Callable[..., Any]) -> dict[str, Any]:
     try:
-        return typing.get_type_hints(cls)
+        return typing.get_type_hints(annotated)
     except (NameError, TypeError):  # an annotation only a type checker resolves
         return {}
 
@@ -90,7 +107,7 @@ def _matches(value: Any, expected: Any) -> bool:
         if not isinstance(value, tuple | list):
             return False
         return all(_matches(v, _item_type(origin, args) or Any) for v in value)
-    if origin in (dict, Mapping):
+    if origin in (dict, Mapping) or typing.is_typeddict(expected):
         return isinstance(value, Mapping)
     if isinstance(expected, type) and issubclass(expected, os.PathLike):  # a Path: text too
         return isinstance(value, str | os.PathLike)
@@ -112,7 +129,7 @@ def _describe(expected: Any) -> str:
     if origin in (tuple, list, Sequence):
         item = _item_type(origin, args)
         return "a list" + (f" of items each {_describe(item)}" if item is not None else "")
-    if origin in (dict, Mapping):
+    if origin in (dict, Mapping) or typing.is_typeddict(expected):
         return "a mapping"
     names = {bool: "a bool", int: "an integer", float: "a number", str: "a string"}
     return names.get(expected, getattr(expected, "__name__", str(expected)))
