@@ -39,7 +39,6 @@ from llamacrab import (
     LlamaError,
     LoraAdapter,
     Model,
-    ModelLoadError,
     NativeError,
     RamCache,
     SamplerChain,
@@ -423,7 +422,7 @@ class TestNulTerminatedStrings:
 
     def test_a_path_with_a_nul_never_opens_the_file_before_it(self, tiny_model_path: Path) -> None:
         # Cut at the NUL, these paths would name a real model and a real adapter.
-        with pytest.raises(ModelLoadError):
+        with pytest.raises(InvalidParameterError, match="without NUL"):
             Llama(f"{tiny_model_path}\0.other", n_ctx=64)
         with Model.load(tiny_model_path) as model, pytest.raises(LlamaError):
             LoraAdapter(model, f"{tiny_model_path}\0.other")
