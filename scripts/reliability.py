@@ -227,9 +227,15 @@ FOUND = [
      "`top_k=[1]`, `logit_bias=True` or `{2: [1]}`, `logprobs=\"yes\"`, `functions=True`, "
      "`function_call={\"type\": \"function\"}`, `chat_format=5`, `lora_path=5` (28 of 400 "
      "cases)", "TypeError from a comparison, AttributeError, KeyError or ValueError from deep "
-     "inside (unclean)", "`compat/_checked.py`: the public methods check their arguments "
+     "inside (unclean)", "`compat/llama.py`: the public methods check their arguments "
      "against their annotations (`check_arguments` in `_field_types.py`, which moved below "
      "the handles for it); logit_bias and function_call checked by shape"),
+    ("a probe of Llama's methods (after the compat section)", "`tokenize(5)`, "
+     "`detokenize([\"a\"])`, `create_completion(None)`, `create_chat_completion(\"hi\")`, "
+     "`load_state(b\"x\")`, `set_lora_adapters(5)`, `lora=5`; `llm.seed = \"x\"`",
+     "TypeError, ValueError or AttributeError from deep inside (unclean); the bad seed kept, "
+     "refusing every later completion", "`_llama.py`: the public methods `@checked` against "
+     "their annotations (`_field_types.checked`); `seed` a checked property"),
     ("compat", "`Llama(5)`, `Model.load(\"a\\0b\")`, a projector, adapter, draft model or control "
      "vector path of 5,000 characters; `create_chat_completion(tools={\"a\": 1})`",
      "TypeError from pathlib, OSError \"File name too long\" (`Path.is_file()` lets it "

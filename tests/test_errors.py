@@ -6,7 +6,9 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from llamacrab import (
@@ -59,6 +61,38 @@ def test_chat_tools_of_another_shape_are_refused(tiny_llama: Llama) -> None:
         with pytest.raises(InvalidParameterError, match="tool"):
             tiny_llama.create_chat_completion(hi, tools=tools, max_tokens=1)  # type: ignore[arg-type]
     assert tiny_llama.create_chat_completion(hi, max_tokens=1, chat_format="chatml").choices
+
+
+def test_arguments_of_another_type_are_refused_by_name(tiny_llama: Llama) -> None:
+    # Found probing the facade after the compat section: these failed deep inside with a
+    # TypeError, ValueError or AttributeError; a bad seed was kept and refused every later
+    # completion. The public methods check their arguments against their annotations.
+    hi = [{"role": "user", "content": "hi"}]
+    llm: Any = tiny_llama  # the calls below are wrong on purpose
+    refused = [
+        ("text must be a string", lambda: llm.tokenize(5)),
+        ("text must be a string", lambda: llm.tokenize(b"the cat")),
+        ("tokens must be a list of items each an integer", lambda: llm.detokenize(["a"])),
+        ("prompt must be", lambda: llm.create_completion(None, max_tokens=1)),
+        ("prompt must be", lambda: llm.create_completion(["a"], max_tokens=1)),
+        ("messages must be a list", lambda: llm.create_chat_completion("hi", max_tokens=1)),
+        ("messages must be a list", lambda: llm.create_chat_completion([5], max_tokens=1)),
+        ("chat_format must be", lambda: llm.create_chat_completion(hi, chat_format=5)),
+        ("state must be", lambda: llm.load_state(b"x")),
+        ("adapters must be a mapping", lambda: llm.set_lora_adapters(5)),
+        ("lora must be", lambda: llm.create_completion("x", lora=5, max_tokens=1)),
+    ]
+    for message, call in refused:
+        with pytest.raises(InvalidParameterError, match=message):
+            call()
+    for seed in ("x", -1, 2**32):
+        with pytest.raises(InvalidParameterError, match="seed must be an integer in"):
+            llm.seed = seed
+    assert llm.seed is None
+    tokens = np.asarray(llm.tokenize("the cat"), dtype=np.int32)  # arrays count as lists
+    assert llm.detokenize(tokens) == llm.detokenize(tokens.tolist())
+    done = llm.create_completion(tokens, max_tokens=2, min_tokens=2, temperature=0)
+    assert done.usage.completion_tokens == 2
 
 
 def test_not_a_gguf(tmp_path: Path) -> None:

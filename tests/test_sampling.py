@@ -86,7 +86,7 @@ def test_logit_bias_is_applied_natively(tiny_llama: Llama) -> None:
         ({"min_p": {"a": 1}}, "min_p must be a number"),
         ({"temperature": float("nan")}, "temperature is NaN"),
         ({"logprobs": [1]}, "logprobs must be an integer or None"),
-        ({"stop": 5}, "stop must be a list of items each a string, not 5"),
+        ({"stop": 5}, "stop must be a string or a list of items each a string, not 5"),
         ({"n": 10**6}, r"n must be an integer in 1\.\.128"),
         ({"best_of": "2"}, "best_of must be an integer"),
         ({"n": None, "best_of": 0}, "best_of must be an integer in 1"),  # (n=None is 1)

@@ -341,10 +341,13 @@ def test_a_stream_cancelled_before_its_deadline_ends_with_shutting_down_not_time
     async def ending(timeout: float) -> list[str]:
         state = ServerState(ServerSettings(model="m", timeout=timeout), None)
 
-        async def chunks() -> AsyncIterator[SimpleNamespace]:
-            yield SimpleNamespace(finish_reason=None, usage=None)
-            await asyncio.sleep(0.05)
-            yield SimpleNamespace(finish_reason="cancelled", usage=None)
+        class Chunks:  # a Stream's chunks, with the deadline its session was given
+            session = SimpleNamespace(deadline=time.monotonic() + timeout)
+
+            async def __aiter__(self) -> AsyncIterator[SimpleNamespace]:
+                yield SimpleNamespace(finish_reason=None, usage=None)
+                await asyncio.sleep(0.05)
+                yield SimpleNamespace(finish_reason="cancelled", usage=None)
 
         async def write(items: AsyncIterator[SimpleNamespace]) -> AsyncIterator[str]:
             try:
@@ -353,7 +356,7 @@ def test_a_stream_cancelled_before_its_deadline_ends_with_shutting_down_not_time
             except ApiError as error:
                 yield f"{error.status} {error.code}"
 
-        answer = await sse_events(state, chunks(), write)  # type: ignore[arg-type]
+        answer = await sse_events(state, Chunks(), write)  # type: ignore[arg-type]
         return [text async for text in answer.body_iterator]  # type: ignore[misc]
 
     assert asyncio.run(ending(600)) == ["chunk", "503 shutting_down"]

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar, cast
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from llamacrab._exceptions import InvalidParameterError
 
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # past it a C float is infinite
+_Function = TypeVar("_Function", bound=Callable[..., Any])
 
 
 def check_range(name: str, value: int | None, low: int, high: int) -> None:
@@ -77,6 +79,27 @@ def check_arguments(function: Callable[..., Any], arguments: Mapping[str, Any]) 
         if expected is not None and not _matches(value, expected):
             described = _describe(expected)
             raise InvalidParameterError(f"{name} must be {described}, not {_shown(value)}")
+
+
+def checked(function: _Function) -> _Function:
+    """``function`` with its arguments checked against its annotations on each call
+    (``check_arguments``); a numpy array counts as the list it holds (token arrays). Arguments
+    that do not bind (an unknown keyword) are left to the call, which raises Python's own
+    TypeError."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return function(*args, **kwargs)
+        values = {name: value.tolist() if isinstance(value, np.ndarray) else value
+                  for name, value in bound.arguments.items()}  # fmt: skip
+        check_arguments(function, values)
+        return function(*args, **kwargs)
+
+    return cast(_Function, call)
 
 
 @functools.cache

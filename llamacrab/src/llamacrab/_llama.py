@@ -16,17 +16,12 @@ from llamacrab._chat.prompt import chat_prompt
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.generation import Request, Session
 from llamacrab._engine.scheduler import Scheduler
-from llamacrab._engine.speculative import DraftModel, SpeculativeStats
+from llamacrab._engine.speculative import DraftModel, Speculative, SpeculativeStats
 from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._features.chat import chat_completion, chat_request
 from llamacrab._features.checkpoint_hints import last_sentence_start
-from llamacrab._features.completion import (
-    Completer,
-    Speculative,
-    check_speculation,
-    completion_prompt,
-)
+from llamacrab._features.completion import Completer, check_speculation, completion_prompt
 from llamacrab._features.embeddings import DEFAULT_PACK_TOKENS, Embeddings
 from llamacrab._features.hub import HubOptions, ResolvedModel
 from llamacrab._features.hub import resolve as resolve_model
@@ -35,6 +30,7 @@ from llamacrab._features.llama_options import ExtraOptions, take_extra_options
 from llamacrab._features.media import MediaInput
 from llamacrab._features.params import merge_sampling, split_params, with_slots
 from llamacrab._features.presets import with_preset
+from llamacrab._field_types import UINT32_MAX, check_range, checked
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.context import Context, ContextParams
 from llamacrab._native.control_vector import ControlVector, ControlVectorSource
@@ -182,6 +178,17 @@ class Llama:
         return cls(model_path, **kwargs)
 
     @property
+    def seed(self) -> int | None:
+        """The seed of completions that pass none (None: a fresh random one each time)."""
+        return self._seed
+
+    @seed.setter
+    def seed(self, seed: int | None) -> None:
+        # Checked here: a bad value kept would refuse every later completion instead.
+        check_range("seed", seed, 0, UINT32_MAX)
+        self._seed = seed
+
+    @property
     def scheduler(self) -> Scheduler | None:
         """The engine of ``parallel`` slots (None for one slot)."""
         return self._completer.scheduler
@@ -252,6 +259,7 @@ class Llama:
         unfinished."""
         return self._completer.slots()
 
+    @checked
     def save_state(self, scope: str = "sequence", *, slot: int | None = None) -> SavedState:
         """The KV memory and the tokens it holds (``SavedState.save`` writes it to a file);
         ``scope="context"`` saves the whole context (every sequence, last outputs; one slot
@@ -266,6 +274,7 @@ class Llama:
         with self._completer.lock:
             return self._completer.one_slot("save_state").snapshot(scope)
 
+    @checked
     def load_state(self, state: SavedState, *, slot: int | None = None) -> None:
         """Restore a state saved from this model; the next prompt sharing its tokens reuses it
         (with parallel slots, one goes to the slot holding the longest shared prefix).
@@ -278,6 +287,7 @@ class Llama:
         with self._completer.lock:
             self._completer.one_slot("load_state").restore(state)
 
+    @checked
     def reset(self, *, slot: int | None = None) -> int:
         """Forget the cached prompt: the next call decodes its whole prompt again. ``slot=i``
         forgets slot i's alone (ConcurrentUseError while it generates); without it, every
@@ -291,6 +301,7 @@ class Llama:
 
     # -- chat ----------------------------------------------------------------------------------
 
+    @checked
     def chat_prompt(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -300,6 +311,7 @@ class Llama:
         """The prompt text a chat completion would send for ``messages`` (and ``tools``)."""
         return chat_prompt(self.model, messages, chat_format or self.chat_format, tools=tools)
 
+    @checked
     def create_chat_completion(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -335,6 +347,7 @@ class Llama:
         return chat_completion(self.create_completion(tokens, max_tokens=max_tokens, **kwargs),
                                options)  # fmt: skip
 
+    @checked
     def stream_chat_completion(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -380,6 +393,7 @@ class Llama:
         """The text that stands for one image or sound in a multimodal prompt."""
         return self._media.projector.marker
 
+    @checked
     def tokenize_media(
         self,
         text: str,
@@ -392,6 +406,7 @@ class Llama:
 
     # -- fill in the middle --------------------------------------------------------------------
 
+    @checked
     def create_infill(
         self,
         prefix: str,
@@ -410,6 +425,7 @@ class Llama:
                                file_name=file_name)  # fmt: skip
         return self.create_completion(tokens, **kwargs)
 
+    @checked
     def stream_infill(
         self,
         prefix: str,
@@ -428,6 +444,7 @@ class Llama:
 
     # -- embeddings ----------------------------------------------------------------------------
 
+    @checked
     def embed(
         self,
         texts: str | Sequence[str | Sequence[int]],
@@ -450,6 +467,7 @@ class Llama:
         """
         return self._embeddings.embed(texts, normalize, truncate, pooling, pack_tokens)
 
+    @checked
     def rerank(
         self, query: str, documents: Sequence[str], *, top_n: int | None = None,
         truncate: bool = False,
@@ -458,6 +476,7 @@ class Llama:
         many pairs per decode; most relevant first, the best ``top_n`` if given."""
         return self._embeddings.rerank(query, documents, top_n, truncate)
 
+    @checked
     def embed_tokens(
         self,
         texts: str | Sequence[str | Sequence[int]],
@@ -470,6 +489,7 @@ class Llama:
 
     # -- adapters ------------------------------------------------------------------------------
 
+    @checked
     def load_lora(self, path: str | os.PathLike[str], scale: float = 1.0) -> LoraAdapter:
         """Load a LoRA adapter for this model and apply it (alongside any others) at ``scale``."""
         adapter = LoraAdapter(self.model, path)
@@ -486,6 +506,7 @@ class Llama:
         """The default adapters and their scales: what a completion without ``lora=`` uses."""
         return self.context.lora_adapters
 
+    @checked
     def set_control_vector(
         self,
         vector: ControlVector | Sequence[ControlVectorSource] | None,
@@ -504,6 +525,7 @@ class Llama:
             if self.scheduler is None:
                 self._completer.forget()
 
+    @checked
     def set_lora_adapters(self, adapters: Mapping[LoraAdapter, float]) -> None:
         """Apply exactly these adapters; KV computed with the old weights is never reused.
         Refused (ConcurrentUseError) while parallel slots generate."""
@@ -518,11 +540,13 @@ class Llama:
     def vocab(self) -> Vocab:
         return self.model.vocab
 
+    @checked
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
         return self.model.vocab.tokenize(text, add_special, parse_special)
 
+    @checked
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
         return self.model.vocab.detokenize(tokens, special)
 
@@ -532,6 +556,7 @@ class Llama:
         """Stop the running generation (from any thread); it ends with finish_reason "cancelled"."""
         self._completer.cancel()
 
+    @checked
     def stream_completion(
         self,
         prompt: str | Sequence[int] | Chunks,
@@ -593,15 +618,16 @@ class Llama:
         return self._completer.stream(parts, request, options, Session(timeout, cancel),
                                       (speculative, self.speculative), echo, suffix)  # fmt: skip
 
+    @checked
     def create_completion(
         self,
         prompt: str | Sequence[int] | Chunks,
         *,
-        n: int = 1,
+        n: int | None = 1,
         best_of: int | None = None,
         **kwargs: Any,
     ) -> Completion:
-        """Generate ``n`` completions of ``prompt`` (text or tokens) at once.
+        """Generate ``n`` completions of ``prompt`` (text or tokens) at once (None: one).
 
         ``best_of`` > n samples that many and keeps the n with the highest total
         log-probability. Other keywords are those of ``stream_completion``.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -40,6 +40,14 @@ class Drafter(Protocol):
     def feedback(self, drafted: int, accepted: int, seconds: float) -> None: ...
 
     def plain(self, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class Speculative(Protocol):
+    """What ``speculative=`` takes: PromptLookup, DraftModel, or any object that makes a
+    Drafter for the target model (checked by that method's presence)."""
+
+    def drafter(self, target: Model) -> Drafter: ...
 
 
 class _Budget:

@@ -16,7 +16,7 @@ from typing import Any
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.generation import MEDIA_TOKEN, KvState, Request, Session, Step, generate
 from llamacrab._engine.scheduler import Scheduler
-from llamacrab._engine.speculative import Drafter, DraftModel, PromptLookup, SpeculativeStats
+from llamacrab._engine.speculative import Drafter, Speculative, SpeculativeStats
 from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import ConcurrentUseError, InvalidParameterError
 from llamacrab._features.media import MediaInput
@@ -37,7 +37,6 @@ from llamacrab._types import (
     Usage,
 )
 
-Speculative = PromptLookup | DraftModel
 MAX_CHOICES = 128  # n and best_of, as OpenAI's API bounds n: each choice is a generation
 
 
@@ -254,7 +253,7 @@ class Completer:
     def complete(
         self,
         start: Callable[..., Stream[CompletionChunk]],
-        n: int,
+        n: int | None,
         best_of: int | None,
         kwargs: dict[str, Any],
     ) -> Completion:

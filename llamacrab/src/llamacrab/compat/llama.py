@@ -33,9 +33,9 @@ from llamacrab import (
     Stream,
     ToolCall,
 )
+from llamacrab._field_types import checked
 from llamacrab._types import common_prefix
 from llamacrab.compat import _convert as convert
-from llamacrab.compat._checked import checked
 from llamacrab.compat._constants import (
     KV_TYPES,
     LLAMA_ATTENTION_TYPE_UNSPECIFIED,

@@ -77,7 +77,7 @@ async def sse_events(
     grammar) gets its proper status. Later, a library error or a run past the timeout reaches
     ``write`` as an ApiError raised by the chunks it iterates. Tokens are counted, and the stream
     is closed (its slot freed) when the client goes away."""
-    started = time.monotonic()
+    deadline = stream.session.deadline  # set when the stream was made, with the timeout
     chunks = aiter(stream)
     try:
         first = await anext(chunks)
@@ -88,7 +88,7 @@ async def sse_events(
         chunk = first
         while True:
             if chunk.finish_reason == "cancelled":
-                raise cancelled(state, started)
+                raise cancelled(state, deadline is not None and time.monotonic() >= deadline)
             if chunk.finish_reason is not None and chunk.usage is not None:
                 used = chunk.usage
                 state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
@@ -112,11 +112,11 @@ async def sse_events(
                              headers={"Cache-Control": "no-cache"})  # fmt: skip
 
 
-def cancelled(state: ServerState, started: float) -> ApiError:
-    """Why a generation begun at ``started`` (``time.monotonic()``) ended "cancelled": it ran
-    past the timeout (504), or its model was closed before (a forced unload, the server
-    stopping: 503). A client that left gets no answer anyway."""
-    if time.monotonic() - started >= state.settings.timeout:
+def cancelled(state: ServerState, past_deadline: bool) -> ApiError:
+    """Why a generation ended "cancelled": it ran past the timeout (504), or its model was
+    closed before that (a forced unload, the server stopping: 503). A client that left gets
+    no answer anyway."""
+    if past_deadline:
         return ApiError(504, f"the request ran past {state.settings.timeout} s", code="timeout")
     return model_closed()
 
@@ -145,7 +145,8 @@ async def complete(state: ServerState, client: Request, create: Callable[..., _R
     started = time.monotonic()
     result = await until_disconnected(client, create)
     if any(choice.finish_reason == "cancelled" for choice in result.choices):
-        raise cancelled(state, started)
+        # The generation's deadline began after ``started``: past it, this is past too.
+        raise cancelled(state, time.monotonic() - started >= state.settings.timeout)
     used = result.usage
     state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
     return cast(_Result, result)
