@@ -129,7 +129,10 @@ def _matches(value: Any, expected: Any) -> bool:
     if origin in (tuple, list, Sequence):
         if not isinstance(value, tuple | list):
             return False
-        return all(_matches(v, _item_type(origin, args) or Any) for v in value)
+        item = _item_type(origin, args) or Any
+        if item is int and all(type(v) is int for v in value):
+            return True  # token lists: 100,000 items in milliseconds
+        return all(_matches(v, item) for v in value)
     if origin in (dict, Mapping) or typing.is_typeddict(expected):
         return isinstance(value, Mapping)
     if isinstance(expected, type) and issubclass(expected, os.PathLike):  # a Path: text too
