@@ -223,6 +223,11 @@ FOUND = [
      "the timeout\"", "`_registry.py`: any refusal while loading is the entry's "
      "ModelLoadError (`model_load_failed`); `server/_streaming.py`: cancelled before the "
      "deadline is 503 `shutting_down`"),
+    ("lifecycle (1 in 10,000 programs, after it reached vision projectors)", "a Llama with a "
+     "vision projector closed while another thread ran a completion with an image",
+     "SIGSEGV in `mtmd_tokenize`: the projector, chunks and bitmaps it read were freed under "
+     "it", "`_native/mtmd.py`: tokenize, the audio decoder and the chunk accessors hold what "
+     "they read in flight (test in `tests/test_multimodal.py`)"),
     ("compat (llama-cpp-python's API)", "keywords of another type: `temperature=\"1\"`, "
      "`top_k=[1]`, `logit_bias=True` or `{2: [1]}`, `logprobs=\"yes\"`, `functions=True`, "
      "`function_call={\"type\": \"function\"}`, `chat_format=5`, `lora_path=5` (28 of 400 "

@@ -9,6 +9,7 @@ import itertools
 import json
 import signal
 import struct
+import subprocess
 import sys
 import time
 import wave
@@ -567,3 +568,44 @@ def test_the_server_probes_its_projector_unless_told_not_to(files: dict[str, Pat
                                "--no-mmproj-probe"], {})  # fmt: skip
     assert trusting.no_mmproj_probe
     assert llama_kwargs(trusting)["mmproj_probe"] is False
+
+
+# Closes the model while another thread tokenizes a long multimodal prompt, at several delays.
+_CLOSE_WHILE_TOKENIZING = """
+import sys, threading, time
+import numpy as np
+from llamacrab import ClosedHandleError, Image, Llama
+text, vision, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+llm = Llama(text, n_ctx=512, n_threads=1, mmproj=vision, mmproj_probe=False)
+projector = llm.projector
+bitmap = projector.bitmap(Image(pixels=np.full((8, 8, 3), 128, np.uint8)))
+prompt = projector.marker + " the cat sat" * 200_000
+outcome = []
+def tokenize():
+    try:
+        while True:
+            projector.tokenize(prompt, [bitmap]).close()
+    except ClosedHandleError:
+        outcome.append("closed")
+worker = threading.Thread(target=tokenize)
+worker.start()
+time.sleep(delay)
+llm.close()
+worker.join(60)
+print(outcome)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.1, 0.3])
+def test_closing_the_model_while_a_thread_tokenizes_media_waits_for_it(
+    files: dict[str, Path], delay: float
+) -> None:
+    # Found by lifecycle fuzzing (a close during a completion with an image): mtmd_tokenize ran
+    # on a projector, chunks and bitmaps it did not hold, and a close freed them under it
+    # (SIGSEGV). The call now holds each in flight, so the close waits for it.
+    child = subprocess.run(
+        [sys.executable, "-c", _CLOSE_WHILE_TOKENIZING, str(files["text"]), str(files["vision"]),
+         str(delay)], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip() == "['closed']"

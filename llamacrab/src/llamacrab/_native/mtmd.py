@@ -4,8 +4,9 @@ tokenized multimodal prompts (input chunks), each freed once, children before pa
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -117,10 +118,11 @@ class Projector(NativeHandle):
         log_lines.take_errors()
         # Patched libmtmd refuses a file decoding to more than MAX_AUDIO_SECONDS before it
         # allocates the samples (a few kB can declare hours; llamacrab-sys's patches).
-        wrapper = call_bounded("mtmd_helper_bitmap_init_from_buf", self.pointer,
-                               ffi.from_buffer("unsigned char[]", data), len(data), False,
-                               lib.mtmd_helper_init_opt_default(),
-                               refusal=MediaError)  # fmt: skip
+        with self.in_flight() as projector:
+            wrapper = call_bounded("mtmd_helper_bitmap_init_from_buf", projector,
+                                   ffi.from_buffer("unsigned char[]", data), len(data), False,
+                                   lib.mtmd_helper_init_opt_default(),
+                                   refusal=MediaError)  # fmt: skip
         if wrapper.bitmap == ffi.NULL:
             reason = log_lines.take_errors() or "unrecognized format"
             raise MediaError(f"could not decode the audio ({len(data)} bytes): {reason}")
@@ -150,11 +152,17 @@ class Projector(NativeHandle):
         struct = ffi.new("mtmd_input_text *")
         struct.text, struct.text_len = text_buffer, len(encoded)
         struct.add_special, struct.parse_special = add_special, parse_special
-        pointers = ffi.new("mtmd_bitmap *[]", [b.pointer for b in bitmaps] or [ffi.NULL])
         chunks = Chunks(self)
-        log_lines.take_errors()
-        status = call("mtmd_tokenize", self.pointer, chunks.pointer, struct, pointers,
-                      len(bitmaps))  # fmt: skip
+        # Everything it reads stays open until it returns: closing the model from another
+        # thread (the projector and its bitmaps first) waits for this call.
+        with ExitStack() as pinned:
+            projector = pinned.enter_context(self.in_flight())
+            chunk_list = pinned.enter_context(chunks.in_flight())
+            bitmap_pointers = [pinned.enter_context(b.in_flight()) for b in bitmaps]
+            pointers = ffi.new("mtmd_bitmap *[]", bitmap_pointers or [ffi.NULL])
+            log_lines.take_errors()
+            status = call("mtmd_tokenize", projector, chunk_list, struct, pointers,
+                          len(bitmaps))  # fmt: skip
         if status != 0:
             chunks.close()
             reason = log_lines.take_errors() or f"status {status}"
@@ -168,7 +176,6 @@ class Projector(NativeHandle):
     def evaluate(self, context: Context, chunks: Chunks, n_past: int, seq_id: int) -> int:
         """Decode ``chunks`` into ``seq_id`` from position ``n_past`` (images and audio are
         encoded first); the logits of the last token are kept. Returns the next position."""
-        self._check_micro_batch(chunks, context.n_ubatch)
         new_n_past = ffi.new("llama_pos *")
         with (
             self.in_flight() as projector,
@@ -176,6 +183,7 @@ class Projector(NativeHandle):
             context.exclusive() as pointer,
             ExitStack() as held,
         ):
+            _check_micro_batch(self.path, projector, chunk_list, context.n_ubatch)
             context.hold_graph_samplers(pointer, held)
             context.arm_cancel()
             # Split by max_decode: a non-causal text model must not get more than n_ubatch.
@@ -184,20 +192,6 @@ class Projector(NativeHandle):
         if status != 0:
             raise DecodeError(f"libmtmd could not evaluate the prompt (status {status})", status)
         return int(new_n_past[0])
-
-    def _check_micro_batch(self, chunks: Chunks, n_ubatch: int) -> None:
-        """Media this projector decodes with non-causal attention (Gemma 3 and Gemma 4 images,
-        ...) must fit one micro-batch: llama_decode asserts n_ubatch >= n_tokens (an abort,
-        llama-context.cpp:1787), and an image split over several decodes would not attend
-        across its parts."""
-        for chunk, n_tokens in zip(chunks.each(), chunks.media_tokens().tolist(), strict=True):
-            if n_tokens > n_ubatch and lib.mtmd_decode_use_non_causal(self.pointer, chunk):
-                raise InvalidParameterError(
-                    f"{self.path.name} turns this image or sound into {n_tokens} tokens that "
-                    f"attend to each other (non-causal), so they must fit one micro-batch, but "
-                    f"n_ubatch is {n_ubatch}: raise it to at least {n_tokens}, e.g. "
-                    f"Llama(..., n_ubatch={n_tokens}) (and n_batch if smaller: it caps n_ubatch)"
-                )
 
 
 class Bitmap(NativeHandle):
@@ -225,22 +219,46 @@ class Chunks(NativeHandle):
 
     @property
     def n_tokens(self) -> int:
-        return int(lib.mtmd_helper_get_n_tokens(self.pointer))
+        with self.in_flight() as chunk_list:
+            return int(lib.mtmd_helper_get_n_tokens(chunk_list))
 
     @property
     def n_pos(self) -> int:
         """Positions the prompt takes (differs from n_tokens with M-RoPE)."""
-        return int(lib.mtmd_helper_get_n_pos(self.pointer))
-
-    def each(self) -> Iterator[Any]:
-        """The chunk pointers, in order (owned by this list: valid while it is open)."""
-        for i in range(int(lib.mtmd_input_chunks_size(self.pointer))):
-            yield lib.mtmd_input_chunks_get(self.pointer, i)
+        with self.in_flight() as chunk_list:
+            return int(lib.mtmd_helper_get_n_pos(chunk_list))
 
     def media_tokens(self) -> np.ndarray:
         """Per chunk: 0 for text, else the embeddings an image or sound became."""
-        sizes = []
-        for chunk in self.each():
-            text = lib.mtmd_input_chunk_get_type(chunk) == lib.MTMD_INPUT_CHUNK_TYPE_TEXT
-            sizes.append(0 if text else int(lib.mtmd_input_chunk_get_n_tokens(chunk)))
-        return np.array(sizes, dtype=np.int64)
+        with self.in_flight() as chunk_list:
+            return np.array(_media_tokens(chunk_list), dtype=np.int64)
+
+
+def _check_micro_batch(path: Path, projector: Any, chunk_list: Any, n_ubatch: int) -> None:
+    """Media this projector decodes with non-causal attention (Gemma 3 and Gemma 4 images,
+    ...) must fit one micro-batch: llama_decode asserts n_ubatch >= n_tokens (an abort,
+    llama-context.cpp:1787), and an image split over several decodes would not attend
+    across its parts. Both pointers are held in flight by the caller."""
+    for chunk, n_tokens in zip(chunk_pointers(chunk_list), _media_tokens(chunk_list), strict=True):
+        if n_tokens > n_ubatch and lib.mtmd_decode_use_non_causal(projector, chunk):
+            raise InvalidParameterError(
+                f"{path.name} turns this image or sound into {n_tokens} tokens that "
+                f"attend to each other (non-causal), so they must fit one micro-batch, but "
+                f"n_ubatch is {n_ubatch}: raise it to at least {n_tokens}, e.g. "
+                f"Llama(..., n_ubatch={n_tokens}) (and n_batch if smaller: it caps n_ubatch)"
+            )
+
+
+def chunk_pointers(chunk_list: Any) -> list[Any]:
+    """The chunk pointers of an input chunk list held in flight (``Chunks.in_flight()``), in
+    order; they are valid while it is."""
+    count = int(lib.mtmd_input_chunks_size(chunk_list))
+    return [lib.mtmd_input_chunks_get(chunk_list, i) for i in range(count)]
+
+
+def _media_tokens(chunk_list: Any) -> list[int]:
+    """Per chunk of a list held in flight: 0 for text, else the embeddings it became."""
+    text = lib.MTMD_INPUT_CHUNK_TYPE_TEXT
+    return [0 if lib.mtmd_input_chunk_get_type(chunk) == text
+            else int(lib.mtmd_input_chunk_get_n_tokens(chunk))
+            for chunk in chunk_pointers(chunk_list)]  # fmt: skip

@@ -15,7 +15,7 @@ from llamacrab._exceptions import LlamaError
 from llamacrab._native.call import call, lib
 from llamacrab._native.media import Audio, Image, Media
 from llamacrab._native.model import Model, ModelParams
-from llamacrab._native.mtmd import Projector
+from llamacrab._native.mtmd import Projector, chunk_pointers
 
 
 def trial(model_path: str, projector_path: str) -> int:
@@ -29,8 +29,8 @@ def trial(model_path: str, projector_path: str) -> int:
         inputs.append(Audio(samples=np.zeros(rate, np.float32), sample_rate=rate))
     for media in inputs:
         chunks = projector.tokenize(f"{projector.marker} .", [projector.bitmap(media)])
-        with projector.in_flight() as pointer:
-            for chunk in chunks.each():
+        with projector.in_flight() as pointer, chunks.in_flight() as chunk_list:
+            for chunk in chunk_pointers(chunk_list):
                 text = lib.mtmd_input_chunk_get_type(chunk) == lib.MTMD_INPUT_CHUNK_TYPE_TEXT
                 if not text and call("mtmd_encode_chunk", pointer, chunk) != 0:
                     return 1
