@@ -344,9 +344,9 @@ NON_CAUSAL_CHILD = """
     import sys
     import numpy as np
     from llamacrab import Image, InvalidParameterError, Llama
-    from llamacrab._native.mtmd import Projector
+    from llamacrab._native import mtmd
     if sys.argv[3] == "unchecked":
-        Projector._check_micro_batch = lambda *args: None
+        mtmd._check_micro_batch = lambda *args: None
     image = Image(pixels=np.zeros((32, 32, 3), np.uint8))
     with Llama(sys.argv[1], n_ctx=256, n_threads=1, n_ubatch=8, mmproj=sys.argv[2]) as llm:
         try:
