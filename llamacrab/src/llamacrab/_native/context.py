@@ -379,7 +379,7 @@ class Context(NativeHandle):
     @property
     def pooling(self) -> str:
         """The pooling llama.cpp applies: "none", "mean", "cls", "last" or "rank"."""
-        value = lib.llama_pooling_type(self.pointer)
+        value = self.read(lib.llama_pooling_type)
         return next(name for name, known in POOLING.items() if known == value)
 
     def embeddings(
@@ -420,7 +420,7 @@ class Context(NativeHandle):
 
     @property
     def n_ubatch(self) -> int:
-        return int(lib.llama_n_ubatch(self.pointer))
+        return self.read(lib.llama_n_ubatch)
 
     # -- LoRA adapters -------------------------------------------------------------------------
 

@@ -88,6 +88,12 @@ class NativeHandle:
     def closed(self) -> bool:
         return self._closing or not self._finalizer.alive
 
+    def read(self, getter: Callable[[Any], int]) -> int:
+        """``getter(pointer)`` as an int: one quick native read (a size, a count), the handle
+        held open meanwhile so a close on another thread waits for it."""
+        with self.in_flight() as pointer:
+            return int(getter(pointer))
+
     @contextmanager
     def in_flight(self) -> Iterator[Any]:
         """Yield the pointer for one native call; ``close()`` waits until the call returns."""

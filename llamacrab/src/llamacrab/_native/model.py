@@ -208,29 +208,29 @@ class Model(NativeHandle):
 
     @property
     def n_params(self) -> int:
-        return int(lib.llama_model_n_params(self.pointer))
+        return self.read(lib.llama_model_n_params)
 
     @property
     def size(self) -> int:
         """Total size of the weights in bytes."""
-        return int(lib.llama_model_size(self.pointer))
+        return self.read(lib.llama_model_size)
 
     @property
     def n_ctx_train(self) -> int:
-        return int(lib.llama_model_n_ctx_train(self.pointer))
+        return self.read(lib.llama_model_n_ctx_train)
 
     @property
     def n_swa(self) -> int:
         """The sliding-window size of its windowed attention layers (0: none)."""
-        return int(lib.llama_model_n_swa(self.pointer))
+        return self.read(lib.llama_model_n_swa)
 
     @property
     def recurrent(self) -> bool:
         """Whether its memory keeps a recurrent state (Mamba, RWKV; hybrids such as Jamba or
         Granite 4 beside their attention): one state per sequence, which cannot be cut back
         to an earlier position."""
-        pointer = self.pointer
-        return bool(lib.llama_model_is_recurrent(pointer) or lib.llama_model_is_hybrid(pointer))
+        with self.in_flight() as model:
+            return bool(lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model))
 
     @property
     def needs_checkpoints(self) -> bool:
@@ -240,21 +240,21 @@ class Model(NativeHandle):
 
     @property
     def n_embd(self) -> int:
-        return int(lib.llama_model_n_embd(self.pointer))
+        return self.read(lib.llama_model_n_embd)
 
     @property
     def n_embd_out(self) -> int:
         """The width of the embeddings the model outputs."""
-        return int(lib.llama_model_n_embd_out(self.pointer))
+        return self.read(lib.llama_model_n_embd_out)
 
     @property
     def n_cls_out(self) -> int:
         """The classifier head's outputs (one score for a reranker)."""
-        return int(lib.llama_model_n_cls_out(self.pointer))
+        return self.read(lib.llama_model_n_cls_out)
 
     @property
     def n_layer(self) -> int:
-        return int(lib.llama_model_n_layer(self.pointer))
+        return self.read(lib.llama_model_n_layer)
 
     @functools.cached_property
     def causal(self) -> bool:

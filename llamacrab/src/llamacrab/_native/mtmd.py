@@ -219,14 +219,12 @@ class Chunks(NativeHandle):
 
     @property
     def n_tokens(self) -> int:
-        with self.in_flight() as chunk_list:
-            return int(lib.mtmd_helper_get_n_tokens(chunk_list))
+        return self.read(lib.mtmd_helper_get_n_tokens)
 
     @property
     def n_pos(self) -> int:
         """Positions the prompt takes (differs from n_tokens with M-RoPE)."""
-        with self.in_flight() as chunk_list:
-            return int(lib.mtmd_helper_get_n_pos(chunk_list))
+        return self.read(lib.mtmd_helper_get_n_pos)
 
     def media_tokens(self) -> np.ndarray:
         """Per chunk: 0 for text, else the embeddings an image or sound became."""
