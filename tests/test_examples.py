@@ -24,6 +24,7 @@ pytestmark = pytest.mark.real_model
         ("server.py", "completion: ' France"),
         ("multimodal.py", "image prompt: 31 tokens (16 from the image)"),
         ("models.py", "after loading embed: chat unloaded, embed loaded"),
+        ("processes.py", "forked child, parent's Llama: refused: ForkedHandleError"),
     ],
 )
 def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:

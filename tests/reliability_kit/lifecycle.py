@@ -4,8 +4,10 @@ projector or a prompt cache on disk) and their streams.
 
 A program is a list of operations (JSON), drawn with hypothesis in the parent: create, use,
 cancel, close, drop (forget the reference), ``gc.collect``, run an operation on another thread
-(joined at once or left running), close while another thread decodes, and leave the
-interpreter while a thread decodes or a stream is open (``"exit"`` programs, one per child).
+(joined at once or left running), close while another thread decodes, fork the process (the
+child must refuse every object it inherited, load a model of its own and leave, by
+``os._exit`` or through the exit hooks), and leave the interpreter while a thread decodes or a
+stream is open (``"exit"`` programs, one per child).
 Operations name their objects by small indices, resolved modulo the live objects of that kind
 when they run, so every program means something whatever failed before it.
 
@@ -17,10 +19,13 @@ then collected.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import math
+import os
 import random
+import signal
 import tempfile
 import threading
 import time
@@ -34,6 +39,7 @@ from reliability_kit.programs import THREAD_JOIN_SECONDS, Program, stacks
 KINDS = ("model", "context", "sampler", "batch", "adapter", "llama", "stream")
 TINY_VOCAB = 271  # scripts/make_tiny_gguf.py: 3 control, 256 bytes, 12 word pieces
 EXIT_EVERY = 40  # one program in 40 ends by leaving the interpreter mid-decode
+FORKED_CHILD_SECONDS = 30.0
 GRAMMARS = (
     None,
     'root ::= "the" | "a" " cat"',
@@ -153,6 +159,7 @@ def strategies() -> Any:
                                      "image"]),
                delay=st.sampled_from([0.0, 0.001, 0.01]))),
         (1, op("sleep", seconds=st.sampled_from([0.0, 0.001, 0.01]))),
+        (1, op("fork", leave=st.sampled_from(["os_exit", "exit_hooks"]))),
     ]  # fmt: skip
     # One draw picks the operation by weight; one_of would not keep the weights.
     names = [name for weight, (name, _) in base for _ in range(weight)]
@@ -655,6 +662,63 @@ class Machine(Program):
         time.sleep(op["delay"])
         target = {"llama": llm, "context": llm.context, "model": llm.model}[op["what"]]
         target.close()
+
+    def op_fork(self, op: dict[str, Any]) -> None:
+        """Fork, whatever other threads are doing; the child checks itself and reports through
+        its exit status and a pipe. A hang or a signal death of the child is unclean here."""
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            code, problem = 1, "the forked child failed before reporting"
+            try:
+                problem = self._in_forked_child(op["leave"])
+                code = 0 if problem is None else 1
+            except BaseException as error:  # the child must never return into the harness
+                problem = f"{type(error).__name__}: {error}"
+            finally:
+                with contextlib.suppress(OSError):
+                    os.write(write_end, (problem or "").encode()[:4000])
+                os._exit(code)
+        os.close(write_end)
+        deadline = time.monotonic() + FORKED_CHILD_SECONDS
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                os.close(read_end)
+                raise RuntimeError(f"the forked child hung ({FORKED_CHILD_SECONDS} s)")
+            time.sleep(0.01)
+        with os.fdopen(read_end, "rb") as pipe:
+            problem = pipe.read().decode(errors="replace")
+        if problem:
+            raise RuntimeError(f"the forked child: {problem}")
+
+    def _in_forked_child(self, leave: str) -> str | None:
+        """What went wrong in a forked child, or None: every inherited handle and Llama is
+        refused (ForkedHandleError) and closes at once; a model of its own works."""
+        from llamacrab import ForkedHandleError, Llama
+        from llamacrab._native.handle import NativeHandle
+
+        inherited = [o for kind in KINDS if kind != "stream" for o in self.objects[kind]
+                     if o is not None]  # fmt: skip
+        for obj in inherited:
+            try:
+                if isinstance(obj, NativeHandle):
+                    with obj.in_flight():
+                        return f"an inherited {obj.kind} was usable"
+                elif isinstance(obj, Llama):
+                    obj.create_completion("the cat", max_tokens=1)
+                    return "an inherited Llama completed"
+            except ForkedHandleError:
+                pass
+            if hasattr(obj, "close"):
+                obj.close()
+        with Llama(self.model_path, n_ctx=128, n_threads=2) as own:
+            own.create_completion("the cat", max_tokens=2)
+        if leave == "exit_hooks":  # what sys.exit() runs, with the parent's objects alive
+            atexit._run_exitfuncs()
+        return None
 
     def op__call(self, op: dict[str, Any]) -> None:
         op["call"]()

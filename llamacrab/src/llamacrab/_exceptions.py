@@ -38,6 +38,10 @@ class ClosedHandleError(LlamaError):
     """A native handle was used after it was closed (or its parent was)."""
 
 
+class ForkedHandleError(ClosedHandleError):
+    """A handle made before ``os.fork()`` was used in the child process: it is the parent's."""
+
+
 class ConcurrentUseError(LlamaError):
     """A context is already in use by another thread."""
 

@@ -34,6 +34,7 @@ from llamacrab._features.models_dir import scan_models_dir
 from llamacrab._features.presets import with_preset
 from llamacrab._field_types import INT32_MAX, check_field_types, check_range, is_number
 from llamacrab._llama import Llama
+from llamacrab._native.fork import reset_in_child
 from llamacrab._native.gguf_memory import MemoryEstimate
 
 Status = Literal["unloaded", "loading", "loaded", "failed"]
@@ -210,6 +211,7 @@ class ModelRegistry:
             lambda entry: Llama(entry.model, **entry.llama_options())
         )
         self._lock = threading.Condition()
+        reset_in_child(self._lock)
         self._slots: dict[str, _Slot] = {}
         self._closed = False
         self._stop = threading.Event()

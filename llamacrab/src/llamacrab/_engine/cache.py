@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import InvalidParameterError, StateError
+from llamacrab._native.fork import reset_in_child
 from llamacrab._native.state import SavedState
 from llamacrab._types import common_prefix
 
@@ -74,6 +75,7 @@ class RamCache(PromptCache):
         self._entries: OrderedDict[tuple[bytes, tuple[int, ...]], SavedState] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
+        reset_in_child(self._lock)  # a forked child may use it with a model of its own
 
     @property
     def size_bytes(self) -> int:
@@ -135,6 +137,7 @@ class DiskCache(PromptCache):
             ) from error
         self._pending: OrderedDict[tuple[bytes, bytes], SavedState] = OrderedDict()
         self._changed = threading.Condition()
+        reset_in_child(self._changed)
         self._writer: threading.Thread | None = None
         self._closed = False
 

@@ -29,6 +29,7 @@ from llamacrab._exceptions import (
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
+from llamacrab._native.fork import reset_in_child
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
 from llamacrab._types import common_prefix
@@ -84,6 +85,7 @@ class Scheduler:
         self.waiting: deque[_Job] = deque()
         self._turn = 0  # which slot's adapters the next batch uses first (round robin)
         self._cond = threading.Condition()
+        reset_in_child(self._cond)
         self._closed = False
         context.add_weights_guard(self)
         self._thread = threading.Thread(target=self._run, name="llamacrab-engine", daemon=True)
@@ -171,6 +173,9 @@ class Scheduler:
 
     def close(self) -> None:
         """Stop the engine thread (running generations raise ClosedHandleError). Idempotent."""
+        if not self._thread.is_alive():  # stopped, or the parent's (a child of fork() has none)
+            self._closed = True
+            return
         with self._cond:
             self._closed = True
             self._cond.notify()

@@ -22,6 +22,7 @@ from llamacrab._exceptions import ConcurrentUseError, InvalidParameterError
 from llamacrab._features.media import MediaInput
 from llamacrab._field_types import UINT32_MAX, check_range
 from llamacrab._native.context import Context
+from llamacrab._native.fork import reset_in_child
 from llamacrab._native.media import Media
 from llamacrab._native.model import Model
 from llamacrab._native.mtmd import Chunks
@@ -96,6 +97,7 @@ class Completer:
         # One slot: a new generation supersedes an unfinished one, or (False) waits for its end.
         self.supersede = True
         self._idle = threading.Condition(self.lock)
+        reset_in_child(self.lock, self._idle)
         self.scheduler: Scheduler | None = None
         self._stop_engine: weakref.finalize[[], Completer] | None = None
         if parallel is not None:
@@ -136,6 +138,7 @@ class Completer:
     def idle_slot(self, index: int) -> Iterator[KvState]:
         """Slot ``index``'s memory while it is idle (ConcurrentUseError while it generates):
         one slot has no generation under way, or a parallel slot has no job."""
+        self.kv.context.check_own()  # after fork(), the parent's jobs seem to hold the slots
         if self.scheduler is not None:
             with self.scheduler.idle_slot(index) as kv:
                 yield kv
@@ -188,6 +191,7 @@ class Completer:
 
     def forget(self) -> None:
         """Drop every cached prompt prefix."""
+        self.kv.context.check_own()  # as in idle_slot
         if self.scheduler is not None:
             self.scheduler.forget()
         else:

@@ -9,6 +9,7 @@ import weakref
 from typing import Protocol
 
 from llamacrab._native import logging as _logging
+from llamacrab._native.fork import reset_in_child
 from llamacrab_sys import lib
 
 
@@ -22,6 +23,7 @@ EXIT_WAIT_SECONDS = 10.0
 
 
 _lock = threading.Lock()
+reset_in_child(_lock)
 _initialised = False
 # Top-level handles (models); each closes its own children before itself.
 _live_roots: weakref.WeakSet[_Closable] = weakref.WeakSet()

@@ -36,6 +36,7 @@ from llamacrab._native.batch import Batch
 from llamacrab._native.call import call, ffi, lib
 from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.devices import accelerator_present
+from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.kv_layout import pad_cells
 from llamacrab._native.logging import log_lines, logger
@@ -171,8 +172,8 @@ class ContextParams:
         c.n_ubatch = max(min(self.n_ubatch, self.n_batch), self.n_seq_max)
         c.n_ctx = max(c.n_ctx, self.n_seq_max)
         threads = os.cpu_count() or 1
-        c.n_threads = self.n_threads or threads
-        c.n_threads_batch = self.n_threads_batch or self.n_threads or threads
+        c.n_threads = thread_limit(self.n_threads or threads)
+        c.n_threads_batch = thread_limit(self.n_threads_batch or self.n_threads or threads)
         c.flash_attn_type = FLASH_ATTN[self.flash_attn]
         c.pooling_type = POOLING[self.pooling]
         c.rope_scaling_type = ROPE_SCALING[self.rope_scaling]
@@ -205,6 +206,7 @@ class Context(NativeHandle):
         # context overflow") to the llamacrab logger. Only the share counts: n_ctx 1024 for
         # two slots of a model trained for 512 is within it.
         log_lines.take_errors()
+        note_compute_threads()
         # Closing the model from another thread waits for the creation, then closes this too.
         with model.in_flight() as model_pointer:
             c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
@@ -277,6 +279,7 @@ class Context(NativeHandle):
     def exclusive(self) -> Iterator[Any]:
         """Hold the context for one thread's native call; yields the raw pointer. ``close()``
         from another thread cancels the call and waits for it before freeing."""
+        self.check_own()  # the parent's (fork()): its lock may be held by a thread not here
         if not self._busy.acquire(blocking=False):
             raise ConcurrentUseError("this context is in use by another thread")
         try:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 
+from llamacrab._native.fork import reset_in_child
 from llamacrab_sys import build_info, lib
 
 logger = logging.getLogger("llamacrab")
 
 _lock = threading.Lock()
+reset_in_child(_lock)
 _warned = False
 
 

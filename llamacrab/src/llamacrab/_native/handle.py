@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from llamacrab._exceptions import ClosedHandleError, ConcurrentUseError
+from llamacrab._exceptions import ClosedHandleError, ConcurrentUseError, ForkedHandleError
+from llamacrab._native import fork as _fork
 from llamacrab_sys import ffi
 
 # Tests observe every free through this: ``observer(kind, address)`` right after the pointer is
@@ -18,9 +19,13 @@ from llamacrab_sys import ffi
 free_observer: Callable[[str, int], None] | None = None
 
 
-def _release(kind: str, free: Callable[[Any], None], pointer: Any, *keep_alive: object) -> None:
+def _release(
+    kind: str, free: Callable[[Any], None], pointer: Any, generation: int, *keep_alive: object
+) -> None:
     # `keep_alive` is unused here: holding the parent (and any memory C points into) in the
     # finalizer's arguments keeps them alive until this object is freed, whatever the GC order.
+    if generation != _fork.generation:
+        return  # made before a fork(): the parent frees its own; this copy ends with the process
     free(pointer)
     if free_observer is not None:
         free_observer(kind, address(pointer))
@@ -48,9 +53,10 @@ class NativeHandle:
     ) -> None:
         assert pointer != ffi.NULL, "callers turn NULL into a typed error before wrapping"
         self._pointer = pointer
+        self._generation = _fork.generation
         self._children: weakref.WeakSet[NativeHandle] = weakref.WeakSet()
         self._finalizer = weakref.finalize(
-            self, _release, self.kind, free, pointer, parent, keep_alive
+            self, _release, self.kind, free, pointer, self._generation, parent, keep_alive
         )
         # weakref's own exit hook would free every live handle at exit without waiting for the
         # calls in flight; the backend's exit hook closes the roots, which waits.
@@ -74,19 +80,35 @@ class NativeHandle:
     def _adopt(self, child: NativeHandle) -> None:
         # Under the lock close() sets _closing with: a child is either refused, or adopted
         # before close() lists the children it closes first.
+        self.check_own()
         with self._calls:
             self.pointer  # noqa: B018 - a closed or closing parent must not gain children
             self._children.add(child)
 
     @property
     def pointer(self) -> Any:
-        if self._closing or not self._finalizer.alive:
-            raise ClosedHandleError(f"this {self.kind} is closed")
+        if self._closing or not self._finalizer.alive or self._generation != _fork.generation:
+            raise self._closed_error()
         return self._pointer
 
     @property
     def closed(self) -> bool:
-        return self._closing or not self._finalizer.alive
+        return self._closing or not self._finalizer.alive or self._generation != _fork.generation
+
+    def check_own(self) -> None:
+        """Raise ForkedHandleError if this handle was made before this process was forked:
+        before anything waits on a lock another thread of the parent may have held."""
+        if self._generation != _fork.generation:
+            raise self._closed_error()
+
+    def _closed_error(self) -> ClosedHandleError:
+        if self._generation != _fork.generation:
+            return ForkedHandleError(
+                f"this {self.kind} was made before os.fork(), in the parent process, which owns "
+                "it: load the model again in this process (with multiprocessing: in each "
+                "worker, or start workers with the 'spawn' method)"
+            )
+        return ClosedHandleError(f"this {self.kind} is closed")
 
     def read(self, getter: Callable[[Any], int]) -> int:
         """``getter(pointer)`` as an int: one quick native read (a size, a count), the handle
@@ -98,9 +120,10 @@ class NativeHandle:
     def in_flight(self) -> Iterator[Any]:
         """Yield the pointer for one native call; ``close()`` waits until the call returns."""
         me = threading.get_ident()
+        self.check_own()
         with self._calls:
             if self._closing or not self._finalizer.alive:
-                raise ClosedHandleError(f"this {self.kind} is closed")
+                raise self._closed_error()
             self._callers[me] = self._callers.get(me, 0) + 1
         try:
             yield self._pointer
@@ -123,6 +146,11 @@ class NativeHandle:
     def _close(self, timeout: float | None) -> bool:
         """Close; False if a call was still in flight after ``timeout`` seconds: the memory is
         then left allocated (a leak at exit is better than freeing memory in use)."""
+        if self._generation != _fork.generation:
+            # The parent's: nothing to wait for (its threads are not here), nothing to free.
+            self._closing = True
+            self._finalizer.detach()
+            return True
         with self._calls:
             if threading.get_ident() in self._callers:
                 raise ConcurrentUseError(f"this {self.kind} cannot be closed from inside its call")

@@ -6,6 +6,7 @@ import logging
 import threading
 from collections import deque
 
+from llamacrab._native.fork import reset_in_child
 from llamacrab_sys import lib, set_log_handler
 
 logger = logging.getLogger("llamacrab")
@@ -58,6 +59,7 @@ class _LineAssembler:
 
 
 log_lines = _LineAssembler()
+reset_in_child(log_lines._lock)
 
 
 def install() -> None:

@@ -17,6 +17,7 @@ from llamacrab._native import gguf_archs as archs
 from llamacrab._native import projector_probe
 from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
+from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
@@ -72,8 +73,8 @@ class Projector(NativeHandle):
         params = lib.mtmd_context_params_default()
         params.use_gpu = use_gpu
         params.print_timings = False
-        if n_threads is not None:
-            params.n_threads = n_threads
+        params.n_threads = thread_limit(params.n_threads if n_threads is None else n_threads)
+        note_compute_threads()
         log_lines.take_errors()
         # Closing the model from another thread waits for the load, then closes this too.
         with model.in_flight() as model_pointer:

@@ -29,6 +29,7 @@ from llamacrab._exceptions import (
 )
 from llamacrab._native import backend as _backend
 from llamacrab._native.call import c_string, call, ffi, lib
+from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab_sys import build_info
 
 RPC_CMD_HELLO = 14  # static_assert(RPC_CMD_HELLO == 14) in ggml-rpc.cpp: fixed across versions
@@ -286,6 +287,7 @@ def serve(
     when it cannot listen or accept (then RpcError)."""
     require_rpc()
     _backend.ensure_initialised()
+    note_compute_threads()
     chosen = _worker_devices(devices)
     array = ffi.new("ggml_backend_dev_t[]", chosen)
     cache = ffi.NULL if cache_dir is None else c_string(cache_dir, "cache directory")
@@ -293,7 +295,7 @@ def serve(
         "ggml_backend_rpc_start_server",
         c_string(str(endpoint), "worker address"),
         cache,
-        n_threads,
+        thread_limit(n_threads),
         len(chosen),
         array,
     )

@@ -1,0 +1,83 @@
+"""What a process forked from one that used llama.cpp may use of it.
+
+``fork()`` copies the memory but only the thread that called it. A native object made before
+the fork is the parent's: its locks may be held by threads the child does not have, and a GPU
+context does not survive the copy, so in the child it is foreign (ForkedHandleError on use, and
+never freed there). And GNU OpenMP, which ggml's CPU backend computes with, keeps the parent's
+idle thread pool in its state: a child's next parallel region waits for those threads forever.
+A child of a process that may have started that pool computes on one thread."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+logger = logging.getLogger("llamacrab")
+
+# Bumped in every forked child: a handle made under an older value belongs to an ancestor.
+generation = 0
+
+_lock = threading.Lock()
+_compute_threads_started = False  # this process (or an ancestor) made a context or projector
+_forked_after_compute = False  # an ancestor's OpenMP pool may be in this copy of libgomp
+_warned = False
+# Locks of objects a child inherits (a Llama's): held at fork() by a thread the child does not
+# have, they would never be released; reset in the child, they let a call go on to the
+# handle it uses, which raises ForkedHandleError.
+_inherited_locks: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def reset_in_child(*locks: Any) -> None:
+    """Have a forked child start with ``locks`` (Lock, RLock or Condition) released."""
+    _inherited_locks.update(locks)
+
+
+def note_compute_threads() -> None:
+    """A context or projector is being made: computing with it may start OpenMP's pool."""
+    global _compute_threads_started
+    _compute_threads_started = True
+
+
+def thread_limit(n_threads: int) -> int:
+    """``n_threads``, or 1 in a forked child whose OpenMP pool is the parent's (said once)."""
+    global _warned
+    if not _forked_after_compute or n_threads <= 1 or not _openmp_is_gnu():
+        return n_threads
+    with _lock:
+        warn, _warned = not _warned, True
+    if warn:
+        logger.warning(
+            "this process was forked from one that had computed with llama.cpp: GNU OpenMP's "
+            "threads do not survive fork(), so llama.cpp computes on 1 thread here instead of "
+            "%d (start worker processes with multiprocessing's 'spawn' or 'forkserver' method "
+            "for all of them)",
+            n_threads,
+        )
+    return 1
+
+
+@functools.cache
+def _openmp_is_gnu() -> bool:
+    """Whether GNU OpenMP is loaded (LLVM's libomp and the ggml thread pool are fork-safe)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:  # not Linux: ggml is built without GNU OpenMP there
+        return False
+
+
+def _after_fork_in_child() -> None:
+    global generation, _forked_after_compute, _lock, _warned
+    generation += 1
+    _lock = threading.Lock()  # another thread of the parent may have held it
+    _warned = False  # each process says it once
+    for lock in list(_inherited_locks):
+        lock._at_fork_reinit()  # what threading and logging do with their own locks
+    _forked_after_compute = _compute_threads_started
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

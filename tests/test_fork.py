@@ -1,0 +1,141 @@
+"""A process forked from one that uses llama.cpp (os.fork, multiprocessing's default start
+method on Linux): the parent's objects are refused in the child, never hang or crash it; a
+model loaded in the child works (on one thread where GNU OpenMP's pool is the parent's); the
+parent goes on as before. Each case runs in a child interpreter of its own, which forks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_crash_proof import assert_clean_exit, run_child
+
+# argv: model path, parallel ("none" or a count), whether a thread generates during the fork.
+_FORK_CHILD = """
+    import json, logging, os, sys, threading, time
+    from llamacrab import ForkedHandleError, Llama
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("llamacrab").addHandler(handler)
+
+    path, parallel, busy = sys.argv[1], sys.argv[2], sys.argv[3] == "busy"
+    parallel = None if parallel == "none" else int(parallel)
+    llm = Llama(path, n_ctx=256, n_threads=2, parallel=parallel)
+    greedy = dict(max_tokens=8, temperature=0)
+    expected = llm.create_completion("the cat", **greedy).choices[0].text
+
+    stop = threading.Event()
+    def generate():
+        while not stop.is_set():
+            llm.create_completion("the dog", max_tokens=32, temperature=0)
+    worker = threading.Thread(target=generate, daemon=True)
+    if busy:
+        worker.start()
+        time.sleep(0.2)
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        seen = {}
+        for name, use in [
+            ("complete", lambda: llm.create_completion("the cat", **greedy)),
+            ("stream", lambda: next(iter(llm.stream_completion("the cat", **greedy)))),
+            ("tokenize", lambda: llm.tokenize("the cat")),
+            ("save_state", lambda: llm.save_state(slot=0 if parallel else None)),
+            ("reset", lambda: llm.reset()),
+        ]:
+            try:
+                use()
+                seen[name] = "worked"
+            except ForkedHandleError as error:
+                seen[name] = "forked" if "before os.fork()" in str(error) else str(error)
+        seen["closed"] = llm.closed
+        llm.close()  # the parent's: nothing freed here, nothing waited for
+        with Llama(path, n_ctx=256, n_threads=2) as own:
+            seen["own"] = own.create_completion("the cat", **greedy).choices[0].text
+        seen["warnings"] = [w for w in warnings if "fork" in w]
+        os.write(write_end, json.dumps(seen).encode())
+        os.close(write_end)
+        sys.exit(0)  # runs the exit hooks, which close what is left
+
+    os.close(write_end)
+    started = time.monotonic()
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() - started > 60:
+            os.kill(pid, 9)
+            raise SystemExit("the forked child hung")
+        time.sleep(0.05)
+    child_seconds = time.monotonic() - started
+    seen = json.loads(os.read(read_end, 1 << 16) or b"{}")
+    stop.set()
+    if busy:
+        worker.join()
+    again = llm.create_completion("the cat", **greedy).choices[0].text
+    print(json.dumps({"child": seen, "child_seconds": child_seconds,
+                      "expected": expected, "again": again}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("parallel", "busy"), [("none", "idle"), ("none", "busy"), ("2", "idle"), ("2", "busy")]
+)
+def test_a_forked_child_refuses_the_parents_llama_and_loads_its_own(
+    tiny_model_path: Path, parallel: str, busy: str
+) -> None:
+    # Before: the child's first decode waited forever in libgomp for the parent's OpenMP
+    # threads (even with a model of its own), and its exit waited 10 s for the parent's
+    # generation in flight.
+    child = run_child(_FORK_CHILD, str(tiny_model_path), parallel, busy, timeout=180)
+    assert_clean_exit(child)
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    seen = result["child"]
+    uses = ("complete", "stream", "tokenize", "save_state", "reset")
+    assert {name: seen[name] for name in uses} == dict.fromkeys(uses, "forked")
+    assert seen["closed"] is True
+    assert seen["own"] == result["expected"]  # one thread computes the same greedy tokens
+    assert len(seen["warnings"]) == 1 and "1 thread here instead of 2" in seen["warnings"][0]
+    assert result["child_seconds"] < 5  # it waited 10 s for the parent's calls in flight
+    assert result["again"] == result["expected"]
+
+
+_POOL_CHILD = """
+    import multiprocessing, sys
+    from llamacrab import ForkedHandleError, Llama
+
+    path = sys.argv[1]
+    inherited = Llama(path, n_ctx=256, n_threads=2)
+    inherited.create_completion("the cat", max_tokens=2)
+    own = None
+
+    def with_inherited(prompt):
+        try:
+            return inherited.create_completion(prompt, max_tokens=4, temperature=0).choices[0].text
+        except ForkedHandleError:
+            return "refused"
+
+    def load_own():
+        global own
+        own = Llama(path, n_ctx=256, n_threads=2)
+
+    def with_own(prompt):
+        return own.create_completion(prompt, max_tokens=4, temperature=0).choices[0].text
+
+    expected = inherited.create_completion("the cat", max_tokens=4, temperature=0).choices[0].text
+    fork = multiprocessing.get_context("fork")
+    with fork.Pool(2) as pool:
+        print(pool.map(with_inherited, ["the cat"] * 2, chunksize=1))
+    with fork.Pool(2, initializer=load_own) as pool:
+        print(pool.map(with_own, ["the cat"] * 2, chunksize=1) == [expected] * 2)
+"""
+
+
+def test_a_fork_pool_gets_an_error_for_a_global_llama_and_works_with_its_own(
+    tiny_model_path: Path,
+) -> None:
+    child = run_child(_POOL_CHILD, str(tiny_model_path), timeout=180)
+    assert_clean_exit(child)
+    assert child.stdout.split() == ["['refused',", "'refused']", "True"]
