@@ -676,3 +676,22 @@ def test_values_of_another_type_are_refused_by_keyword(tiny_model_path: Path) ->
         assert done["usage"]["prompt_tokens"] == len(tokens)
         with pytest.raises(TypeError, match="unexpected keyword"):  # Python's own, as before
             llm.create_completion("the cat", no_such_keyword=1)  # type: ignore[call-arg]
+
+
+def test_a_pickled_llama_loads_its_model_again_with_the_same_arguments(
+    tiny_model_path: Path,
+) -> None:
+    # llama-cpp-python pickles a Llama as its arguments (to hand one to a worker process).
+    import copy
+    import pickle
+
+    with Llama(str(tiny_model_path), n_ctx=256, n_threads=1, seed=7, verbose=False) as original:
+        expected = text(original.create_completion("the cat", max_tokens=6, temperature=0))
+        for restored in (pickle.loads(pickle.dumps(original)), copy.deepcopy(original)):
+            with restored:
+                assert restored.llamacrab is not original.llamacrab
+                assert restored.n_ctx() == original.n_ctx() == 256
+                assert restored.model_path == original.model_path
+                assert text(restored.create_completion("the cat", max_tokens=6,
+                                                       temperature=0)) == expected  # fmt: skip
+        assert not original.llamacrab.closed  # the copies closed their own

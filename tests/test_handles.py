@@ -172,3 +172,21 @@ def test_sampler_options_are_validated(tiny_llama: Llama) -> None:
         SamplingOptions(order=("top_k", "nope"))
     with pytest.raises(TokenizeError, match="outside the vocabulary"):
         SamplerChain(tiny_llama.model, SamplingOptions(logit_bias={10**6: 1.0}))
+
+
+def test_handles_refuse_pickling_and_copies_by_name(tiny_llama: Llama) -> None:
+    # A copy would share the pointer (closing it would close the original); a pickle would
+    # carry an address meaningless in another process.
+    import copy
+    import pickle
+
+    handles = [tiny_llama.model, tiny_llama.context]
+    for native in handles:
+        for attempt in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(TypeError, match=f"a {native.kind} cannot be pickled or copied"):
+                attempt(native)
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):
+        pickle.dumps(tiny_llama)
+    state = pickle.loads(pickle.dumps(tiny_llama.save_state()))  # states are plain data
+    tiny_llama.load_state(state)
+    assert not any(native.closed for native in handles)

@@ -165,6 +165,13 @@ class NativeHandle:
                 self._finalizer()
         return closed
 
+    def __reduce__(self) -> Any:
+        # copy.copy and copy.deepcopy come here too: a copy would share the pointer.
+        raise TypeError(
+            f"a {self.kind} cannot be pickled or copied: it is llama.cpp's memory in this "
+            "process (load the model where it is needed, or pickle a SavedState)"
+        )
+
     def __enter__(self: _H) -> _H:
         return self
 

@@ -209,6 +209,11 @@ class Llama:
         verbose: bool = True,
         **kwargs: Any,
     ) -> None:
+        # What pickling keeps (as llama-cpp-python does): the arguments, to load again.
+        arguments = dict(locals())  # the parameters alone: nothing else is bound yet
+        del arguments["self"]
+        arguments.update(arguments.pop("kwargs"))
+        self._arguments = arguments
         problems: list[str] = []
         _legacy_keywords(kwargs, problems)
         if vocab_only:
@@ -369,6 +374,15 @@ class Llama:
     def close(self) -> None:
         """Free the model and its context."""
         self._llm.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (or deep-copied), a Llama is the arguments it was made with: unpickling
+        loads the model again, as llama-cpp-python does (what its context holds is not
+        kept; ``save_state`` carries that)."""
+        return dict(self._arguments)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
 
     def __enter__(self) -> Llama:
         return self
