@@ -270,6 +270,14 @@ FOUND = [
      "the Llama's locks reset there, one compute thread where GNU OpenMP's pool is the "
      "parent's (tests in `tests/test_fork.py`; with the fix undone, 55 of 1,000 short "
      "lifecycle programs failed, 7 of them hangs)"),
+    ("a probe of custom samplers (then lifecycle's reenter operation)", "a custom sampler "
+     "that uses its own Llama: a completion, a close, a reset", "on parallel slots, a "
+     "completion from inside waited forever for the engine thread it ran on; on one slot it "
+     "cut the running generation short; a close was refused half-way, leaving the model "
+     "closed and never freed (8 of 1,000 short lifecycle programs with the fix undone)",
+     "`_features/completion.py`: no generation starts on a thread inside the context "
+     "(`Context.held_here`); `_native/handle.py`: `check_closable` refuses before changing "
+     "anything (test in `tests/test_threads.py`)"),
 ]  # fmt: skip
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from llamacrab import ConcurrentUseError, Llama
+from llamacrab import ConcurrentUseError, CustomSampler, Llama, LlamaError
 
 
 @pytest.mark.real_model
@@ -79,3 +80,52 @@ def test_cancel_from_another_thread(gemma: Llama) -> None:
     chunks = list(stream)
     assert chunks[-1].finish_reason == "cancelled"
     assert sum(1 for c in chunks if c.tokens) < 199
+
+
+class _CallsItsOwnLlama(CustomSampler):
+    """A sampler whose first call uses the Llama it samples for, and keeps what happened."""
+
+    def __init__(self, llm: Llama, action: str) -> None:
+        self.llm, self.action, self.outcome = llm, action, ""
+
+    def apply(self, candidates: object) -> None:
+        if self.outcome:
+            return
+        try:
+            if self.action == "close":
+                self.llm.close()
+            elif self.action == "complete":
+                self.llm.create_completion("x", max_tokens=1)
+            elif self.action == "reset":
+                self.llm.reset(slot=0 if self.llm.scheduler else None)
+            self.outcome = "worked"
+        except LlamaError as error:
+            self.outcome = f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+@pytest.mark.parametrize("action", ["close", "complete", "reset"])
+def test_a_sampler_calling_its_own_llama_is_refused_and_changes_nothing(
+    tiny_model_path: Path, parallel: int | None, action: str
+) -> None:
+    # Before: on parallel slots a completion from inside one waited for the engine thread it
+    # ran on (a hang of every slot); on one slot it cut the running generation short; a
+    # close was refused half-way, leaving the model closed and never freed.
+    with Llama(tiny_model_path, n_ctx=256, n_threads=1, parallel=parallel) as llm:
+        expected = llm.create_completion("the cat", max_tokens=6, temperature=0).text
+        hook = _CallsItsOwnLlama(llm, action)
+        result: list[str] = []
+        worker = threading.Thread(
+            target=lambda: result.append(
+                llm.create_completion(
+                    "the cat", max_tokens=6, temperature=0, custom_samplers=[hook]
+                ).text
+            ),
+            daemon=True,
+        )
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "the generation waited for itself"
+        assert hook.outcome.startswith("ConcurrentUseError: "), hook.outcome
+        assert result == [expected]
+        assert llm.create_completion("the cat", max_tokens=6, temperature=0).text == expected

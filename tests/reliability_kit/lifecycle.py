@@ -4,7 +4,8 @@ projector or a prompt cache on disk) and their streams.
 
 A program is a list of operations (JSON), drawn with hypothesis in the parent: create, use,
 cancel, close, drop (forget the reference), ``gc.collect``, run an operation on another thread
-(joined at once or left running), close while another thread decodes, fork the process (the
+(joined at once or left running), close while another thread decodes, use a Llama from inside
+a generation (a custom sampler's callback: close, complete, reset, ...), fork the process (the
 child must refuse every object it inherited, load a model of its own and leave, by
 ``os._exit`` or through the exit hooks), and leave the interpreter while a thread decodes or a
 stream is open (``"exit"`` programs, one per child).
@@ -40,6 +41,9 @@ KINDS = ("model", "context", "sampler", "batch", "adapter", "llama", "stream")
 TINY_VOCAB = 271  # scripts/make_tiny_gguf.py: 3 control, 256 bytes, 12 word pieces
 EXIT_EVERY = 40  # one program in 40 ends by leaving the interpreter mid-decode
 FORKED_CHILD_SECONDS = 30.0
+# What a custom sampler does, from inside a generation, to a Llama (its own or another).
+REENTRY_ACTIONS = ("close", "close_context", "close_model", "complete", "stream", "reset",
+                   "save_state", "tokenize", "set_lora", "cancel")  # fmt: skip
 GRAMMARS = (
     None,
     'root ::= "the" | "a" " cat"',
@@ -160,6 +164,8 @@ def strategies() -> Any:
                delay=st.sampled_from([0.0, 0.001, 0.01]))),
         (1, op("sleep", seconds=st.sampled_from([0.0, 0.001, 0.01]))),
         (1, op("fork", leave=st.sampled_from(["os_exit", "exit_hooks"]))),
+        (2, op("reenter", l=idx, target=idx, action=st.sampled_from(REENTRY_ACTIONS),
+               at=st.sampled_from([0, 1, 3]))),
     ]  # fmt: skip
     # One draw picks the operation by weight; one_of would not keep the weights.
     names = [name for weight, (name, _) in base for _ in range(weight)]
@@ -275,6 +281,28 @@ def _image(side: int = 8) -> Any:
     from llamacrab import Image
 
     return Image(pixels=np.full((side, side, 3), 128, np.uint8))
+
+
+def _reentry(llm: Any, action: str) -> None:
+    slot = 0 if llm.scheduler is not None else None
+    if action == "close":
+        llm.close()
+    elif action in ("close_context", "close_model"):
+        (llm.context if action == "close_context" else llm.model).close()
+    elif action == "complete":
+        llm.create_completion("the dog", max_tokens=2)
+    elif action == "stream":
+        next(iter(llm.stream_completion("the dog", max_tokens=2)), None)
+    elif action == "reset":
+        llm.reset(slot=slot)
+    elif action == "save_state":
+        llm.save_state(slot=slot)
+    elif action == "tokenize":
+        llm.tokenize("the dog")
+    elif action == "set_lora":
+        llm.set_lora_adapters({})
+    else:
+        llm.cancel()
 
 
 def _wait_for_threads(baseline: set[int | None], seconds: float = 10.0) -> list[str]:
@@ -719,6 +747,33 @@ class Machine(Program):
         if leave == "exit_hooks":  # what sys.exit() runs, with the parent's objects alive
             atexit._run_exitfuncs()
         return None
+
+    def op_reenter(self, op: dict[str, Any]) -> None:
+        """A completion whose custom sampler, at its ``at``-th token, uses a Llama (this one
+        or another): what it gets is the sampler's business, but the completion must end,
+        and a close of its own Llama (refused from inside) must leave that Llama open."""
+        from llamacrab import CustomSampler
+
+        llm, target = self.get("llama", op["l"]), self.get("llama", op["target"])
+        if llm is None or target is None:
+            return
+        machine, action = self, op["action"]
+
+        class Reenter(CustomSampler):
+            calls = 0
+
+            def apply(self, candidates: Any) -> None:
+                self.calls += 1
+                if self.calls == op["at"] + 1:
+                    machine.run({"op": "_call", "call": lambda: _reentry(target, action)})
+
+        # Only where no other thread of the program runs: one of those may close it.
+        alone = not any(thread.is_alive() for thread in self.threads) and not llm.closed
+        try:
+            llm.create_completion("the cat", max_tokens=4, custom_samplers=[Reenter()])
+        finally:
+            if target is llm and alone and action.startswith("close") and llm.closed:
+                raise RuntimeError(f"{action} from inside its own generation closed the Llama")
 
     def op__call(self, op: dict[str, Any]) -> None:
         op["call"]()

@@ -55,10 +55,10 @@ def _used_with_tiny_model(title: str, file: str, use: str) -> Section:
 SECTIONS = {
     "lifecycle": Section(
         "Lifecycle fuzzing",
-        "sequences of create / use / cancel / close / drop / gc / other-thread / fork / exit "
-        "operations on models, contexts, samplers, batches, LoRA adapters, Llama (one slot and "
-        "parallel slots; with speculative decoding, a vision projector or a disk cache) and "
-        "streams, drawn with hypothesis",
+        "sequences of create / use / cancel / close / drop / gc / other-thread / re-entry (from a "
+        "custom sampler) / fork / exit operations on models, contexts, samplers, batches, LoRA "
+        "adapters, Llama (one slot and parallel slots; with speculative decoding, a vision "
+        "projector or a disk cache) and streams, drawn with hypothesis",
         Size(1000, 150), Size(10_000, 3600), batch_size=50, case_timeout=60,
     ),
     "tampered-tiny": Section(

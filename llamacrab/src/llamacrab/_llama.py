@@ -235,7 +235,9 @@ class Llama:
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the context and the model (and a draft model it opened). Idempotent."""
+        """Free the context and the model (and a draft model it opened). Idempotent. From
+        inside its own generation (a custom sampler) it raises ConcurrentUseError."""
+        self.model.check_closable()  # before the engine stops: a refusal changes nothing
         self._completer.close()
         self.model.close()
         if self._draft is not None:

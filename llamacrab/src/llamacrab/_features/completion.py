@@ -218,6 +218,13 @@ class Completer:
         suffix: str,
     ) -> Stream[CompletionChunk]:
         """``speculation``: the call's own choice and the Llama's default."""
+        if self.kv.context.held_here():
+            # On the engine thread it would wait for itself; on one slot, supersede the
+            # generation it is called from.
+            raise ConcurrentUseError(
+                "a generation cannot start from inside another on the same Llama (a custom "
+                "sampler, logits processor or stopping criterion runs inside it)"
+            )
         speculative, default = speculation
         if prompt.chunks is not None and (echo or speculative is not None):
             raise InvalidParameterError("echo and speculative decoding take text prompts only")

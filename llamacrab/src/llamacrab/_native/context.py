@@ -229,6 +229,7 @@ class Context(NativeHandle):
         self.model = model
         self.params = params
         self._busy = threading.Lock()
+        self._holder: int | None = None  # the thread inside exclusive()
         self._adapters: dict[LoraAdapter, float] = {}  # the default set
         self._applied: dict[LoraAdapter, float] = {}  # what llama.cpp applies now (scale != 0)
         self._cvec: tuple[ControlVector, int, int] | None = None
@@ -281,12 +282,24 @@ class Context(NativeHandle):
         from another thread cancels the call and waits for it before freeing."""
         self.check_own()  # the parent's (fork()): its lock may be held by a thread not here
         if not self._busy.acquire(blocking=False):
+            if self.held_here():
+                raise ConcurrentUseError(
+                    "this context is in use by a call on this thread: a callback inside it "
+                    "(a custom sampler, say) cannot use it"
+                )
             raise ConcurrentUseError("this context is in use by another thread")
         try:
+            self._holder = threading.get_ident()
             with self.in_flight() as pointer:
                 yield pointer
         finally:
+            self._holder = None
             self._busy.release()
+
+    def held_here(self) -> bool:
+        """Whether this thread is inside a call holding the context (a callback of llama.cpp's
+        running on it, such as a Python sampler)."""
+        return self._holder == threading.get_ident()
 
     def cancel(self) -> None:
         """Abort the decode in progress (from any thread); it raises DecodeAbortedError."""

@@ -135,6 +135,21 @@ class NativeHandle:
                 else:
                     self._callers[me] -= 1
 
+    def check_closable(self) -> None:
+        """Raise ConcurrentUseError, changing nothing, if this thread is inside a native call
+        on this handle or one of its children (a Python sampler's callback, say): the close
+        would wait for that call forever, and a refused close must leave everything usable."""
+        me = threading.get_ident()
+        pending: list[NativeHandle] = [self]
+        while pending:
+            handle = pending.pop()
+            with handle._calls:  # children are adopted under it
+                inside, children = me in handle._callers, list(handle._children)
+            if inside:
+                where = "its call" if handle is self else f"a call on its {handle.kind}"
+                raise ConcurrentUseError(f"this {self.kind} cannot be closed from inside {where}")
+            pending.extend(children)
+
     def _interrupt(self) -> None:
         """Ask a native call in flight to return early (a context sets its abort flag)."""
 
@@ -151,9 +166,8 @@ class NativeHandle:
             self._closing = True
             self._finalizer.detach()
             return True
+        self.check_closable()
         with self._calls:
-            if threading.get_ident() in self._callers:
-                raise ConcurrentUseError(f"this {self.kind} cannot be closed from inside its call")
             self._closing = True
         self._interrupt()
         closed = all([child._close(timeout) for child in list(self._children)])
