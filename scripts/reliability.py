@@ -264,12 +264,12 @@ FOUND = [
      "llama.cpp computed (multiprocessing's default start method on Linux): the parent's "
      "Llama used in the child, a model of the child's own, the child's exit while a parent "
      "thread generated", "the child's first decode waited forever in libgomp for the "
-     "parent's OpenMP threads (even with its own model); a parallel Llama waited for its "
-     "engine thread; the exit waited 10 s for the parent's calls", "`_native/fork.py`: "
-     "handles made before the fork are foreign in the child (ForkedHandleError, never freed), "
-     "the Llama's locks reset there, one compute thread where GNU OpenMP's pool is the "
-     "parent's (tests in `tests/test_fork.py`; with the fix undone, 55 of 1,000 short "
-     "lifecycle programs failed, 7 of them hangs)"),
+     "parent's OpenMP threads (even with its own model); a parallel Llama's completion, or a "
+     "stream it had open, waited for its engine thread; the exit waited 10 s for the "
+     "parent's calls", "`_native/fork.py`: handles made before the fork are foreign in the "
+     "child (ForkedHandleError, never freed), the Llama's locks reset there, one compute "
+     "thread where GNU OpenMP's pool is the parent's (tests in `tests/test_fork.py`; with "
+     "the fix undone, 55 of 1,000 short lifecycle programs failed, 7 of them hangs)"),
     ("a probe of custom samplers (then lifecycle's reenter operation)", "a custom sampler "
      "that uses its own Llama: a completion, a close, a reset", "on parallel slots, a "
      "completion from inside waited forever for the engine thread it ran on; on one slot it "

@@ -724,10 +724,14 @@ class Machine(Program):
 
     def _in_forked_child(self, leave: str) -> str | None:
         """What went wrong in a forked child, or None: every inherited handle and Llama is
-        refused (ForkedHandleError) and closes at once; a model of its own works."""
-        from llamacrab import ForkedHandleError, Llama
+        refused (ForkedHandleError) and closes at once; an inherited stream ends or raises a
+        LlamaError (never waits for the parent's engine); a model of its own works."""
+        from llamacrab import ForkedHandleError, Llama, LlamaError
         from llamacrab._native.handle import NativeHandle
 
+        for stream in [s for s in self.objects["stream"] if s is not None]:
+            with contextlib.suppress(LlamaError):
+                next(stream, None)
         inherited = [o for kind in KINDS if kind != "stream" for o in self.objects[kind]
                      if o is not None]  # fmt: skip
         for obj in inherited:

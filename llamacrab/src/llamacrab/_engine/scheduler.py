@@ -110,7 +110,7 @@ class Scheduler:
             self.waiting.append(job)
             session.wake = self._wake
             self._cond.notify()
-        return _results(job)
+        return _results(job, self.context)
 
     @property
     def busy_slots(self) -> int:
@@ -400,9 +400,10 @@ class Scheduler:
                 slot.job = None
 
 
-def _results(job: _Job) -> Iterator[Step]:
+def _results(job: _Job, context: Context) -> Iterator[Step]:
     try:
         while True:
+            context.check_own()  # in a child of fork() no engine thread would ever answer
             item = job.steps.get()
             if isinstance(item, BaseException):
                 raise item
