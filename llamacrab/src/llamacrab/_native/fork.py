@@ -36,6 +36,9 @@ def reset_in_child(*locks: Any) -> None:
     _inherited_locks.update(locks)
 
 
+reset_in_child(_lock)
+
+
 def note_compute_threads() -> None:
     """A context or projector is being made: computing with it may start OpenMP's pool."""
     global _compute_threads_started
@@ -71,9 +74,8 @@ def _openmp_is_gnu() -> bool:
 
 
 def _after_fork_in_child() -> None:
-    global generation, _forked_after_compute, _lock, _warned
+    global generation, _forked_after_compute, _warned
     generation += 1
-    _lock = threading.Lock()  # another thread of the parent may have held it
     _warned = False  # each process says it once
     for lock in list(_inherited_locks):
         lock._at_fork_reinit()  # what threading and logging do with their own locks

@@ -87,22 +87,27 @@ class NativeHandle:
 
     @property
     def pointer(self) -> Any:
-        if self._closing or not self._finalizer.alive or self._generation != _fork.generation:
+        if self.closed:
             raise self._closed_error()
         return self._pointer
 
     @property
     def closed(self) -> bool:
-        return self._closing or not self._finalizer.alive or self._generation != _fork.generation
+        return self._closing or not self._finalizer.alive or self._foreign
+
+    @property
+    def _foreign(self) -> bool:
+        """Made before this process was forked: the parent's."""
+        return self._generation != _fork.generation
 
     def check_own(self) -> None:
         """Raise ForkedHandleError if this handle was made before this process was forked:
         before anything waits on a lock another thread of the parent may have held."""
-        if self._generation != _fork.generation:
+        if self._foreign:
             raise self._closed_error()
 
     def _closed_error(self) -> ClosedHandleError:
-        if self._generation != _fork.generation:
+        if self._foreign:
             return ForkedHandleError(
                 f"this {self.kind} was made before os.fork(), in the parent process, which owns "
                 "it: load the model again in this process (with multiprocessing: in each "
@@ -161,7 +166,7 @@ class NativeHandle:
     def _close(self, timeout: float | None) -> bool:
         """Close; False if a call was still in flight after ``timeout`` seconds: the memory is
         then left allocated (a leak at exit is better than freeing memory in use)."""
-        if self._generation != _fork.generation:
+        if self._foreign:
             # The parent's: nothing to wait for (its threads are not here), nothing to free.
             self._closing = True
             self._finalizer.detach()
