@@ -22,9 +22,10 @@ from llamacrab._field_types import (
 )
 from llamacrab._native import backend as _backend
 from llamacrab._native.call import c_string, call, ffi, lib, read_string
-from llamacrab._native.devices import warn_if_no_gpu
-from llamacrab._native.gguf_check import validate_gguf
+from llamacrab._native.devices import accelerator_present, warn_if_no_gpu
+from llamacrab._native.gguf_check import split_parts, validate_gguf
 from llamacrab._native.handle import NativeHandle
+from llamacrab._native.host_memory import host_memory_limit
 from llamacrab._native.kv_layout import KvLayout, kv_layout
 from llamacrab._native.logging import log_lines
 from llamacrab._native.rpc import offload_devices, parse_endpoints
@@ -94,6 +95,24 @@ def _load_mode(params: ModelParams) -> int:
     return int(lib.LLAMA_LOAD_MODE_MLOCK if params.use_mlock else lib.LLAMA_LOAD_MODE_NONE)
 
 
+def _check_weights_fit(file: Path, params: ModelParams, metadata: Mapping[str, Any]) -> None:
+    """Without mmap, llama.cpp reads every weight into memory it allocates (for a model that
+    stays on the CPU: no accelerator, no RPC worker); past a container's memory limit that is
+    the OOM killer, not an error. Refuse weights larger than the memory this process may use.
+    (Mapped weights are page cache, which the kernel can drop: no limit for them.)"""
+    if params.use_mmap or params.rpc_servers or accelerator_present():
+        return
+    count = metadata.get("split.count", 1)
+    parts = split_parts(file, count) if isinstance(count, int) and count > 1 else [file]
+    weights = sum(part.stat().st_size for part in parts)
+    limit = host_memory_limit()
+    if weights > limit.bytes:
+        raise ModelLoadError(
+            f"{file}: its {weights / 2**30:.1f} GiB of weights do not fit in memory without "
+            f"mmap ({limit.source} {limit.bytes / 2**30:.1f} GiB): load it with use_mmap=True"
+        )
+
+
 def _kv_overrides(overrides: Mapping[str, KvOverrideValue]) -> Any:
     """A C array of overrides, terminated by an entry with an empty key."""
     array = ffi.new("struct llama_model_kv_override[]", len(overrides) + 1)
@@ -156,6 +175,7 @@ class Model(NativeHandle):
         layout = kv_layout(reader, str(metadata.get("general.architecture", "")), metadata)
         if not params.vocab_only:  # (no weights: nothing to offload)
             warn_if_no_gpu(params.n_gpu_layers, remote=bool(params.rpc_servers))
+            _check_weights_fit(file, params, metadata)
         c_params = lib.llama_model_default_params()
         for field in ("n_gpu_layers", "main_gpu"):
             if getattr(params, field) is not None:

@@ -1,0 +1,180 @@
+"""The memory a context may take: the machine's, or a cgroup's limit where that is less."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from llamacrab._native.host_memory import host_memory_limit
+
+PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+GIB = 1 << 30
+
+
+def _fake_proc(tmp_path: Path, cgroup: str, mountinfo: str) -> Path:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(textwrap.dedent(cgroup).lstrip())
+    (proc / "mountinfo").write_text(textwrap.dedent(mountinfo).lstrip().format(root=tmp_path))
+    return proc
+
+
+def _limit(directory: Path, name: str, value: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(value + "\n")
+
+
+def test_a_v2_parent_limit_holds_for_its_children(tmp_path: Path) -> None:
+    proc = _fake_proc(
+        tmp_path,
+        "0::/user.slice/app.scope\n",
+        "41 31 0:38 / {root}/unified rw,relatime - cgroup2 cgroup2 rw\n",
+    )
+    _limit(tmp_path / "unified/user.slice", "memory.max", str(GIB))
+    _limit(tmp_path / "unified/user.slice/app.scope", "memory.max", "max")
+    limit = host_memory_limit(proc)
+    assert limit.bytes == min(GIB, PHYSICAL)
+    assert "unified/user.slice/memory.max" in limit.source
+
+
+def test_a_container_sees_its_own_cgroup_as_the_mount_root(tmp_path: Path) -> None:
+    # In a cgroup namespace the process's path and the mount's root are both "/".
+    proc = _fake_proc(
+        tmp_path,
+        "0::/\n",
+        "30 20 0:26 / {root}/cg ro,nosuid - cgroup2 cgroup2 rw\n",
+    )
+    _limit(tmp_path / "cg", "memory.max", str(512 << 20))
+    assert host_memory_limit(proc).bytes == min(512 << 20, PHYSICAL)
+
+
+def test_v1_reads_the_memory_controller_below_the_mount_root(tmp_path: Path) -> None:
+    proc = _fake_proc(
+        tmp_path,
+        """
+        5:cpu,cpuacct:/docker/abc
+        4:memory:/docker/abc
+        0::/
+        """,
+        """
+        32 31 0:29 /docker /{root}/cpu rw - cgroup cgroup rw,cpu,cpuacct
+        35 31 0:32 /docker {root}/memory rw,relatime - cgroup cgroup rw,memory
+        """,
+    )
+    # The mount's root is /docker: the process's cgroup is memory/abc; "no limit" is 2^63-4096.
+    _limit(tmp_path / "memory", "memory.limit_in_bytes", str(2 * GIB))
+    _limit(tmp_path / "memory/abc", "memory.limit_in_bytes", "9223372036854771712")
+    limit = host_memory_limit(proc)
+    assert limit.bytes == min(2 * GIB, PHYSICAL)
+    assert limit.source.endswith(f"({tmp_path}/memory/memory.limit_in_bytes) allows")
+
+
+@pytest.mark.parametrize("value", ["max", "9223372036854771712", "", "garbage"])
+def test_no_limit_or_an_unreadable_one_leaves_the_machine_s_memory(
+    tmp_path: Path, value: str
+) -> None:
+    proc = _fake_proc(tmp_path, "0::/a\n", "41 31 0:38 / {root}/u rw - cgroup2 cgroup2 rw\n")
+    _limit(tmp_path / "u/a", "memory.max", value)
+    assert host_memory_limit(proc).bytes == PHYSICAL
+    assert host_memory_limit(tmp_path / "missing").source == "this machine has"
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Callable[[int], Path]]:
+    """Makes v1 memory cgroups below this process's own, limited to a number of bytes (root and
+    a writable hierarchy needed: CI's machine has both)."""
+    here = _own_v1_memory_cgroup()
+    if here is None:
+        pytest.skip("no cgroup v1 memory controller to make a limited cgroup in")
+    made: list[Path] = []
+
+    def make(limit: int) -> Path:
+        group = here / f"llamacrab-test-{os.getpid()}-{len(made)}"
+        try:
+            group.mkdir()
+            made.append(group)
+            (group / "memory.limit_in_bytes").write_text(str(limit))
+        except OSError as error:
+            pytest.skip(f"cannot make a memory cgroup here: {error}")
+        return group
+
+    yield make
+    for group in made:
+        group.rmdir()
+
+
+def _own_v1_memory_cgroup() -> Path | None:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            directory = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            return directory if directory.is_dir() else None
+    return None
+
+
+def _run_in(group: Path, program: str) -> subprocess.CompletedProcess[str]:
+    """Run ``program`` in a child interpreter inside cgroup ``group``: the shell joins it, then
+    becomes the interpreter."""
+    join = f'echo $$ > "{group}/cgroup.procs" && exec "$0" -c "$1"'
+    child = subprocess.run(
+        ["sh", "-c", join, sys.executable, textwrap.dedent(program)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    return child
+
+
+def test_a_context_past_the_cgroup_limit_is_refused_not_killed(
+    memory_cgroup: Callable[[int], Path], tiny_model_path: Path
+) -> None:
+    # 2^23 cells of the tiny model take 2.4 GiB (cells, keys and values): far below this
+    # machine's memory, past the cgroup's. Before, llama.cpp zero-filled them and the OOM
+    # killer ended the process.
+    group = memory_cgroup(GIB)
+    child = _run_in(
+        group,
+        f"""
+        from llamacrab import ContextError, Llama
+        try:
+            Llama({str(tiny_model_path)!r}, n_ctx=2**23, n_ubatch=1, n_threads=1)
+        except ContextError as error:
+            print(error)
+        llm = Llama({str(tiny_model_path)!r}, n_ctx=256, n_threads=1)
+        print(llm.create_completion("the cat", max_tokens=2).usage.completion_tokens)
+        """,
+    )
+    refusal, tokens = child.stdout.strip().splitlines()
+    assert "n_ctx 8388608 needs 2.4 GiB of host memory" in refusal
+    assert f"this process's cgroup ({group}/memory.limit_in_bytes) allows 1.0 GiB" in refusal
+    assert tokens == "2"
+
+
+def test_weights_past_the_cgroup_limit_without_mmap_are_refused_not_killed(
+    memory_cgroup: Callable[[int], Path], gemma_path: Path, tiny_model_path: Path
+) -> None:
+    # Gemma 3 270M's 241 MiB of weights read into a 160 MiB cgroup: the OOM killer before.
+    group = memory_cgroup(160 << 20)
+    child = _run_in(
+        group,
+        f"""
+        from llamacrab import Llama, ModelLoadError
+        try:
+            Llama({str(gemma_path)!r}, use_mmap=False, n_ctx=256, n_threads=1)
+        except ModelLoadError as error:
+            print(error)
+        mapped = Llama({str(tiny_model_path)!r}, use_mmap=False, n_ctx=256, n_threads=1)
+        print(mapped.create_completion("the cat", max_tokens=2).usage.completion_tokens)
+        """,
+    )
+    refusal, tokens = child.stdout.strip().splitlines()
+    assert "GiB of weights do not fit in memory without mmap" in refusal
+    assert "allows 0.2 GiB): load it with use_mmap=True" in refusal
+    assert tokens == "2"
