@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlparse
@@ -35,11 +36,17 @@ class Repo:
         return None
 
 
+# (method, URL path and query, status, body, headers) -> what to send instead
+Tamper = Callable[[str, str, int, bytes, dict[str, str]], tuple[int, bytes, dict[str, str]]]
+
+
 class HubServer:
-    """Serve ``repos`` ({"org/name": Repo}) on 127.0.0.1 until ``close()``."""
+    """Serve ``repos`` ({"org/name": Repo}) on 127.0.0.1 until ``close()``. ``tamper``, when
+    set, rewrites every answer before it is sent: a hostile hub."""
 
     def __init__(self, repos: dict[str, Repo]) -> None:
         self.repos = repos
+        self.tamper: Tamper | None = None
         handler = type("Handler", (_Handler,), {"hub": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -113,10 +120,12 @@ class _Handler(BaseHTTPRequestHandler):
         send_body: bool,
         headers: dict[str, str] | None = None,
     ) -> None:
+        headers = {"Content-Type": content_type, **(headers or {})}
+        if self.hub.tamper is not None:
+            status, body, headers = self.hub.tamper(self.command, self.path, status, body, headers)
         self.send_response(status)
-        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
+        for name, value in headers.items():
             self.send_header(name, value)
         self.end_headers()
         if send_body:

@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from llamacrab._exceptions import HubError
+from llamacrab._features.hub_guard import guarded_downloads, list_files
 from llamacrab._field_types import file_path
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -99,8 +100,9 @@ class _Resolver:
                 return sorted(
                     p.relative_to(folder).as_posix() for p in Path(folder).rglob("*.gguf")
                 )
-            api = huggingface_hub.HfApi(endpoint=self.endpoint, token=self.options.token)
-            return api.list_repo_files(self.repo_id, revision=self.options.revision)
+            return list_files(
+                self.endpoint, self.repo_id, self.options.revision, self.options.token
+            )
         except Exception as error:
             raise _translate(
                 self.repo_id, self.options, error, offline=bool(self.offline)
@@ -116,10 +118,11 @@ class _Resolver:
         import huggingface_hub
 
         try:
-            local = huggingface_hub.hf_hub_download(
-                self.repo_id, filename, endpoint=self.endpoint,
-                local_files_only=bool(self.offline), **self._common(),
-            )  # fmt: skip
+            with guarded_downloads():
+                local = huggingface_hub.hf_hub_download(
+                    self.repo_id, filename, endpoint=self.endpoint,
+                    local_files_only=bool(self.offline), **self._common(),
+                )  # fmt: skip
         except Exception as error:
             raise _translate(
                 self.repo_id, self.options, error, offline=bool(self.offline)
@@ -182,6 +185,8 @@ def _translate(repo_id: str, options: HubOptions, error: Exception, offline: boo
     """A HubError that says what went wrong, in our words and without the token."""
     from huggingface_hub import errors
 
+    if isinstance(error, HubError):  # our own, already in our words
+        return error
     where = f"{repo_id}" + (f" at revision {options.revision!r}" if options.revision else "")
     if isinstance(error, errors.GatedRepoError):
         message = f"{where} is gated: pass token= (or set HF_TOKEN) with access to it"
