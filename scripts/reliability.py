@@ -21,6 +21,9 @@ tests/test_reliability.py, and a long one, the default here):
   model with a vision or an audio projector;
 - registry: programs of operations on a ModelRegistry from several threads (loads, leases,
   streams, unloads with and without force, keep-alive expiry, close);
+- hub: resolve of a repository through a Hub look-alike whose answers are changed (listing,
+  pages, headers, statuses, redirects, bodies); nothing written outside the cache, no token
+  sent to another host;
 - server: the server under load and faults, several models under churn (in its process and
   in processes of their own killed at random), and leaks
   (scripts/reliability_server.py; CI runs its short size through
@@ -278,6 +281,19 @@ FOUND = [
      "`_features/completion.py`: no generation starts on a thread inside the context "
      "(`Context.held_here`); `_native/handle.py`: `check_closable` refuses before changing "
      "anything (test in `tests/test_threads.py`)"),
+    ("a probe in a 1 GiB cgroup (a container's memory limit)", "`Llama(path, n_ctx=2**23, "
+     "n_ubatch=1)` on the tiny model (2.4 GiB); Gemma 3 270M with `use_mmap=False` in 160 "
+     "MiB", "SIGKILL by the OOM killer: the memory checks compared with the machine's 23 GiB",
+     "`_native/host_memory.py`: the least of physical memory and the process's cgroup v1 / v2 "
+     "limits (tests in `tests/test_host_memory.py`, in real cgroups where they can be made)"),
+    ("hub (the first run of the section, on the code before it)", "a hub endpoint answering "
+     "an ETag or X-Linked-Etag that is a path (absolute, climbing, weak), a listing whose "
+     "\"next\" link names another host, a listing of names that are not strings", "the "
+     "download written to that path, outside the cache (huggingface_hub 2.4.0 names the blob "
+     "after the ETag); the token sent to the other host; AttributeError (unclean): 30 of 300 "
+     "short cases", "`_features/hub_guard.py`: ETags and commit hashes must be plain names "
+     "before huggingface_hub makes paths of them; the listing is llamacrab's own, bounded and "
+     "on the endpoint's origin (tests in `tests/test_hub_hostile.py`)"),
 ]  # fmt: skip
 
 

@@ -42,11 +42,13 @@ Tamper = Callable[[str, str, int, bytes, dict[str, str]], tuple[int, bytes, dict
 
 class HubServer:
     """Serve ``repos`` ({"org/name": Repo}) on 127.0.0.1 until ``close()``. ``tamper``, when
-    set, rewrites every answer before it is sent: a hostile hub."""
+    set, rewrites every answer before it is sent (its Content-Length too, if it sets one): a
+    hostile hub."""
 
     def __init__(self, repos: dict[str, Repo]) -> None:
         self.repos = repos
         self.tamper: Tamper | None = None
+        self.authorizations: list[str] = []  # the Authorization header of every request
         handler = type("Handler", (_Handler,), {"hub": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -79,6 +81,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(send_body=False)
 
     def _answer(self, send_body: bool) -> None:
+        self.hub.authorizations.append(self.headers.get("Authorization", ""))
         path = unquote(urlparse(self.path).path)
         tree, resolve = _TREE.match(path), _RESOLVE.match(path)
         match = tree or resolve
@@ -124,8 +127,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.hub.tamper is not None:
             status, body, headers = self.hub.tamper(self.command, self.path, status, body, headers)
         self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in headers.items():
+        for name, value in {"Content-Length": str(len(body)), **headers}.items():
             self.send_header(name, value)
         self.end_headers()
         if send_body:

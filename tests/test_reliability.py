@@ -1,5 +1,6 @@
 """The reliability suite's short sizes (CI): lifecycle fuzzing, tampered models, generated
-grammars, schemas and templates, tampered saved states, and hostile images and sounds, each
+grammars, schemas and templates, tampered saved states, hostile images and sounds, a model
+registry's programs and a hostile hub endpoint, each
 asserting no signal death, no hang and no unclean error over at least its case count.
 ``scripts/reliability.py`` runs the long sizes and writes RELIABILITY.md. Below them, a
 regression test for each crash the suite found."""
@@ -115,6 +116,12 @@ def test_model_registry_programs(workdir: Path) -> None:
     report = run_short("registry", workdir)
     assert_clean(report, 300)
     assert report.count("ok") >= 150 and report.count("error") > 0
+
+
+def test_a_hostile_hub(workdir: Path) -> None:
+    report = run_short("hub", workdir)
+    assert_clean(report, 300)
+    assert report.count("ok") >= 20 and report.count("error") >= 150
 
 
 DRAW = """

@@ -14,6 +14,7 @@ from typing import Any
 from reliability_kit import (
     children,
     compat,
+    hub,
     inputs,
     lifecycle,
     media,
@@ -144,6 +145,15 @@ SECTIONS = {
         "the same Llama answers afterwards",
         Size(300, 150), Size(3000, 3600), batch_size=50, case_timeout=60, memory_limit=4 * GIB,
     ),
+    "hub": Section(
+        "A hostile hub",
+        "resolve of a repository through a Hub look-alike whose answers are changed in one to "
+        "three places (the listing's status, body, file names, size and pages; the file's "
+        "ETag, X-Linked-Etag, X-Repo-Commit and X-Linked-Size headers, status, redirects, body "
+        "and Content-Length, on HEAD, GET or both), then the file loaded and completed with; "
+        "nothing may be written outside the cache nor the token reach another host",
+        Size(300, 150), Size(3000, 1800), batch_size=50, case_timeout=60, memory_limit=4 * GIB,
+    ),
 }  # fmt: skip
 SEED = 2026
 # tampered-*: files used with the tiny model, and how (a projector's input, or as an adapter)
@@ -189,6 +199,9 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
     if name == "registry":
         setup = {"model": str(tiny.resolve()), "workdir": str((workdir / "registry").resolve())}
         return registry.generate(size.cases or 1000, seed), setup
+    if name == "hub":
+        setup = {"model": str(tiny.resolve()), "workdir": str((workdir / "hub").resolve())}
+        return hub.generate(size.cases or 1000, seed), setup
     if name == "states":
         return states.cases(seed, size.cases or 1000), {"models": states.models(workdir)}
     if name == "media":
