@@ -281,11 +281,13 @@ FOUND = [
      "`_features/completion.py`: no generation starts on a thread inside the context "
      "(`Context.held_here`); `_native/handle.py`: `check_closable` refuses before changing "
      "anything (test in `tests/test_threads.py`)"),
-    ("a probe in a 1 GiB cgroup (a container's memory limit)", "`Llama(path, n_ctx=2**23, "
-     "n_ubatch=1)` on the tiny model (2.4 GiB); Gemma 3 270M with `use_mmap=False` in 160 "
-     "MiB", "SIGKILL by the OOM killer: the memory checks compared with the machine's 23 GiB",
-     "`_native/host_memory.py`: the least of physical memory and the process's cgroup v1 / v2 "
-     "limits (tests in `tests/test_host_memory.py`, in real cgroups where they can be made)"),
+    ("probes in cgroups (a container's limits)", "`Llama(path, n_ctx=2**23, n_ubatch=1)` on "
+     "the tiny model (2.4 GiB) in 1 GiB of memory; Gemma 3 270M with `use_mmap=False` in 160 "
+     "MiB; `n_threads=4` under a pids limit of 3", "SIGKILL by the OOM killer (the memory "
+     "checks compared with the machine's 23 GiB); exit status 1 from libgomp (\"Thread "
+     "creation failed\")", "`_native/host_limits.py`: the least of physical memory and the "
+     "process's cgroup v1 / v2 limits; compute threads capped to the pids room (tests in "
+     "`tests/test_host_limits.py`, in real cgroups where they can be made)"),
     ("hub (the first run of the section, on the code before it)", "a hub endpoint answering "
      "an ETag or X-Linked-Etag that is a path (absolute, climbing, weak), a listing whose "
      "\"next\" link names another host, a listing of names that are not strings", "the "

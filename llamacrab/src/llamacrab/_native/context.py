@@ -38,7 +38,7 @@ from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.devices import accelerator_present
 from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.handle import NativeHandle
-from llamacrab._native.host_memory import host_memory_limit
+from llamacrab._native.host_limits import host_memory_limit
 from llamacrab._native.kv_layout import pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
@@ -746,13 +746,13 @@ def _check_host_memory(model: Model, params: ContextParams, c_params: Any) -> No
     streams = 1 if params.kv_unified else c_params.n_seq_max
     mask = n_ctx * c_params.n_ubatch * 2 // streams if layout.attends else 0
     limit = host_memory_limit()
-    if cells + kv + mask > limit.bytes:
+    if cells + kv + mask > limit.amount:
         raise ContextError(
             f"n_ctx {n_ctx} needs {(cells + kv + mask) / 2**30:.1f} GiB of host memory before "
             f"its first token: {cells / 2**30:.1f} GiB for its KV cells' bookkeeping, "
             f"{kv / 2**30:.1f} GiB for keys and values ({params.type_k}/{params.type_v}), "
             f"{mask / 2**30:.1f} GiB for the attention mask of a {c_params.n_ubatch}-token "
-            f"micro-batch; {limit.source} {limit.bytes / 2**30:.1f} GiB"
+            f"micro-batch; {limit.source} {limit.amount / 2**30:.1f} GiB"
         )
 
 

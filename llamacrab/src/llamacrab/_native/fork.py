@@ -16,6 +16,8 @@ import threading
 import weakref
 from typing import Any
 
+from llamacrab._native.host_limits import threads_within_room
+
 logger = logging.getLogger("llamacrab")
 
 # Bumped in every forked child: a handle made under an older value belongs to an ancestor.
@@ -46,8 +48,10 @@ def note_compute_threads() -> None:
 
 
 def thread_limit(n_threads: int) -> int:
-    """``n_threads``, or 1 in a forked child whose OpenMP pool is the parent's (said once)."""
+    """``n_threads``, or fewer: 1 in a forked child whose OpenMP pool is the parent's, and no
+    more than this process's pids cgroups leave room for (each said once)."""
     global _warned
+    n_threads = threads_within_room(n_threads)
     if not _forked_after_compute or n_threads <= 1 or not _openmp_is_gnu():
         return n_threads
     with _lock:

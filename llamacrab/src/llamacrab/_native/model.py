@@ -25,7 +25,7 @@ from llamacrab._native.call import c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import accelerator_present, warn_if_no_gpu
 from llamacrab._native.gguf_check import split_parts, validate_gguf
 from llamacrab._native.handle import NativeHandle
-from llamacrab._native.host_memory import host_memory_limit
+from llamacrab._native.host_limits import host_memory_limit
 from llamacrab._native.kv_layout import KvLayout, kv_layout
 from llamacrab._native.logging import log_lines
 from llamacrab._native.rpc import offload_devices, parse_endpoints
@@ -106,10 +106,10 @@ def _check_weights_fit(file: Path, params: ModelParams, metadata: Mapping[str, A
     parts = split_parts(file, count) if isinstance(count, int) and count > 1 else [file]
     weights = sum(part.stat().st_size for part in parts)
     limit = host_memory_limit()
-    if weights > limit.bytes:
+    if weights > limit.amount:
         raise ModelLoadError(
             f"{file}: its {weights / 2**30:.1f} GiB of weights do not fit in memory without "
-            f"mmap ({limit.source} {limit.bytes / 2**30:.1f} GiB): load it with use_mmap=True"
+            f"mmap ({limit.source} {limit.amount / 2**30:.1f} GiB): load it with use_mmap=True"
         )
 
 

@@ -1,8 +1,10 @@
-"""The memory a context may take: the machine's, or a cgroup's limit where that is less."""
+"""What a process may use: the machine's memory or a cgroup's limit where that is less, and the
+threads a pids cgroup leaves room for."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llamacrab._native.host_memory import host_memory_limit
+from llamacrab._native.host_limits import host_memory_limit, thread_room
 
 PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 GIB = 1 << 30
@@ -39,7 +41,7 @@ def test_a_v2_parent_limit_holds_for_its_children(tmp_path: Path) -> None:
     _limit(tmp_path / "unified/user.slice", "memory.max", str(GIB))
     _limit(tmp_path / "unified/user.slice/app.scope", "memory.max", "max")
     limit = host_memory_limit(proc)
-    assert limit.bytes == min(GIB, PHYSICAL)
+    assert limit.amount == min(GIB, PHYSICAL)
     assert "unified/user.slice/memory.max" in limit.source
 
 
@@ -51,7 +53,7 @@ def test_a_container_sees_its_own_cgroup_as_the_mount_root(tmp_path: Path) -> No
         "30 20 0:26 / {root}/cg ro,nosuid - cgroup2 cgroup2 rw\n",
     )
     _limit(tmp_path / "cg", "memory.max", str(512 << 20))
-    assert host_memory_limit(proc).bytes == min(512 << 20, PHYSICAL)
+    assert host_memory_limit(proc).amount == min(512 << 20, PHYSICAL)
 
 
 def test_v1_reads_the_memory_controller_below_the_mount_root(tmp_path: Path) -> None:
@@ -71,7 +73,7 @@ def test_v1_reads_the_memory_controller_below_the_mount_root(tmp_path: Path) -> 
     _limit(tmp_path / "memory", "memory.limit_in_bytes", str(2 * GIB))
     _limit(tmp_path / "memory/abc", "memory.limit_in_bytes", "9223372036854771712")
     limit = host_memory_limit(proc)
-    assert limit.bytes == min(2 * GIB, PHYSICAL)
+    assert limit.amount == min(2 * GIB, PHYSICAL)
     assert limit.source.endswith(f"({tmp_path}/memory/memory.limit_in_bytes) allows")
 
 
@@ -81,27 +83,27 @@ def test_no_limit_or_an_unreadable_one_leaves_the_machine_s_memory(
 ) -> None:
     proc = _fake_proc(tmp_path, "0::/a\n", "41 31 0:38 / {root}/u rw - cgroup2 cgroup2 rw\n")
     _limit(tmp_path / "u/a", "memory.max", value)
-    assert host_memory_limit(proc).bytes == PHYSICAL
+    assert host_memory_limit(proc).amount == PHYSICAL
     assert host_memory_limit(tmp_path / "missing").source == "this machine has"
 
 
 @pytest.fixture
-def memory_cgroup() -> Iterator[Callable[[int], Path]]:
-    """Makes v1 memory cgroups below this process's own, limited to a number of bytes (root and
-    a writable hierarchy needed: CI's machine has both)."""
-    here = _own_v1_memory_cgroup()
-    if here is None:
-        pytest.skip("no cgroup v1 memory controller to make a limited cgroup in")
+def cgroup() -> Iterator[Callable[[str, str, int], Path]]:
+    """Makes v1 cgroups of a controller ("memory", "pids") below this process's own, with one
+    limit file set (root and a writable hierarchy needed: CI's machine has both)."""
     made: list[Path] = []
 
-    def make(limit: int) -> Path:
+    def make(controller: str, limit_file: str, limit: int) -> Path:
+        here = _own_v1_cgroup(controller)
+        if here is None:
+            pytest.skip(f"no cgroup v1 {controller} controller to make a limited cgroup in")
         group = here / f"llamacrab-test-{os.getpid()}-{len(made)}"
         try:
             group.mkdir()
             made.append(group)
-            (group / "memory.limit_in_bytes").write_text(str(limit))
+            (group / limit_file).write_text(str(limit))
         except OSError as error:
-            pytest.skip(f"cannot make a memory cgroup here: {error}")
+            pytest.skip(f"cannot make a {controller} cgroup here: {error}")
         return group
 
     yield make
@@ -109,11 +111,11 @@ def memory_cgroup() -> Iterator[Callable[[int], Path]]:
         group.rmdir()
 
 
-def _own_v1_memory_cgroup() -> Path | None:
+def _own_v1_cgroup(controller: str) -> Path | None:
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            directory = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+        if controller in controllers.split(","):
+            directory = Path("/sys/fs/cgroup") / controller / path.lstrip("/")
             return directory if directory.is_dir() else None
     return None
 
@@ -133,12 +135,12 @@ def _run_in(group: Path, program: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_context_past_the_cgroup_limit_is_refused_not_killed(
-    memory_cgroup: Callable[[int], Path], tiny_model_path: Path
+    cgroup: Callable[[str, str, int], Path], tiny_model_path: Path
 ) -> None:
     # 2^23 cells of the tiny model take 2.4 GiB (cells, keys and values): far below this
     # machine's memory, past the cgroup's. Before, llama.cpp zero-filled them and the OOM
     # killer ended the process.
-    group = memory_cgroup(GIB)
+    group = cgroup("memory", "memory.limit_in_bytes", GIB)
     child = _run_in(
         group,
         f"""
@@ -158,10 +160,10 @@ def test_a_context_past_the_cgroup_limit_is_refused_not_killed(
 
 
 def test_weights_past_the_cgroup_limit_without_mmap_are_refused_not_killed(
-    memory_cgroup: Callable[[int], Path], gemma_path: Path, tiny_model_path: Path
+    cgroup: Callable[[str, str, int], Path], gemma_path: Path, tiny_model_path: Path
 ) -> None:
     # Gemma 3 270M's 241 MiB of weights read into a 160 MiB cgroup: the OOM killer before.
-    group = memory_cgroup(160 << 20)
+    group = cgroup("memory", "memory.limit_in_bytes", 160 << 20)
     child = _run_in(
         group,
         f"""
@@ -178,3 +180,54 @@ def test_weights_past_the_cgroup_limit_without_mmap_are_refused_not_killed(
     assert "GiB of weights do not fit in memory without mmap" in refusal
     assert "allows 0.2 GiB): load it with use_mmap=True" in refusal
     assert tokens == "2"
+
+
+def test_thread_room_is_the_least_over_the_pids_hierarchy(tmp_path: Path) -> None:
+    proc = _fake_proc(
+        tmp_path,
+        """
+        8:pids:/jobs/one
+        0::/
+        """,
+        "39 31 0:36 / {root}/pids rw,relatime - cgroup cgroup rw,pids\n",
+    )
+    _limit(tmp_path / "pids/jobs", "pids.max", "10")
+    _limit(tmp_path / "pids/jobs", "pids.current", "7")
+    _limit(tmp_path / "pids/jobs/one", "pids.max", "max")
+    _limit(tmp_path / "pids/jobs/one", "pids.current", "5")
+    room = thread_room(proc)
+    assert room is not None and room.amount == 3
+    assert room.source == f"{tmp_path}/pids/jobs/pids.max: 10, in use: 7"
+    _limit(tmp_path / "pids/jobs", "pids.max", "max")
+    assert thread_room(proc) is None
+    assert thread_room(tmp_path / "missing") is None
+
+
+def test_threads_past_the_pids_limit_are_capped_not_killed(
+    cgroup: Callable[[str, str, int], Path], tiny_model_path: Path
+) -> None:
+    # A pids limit of 3 leaves the interpreter (and any thread of its own) room for one or two
+    # more: llama.cpp computes on that many plus the caller. Before, GNU OpenMP could not start
+    # its threads and exited the process (status 1).
+    group = cgroup("pids", "pids.max", 3)
+    child = _run_in(
+        group,
+        f"""
+        import logging
+        logging.basicConfig(format="%(message)s")
+        from llamacrab import Llama
+        llm = Llama({str(tiny_model_path)!r}, n_ctx=64, n_threads=4, n_threads_batch=4)
+        print(llm.create_completion("the cat", max_tokens=2).usage.completion_tokens)
+        """,
+    )
+    assert child.stdout.strip() == "2"
+    warnings = [line for line in child.stderr.splitlines() if "computes on" in line]
+    assert len(warnings) == 1, child.stderr
+    pattern = (
+        r"llama.cpp computes on (\d) threads instead of 4: this process may start (\d) more "
+        rf"\({re.escape(str(group))}/pids.max: 3, in use: (\d)\), and GNU OpenMP exits"
+    )
+    found = re.match(pattern, warnings[0])
+    assert found is not None, warnings[0]
+    threads, room, in_use = map(int, found.groups())
+    assert threads == room + 1 == 3 - in_use + 1 and threads < 4
