@@ -5,7 +5,11 @@ max_loaded and a memory budget, keep-alive, a broken entry beside good ones."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +24,7 @@ from live_server import LiveServer
 from test_tool_calls import TEMPLATE
 
 from llamacrab import InvalidParameterError, estimate_memory
+from llamacrab._features.models_dir import scan_models_dir
 from llamacrab.server import ServerSettings, parse_settings
 from llamacrab.server._errors import ApiError
 from llamacrab.server._state import ServerState
@@ -382,6 +387,31 @@ def test_models_dir_serves_every_gguf(folder: Path) -> None:
         ranked = httpx.post(server.url + "/rerank", json={"model": "ranker", "query": "crab",
                                                            "documents": ["sea"]})  # fmt: skip
         assert ranked.status_code == 200
+
+
+def test_a_models_folder_lists_regular_files_only(tmp_path: Path, folder: Path) -> None:
+    # A FIFO or a folder named like a model, in a subfolder, was listed as a model (and the
+    # subfolder as several); the scan must not wait on a FIFO either.
+    shutil.copy(folder / "alpha.gguf", tmp_path / "alpha.gguf")
+    (tmp_path / "sub").mkdir()
+    shutil.copy(folder / "beta.gguf", tmp_path / "sub" / "beta.gguf")
+    fifos = [tmp_path / "pipe.gguf", tmp_path / "sub" / "pipe.gguf"]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    (tmp_path / "sub" / "folder.gguf").mkdir()
+    found: list[Any] = []
+    scan = threading.Thread(target=lambda: found.extend(scan_models_dir(tmp_path)), daemon=True)
+    scan.start()
+    scan.join(10)
+    blocked = scan.is_alive()
+    for fifo in fifos:  # let a blocked reader go
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert not blocked, "the scan waited on a FIFO"
+    assert [(m.name, m.path) for m in found] == [
+        ("alpha", tmp_path / "alpha.gguf"),
+        ("sub", tmp_path / "sub" / "beta.gguf"),
+    ]
 
 
 def test_settings_of_the_multi_model_form() -> None:

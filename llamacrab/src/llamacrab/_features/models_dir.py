@@ -99,13 +99,19 @@ def _scan_files(files: list[Path]) -> tuple[dict[str, FoundModel], list[Path]]:
     return models, projectors
 
 
+def _gguf_files(folder: Path) -> list[Path]:
+    """The regular files named ``*.gguf`` in ``folder``: a FIFO, a device or a folder of that
+    name is no model (and would make a subfolder look like several)."""
+    return [path for path in folder.glob("*.gguf") if path.is_file()]
+
+
 def scan_models_dir(folder: Path) -> list[FoundModel]:
     """Every model in ``folder`` (and its subfolders of one model each), sorted by name."""
     if not folder.is_dir():
         raise InvalidParameterError(f"models folder {folder} is not a directory")
-    models, projectors = _scan_files([p for p in folder.glob("*.gguf") if p.is_file()])
+    models, projectors = _scan_files(_gguf_files(folder))
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
-        inner, inner_projectors = _scan_files(list(sub.glob("*.gguf")))
+        inner, inner_projectors = _scan_files(_gguf_files(sub))
         if len(inner) == 1:
             found = next(iter(inner.values()))
             inner = {sub.name: FoundModel(sub.name, found.path, found.options)}
