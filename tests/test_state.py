@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import shutil
 import struct
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -277,6 +279,66 @@ def test_the_interpreter_exit_waits_for_pending_disk_writes(
     cache = DiskCache(tmp_path / "cache")
     assert len(cache) == 1
     cache.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 32 MiB tmpfs of its own (root needed: CI's machine has it), to fill up."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    yield mount_point
+    # (lazily: diskcache keeps a connection per thread that used it, closed when collected)
+    subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    """A file taking all but ``leave`` bytes of ``disk``."""
+    filler = disk / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(disk).free - leave))
+    return filler
+
+
+def test_a_full_disk_skips_cache_writes_and_leaves_no_partial_files(
+    small_disk: Path, tiny_model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = DiskCache(small_disk / "cache")
+    prompts = [f"the cat sat on the mat {i} " * 4 for i in range(4)]
+    with Llama(tiny_model_path, n_ctx=256, n_threads=1, cache=cache) as llm:
+        reference = [llm.create_completion(p, max_tokens=3, temperature=0) for p in prompts[:2]]
+        cache.flush()
+        assert len(cache) == 2
+        files = sorted(small_disk.rglob("*.val"))
+        # 1 MiB free: a state fits, the database's growth beyond it might not. Before, a write
+        # that ran out left its partial file, and every later one another.
+        filler = _fill(small_disk, 1 << 20)
+        with caplog.at_level(logging.WARNING, logger="llamacrab"):
+            for p in prompts[2:]:
+                llm.reset()
+                llm.create_completion(p, max_tokens=3, temperature=0)
+            cache.flush()
+        assert sorted(small_disk.rglob("*.val")) == files and len(cache) == 2
+        room = [r.getMessage() for r in caplog.records if "too little" in r.getMessage()]
+        assert len(room) == 1 and "states are not saved until there is room" in room[0]
+        llm.reset()  # the entries on disk still serve
+        again = llm.create_completion(prompts[0], max_tokens=3, temperature=0)
+        assert again.choices[0].text == reference[0].choices[0].text
+        filler.unlink()
+        llm.reset()
+        llm.create_completion(prompts[3], max_tokens=3, temperature=0)
+        cache.flush()
+        assert len(cache) == 3  # written again once there is room
+    cache.close()
+
+
+def test_a_disk_cache_on_a_full_disk_is_refused_clearly(small_disk: Path) -> None:
+    _fill(small_disk, 0)
+    # sqlite3.OperationalError ("database or disk is full") escaped before.
+    with pytest.raises(InvalidParameterError, match="cannot hold a prompt cache"):
+        DiskCache(small_disk / "cache")
 
 
 def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: Llama) -> None:

@@ -13,6 +13,8 @@ import abc
 import io
 import logging
 import os
+import shutil
+import sqlite3
 import threading
 import warnings
 from collections import OrderedDict
@@ -27,6 +29,11 @@ from llamacrab._native.state import SavedState
 from llamacrab._types import common_prefix
 
 log = logging.getLogger("llamacrab")
+
+# Free space a DiskCache leaves on its disk beyond a state it writes: diskcache's database and
+# its write-ahead log grow with every entry, and a write that runs out of space leaves its
+# partial file behind, which nothing ever removes.
+DISK_RESERVE_BYTES = 16 << 20
 
 
 class PromptCache(abc.ABC):
@@ -131,10 +138,13 @@ class DiskCache(PromptCache):
                 os.fspath(directory), size_limit=capacity_bytes,
                 eviction_policy="least-recently-used", cull_limit=0,
             )  # fmt: skip
-        except (OSError, ValueError) as error:  # cannot be made or opened; a NUL in the path
+        except (OSError, ValueError, sqlite3.Error) as error:
+            # Cannot be made or opened; a NUL in the path; a full disk (sqlite).
             raise InvalidParameterError(
                 f"{directory!r} cannot hold a prompt cache: {error}"
             ) from error
+        self._directory = os.fspath(directory)
+        self._short_of_room = False  # said once, until a state fits again
         self._pending: OrderedDict[tuple[bytes, bytes], SavedState] = OrderedDict()
         self._changed = threading.Condition()
         reset_in_child(self._changed)
@@ -181,16 +191,37 @@ class DiskCache(PromptCache):
                     return
                 key, state = next(iter(self._pending.items()))
             try:
-                # As a file to read: diskcache writes plain bytes line by line (a write per
-                # b"\n" byte, ~80,000 for a 37 MB state).
-                self._cache.set(key, io.BytesIO(state.to_bytes()), read=True)
-                self._cache.cull()  # enforce the size limit now, not on some later write
+                if self._room_for(state.size_bytes):
+                    # As a file to read: diskcache writes plain bytes line by line (a write per
+                    # b"\n" byte, ~80,000 for a 37 MB state).
+                    self._cache.set(key, io.BytesIO(state.to_bytes()), read=True)
+                    self._cache.cull()  # enforce the size limit now, not on some later write
             except Exception:  # a full disk, a locked database: the generation stands
                 log.warning("prompt cache save failed; skipped", exc_info=True)
             with self._changed:
                 if self._pending.get(key) is state:  # not stored again meanwhile
                     del self._pending[key]
                 self._changed.notify_all()
+
+    def _room_for(self, size: int) -> bool:
+        """Whether the disk has room for a state of ``size`` bytes and DISK_RESERVE_BYTES more;
+        when it has not, the state is skipped (said once until one fits again)."""
+        try:
+            free = shutil.disk_usage(self._directory).free
+        except OSError:
+            return True  # the write will say what is wrong
+        if free >= size + DISK_RESERVE_BYTES:
+            self._short_of_room = False
+            return True
+        if not self._short_of_room:
+            self._short_of_room = True
+            log.warning(
+                "prompt cache: the disk holding %s has %.1f MiB free, too little for a "
+                "%.1f MiB state and %d MiB for the cache's database; states are not saved "
+                "until there is room",
+                self._directory, free / 2**20, size / 2**20, DISK_RESERVE_BYTES >> 20,
+            )  # fmt: skip
+        return False
 
     def flush(self) -> None:
         """Wait until every stored state is on disk (or its write failed and was logged)."""
