@@ -334,6 +334,21 @@ def test_a_full_disk_skips_cache_writes_and_leaves_no_partial_files(
     cache.close()
 
 
+def test_saving_a_state_to_a_full_disk_leaves_the_old_file_and_no_partial_one(
+    small_disk: Path, tiny_llama: Llama
+) -> None:
+    tiny_llama.create_completion("the cat sat on the mat " * 8, max_tokens=0)
+    state = tiny_llama.save_state()
+    target = small_disk / "slot.state"
+    state.save(target)
+    before = target.read_bytes()
+    _fill(small_disk, len(before) // 2)
+    with pytest.raises(OSError, match="No space left"):
+        state.save(target)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "slot.state"]
+    assert target.read_bytes() == before
+
+
 def test_a_disk_cache_on_a_full_disk_is_refused_clearly(small_disk: Path) -> None:
     _fill(small_disk, 0)
     # sqlite3.OperationalError ("database or disk is full") escaped before.

@@ -161,11 +161,16 @@ class SavedState:
         ) and self.payload == other.payload  # fmt: skip
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write to ``path`` atomically (a crash never leaves half a file behind)."""
+        """Write to ``path`` atomically (a crash never leaves half a file behind, and a failed
+        write, a full disk, leaves neither half a file nor its partial copy)."""
         target = Path(path)
         partial = target.with_name(target.name + ".partial")
-        partial.write_bytes(self.to_bytes())
-        partial.replace(target)
+        try:
+            partial.write_bytes(self.to_bytes())
+            partial.replace(target)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SavedState:
