@@ -120,7 +120,9 @@ def _own_v1_cgroup(controller: str) -> Path | None:
     return None
 
 
-def _run_in(group: Path, program: str) -> subprocess.CompletedProcess[str]:
+def _run_in(
+    group: Path, program: str, environment: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``program`` in a child interpreter inside cgroup ``group``: the shell joins it, then
     becomes the interpreter."""
     join = f'echo $$ > "{group}/cgroup.procs" && exec "$0" -c "$1"'
@@ -129,6 +131,7 @@ def _run_in(group: Path, program: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, **(environment or {})},
     )
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
     return child
@@ -231,3 +234,37 @@ def test_threads_past_the_pids_limit_are_capped_not_killed(
     assert found is not None, warnings[0]
     threads, room, in_use = map(int, found.groups())
     assert threads == room + 1 == 3 - in_use + 1 and threads < 4
+
+
+def test_no_thread_to_be_had_is_a_clean_refusal_or_done_in_place(
+    cgroup: Callable[[str, str, int], Path], tiny_model_path: Path, tmp_path: Path
+) -> None:
+    # A pids limit already reached: parallel slots raised RuntimeError ("can't start new
+    # thread") from deep inside, with the model left open; a DiskCache kept its states pending
+    # for ever; a registry's keep-alive never ran again.
+    group = cgroup("pids", "pids.max", 1)
+    child = _run_in(
+        group,
+        f"""
+        import logging
+        logging.basicConfig(format="%(message)s")
+        from llamacrab import ContextError, DiskCache, Llama, ModelRegistry
+        model = {str(tiny_model_path)!r}
+        try:
+            Llama(model, n_ctx=128, n_threads=1, parallel=2)
+        except ContextError as error:
+            print(error)
+        cache = DiskCache({str(tmp_path / "cache")!r})
+        with Llama(model, n_ctx=128, n_threads=1, cache=cache) as llm:
+            print(llm.create_completion("the cat", max_tokens=2).usage.completion_tokens)
+        print(len(cache), len(cache._pending))
+        with ModelRegistry(keep_alive=60) as registry:
+            registry.add("tiny", model, n_ctx=128, n_threads=1)
+            print(registry.get("tiny").create_completion("a", max_tokens=1).usage.total_tokens)
+        """,
+        environment={"OPENBLAS_NUM_THREADS": "1"},  # numpy's OpenBLAS wants threads too
+    )
+    refusal, tokens, cached, served = child.stdout.strip().splitlines()
+    assert refusal.startswith("cannot start the engine thread of 2 parallel slots: ")
+    assert (tokens, cached, served) == ("2", "1 0", "3")
+    assert "keep_alive cannot unload idle models for now" in child.stderr

@@ -138,6 +138,7 @@ class Llama:
             speculative = self._apply_extra_options(extra, speculative)
             if speculative is not None:
                 check_speculation(self.model)
+            self._completer = Completer(self.context, cache, parallel, max_queue)
         except BaseException:
             if getattr(self, "_draft", None) is not None:
                 self._draft.close()  # type: ignore[union-attr]
@@ -147,7 +148,6 @@ class Llama:
         self.seed = seed
         self.speculative = speculative  # the default for completions
         self.chat_format = chat_format  # None: the model's own template
-        self._completer = Completer(self.context, cache, parallel, max_queue)
         self._embeddings = Embeddings(self._completer.kv, self._completer.lock)
 
     def _apply_extra_options(

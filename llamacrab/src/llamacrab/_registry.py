@@ -6,6 +6,7 @@ never when pinned."""
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import os
 import re
@@ -46,6 +47,8 @@ _LLAMA_OPTIONS = (
     | PARAM_FIELDS
     | EXTRA_NAMES
 )
+
+log = logging.getLogger("llamacrab")
 
 
 class Loaded(Protocol):
@@ -511,9 +514,15 @@ class ModelRegistry:
             )
             if not wanted or self._reaper is not None or self._closed:
                 return
-            self._reaper = threading.Thread(target=self._reap, name="llamacrab-keep-alive",
-                                            daemon=True)  # fmt: skip
-        self._reaper.start()
+            reaper = threading.Thread(target=self._reap, name="llamacrab-keep-alive",
+                                      daemon=True)  # fmt: skip
+            self._reaper = reaper
+        try:
+            reaper.start()
+        except RuntimeError as error:  # no thread to be had (a pids limit): try next time
+            with self._lock:
+                self._reaper = None
+            log.warning("keep_alive cannot unload idle models for now: %s", error)
 
     def _reap_interval(self) -> float:
         with self._lock:

@@ -170,12 +170,18 @@ class DiskCache(PromptCache):
             if self._closed:
                 raise StateError("this DiskCache is closed")
             self._pending[key] = state
-            if not self._writing():
-                # Not a daemon: the interpreter's exit waits for the states still pending.
-                self._writer = threading.Thread(
-                    target=self._write_pending, name="llamacrab-disk-cache", daemon=False
-                )
+            if self._writing():
+                return
+            # Not a daemon: the interpreter's exit waits for the states still pending.
+            self._writer = threading.Thread(
+                target=self._write_pending, name="llamacrab-disk-cache", daemon=False
+            )
+            try:
                 self._writer.start()
+                return
+            except RuntimeError:  # no thread to be had (a pids limit): write it here
+                self._writer = None
+        self._write_pending()
 
     def _writing(self) -> bool:
         # A forked child inherits the attribute, not the thread: is_alive() tells.

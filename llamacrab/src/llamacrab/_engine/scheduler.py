@@ -20,6 +20,7 @@ from llamacrab._engine.generation import Emitter, KvState, Request, Session, Ste
 from llamacrab._exceptions import (
     ClosedHandleError,
     ConcurrentUseError,
+    ContextError,
     DecodeAbortedError,
     InvalidParameterError,
     LlamaError,
@@ -89,7 +90,13 @@ class Scheduler:
         self._closed = False
         context.add_weights_guard(self)
         self._thread = threading.Thread(target=self._run, name="llamacrab-engine", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as error:  # no thread to be had (a pids limit): nothing started
+            self.batch.close()
+            raise ContextError(
+                f"cannot start the engine thread of {n_slots} parallel slots: {error}"
+            ) from None
 
     # -- what clients call ---------------------------------------------------------------------
 
