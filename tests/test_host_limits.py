@@ -123,11 +123,12 @@ def _own_v1_cgroup(controller: str) -> Path | None:
 def _run_in(
     group: Path, program: str, environment: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``program`` in a child interpreter inside cgroup ``group``: the shell joins it, then
-    becomes the interpreter."""
+    """Run ``program`` in a child interpreter inside cgroup ``group``, its log messages on
+    stderr: the shell joins the cgroup, then becomes the interpreter."""
     join = f'echo $$ > "{group}/cgroup.procs" && exec "$0" -c "$1"'
+    logged = 'import logging\nlogging.basicConfig(format="%(message)s")\n'
     child = subprocess.run(
-        ["sh", "-c", join, sys.executable, textwrap.dedent(program)],
+        ["sh", "-c", join, sys.executable, logged + textwrap.dedent(program)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -216,8 +217,6 @@ def test_threads_past_the_pids_limit_are_capped_not_killed(
     child = _run_in(
         group,
         f"""
-        import logging
-        logging.basicConfig(format="%(message)s")
         from llamacrab import Llama
         llm = Llama({str(tiny_model_path)!r}, n_ctx=64, n_threads=4, n_threads_batch=4)
         print(llm.create_completion("the cat", max_tokens=2).usage.completion_tokens)
@@ -246,8 +245,6 @@ def test_no_thread_to_be_had_is_a_clean_refusal_or_done_in_place(
     child = _run_in(
         group,
         f"""
-        import logging
-        logging.basicConfig(format="%(message)s")
         from llamacrab import ContextError, DiskCache, Llama, ModelRegistry
         model = {str(tiny_model_path)!r}
         try:
