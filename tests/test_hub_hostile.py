@@ -4,6 +4,7 @@ outside the cache, no endless listing, no token sent to another host."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from hub_server import HubServer, Repo, Tamper
 
 from llamacrab import HubError, HubOptions, InvalidModelError, Llama, resolve
+from llamacrab._features import hub_guard
 
 from support import load_repo_module
 
@@ -139,6 +141,27 @@ def test_an_endless_listing_stops_at_its_page_limit(
     with pytest.raises(HubError, match="the hub's listing runs past 1000 pages"):
         _resolve(hub, tmp_path)
     assert len(pages_served) == 1000
+
+
+def test_a_listing_that_drags_on_stops_at_its_deadline(
+    hub: HubServer,
+    hostile: Callable[[Tamper], None],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every page within the request timeout, the pages without end: 1,000 pages of 9 s each
+    # would take two and a half hours.
+    monkeypatch.setattr(hub_guard, "MAX_LISTING_SECONDS", 0.5)
+
+    def slow(path: str) -> tuple[list[object], str | None]:
+        time.sleep(0.1)
+        return [_file("m.gguf")], f"{hub.endpoint}/api/models/crab/m/tree/main?t={time.time()}"
+
+    hostile(_listing(slow))
+    started = time.monotonic()
+    with pytest.raises(HubError, match=r"the hub.s listing took more than 0\.5 s"):
+        _resolve(hub, tmp_path)
+    assert time.monotonic() - started < 5
 
 
 def test_a_listing_past_the_file_limit_is_refused(

@@ -149,6 +149,7 @@ class Tamper:
     def __init__(self, changes: list[dict[str, Any]], fill: dict[str, str], model: bytes):
         self.changes, self.fill, self.model = changes, fill, model
         self.pages = 0
+        self.many: bytes | None = None
 
     def __call__(
         self, method: str, path: str, status: int, body: bytes, headers: dict[str, str]
@@ -175,9 +176,12 @@ class Tamper:
             return change["status"], b"{}", headers
         if what == "body":
             return 200, change["body"].encode(), headers
-        names = (change["names"] if what == "names" else
-                 [f"f{i}.bin" for i in range(change["count"])] + ["m.gguf"])  # fmt: skip
-        names = [self._text(n) if isinstance(n, str) else n for n in names]
+        if what == "many":  # made once: a case may ask for a thousand pages of it
+            if self.many is None:
+                names = [f"f{i}.bin" for i in range(change["count"])] + ["m.gguf"]
+                self.many = json.dumps([_entry(n) for n in names]).encode()
+            return 200, self.many, headers
+        names = [self._text(n) if isinstance(n, str) else n for n in change["names"]]
         return 200, json.dumps([_entry(n) for n in names]).encode(), headers
 
     def _page(self, kind: str, path: str, headers: dict[str, str]) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -25,6 +26,8 @@ from llamacrab._exceptions import HubError
 # A repository larger than this is not a GGUF model's (the Hub's largest hold a few thousand).
 MAX_FILES = 100_000
 MAX_PAGES = 1_000
+# A listing answered slowly page after page (each within the request timeout) ends here too.
+MAX_LISTING_SECONDS = 300.0
 # One path component, as every ETag and commit hash the Hub sends is (hex digits).
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,254}")
 
@@ -61,7 +64,10 @@ def list_files(endpoint: str | None, repo_id: str, revision: str | None, token: 
     params: dict[str, str] | None = {"recursive": "true", "expand": "false"}
     headers = build_hf_headers(token=token)
     files: list[str] = []
+    deadline = time.monotonic() + MAX_LISTING_SECONDS
     for _ in range(MAX_PAGES):
+        if time.monotonic() > deadline:
+            raise HubError(f"{repo_id}: the hub's listing took more than {MAX_LISTING_SECONDS} s")
         response = get_session().get(
             url, params=params, headers=headers, timeout=constants.DEFAULT_REQUEST_TIMEOUT
         )
