@@ -49,7 +49,8 @@ def guarded_downloads() -> Iterator[None]:
 
 def list_files(endpoint: str | None, repo_id: str, revision: str | None, token: Any) -> list[str]:
     """Every file path of ``repo_id`` at ``revision``, as HfApi.list_repo_files gives them,
-    through at most MAX_PAGES pages and MAX_FILES files of the endpoint's origin."""
+    through at most MAX_PAGES pages and MAX_FILES files of the endpoint's origin, within
+    MAX_LISTING_SECONDS."""
     from huggingface_hub import constants
 
     # (public, documented names that huggingface_hub.utils exports lazily: mypy cannot see them)
