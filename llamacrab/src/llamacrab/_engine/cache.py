@@ -143,7 +143,6 @@ class DiskCache(PromptCache):
             raise InvalidParameterError(
                 f"{directory!r} cannot hold a prompt cache: {error}"
             ) from error
-        self._directory = os.fspath(directory)
         self._short_of_room = False  # said once, until a state fits again
         self._pending: OrderedDict[tuple[bytes, bytes], SavedState] = OrderedDict()
         self._changed = threading.Condition()
@@ -213,7 +212,7 @@ class DiskCache(PromptCache):
         """Whether the disk has room for a state of ``size`` bytes and DISK_RESERVE_BYTES more;
         when it has not, the state is skipped (said once until one fits again)."""
         try:
-            free = shutil.disk_usage(self._directory).free
+            free = shutil.disk_usage(self._cache.directory).free
         except OSError:
             return True  # the write will say what is wrong
         if free >= size + DISK_RESERVE_BYTES:
@@ -225,7 +224,7 @@ class DiskCache(PromptCache):
                 "prompt cache: the disk holding %s has %.1f MiB free, too little for a "
                 "%.1f MiB state and %d MiB for the cache's database; states are not saved "
                 "until there is room",
-                self._directory, free / 2**20, size / 2**20, DISK_RESERVE_BYTES >> 20,
+                self._cache.directory, free / 2**20, size / 2**20, DISK_RESERVE_BYTES >> 20,
             )  # fmt: skip
         return False
 
