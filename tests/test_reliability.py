@@ -1,6 +1,6 @@
 """The reliability suite's short sizes (CI): lifecycle fuzzing, tampered models, generated
 grammars, schemas and templates, tampered saved states, hostile images and sounds, a model
-registry's programs and a hostile hub endpoint, each
+registry's programs, a hostile hub endpoint and signals at random moments, each
 asserting no signal death, no hang and no unclean error over at least its case count.
 ``scripts/reliability.py`` runs the long sizes and writes RELIABILITY.md. Below them, a
 regression test for each crash the suite found."""
@@ -122,6 +122,15 @@ def test_a_hostile_hub(workdir: Path) -> None:
     report = run_short("hub", workdir)
     assert_clean(report, 300)
     assert report.count("ok") >= 20 and report.count("error") >= 150
+
+
+@pytest.mark.real_model
+def test_signals_at_random_moments(workdir: Path) -> None:
+    report = run_short("interrupts", workdir)
+    assert_clean(report, 120)
+    # The timer lands inside the operations (not only after them) in most cases.
+    interrupted = [r for r in report.results if r.detail.startswith("interrupted")]
+    assert len(interrupted) >= 40, report.summary()
 
 
 DRAW = """

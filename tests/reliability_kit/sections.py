@@ -16,6 +16,7 @@ from reliability_kit import (
     compat,
     hub,
     inputs,
+    interrupts,
     lifecycle,
     media,
     parameters,
@@ -154,6 +155,15 @@ SECTIONS = {
         "nothing may be written outside the cache nor the token reach another host",
         Size(300, 150), Size(3000, 1800), batch_size=50, case_timeout=60, memory_limit=4 * GIB,
     ),
+    "interrupts": Section(
+        "Signals at random moments",
+        "Ctrl-C (SIGINT) or a counting SIGUSR1 handler sent by a timer while Gemma 3 270M "
+        "loads (with or without mmap), completes, streams, chats, follows a JSON schema, saves "
+        "or loads a state, tokenizes, resets or completes on two threads (one slot, two slots, "
+        "a RAM or a disk prompt cache): each signal's handler runs exactly once, nothing is "
+        "swallowed in a callback, the Llama's next token is unchanged, no memory is leaked",
+        Size(120, 150), Size(2000, 1800), batch_size=40, case_timeout=60, memory_limit=8 * GIB,
+    ),
 }  # fmt: skip
 SEED = 2026
 # tampered-*: files used with the tiny model, and how (a projector's input, or as an adapter)
@@ -202,6 +212,8 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
     if name == "hub":
         setup = {"model": str(tiny.resolve()), "workdir": str((workdir / "hub").resolve())}
         return hub.generate(size.cases or 1000, seed), setup
+    if name == "interrupts":
+        return interrupts.generate(size.cases or 1000, seed), {"model": str(gemma_path())}
     if name == "states":
         return states.cases(seed, size.cases or 1000), {"models": states.models(workdir)}
     if name == "media":

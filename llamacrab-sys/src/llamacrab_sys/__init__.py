@@ -8,7 +8,8 @@ order, thread safety, and inputs that make llama.cpp abort the process. Applicat
   may throw a C++ exception also exists as ``lib.safe_<name>(..., err)`` taking a
   ``llamacrab_error *`` that receives the exception instead of letting it cross into Python.
 - ``build_info()``: what was built and how; ``python -m llamacrab_sys`` prints it.
-- Log, progress and abort callbacks from Python: see ``set_log_handler`` and ``CallbackHandle``.
+- Log, progress and abort callbacks from Python: see ``set_log_handler`` and ``CallbackHandle``;
+  ``raise_callback_interrupt()`` after a call raises a Ctrl-C that landed inside one.
 - ``python_sampler``: a ``struct llama_sampler`` implemented in Python, for a native chain.
 """
 
@@ -18,6 +19,7 @@ from llamacrab_sys._callbacks import (
     CallbackHandle,
     abort_callback,
     progress_callback,
+    raise_callback_interrupt,
     set_log_handler,
 )
 from llamacrab_sys._native import ffi, lib
@@ -46,5 +48,6 @@ __all__ = [
     "lib",
     "progress_callback",
     "python_sampler",
+    "raise_callback_interrupt",
     "set_log_handler",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,11 +21,32 @@ LogHandler = Callable[[int, str], None]
 
 _log_handler: LogHandler | None = None
 
+_interrupts = threading.local()  # .caught: the first interrupt a callback on this thread took
+
 
 def _report_callback_error(exc_type: type, exc: BaseException, tb: Any) -> None:
-    # An exception must not unwind into C: print it and let C carry on with the default value.
+    if not issubclass(exc_type, Exception):  # KeyboardInterrupt, SystemExit: the caller's
+        if getattr(_interrupts, "caught", None) is None:
+            _interrupts.caught = exc
+        return
     print("llamacrab_sys: exception in a callback from llama.cpp:", file=sys.stderr)
     traceback.print_exception(exc_type, exc, tb)
+
+
+def _abort_on_interrupt(exc_type: type, exc: BaseException, tb: Any) -> bool:
+    # An abort callback's default is to go on; a Ctrl-C stops the computation too.
+    _report_callback_error(exc_type, exc, tb)
+    return not issubclass(exc_type, Exception)
+
+
+def raise_callback_interrupt() -> None:
+    """Raise, once, the KeyboardInterrupt or SystemExit a callback from C took on this thread
+    (a signal handler's, run while C called back into Python). Call it after a native call
+    that may call back has returned; it does nothing if there is none."""
+    caught = getattr(_interrupts, "caught", None)
+    if caught is not None:
+        _interrupts.caught = None
+        raise caught
 
 
 @ffi.def_extern(onerror=_report_callback_error)  # type: ignore[misc]
@@ -36,10 +58,12 @@ def llamacrab_log_callback(level: int, text: Any, user_data: Any) -> None:
 
 @ffi.def_extern(onerror=_report_callback_error)  # type: ignore[misc]
 def llamacrab_progress_callback(progress: float, user_data: Any) -> bool:
+    if getattr(_interrupts, "caught", None) is not None:
+        return False  # interrupted in an earlier callback (a log line): stop loading
     return bool(ffi.from_handle(user_data)(float(progress)))
 
 
-@ffi.def_extern(onerror=_report_callback_error)  # type: ignore[misc]
+@ffi.def_extern(onerror=_abort_on_interrupt)  # type: ignore[misc]
 def llamacrab_abort_callback(user_data: Any) -> bool:
     return bool(ffi.from_handle(user_data)())
 

@@ -13,6 +13,7 @@ from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
+from llamacrab._native.signals import held_signals
 
 
 class AdapterUser(Protocol):
@@ -34,8 +35,9 @@ class LoraAdapter(NativeHandle):
         log_lines.take_errors()
         # Set before it is adopted: closing the model from another thread may close it at once.
         self._users: weakref.WeakSet[AdapterUser] = weakref.WeakSet()
-        # Closing the model from another thread waits for the load, then closes this too.
-        with model.in_flight() as model_pointer:
+        # Closing the model from another thread waits for the load, then closes this too;
+        # signals wait for the handle (signals.py).
+        with held_signals(), model.in_flight() as model_pointer:
             pointer = call(
                 "llama_adapter_lora_init", model_pointer, c_string(str(file), "adapter path")
             )

@@ -42,6 +42,7 @@ from llamacrab._native.host_limits import host_memory_limit
 from llamacrab._native.kv_layout import pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
+from llamacrab._native.signals import held_signals
 
 GGML_MAX_N_THREADS = 512  # ggml.h
 KV_CELL_BYTES = 48  # llama_kv_cells: pos, shift and ext (x, y) int32s, a std::bitset<256>
@@ -208,8 +209,9 @@ class Context(NativeHandle):
         # two slots of a model trained for 512 is within it.
         log_lines.take_errors()
         note_compute_threads()
-        # Closing the model from another thread waits for the creation, then closes this too.
-        with model.in_flight() as model_pointer:
+        # Closing the model from another thread waits for the creation, then closes this too;
+        # signals wait for the handle (signals.py).
+        with held_signals(), model.in_flight() as model_pointer:
             c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
             _check_host_memory(model, params, c_params)
             pointer = call("llama_init_from_model", model_pointer, c_params)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from llamacrab._exceptions import ClosedHandleError, ConcurrentUseError, ForkedHandleError
 from llamacrab._native import fork as _fork
-from llamacrab_sys import ffi
+from llamacrab_sys import ffi, raise_callback_interrupt
 
 # Tests observe every free through this: ``observer(kind, address)`` right after the pointer is
 # freed (tests/test_handles.py). None outside tests: one global lookup per free.
@@ -139,6 +139,7 @@ class NativeHandle:
                     self._calls.notify_all()
                 else:
                     self._callers[me] -= 1
+            raise_callback_interrupt()  # a Ctrl-C that landed in a log line during the call
 
     def check_closable(self) -> None:
         """Raise ConcurrentUseError, changing nothing, if this thread is inside a native call

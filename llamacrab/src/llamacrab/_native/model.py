@@ -29,6 +29,7 @@ from llamacrab._native.host_limits import host_memory_limit
 from llamacrab._native.kv_layout import KvLayout, kv_layout
 from llamacrab._native.logging import log_lines
 from llamacrab._native.rpc import offload_devices, parse_endpoints
+from llamacrab._native.signals import Hold, held_signals
 from llamacrab._native.vocab import Vocab
 from llamacrab_sys import progress_callback
 
@@ -139,6 +140,39 @@ def _kv_overrides(overrides: Mapping[str, KvOverrideValue]) -> Any:
 _rpc_models: weakref.WeakSet[Model] = weakref.WeakSet()
 
 
+class _Progress:
+    """A load's progress callback: the caller's, after the handlers of any signal held
+    meanwhile. An exception from either cancels the load; ``error`` keeps it for the caller."""
+
+    def __init__(self, user: Callable[[float], object] | None, hold: Hold | None) -> None:
+        self.user = user
+        self.hold = hold
+        self.error: BaseException | None = None
+
+    def __call__(self, fraction: float) -> bool:
+        try:
+            if self.hold is not None:
+                self.hold.run_caught()  # a Ctrl-C stops the load here, not at its end
+            return self.user is None or self.user(fraction) is not False
+        except BaseException as error:  # it cannot cross llama.cpp's frames
+            self.error = error
+            return False
+
+
+def _load_weights(file: Path, c_params: Any, progress: _Progress) -> Any:
+    """``llama_model_load_from_file``: the new model's pointer, or the reason it has none."""
+    callback = progress_callback(progress)  # held here for the whole call
+    c_params.progress_callback = callback.function
+    c_params.progress_callback_user_data = callback.user_data
+    pointer = call("llama_model_load_from_file", c_string(str(file), "model path"), c_params)
+    if pointer == ffi.NULL:
+        if progress.error is not None:
+            raise progress.error
+        reason = log_lines.take_errors() or "see the llamacrab logger for details"
+        raise ModelLoadError(f"llama.cpp could not load {file}: {reason}")
+    return pointer
+
+
 class Model(NativeHandle):
     """A loaded GGUF model. Closing it closes its contexts and samplers first."""
 
@@ -200,23 +234,21 @@ class Model(NativeHandle):
         if overrides is not None:
             c_params.kv_overrides = overrides
             keepalive.append(overrides)
-        if progress is not None:
-            callback = progress_callback(lambda fraction: progress(fraction) is not False)
-            c_params.progress_callback = callback.function
-            c_params.progress_callback_user_data = callback.user_data
-            keepalive.append(callback)
         log_lines.take_errors()
-        pointer = call("llama_model_load_from_file", c_string(str(file), "model path"), c_params)
-        if pointer == ffi.NULL:
-            reason = log_lines.take_errors() or "see the llamacrab logger for details"
-            raise ModelLoadError(f"llama.cpp could not load {file}: {reason}")
-        # Overrides and split arrays are read during load only; nothing C keeps points into them.
-        model = cls(pointer, file, params, layout)
+        model: Model | None = None
         try:
+            with held_signals() as hold:  # nothing lands between the load and the handle
+                pointer = _load_weights(file, c_params, _Progress(progress, hold))
+                model = cls(pointer, file, params, layout)
             model.vocab.check_usable()
-        except InvalidModelError as error:
-            model.close()
-            raise InvalidModelError(f"{file}: {error}") from None
+        except BaseException as error:
+            if model is None:
+                raise
+            model.close()  # not returned to anyone (a Ctrl-C during the load comes here too)
+            if isinstance(error, InvalidModelError):
+                raise InvalidModelError(f"{file}: {error}") from None
+            raise
+        # Overrides and split arrays are read during load only; nothing C keeps points into them.
         return model
 
     # -- information -------------------------------------------------------------------------

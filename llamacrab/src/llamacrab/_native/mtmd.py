@@ -23,6 +23,7 @@ from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.media import Image, Media, pcm_for_rate, rgb_pixels, sniff
 from llamacrab._native.model import Model
+from llamacrab._native.signals import held_signals
 
 
 def embeddings_refusal(arch: str, rope_type: int) -> str | None:
@@ -76,8 +77,9 @@ class Projector(NativeHandle):
         params.n_threads = thread_limit(params.n_threads if n_threads is None else n_threads)
         note_compute_threads()
         log_lines.take_errors()
-        # Closing the model from another thread waits for the load, then closes this too.
-        with model.in_flight() as model_pointer:
+        # Closing the model from another thread waits for the load, then closes this too;
+        # signals wait for the handle (signals.py).
+        with held_signals(), model.in_flight() as model_pointer:
             pointer = call("mtmd_init_from_file", c_string(str(file), "path"), model_pointer,
                            params)  # fmt: skip
             if pointer == ffi.NULL:
@@ -104,14 +106,14 @@ class Projector(NativeHandle):
             pixels = rgb_pixels(media)
             height, width = pixels.shape[:2]
             data = ffi.from_buffer("unsigned char[]", pixels)
-            pointer = call("mtmd_bitmap_init", width, height, data)
-        elif media.data is not None:
+            with held_signals():  # nothing lands between the bitmap and its handle
+                return Bitmap(self, call("mtmd_bitmap_init", width, height, data))
+        if media.data is not None:
             return self._decoded_audio(media.data)
-        else:
-            assert self.sample_rate is not None
-            pcm = pcm_for_rate(media, self.sample_rate)
-            pointer = call("mtmd_bitmap_init_from_audio", len(pcm), ffi.from_buffer("float[]", pcm))
-        return Bitmap(self, pointer)
+        assert self.sample_rate is not None
+        samples = ffi.from_buffer("float[]", pcm_for_rate(media, self.sample_rate))
+        with held_signals():
+            return Bitmap(self, call("mtmd_bitmap_init_from_audio", len(samples), samples))
 
     def _decoded_audio(self, data: bytes) -> Bitmap:
         """A sound file decoded (and resampled) by libmtmd; ``sniff`` made sure it is audio, so
@@ -119,15 +121,15 @@ class Projector(NativeHandle):
         log_lines.take_errors()
         # Patched libmtmd refuses a file decoding to more than MAX_AUDIO_SECONDS before it
         # allocates the samples (a few kB can declare hours; llamacrab-sys's patches).
-        with self.in_flight() as projector:
+        with held_signals(), self.in_flight() as projector:
             wrapper = call_bounded("mtmd_helper_bitmap_init_from_buf", projector,
                                    ffi.from_buffer("unsigned char[]", data), len(data), False,
                                    lib.mtmd_helper_init_opt_default(),
                                    refusal=MediaError)  # fmt: skip
-        if wrapper.bitmap == ffi.NULL:
-            reason = log_lines.take_errors() or "unrecognized format"
-            raise MediaError(f"could not decode the audio ({len(data)} bytes): {reason}")
-        bitmap = Bitmap(self, wrapper.bitmap)
+            if wrapper.bitmap == ffi.NULL:
+                reason = log_lines.take_errors() or "unrecognized format"
+                raise MediaError(f"could not decode the audio ({len(data)} bytes): {reason}")
+            bitmap = Bitmap(self, wrapper.bitmap)
         # libmtmd asserts (aborts) on audio of a single sample.
         if lib.mtmd_bitmap_get_n_bytes(wrapper.bitmap) < 2 * 4:
             bitmap.close()
@@ -212,10 +214,11 @@ class Chunks(NativeHandle):
     kind = "multimodal prompt"
 
     def __init__(self, projector: Projector) -> None:
-        pointer = call("mtmd_input_chunks_init")
-        if pointer == ffi.NULL:
-            raise MediaError("libmtmd could not allocate input chunks")
-        super().__init__(pointer, lib.mtmd_input_chunks_free, projector)
+        with held_signals():  # nothing lands between the chunks and their handle
+            pointer = call("mtmd_input_chunks_init")
+            if pointer == ffi.NULL:
+                raise MediaError("libmtmd could not allocate input chunks")
+            super().__init__(pointer, lib.mtmd_input_chunks_free, projector)
         self.projector = projector
 
     @property

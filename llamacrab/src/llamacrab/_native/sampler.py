@@ -21,6 +21,7 @@ from llamacrab._native.greedy import BiasedArgmax
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
+from llamacrab._native.signals import held_signals
 from llamacrab_sys import python_sampler
 
 LLAMA_TOKEN_NULL = -1
@@ -140,12 +141,13 @@ class SamplerChain(NativeHandle):
         """``first``: Python samplers placed before everything else (see CustomSampler)."""
         self.options = options = options or SamplingOptions()
         self._bridges = [_Bridge(sampler) for sampler in (*first, *options.custom_samplers)]
-        pointer = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        if pointer == ffi.NULL:
-            raise InvalidParameterError("llama.cpp could not create a sampler chain")
-        # The samplers read the model's vocabulary (a grammar parses against it): closing the
-        # model from another thread waits for them, then closes the chain.
-        with model.in_flight():
+        # Nothing lands between a sampler and its owner (signals.py). The samplers read the
+        # model's vocabulary (a grammar parses against it): closing the model from another
+        # thread waits for them, then closes the chain.
+        with held_signals(), model.in_flight():
+            pointer = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+            if pointer == ffi.NULL:
+                raise InvalidParameterError("llama.cpp could not create a sampler chain")
             super().__init__(pointer, lib.llama_sampler_free, model)
             try:
                 with self.in_flight() as chain:

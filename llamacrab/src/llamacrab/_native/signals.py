@@ -1,0 +1,67 @@
+"""Signal handlers held back while a native object is made, and run once it has its handle.
+
+Python runs a signal's handler at the next bytecode of the main thread: Ctrl-C raises
+KeyboardInterrupt there, and a service's SIGTERM handler often raises SystemExit. Landing
+between C returning a new pointer and the handle that will free it, that exception leaks the
+object (a whole model, for a Ctrl-C during its load); landing inside a callback from C, it
+cannot propagate at all. ``held_signals()`` swaps every Python handler for a recorder while
+the object is made, and sends the caught signals again once it is wrapped, so their handlers
+run where an exception is safe. A load's progress callback may run them earlier
+(``Hold.run_caught``): a handler that raises then cancels the load instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+Handler = Callable[[int, FrameType | None], Any]
+
+
+class Hold:
+    """The handlers one ``held_signals()`` replaced, and the signals caught meanwhile."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, Handler] = {}
+        self.caught: list[tuple[int, FrameType | None]] = []
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.caught.append((signum, frame))
+
+    def install(self) -> None:
+        for signum in signal.valid_signals():
+            handler = signal.getsignal(signum)
+            if callable(handler):  # a Python handler (SIG_DFL and SIG_IGN act in C: untouched)
+                self.saved[signum] = handler
+                signal.signal(signum, self._record)
+
+    def run_caught(self) -> None:
+        """Run the handlers of the signals caught so far, now (their exceptions propagate)."""
+        while self.caught:
+            signum, frame = self.caught.pop(0)
+            self.saved[signum](signum, frame)
+
+    def release(self) -> None:
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+        for signum, _ in self.caught:
+            signal.raise_signal(signum)  # its handler runs at the next bytecode, as it would have
+
+
+@contextmanager
+def held_signals() -> Iterator[Hold | None]:
+    """Hold Python's signal handlers for the block (the main thread only: handlers never run
+    on another, so nothing can land there). Yields the Hold, or None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    hold = Hold()
+    try:
+        hold.install()  # inside the try: a signal landing midway still gets the handlers back
+        yield hold
+    finally:
+        hold.release()

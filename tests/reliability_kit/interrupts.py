@@ -1,0 +1,216 @@
+"""Signals at random moments: Ctrl-C (SIGINT) or a handler that only counts (SIGUSR1), sent
+to the process while an operation on Gemma 3 270M runs.
+
+Python runs a signal's handler on the main thread at its next bytecode: inside a callback
+from C (a log line, a load's progress), between C returning a new object and the handle
+that frees it, inside a lock's bookkeeping or a generator's cleanup. Each case picks one of
+four Llamas (one slot, two parallel slots, a RAM or a disk prompt cache; kept across cases),
+an operation (load a new Llama with or without mmap and drop it, complete, stream and stop
+early, chat, a JSON-schema completion, save or load a state, tokenize, reset, two threads
+completing at once) and a moment (a timer thread sends the signal).
+
+Invariants: every SIGINT raises exactly one KeyboardInterrupt in the case and every SIGUSR1
+runs its handler exactly once (none lost inside a callback, none twice); nothing is printed
+as an exception swallowed in a callback or a finalizer; the kept Llama's next-token
+log-probability for a fixed prompt stays what it was (its memory and bookkeeping agree);
+after a collection the model file is mapped as often as the four Llamas map it, and the
+process's memory stays within LEAK_BYTES of theirs (an interrupted load may not leak a model).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+CONFIGS = ("plain", "parallel", "ram", "disk")
+OPERATIONS = ("load", "load-no-mmap", "complete", "long-prompt", "stream", "chat", "schema",
+              "save", "restore", "tokenize", "reset", "threads")  # fmt: skip
+PROMPTS = ("The capital of France is", "Once upon a time there was a", "def fibonacci(n):")
+REFERENCE = "List three colours:"
+# The model read into memory is ~250 MiB; the heap of a process that loads and frees models on
+# several threads drifts by up to ~200 MiB (glibc keeps arenas), so the file's mappings are the
+# exact count and this bound catches models read into memory and kept.
+LEAK_BYTES = 600 << 20
+TOLERANCE = 0.05  # the logprob moves by ~1e-3 between batch shapes; wrong memory moves it more
+
+
+def generate(count: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [
+        {
+            "id": f"interrupts-{seed}-{i}",
+            "config": rng.choice(CONFIGS),
+            "operation": rng.choice(OPERATIONS),
+            "signal": rng.choice(("SIGINT", "SIGINT", "SIGINT", "SIGUSR1")),
+            "delay": round(rng.random() ** 2 * 0.5, 4),  # mostly early: inside the native call
+            "prompt": rng.choice(PROMPTS),
+        }
+        for i in range(count)
+    ]
+
+
+# -- the child's side ---------------------------------------------------------------------------
+
+
+class _Swallowed:
+    """stderr, counting what says an exception was swallowed (a callback's, a finalizer's)."""
+
+    MARKS = ("exception in a callback", "Exception ignored")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> int:
+        if any(mark in text for mark in self.MARKS):
+            self.lines.append(text.strip()[:200])
+        return int(self.stream.write(text))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _mappings(path: str) -> int:
+    """How many mappings of ``path`` the process has (a model loaded with mmap holds some)."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if line.rstrip("\n").endswith(real))
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) << 10
+
+
+def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
+    """The four Llamas (with their reference next token and a saved state), the SIGUSR1
+    counter, stderr watched, and the memory they all take: what the cases may not grow."""
+    sys.stderr = _Swallowed(sys.stderr)
+    usr1 = [0]
+    signal.signal(signal.SIGUSR1, lambda signum, frame: usr1.__setitem__(0, usr1[0] + 1))
+    llamas = {name: _llama(config["model"], name) for name in CONFIGS}
+    gc.collect()
+    return {"model": config["model"], "llamas": llamas, "usr1": usr1, "baseline": _rss(),
+            "mapped": _mappings(config["model"])}  # fmt: skip
+
+
+def _llama(model: str, config: str) -> tuple[Any, tuple[str, float], Any]:
+    from llamacrab import Llama
+
+    options: dict[str, Any] = {"n_ctx": 1024, "n_threads": 2}
+    if config == "parallel":
+        options["parallel"] = 2
+    elif config == "ram":
+        options["prompt_cache"] = "ram"
+    elif config == "disk":
+        options["prompt_cache"] = tempfile.mkdtemp(prefix="interrupts-cache-")
+    llm = Llama(model, **options)
+    return llm, _next_token(llm), llm.save_state(**_slot(config))
+
+
+def _slot(config: str) -> dict[str, int]:
+    return {"slot": 0} if config == "parallel" else {}
+
+
+def _next_token(llm: Any) -> tuple[str, float]:
+    answer = llm.create_completion(REFERENCE, max_tokens=1, temperature=0, logprobs=1)
+    logprobs = answer.choices[0].logprobs
+    return answer.text, logprobs.token_logprobs[0]
+
+
+def _operate(llm: Any, saved: Any, case: dict[str, Any], model: str) -> None:
+    from llamacrab import Llama
+
+    operation, prompt, slot = case["operation"], case["prompt"], _slot(case["config"])
+    if operation.startswith("load"):
+        other = Llama(model, n_ctx=256, n_threads=2, use_mmap=operation == "load")
+        other.create_completion(prompt, max_tokens=2)
+        del other  # dropped, not closed: the finalizers free it
+    elif operation in ("complete", "long-prompt"):
+        text = prompt * (40 if operation == "long-prompt" else 1)
+        llm.create_completion(text, max_tokens=16, temperature=0)
+    elif operation == "stream":
+        for number, _ in enumerate(llm.stream_completion(prompt, max_tokens=24)):
+            if number == 8:
+                break  # the stream is dropped open
+    elif operation == "chat":
+        llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=12)
+    elif operation == "schema":
+        schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+        llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=12,
+                                   response_format={"type": "json_schema",
+                                                    "json_schema": {"schema": schema}})  # fmt: skip
+    elif operation == "save":
+        for _ in range(10):
+            llm.save_state(**slot)
+    elif operation == "restore":
+        for _ in range(10):
+            llm.load_state(saved, **slot)
+    elif operation == "tokenize":
+        for _ in range(50):
+            llm.tokenize(prompt * 200)
+    elif operation == "reset":
+        for _ in range(50):
+            llm.reset(**slot)
+    else:
+        threads = [threading.Thread(target=llm.create_completion, args=(text,),
+                                    kwargs={"max_tokens": 8}) for text in PROMPTS[:2]]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+
+def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
+    llm, expected, saved = state["llamas"][case["config"]]
+    usr1 = state["usr1"]
+    before = usr1[0]
+    number = getattr(signal, case["signal"])
+    timer = threading.Timer(case["delay"], os.kill, (os.getpid(), number))
+    interrupts, refusal = 0, None
+    timer.start()
+    try:
+        try:
+            _operate(llm, saved, case, state["model"])
+        except KeyboardInterrupt:
+            interrupts += 1
+        except Exception as error:  # a LlamaError is a refusal; anything else is unclean
+            refusal = error
+        timer.join()
+        time.sleep(0.01)  # a signal sent after the operation lands here
+    except KeyboardInterrupt:
+        interrupts += 1
+    timer.join()
+    problems = []
+    sent_sigint = case["signal"] == "SIGINT"
+    if interrupts != int(sent_sigint):
+        problems.append(f"{interrupts} KeyboardInterrupts for {int(sent_sigint)} SIGINT")
+    if not sent_sigint and usr1[0] - before != 1:
+        problems.append(f"the SIGUSR1 handler ran {usr1[0] - before} times")
+    swallowed = sys.stderr.lines  # type: ignore[attr-defined]
+    if swallowed:
+        problems.append(f"swallowed: {swallowed[:2]}")
+        swallowed.clear()
+    got = _next_token(llm)
+    if got[0] != expected[0] or abs(got[1] - expected[1]) > TOLERANCE:
+        problems.append(f"next token {got} after the case, {expected} before")
+    gc.collect()
+    mapped = _mappings(state["model"]) - state["mapped"]
+    if mapped:
+        problems.append(f"the model file has {mapped} more mappings than the Llamas' own")
+    grown = _rss() - state["baseline"]
+    if grown > LEAK_BYTES:
+        problems.append(f"memory grew {grown >> 20} MiB over the Llamas' own")
+    if problems:
+        raise RuntimeError("; ".join(problems))
+    if refusal is not None:
+        raise refusal
+    return "ok", f"{'interrupted' if interrupts else 'ran'}; memory {grown / 2**20:+.0f} MiB"

