@@ -24,6 +24,9 @@ tests/test_reliability.py, and a long one, the default here):
 - hub: resolve of a repository through a Hub look-alike whose answers are changed (listing,
   pages, headers, statuses, redirects, bodies); nothing written outside the cache, no token
   sent to another host;
+- interrupts: SIGINT (Ctrl-C) or a counting SIGUSR1 handler sent at random moments of loads,
+  completions, streams, state saves and loads on Gemma 3 270M; each handler runs exactly once,
+  nothing swallowed in a callback, the Llama's next token unchanged, no model leaked;
 - server: the server under load and faults, several models under churn (in its process and
   in processes of their own killed at random), and leaks
   (scripts/reliability_server.py; CI runs its short size through
@@ -296,6 +299,13 @@ FOUND = [
      "short cases", "`_features/hub_guard.py`: ETags and commit hashes must be plain names "
      "before huggingface_hub makes paths of them; the listing is llamacrab's own, bounded and "
      "on the endpoint's origin (tests in `tests/test_hub_hostile.py`)"),
+    ("interrupts (the first run of the section, on the code before it)", "SIGINT sent while "
+     "Gemma 3 270M loads, with or without mmap", "the KeyboardInterrupt raised inside "
+     "llama.cpp's log or progress callback, printed (\"exception in a callback from "
+     "llama.cpp\") and lost, the load going on: 12 of 120 short cases",
+     "`_native/signals.py`: signal handlers held while a native object is made and run by the "
+     "load's progress callback (a raising one cancels the load); an interrupt caught in any "
+     "other callback raised when the call returns (tests in `tests/test_interrupts.py`)"),
 ]  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from types import FrameType
 
 import pytest
 
+from llamacrab import Llama
 from llamacrab._native.signals import held_signals
 
 PRELUDE = """
@@ -236,3 +237,60 @@ def test_a_ctrl_c_in_a_raw_abort_callback_aborts_the_decode(tiny_model_path: Pat
     assert child.returncode == 0, child.stderr
     assert_nothing_swallowed(child)
     assert child.stdout.split() == ["decode", "2", "raised"]  # 2: aborted
+
+
+INTERRUPTED_STATE_LOAD = """
+import gc, sys
+from llamacrab import Llama, SavedState
+from llamacrab._native import context as context_module
+llm = Llama(sys.argv[1], n_ctx=128, n_batch=32)
+expected = llm.create_completion("Hello there", max_tokens=4, temperature=0).text
+blob = llm.save_state().to_bytes()
+real = context_module.call
+def interrupted(name, *args):
+    result = real(name, *args)
+    if name == "llama_state_seq_set_data_ext":
+        raise KeyboardInterrupt  # a Ctrl-C landing as the call returns
+    return result
+class Keeper:
+    pass
+context_module.call = interrupted
+for _ in range(20):
+    try:
+        llm.load_state(SavedState.from_bytes(blob))  # its payload: a view, held by the frames
+    except KeyboardInterrupt as error:
+        keeper = Keeper()
+        keeper.itself, keeper.error = keeper, error  # the traceback in a garbage cycle
+    del keeper
+    gc.collect()
+context_module.call = real
+print(llm.create_completion("Hello there", max_tokens=4, temperature=0).text == expected)
+"""
+
+
+def test_an_interrupted_state_load_leaves_nothing_for_the_collector_to_crash_on(
+    tiny_model_path: Path,
+) -> None:
+    # The frame of a state load cut short keeps the state's payload (a memoryview) and the
+    # buffer cffi made of it; collected in a cycle while still exported, CPython's collector
+    # crashed the process (found by the interrupts section: a SIGSEGV in gc.collect).
+    command = [sys.executable, "-c", INTERRUPTED_STATE_LOAD, str(tiny_model_path)]
+    child = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert_nothing_swallowed(child)
+    assert child.stdout.split() == ["True"]
+
+
+def test_a_prompt_goes_on_from_what_the_memory_holds(tiny_llama: Llama) -> None:
+    # What an interruption between a change to the memory and its bookkeeping leaves: the
+    # memory cut back but its tokens still recorded (a Ctrl-C after the cut), or tokens
+    # decoded but not recorded (after the decode). The next prompt follows the memory.
+    prompt = "one two three four five six"
+    expected = tiny_llama.create_completion(prompt, max_tokens=6, temperature=0).text
+    kv = tiny_llama._completer.kv
+    kv.context.remove(kv.seq_id, 3, -1)  # the memory behind the record
+    assert tiny_llama.create_completion(prompt, max_tokens=6, temperature=0).text == expected
+    del kv.tokens[-3:]  # the record behind the memory; the next prompt extends the record
+    following = [*kv.tokens, *tiny_llama.tokenize(" seven", add_special=False)]
+    answer = tiny_llama.create_completion(following, max_tokens=3, temperature=0)
+    assert answer.choices[0].finish_reason == "length"

@@ -126,7 +126,11 @@ def _next_token(llm: Any) -> tuple[str, float]:
     return answer.text, logprobs.token_logprobs[0]
 
 
-def _operate(llm: Any, saved: Any, case: dict[str, Any], model: str) -> None:
+def _operate(
+    llm: Any, saved: Any, case: dict[str, Any], model: str, threads: list[threading.Thread]
+) -> None:
+    """Run the case's operation; ``threads`` gets the threads it starts (joined afterwards:
+    an interrupt leaves them running)."""
     from llamacrab import Llama
 
     operation, prompt, slot = case["operation"], case["prompt"], _slot(case["config"])
@@ -161,8 +165,8 @@ def _operate(llm: Any, saved: Any, case: dict[str, Any], model: str) -> None:
         for _ in range(50):
             llm.reset(**slot)
     else:
-        threads = [threading.Thread(target=llm.create_completion, args=(text,),
-                                    kwargs={"max_tokens": 8}) for text in PROMPTS[:2]]  # fmt: skip
+        threads += [threading.Thread(target=llm.create_completion, args=(text,),
+                                     kwargs={"max_tokens": 8}) for text in PROMPTS[:2]]  # fmt: skip
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -176,10 +180,11 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     number = getattr(signal, case["signal"])
     timer = threading.Timer(case["delay"], os.kill, (os.getpid(), number))
     interrupts, refusal = 0, None
-    timer.start()
+    threads: list[threading.Thread] = []
     try:
+        timer.start()  # (a delay of 0 may fire before start returns)
         try:
-            _operate(llm, saved, case, state["model"])
+            _operate(llm, saved, case, state["model"], threads)
         except KeyboardInterrupt:
             interrupts += 1
         except Exception as error:  # a LlamaError is a refusal; anything else is unclean
@@ -189,6 +194,8 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     except KeyboardInterrupt:
         interrupts += 1
     timer.join()
+    for thread in threads:
+        thread.join()
     problems = []
     sent_sigint = case["signal"] == "SIGINT"
     if interrupts != int(sent_sigint):

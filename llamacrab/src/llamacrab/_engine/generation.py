@@ -161,15 +161,15 @@ class KvState:
                 f"{self.context.n_ctx}"
             )
         self.owner = None
-        self.tokens.clear()
+        self._truncate(0)  # first: interrupted from here on, less is known, never more
         try:
             seq_id = self.seq_id if state.scope == "sequence" else None
             self.context.load_state_bytes(state.payload, seq_id)
         except BaseException:
             self.forget() if state.scope == "sequence" else self.reset()
             raise
-        self.tokens.extend(state.tokens)
         self.checkpoints = list(state.checkpoints)
+        self.tokens.extend(state.tokens)
         # Counts as computed with the present adapters: caches keep states per kv_fingerprint.
         self.weights = self.context.weights_generation
         self.plan = LoraPlan(dict(self.context.lora_adapters))
@@ -232,8 +232,14 @@ class KvState:
         keep = common_prefix(self.tokens, prompt) if reuse else 0
         keep = int(min(keep, self.plan.reusable(plan)))
         keep = min(keep, len(prompt) - 1)  # the last prompt token is decoded again for its logits
+        # What the memory holds, not what ``tokens`` says: an exception landing between a
+        # change to the memory and this bookkeeping (a Ctrl-C) leaves them apart, and
+        # llama.cpp refuses a batch that does not follow the sequence's last position.
+        held = self.context.positions(self.seq_id)
+        end = 0 if held is None else held[1] + 1
+        keep = min(keep, end)
         self.plan = plan
-        if keep < len(self.tokens) and not self.context.remove(self.seq_id, keep, -1):
+        if keep < end and not self.context.remove(self.seq_id, keep, -1):
             keep = self._rewind(keep)
         self._truncate(keep)
         return keep
@@ -299,7 +305,7 @@ class KvState:
 
     def reset(self) -> None:
         """Clear the whole memory (embeddings reuse it with other sequences, too)."""
-        self.context.clear()
+        self.context.clear()  # first: refused (a call in flight), it changes nothing
         self.owner = None
         self._truncate(0)
         self.weights = self.context.weights_generation

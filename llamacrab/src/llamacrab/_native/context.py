@@ -703,8 +703,10 @@ class Context(NativeHandle):
         named = int.from_bytes(bytes(data[:4]), "little") if len(data) >= 4 else 0
         if seq_id is None and named > len(data) - 4:
             raise StateError("the state's model name runs past its end (corrupted)")
-        with self.exclusive() as ctx:
-            buffer = ffi.from_buffer("uint8_t[]", data)
+        # Released on the way out, whatever happens: a view (a state read from disk is one)
+        # still exported when a garbage cycle takes it (the frame of an interrupted call,
+        # kept by its traceback) makes the collector crash the process (SIGSEGV).
+        with self.exclusive() as ctx, ffi.from_buffer("uint8_t[]", data) as buffer:
             if seq_id is None:
                 read = call("llama_state_set_data", ctx, buffer, len(buffer))
             else:

@@ -47,6 +47,6 @@ def serve(settings: ServerSettings) -> None:
     """Run the server until interrupted (refuses an exposed address without an API key)."""
     settings.check_exposure()
     app = create_app(settings)
-    import uvicorn
+    from llamacrab.server._shutdown import run
 
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    run(app, settings.host, settings.port, settings.shutdown_timeout, "info")

@@ -79,10 +79,7 @@ def create_app(
         elif state.llama is None:
             threading.Thread(target=state.load, name="llamacrab-load", daemon=True).start()
         yield
-        if state.registry is not None:
-            state.registry.close()
-        if llama is None and state.llama is not None:
-            state.llama.close()
+        state.close_models()
 
     app = FastAPI(title="llamacrab", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible server over llama.cpp")  # fmt: skip

@@ -57,6 +57,7 @@ class ServerSettings:
     max_n: int = 8  # cap on a request's n and best_of
     max_queue: int = 64  # requests waiting for a slot before 503
     timeout: float = 600.0  # seconds a request may run
+    shutdown_timeout: float = 5.0  # seconds requests in flight get after SIGTERM / Ctrl-C
     max_stored_responses: int = 256  # Responses API: kept for previous_response_id (0: none)
     stored_response_ttl: float = 3600.0  # Responses API: seconds a stored response is kept
     props: bool = False  # allow POST /props (llama-server's --props)
@@ -119,6 +120,10 @@ class ServerSettings:
                 raise InvalidParameterError(f"{name} must be >= 1")
         if self.timeout <= 0 or self.max_queue < 0:
             raise InvalidParameterError("timeout must be > 0 and max_queue >= 0")
+        if not 0 <= self.shutdown_timeout < math.inf:
+            raise InvalidParameterError(
+                f"shutdown_timeout must be a number of seconds >= 0, not {self.shutdown_timeout}"
+            )
         if self.max_stored_responses < 0 or self.stored_response_ttl <= 0:
             raise InvalidParameterError(
                 "max_stored_responses must be >= 0 and stored_response_ttl > 0"
@@ -329,6 +334,12 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("max_n", int, "cap on a request's n and best_of (default 8)"),
     ("max_queue", int, "requests waiting for a slot before 503 (default 64)"),
     ("timeout", float, "seconds a request may run (default 600)"),
+    (
+        "shutdown_timeout",
+        float,
+        "seconds requests in flight may take to finish after SIGTERM or Ctrl-C before the "
+        "models close and they end with 503 shutting_down (default 5; 0: at once)",
+    ),
     ("max_stored_responses", int, "responses kept for previous_response_id (default 256)"),
     ("stored_response_ttl", float, "seconds a stored response is kept (default 3600)"),
     ("props", bool, "allow POST /props (llama-server's flag; nothing is writable yet)"),

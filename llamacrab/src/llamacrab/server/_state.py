@@ -70,6 +70,7 @@ class ServerState:
                  registry: ModelRegistry | None = None) -> None:  # fmt: skip
         self.settings = settings
         self.llama = llama
+        self._owns_llama = llama is None  # loaded here, so closed here
         self.error: str | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -85,6 +86,14 @@ class ServerState:
         except Exception as error:  # reported by /health and every route
             self.error = f"{type(error).__name__}: {error}"
             log.error("the model failed to load: %s", self.error)
+
+    def close_models(self) -> None:
+        """Close the models this server opened (or the registry it serves): the server stops.
+        A request still using one ends as one whose model closed (503 ``shutting_down``)."""
+        if self.registry is not None:
+            self.registry.close()
+        elif self._owns_llama and self.llama is not None:
+            self.llama.close()
 
     def ready(self, model: str | None) -> Llama:
         if self.registry is not None:
