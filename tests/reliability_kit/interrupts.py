@@ -94,6 +94,9 @@ def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
     """The four Llamas (with their reference next token and a saved state), the SIGUSR1
     counter, stderr watched, and the memory they all take: what the cases may not grow."""
     sys.stderr = _Swallowed(sys.stderr)
+    # Python's own Ctrl-C handler, even where the runner was started with SIGINT ignored (a
+    # background job of a non-interactive shell is), which Python then leaves ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     usr1 = [0]
     signal.signal(signal.SIGUSR1, lambda signum, frame: usr1.__setitem__(0, usr1[0] + 1))
     llamas = {name: _llama(config["model"], name) for name in CONFIGS}
