@@ -198,7 +198,8 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         interrupts += 1
     timer.join()
     for thread in threads:
-        thread.join()
+        if thread.ident is not None:  # (interrupted before it started: never will)
+            thread.join()
     problems = []
     sent_sigint = case["signal"] == "SIGINT"
     if interrupts != int(sent_sigint):
