@@ -10,11 +10,12 @@ import sys
 import threading
 import time
 
+import uvicorn
+
 from llamacrab import ModelEntry
 from llamacrab.server._app import create_app
 from llamacrab.server._isolation import PARENT_ENV, settings_from_json
 from llamacrab.server._models import entry_registry
-from llamacrab.server._shutdown import run
 
 
 def _end_with_parent(parent: int) -> None:
@@ -32,8 +33,7 @@ def main() -> None:
     if watched.isdigit():
         threading.Thread(target=_end_with_parent, args=(int(watched),), daemon=True).start()
     app = create_app(settings, registry=entry_registry(entry, settings))
-    # The parent stops this process once its own requests had their time: no grace here.
-    run(app, settings.host, settings.port, 0, "warning")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
 
 
 if __name__ == "__main__":
