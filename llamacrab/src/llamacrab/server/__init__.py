@@ -49,4 +49,4 @@ def serve(settings: ServerSettings) -> None:
     app = create_app(settings)
     from llamacrab.server._shutdown import run
 
-    run(app, settings.host, settings.port, settings.shutdown_timeout, "info")
+    run(app, settings.host, settings.port, settings.shutdown_timeout)

@@ -52,7 +52,7 @@ class GracefulServer(uvicorn.Server):
         timer.start()
 
 
-def run(app: FastAPI, host: str, port: int, grace: float, log_level: str) -> None:
+def run(app: FastAPI, host: str, port: int, grace: float) -> None:
     """Serve ``app`` (made by create_app) until SIGTERM or Ctrl-C, stopping as above."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info")
     GracefulServer(config, app.state.llamacrab, grace).run()
