@@ -4,7 +4,8 @@ Python runs a signal's handler on the main thread at its next bytecode. While C 
 into Python (a log line, a load's progress), that is inside the callback, where an exception
 cannot propagate; between C returning a new object and the handle that frees it, an exception
 leaks the object. The children here send the signal from inside such a callback, the moment a
-real Ctrl-C can land in."""
+real Ctrl-C can land in. A decode calls nothing back: a Ctrl-C during one aborts it at ggml's
+next graph node instead of waiting seconds for it to return."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
 import pytest
 
 from llamacrab import Llama
-from llamacrab._native.signals import held_signals
+from llamacrab._native.signals import arm_sigint, held_signals
+from llamacrab_sys import ffi, lib
 
 PRELUDE = """
 import gc, os, signal, sys
@@ -42,8 +45,8 @@ def signal_at_first_report(number):
 """
 
 
-def run_child(body: str) -> subprocess.CompletedProcess[str]:
-    program = PRELUDE + textwrap.dedent(body)
+def run_child(body: str, setup: str = "") -> subprocess.CompletedProcess[str]:
+    program = PRELUDE + setup + textwrap.dedent(body)
     return subprocess.run(
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=300
     )
@@ -133,6 +136,118 @@ def test_an_interrupt_raised_inside_a_log_line_reaches_the_caller() -> None:
     assert child.returncode == 0, child.stderr
     assert_nothing_swallowed(child)
     assert child.stdout.strip() == "interrupted; freed ['context', 'model']"
+
+
+# One llama_decode of a ~2,700-token prompt (six micro-batches, seconds here); a thread sends
+# the signal once the decode holds the context.
+LONG_PROMPT = """
+import threading, time
+llm = Llama(path, n_ctx=4096, n_batch=4096, n_threads=2)
+prompt = " ".join(f"word{i}" for i in range(700))
+expected = llm.create_completion(prompt, max_tokens=4, temperature=0).text
+other = "Another start. " + prompt  # shares no prefix: decoded whole
+n_other = len(llm.tokenize(other))
+sent = []
+
+def signal_inside_the_decode(number):
+    while not llm.context._busy.locked():
+        time.sleep(0.001)
+    time.sleep(0.05)
+    sent.append(time.perf_counter())
+    os.kill(os.getpid(), number)
+"""
+
+
+@pytest.mark.real_model
+def test_ctrl_c_during_a_long_prompt_cuts_the_decode_short() -> None:
+    # Before, the KeyboardInterrupt waited for llama_decode to return: all 2,700 tokens
+    # decoded first (~4 s here; longer in proportion for a larger model).
+    child = run_child(
+        setup=LONG_PROMPT,
+        body="""
+        for attempt in range(2):
+            thread = threading.Thread(target=signal_inside_the_decode, args=(signal.SIGINT,))
+            thread.start()
+            try:
+                llm.create_completion(other, max_tokens=4, temperature=0)
+                print("finished")
+            except KeyboardInterrupt:
+                after = time.perf_counter() - sent[-1]
+                held = llm.context.positions(0)
+                print("interrupted", held[1] + 1 if held else 0, "of", n_other, f"{after:.3f}")
+            thread.join()
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's C handler back
+        print("then", llm.create_completion(prompt, max_tokens=4, temperature=0).text == expected)
+    """,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert_nothing_swallowed(child)
+    *attempts, then = child.stdout.splitlines()
+    assert len(attempts) == 2 and then == "then True", child.stdout
+    for line in attempts:
+        word, held, _, total, seconds = line.split()
+        # Aborted between micro-batches' nodes: what was decoded stays, the rest never ran.
+        assert word == "interrupted" and int(held) < int(total), child.stdout
+        print("KeyboardInterrupt", seconds, "s after the signal")
+
+
+@pytest.mark.real_model
+def test_a_handler_of_the_users_does_not_cut_a_decode() -> None:
+    # A handler that does not raise may not mean to stop anything: the decode runs to its end
+    # and the handler runs once, after it.
+    child = run_child(
+        setup=LONG_PROMPT,
+        body="""
+        calls = []
+        signal.signal(signal.SIGINT, lambda number, frame: calls.append(number))
+        thread = threading.Thread(target=signal_inside_the_decode, args=(signal.SIGINT,))
+        thread.start()
+        llm.create_completion(other, max_tokens=4, temperature=0)
+        thread.join()
+        print(len(calls), llm.context.positions(0)[1] + 1 >= n_other)
+    """,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split() == ["1", "True"]
+
+
+@pytest.fixture
+def python_sigint_handler() -> Iterator[None]:
+    # Background jobs (CI may run us as one) start with SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("python_sigint_handler")
+def test_an_armed_call_aborts_on_the_next_sigint_only() -> None:
+    flags = ffi.new("llamacrab_abort_flags *")
+    arm_sigint(flags)
+    assert flags.sigint_armed == 1 and not lib.llamacrab_abort_on_flags(flags)
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)  # through the watcher to Python's handler
+    assert lib.llamacrab_abort_on_flags(flags)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's C handler again
+    arm_sigint(flags)  # a new call: an earlier Ctrl-C does not abort it
+    assert not lib.llamacrab_abort_on_flags(flags)
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+    assert lib.llamacrab_abort_on_flags(flags)
+    assert not lib.llamacrab_abort_on_flags(ffi.new("llamacrab_abort_flags *"))
+
+
+@pytest.mark.usefixtures("python_sigint_handler")
+def test_only_pythons_own_handler_on_the_main_thread_arms() -> None:
+    flags = ffi.new("llamacrab_abort_flags *")
+    armed = []
+    thread = threading.Thread(target=lambda: (arm_sigint(flags), armed.append(flags.sigint_armed)))
+    thread.start()
+    thread.join()
+    for handler in (signal.SIG_IGN, signal.SIG_DFL, lambda number, frame: None):
+        signal.signal(signal.SIGINT, handler)
+        arm_sigint(flags)
+        armed.append(flags.sigint_armed)
+    assert armed == [0, 0, 0, 0]
 
 
 @pytest.fixture

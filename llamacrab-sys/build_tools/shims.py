@@ -28,8 +28,20 @@ typedef struct llamacrab_error {
 """
 # Hand-written helpers beside the generated shims.
 HELPERS = """\
-/* An abort callback that reads a flag Python sets: cancelling a decode needs no GIL per node. */
-bool llamacrab_abort_on_flag(void *flag);
+/* What llamacrab_abort_on_flags reads: ggml polls it at every graph node, so cancelling a decode
+   needs no GIL. `cancel` nonzero aborts. `sigint_armed` nonzero aborts as well once a SIGINT
+   arrives after llamacrab_watch_sigint wrote `sigint_seen`: Python runs its Ctrl-C handler only
+   when the decode returns, which for a long prompt is seconds to minutes later. */
+typedef struct llamacrab_abort_flags {
+  int cancel;
+  int sigint_armed;
+  unsigned int sigint_seen;
+} llamacrab_abort_flags;
+bool llamacrab_abort_on_flags(void *flags);
+/* Count SIGINTs from now on, calling the handler installed before (Python's) as well; writes the
+   count so far to `seen`. Returns 1, or 0 where it cannot: no function handles SIGINT (default or
+   ignored), or no POSIX sigaction (Windows). Installs again if the handler was replaced since. */
+int llamacrab_watch_sigint(unsigned int *seen);
 /* The end-of-generation tokens of a vocabulary, in one call instead of one per token (a
    262k-token vocabulary costs 30 ms through Python). Returns how many there are; writes at most
    `capacity` of them to `out`. */
@@ -72,6 +84,9 @@ _CPP_PRELUDE = """\
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#if !defined(_WIN32)
+#include <signal.h>
+#endif
 #include <deque>
 #include <exception>
 #include <functional>
@@ -99,8 +114,49 @@ void fail(llamacrab_error *err, int code, const char *what) noexcept {
 }
 }  // namespace
 
-extern "C" bool llamacrab_abort_on_flag(void *flag) {
-    return flag != nullptr && __atomic_load_n(static_cast<int *>(flag), __ATOMIC_RELAXED) != 0;
+namespace {
+unsigned int sigint_count = 0;  // only ever grows; compared, never read as a number
+#if !defined(_WIN32)
+struct sigaction sigint_previous;  // written only while on_sigint is not installed
+
+void on_sigint(int number, siginfo_t *info, void *context) {
+    __atomic_add_fetch(&sigint_count, 1u, __ATOMIC_RELAXED);
+    if (sigint_previous.sa_flags & SA_SIGINFO) {
+        sigint_previous.sa_sigaction(number, info, context);
+    } else if (sigint_previous.sa_handler != SIG_DFL && sigint_previous.sa_handler != SIG_IGN) {
+        sigint_previous.sa_handler(number);
+    }
+}
+#endif
+}  // namespace
+
+extern "C" bool llamacrab_abort_on_flags(void *flags) {
+    if (flags == nullptr) return false;
+    auto *f = static_cast<llamacrab_abort_flags *>(flags);
+    if (__atomic_load_n(&f->cancel, __ATOMIC_RELAXED) != 0) return true;
+    return __atomic_load_n(&f->sigint_armed, __ATOMIC_RELAXED) != 0 &&
+           __atomic_load_n(&sigint_count, __ATOMIC_RELAXED) != f->sigint_seen;
+}
+
+extern "C" int llamacrab_watch_sigint(unsigned int *seen) {
+#if defined(_WIN32)
+    (void)seen;
+    return 0;
+#else
+    struct sigaction current;
+    if (sigaction(SIGINT, nullptr, &current) != 0) return 0;
+    const bool info = (current.sa_flags & SA_SIGINFO) != 0;
+    if (!(info && current.sa_sigaction == on_sigint)) {
+        if (!info && (current.sa_handler == SIG_DFL || current.sa_handler == SIG_IGN)) return 0;
+        sigint_previous = current;
+        struct sigaction mine = current;
+        mine.sa_sigaction = on_sigint;
+        mine.sa_flags = current.sa_flags | SA_SIGINFO;
+        if (sigaction(SIGINT, &mine, nullptr) != 0) return 0;
+    }
+    *seen = __atomic_load_n(&sigint_count, __ATOMIC_RELAXED);
+    return 1;
+#endif
 }
 
 extern "C" size_t llamacrab_gguf_skip_strings(const uint8_t *data, size_t size, size_t offset,

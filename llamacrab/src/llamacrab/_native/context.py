@@ -42,7 +42,7 @@ from llamacrab._native.host_limits import host_memory_limit
 from llamacrab._native.kv_layout import pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
-from llamacrab._native.signals import held_signals
+from llamacrab._native.signals import arm_sigint, held_signals
 
 GGML_MAX_N_THREADS = 512  # ggml.h
 KV_CELL_BYTES = 48  # llama_kv_cells: pos, shift and ext (x, y) int32s, a std::bitset<256>
@@ -218,17 +218,17 @@ class Context(NativeHandle):
             if pointer == ffi.NULL:
                 reason = log_lines.take_errors() or "see the llamacrab logger"
                 raise ContextError(f"llama.cpp could not create a context ({params}): {reason}")
-            # ggml polls the abort callback at every graph node: a C function reading a flag
-            # keeps that poll free of the GIL; cancel() just sets the flag.
-            self._cancel_flag = ffi.new("int *")
-            super().__init__(pointer, lib.llama_free, model, keep_alive=self._cancel_flag)
+            # ggml polls the abort callback at every graph node: a C function reading flags
+            # keeps that poll free of the GIL; cancel() just sets one.
+            self._abort_flags = ffi.new("llamacrab_abort_flags *")
+            super().__init__(pointer, lib.llama_free, model, keep_alive=self._abort_flags)
             with self.in_flight():
                 self._setup(model, params, pointer)
         if params.warmup:
             self._warm_up()
 
     def _setup(self, model: Model, params: ContextParams, pointer: Any) -> None:
-        lib.llama_set_abort_callback(pointer, lib.llamacrab_abort_on_flag, self._cancel_flag)
+        lib.llama_set_abort_callback(pointer, lib.llamacrab_abort_on_flags, self._abort_flags)
         self.model = model
         self.params = params
         self._busy = threading.Lock()
@@ -306,15 +306,17 @@ class Context(NativeHandle):
 
     def cancel(self) -> None:
         """Abort the decode in progress (from any thread); it raises DecodeAbortedError."""
-        self._cancel_flag[0] = 1
+        self._abort_flags.cancel = 1
 
     def _interrupt(self) -> None:
         self.cancel()
 
     def arm_cancel(self) -> None:
-        """Clear a cancel left from between calls, before a call that polls the flag (a
-        closing context stays cancelled). Called holding ``exclusive()``."""
-        self._cancel_flag[0] = 1 if self._closing else 0
+        """Clear a cancel left from between calls, before a call that polls the flags (a
+        closing context stays cancelled), and let a Ctrl-C abort it (``arm_sigint``). Called
+        holding ``exclusive()``."""
+        self._abort_flags.cancel = 1 if self._closing else 0
+        arm_sigint(self._abort_flags)
 
     def decode(self, batch: Batch, lora: Mapping[LoraAdapter, float] | None = None) -> None:
         """Decode ``batch`` with the adapters ``lora`` (None: the default set, see

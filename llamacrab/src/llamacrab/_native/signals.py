@@ -8,6 +8,10 @@ cannot propagate at all. ``held_signals()`` swaps the Python handlers for a reco
 the object is made, and sends the caught signals again once it is wrapped, so their handlers
 run where an exception is safe. A load's progress callback may run them earlier
 (``Hold.run_caught``): a handler that raises then cancels the load instead of waiting for it.
+
+A decode makes no callback into Python: a Ctrl-C would wait for it to return, seconds for a long
+prompt on a small model, minutes on a large one. ``arm_sigint`` lets it abort the decode at
+ggml's next graph node instead, where the KeyboardInterrupt is sure to follow.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
+
+from llamacrab._native.call import ffi, lib
 
 Handler = Callable[[int, FrameType | None], Any]
 
@@ -72,3 +78,15 @@ def held_signals() -> Iterator[Hold | None]:
         yield hold
     finally:
         hold.release()
+
+
+def arm_sigint(flags: Any) -> None:
+    """Have a Ctrl-C abort the native call about to start with ``flags``
+    (``llamacrab_abort_flags *``), when it will raise KeyboardInterrupt right after: on the
+    main thread under Python's own SIGINT handler. Another handler (a server's graceful stop,
+    one that only counts) may not mean to stop the call, and other threads never see it."""
+    flags.sigint_armed = int(
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        and lib.llamacrab_watch_sigint(ffi.addressof(flags, "sigint_seen")) == 1
+    )
