@@ -5,9 +5,11 @@ Python runs a signal's handler on the main thread at its next bytecode: inside a
 from C (a log line, a load's progress), between C returning a new object and the handle
 that frees it, inside a lock's bookkeeping or a generator's cleanup. Each case picks one of
 four Llamas (one slot, two parallel slots, a RAM or a disk prompt cache; kept across cases),
-an operation (load a new Llama with or without mmap and drop it, complete, stream and stop
-early, chat, a JSON-schema completion, save or load a state, tokenize, reset, two threads
-completing at once) and a moment (a timer thread sends the signal).
+an operation (load a new Llama with or without mmap and drop it, complete, a prompt of
+350-910 tokens that one decode takes up to a second over (a Ctrl-C aborts it mid-graph),
+stream and stop early, chat, a JSON-schema completion, save or load a state, tokenize, reset,
+two threads completing at once) and a moment (a timer thread sends the signal). Each case that
+raised notes how long after the signal.
 
 Invariants: every SIGINT raises exactly one KeyboardInterrupt in the case and every SIGUSR1
 runs its handler exactly once (none lost inside a callback, none twice); nothing is printed
@@ -142,7 +144,9 @@ def _operate(
         other.create_completion(prompt, max_tokens=2)
         del other  # dropped, not closed: the finalizers free it
     elif operation in ("complete", "long-prompt"):
-        text = prompt * (40 if operation == "long-prompt" else 1)
+        # 650-910 tokens of the 1024 (350-490 of a parallel slot's 512): one decode
+        repeat = (70 if case["config"] == "parallel" else 130) if operation == "long-prompt" else 1
+        text = prompt * repeat
         llm.create_completion(text, max_tokens=16, temperature=0)
     elif operation == "stream":
         for number, _ in enumerate(llm.stream_completion(prompt, max_tokens=24)):
@@ -181,8 +185,14 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     usr1 = state["usr1"]
     before = usr1[0]
     number = getattr(signal, case["signal"])
-    timer = threading.Timer(case["delay"], os.kill, (os.getpid(), number))
-    interrupts, refusal = 0, None
+    sent: list[float] = []
+
+    def send() -> None:
+        sent.append(time.perf_counter())
+        os.kill(os.getpid(), number)
+
+    timer = threading.Timer(case["delay"], send)
+    interrupts, refusal, latency = 0, None, None
     threads: list[threading.Thread] = []
     try:
         timer.start()  # (a delay of 0 may fire before start returns)
@@ -190,6 +200,7 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
             _operate(llm, saved, case, state["model"], threads)
         except KeyboardInterrupt:
             interrupts += 1
+            latency = time.perf_counter() - sent[0]
         except Exception as error:  # a LlamaError is a refusal; anything else is unclean
             refusal = error
         timer.join()
@@ -224,4 +235,7 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         raise RuntimeError("; ".join(problems))
     if refusal is not None:
         raise refusal
-    return "ok", f"{'interrupted' if interrupts else 'ran'}; memory {grown / 2**20:+.0f} MiB"
+    how = "ran" if not interrupts else "interrupted"
+    if latency is not None:  # raised by the operation (not in the pause after it)
+        how += f" {latency * 1000:.0f} ms after the signal"
+    return "ok", f"{how}; memory {grown / 2**20:+.0f} MiB"
