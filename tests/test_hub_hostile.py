@@ -4,6 +4,7 @@ outside the cache, no endless listing, no token sent to another host."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -105,6 +106,67 @@ def test_a_missing_file_s_commit_hash_never_names_a_directory(
     with pytest.raises(HubError, match="X-Repo-Commit that is not a plain name"):
         _resolve(hub, tmp_path / "cache")
     assert not sentinel.exists()
+
+
+def _rate_limited(times: int, **changes: str) -> Tamper:
+    """The first ``times`` answers about a file are 429s with ``changes`` in their headers."""
+    left = [times]
+
+    def tamper(method: str, path: str, status: int, body: bytes, headers: dict[str, str]):  # type: ignore[no-untyped-def]
+        if "/resolve/" in path and left[0] > 0:
+            left[0] -= 1
+            return 429, b"slow down", {**headers, **changes}
+        return status, body, headers
+
+    return tamper
+
+
+def _resolve_on_a_thread(hub: HubServer, cache: Path, seconds: float) -> object:
+    """What ``_resolve`` returned or raised; a failure if it still runs after ``seconds``."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(_resolve(hub, cache))
+        except Exception as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)  # (the old code sleeps on for a day)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"resolve still waiting after {seconds} s"
+    return outcome[0]
+
+
+@pytest.mark.parametrize(
+    "wait",
+    [
+        {"Retry-After": "86400"},
+        {"RateLimit": '"api";r=0;t=86400', "RateLimit-Policy": '"fixed window";"api";q=5;w=86400'},
+        {"Retry-After": "9" * 5000},  # int() refuses it: a ValueError from inside the retries
+    ],
+    ids=["retry-after a day", "ratelimit reset a day", "retry-after 5000 digits"],
+)
+def test_a_rate_limit_longer_than_a_minute_is_refused_at_once(
+    hub: HubServer, hostile: Callable[[Tamper], None], tmp_path: Path, wait: dict[str, str]
+) -> None:
+    # huggingface_hub 2.4.0 sleeps whatever a 429 names before each of its five retries.
+    hostile(_rate_limited(10, **wait))
+    outcome = _resolve_on_a_thread(hub, tmp_path / "cache", seconds=30)
+    assert isinstance(outcome, HubError), outcome
+    assert "rate-limiting these requests" in str(outcome) or "too long to read" in str(outcome)
+
+
+def test_a_short_rate_limit_is_waited_for(
+    hub: HubServer, hostile: Callable[[Tamper], None], tmp_path: Path
+) -> None:
+    # The first HEAD is tried once (huggingface_hub then looks for a cached copy); its retry
+    # goes through the backoff, which honours the wait.
+    hostile(_rate_limited(2, **{"Retry-After": "1"}))
+    started = time.monotonic()
+    path = _resolve_on_a_thread(hub, tmp_path / "cache", seconds=60)
+    assert isinstance(path, Path) and path.is_file(), path
+    assert time.monotonic() - started >= 1  # it did wait, as asked
 
 
 def _listing(pages: Callable[[str], tuple[list[object], str | None]]) -> Tamper:

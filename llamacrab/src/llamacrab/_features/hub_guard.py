@@ -5,8 +5,11 @@ An endpoint (HF_ENDPOINT, a mirror, anything on a plain-http path) is trusted wi
 the model, which the GGUF checks read before llama.cpp does, and with nothing else. Two of its
 answers reach file paths unchecked in huggingface_hub (seen in 2.4.0): a download's ETag names
 the cache blob (``blobs/<etag>``: an ETag "/home/me/.bashrc" writes the download there) and a
-404's X-Repo-Commit names the directory of the "file does not exist" marker. And its listing
-follows the server's "next" links without end, sending the token wherever they point.
+404's X-Repo-Commit names the directory of the "file does not exist" marker. Its listing
+follows the server's "next" links without end, sending the token wherever they point. And a
+rate-limited answer (429) is retried after whatever wait it names (Retry-After, or RateLimit's
+reset), five times: a day each, if the endpoint says so; a number too long for ``int()`` raised
+ValueError, one too large for ``time.sleep`` OverflowError.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ MAX_FILES = 100_000
 MAX_PAGES = 1_000
 # A listing answered slowly page after page (each within the request timeout) ends here too.
 MAX_LISTING_SECONDS = 300.0
+# The longest wait between retries a rate-limited answer may ask for; a longer one is a
+# HubError at once, naming the wait (the Hub's windows are 300 s: many honest waits are refused).
+MAX_RETRY_WAIT = 60
 # One path component, as every ETag and commit hash the Hub sends is (hex digits).
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,254}")
 
@@ -113,14 +119,20 @@ def _origin(url: str) -> tuple[str, str]:
 
 
 def _install() -> None:
-    """Wrap huggingface_hub's file-metadata request, through which every download's ETag and
-    commit hash pass (a 404's too), once per process."""
+    """Wrap, once per process, huggingface_hub's file-metadata request, through which every
+    download's ETag and commit hash pass (a 404's too), and the two readers of a 429's wait
+    that its retries call (absent before 1.0, which waited at most 8 s)."""
     from huggingface_hub import file_download
+    from huggingface_hub.utils import _http
 
     with _install_lock:
         original = file_download.get_hf_file_metadata
         if not getattr(original, "_llamacrab_guard", False):
             file_download.get_hf_file_metadata = _checking(original)
+        for name in ("_parse_retry_after", "parse_ratelimit_headers"):
+            reader = getattr(_http, name, None)
+            if reader is not None and not getattr(reader, "_llamacrab_guard", False):
+                setattr(_http, name, _bounding_wait(reader))
 
 
 def _checking(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -141,6 +153,34 @@ def _checking(original: Callable[..., Any]) -> Callable[..., Any]:
 
     checked._llamacrab_guard = True  # type: ignore[attr-defined]
     return checked
+
+
+def _bounding_wait(reader: Callable[..., Any]) -> Callable[..., Any]:
+    """``reader`` (of a response's headers: seconds, a RateLimitInfo or None) refusing a wait
+    over MAX_RETRY_WAIT seconds, or one that is not a number, inside guarded downloads."""
+
+    @functools.wraps(reader)
+    def bounded(headers: Any) -> Any:
+        if not _guarded.get():
+            return reader(headers)
+        try:
+            answer = reader(headers)
+        except ValueError as error:  # more digits than int() reads
+            raise HubError("the hub asked to wait a number of seconds too long to read") from error
+        if answer is None or isinstance(answer, int):
+            wait = answer
+        else:  # a RateLimitInfo: a wait only once nothing remains
+            wait = answer.reset_in_seconds if answer.remaining == 0 else None
+        if wait is not None and wait > MAX_RETRY_WAIT:
+            shown = f"{wait} s" if wait < 10**9 else "over 10**9 s"
+            raise HubError(
+                f"the hub is rate-limiting these requests for {shown}, longer than the "
+                f"{MAX_RETRY_WAIT} s llamacrab waits between retries: try again later"
+            )
+        return answer
+
+    bounded._llamacrab_guard = True  # type: ignore[attr-defined]
+    return bounded
 
 
 def _check_name(header: str, value: str | None) -> None:
