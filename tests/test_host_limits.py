@@ -1,5 +1,5 @@
-"""What a process may use: the machine's memory or a cgroup's limit where that is less, and the
-threads a pids cgroup leaves room for."""
+"""What a process may still take: the machine's available memory or what a cgroup's limit leaves
+where that is less, and the threads a pids cgroup leaves room for."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llamacrab._native.host_limits import host_memory_limit, thread_room
+from llamacrab._native.host_limits import host_memory_left, thread_room
 
 PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 GIB = 1 << 30
@@ -25,6 +25,21 @@ def _fake_proc(tmp_path: Path, cgroup: str, mountinfo: str) -> Path:
     (proc / "cgroup").write_text(textwrap.dedent(cgroup).lstrip())
     (proc / "mountinfo").write_text(textwrap.dedent(mountinfo).lstrip().format(root=tmp_path))
     return proc
+
+
+def _meminfo(tmp_path: Path, available: int, swap_free: int = 0) -> Path:
+    """A /proc/meminfo whose MemAvailable and SwapFree are these (bytes)."""
+    path = tmp_path / "meminfo"
+    path.write_text(
+        f"MemTotal: {2 * available >> 10} kB\nMemAvailable: {available >> 10} kB\n"
+        f"SwapTotal: {swap_free >> 10} kB\nSwapFree: {swap_free >> 10} kB\n"
+    )
+    return path
+
+
+def _left(proc: Path, tmp_path: Path) -> int:
+    """What is left with the machine's 64 GiB available: the cgroups decide."""
+    return host_memory_left(proc, _meminfo(tmp_path, 64 * GIB)).amount
 
 
 def _limit(directory: Path, name: str, value: str) -> None:
@@ -40,9 +55,9 @@ def test_a_v2_parent_limit_holds_for_its_children(tmp_path: Path) -> None:
     )
     _limit(tmp_path / "unified/user.slice", "memory.max", str(GIB))
     _limit(tmp_path / "unified/user.slice/app.scope", "memory.max", "max")
-    limit = host_memory_limit(proc)
-    assert limit.amount == min(GIB, PHYSICAL)
-    assert "unified/user.slice/memory.max" in limit.source
+    left = host_memory_left(proc, _meminfo(tmp_path, 64 * GIB))
+    assert left.amount == GIB
+    assert "unified/user.slice/memory.max: 1.0 GiB, 0 MiB in use) leaves" in left.source
 
 
 def test_a_container_sees_its_own_cgroup_as_the_mount_root(tmp_path: Path) -> None:
@@ -53,7 +68,7 @@ def test_a_container_sees_its_own_cgroup_as_the_mount_root(tmp_path: Path) -> No
         "30 20 0:26 / {root}/cg ro,nosuid - cgroup2 cgroup2 rw\n",
     )
     _limit(tmp_path / "cg", "memory.max", str(512 << 20))
-    assert host_memory_limit(proc).amount == min(512 << 20, PHYSICAL)
+    assert _left(proc, tmp_path) == 512 << 20
 
 
 def test_v1_reads_the_memory_controller_below_the_mount_root(tmp_path: Path) -> None:
@@ -72,9 +87,9 @@ def test_v1_reads_the_memory_controller_below_the_mount_root(tmp_path: Path) -> 
     # The mount's root is /docker: the process's cgroup is memory/abc; "no limit" is 2^63-4096.
     _limit(tmp_path / "memory", "memory.limit_in_bytes", str(2 * GIB))
     _limit(tmp_path / "memory/abc", "memory.limit_in_bytes", "9223372036854771712")
-    limit = host_memory_limit(proc)
-    assert limit.amount == min(2 * GIB, PHYSICAL)
-    assert limit.source.endswith(f"({tmp_path}/memory/memory.limit_in_bytes) allows")
+    left = host_memory_left(proc, _meminfo(tmp_path, 64 * GIB))
+    assert left.amount == 2 * GIB
+    assert f"({tmp_path}/memory/memory.limit_in_bytes: 2.0 GiB" in left.source
 
 
 @pytest.mark.parametrize("value", ["max", "9223372036854771712", "", "garbage"])
@@ -83,8 +98,39 @@ def test_no_limit_or_an_unreadable_one_leaves_the_machine_s_memory(
 ) -> None:
     proc = _fake_proc(tmp_path, "0::/a\n", "41 31 0:38 / {root}/u rw - cgroup2 cgroup2 rw\n")
     _limit(tmp_path / "u/a", "memory.max", value)
-    assert host_memory_limit(proc).amount == PHYSICAL
-    assert host_memory_limit(tmp_path / "missing").source == "this machine has"
+    assert _left(proc, tmp_path) == 64 * GIB
+    missing = tmp_path / "missing"
+    assert host_memory_left(missing, missing).amount == PHYSICAL
+    assert host_memory_left(missing, missing).source == "this machine has"
+
+
+def test_what_is_in_use_counts_but_file_cache_does_not(tmp_path: Path) -> None:
+    # v2: 600 MiB charged, 200 MiB of it file cache (a mapped model's pages): 400 MiB in use.
+    proc = _fake_proc(tmp_path, "0::/a\n", "41 31 0:38 / {root}/u rw - cgroup2 cgroup2 rw\n")
+    _limit(tmp_path / "u/a", "memory.max", str(GIB))
+    _limit(tmp_path / "u/a", "memory.current", str(600 << 20))
+    _limit(tmp_path / "u/a", "memory.stat", f"anon {400 << 20}\nfile {200 << 20}")
+    assert _left(proc, tmp_path) == GIB - (400 << 20)
+
+
+def test_v1_counts_the_hierarchy_s_cache(tmp_path: Path) -> None:
+    proc = _fake_proc(
+        tmp_path, "4:memory:/b\n", "35 31 0:32 / {root}/m rw - cgroup cgroup rw,memory\n"
+    )
+    _limit(tmp_path / "m/b", "memory.limit_in_bytes", str(GIB))
+    _limit(tmp_path / "m/b", "memory.usage_in_bytes", str(900 << 20))
+    _limit(tmp_path / "m/b", "memory.stat", f"cache 1\ntotal_cache {100 << 20}")
+    assert _left(proc, tmp_path) == GIB - (800 << 20)
+    # Usage past the limit (reclaim lags) leaves nothing, not a negative amount.
+    _limit(tmp_path / "m/b", "memory.usage_in_bytes", str(2 * GIB))
+    assert _left(proc, tmp_path) == 0
+
+
+def test_the_machine_s_share_is_what_it_has_available_and_free_swap(tmp_path: Path) -> None:
+    missing = tmp_path / "no-proc"
+    left = host_memory_left(missing, _meminfo(tmp_path, 3 * GIB, swap_free=GIB))
+    assert left.amount == 4 * GIB
+    assert left.source == "this machine has available (MemAvailable and free swap)"
 
 
 @pytest.fixture
@@ -154,12 +200,40 @@ def test_a_context_past_the_cgroup_limit_is_refused_not_killed(
         except ContextError as error:
             print(error)
         llm = Llama({str(tiny_model_path)!r}, n_ctx=256, n_threads=1)
-        print(llm.create_completion("the cat", max_tokens=2).usage.completion_tokens)
+        answer = llm.create_completion("the cat", max_tokens=2, temperature=0)
+        print(answer.usage.completion_tokens)
         """,
     )
     refusal, tokens = child.stdout.strip().splitlines()
     assert "n_ctx 8388608 needs 2.4 GiB of host memory" in refusal
-    assert f"this process's cgroup ({group}/memory.limit_in_bytes) allows 1.0 GiB" in refusal
+    assert f"this process's cgroup ({group}/memory.limit_in_bytes: 1.0 GiB, " in refusal
+    assert re.search(r"\d+ MiB in use\) leaves (0\.9|1\.0) GiB$", refusal), refusal
+    assert tokens == "2"
+
+
+def test_a_second_context_past_what_the_first_leaves_is_refused_not_killed(
+    cgroup: Callable[[str, str, int], Path], tiny_model_path: Path
+) -> None:
+    # 2^21 cells of the tiny model take 0.6 GiB, which llama.cpp zero-fills: one fits the
+    # 1 GiB cgroup, two do not. Before, each was compared with the whole limit: the second
+    # passed, and the OOM killer ended the process with the first.
+    group = cgroup("memory", "memory.limit_in_bytes", GIB)
+    child = _run_in(
+        group,
+        f"""
+        from llamacrab import ContextError, Llama
+        first = Llama({str(tiny_model_path)!r}, n_ctx=2**21, n_ubatch=1, n_threads=1)
+        try:
+            Llama({str(tiny_model_path)!r}, n_ctx=2**21, n_ubatch=1, n_threads=1)
+        except ContextError as error:
+            print(error)
+        answer = first.create_completion("the cat", max_tokens=2, temperature=0)
+        print(answer.usage.completion_tokens)
+        """,
+    )
+    refusal, tokens = child.stdout.strip().splitlines()
+    assert "n_ctx 2097152 needs 0.6 GiB of host memory" in refusal
+    assert re.search(r": 1\.0 GiB, \d+ MiB in use\) leaves 0\.[34] GiB$", refusal), refusal
     assert tokens == "2"
 
 
@@ -177,12 +251,15 @@ def test_weights_past_the_cgroup_limit_without_mmap_are_refused_not_killed(
         except ModelLoadError as error:
             print(error)
         mapped = Llama({str(tiny_model_path)!r}, use_mmap=False, n_ctx=256, n_threads=1)
-        print(mapped.create_completion("the cat", max_tokens=2).usage.completion_tokens)
+        answer = mapped.create_completion("the cat", max_tokens=2, temperature=0)
+        print(answer.usage.completion_tokens)
         """,
     )
     refusal, tokens = child.stdout.strip().splitlines()
     assert "GiB of weights do not fit in memory without mmap" in refusal
-    assert "allows 0.2 GiB): load it with use_mmap=True" in refusal
+    assert re.search(
+        r": 160 MiB, \d+ MiB in use\) leaves 0\.1 GiB\): load it with use_mmap", refusal
+    )
     assert tokens == "2"
 
 
@@ -219,7 +296,8 @@ def test_threads_past_the_pids_limit_are_capped_not_killed(
         f"""
         from llamacrab import Llama
         llm = Llama({str(tiny_model_path)!r}, n_ctx=64, n_threads=4, n_threads_batch=4)
-        print(llm.create_completion("the cat", max_tokens=2).usage.completion_tokens)
+        answer = llm.create_completion("the cat", max_tokens=2, temperature=0)
+        print(answer.usage.completion_tokens)
         """,
     )
     assert child.stdout.strip() == "2"
@@ -253,7 +331,8 @@ def test_no_thread_to_be_had_is_a_clean_refusal_or_done_in_place(
             print(error)
         cache = DiskCache({str(tmp_path / "cache")!r})
         with Llama(model, n_ctx=128, n_threads=1, cache=cache) as llm:
-            print(llm.create_completion("the cat", max_tokens=2).usage.completion_tokens)
+            answer = llm.create_completion("the cat", max_tokens=2, temperature=0)
+            print(answer.usage.completion_tokens)
         print(len(cache), len(cache._pending))
         with ModelRegistry(keep_alive=60) as registry:
             registry.add("tiny", model, n_ctx=128, n_threads=1)

@@ -309,4 +309,5 @@ def test_an_honest_answer_after_hostile_ones_still_resolves_and_loads(
         _resolve(hub, tmp_path / "cache")
     hub.tamper = None
     with Llama(_resolve(hub, tmp_path / "cache"), n_ctx=64, n_threads=1) as llm:
-        assert llm.create_completion("the cat", max_tokens=2).usage.completion_tokens == 2
+        answer = llm.create_completion("the cat", max_tokens=2, temperature=0)
+        assert answer.usage.completion_tokens == 2

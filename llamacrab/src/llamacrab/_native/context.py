@@ -38,7 +38,7 @@ from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.devices import accelerator_present
 from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.handle import NativeHandle
-from llamacrab._native.host_limits import host_memory_limit
+from llamacrab._native.host_limits import host_memory_left
 from llamacrab._native.kv_layout import pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
@@ -739,8 +739,9 @@ def _check_host_memory(model: Model, params: ContextParams, c_params: Any) -> No
     input, f16 at least) has a column per cell for each token of a micro-batch. n_ctx 2^31
     took 8 GB and 15 s here before std::bad_alloc; n_ctx 2^26 of the tiny model 19 GiB and
     60 s of cells and cache before its 64 GiB mask failed (the OOM killer on a smaller
-    machine). Refuse a context whose host part exceeds the machine's memory, or the process's
-    cgroup limit where that is less (a container's: its OOM killer strikes first). A recurrent
+    machine). Refuse a context whose host part exceeds what the machine has available, or what
+    the process's cgroup limit leaves where that is less (a container's: its OOM killer
+    strikes first), counting what the process holds already (another context, say). A recurrent
     model's memory has a cell per sequence, not per position."""
     n_ctx = pad_cells(c_params.n_ctx or model.n_ctx_train)
     layout = model.kv_layout
@@ -751,14 +752,14 @@ def _check_host_memory(model: Model, params: ContextParams, c_params: Any) -> No
     )
     streams = 1 if params.kv_unified else c_params.n_seq_max
     mask = n_ctx * c_params.n_ubatch * 2 // streams if layout.attends else 0
-    limit = host_memory_limit()
-    if cells + kv + mask > limit.amount:
+    left = host_memory_left()
+    if cells + kv + mask > left.amount:
         raise ContextError(
             f"n_ctx {n_ctx} needs {(cells + kv + mask) / 2**30:.1f} GiB of host memory before "
             f"its first token: {cells / 2**30:.1f} GiB for its KV cells' bookkeeping, "
             f"{kv / 2**30:.1f} GiB for keys and values ({params.type_k}/{params.type_v}), "
             f"{mask / 2**30:.1f} GiB for the attention mask of a {c_params.n_ubatch}-token "
-            f"micro-batch; {limit.source} {limit.amount / 2**30:.1f} GiB"
+            f"micro-batch; {left.source} {left.amount / 2**30:.1f} GiB"
         )
 
 

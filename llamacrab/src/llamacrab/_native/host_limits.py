@@ -1,10 +1,12 @@
-"""What this process may use: the machine's memory, or less where a cgroup limits it, and how
-many more threads it may start where a pids cgroup limits them.
+"""How much more memory this process may take: what the machine has available, or less where
+a cgroup's limit leaves less, and how many more threads it may start where a pids cgroup
+limits them.
 
 A container's limits are its cgroups'. Past the memory limit the kernel's OOM killer ends the
 process, and past the pids limit GNU OpenMP exits it ("libgomp: Thread creation failed"), with
-no error to catch either way. Linux only; elsewhere (and where the cgroup files cannot be read)
-there is physical memory and no thread limit.
+no error to catch either way. What is left counts what is in use already: a second model or
+context that fits the limit alone may not fit beside the first. Linux only; elsewhere (and
+where these files cannot be read) there is physical memory and no thread limit.
 """
 
 from __future__ import annotations
@@ -32,18 +34,60 @@ class Limit:
     source: str
 
 
-def host_memory_limit(proc: Path = Path("/proc/self")) -> Limit:
-    """The least of physical memory and every memory limit of this process's cgroups (their
-    ancestors' too: a parent's limit holds for its children)."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    best = Limit(physical, "this machine has")
+def host_memory_left(
+    proc: Path = Path("/proc/self"), meminfo: Path = Path("/proc/meminfo")
+) -> Limit:
+    """The least of what the machine has available (MemAvailable, plus free swap) and what
+    every memory limit of this process's cgroups leaves (their ancestors' too: a parent's
+    limit holds for its children): the limit less the memory charged to it that is not file
+    cache, which the kernel drops to make room (a mapped model's pages are; what llama.cpp
+    allocates is not, and past the limit the OOM killer strikes)."""
+    best = _available(meminfo)
     for directory, mount_point, version in _hierarchies(proc, "memory"):
-        name = "memory.max" if version == 2 else "memory.limit_in_bytes"
+        names = _V2_MEMORY if version == 2 else _V1_MEMORY
         for level in _up_to(directory, mount_point):
-            value = _read_number(level / name)
-            if value is not None and value < best.amount:
-                best = Limit(value, f"this process's cgroup ({level / name}) allows")
+            limit = _read_number(level / names[0])
+            if limit is None:
+                continue
+            used = _not_cache(level, names)
+            left = max(limit - used, 0)
+            if left < best.amount:
+                source = f"this process's cgroup ({level / names[0]}: {_size(limit)}"
+                best = Limit(left, f"{source}, {_size(used)} in use) leaves")
     return best
+
+
+# The limit, the usage and its file cache in memory.stat (the hierarchy's, in v1), by version.
+_V2_MEMORY = ("memory.max", "memory.current", "file")
+_V1_MEMORY = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+
+
+def _available(meminfo: Path) -> Limit:
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
+        kib = sum(int(fields[key].split()[0]) for key in ("MemAvailable", "SwapFree"))
+    except (OSError, ValueError, KeyError, IndexError):
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return Limit(physical, "this machine has")
+    return Limit(kib << 10, "this machine has available (MemAvailable and free swap)")
+
+
+def _not_cache(level: Path, names: tuple[str, str, str]) -> int:
+    """What a cgroup level has in use besides file cache (0 where its files cannot be read)."""
+    usage = _read_number(level / names[1]) or 0
+    try:
+        lines = (level / "memory.stat").read_text().splitlines()
+    except OSError:
+        return usage
+    for line in lines:
+        key, _, value = line.partition(" ")
+        if key == names[2] and value.strip().isdigit():
+            return max(usage - int(value), 0)
+    return usage
+
+
+def _size(amount: int) -> str:
+    return f"{amount / 2**30:.1f} GiB" if amount >= 2**30 else f"{amount >> 20} MiB"
 
 
 def thread_room(proc: Path = Path("/proc/self")) -> Limit | None:

@@ -25,7 +25,7 @@ from llamacrab._native.call import c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import accelerator_present, warn_if_no_gpu
 from llamacrab._native.gguf_check import split_parts, validate_gguf
 from llamacrab._native.handle import NativeHandle
-from llamacrab._native.host_limits import host_memory_limit
+from llamacrab._native.host_limits import host_memory_left
 from llamacrab._native.kv_layout import KvLayout, kv_layout
 from llamacrab._native.logging import log_lines
 from llamacrab._native.rpc import offload_devices, parse_endpoints
@@ -99,18 +99,19 @@ def _load_mode(params: ModelParams) -> int:
 def _check_weights_fit(file: Path, params: ModelParams, metadata: Mapping[str, Any]) -> None:
     """Without mmap, llama.cpp reads every weight into memory it allocates (for a model that
     stays on the CPU: no accelerator, no RPC worker); past a container's memory limit that is
-    the OOM killer, not an error. Refuse weights larger than the memory this process may use.
+    the OOM killer, not an error. Refuse weights larger than the memory this process may still
+    take (another model in it counts).
     (Mapped weights are page cache, which the kernel can drop: no limit for them.)"""
     if params.use_mmap or params.rpc_servers or accelerator_present():
         return
     count = metadata.get("split.count", 1)
     parts = split_parts(file, count) if isinstance(count, int) and count > 1 else [file]
     weights = sum(part.stat().st_size for part in parts)
-    limit = host_memory_limit()
-    if weights > limit.amount:
+    left = host_memory_left()
+    if weights > left.amount:
         raise ModelLoadError(
             f"{file}: its {weights / 2**30:.1f} GiB of weights do not fit in memory without "
-            f"mmap ({limit.source} {limit.amount / 2**30:.1f} GiB): load it with use_mmap=True"
+            f"mmap ({left.source} {left.amount / 2**30:.1f} GiB): load it with use_mmap=True"
         )
 
 
