@@ -21,6 +21,8 @@ import time
 import traceback
 from typing import Any, TextIO
 
+HANG_DUMP = 5.0  # seconds before a case's time limit
+
 
 def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
@@ -45,8 +47,13 @@ def main() -> None:
     section = importlib.import_module(f"reliability_kit.{job['module']}")
     state = section.setup(job["setup"], job["slot"])
     emit({"ready": True})
+    # A case still running this long before the runner kills it as a hang leaves the Python
+    # stack of every thread in the log: where it is stuck (fd 2 itself: a section may wrap
+    # sys.stderr).
+    dump_after = max(job.get("case_timeout", 60.0) - HANG_DUMP, 1.0)
     for case in job["cases"]:
         started = time.monotonic()
+        faulthandler.dump_traceback_later(dump_after, file=sys.__stderr__)
         try:
             outcome, detail = section.run_case(case, state)
         except LlamaError as error:
@@ -54,6 +61,7 @@ def main() -> None:
         except Exception as error:
             outcome = "unclean"
             detail = describe(error) + "\n" + "".join(traceback.format_exc(limit=-6))[-1500:]
+        faulthandler.cancel_dump_traceback_later()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         emit({"id": case["id"], "outcome": outcome, "detail": detail,
               "seconds": round(time.monotonic() - started, 4), "peak_rss_kib": rss})  # fmt: skip

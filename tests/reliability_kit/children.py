@@ -199,7 +199,8 @@ class Runner:
                                             dir=self.workdir)  # fmt: skip
         with os.fdopen(handle, "w") as job_file:
             json.dump({"module": self.module, "setup": self.setup, "slot": slot,
-                       "memory_limit": self.memory_limit, "cases": cases}, job_file)  # fmt: skip
+                       "memory_limit": self.memory_limit, "case_timeout": self.case_timeout,
+                       "cases": cases}, job_file)  # fmt: skip
         log_path = Path(job_path).with_suffix(".log")
         read_end, write_end = os.pipe()
         env = {**os.environ, "GGML_NO_BACKTRACE": "1", "RELIABILITY_FD": str(write_end),
@@ -228,7 +229,8 @@ class Runner:
                 _kill(process)
                 what = in_flight or cases[-1]["id"]
                 where = "its case" if in_flight else "exiting after its last case"
-                detail = f"no report within {timeout:.0f} s ({where}); log: {_tail(log_path)}"
+                # (with the stuck case's thread stacks, dumped by child.py HANG_DUMP seconds before)
+                detail = f"no report within {timeout:.0f} s ({where}); log: {_tail(log_path, 6000)}"
                 failure = Result(what, "hang", detail, time.monotonic() - case_started)
                 break
             if report is None:  # the pipe closed: the child is gone
