@@ -25,8 +25,9 @@ tests/test_reliability.py, and a long one, the default here):
   pages, headers, statuses, redirects, bodies); nothing written outside the cache, no token
   sent to another host;
 - interrupts: SIGINT (Ctrl-C) or a counting SIGUSR1 handler sent at random moments of loads,
-  completions, streams, state saves and loads on Gemma 3 270M; each handler runs exactly once,
-  nothing swallowed in a callback, the Llama's next token unchanged, no model leaked;
+  completions, long prompts (a Ctrl-C aborts the decode), streams, state saves and loads on
+  Gemma 3 270M; each handler runs exactly once, nothing swallowed in a callback, the Llama's
+  next token unchanged, no model leaked; each interrupted case notes how soon it raised;
 - server: the server under load and faults, several models under churn (in its process and
   in processes of their own killed at random), and leaks
   (scripts/reliability_server.py; CI runs its short size through

@@ -158,7 +158,8 @@ SECTIONS = {
     "interrupts": Section(
         "Signals at random moments",
         "Ctrl-C (SIGINT) or a counting SIGUSR1 handler sent by a timer while Gemma 3 270M "
-        "loads (with or without mmap), completes, streams, chats, follows a JSON schema, saves "
+        "loads (with or without mmap), completes, decodes a long prompt (a Ctrl-C aborts it "
+        "mid-graph), streams, chats, follows a JSON schema, saves "
         "or loads a state, tokenizes, resets or completes on two threads (one slot, two slots, "
         "a RAM or a disk prompt cache): each signal's handler runs exactly once, nothing is "
         "swallowed in a callback, the Llama's next token is unchanged, no memory is leaked",
