@@ -272,6 +272,19 @@ def test_held_signals_run_their_handlers_after_the_block(usr1_calls: list[int]) 
     assert signal.getsignal(signal.SIGUSR1) is handler
 
 
+@pytest.mark.usefixtures("python_sigint_handler")
+def test_every_held_signal_runs_even_when_one_handler_raises(usr1_calls: list[int]) -> None:
+    # A Ctrl-C and a SIGUSR1 caught while an object was made: the KeyboardInterrupt comes,
+    # and the SIGUSR1 handler runs as well (before, re-sending stopped at the first raise).
+    with pytest.raises(KeyboardInterrupt), held_signals():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGUSR1)
+    assert usr1_calls == [signal.SIGUSR1]
+    with held_signals():
+        pass
+    assert usr1_calls == [signal.SIGUSR1]  # once
+
+
 def test_a_held_signal_can_run_early_and_only_once(usr1_calls: list[int]) -> None:
     with held_signals() as hold:
         assert hold is not None

@@ -61,8 +61,23 @@ class Hold:
     def release(self) -> None:
         for signum, handler in self.saved.items():
             signal.signal(signum, handler)
-        for signum, _ in self.caught:
-            signal.raise_signal(signum)  # its handler runs at the next bytecode, as it would have
+        caught = {signum for signum, _ in self.caught}
+        if not caught:
+            return
+        # Their handlers run at the next bytecode, as they would have. Sent one by one, the
+        # first handler to raise would run before the next was sent, losing it; sent blocked,
+        # all arrive when unblocked, and Python runs each (one that raises defers the rest to
+        # its next check).
+        if not hasattr(signal, "pthread_sigmask"):  # Windows
+            for signum in sorted(caught):
+                signal.raise_signal(signum)
+            return
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, caught)
+        try:
+            for signum in caught:
+                signal.raise_signal(signum)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 @contextmanager
