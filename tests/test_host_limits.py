@@ -184,56 +184,46 @@ def _run_in(
     return child
 
 
-def test_a_context_past_the_cgroup_limit_is_refused_not_killed(
-    cgroup: Callable[[str, str, int], Path], tiny_model_path: Path
+@pytest.mark.parametrize(
+    ("kept_cells", "refused_cells", "needs", "leaves"),
+    [
+        # 2^23 cells of the tiny model take 2.4 GiB (cells, keys and values): far below this
+        # machine's memory, past the cgroup's. Before, llama.cpp zero-filled them and the OOM
+        # killer ended the process.
+        (256, 2**23, "2.4", r"(0\.9|1\.0)"),
+        # 2^21 cells take 0.6 GiB: one fits the 1 GiB cgroup, two do not. Before, each was
+        # compared with the whole limit: the second passed, and the OOM killer ended the
+        # process with the first.
+        (2**21, 2**21, "0.6", r"0\.[34]"),
+    ],
+    ids=["past the limit", "past what the first context leaves"],
+)
+def test_a_context_past_what_the_cgroup_leaves_is_refused_not_killed(
+    cgroup: Callable[[str, str, int], Path],
+    tiny_model_path: Path,
+    kept_cells: int,
+    refused_cells: int,
+    needs: str,
+    leaves: str,
 ) -> None:
-    # 2^23 cells of the tiny model take 2.4 GiB (cells, keys and values): far below this
-    # machine's memory, past the cgroup's. Before, llama.cpp zero-filled them and the OOM
-    # killer ended the process.
     group = cgroup("memory", "memory.limit_in_bytes", GIB)
     child = _run_in(
         group,
         f"""
         from llamacrab import ContextError, Llama
+        kept = Llama({str(tiny_model_path)!r}, n_ctx={kept_cells}, n_ubatch=1, n_threads=1)
         try:
-            Llama({str(tiny_model_path)!r}, n_ctx=2**23, n_ubatch=1, n_threads=1)
+            Llama({str(tiny_model_path)!r}, n_ctx={refused_cells}, n_ubatch=1, n_threads=1)
         except ContextError as error:
             print(error)
-        llm = Llama({str(tiny_model_path)!r}, n_ctx=256, n_threads=1)
-        answer = llm.create_completion("the cat", max_tokens=2, temperature=0)
+        answer = kept.create_completion("the cat", max_tokens=2, temperature=0)
         print(answer.usage.completion_tokens)
         """,
     )
     refusal, tokens = child.stdout.strip().splitlines()
-    assert "n_ctx 8388608 needs 2.4 GiB of host memory" in refusal
+    assert f"n_ctx {refused_cells} needs {needs} GiB of host memory" in refusal
     assert f"this process's cgroup ({group}/memory.limit_in_bytes: 1.0 GiB, " in refusal
-    assert re.search(r"\d+ MiB in use\) leaves (0\.9|1\.0) GiB$", refusal), refusal
-    assert tokens == "2"
-
-
-def test_a_second_context_past_what_the_first_leaves_is_refused_not_killed(
-    cgroup: Callable[[str, str, int], Path], tiny_model_path: Path
-) -> None:
-    # 2^21 cells of the tiny model take 0.6 GiB, which llama.cpp zero-fills: one fits the
-    # 1 GiB cgroup, two do not. Before, each was compared with the whole limit: the second
-    # passed, and the OOM killer ended the process with the first.
-    group = cgroup("memory", "memory.limit_in_bytes", GIB)
-    child = _run_in(
-        group,
-        f"""
-        from llamacrab import ContextError, Llama
-        first = Llama({str(tiny_model_path)!r}, n_ctx=2**21, n_ubatch=1, n_threads=1)
-        try:
-            Llama({str(tiny_model_path)!r}, n_ctx=2**21, n_ubatch=1, n_threads=1)
-        except ContextError as error:
-            print(error)
-        answer = first.create_completion("the cat", max_tokens=2, temperature=0)
-        print(answer.usage.completion_tokens)
-        """,
-    )
-    refusal, tokens = child.stdout.strip().splitlines()
-    assert "n_ctx 2097152 needs 0.6 GiB of host memory" in refusal
-    assert re.search(r": 1\.0 GiB, \d+ MiB in use\) leaves 0\.[34] GiB$", refusal), refusal
+    assert re.search(rf"\d+ MiB in use\) leaves {leaves} GiB$", refusal), refusal
     assert tokens == "2"
 
 
