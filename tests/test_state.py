@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -237,6 +238,53 @@ def test_a_disk_cache_writes_behind_and_bounds_what_waits(
     cache.close()
     with pytest.raises(StateError, match="closed"):
         cache.store(states[0])
+
+
+def test_a_ctrl_c_inside_a_disk_cache_transaction_leaves_it_usable(
+    tmp_path: Path, tiny_llama: Llama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """diskcache's transactions break if an exception lands between its BEGIN IMMEDIATE and the
+    block that commits or rolls back: a Ctrl-C there left this thread's connection in a write
+    transaction for good, every other thread waiting 60 s for the lock (the interrupts
+    section's hangs: a disk-cache Llama completing on two threads). Here the SIGINT arrives
+    just after that BEGIN, under Python's own handler."""
+    import diskcache  # type: ignore[import-untyped]
+
+    tiny_llama.create_completion([1, 260, 261, 262], max_tokens=0)
+    state = tiny_llama.save_state()
+    cache = DiskCache(tmp_path / "cache")
+    cache.store(state)
+    cache.flush()
+    execute_of = diskcache.Cache._sql.fget
+
+    def signalling(self: object) -> Callable[..., object]:
+        execute = execute_of(self)
+
+        def run(statement: str, *args: object) -> object:
+            result = execute(statement, *args)
+            if statement == "BEGIN IMMEDIATE":
+                signal.raise_signal(signal.SIGINT)  # its handler runs at the next bytecode
+            return result
+
+        return run
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(diskcache.Cache, "_sql", property(signalling))
+            with pytest.raises(KeyboardInterrupt):
+                cache.longest_prefix(state.tokens)  # its lookup marks the entry used: a write
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not cache._cache._con.in_transaction
+    found: list[object] = []
+    reader = threading.Thread(target=lambda: found.append(cache.longest_prefix(state.tokens)))
+    reader.daemon = True  # (before: blocked for diskcache's 60 s)
+    reader.start()
+    reader.join(10)
+    assert found == [(len(state.tokens), state)]
+    assert cache.longest_prefix(state.tokens) == (len(state.tokens), state)
+    cache.close()
 
 
 def test_a_failed_disk_write_is_logged_and_dropped(

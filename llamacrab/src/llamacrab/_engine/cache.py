@@ -25,6 +25,7 @@ import numpy as np
 
 from llamacrab._exceptions import InvalidParameterError, StateError
 from llamacrab._native.fork import reset_in_child
+from llamacrab._native.signals import held_signals
 from llamacrab._native.state import SavedState
 from llamacrab._types import common_prefix
 
@@ -133,11 +134,17 @@ class DiskCache(PromptCache):
 
         _check_capacity(capacity_bytes)
         self.capacity_bytes = capacity_bytes
+        # Every call into diskcache holds signal handlers (the main thread's) until it returns:
+        # its transactions are not safe against an exception landing inside them. A Ctrl-C
+        # just after its BEGIN IMMEDIATE left this thread's connection in a write transaction
+        # for good: its next lookup raised diskcache.Timeout, and every other thread (the
+        # writer, parallel slots) waited 60 s for the lock, each time.
         try:
-            self._cache: Any = diskcache.Cache(
-                os.fspath(directory), size_limit=capacity_bytes,
-                eviction_policy="least-recently-used", cull_limit=0,
-            )  # fmt: skip
+            with held_signals():
+                self._cache: Any = diskcache.Cache(
+                    os.fspath(directory), size_limit=capacity_bytes,
+                    eviction_policy="least-recently-used", cull_limit=0,
+                )  # fmt: skip
         except (OSError, ValueError, sqlite3.Error) as error:
             # Cannot be made or opened; a NUL in the path; a full disk (sqlite).
             raise InvalidParameterError(
@@ -154,7 +161,8 @@ class DiskCache(PromptCache):
     def size_bytes(self) -> int:
         with self._changed:
             waiting = sum(state.size_bytes for state in self._pending.values())
-        return int(self._cache.volume()) + waiting
+        with held_signals():
+            return int(self._cache.volume()) + waiting
 
     def store(self, state: SavedState, namespace: bytes = b"") -> None:
         key = _key(namespace, state.tokens)
@@ -199,8 +207,9 @@ class DiskCache(PromptCache):
                 if self._room_for(state.size_bytes):
                     # As a file to read: diskcache writes plain bytes line by line (a write per
                     # b"\n" byte, ~80,000 for a 37 MB state).
-                    self._cache.set(key, io.BytesIO(state.to_bytes()), read=True)
-                    self._cache.cull()  # enforce the size limit now, not on some later write
+                    with held_signals():  # (a no-op on the writer thread)
+                        self._cache.set(key, io.BytesIO(state.to_bytes()), read=True)
+                        self._cache.cull()  # the size limit now, not on some later write
             except Exception:  # a full disk, a locked database: the generation stands
                 log.warning("prompt cache save failed; skipped", exc_info=True)
             with self._changed:
@@ -238,7 +247,8 @@ class DiskCache(PromptCache):
         # Keys of another form (an older llamacrab's bare token bytes) belong to no namespace.
         with self._changed:
             pending = [key for key in self._pending if key[0] == namespace]
-        stored = [key for key in self._cache.iterkeys() if isinstance(key, tuple)]
+        with held_signals():
+            stored = [key for key in self._cache.iterkeys() if isinstance(key, tuple)]
         keys = {key[1] for key in (*pending, *stored) if key[0] == namespace}
         return [tuple(np.frombuffer(key, dtype="<i4").tolist()) for key in keys]
 
@@ -250,7 +260,8 @@ class DiskCache(PromptCache):
             return pending
         # A file to map, not bytes read into memory; bytes for a value small enough to live in
         # diskcache's database (an older llamacrab stored states as plain bytes).
-        entry = self._cache.get(key, read=True)
+        with held_signals():
+            entry = self._cache.get(key, read=True)
         if entry is None:
             return None
         try:
@@ -260,7 +271,8 @@ class DiskCache(PromptCache):
                 return SavedState.from_file(entry)
         except StateError as error:
             warnings.warn(f"discarding a corrupt prompt-cache entry: {error}", stacklevel=3)
-            self._cache.delete(key)
+            with held_signals():
+                self._cache.delete(key)
             return None
 
     def close(self) -> None:
@@ -268,12 +280,14 @@ class DiskCache(PromptCache):
         with self._changed:
             self._closed = True
         self.flush()
-        self._cache.close()
+        with held_signals():
+            self._cache.close()
 
     def __len__(self) -> int:
         with self._changed:
             pending = set(self._pending)
-        return len(pending | set(self._cache.iterkeys()))
+        with held_signals():
+            return len(pending | set(self._cache.iterkeys()))
 
 
 def _key(namespace: bytes, tokens: Sequence[int]) -> tuple[bytes, bytes]:
