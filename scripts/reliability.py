@@ -317,6 +317,12 @@ FOUND = [
      "the interrupted frame, kept by the traceback in a cycle, held cffi's buffer over the "
      "state's payload view", "`_native/context.py`: the buffer is released as the call ends "
      "(test in `tests/test_interrupts.py`)"),
+    ("interrupts (a long run, 2026-12-03)", "SIGINT while a `Llama` with a disk prompt cache "
+     "looks up a prompt on the main thread, then two threads completing on it", "a hang: the "
+     "threads waited 60 s for the database lock (2 of 2,000 cases); diskcache's transaction "
+     "was left open by an interrupt landing just after its `BEGIN IMMEDIATE`",
+     "`_engine/cache.py`: every diskcache call holds signal handlers until it returns (test "
+     "in `tests/test_state.py`)"),
 ]  # fmt: skip
 
 
