@@ -67,17 +67,15 @@ class Hold:
         # Their handlers run at the next bytecode, as they would have. Sent one by one, the
         # first handler to raise would run before the next was sent, losing it; sent blocked,
         # all arrive when unblocked, and Python runs each (one that raises defers the rest to
-        # its next check).
-        if not hasattr(signal, "pthread_sigmask"):  # Windows
+        # its next check). Windows has no signal mask: one by one there.
+        masking = hasattr(signal, "pthread_sigmask")
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, caught) if masking else None
+        try:
             for signum in sorted(caught):
                 signal.raise_signal(signum)
-            return
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, caught)
-        try:
-            for signum in caught:
-                signal.raise_signal(signum)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            if before is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 @contextmanager
