@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_tiny_gguf import write_gguf
 
 VISION = {"image": 32, "patch": 8, "embd": 32, "ff": 64, "heads": 4, "blocks": 2, "proj": 48}
+# 4,096 patches through 4 blocks: an encode of seconds on two cores, to interrupt.
+SLOW_VISION = {**VISION, "image": 512, "embd": 128, "ff": 256, "blocks": 4}
 AUDIO = {"mel": 16, "embd": 32, "ff": 64, "heads": 4, "blocks": 1, "positions": 1500}
 AUDIO_SAMPLE_RATE = 16000  # what libmtmd's Whisper preprocessing uses
 
@@ -71,9 +73,8 @@ def _encoder_block(
     tensors[f"{block}.ffn_down.bias"] = np.zeros(embd, dtype=np.float32)
 
 
-def _vit(weight: _Random) -> dict[str, np.ndarray]:
-    """The small ViT both vision projectors sit on."""
-    v = VISION
+def _vit(weight: _Random, v: dict[str, int]) -> dict[str, np.ndarray]:
+    """The small ViT both vision projectors sit on (``v``: VISION or another size)."""
     embd, n_patches = v["embd"], (v["image"] // v["patch"]) ** 2
     tensors = {
         "v.patch_embd.weight": weight(embd, 3, v["patch"], v["patch"]),
@@ -86,8 +87,9 @@ def _vit(weight: _Random) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _describe_vit(writer: gguf.GGUFWriter, name: str, projector: str, n_embd_text: int) -> None:
-    v = VISION
+def _describe_vit(
+    writer: gguf.GGUFWriter, name: str, projector: str, n_embd_text: int, v: dict[str, int]
+) -> None:
     writer.add_name(name)
     writer.add_clip_has_vision_encoder(True)
     writer.add_clip_projector_type(projector)
@@ -107,7 +109,7 @@ def _describe_vit(writer: gguf.GGUFWriter, name: str, projector: str, n_embd_tex
 def write_tiny_vision_mmproj(path: Path, n_embd_text: int = 64, seed: int = 0) -> Path:
     v = VISION
     weight = _Random(seed)
-    tensors = _vit(weight)
+    tensors = _vit(weight, v)
     # The LLaVA projector: mm.0 -> GELU -> mm.2 (no mm.3: that would make it another type).
     tensors["mm.0.weight"] = weight(v["proj"], v["embd"])
     tensors["mm.0.bias"] = np.zeros(v["proj"], dtype=np.float32)
@@ -115,23 +117,28 @@ def write_tiny_vision_mmproj(path: Path, n_embd_text: int = 64, seed: int = 0) -
     tensors["mm.2.bias"] = np.zeros(n_embd_text, dtype=np.float32)
 
     def describe(writer: gguf.GGUFWriter) -> None:
-        _describe_vit(writer, "llamacrab-tiny-vision-mmproj", "mlp", n_embd_text)
+        _describe_vit(writer, "llamacrab-tiny-vision-mmproj", "mlp", n_embd_text, v)
 
     return _write(path, tensors, describe)
 
 
 def write_tiny_gemma3_mmproj(
-    path: Path, n_embd_text: int = 64, seed: int = 0, merge: int = 1
+    path: Path,
+    n_embd_text: int = 64,
+    seed: int = 0,
+    merge: int = 1,
+    vision: dict[str, int] = VISION,
 ) -> Path:
     """Gemma 3's projector: the ViT's patches average-pooled ``merge`` x ``merge`` (so
-    ``(4 // merge) ** 2`` embeddings per image), RMS-normed and projected to the text model."""
+    ``(4 // merge) ** 2`` embeddings per image with VISION), RMS-normed and projected to the
+    text model. A larger ``vision`` (SLOW_VISION) makes an encode that takes seconds."""
     weight = _Random(seed)
-    tensors = _vit(weight)
-    tensors["mm.soft_emb_norm.weight"] = np.ones(VISION["embd"], dtype=np.float32)
-    tensors["mm.input_projection.weight"] = weight(VISION["embd"], n_embd_text)
+    tensors = _vit(weight, vision)
+    tensors["mm.soft_emb_norm.weight"] = np.ones(vision["embd"], dtype=np.float32)
+    tensors["mm.input_projection.weight"] = weight(vision["embd"], n_embd_text)
 
     def describe(writer: gguf.GGUFWriter) -> None:
-        _describe_vit(writer, "llamacrab-tiny-gemma3-mmproj", "gemma3", n_embd_text)
+        _describe_vit(writer, "llamacrab-tiny-gemma3-mmproj", "gemma3", n_embd_text, vision)
         writer.add_uint32("clip.vision.projector.scale_factor", merge)
 
     return _write(path, tensors, describe)

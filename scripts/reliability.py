@@ -323,6 +323,11 @@ FOUND = [
      "was left open by an interrupt landing just after its `BEGIN IMMEDIATE`",
      "`_engine/cache.py`: every diskcache call holds signal handlers until it returns (test "
      "in `tests/test_state.py`)"),
+    ("reading libmtmd's encoder while making its encodes stoppable (2026-12-04)", "one "
+     "`Projector` evaluating prompts with images for two contexts on two threads",
+     "SIGSEGV: libmtmd keeps one compute graph and one output buffer per projector",
+     "`_native/mtmd.py`: one evaluation at a time per projector, the second a "
+     "ConcurrentUseError (test in `tests/test_multimodal.py`)"),
 ]  # fmt: skip
 
 

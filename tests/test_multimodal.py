@@ -38,7 +38,9 @@ from llamacrab import (
     MediaPolicy,
     ModelLoadError,
 )
-from llamacrab._native.mtmd import embeddings_refusal
+from llamacrab._native import mtmd as mtmd_handles
+from llamacrab._native.call import call
+from llamacrab._native.mtmd import chunk_pointers, embeddings_refusal
 from llamacrab.server import ServerSettings
 from llamacrab.server._llama_kwargs import llama_kwargs
 from llamacrab.server._settings import parse_settings
@@ -63,6 +65,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "gemma3": mmproj.write_tiny_gemma3_mmproj(out / "gemma3.gguf"),
         "audio": mmproj.write_tiny_audio_mmproj(out / "audio.gguf"),
         "wrong": mmproj.write_tiny_vision_mmproj(out / "wrong.gguf", n_embd_text=32),
+        # 16 embeddings from 4,096 patches: an encode of about a second on one thread
+        "slow": mmproj.write_tiny_gemma3_mmproj(
+            out / "slow.gguf", merge=16, vision=mmproj.SLOW_VISION
+        ),
     }
 
 
@@ -609,3 +615,151 @@ def test_closing_the_model_while_a_thread_tokenizes_media_waits_for_it(
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.strip() == "['closed']"
+
+
+# -- stopping an encode ------------------------------------------------------------------------
+
+STOP_ENCODE_CHILD = """
+import os, signal, sys, threading, time
+import numpy as np
+from llamacrab import Image, Llama, LlamaError
+llm = Llama(sys.argv[1], n_ctx=512, n_threads=1, mmproj=sys.argv[2], parallel=eval(sys.argv[3]))
+pixels = np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+prompt = f"look {llm.media_marker} now"
+
+def answer():
+    return llm.create_completion(prompt, media=[Image(pixels=pixels)], max_tokens=4,
+                                 temperature=0).choices[0]
+
+started = time.perf_counter()
+reference = answer().tokens
+print("whole", time.perf_counter() - started)
+threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+started = time.perf_counter()
+try:
+    answer()
+    print("interrupted", "never")
+except KeyboardInterrupt:
+    print("interrupted", time.perf_counter() - started - 0.2)
+print("same", answer().tokens == reference)
+threading.Timer(0.2, llm.cancel).start()
+started = time.perf_counter()
+finish = answer().finish_reason
+print("cancelled", time.perf_counter() - started - 0.2, finish)
+stream = llm.stream_completion(prompt, media=[Image(pixels=pixels)], max_tokens=4)
+threading.Timer(0.2, stream.cancel).start()
+started = time.perf_counter()
+finish = list(stream)[-1].finish_reason
+print("stream", time.perf_counter() - started - 0.2, finish)
+outcome = []
+
+def complete():
+    try:
+        outcome.append(answer().finish_reason)
+    except LlamaError as error:
+        outcome.append(type(error).__name__)
+
+worker = threading.Thread(target=complete)
+worker.start()
+time.sleep(0.2)
+started = time.perf_counter()
+llm.close()
+print("closed", time.perf_counter() - started)
+worker.join(60)
+print("worker", *outcome)
+"""
+
+
+@pytest.mark.parametrize("parallel", ["None", "2"])
+def test_a_ctrl_c_a_cancel_or_a_close_stops_an_image_encode_in_the_middle(
+    files: dict[str, Path], parallel: str
+) -> None:
+    # libmtmd encodes an image in one graph on its own backends, which polled no abort flag:
+    # a Ctrl-C, a cancel() or a close() waited for the whole encode (seconds for a real
+    # projector's large image on the CPU). A patch points the encoder at the context's abort
+    # flags. With parallel slots the engine thread encodes: no Ctrl-C there (the main thread's).
+    child = run_child(STOP_ENCODE_CHILD, str(files["text"]), str(files["slow"]), parallel)
+    assert child.returncode == 0, child.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in child.stdout.splitlines())
+    whole = float(lines["whole"])
+    assert whole > 0.5, f"the slow projector encodes in {whole:.2f} s: too fast to interrupt"
+    if parallel == "None":
+        assert float(lines["interrupted"]) < whole / 4, child.stdout
+    assert lines["same"] == "True"  # nothing of the interrupted prompt stays behind
+    for how in ("cancelled", "stream"):  # Llama.cancel(), Stream.cancel()
+        seconds, finish = lines[how].split()
+        assert float(seconds) < whole / 4 and finish == "cancelled", child.stdout
+    assert float(lines["closed"]) < whole / 4, child.stdout
+    # ended as any completion the close cuts short: cancelled, or refused once closed
+    assert lines["worker"] in ("cancelled", "ClosedHandleError"), child.stdout
+
+
+def test_the_encoder_polls_the_abort_callback_it_is_given(seeing: Llama) -> None:
+    projector = seeing.projector
+    assert projector is not None
+    bitmap = projector.bitmap(Image(pixels=PIXELS))
+    with projector.tokenize(f"look {projector.marker} now", [bitmap]) as chunks:
+        flags = ffi.new("llamacrab_abort_flags *")
+        with projector.in_flight() as pointer, chunks.in_flight() as chunk_list:
+            kinds = [int(lib.mtmd_input_chunk_get_type(c)) for c in chunk_pointers(chunk_list)]
+            image = chunk_pointers(chunk_list)[kinds.index(lib.MTMD_INPUT_CHUNK_TYPE_IMAGE)]
+            call("mtmd_set_abort_callback", pointer, lib.llamacrab_abort_on_flags, flags)
+            try:
+                flags.cancel = 1
+                stopped = call("mtmd_encode_chunk", pointer, image)
+                flags.cancel = 0
+                encoded = call("mtmd_encode_chunk", pointer, image)
+            finally:
+                call("mtmd_set_abort_callback", pointer, ffi.NULL, ffi.NULL)
+    assert (stopped, encoded) == (1, 0)
+    # evaluate() sets the callback for its own call only and takes it off afterwards
+    assert seeing.create_completion(f"look {projector.marker} now", media=[Image(pixels=PIXELS)],
+                                    **GREEDY).usage.completion_tokens == 6  # fmt: skip
+
+
+def test_a_libmtmd_without_the_abort_callback_still_evaluates(
+    seeing: Llama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An install a user brings has upstream's libmtmd: its encodes run to their end.
+    prompt, image = f"look {seeing.media_marker} now", [Image(pixels=PIXELS)]
+    reference = seeing.create_completion(prompt, media=image, **GREEDY).choices[0].tokens
+    monkeypatch.setattr(mtmd_handles, "_ENCODER_ABORTS", False)
+    assert seeing.create_completion(prompt, media=image, **GREEDY).choices[0].tokens == reference
+
+
+SHARED_PROJECTOR_CHILD = """
+import sys, threading, time
+import numpy as np
+from llamacrab import ConcurrentUseError, Context, ContextParams, Image, Model, Projector
+model = Model.load(sys.argv[1])
+projector = Projector(model, sys.argv[2], n_threads=1)
+pixels = np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+first, second = (Context(model, ContextParams(n_ctx=512)) for _ in range(2))
+
+def evaluate(context):
+    bitmap = projector.bitmap(Image(pixels=pixels))
+    with projector.tokenize(f"look {projector.marker} now", [bitmap]) as chunks:
+        return projector.evaluate(context, chunks, 0, 0)
+
+results = []
+worker = threading.Thread(target=lambda: results.append(evaluate(first)))
+worker.start()
+time.sleep(0.2)
+try:
+    print("second", evaluate(second))
+except ConcurrentUseError as error:
+    print("second refused:", error)
+worker.join()
+print("first", *results)
+print("then", evaluate(second))
+"""
+
+
+def test_one_projector_evaluates_for_one_context_at_a_time(files: dict[str, Path]) -> None:
+    # libmtmd keeps one compute graph and output buffer per projector: two contexts evaluating
+    # through one Projector at once crashed the process (SIGSEGV).
+    child = run_child(SHARED_PROJECTOR_CHILD, str(files["text"]), str(files["slow"]))
+    assert child.returncode == 0, child.stderr[-3000:]
+    lines = child.stdout.splitlines()
+    assert lines[0] == "second refused: this projector is evaluating a prompt on another thread"
+    assert lines[1] == lines[2].replace("then", "first"), lines

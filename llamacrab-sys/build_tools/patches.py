@@ -26,6 +26,14 @@ class SourcePatch:
     why: str
 
 
+_ENCODE_ABORT_WHY = (
+    "libmtmd encodes an image or a sound in one graph computed on clip's own backends, "
+    "which have no abort callback: a close() or a Ctrl-C waited for the whole encode "
+    "(seconds for a large image on a real projector, on the CPU). llamacrab points "
+    "clip's backends at the context's abort flags for the encode, as llama_decode's are."
+)
+
+
 PATCHES: tuple[SourcePatch, ...] = (
     SourcePatch(
         name="ggml-cpu-aligned-work-buffer",
@@ -167,11 +175,86 @@ PATCHES: tuple[SourcePatch, ...] = (
             "scalar ones now do too, and the load fails with a ModelLoadError."
         ),
     ),
+    # mtmd-abort-callback: the same change over four files (one SourcePatch per file).
+    SourcePatch(
+        name="mtmd-abort-callback",
+        path="tools/mtmd/clip.h",
+        edits=(
+            (
+                "void clip_free(struct clip_ctx * ctx);\n",
+                "void clip_free(struct clip_ctx * ctx);\n\n"
+                "// llamacrab: polled at every graph node of an encode; true stops it\n"
+                "void clip_set_abort_callback(struct clip_ctx * ctx, ggml_abort_callback "
+                "abort_callback, void * abort_callback_data);\n",
+            ),
+        ),
+        why=_ENCODE_ABORT_WHY,
+    ),
+    SourcePatch(
+        name="mtmd-abort-callback",
+        path="tools/mtmd/clip.cpp",
+        edits=(
+            (
+                "const char * clip_patch_merge_type(const struct clip_ctx * ctx) {\n",
+                "void clip_set_abort_callback(clip_ctx * ctx, ggml_abort_callback "
+                "abort_callback, void * abort_callback_data) {\n"
+                "    if (ctx == nullptr) {\n"
+                "        return;\n"
+                "    }\n"
+                "    for (ggml_backend_t backend : ctx->backend_ptrs) {\n"
+                "        ggml_backend_dev_t dev = ggml_backend_get_device(backend);\n"
+                "        ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : "
+                "nullptr;\n"
+                "        auto set_fn = reg ? (ggml_backend_set_abort_callback_t) "
+                'ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_abort_callback") '
+                ": nullptr;\n"
+                "        if (set_fn) {\n"
+                "            set_fn(backend, abort_callback, abort_callback_data);\n"
+                "        }\n"
+                "    }\n"
+                "}\n\n"
+                "const char * clip_patch_merge_type(const struct clip_ctx * ctx) {\n",
+            ),
+        ),
+        why=_ENCODE_ABORT_WHY,
+    ),
+    SourcePatch(
+        name="mtmd-abort-callback",
+        path="tools/mtmd/mtmd.h",
+        edits=(
+            (
+                "MTMD_API void mtmd_free(mtmd_context * ctx);\n",
+                "MTMD_API void mtmd_free(mtmd_context * ctx);\n\n"
+                "// llamacrab: polled at every graph node while an image or sound is encoded; "
+                "returning\n// true stops the encode (it then fails). NULL removes it.\n"
+                "MTMD_API void mtmd_set_abort_callback(mtmd_context * ctx, ggml_abort_callback "
+                "abort_callback, void * abort_callback_data);\n",
+            ),
+        ),
+        why=_ENCODE_ABORT_WHY,
+    ),
+    SourcePatch(
+        name="mtmd-abort-callback",
+        path="tools/mtmd/mtmd.cpp",
+        edits=(
+            (
+                "void mtmd_free(mtmd_context * ctx) {\n    delete ctx;\n}\n",
+                "void mtmd_free(mtmd_context * ctx) {\n    delete ctx;\n}\n\n"
+                "void mtmd_set_abort_callback(mtmd_context * ctx, ggml_abort_callback "
+                "abort_callback, void * abort_callback_data) {\n"
+                "    for (clip_ctx * clip : {ctx->ctx_v, ctx->ctx_a, ctx->ctx_gen_a}) {\n"
+                "        clip_set_abort_callback(clip, abort_callback, abort_callback_data);\n"
+                "    }\n"
+                "}\n",
+            ),
+        ),
+        why=_ENCODE_ABORT_WHY,
+    ),
 )
 
 
 def names() -> tuple[str, ...]:
-    return tuple(p.name for p in PATCHES)
+    return tuple(dict.fromkeys(p.name for p in PATCHES))
 
 
 def digest() -> str:

@@ -134,6 +134,10 @@ OPTIONAL_GROUPS = (
     ),
 )
 
+# Added by llamacrab's patches to the pinned source (build_tools/patches.py): an install a user
+# brings lacks them, and llamacrab does without (an image's encoding then runs to its end).
+PATCH_FUNCTIONS = ("mtmd_set_abort_callback",)
+
 
 class ApiTooOldError(SystemExit):
     """The headers lack functions, constants or struct fields that llamacrab needs."""

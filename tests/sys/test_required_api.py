@@ -35,6 +35,7 @@ def used_names() -> set[str]:
 
 def listed_names() -> set[str]:
     names = set(required_api.CORE_FUNCTIONS) | set(required_api.CORE_CONSTANTS)
+    names |= set(required_api.PATCH_FUNCTIONS)
     for group in required_api.OPTIONAL_GROUPS:
         names |= set(group.functions) | set(group.constants)
     # The RPC protocol macros come from build_tools.bindings.RPC_CDEF with ggml-rpc.h.
@@ -57,6 +58,7 @@ def test_every_name_llamacrab_uses_is_checked() -> None:
 
 def test_the_pinned_headers_have_everything(pinned: Declarations) -> None:
     assert required_api.check(pinned, "the pin") == []
+    assert set(required_api.PATCH_FUNCTIONS) <= set(pinned.functions)  # the patched tree's
     assert "val_i64" in pinned.structs["llama_model_kv_override"]  # an anonymous union's field
 
 

@@ -359,14 +359,20 @@ class KvState:
             start = end
         return True
 
-    def decode_media(self, chunks: Chunks, lora: Mapping[LoraAdapter, float] | None = None) -> None:
+    def decode_media(
+        self,
+        chunks: Chunks,
+        lora: Mapping[LoraAdapter, float] | None = None,
+        stopped: Callable[[], bool] | None = None,
+    ) -> None:
         """Evaluate a multimodal prompt from the start of this sequence (no prefix reuse),
-        with ``lora`` (None: the default adapters; an aLoRA adapter is not invoked)."""
+        with ``lora`` (None: the default adapters; an aLoRA adapter is not invoked);
+        ``stopped`` as ``Projector.evaluate`` takes it."""
         self.forget()
         self.plan = lora_plan(self.context.lora_adapters if lora is None else lora, ())
         self.context.use_lora(self.plan.adapters)
         try:
-            n_past = chunks.projector.evaluate(self.context, chunks, 0, self.seq_id)
+            n_past = chunks.projector.evaluate(self.context, chunks, 0, self.seq_id, stopped)
         except BaseException:
             self.forget()
             raise
@@ -478,12 +484,12 @@ def _start(kv: KvState, request: Request, session: Session, samplers: Samplers) 
 def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
     kv.owner = None  # the memory changes now: the generation before may not touch it again
     try:
+        # While the prompt is decoded (or its media encoded), cancel() aborts the call in
+        # progress too; a timeout or a cancel between two decodes is seen before the next chunk.
+        session.wake = kv.context.cancel
         if request.media is not None:
-            kv.decode_media(request.media, request.lora)
+            kv.decode_media(request.media, request.lora, session.stopped)
         else:
-            # While the prompt is decoded, cancel() aborts the decode in progress too; a timeout
-            # or a cancel that comes between two decodes is seen before the next chunk.
-            session.wake = kv.context.cancel
             scores = None
             if request.prompt_logprobs:
                 scores = PromptLogprobs(request.prompt, request.logprobs or 0, kv.context.n_vocab)

@@ -88,6 +88,7 @@ class Scheduler:
         self._cond = threading.Condition()
         reset_in_child(self._cond)
         self._closed = False
+        self._encoding: Session | None = None  # the job whose image or sound is encoded now
         context.add_weights_guard(self)
         self._thread = threading.Thread(target=self._run, name="llamacrab-engine", daemon=True)
         try:
@@ -131,6 +132,7 @@ class Scheduler:
         with self._cond:
             for job in [*self.waiting, *(s.job for s in self.slots if s.job)]:
                 job.session.cancelled.set()
+            self.context.cancel()  # the step in progress is theirs: it ends now
             self._cond.notify()
 
     def describe(self) -> list[tuple[bool, int]]:
@@ -186,6 +188,9 @@ class Scheduler:
         with self._cond:
             self._closed = True
             self._cond.notify()
+        # The step in progress ends now (its generations raise ClosedHandleError anyway): a
+        # prompt's decode or an image's encode may take seconds.
+        self.context.cancel()
         if self._thread is not threading.current_thread():
             self._thread.join()
 
@@ -196,6 +201,9 @@ class Scheduler:
         for a while); a running one at the engine's next step."""
         with self._cond:
             self._drop_stopped_waiting()
+            encoding = self._encoding
+            if encoding is not None and encoding.stopped():
+                self.context.cancel()  # the image or sound encoded now is its alone
             self._cond.notify()
 
     def _drop_stopped_waiting(self) -> None:
@@ -280,10 +288,7 @@ class Scheduler:
         try:
             self.context.decode(self.batch, lora)
         except DecodeAbortedError:
-            for slot, _ in planned:
-                assert slot.job is not None
-                slot.kv.forget()  # part of the batch may be in memory
-                self._end(slot, Step(slot.job.emitter.stops.flush(), None, "cancelled"))
+            self._aborted([slot for slot, _ in planned])
             return
         except Exception as error:
             self._fail([slot for slot, _ in planned], error)
@@ -301,12 +306,18 @@ class Scheduler:
         its first token sampled before this step's batch replaces the last outputs."""
         job = slot.job
         assert job is not None
+        self._encoding = job.session
         try:
             job.samplers.bind(self.context, slot.kv.seq_id)
-            slot.kv.decode_media(chunks, job.request.lora if job else None)
+            slot.kv.decode_media(chunks, job.request.lora, job.session.stopped)
+        except DecodeAbortedError:
+            self._aborted([slot])
+            return
         except Exception as error:
             self._fail([slot], error)
             return
+        finally:
+            self._encoding = None
         job.todo, job.index = [], -1
         self._sample(slot)
 
@@ -395,6 +406,14 @@ class Scheduler:
                 slot.kv.remember()  # logs and skips a failing cache
         finally:
             job.finish(step)  # whatever happens, the client gets its last step
+
+    def _aborted(self, slots: list[_Slot]) -> None:
+        """The step's decode (or encode) was cancelled: by a close, and the engine then fails
+        every job with ClosedHandleError, or for these slots' cancelled jobs."""
+        for slot in slots:
+            slot.kv.forget()  # part of the batch may be in memory
+            if slot.job is not None and not self._closed:
+                self._end(slot, Step(slot.job.emitter.stops.flush(), None, "cancelled"))
 
     def _fail(self, slots: list[_Slot], error: BaseException) -> None:
         for slot in slots:

@@ -311,6 +311,16 @@ class Context(NativeHandle):
     def _interrupt(self) -> None:
         self.cancel()
 
+    @property
+    def abort_flags(self) -> Any:
+        """What this context's calls poll (``llamacrab_abort_flags *``), for native work done
+        for one of them elsewhere (libmtmd's encoder) to poll as well; valid while it is open."""
+        return self._abort_flags
+
+    def abort_requested(self) -> bool:
+        """Whether the flags ask the armed call to stop: a cancel, a close or a Ctrl-C."""
+        return bool(lib.llamacrab_abort_on_flags(self._abort_flags))
+
     def arm_cancel(self) -> None:
         """Clear a cancel left from between calls, before a call that polls the flags (a
         closing context stays cancelled), and let a Ctrl-C abort it (``arm_sigint``). Called

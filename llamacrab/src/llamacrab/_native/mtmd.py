@@ -4,14 +4,22 @@ tokenized multimodal prompts (input chunks), each freed once, children before pa
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from contextlib import ExitStack
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from llamacrab._exceptions import DecodeError, InvalidParameterError, MediaError, ModelLoadError
+from llamacrab._exceptions import (
+    ConcurrentUseError,
+    DecodeAbortedError,
+    DecodeError,
+    InvalidParameterError,
+    MediaError,
+    ModelLoadError,
+)
 from llamacrab._field_types import file_path
 from llamacrab._native import gguf_archs as archs
 from llamacrab._native import projector_probe
@@ -24,6 +32,10 @@ from llamacrab._native.logging import log_lines
 from llamacrab._native.media import Image, Media, pcm_for_rate, rgb_pixels, sniff
 from llamacrab._native.model import Model
 from llamacrab._native.signals import held_signals
+
+# llamacrab's libmtmd polls an abort callback while it encodes (llamacrab-sys's patches); a
+# llama.cpp a user brought may not, and its encodes then run to their end.
+_ENCODER_ABORTS = hasattr(lib, "safe_mtmd_set_abort_callback")
 
 
 def embeddings_refusal(arch: str, rope_type: int) -> str | None:
@@ -77,6 +89,8 @@ class Projector(NativeHandle):
         params.n_threads = thread_limit(params.n_threads if n_threads is None else n_threads)
         note_compute_threads()
         log_lines.take_errors()
+        self._encoder_busy = threading.Lock()
+        self._evaluating: Context | None = None  # the context an evaluate() in flight polls
         # Closing the model from another thread waits for the load, then closes this too;
         # signals wait for the handle (signals.py).
         with held_signals(), model.in_flight() as model_pointer:
@@ -176,9 +190,19 @@ class Projector(NativeHandle):
             raise MediaError("end the prompt with text after the last image or sound")
         return chunks
 
-    def evaluate(self, context: Context, chunks: Chunks, n_past: int, seq_id: int) -> int:
+    def evaluate(
+        self,
+        context: Context,
+        chunks: Chunks,
+        n_past: int,
+        seq_id: int,
+        stopped: Callable[[], bool] | None = None,
+    ) -> int:
         """Decode ``chunks`` into ``seq_id`` from position ``n_past`` (images and audio are
-        encoded first); the logits of the last token are kept. Returns the next position."""
+        encoded first); the logits of the last token are kept. Returns the next position.
+        ``context.cancel()``, closing either, or a Ctrl-C stops it (DecodeAbortedError), in
+        the middle of an image's encoding too; so does ``stopped`` returning True at the
+        start (a cancel that came just before). One evaluation at a time per projector."""
         new_n_past = ffi.new("llama_pos *")
         with (
             self.in_flight() as projector,
@@ -187,14 +211,48 @@ class Projector(NativeHandle):
             ExitStack() as held,
         ):
             _check_micro_batch(self.path, projector, chunk_list, context.n_ubatch)
+            held.enter_context(self._encoding_for(projector, context, stopped))
             context.hold_graph_samplers(pointer, held)
-            context.arm_cancel()
             # Split by max_decode: a non-causal text model must not get more than n_ubatch.
             status = call("mtmd_helper_eval_chunks", projector, pointer, chunk_list,
                           n_past, seq_id, context.max_decode, True, new_n_past)  # fmt: skip
+            aborted = status != 0 and context.abort_requested()
+        if aborted:
+            raise DecodeAbortedError("the multimodal prompt's evaluation was cancelled", status)
         if status != 0:
             raise DecodeError(f"libmtmd could not evaluate the prompt (status {status})", status)
         return int(new_n_past[0])
+
+    @contextmanager
+    def _encoding_for(
+        self, projector: Any, context: Context, stopped: Callable[[], bool] | None
+    ) -> Iterator[None]:
+        """Have the encoder poll ``context``'s abort flags (a patched libmtmd; the decodes
+        poll them anyway) for one evaluation, armed; the projector's ``close()`` cancels it."""
+        if not self._encoder_busy.acquire(blocking=False):
+            # libmtmd's encoder keeps one compute graph and one output buffer per projector.
+            raise ConcurrentUseError("this projector is evaluating a prompt on another thread")
+        try:
+            self._evaluating = context
+            context.arm_cancel()  # clears a cancel from before: look at what asked for one
+            if self._closing or (stopped is not None and stopped()):
+                context.cancel()
+            if _ENCODER_ABORTS:
+                call("mtmd_set_abort_callback", projector, lib.llamacrab_abort_on_flags,
+                     context.abort_flags)  # fmt: skip
+            try:
+                yield
+            finally:
+                if _ENCODER_ABORTS:  # the flags may be freed before the next evaluation
+                    call("mtmd_set_abort_callback", projector, ffi.NULL, ffi.NULL)
+        finally:
+            self._evaluating = None
+            self._encoder_busy.release()
+
+    def _interrupt(self) -> None:
+        evaluating = self._evaluating
+        if evaluating is not None:
+            evaluating.cancel()
 
 
 class Bitmap(NativeHandle):
