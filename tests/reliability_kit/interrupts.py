@@ -8,7 +8,9 @@ four Llamas (one slot, two parallel slots, a RAM or a disk prompt cache; kept ac
 an operation (load a new Llama with or without mmap and drop it, complete, a prompt of
 350-910 tokens that one decode takes up to a second over (a Ctrl-C aborts it mid-graph),
 stream and stop early, chat, a JSON-schema completion, save or load a state, tokenize, reset,
-two threads completing at once) and a moment (a timer thread sends the signal). Each case that
+two threads completing at once) and a moment (a timer thread sends the signal); or a
+completion with an image on one of two more Llamas (one slot, two slots) whose projector
+takes most of a second to encode it (a Ctrl-C aborts the encode mid-graph). Each case that
 raised notes how long after the signal.
 
 Invariants: every SIGINT raises exactly one KeyboardInterrupt in the case and every SIGUSR1
@@ -29,11 +31,19 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from reliability_kit.repo import made_once, script
 
 CONFIGS = ("plain", "parallel", "ram", "disk")
 OPERATIONS = ("load", "load-no-mmap", "complete", "long-prompt", "stream", "chat", "schema",
-              "save", "restore", "tokenize", "reset", "threads")  # fmt: skip
+              "save", "restore", "tokenize", "reset", "threads", "media")  # fmt: skip
+# The Llamas with a projector (one slot, two slots) that the media operation uses
+VISION_CONFIGS = ("vision", "vision-parallel")
+PIXELS_SEED = 7
 PROMPTS = ("The capital of France is", "Once upon a time there was a", "def fibonacci(n):")
 REFERENCE = "List three colours:"
 # The model read into memory is ~250 MiB; the heap of a process that loads and frees models on
@@ -45,17 +55,34 @@ TOLERANCE = 0.05  # the logprob moves by ~1e-3 between batch shapes; wrong memor
 
 def generate(count: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    return [
-        {
+    cases = []
+    for i in range(count):
+        operation = rng.choice(OPERATIONS)
+        cases.append({
             "id": f"interrupts-{seed}-{i}",
-            "config": rng.choice(CONFIGS),
-            "operation": rng.choice(OPERATIONS),
+            "config": rng.choice(VISION_CONFIGS if operation == "media" else CONFIGS),
+            "operation": operation,
             "signal": rng.choice(("SIGINT", "SIGINT", "SIGINT", "SIGUSR1")),
             "delay": round(rng.random() ** 2 * 0.5, 4),  # mostly early: inside the native call
             "prompt": rng.choice(PROMPTS),
-        }
-        for i in range(count)
-    ]
+        })  # fmt: skip
+    return cases
+
+
+def projector(workdir: Path, model: Path) -> str:
+    """A Gemma 3-style projector for ``model`` (Gemma 3 270M, 640 wide) that encodes 4,096
+    patches into 16 embeddings: most of a second's work to interrupt (make_tiny_mmproj)."""
+    make_mmproj = script("make_tiny_mmproj")
+
+    def write(path: Path) -> object:
+        import gguf
+
+        width = gguf.GGUFReader(model).fields["gemma3.embedding_length"].contents()
+        return make_mmproj.write_tiny_gemma3_mmproj(
+            path, n_embd_text=int(width), merge=16, vision=make_mmproj.SLOW_VISION
+        )
+
+    return made_once(workdir, "interrupts-{}-mmproj.gguf", {"slow": write})["slow"]
 
 
 # -- the child's side ---------------------------------------------------------------------------
@@ -101,18 +128,21 @@ def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     usr1 = [0]
     signal.signal(signal.SIGUSR1, lambda signum, frame: usr1.__setitem__(0, usr1[0] + 1))
-    llamas = {name: _llama(config["model"], name) for name in CONFIGS}
+    llamas = {name: _llama(config["model"], name, config["projector"])
+              for name in (*CONFIGS, *VISION_CONFIGS)}  # fmt: skip
     gc.collect()
     return {"model": config["model"], "llamas": llamas, "usr1": usr1, "baseline": _rss(),
             "mapped": _mappings(config["model"])}  # fmt: skip
 
 
-def _llama(model: str, config: str) -> tuple[Any, tuple[str, float], Any]:
+def _llama(model: str, config: str, projector: str) -> tuple[Any, tuple[str, float], Any]:
     from llamacrab import Llama
 
     options: dict[str, Any] = {"n_ctx": 1024, "n_threads": 2}
-    if config == "parallel":
+    if config.endswith("parallel"):
         options["parallel"] = 2
+    if config.startswith("vision"):
+        options["mmproj"] = projector
     elif config == "ram":
         options["prompt_cache"] = "ram"
     elif config == "disk":
@@ -122,7 +152,7 @@ def _llama(model: str, config: str) -> tuple[Any, tuple[str, float], Any]:
 
 
 def _slot(config: str) -> dict[str, int]:
-    return {"slot": 0} if config == "parallel" else {}
+    return {"slot": 0} if config.endswith("parallel") else {}
 
 
 def _next_token(llm: Any) -> tuple[str, float]:
@@ -136,7 +166,7 @@ def _operate(
 ) -> None:
     """Run the case's operation; ``threads`` gets the threads it starts (joined afterwards:
     an interrupt leaves them running)."""
-    from llamacrab import Llama
+    from llamacrab import Image, Llama
 
     operation, prompt, slot = case["operation"], case["prompt"], _slot(case["config"])
     if operation.startswith("load"):
@@ -148,6 +178,10 @@ def _operate(
         repeat = (70 if case["config"] == "parallel" else 130) if operation == "long-prompt" else 1
         text = prompt * repeat
         llm.create_completion(text, max_tokens=16, temperature=0)
+    elif operation == "media":
+        pixels = np.random.default_rng(PIXELS_SEED).integers(0, 256, (48, 64, 3), np.uint8)
+        llm.create_completion(f"{prompt} {llm.media_marker} and", media=[Image(pixels=pixels)],
+                              max_tokens=8, temperature=0)  # fmt: skip
     elif operation == "stream":
         for number, _ in enumerate(llm.stream_completion(prompt, max_tokens=24)):
             if number == 8:

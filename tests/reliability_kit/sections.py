@@ -161,8 +161,10 @@ SECTIONS = {
         "loads (with or without mmap), completes, decodes a long prompt (a Ctrl-C aborts it "
         "mid-graph), streams, chats, follows a JSON schema, saves "
         "or loads a state, tokenizes, resets or completes on two threads (one slot, two slots, "
-        "a RAM or a disk prompt cache): each signal's handler runs exactly once, nothing is "
-        "swallowed in a callback, the Llama's next token is unchanged, no memory is leaked",
+        "a RAM or a disk prompt cache), or completes with an image whose encoding takes most of "
+        "a second (one slot, two slots; a Ctrl-C aborts the encode mid-graph): each signal's "
+        "handler runs exactly once, nothing is swallowed in a callback, the Llama's next token "
+        "is unchanged, no memory is leaked",
         Size(120, 150), Size(2000, 1800), batch_size=40, case_timeout=60, memory_limit=8 * GIB,
     ),
 }  # fmt: skip
@@ -214,7 +216,9 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
         setup = {"model": str(tiny.resolve()), "workdir": str((workdir / "hub").resolve())}
         return hub.generate(size.cases or 1000, seed), setup
     if name == "interrupts":
-        return interrupts.generate(size.cases or 1000, seed), {"model": str(gemma_path())}
+        model = gemma_path()
+        setup = {"model": str(model), "projector": interrupts.projector(workdir, model)}
+        return interrupts.generate(size.cases or 1000, seed), setup
     if name == "states":
         return states.cases(seed, size.cases or 1000), {"models": states.models(workdir)}
     if name == "media":
