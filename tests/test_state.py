@@ -404,6 +404,30 @@ def test_a_disk_cache_on_a_full_disk_is_refused_clearly(small_disk: Path) -> Non
         DiskCache(small_disk / "cache")
 
 
+NO_DESCRIPTORS_CHILD = """
+import os, resource, sys
+from llamacrab import DiskCache, InvalidParameterError
+lowest_free = os.dup(0)  # none from this descriptor on may be opened
+os.close(lowest_free)
+resource.setrlimit(resource.RLIMIT_NOFILE,
+                   (lowest_free, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    DiskCache(sys.argv[1])
+    print("made")
+except InvalidParameterError as error:
+    print("refused:", error)
+"""
+
+
+def test_a_disk_cache_without_a_descriptor_left_is_refused_clearly(tmp_path: Path) -> None:
+    # The first DiskCache imports diskcache: with no descriptor left its OSError escaped.
+    child = subprocess.run([sys.executable, "-c", NO_DESCRIPTORS_CHILD, str(tmp_path / "cache")],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.startswith(f"refused: {str(tmp_path / 'cache')!r} cannot hold a prompt")
+    assert "Too many open files" in child.stdout
+
+
 def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: Llama) -> None:
     states = []
     for i in range(6):

@@ -130,8 +130,6 @@ class DiskCache(PromptCache):
     MAX_PENDING = 2
 
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int = 8 << 30) -> None:
-        import diskcache  # type: ignore[import-untyped]
-
         _check_capacity(capacity_bytes)
         self.capacity_bytes = capacity_bytes
         # Every call into diskcache holds signal handlers (the main thread's) until it returns:
@@ -141,12 +139,15 @@ class DiskCache(PromptCache):
         # writer, parallel slots) waited 60 s for the lock, each time.
         try:
             with held_signals():
+                # Imported here, where its OSError is caught (no descriptor left to read it).
+                import diskcache  # type: ignore[import-untyped]
+
                 self._cache: Any = diskcache.Cache(
                     os.fspath(directory), size_limit=capacity_bytes,
                     eviction_policy="least-recently-used", cull_limit=0,
                 )  # fmt: skip
         except (OSError, ValueError, sqlite3.Error) as error:
-            # Cannot be made or opened; a NUL in the path; a full disk (sqlite).
+            # Cannot be made or opened; a NUL in the path; a full disk (sqlite); no descriptors.
             raise InvalidParameterError(
                 f"{directory!r} cannot hold a prompt cache: {error}"
             ) from error
