@@ -43,7 +43,9 @@ OPERATIONS = ("load", "load-no-mmap", "complete", "long-prompt", "stream", "chat
               "save", "restore", "tokenize", "reset", "threads", "media")  # fmt: skip
 # The Llamas with a projector (one slot, two slots) that the media operation uses
 VISION_CONFIGS = ("vision", "vision-parallel")
-PIXELS_SEED = 7
+# Made at import: numpy.random's first import inside a case (numpy loads it lazily) took a
+# case's Ctrl-C and lost it (the only handler run was there; no KeyboardInterrupt came out).
+PIXELS = np.random.default_rng(7).integers(0, 256, (48, 64, 3), np.uint8)
 PROMPTS = ("The capital of France is", "Once upon a time there was a", "def fibonacci(n):")
 REFERENCE = "List three colours:"
 # The model read into memory is ~250 MiB; the heap of a process that loads and frees models on
@@ -179,8 +181,7 @@ def _operate(
         text = prompt * repeat
         llm.create_completion(text, max_tokens=16, temperature=0)
     elif operation == "media":
-        pixels = np.random.default_rng(PIXELS_SEED).integers(0, 256, (48, 64, 3), np.uint8)
-        llm.create_completion(f"{prompt} {llm.media_marker} and", media=[Image(pixels=pixels)],
+        llm.create_completion(f"{prompt} {llm.media_marker} and", media=[Image(pixels=PIXELS)],
                               max_tokens=8, temperature=0)  # fmt: skip
     elif operation == "stream":
         for number, _ in enumerate(llm.stream_completion(prompt, max_tokens=24)):
