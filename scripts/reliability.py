@@ -328,6 +328,11 @@ FOUND = [
      "SIGSEGV: libmtmd keeps one compute graph and one output buffer per projector",
      "`_native/mtmd.py`: one evaluation at a time per projector, the second a "
      "ConcurrentUseError (test in `tests/test_multimodal.py`)"),
+    ("lifecycle (seed 2035, 2026-12-04)", "a `SamplerChain` with a grammar accepting an "
+     "end-of-generation token before the grammar is complete", "SIGABRT: llama.cpp's grammar "
+     "aborts (`GGML_ABORT`) when no parse may end there (5 cases of 10,000)",
+     "`_native/sampler.py`: the grammar's own apply tests the end token first; a GrammarError "
+     "names it (test in `tests/test_crash_proof.py`)"),
 ]  # fmt: skip
 
 

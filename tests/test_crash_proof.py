@@ -120,6 +120,60 @@ def test_trigger_words_are_bounded(tiny_llama: Llama) -> None:
         )
 
 
+END_BEFORE_THE_GRAMMAR_ENDS_CHILD = """
+    import json, sys
+    from llamacrab import CustomSampler, GrammarError, Model, SamplerChain, SamplingOptions
+
+    class Passes(CustomSampler):
+        def apply(self, candidates):
+            pass
+
+    with Model.load(sys.argv[1]) as model:
+        end = model.vocab.eog_tokens[0]
+        ab = model.vocab.tokenize("ab", add_special=False, parse_special=False)
+        text = "".join(model.vocab.token_to_piece(token) for token in ab)
+        grammar = "root ::= " + json.dumps(text)
+        shapes = {
+            "alone": {},
+            "after a bias and a Python sampler": {
+                "logit_bias": {end: -1.0}, "custom_samplers": (Passes(),)},
+        }
+        for shape, extra in shapes.items():
+            options = SamplingOptions(grammar=grammar, **extra)
+            with SamplerChain(model, options) as chain:
+                for accepted in ([], ab[:1]):  # nothing yet; the first token of two
+                    for token in accepted:
+                        chain.accept(token)
+                    try:
+                        chain.accept(end)
+                    except GrammarError as error:
+                        print(shape, "refused:", error)
+                    chain.reset()
+                for token in ab:  # the grammar is complete: it may end
+                    chain.accept(token)
+                chain.accept(end)
+                print(shape, "ended")
+        lazy = SamplingOptions(grammar=grammar, grammar_trigger_words=("zz",))
+        with SamplerChain(model, lazy) as chain:
+            chain.accept(end)  # a lazy grammar not yet triggered constrains nothing
+            print("lazy ended")
+"""
+
+
+def test_an_end_token_the_grammar_does_not_allow_is_refused(tiny_model_path: Path) -> None:
+    # llama.cpp aborts when a grammar sampler accepts an end-of-generation token before the
+    # grammar is complete (found by the lifecycle section, seed 2035).
+    child = run_child(END_BEFORE_THE_GRAMMAR_ENDS_CHILD, str(tiny_model_path))
+    assert_clean_exit(child)
+    lines = child.stdout.splitlines()
+    for shape in ("alone", "after a bias and a Python sampler"):
+        refusals = [line for line in lines if line.startswith(f"{shape} refused: ")]
+        assert len(refusals) == 2, child.stdout
+        assert "does not allow the end-of-generation token" in refusals[0]
+        assert f"{shape} ended" in lines
+    assert "lazy ended" in lines
+
+
 # -- closing while another thread decodes ------------------------------------------------------
 
 CLOSE_DURING_DECODE_CHILD = """

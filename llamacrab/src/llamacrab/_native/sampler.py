@@ -157,6 +157,12 @@ class SamplerChain(NativeHandle):
                 self.close()
                 raise
         self.in_graph = False  # given to a context, to run inside its compute graph
+        # Where the grammar sits in the chain (after the Python samplers and the bias, see
+        # _samplers), and the tokens its accept aborts on unless the grammar may end.
+        self._grammar_at = (
+            len(self._bridges) + bool(options.logit_bias) if options.grammar is not None else None
+        )
+        self._end_tokens = frozenset(model.vocab.eog_tokens)
         # Built after the chain, which checked the bias's token ids against the vocabulary.
         self._argmax = (
             BiasedArgmax(model.vocab.n_tokens, options.logit_bias)
@@ -240,8 +246,30 @@ class SamplerChain(NativeHandle):
 
     def accept(self, token: int) -> None:
         with self.in_flight() as chain:
+            if self._grammar_at is not None and token in self._end_tokens:
+                self._check_grammar_may_end(chain, token)
             _grammar_call("llama_sampler_accept", chain, token)
         self._raise_python_error()
+
+    def _check_grammar_may_end(self, chain: Any, token: int) -> None:
+        """llama.cpp's grammar aborts the process when it accepts an end-of-generation token
+        before the grammar is complete. Its apply is the same test without the abort: it sets
+        the token's logit to -inf unless a parse may end here (or a lazy grammar still waits)."""
+        candidate = ffi.new("llama_token_data[1]", [(token, 0.0, 0.0)])
+        candidates = ffi.new("llama_token_data_array *", (candidate, 1, -1, False))
+        grammar = lib.llama_sampler_chain_get(chain, self._grammar_at)
+        if grammar == ffi.NULL:
+            raise NativeError(
+                "llama_sampler_chain_get",
+                lib.LLAMACRAB_UNKNOWN_EXCEPTION,
+                "the chain has no sampler where its grammar was put",
+            )
+        _grammar_call("llama_sampler_apply", grammar, candidates)
+        if candidates.data[0].logit == -math.inf:
+            raise GrammarError(
+                f"the grammar does not allow the end-of-generation token {token} here: the "
+                "text it accepted so far is not complete"
+            )
 
     def reset(self) -> None:
         with self.in_flight() as chain:
