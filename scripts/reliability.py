@@ -333,6 +333,12 @@ FOUND = [
      "aborts (`GGML_ABORT`) when no parse may end there (5 cases of 10,000)",
      "`_native/sampler.py`: the grammar's own apply tests the end token first; a GrammarError "
      "names it (test in `tests/test_crash_proof.py`)"),
+    ("media (seed 2035, 2026-12-04)", "an 844-byte WAV file whose format chunk claims 21,776 "
+     "bytes and whose RIFF size is 3", "a hang: libmtmd's decoder (miniaudio's dr_wav) seeks "
+     "back by the chunk's size less its extension, an int below 0, and reads the same chunks "
+     "for ever (1 case of 3,000)", "`_native/media.py` (`check_wav_format_chunks`): a format "
+     "chunk that cannot hold its extension is a MediaError first (tests in "
+     "`tests/test_multimodal.py`)"),
 ]  # fmt: skip
 
 

@@ -201,6 +201,66 @@ def test_a_short_file_declaring_hours_of_sound_is_refused_before_decoding(
                                      **GREEDY).usage.completion_tokens == 6  # fmt: skip
 
 
+FORMAT_CHUNK_CHILD = """
+    import pathlib, sys
+    from llamacrab import Audio, Llama, MediaError
+    from llamacrab._native import mtmd
+    if sys.argv[4] == "unchecked":
+        mtmd.check_wav_format_chunks = lambda data: None
+    sound = Audio(data=pathlib.Path(sys.argv[3]).read_bytes())
+    with Llama(sys.argv[1], n_ctx=2048, n_threads=1, mmproj=sys.argv[2]) as llm:
+        prompt = f"{llm.media_marker}."
+        try:
+            llm.create_completion(prompt, media=[sound], max_tokens=1)
+            print("decoded")
+        except MediaError as error:
+            print("refused:", error)
+        print(llm.create_completion("the cat", max_tokens=2, temperature=0).usage)
+"""
+
+
+def wav_with_format_chunk_size(size: int) -> bytes:
+    """A WAV whose format chunk (16 bytes) claims ``size``: dr_wav then reads the first two
+    bytes of the data chunk's id ("da", 24,932) as the length of an extension. Its RIFF size
+    says 3 bytes, as the file the media section found (with the true size dr_wav gives up)."""
+    data = bytearray(wav_bytes(tone(16000)[:400], 16000))
+    assert data[12:20] == b"fmt " + struct.pack("<I", 16)
+    data[4:8], data[16:20] = struct.pack("<I", 3), struct.pack("<I", size)
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "size",
+    [21_776, 2**31 + 18 + 24_932],  # left after the extension: -3,174 bytes; 2 GiB, an int's -2 GiB
+    ids=["shorter-than-its-extension", "past-2-GiB"],
+)
+def test_a_wav_format_chunk_that_would_seek_backwards_is_refused(
+    files: dict[str, Path], tmp_path: Path, size: int
+) -> None:
+    # miniaudio's dr_wav (libmtmd's decoder) seeks by (int)(size - 18 - extension) past the
+    # chunk: negative here, so it reads the chunks before again, for ever (the media section,
+    # seed 2035: an 844-byte file held the process past its 60 s limit).
+    sound = tmp_path / "sound.wav"
+    sound.write_bytes(wav_with_format_chunk_size(size))
+    args = (str(files["text"]), str(files["audio"]), str(sound))
+    checked = run_child(FORMAT_CHUNK_CHILD, *args, "checked", timeout=60)
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    refusal = f"refused: the WAV file's format chunk is {size} bytes long but holds a 24932-byte"
+    assert refusal in checked.stdout and "completion_tokens=2" in checked.stdout, checked.stdout
+    with pytest.raises(subprocess.TimeoutExpired):  # what the check keeps from libmtmd
+        run_child(FORMAT_CHUNK_CHILD, *args, "unchecked", timeout=8)
+
+
+def test_a_wav_format_chunk_with_an_empty_extension_decodes(hearing: Llama) -> None:
+    # 18 bytes with a zero extension size, as many writers make WAVE_FORMAT_PCM: nothing left.
+    fmt = struct.pack("<HHIIHHH", 1, 1, 16000, 32000, 2, 16, 0)
+    samples = (tone(16000)[:4000] * 32767).astype("<i2").tobytes()
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt + b"data"
+    body += struct.pack("<I", len(samples)) + samples
+    sound = Audio(data=b"RIFF" + struct.pack("<I", len(body)) + body)
+    assert len(pcm(hearing, sound)) == 4000
+
+
 def pcm(llm: Llama, sound: Audio) -> np.ndarray:
     """The float samples of the bitmap a sound becomes for libmtmd."""
     assert llm.projector is not None

@@ -92,6 +92,32 @@ def sniff(data: bytes) -> str:
                      "WAV, MP3, FLAC)")  # fmt: skip
 
 
+def check_wav_format_chunks(data: bytes) -> None:
+    """Refuse a WAV file whose format chunk would make libmtmd's decoder (miniaudio's dr_wav)
+    loop for ever: after the chunk's 18 bytes and the extension its size field announces, dr_wav
+    seeks by the chunk's size less both as an int, so a size smaller than that (or past 2 GiB)
+    moves it backwards to a chunk it read before (found by the media section, seed 2035)."""
+    if not (data[:4] == b"RIFF" and data[8:12] == b"WAVE"):
+        return
+    offset = 12
+    while offset + 8 <= len(data):  # the chunks dr_wav visits: those up to the first "data"
+        chunk, size = (
+            data[offset : offset + 4],
+            int.from_bytes(data[offset + 4 : offset + 8], "little"),
+        )
+        if chunk == b"data":
+            return
+        if chunk == b"fmt " and size > 16 and offset + 26 <= len(data):
+            extension = int.from_bytes(data[offset + 24 : offset + 26], "little")
+            left = size - 18 - extension
+            if not 0 <= left <= 0x7FFFFFFF:
+                raise MediaError(
+                    f"the WAV file's format chunk is {size} bytes long but holds a "
+                    f"{extension}-byte extension after its 18 bytes"
+                )
+        offset += 8 + size + (size & 1)
+
+
 def _check_pixel_count(width: int, height: int) -> None:
     if width * height > MAX_IMAGE_PIXELS:
         raise MediaError(

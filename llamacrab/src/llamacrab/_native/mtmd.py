@@ -29,7 +29,14 @@ from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
-from llamacrab._native.media import Image, Media, pcm_for_rate, rgb_pixels, sniff
+from llamacrab._native.media import (
+    Image,
+    Media,
+    check_wav_format_chunks,
+    pcm_for_rate,
+    rgb_pixels,
+    sniff,
+)
 from llamacrab._native.model import Model
 from llamacrab._native.signals import held_signals
 
@@ -132,6 +139,7 @@ class Projector(NativeHandle):
     def _decoded_audio(self, data: bytes) -> Bitmap:
         """A sound file decoded (and resampled) by libmtmd; ``sniff`` made sure it is audio, so
         libmtmd takes its audio path and never its video fallback (which runs ffprobe)."""
+        check_wav_format_chunks(data)
         log_lines.take_errors()
         # Patched libmtmd refuses a file decoding to more than MAX_AUDIO_SECONDS before it
         # allocates the samples (a few kB can declare hours; llamacrab-sys's patches).
