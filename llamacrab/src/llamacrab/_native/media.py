@@ -101,10 +101,8 @@ def check_wav_format_chunks(data: bytes) -> None:
         return
     offset = 12
     while offset + 8 <= len(data):  # the chunks dr_wav visits: those up to the first "data"
-        chunk, size = (
-            data[offset : offset + 4],
-            int.from_bytes(data[offset + 4 : offset + 8], "little"),
-        )
+        chunk = data[offset : offset + 4]
+        size = int.from_bytes(data[offset + 4 : offset + 8], "little")
         if chunk == b"data":
             return
         if chunk == b"fmt " and size > 16 and offset + 26 <= len(data):
