@@ -145,3 +145,23 @@ def test_a_fork_pool_gets_an_error_for_a_global_llama_and_works_with_its_own(
     child = run_child(_POOL_CHILD, str(tiny_model_path), timeout=180)
     assert_clean_exit(child)
     assert child.stdout.split() == ["['refused',", "'refused']", "True"]
+
+
+def test_a_platform_without_fork_imports_and_generates(tiny_model_path: Path) -> None:
+    # Windows has neither os.register_at_fork nor os.sysconf: import and a model without mmap
+    # (its weights checked against the memory left) must not need them.
+    child = run_child(
+        """
+        import os, sys
+        del os.fork, os.register_at_fork, os.sysconf
+        from llamacrab import Llama
+        from llamacrab._native import host_limits
+        print(host_limits.host_memory_left(meminfo=host_limits.Path("/no/meminfo")).source)
+        with Llama(sys.argv[1], n_ctx=64, n_threads=1, use_mmap=False) as llm:
+            print(llm.create_completion("a b", max_tokens=3).choices[0].finish_reason)
+        """,
+        str(tiny_model_path),
+    )
+    assert_clean_exit(child)
+    unread, finished = child.stdout.split("\n")[:2]
+    assert (unread, finished) == ("no memory size could be read on this machine:", "length")

@@ -86,4 +86,5 @@ def _after_fork_in_child() -> None:
     _forked_after_compute = _compute_threads_started
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)

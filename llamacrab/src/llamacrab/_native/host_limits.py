@@ -6,7 +6,8 @@ A container's limits are its cgroups'. Past the memory limit the kernel's OOM ki
 process, and past the pids limit GNU OpenMP exits it ("libgomp: Thread creation failed"), with
 no error to catch either way. What is left counts what is in use already: a second model or
 context that fits the limit alone may not fit beside the first. Linux only; elsewhere (and
-where these files cannot be read) there is physical memory and no thread limit.
+where these files cannot be read) there is physical memory and no thread limit, and where even
+that cannot be read (Windows) no memory limit.
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ def _available(meminfo: Path) -> Limit:
         fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
         kib = sum(int(fields[key].split()[0]) for key in ("MemAvailable", "SwapFree"))
     except (OSError, ValueError, KeyError, IndexError):
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        try:
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # Windows has no sysconf
+            return Limit(_UNLIMITED, "no memory size could be read on this machine:")
         return Limit(physical, "this machine has")
     return Limit(kib << 10, "this machine has available (MemAvailable and free swap)")
 
