@@ -15,6 +15,7 @@ from live_server import LiveServer
 
 from llamacrab import CustomSampler, InvalidParameterError, Llama, SamplingOptions
 from llamacrab._native.batch import Batch
+from llamacrab._native.devices import accelerator_present
 from llamacrab._native.sampler import Samplers, graph_fits
 from llamacrab.server import parse_settings
 
@@ -50,15 +51,16 @@ def test_which_chains_fit() -> None:
         Llama(Path("unused.gguf"), graph_sampling="always")
 
 
-def test_auto_samples_on_the_cpu_without_an_accelerator(
+def test_auto_samples_in_the_graph_only_with_an_accelerator(
     tiny_llama: Llama, bound: list[bool]
 ) -> None:
-    # This build has the CPU backend alone: there the graph's sampling costs more than the
-    # CPU chain, so "auto" keeps the chain on the CPU.
+    # On the CPU backend the graph's sampling costs more than the CPU chain, so "auto" keeps
+    # the chain on the CPU; with the output layer on a GPU it saves copying the logits back.
+    gpu = accelerator_present()
     assert tiny_llama.context.params.graph_sampling == "auto"
-    assert tiny_llama.context.graph_sampling == "off"
+    assert tiny_llama.context.graph_sampling == ("on" if gpu else "off")
     tiny_llama.create_completion("the cat", max_tokens=2, temperature=0)
-    assert bound == [False]
+    assert bound == [gpu]
 
 
 def _texts(llm: Llama, prompts: list[str], **options: object) -> list[tuple[int, ...]]:
@@ -79,6 +81,30 @@ def test_greedy_tokens_match_the_cpu_chain_tiny(tiny_model_path: Path, bound: li
     assert results["off"] == results["on"]
     assert results["off-bias"] == results["on-bias"]
     assert bound == [False] * 4 + [True] * 4
+
+
+def test_logits_are_read_or_refused_never_stale(tiny_model_path: Path, bound: list[bool]) -> None:
+    # Where every output of a decode samples in the graph, llama.cpp copies no logits: the
+    # buffer would hold an older decode's (seen on a GPU, where "auto" samples in the graph).
+    prompts = (["the cat sat on"], ["a b c d e"])
+    logits = {}
+    for mode in ("off", "on"):
+        with Llama(tiny_model_path, n_ctx=128, n_threads=2, graph_sampling=mode) as llm:
+            for prompt in prompts:  # a prompt alone samples nothing: its logits are read
+                llm.create_completion(prompt[0], max_tokens=0)
+                logits[mode, prompt[0]] = llm.context.logits()
+            llm.create_completion("the cat", max_tokens=3, temperature=0)
+            if mode == "on":
+                with pytest.raises(InvalidParameterError, match="inside the compute graph"):
+                    llm.context.logits()
+            else:
+                assert llm.context.logits().shape == (llm.vocab.n_tokens,)
+            llm.create_completion("the cat", max_tokens=0)  # readable again
+            assert llm.context.logits().shape == (llm.vocab.n_tokens,)
+    for (prompt,) in prompts:
+        assert np.array_equal(logits["off", prompt], logits["on", prompt])
+    assert not np.array_equal(logits["on", prompts[0][0]], logits["on", prompts[1][0]])
+    assert bound == [False] * 4 + [False, False, True, False]
 
 
 def test_penalties_in_the_graph_match_the_cpu_chain(

@@ -242,9 +242,11 @@ class Completer:
         drafter = speculative.drafter(self.model) if speculative is not None else None
         # Inside the graph a sequence has no raw logits: log-probabilities, media prompts
         # (libmtmd decodes them) and speculative decoding (llama.cpp samples one output per
-        # sequence and decode there; a verification decodes several) sample on the CPU.
+        # sequence and decode there; a verification decodes several) sample on the CPU, and a
+        # prompt alone (max_tokens=0) samples nothing and leaves its logits to be read.
         graph = self.kv.context.graph_sampling
-        if request.logprobs is not None or prompt.chunks is not None or drafter is not None:
+        cpu_only = request.logprobs is not None or prompt.chunks is not None or drafter is not None
+        if cpu_only or request.max_tokens == 0:
             graph = "off"
         samplers = Samplers(self.model, options, request.min_tokens, graph)
         echo_text = prompt.text if echo else ""

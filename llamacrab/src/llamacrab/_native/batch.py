@@ -100,6 +100,12 @@ class Batch:
         self._logits[:n] = logits
         self.struct.n_tokens = n
 
+    def output_sequences(self) -> frozenset[int]:
+        """The sequence ids of the rows that ask for outputs."""
+        n = self.struct.n_tokens
+        pointers = self._seq_pointers[:n][self._logits[:n] != 0]
+        return frozenset(((pointers - self._cells_address) // 4).tolist())
+
     def set_one(self, token: int, pos: int, seq_id: int = 0) -> None:
         """The per-token fast path of generation: one token, logits wanted."""
         self._check_open()

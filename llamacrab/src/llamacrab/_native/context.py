@@ -239,6 +239,7 @@ class Context(NativeHandle):
         self._guards: weakref.WeakSet[WeightsGuard] = weakref.WeakSet()
         # Sampler chains llama.cpp runs inside the compute graph, by sequence (set_graph_sampler).
         self._graph_samplers: dict[int, NativeHandle] = {}
+        self._logits_unread = False  # the last decode's outputs were all sampled in the graph
         # Bumped by every change of the adapters: KV computed under an older value is stale.
         self.weights_generation = 0
         # What, besides the tokens, decides the KV memory: the model, the adapters (file
@@ -342,6 +343,9 @@ class Context(NativeHandle):
             for adapter in self._applied:  # llama.cpp computes with them: none freed meanwhile
                 adapters.enter_context(adapter.in_flight())
             self.hold_graph_samplers(ctx, adapters)
+            # llama.cpp copies no logits when every output row's sequence samples in the graph.
+            outputs = batch.output_sequences() if self._graph_samplers else frozenset()
+            self._logits_unread = bool(outputs) and outputs <= self._graph_samplers.keys()
             self.arm_cancel()
             status = call("llama_decode", ctx, batch.value)
         if status == 0:
@@ -395,8 +399,14 @@ class Context(NativeHandle):
                 del self._graph_samplers[seq_id]
 
     def logits(self, index: int = -1) -> np.ndarray:
-        """A copy of the logits of output ``index`` of the last decode (not of a sequence
-        sampled inside the graph: see ``set_graph_sampler``)."""
+        """A copy of the logits of output ``index`` of the last decode. Where every output of
+        that decode was sampled inside the graph (``set_graph_sampler``), llama.cpp copied no
+        logits and the buffer holds an older decode's: InvalidParameterError."""
+        if self._logits_unread:
+            raise InvalidParameterError(
+                "the last decode sampled its outputs inside the compute graph, where llama.cpp "
+                "copies no logits: create the context with graph_sampling='off' to read them"
+            )
         with self.exclusive() as ctx:
             row = call("llama_get_logits_ith", ctx, index)
             if row == ffi.NULL:
