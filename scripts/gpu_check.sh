@@ -85,7 +85,10 @@ ignored=(--ignore=tests/sys --ignore=tests/test_compat_frameworks.py
          --ignore=tests/test_ffi_traps.py --ignore=tests/test_sys_check.py)
 # JOBS > 0: that many pytest-xdist workers (the tests share no state but their models).
 read -ra extra_args <<< "${PYTEST_ARGS:-}"
-pytest_args=(-p no:cacheprovider -v -ra --maxfail=50 "${extra_args[@]}")  # -v: each result as it comes
+# -v: each result as it comes; the session timeout (checked between tests) leaves pytest time
+# to print its failures before the step's own limit.
+pytest_args=(-p no:cacheprovider -v -ra --maxfail=50 "--session-timeout=$((${TEST_LIMIT:-900} - 30))"
+             "${extra_args[@]}")
 [ "${JOBS:-8}" -gt 0 ] && pytest_args+=(-n "${JOBS:-8}")
 step tests-real-model "${TEST_LIMIT:-900}" "$py" -m pytest "${pytest_args[@]}" -m real_model "${ignored[@]}" tests
 step tests-engine "${TEST_LIMIT:-900}" "$py" -m pytest "${pytest_args[@]}" -m "not real_model" \
