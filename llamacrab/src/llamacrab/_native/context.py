@@ -402,12 +402,13 @@ class Context(NativeHandle):
         """A copy of the logits of output ``index`` of the last decode. Where every output of
         that decode was sampled inside the graph (``set_graph_sampler``), llama.cpp copied no
         logits and the buffer holds an older decode's: InvalidParameterError."""
-        if self._logits_unread:
-            raise InvalidParameterError(
-                "the last decode sampled its outputs inside the compute graph, where llama.cpp "
-                "copies no logits: create the context with graph_sampling='off' to read them"
-            )
-        with self.exclusive() as ctx:
+        with self.exclusive() as ctx:  # the flag and the buffer of the same decode
+            if self._logits_unread:
+                raise InvalidParameterError(
+                    "the last decode sampled its outputs inside the compute graph, where "
+                    "llama.cpp copies no logits: create the context with graph_sampling='off' "
+                    "to read them"
+                )
             row = call("llama_get_logits_ith", ctx, index)
             if row == ffi.NULL:
                 raise InvalidParameterError(f"no logits for output {index} of the last decode")
