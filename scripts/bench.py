@@ -75,6 +75,7 @@ TINY_TG = "tiny decode t/s"  # the overhead row's inputs, not reported themselve
 # llama.cpp's default sampler chain (llama-cli, llama-server), seeded.
 TOP_K = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 1}
 WORKER = REPO / "scripts" / "bench" / "worker.py"
+NATIVE_LOOP = REPO / "scripts" / "bench" / "native_loop.c"
 STORY = "Write a short story about a crab who finds a lighthouse on a stormy night."
 NATIVE, CRAB, PEER = "native", "llamacrab", "llama-cpp-python"
 Row = dict[str, float]
@@ -87,19 +88,23 @@ def native_programs() -> tuple[Path, Path, Path]:
 
     # The cached build llamacrab-sys ships (a cache hit): the same options, RPC included.
     lib = native.build("cpu", rpc=build_info().rpc)
-    source = REPO / "scripts" / "bench" / "native_loop.c"
     loop = cache_root() / "bench" / f"native_loop-{lib['key']}"
-    if not loop.exists() or loop.stat().st_mtime < source.stat().st_mtime:
+    if not loop.exists() or loop.stat().st_mtime < NATIVE_LOOP.stat().st_mtime:
         loop.parent.mkdir(parents=True, exist_ok=True)
-        libs = lib["lib_dir"]
-        subprocess.run(
-            ["cc", "-O2", str(source), f"-I{lib['include_dir']}", f"-L{libs}", f"-Wl,-rpath,{libs}",
-             *(f"-l:{native.LIBRARY_PREFIX}{name}.so" for name in ("llama", "ggml", "ggml-base")),
-             "-lm", "-o", str(loop)],
-            check=True,
-        )  # fmt: skip
+        names = (f"-l:{native.LIBRARY_PREFIX}{name}.so" for name in ("llama", "ggml", "ggml-base"))
+        compile_native_loop(Path(lib["include_dir"]), Path(lib["lib_dir"]), list(names), loop)
     bin_dir = Path(tools["bin_dir"])
     return bin_dir / "llama-bench", bin_dir / "llama-server", loop
+
+
+def compile_native_loop(include_dir: Path, lib_dir: Path, libraries: list[str], out: Path) -> Path:
+    """scripts/bench/native_loop.c linked to the llama.cpp ``libraries`` (linker -l flags)."""
+    subprocess.run(
+        ["cc", "-O2", str(NATIVE_LOOP), f"-I{include_dir}", f"-L{lib_dir}",
+         f"-Wl,-rpath,{lib_dir}", *libraries, "-lm", "-o", str(out)],
+        check=True,
+    )  # fmt: skip
+    return out
 
 
 def measured(command: list[str]) -> tuple[str, float]:

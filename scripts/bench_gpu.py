@@ -34,23 +34,14 @@ from bench import CRAB, N_GEN, NATIVE, TOP_K, Row
 from llamacrab import Model, ModelParams
 
 
-def native_loop_program(prefix: Path, out: Path) -> Path:
-    """The native loop compiled against the install's own (upstream-named) libraries."""
-    lib_dir = prefix / "lib"
-    subprocess.run(
-        ["cc", "-O2", str(bench.REPO / "scripts" / "bench" / "native_loop.c"),
-         f"-I{prefix / 'include'}", f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}",
-         "-lllama", "-lggml", "-lggml-base", "-lm", "-o", str(out)],
-        check=True,
-    )  # fmt: skip
-    return out
-
-
 class GpuRounds:
     def __init__(self, prefix: Path, model: Path, threads: int) -> None:
         self.model, self.threads = model, threads
         self.llama_bench = prefix / "bin" / "llama-bench"
-        self.loop = native_loop_program(prefix, Path(tempfile.mkdtemp()) / "native_loop")
+        # Linked to the install's own, upstream-named libraries.
+        self.loop = bench.compile_native_loop(prefix / "include", prefix / "lib",
+                                              ["-lllama", "-lggml", "-lggml-base"],
+                                              Path(tempfile.mkdtemp()) / "native_loop")  # fmt: skip
         with Model.load(model, ModelParams(vocab_only=True)) as loaded:
             vocab = loaded.vocab
             assert vocab.bos is not None

@@ -53,13 +53,10 @@ printf 'def assemble():\n    return %s\n' "'$model'" > "$site/gemma3_270m_q4_k_m
 # A GPU build links its runtime (libcudart, cuBLAS), which the build loads too: NVIDIA's
 # wheels hold them where no system CUDA does; bin/ programs find the install's own libraries
 # through their RPATH.
-nvidia_libs=$("$py" - << 'PY'
-import importlib.util, pathlib
-spec = importlib.util.find_spec("nvidia")
-roots = [] if spec is None else spec.submodule_search_locations
-print(":".join(sorted({str(p.parent) for r in roots for p in pathlib.Path(r).glob("*/lib/libcu*.so.*")})))
-PY
-)
+# (llamacrab_sys's own search, run from its file: the package cannot be imported before it is built)
+nvidia_libs=$("$py" -c "import runpy
+found = runpy.run_path('llamacrab-sys/src/llamacrab_sys/_cuda_runtime.py')['wheel_library_dirs']()
+print(':'.join(map(str, found)))")
 export LD_LIBRARY_PATH="$nvidia_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 step build-sys 600 env LLAMACRAB_LLAMA_CPP_PREFIX="$prefix" \

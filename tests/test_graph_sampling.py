@@ -86,13 +86,13 @@ def test_greedy_tokens_match_the_cpu_chain_tiny(tiny_model_path: Path, bound: li
 def test_logits_are_read_or_refused_never_stale(tiny_model_path: Path, bound: list[bool]) -> None:
     # Where every output of a decode samples in the graph, llama.cpp copies no logits: the
     # buffer would hold an older decode's (seen on a GPU, where "auto" samples in the graph).
-    prompts = (["the cat sat on"], ["a b c d e"])
+    prompts = ("the cat sat on", "a b c d e")
     logits = {}
     for mode in ("off", "on"):
         with Llama(tiny_model_path, n_ctx=128, n_threads=2, graph_sampling=mode) as llm:
             for prompt in prompts:  # a prompt alone samples nothing: its logits are read
-                llm.create_completion(prompt[0], max_tokens=0)
-                logits[mode, prompt[0]] = llm.context.logits()
+                llm.create_completion(prompt, max_tokens=0)
+                logits[mode, prompt] = llm.context.logits()
             llm.create_completion("the cat", max_tokens=3, temperature=0)
             if mode == "on":
                 with pytest.raises(InvalidParameterError, match="inside the compute graph"):
@@ -101,9 +101,9 @@ def test_logits_are_read_or_refused_never_stale(tiny_model_path: Path, bound: li
                 assert llm.context.logits().shape == (llm.vocab.n_tokens,)
             llm.create_completion("the cat", max_tokens=0)  # readable again
             assert llm.context.logits().shape == (llm.vocab.n_tokens,)
-    for (prompt,) in prompts:
+    for prompt in prompts:
         assert np.array_equal(logits["off", prompt], logits["on", prompt])
-    assert not np.array_equal(logits["on", prompts[0][0]], logits["on", prompts[1][0]])
+    assert not np.array_equal(logits["on", prompts[0]], logits["on", prompts[1]])
     assert bound == [False] * 4 + [False, False, True, False]
 
 
