@@ -192,18 +192,53 @@ def test_a_child_that_cannot_answer_is_a_502_naming_how_it_ended() -> None:
     child.close()
 
 
-# A child that starts a stream, sends one event and dies (exit 9) with the answer unfinished.
-_DYING_STREAM = """
+# A child that answers with the bytes of argv[2] (a start, no end) and dies (exit 9).
+_DYING_CHILD = """
 import os, socket, sys
 sock = socket.create_server(("127.0.0.1", int(sys.argv[1])))
 print("listening", flush=True)
 connection, _ = sock.accept()
 connection.recv(65536)
-connection.sendall(b"HTTP/1.1 200 OK\\r\\ncontent-type: text/event-stream\\r\\n"
-                   b"transfer-encoding: chunked\\r\\n\\r\\n10\\r\\ndata: {\\"n\\": 1}\\n\\n\\r\\n")
+connection.sendall(sys.argv[2].encode())
 sys.stderr.write("ggml.c:2: worker gone\\n")
 os._exit(9)
 """
+_STREAM_START = ("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                 'transfer-encoding: chunked\r\n\r\n10\r\ndata: {"n": 1}\n\n\r\n')  # fmt: skip
+_WHOLE_START = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 377\r\n\r\n"
+
+
+def _forward_to_dying_child(path: str, start: str, sent: list[dict[str, object]]) -> None:
+    """Forward a request to a child that dies after ``start``; ``sent`` gets what the client
+    was sent."""
+    import asyncio
+    import socket
+    import subprocess
+    import sys
+
+    from llamacrab.server._forward import forward
+    from llamacrab.server._isolation import ChildModel
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-c", _DYING_CHILD, str(port), start],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert process.stdout is not None and process.stdout.readline() == b"listening\n"
+    child = ChildModel("dying", process, port, "key", lambda *_: None)
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+
+    async def receive() -> dict[str, object]:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    try:
+        asyncio.run(forward(child, scope, b"{}", receive, send, timeout=10))
+    finally:
+        child.close()
 
 
 @pytest.mark.parametrize(
@@ -216,38 +251,24 @@ os._exit(9)
 def test_a_stream_broken_by_the_child_ends_with_the_error_event_of_its_api(
     path: str, expected: str
 ) -> None:
-    import asyncio
-    import socket
-    import subprocess
-    import sys
-
-    from llamacrab.server._forward import forward
-    from llamacrab.server._isolation import ChildModel
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-c", _DYING_STREAM, str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    assert process.stdout is not None and process.stdout.readline() == b"listening\n"
-    child = ChildModel("dying", process, port, "key", lambda *_: None)
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
-    sent: list[bytes] = []
-
-    async def receive() -> dict[str, object]:
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, object]) -> None:
-        sent.append(message.get("body", b""))  # type: ignore[arg-type]
-
-    asyncio.run(forward(child, scope, b"{}", receive, send, timeout=10))
-    child.close()
-    text = b"".join(sent).decode()
+    sent: list[dict[str, object]] = []
+    _forward_to_dying_child(path, _STREAM_START, sent)
+    text = b"".join(m.get("body", b"") for m in sent).decode()  # type: ignore[misc]
     assert text.startswith('data: {"n": 1}\n\n'), text
     last = text.split("\n\n")[-2] + "\n\n"  # the stream's last event
     assert last.startswith(expected), text
     assert "its process exited with 9: ggml.c:2: worker gone" in last
+
+
+def test_a_child_dying_between_its_headers_and_body_is_a_502_not_a_broken_answer() -> None:
+    from llamacrab.server._errors import ApiError
+
+    sent: list[dict[str, object]] = []
+    with pytest.raises(ApiError) as caught:
+        _forward_to_dying_child("/v1/completions", _WHOLE_START, sent)
+    assert caught.value.status == 502 and caught.value.code == "model_process_failed"
+    assert sent == []  # nothing started: the client gets the 502 whole
+    assert "its process exited with 9: ggml.c:2: worker gone" in str(caught.value.body())
 
 
 def test_a_child_ends_when_its_server_is_gone(tmp_path: Path, tiny_model_path: Path) -> None:

@@ -27,8 +27,9 @@ _CHUNK = 64 * 1024
 async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive,
                   send: Send, timeout: float) -> None:  # fmt: skip
     """Send the request to ``child`` and its answer to the client. Raises ApiError (502) when
-    the child cannot answer before the answer started; after, a broken answer ends with an
-    error event (SSE) or a broken connection."""
+    the child cannot answer before the answer started. A whole answer (not an event stream) is
+    read in full before it is sent, so a child dying mid-answer is a 502 too; a broken event
+    stream ends with an error event."""
     target = scope.get("raw_path") or scope["path"].encode()
     if scope.get("query_string"):
         target += b"?" + scope["query_string"]
@@ -42,6 +43,8 @@ async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive
             answer = await run_in_threadpool(
                 _open, connection, scope["method"], target.decode("latin-1"), body, headers
             )
+            events = (answer.getheader("content-type") or "").startswith("text/event-stream")
+            whole = b"" if events else await run_in_threadpool(answer.read)
         except (OSError, http.client.HTTPException) as error:
             raise ApiError(502, await _broken(child, error), param="model",
                            code="model_process_failed") from None  # fmt: skip
@@ -49,24 +52,31 @@ async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive
                     "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
                                 for k, v in answer.getheaders()
                                 if k.lower() not in _DROPPED_ANSWER]})  # fmt: skip
-        events = (answer.getheader("content-type") or "").startswith("text/event-stream")
-        while True:
-            try:
-                chunk = await run_in_threadpool(answer.read1, _CHUNK)
-            except (OSError, http.client.HTTPException) as error:
-                if gone.done() or not events:
-                    raise  # the client left, or no way to tell it but a broken connection
-                broken = ApiError(502, await _broken(child, error), code="model_process_failed")
-                chunk = _error_event(scope["path"], broken).encode()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                break
-            if not chunk:
-                break
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
+        if events:
+            await _stream(child, scope["path"], answer, gone, send)
+        await send({"type": "http.response.body", "body": whole})
     finally:
         gone.cancel()
         connection.close()
+
+
+async def _stream(child: ChildModel, path: str, answer: http.client.HTTPResponse,
+                  gone: asyncio.Task[None], send: Send) -> None:  # fmt: skip
+    """Pass an event stream on as it comes; when the child breaks it, end it with an error
+    event (unless the client left, which broke it)."""
+    while True:
+        try:
+            chunk = await run_in_threadpool(answer.read1, _CHUNK)
+        except (OSError, http.client.HTTPException) as error:
+            if gone.done():
+                raise
+            broken = ApiError(502, await _broken(child, error), code="model_process_failed")
+            chunk = _error_event(path, broken).encode()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            return
+        if not chunk:
+            return
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
 
 def _error_event(path: str, error: ApiError) -> str:
