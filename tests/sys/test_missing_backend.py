@@ -98,3 +98,13 @@ def test_the_cuda_runtime_comes_from_nvidias_wheels(tmp_path: Path, tiny_model_p
     assert "libcudart.so.99: cannot open shared object file" in without["missing"]["cuda"]
     result = run_child(tmp_path / "modules", tiny_model_path, site=tmp_path / "site")
     assert_runs_on_cpu_and_warns_once(result, "the CUDA backend found no device")
+
+
+def test_module_file_names_follow_ggml(monkeypatch: Any) -> None:
+    from llamacrab_sys._backends import module_file
+
+    assert module_file("cuda") == "libggml-cuda.so"
+    monkeypatch.setattr(sys, "platform", "darwin")  # ggml names macOS modules .so too
+    assert module_file("metal") == "libggml-metal.so"
+    monkeypatch.setattr(sys, "platform", "win32")
+    assert module_file("cuda") == "ggml-cuda.dll"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,15 @@ def _ggml_errors() -> Iterator[list[str]]:
         set_log_handler(previous)
 
 
+def module_file(backend: str) -> str:
+    """The file name of ``backend``'s dlopen-only module, as ggml looks for it (its
+    backend_filename_prefix and _extension: no ``lib`` and ``.dll`` on Windows, else ``.so``,
+    macOS included)."""
+    if sys.platform == "win32":
+        return f"ggml-{backend}.dll"
+    return f"libggml-{backend}.so"
+
+
 def _registry(name: str) -> Any:
     """The registered ggml backend called ``name`` (a ggml_backend_reg_t), or None."""
     for i in range(lib.ggml_backend_reg_count()):
@@ -65,7 +75,7 @@ def _diagnose(backend: str, module_dir: Path | None, errors: list[str]) -> str |
     reason (ggml's release builds load silently the first time).
     """
     name = REGISTRY_NAMES.get(backend, backend)
-    module = None if module_dir is None else module_dir / f"libggml-{backend}.so"
+    module = None if module_dir is None else module_dir / module_file(backend)
     reg = _registry(name)
     if reg is None and module is not None and module.is_file():
         lib.ggml_backend_load(str(module).encode())
