@@ -32,6 +32,7 @@ import sys
 import textwrap
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +55,21 @@ _ANTHROPIC_MESSAGES = (("failed to load", LOAD_FAILED), ("no room for model", NO
 _KINDS = (["complete"] * 3 + ["stream"] * 3 + ["chat", "messages", "responses", "embed", "load",
           "unload", "list"])  # fmt: skip
 _STREAMABLE = ("messages", "responses")
+# Kinds a churn must have served at least once (an embedding of a text model is always refused).
+_SERVED = tuple(kind for kind in dict.fromkeys(_KINDS) if kind != "embed")
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """One churn: its registry file (``{model}`` and ``{broken}`` filled in), the entries that
-    load, the names requests draw from, the 5xx codes it expects, and whether model processes
-    are killed."""
+    load, the names requests draw from, the 5xx codes it expects, the error codes it must
+    reach, and whether model processes are killed."""
 
     registry: str
     loadable: tuple[str, ...]
     names: tuple[str | None, ...]
     expected_5xx: frozenset[str]
+    sought: frozenset[str]
     kills: bool = False
 
 
@@ -89,6 +93,7 @@ MODELS = Plan(
     loadable=("alpha", "beta"),
     names=("alpha", "beta", "broken", "huge", "nope", None),
     expected_5xx=frozenset({LOAD_FAILED, NO_ROOM, CUT}),
+    sought=frozenset({"model_not_found", LOAD_FAILED, NO_ROOM}),
 )
 ISOLATED = Plan(
     registry="""\
@@ -113,6 +118,7 @@ ISOLATED = Plan(
     loadable=("alpha", "gamma", "delta"),
     names=("alpha", "gamma", "delta", "broken", "nope", None),
     expected_5xx=frozenset({LOAD_FAILED, NO_ROOM, CUT, PROCESS_DIED}),
+    sought=frozenset({PROCESS_DIED}),  # a request (or stream) saw its model's process die
     kills=True,
 )
 
@@ -192,6 +198,13 @@ class _Tally:
         self.codes: Counter[str] = Counter()
         self.failures: list[str] = []
 
+    def covered(self) -> bool:
+        """Whether every kind was served once and every sought code (in a body or a stream's
+        error event) was seen."""
+        seen = {code.removesuffix(" (in a stream)") for code in self.codes}
+        served = all(self.by_kind.get(kind, {}).get(200) for kind in _SERVED)
+        return served and self.plan.sought <= seen
+
     def fail(self, text: str) -> None:
         if len(self.failures) < 20:
             self.failures.append(text)
@@ -269,11 +282,12 @@ def _running(pid: int) -> bool:
         return False
 
 
-async def _killer(server_pid: int, deadline: float, rng: random.Random,
+async def _killer(server_pid: int, churning: Callable[[], bool], rng: random.Random,
                   seen: set[int]) -> int:  # fmt: skip
-    """SIGKILL a model process of the server every 0.2-1.5 s; how many were killed."""
+    """SIGKILL a model process of the server every 0.2-1.5 s while ``churning()``; how many
+    were killed."""
     kills = 0
-    while time.monotonic() < deadline:
+    while churning():
         await asyncio.sleep(rng.uniform(0.2, 1.5))
         running = model_processes(server_pid)
         seen.update(running)
@@ -285,24 +299,31 @@ async def _killer(server_pid: int, deadline: float, rng: random.Random,
 
 
 async def _churn(server: ServerProcess, plan: Plan, clients: int, seconds: float,
-                 seed: int, seen: set[int]) -> tuple[_Tally, int]:  # fmt: skip
+                 seed: int, seen: set[int]) -> tuple[_Tally, int, float]:  # fmt: skip
+    """What the clients saw, how many model processes were killed, and the seconds it ran."""
     rng = random.Random(seed)
     tally = _Tally(plan)
-    deadline = time.monotonic() + seconds
+    start = time.monotonic()
+
+    def churning() -> bool:
+        """For ``seconds``, then up to twice as long again until the churn covered its plan
+        (each kind served, each sought code seen: what the short runs' tests look for)."""
+        elapsed = time.monotonic() - start
+        return elapsed < seconds or (elapsed < 3 * seconds and not tally.covered())
 
     async with httpx.AsyncClient(timeout=120, headers=HEADERS) as client:
 
         async def one() -> None:
-            while time.monotonic() < deadline:
+            while churning():
                 try:
                     await _request(client, server.url, rng.choice(_KINDS),
                                    rng.choice(plan.names), rng, tally)  # fmt: skip
                 except httpx.TransportError as error:
                     tally.fail(f"transport: {type(error).__name__}: {error}")
 
-        killer = _killer(server.pid, deadline, rng, seen) if plan.kills else asyncio.sleep(0, 0)
+        killer = _killer(server.pid, churning, rng, seen) if plan.kills else asyncio.sleep(0, 0)
         *_, kills = await asyncio.gather(*(one() for _ in range(clients)), killer)
-    return tally, kills
+    return tally, kills, time.monotonic() - start
 
 
 def _afterwards(server: ServerProcess, plan: Plan) -> dict[str, int]:
@@ -327,7 +348,7 @@ def _churn_section(workdir: Path, plan: Plan, name: str, clients: int, seconds: 
     server = ServerProcess(flags, workdir / f"{name}.log")
     seen: set[int] = set()
     try:
-        tally, kills = asyncio.run(_churn(server, plan, clients, seconds, seed, seen))
+        tally, kills, ran = asyncio.run(_churn(server, plan, clients, seconds, seed, seen))
         answers = _afterwards(server, plan)
         seen.update(model_processes(server.pid))
     finally:
@@ -339,6 +360,7 @@ def _churn_section(workdir: Path, plan: Plan, name: str, clients: int, seconds: 
     result = {
         "clients": clients,
         "seconds": seconds,
+        "ran_seconds": round(ran, 1),  # longer until every kind was served, every code seen
         "requests": sum(tally.statuses.values()),
         "statuses": status_counts(tally.statuses),
         "by_kind": {kind: status_counts(c) for kind, c in sorted(tally.by_kind.items())},

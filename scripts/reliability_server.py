@@ -539,7 +539,7 @@ def _churn_row(name: str, churn: dict[str, Any], models: str) -> tuple[object, .
     codes = ", ".join(f"{n} x {code}" for code, n in churn["codes"].items())
     afterwards = ", ".join(f"{m} {s}" for m, s in churn["afterwards"].items())
     return (name, f"{churn['requests']:,} requests, {churn['clients']} clients, "
-            f"{churn['seconds']:.0f} s, {models}", churn["crashes"], churn["hangs"],
+            f"{churn['ran_seconds']:.0f} s, {models}", churn["crashes"], churn["hangs"],
             churn["server_errors"], f"{codes}; afterwards {afterwards}")  # fmt: skip
 
 
