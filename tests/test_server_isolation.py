@@ -192,13 +192,16 @@ def test_a_child_that_cannot_answer_is_a_502_naming_how_it_ended() -> None:
     child.close()
 
 
-# A child that answers with the bytes of argv[2] (a start, no end) and dies (exit 9).
+# A child that answers with the bytes of argv[2] (a start, no end) and dies (exit 9), or with
+# no argv[2] answers nothing.
 _DYING_CHILD = """
-import os, socket, sys
+import os, socket, sys, time
 sock = socket.create_server(("127.0.0.1", int(sys.argv[1])))
 print("listening", flush=True)
 connection, _ = sock.accept()
 connection.recv(65536)
+if len(sys.argv) < 3:
+    time.sleep(600)
 connection.sendall(sys.argv[2].encode())
 sys.stderr.write("ggml.c:2: worker gone\\n")
 os._exit(9)
@@ -208,9 +211,10 @@ _STREAM_START = ("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
 _WHOLE_START = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 377\r\n\r\n"
 
 
-def _forward_to_dying_child(path: str, start: str, sent: list[dict[str, object]]) -> None:
-    """Forward a request to a child that dies after ``start``; ``sent`` gets what the client
-    was sent."""
+def _forward_to_dying_child(path: str, start: str | None, sent: list[dict[str, object]],
+                            client_leaves: bool = False) -> None:  # fmt: skip
+    """Forward a request to a child that dies after ``start`` (None: that never answers);
+    ``sent`` gets what the client was sent; ``client_leaves``: the client disconnects at once."""
     import asyncio
     import socket
     import subprocess
@@ -222,14 +226,15 @@ def _forward_to_dying_child(path: str, start: str, sent: list[dict[str, object]]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-c", _DYING_CHILD, str(port), start],
+    answer = [] if start is None else [start]
+    process = subprocess.Popen([sys.executable, "-c", _DYING_CHILD, str(port), *answer],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     assert process.stdout is not None and process.stdout.readline() == b"listening\n"
     child = ChildModel("dying", process, port, "key", lambda *_: None)
     scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
 
     async def receive() -> dict[str, object]:
-        await asyncio.sleep(3600)
+        await asyncio.sleep(0.2 if client_leaves else 3600)
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, object]) -> None:
@@ -269,6 +274,12 @@ def test_a_child_dying_between_its_headers_and_body_is_a_502_not_a_broken_answer
     assert caught.value.status == 502 and caught.value.code == "model_process_failed"
     assert sent == []  # nothing started: the client gets the 502 whole
     assert "its process exited with 9: ggml.c:2: worker gone" in str(caught.value.body())
+
+
+def test_a_client_leaving_before_the_answer_is_not_answered() -> None:
+    sent: list[dict[str, object]] = []
+    _forward_to_dying_child("/v1/completions", None, sent, client_leaves=True)
+    assert sent == []  # nor an error raised (a 502 blaming the child, which was fine)
 
 
 def test_a_child_ends_when_its_server_is_gone(tmp_path: Path, tiny_model_path: Path) -> None:

@@ -46,6 +46,8 @@ async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive
             events = (answer.getheader("content-type") or "").startswith("text/event-stream")
             whole = b"" if events else await run_in_threadpool(answer.read)
         except (OSError, http.client.HTTPException) as error:
+            if gone.done():
+                return  # the client left (which broke the connection): no one to answer
             raise ApiError(502, await _broken(child, error), param="model",
                            code="model_process_failed") from None  # fmt: skip
         await send({"type": "http.response.start", "status": answer.status,
