@@ -65,13 +65,13 @@ async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive
 async def _stream(child: ChildModel, path: str, answer: http.client.HTTPResponse,
                   gone: asyncio.Task[None], send: Send) -> None:  # fmt: skip
     """Pass an event stream on as it comes; when the child breaks it, end it with an error
-    event (unless the client left, which broke it)."""
+    event (unless the client left, which broke it: then it just ends)."""
     while True:
         try:
             chunk = await run_in_threadpool(answer.read1, _CHUNK)
         except (OSError, http.client.HTTPException) as error:
             if gone.done():
-                raise
+                return
             broken = ApiError(502, await _broken(child, error), code="model_process_failed")
             chunk = _error_event(path, broken).encode()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
