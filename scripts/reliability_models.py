@@ -15,8 +15,8 @@ chats, Anthropic messages and Responses (streamed or not), embeddings of a text 
 unknown one or none.
 Asserted: no 5xx and no error event in a stream but the plan's expected refusals, in the shape
 of the route's API; a model that loads never reported failed (unless its process was killed
-while it loaded); afterwards each loadable model answers; the server alive; no model process
-left after it stops.
+while it loaded); no traceback in the server's log; afterwards each loadable model answers;
+the server alive; no model process left after it stops.
 """
 
 from __future__ import annotations
@@ -357,6 +357,8 @@ def _churn_section(workdir: Path, plan: Plan, name: str, clients: int, seconds: 
     while any(_running(pid) for pid in seen) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = sorted(pid for pid in seen if _running(pid))
+    # Every refusal is an answer; a traceback in the log is an error the server did not expect.
+    tracebacks = server.log.read_text(errors="replace").count("Traceback (most recent call last)")
     result = {
         "clients": clients,
         "seconds": seconds,
@@ -367,6 +369,7 @@ def _churn_section(workdir: Path, plan: Plan, name: str, clients: int, seconds: 
         "codes": dict(tally.codes.most_common()),
         "server_errors": len(tally.failures),
         "failures": tally.failures,
+        "server_tracebacks": tracebacks,
         "afterwards": answers,
         "model_processes": len(seen),
         "killed": kills,
@@ -376,7 +379,8 @@ def _churn_section(workdir: Path, plan: Plan, name: str, clients: int, seconds: 
         "hangs": int(exit_info["hung_at_exit"]),
     }
     result["ok"] = (
-        not tally.failures and all(status == 200 for status in answers.values())
+        not tally.failures and not tracebacks
+        and all(status == 200 for status in answers.values())
         and result["crashes"] == result["hangs"] == 0 and not left
     )  # fmt: skip
     return result
