@@ -357,8 +357,6 @@ def _churn_section(workdir: Path, plan: Plan, name: str, clients: int, seconds: 
     while any(_running(pid) for pid in seen) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = sorted(pid for pid in seen if _running(pid))
-    # Every refusal is an answer; a traceback in the log is an error the server did not expect.
-    tracebacks = server.log.read_text(errors="replace").count("Traceback (most recent call last)")
     result = {
         "clients": clients,
         "seconds": seconds,
@@ -369,7 +367,6 @@ def _churn_section(workdir: Path, plan: Plan, name: str, clients: int, seconds: 
         "codes": dict(tally.codes.most_common()),
         "server_errors": len(tally.failures),
         "failures": tally.failures,
-        "server_tracebacks": tracebacks,
         "afterwards": answers,
         "model_processes": len(seen),
         "killed": kills,
@@ -379,7 +376,7 @@ def _churn_section(workdir: Path, plan: Plan, name: str, clients: int, seconds: 
         "hangs": int(exit_info["hung_at_exit"]),
     }
     result["ok"] = (
-        not tally.failures and not tracebacks
+        not tally.failures and not exit_info["tracebacks"]
         and all(status == 200 for status in answers.values())
         and result["crashes"] == result["hangs"] == 0 and not left
     )  # fmt: skip

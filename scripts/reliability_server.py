@@ -21,7 +21,8 @@ writes them into RELIABILITY.md; tests/test_reliability_server.py runs the short
   proportion).
 
 Each server is a process of its own on loopback (its RSS is its own, and a signal death is
-seen); every loop is bounded by a count or a deadline.
+seen), and a traceback in its log fails its section; every loop is bounded by a count or a
+deadline.
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ def load_test(workdir: Path, clients: int = 64, seconds: float = 15) -> dict[str
     result["ok"] = (
         result["server_errors"] == result["unanswered"] == result["malformed"] == 0
         and result["crashes"] == result["hangs"] == 0
+        and not any(e["tracebacks"] for e in exits.values())
         and result["rss_growth_mib"] * MIB < LOAD_RSS_BOUND_BYTES
     )
     return result
@@ -347,6 +349,7 @@ def disconnect_storm(workdir: Path, streams: int = 100, seed: int = 0) -> dict[s
     result["ok"] = (
         free_after is not None and free_after <= 1.0 and result["server_errors"] == 0
         and follow.status_code == 200 and result["crashes"] == result["hangs"] == 0
+        and not exit_info["tracebacks"]
     )  # fmt: skip
     return result
 
@@ -419,6 +422,7 @@ def schemathesis_run(workdir: Path, max_examples: int = 10, seed: int = 0) -> di
         "hangs": int(exit_info["hung_at_exit"]),
     }
     result["ok"] = result["server_errors"] == result["crashes"] == result["hangs"] == 0
+    result["ok"] = result["ok"] and not exit_info["tracebacks"]
     return result
 
 
@@ -496,7 +500,10 @@ def leak_test(workdir: Path, count: int = 10_000, warm_up: int = 1_000) -> dict[
         "crashes": int(child.returncode < 0)
         + int(exit_info["crashed"] or exit_info["signal_death"]),
         "server_errors": server_errors(statuses),
-        "ok": library["ok"] and served["ok"] and not exit_info["crashed"],
+        "ok": library["ok"]
+        and served["ok"]
+        and not exit_info["crashed"]
+        and not exit_info["tracebacks"],
     }
 
 

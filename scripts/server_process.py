@@ -90,7 +90,8 @@ class ServerProcess:
         return self.log.read_bytes()[-size:].decode("utf-8", "replace")
 
     def close(self) -> dict[str, Any]:
-        """Stop it (SIGTERM: uvicorn's graceful shutdown); how it ended."""
+        """Stop it (SIGTERM: uvicorn's graceful shutdown); how it ended, and how many tracebacks
+        its log holds (every refusal is an answer: a traceback is an error it did not expect)."""
         died = self.process.poll()  # before we asked: a crash
         hung = False
         if died is None:
@@ -108,6 +109,9 @@ class ServerProcess:
             "signal_death": code is not None and code < 0 and code != -signal.SIGTERM,
             "hung_at_exit": hung,
             "exit_code": code,
+            "tracebacks": self.log.read_text(errors="replace").count(
+                "Traceback (most recent call last)"
+            ),
         }
 
 
