@@ -421,8 +421,10 @@ def schemathesis_run(workdir: Path, max_examples: int = 10, seed: int = 0) -> di
         "crashes": int(exit_info["crashed"] or exit_info["signal_death"]),
         "hangs": int(exit_info["hung_at_exit"]),
     }
-    result["ok"] = result["server_errors"] == result["crashes"] == result["hangs"] == 0
-    result["ok"] = result["ok"] and not exit_info["tracebacks"]
+    result["ok"] = (
+        result["server_errors"] == result["crashes"] == result["hangs"] == 0
+        and not exit_info["tracebacks"]
+    )
     return result
 
 
