@@ -86,6 +86,41 @@ def test_closing_a_model_closes_its_children_first(tiny_model_path: Path, frees:
     assert_freed_once_children_first(frees, expected, root)  # nothing freed twice
 
 
+@pytest.mark.parametrize("options", [{}, {"parallel": 2}, {"prompt_cache": "ram"}])
+def test_a_dropped_llama_frees_its_model_at_once_not_at_the_next_collection(
+    tiny_model_path: Path, frees: Frees, options: dict
+) -> None:
+    # A reference cycle anywhere above the model (its Vocab held it, and it its Vocab) kept a
+    # dropped model's whole memory until Python's cyclic collector next ran.
+    llm = Llama(tiny_model_path, n_ctx=64, chat_format="chatml", **options)
+    llm.create_completion("the cat", max_tokens=2)
+    llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=2)
+    assert llm.tokenize("the cat") and llm.vocab is llm.model.vocab
+    root = address(llm.model._pointer)
+    gc.collect()
+    gc.disable()
+    try:
+        del llm
+        assert ("model", root) in frees
+    finally:
+        gc.enable()
+
+
+def test_a_vocab_keeps_its_model_and_shares_what_it_learned(
+    tiny_model_path: Path, frees: Frees
+) -> None:
+    model = Model.load(tiny_model_path)
+    root = address(model._pointer)
+    eog = model.vocab.eog_tokens  # the Vocab is dropped: the next one comes without the scan
+    assert model.vocab._facts.eog == eog
+    vocab = model.vocab
+    del model
+    gc.collect()
+    assert frees == [] and vocab.tokenize("the cat")  # its vocabulary holds the model
+    del vocab
+    assert frees == [("model", root)]
+
+
 def test_use_after_close_raises_and_never_reaches_c(tiny_model_path: Path) -> None:
     model, context, sampler = make_objects(tiny_model_path)
     vocab = model.vocab

@@ -30,7 +30,7 @@ from llamacrab._native.kv_layout import KvLayout, kv_layout
 from llamacrab._native.logging import log_lines
 from llamacrab._native.rpc import offload_devices, parse_endpoints
 from llamacrab._native.signals import Hold, held_signals
-from llamacrab._native.vocab import Vocab
+from llamacrab._native.vocab import Vocab, VocabFacts
 from llamacrab_sys import progress_callback
 
 SPLIT_MODES = {
@@ -185,13 +185,25 @@ class Model(NativeHandle):
         self.params = params
         # What each layer's KV cache holds per cell (contexts are checked against the memory).
         self.kv_layout = kv_layout
-        self.vocab = Vocab(self)
+        # The Vocab holds its model, so the model holds it weakly: a reference cycle would
+        # keep a dropped model (its whole memory) until the cyclic collector next ran.
+        self._vocab_facts = VocabFacts()
+        self._vocab: weakref.ref[Vocab] | None = None
         _backend.register_root(self)
         # The addresses as handed to ggml-rpc, which keys its connections by them.
         self.rpc_endpoints: tuple[str, ...] = ()
         if params.rpc_servers and not params.vocab_only:
             self.rpc_endpoints = tuple(str(e) for e in parse_endpoints(params.rpc_servers))
             _rpc_models.add(self)
+
+    @property
+    def vocab(self) -> Vocab:
+        """The model's tokenizer (the same object while anything holds it)."""
+        vocab = None if self._vocab is None else self._vocab()
+        if vocab is None:
+            vocab = Vocab(self, self._vocab_facts)
+            self._vocab = weakref.ref(vocab)
+        return vocab
 
     @classmethod
     def load(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,15 +17,23 @@ from llamacrab._native.handle import NativeHandle
 _PIECE_BUFFER = 64
 
 
-class Vocab:
-    """The tokenizer of a model. Valid while its model is open."""
+@dataclass
+class VocabFacts:
+    """What is slow to learn about a vocabulary, learned once per model: its model keeps them
+    and hands them to each Vocab it makes."""
 
-    def __init__(self, model: NativeHandle) -> None:
+    eog: tuple[int, ...] | None = None
+
+
+class Vocab:
+    """The tokenizer of a model. Valid while its model is open; holding it keeps the model."""
+
+    def __init__(self, model: NativeHandle, facts: VocabFacts) -> None:
         # The model handle is passed in (not imported): the vocabulary lives and dies with it.
         self._model = model
+        self._facts = facts
         self._pointer = lib.llama_model_get_vocab(model.pointer)
         self._n_tokens = int(lib.llama_vocab_n_tokens(self._pointer))
-        self._eog: tuple[int, ...] | None = None
 
     @property
     def pointer(self) -> Any:
@@ -65,14 +74,14 @@ class Vocab:
     @property
     def eog_tokens(self) -> tuple[int, ...]:
         """Every token that ends generation (scanned once per vocabulary, in C, then cached)."""
-        if self._eog is None:
+        if self._facts.eog is None:
             out = ffi.new("int32_t[]", 64)
             found = self._get(lib.llamacrab_vocab_eog_tokens, out, len(out))
             if found > len(out):
                 out = ffi.new("int32_t[]", found)
                 self._get(lib.llamacrab_vocab_eog_tokens, out, found)
-            self._eog = tuple(out[0:found])
-        return self._eog
+            self._facts.eog = tuple(out[0:found])
+        return self._facts.eog
 
     @property
     def fim_prefix(self) -> int | None:
