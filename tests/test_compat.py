@@ -3,6 +3,7 @@ llamacrab's engine, with Gemma 3 270M and all-MiniLM-L6-v2."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -205,6 +206,27 @@ def test_tokenize_and_detokenize_work_on_bytes(llm: Llama) -> None:
     assert llm.detokenize(llm.tokenize(turn, special=True), special=True) == b"<bos>" + turn
     assert llm.n_vocab() == llm.llamacrab.vocab.n_tokens and llm.n_ctx() == 1024
     assert llm.tokenizer().decode(llm.tokenizer().encode("sideways")) == "sideways"
+
+
+def test_a_dropped_llama_and_its_tokenizer_free_the_model_at_once(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llamacrab._native import handle
+
+    frees: list[str] = []
+    monkeypatch.setattr(handle, "free_observer", lambda kind, at: frees.append(kind))
+    llm = Llama(tiny_model_path, n_ctx=64, verbose=False)
+    tokenizer = llm.tokenizer_
+    assert tokenizer.decode(tokenizer.encode("sideways")) == "sideways"
+    gc.collect()
+    gc.disable()  # (Llama.tokenizer_ held its Llama: a cycle, freed by the collector only)
+    try:
+        del llm
+        assert "model" not in frees and tokenizer.encode("walk")  # the tokenizer keeps it
+        del tokenizer
+        assert "model" in frees
+    finally:
+        gc.enable()
 
 
 # -- grammars, logits processors, stopping criteria -------------------------------------------

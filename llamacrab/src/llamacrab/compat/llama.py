@@ -99,21 +99,42 @@ class LlamaState:
         self.seed = seed
 
 
+def _tokenize(llm: llamacrab.Llama, text: bytes | str, add_bos: bool, special: bool) -> list[int]:
+    if isinstance(text, bytes | bytearray):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise llamacrab.TokenizeError(f"text is not UTF-8: {error}") from error
+    return llm.tokenize(text, add_special=add_bos, parse_special=special)
+
+
+def _detokenize(llm: llamacrab.Llama, tokens: Sequence[int], special: bool) -> bytes:
+    vocab = llm.vocab
+    tokens = [int(t) for t in tokens]
+    vocab.check_tokens(tokens)
+    out = b"".join(vocab.token_to_bytes(t, special) for t in tokens)
+    if tokens and tokens[0] == vocab.bos and out.startswith(b" "):
+        out = out[1:]
+    return out
+
+
 class LlamaTokenizer:
     """The model's own tokenizer, in llama-cpp-python's interface."""
 
     def __init__(self, llama: Llama) -> None:
-        self._llama = llama
+        # The llamacrab Llama underneath, not ``llama``: Llama.tokenizer_ holds this object, and
+        # a cycle would keep a dropped Llama's model until the cyclic collector ran.
+        self._llm = llama.llamacrab
 
     @checked
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
-        return self._llama.tokenize(text, add_bos=add_bos, special=special)
+        return _tokenize(self._llm, text, add_bos, special)
 
     @checked
     def detokenize(
         self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None, special: bool = False
     ) -> bytes:
-        return self._llama.detokenize(tokens, prev_tokens=prev_tokens, special=special)
+        return _detokenize(self._llm, tokens, special)
 
     @checked
     def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
@@ -426,12 +447,7 @@ class Llama:
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
         """Tokens of UTF-8 ``text``; ``add_bos`` adds the special tokens the model wants
         around a text, ``special`` parses control-token text such as ``<bos>``."""
-        if isinstance(text, bytes | bytearray):
-            try:
-                text = bytes(text).decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise llamacrab.TokenizeError(f"text is not UTF-8: {error}") from error
-        return self._llm.tokenize(text, add_special=add_bos, parse_special=special)
+        return _tokenize(self._llm, text, add_bos, special)
 
     @checked
     def detokenize(
@@ -439,13 +455,7 @@ class Llama:
     ) -> bytes:
         """The bytes of ``tokens`` (possibly part of a UTF-8 character); a leading space after
         BOS is dropped, as llama-cpp-python does. ``prev_tokens`` changes nothing."""
-        vocab = self._llm.vocab
-        tokens = [int(t) for t in tokens]
-        vocab.check_tokens(tokens)
-        out = b"".join(vocab.token_to_bytes(t, special) for t in tokens)
-        if tokens and tokens[0] == vocab.bos and out.startswith(b" "):
-            out = out[1:]
-        return out
+        return _detokenize(self._llm, tokens, special)
 
     def tokenizer(self) -> LlamaTokenizer:
         return LlamaTokenizer(self)
