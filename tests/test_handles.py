@@ -86,12 +86,20 @@ def test_closing_a_model_closes_its_children_first(tiny_model_path: Path, frees:
     assert_freed_once_children_first(frees, expected, root)  # nothing freed twice
 
 
-@pytest.mark.parametrize("options", [{}, {"parallel": 2}, {"prompt_cache": "ram"}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"parallel": 2}, {"prompt_cache": "ram"}, {"prompt_cache": "disk"}, {"draft_model": ""}],
+    ids=["plain", "parallel", "ram-cache", "disk-cache", "draft"],
+)
 def test_a_dropped_llama_frees_its_model_at_once_not_at_the_next_collection(
-    tiny_model_path: Path, frees: Frees, options: dict
+    tiny_model_path: Path, tmp_path: Path, frees: Frees, options: dict
 ) -> None:
     # A reference cycle anywhere above the model (its Vocab held it, and it its Vocab) kept a
     # dropped model's whole memory until Python's cyclic collector next ran.
+    if "draft_model" in options:
+        options = {"draft_model": tiny_model_path}
+    if options.get("prompt_cache") == "disk":
+        options = {"prompt_cache": tmp_path / "cache"}
     llm = Llama(tiny_model_path, n_ctx=64, chat_format="chatml", **options)
     llm.create_completion("the cat", max_tokens=2)
     llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=2)
@@ -102,7 +110,13 @@ def test_a_dropped_llama_frees_its_model_at_once_not_at_the_next_collection(
     try:
         del llm
         assert ("model", root) in frees
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what only the collector could have freed
+        gc.collect()
+        cycles = [o for o in gc.garbage if type(o).__module__.startswith("llamacrab")]
+        assert cycles == []
     finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
         gc.enable()
 
 
