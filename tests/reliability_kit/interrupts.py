@@ -113,8 +113,9 @@ class _Swallowed:
 
 
 class _LostInFinalizers:
-    """sys.unraisablehook: counts the KeyboardInterrupts CPython drops in a handle's finalizer
-    (raised there, they cannot propagate); prints everything else as Python would."""
+    """sys.unraisablehook: counts the KeyboardInterrupts CPython drops in a ``weakref.finalize``
+    (every handle frees through one; raised there, they cannot propagate); prints everything
+    else as Python would."""
 
     def __init__(self) -> None:
         self.count = 0
