@@ -1,6 +1,6 @@
 """Generate the cffi extension source, the shims and the build info from a native build.
 
-Usage: python -m build_tools.bindings --native-json native.json --out-dir DIR [--cc CC]
+Usage: python -m build_tools.bindings --native-json native.json --out-dir DIR
            [--package-version X.Y.Z]
 
 Writes into DIR: _native.c (cffi API-mode module llamacrab_sys._native), llamacrab_shims.h,
@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import subprocess
 from pathlib import Path
 
 import cffi
 
-from build_tools import declarations, required_api, shims
+from build_tools import binaries, declarations, layout, required_api, shims
 from build_tools.declarations import SHIMMED_HEADERS
 
 MODULE_NAME = "llamacrab_sys._native"
@@ -45,79 +44,50 @@ RPC_CDEF = """\
 """
 
 
-def linked_libraries(lib_dir: Path) -> list[Path]:
-    """The unversioned shared libraries the module links against (dlopen-only backends excluded)."""
-    return sorted(p for p in lib_dir.glob("lib*.so") if p.is_file() or p.is_symlink())
-
-
-def backend_modules(prefix: Path) -> list[Path]:
-    """Backends built for GGML_BACKEND_DL: installed beside executables, loaded at run time."""
-    return sorted((prefix / "bin").glob("libggml-*.so"))
-
-
-def soname(library: Path) -> str:
-    out = subprocess.run(
-        ["objdump", "-p", str(library)], check=True, capture_output=True, text=True
-    )
-    for line in out.stdout.splitlines():
-        if line.split()[:1] == ["SONAME"]:
-            return line.split()[1]
-    return library.name
-
-
-def exported_functions(libraries: list[Path]) -> set[str]:
-    symbols: set[str] = set()
-    for lib in libraries:
-        out = subprocess.run(
-            ["nm", "-D", "--defined-only", "--format=posix", str(lib)],
-            check=True, capture_output=True, text=True,
-        )  # fmt: skip
-        for line in out.stdout.splitlines():
-            parts = line.split()
-            if len(parts) >= 2 and parts[1] in "TtWw":
-                symbols.add(parts[0])
-    return symbols
-
-
-def render(include_dirs: list[Path], libraries: list[Path], cc: str = "cc") -> tuple:
+def render(include_dirs: list[Path], libraries: list[Path]) -> tuple:
     """Return (declarations, shim header, shim source, cdef) for these headers and libraries."""
     headers = declarations.present_headers(include_dirs)
-    preprocessed = declarations.preprocess(include_dirs, cc, headers)
-    decls = declarations.extract(preprocessed, exported_functions(libraries))
+    preprocessed = declarations.preprocess(include_dirs, headers)
+    decls = declarations.extract(preprocessed, binaries.exported_functions(libraries))
     decls.headers = headers
     shim_header, shim_source, shim_cdef = shims.generate(decls)
     rpc = RPC_CDEF if "ggml-rpc.h" in headers else ""
     return decls, shim_header, shim_source, decls.cdef + shim_cdef + CALLBACKS_CDEF + rpc
 
 
-def _libraries(native: dict) -> tuple[list[Path], list[Path]]:
+def _libraries(native: dict) -> tuple[list[layout.Library], list[Path]]:
     """(libraries to link, dlopen-only backend modules) of a build or of a user's install."""
-    if native["source_origin"] == "prefix":
-        return [Path(p) for p in native["libraries"]], [Path(p) for p in native["modules"]]
-    return linked_libraries(Path(native["lib_dir"])), backend_modules(Path(native["prefix"]))
+    linked = layout.libraries(Path(native["lib_dir"]))
+    return linked, layout.backend_modules(Path(native["prefix"]), linked)
 
 
-def _libraries_cmake(native: dict, libraries: list[Path], modules: list[Path]) -> str:
+def _cmake_list(name: str, items: list[str]) -> str:
+    # Bracket arguments: nothing inside is expanded or unescaped (Windows paths, $ORIGIN).
+    return f"set({name}\n" + "".join(f"  [==[{item}]==]\n" for item in items) + ")\n"
+
+
+def _libraries_cmake(native: dict, libraries: list[layout.Library], modules: list[Path]) -> str:
     """For CMake: what to link, what to ship under which name, where the module finds them."""
     if native["source_origin"] == "prefix":
         # A user's install is used in place (build_tools/prefix.py says why): nothing shipped.
-        shipped: list[Path] = []
+        shipped: list[layout.Library] = []
         modules = []
-        rpath = native["lib_dir"]
+        rpath = native["runtime_dir"]
     else:
-        shipped, rpath = libraries, "$ORIGIN/lib"
+        shipped, rpath = libraries, layout.current().module_rpath
     return (
-        "set(LLAMACRAB_LINK_LIBRARIES\n" + "".join(f'  "{p}"\n' for p in libraries) + ")\n"
-        "set(LLAMACRAB_SHIPPED_FILES\n" + "".join(f'  "{p.resolve()}"\n' for p in shipped) + ")\n"
-        "set(LLAMACRAB_SHIPPED_NAMES\n" + "".join(f'  "{soname(p)}"\n' for p in shipped) + ")\n"
-        "set(LLAMACRAB_BACKEND_MODULES\n" + "".join(f'  "{p}"\n' for p in modules) + ")\n"
-        f'set(LLAMACRAB_RPATH "{rpath}")\n'
+        _cmake_list("LLAMACRAB_LINK_LIBRARIES", [p.link.as_posix() for p in libraries])
+        + _cmake_list("LLAMACRAB_SHIPPED_FILES", [p.runtime.as_posix() for p in shipped])
+        + _cmake_list("LLAMACRAB_SHIPPED_NAMES", [p.name for p in shipped])
+        + _cmake_list("LLAMACRAB_BACKEND_MODULES", [p.as_posix() for p in modules])
+        + _cmake_list("LLAMACRAB_RPATH", [rpath])
     )
 
 
-def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str = "") -> dict:
+def generate(native: dict, out_dir: Path, package_version: str = "") -> dict:
     libraries, modules = _libraries(native)
-    decls, shim_header, shim_source, cdef = render([Path(native["include_dir"])], libraries, cc)
+    runtimes = [library.runtime for library in libraries]
+    decls, shim_header, shim_source, cdef = render([Path(native["include_dir"])], runtimes)
     unavailable = required_api.check(decls, native["include_dir"])
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +112,7 @@ def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str =
         "cmake_options": native["cmake_options"],
         "compilers": native["compilers"],
         "native_cache_key": native["key"],
-        "libraries": [soname(p) for p in libraries],
+        "libraries": [library.name for library in libraries],
         "backend_modules": [p.name for p in modules],
         "cdef_sha256": hashlib.sha256(cdef.encode()).hexdigest(),
         "functions": len(decls.functions),
@@ -154,7 +124,7 @@ def generate(native: dict, out_dir: Path, cc: str = "cc", package_version: str =
         # Loaded in place: build_info() points at the install, not at the package's lib/.
         info["llama_cpp_prefix"] = native["prefix"]
         info["commit_source"] = native["commit_source"]
-        info["library_dir"] = native["lib_dir"]
+        info["library_dir"] = native["runtime_dir"]
         info["module_dir"] = native["module_dir"]
     (out_dir / "libraries.cmake").write_text(_libraries_cmake(native, libraries, modules))
     (out_dir / "_build_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
@@ -165,11 +135,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--native-json", type=Path, required=True)
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--cc", default="cc")
     parser.add_argument("--package-version", default="")
     args = parser.parse_args()
     native = json.loads(args.native_json.read_text())
-    info = generate(native, args.out_dir, args.cc, args.package_version)
+    info = generate(native, args.out_dir, args.package_version)
     print(f"llamacrab: {info['functions']} functions, {info['shimmed_functions']} shims generated")
 
 

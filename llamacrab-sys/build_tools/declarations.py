@@ -1,19 +1,22 @@
 """Turn the installed llama.cpp headers into cffi declarations.
 
-The preprocessor expands the real headers (attributes and GNU extensions defined away, linemarkers
-kept), pycparser parses the result, and only nodes that come from the llama/ggml/gguf/mtmd headers
-are kept. Everything cffi must not take literally (computed array sizes, enum values) is left to the
-C compiler with `...`, so API mode checks every layout and value against the headers at build time.
+pcpp, a C preprocessor in Python, expands the real headers (attributes and GNU extensions defined
+away, linemarkers kept) the same way on every system and with any compiler (MSVC's cl takes none
+of GCC's preprocessing flags), pycparser parses the result, and only nodes that come from the
+llama/ggml/gguf/mtmd headers are kept. Everything cffi must not take literally (computed array
+sizes, enum values) is left to the C compiler with `...`, so API mode checks every layout and
+value against the headers at build time.
 """
 
 from __future__ import annotations
 
 import copy
-import subprocess
+import io
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pcpp
 from pycparser import c_ast, c_generator, c_parser
 
 # Headers whose declarations form the binding, in include order. ggml-rpc.h is installed by
@@ -45,24 +48,20 @@ _STAND_INS = {
         ]
     )
     + "\n#define INT32_MAX 2147483647\n",
-    "stdbool.h": "#define bool _Bool\n#define true 1\n#define false 0\n",
+    # A typedef, not C's macro: generated code then says bool, which C++ (the shims) knows too.
+    "stdbool.h": "typedef _Bool bool;\n#define true 1\n#define false 0\n",
     "stdio.h": "typedef struct _IO_FILE FILE;\n",
     "stdarg.h": "typedef void * va_list;\n",
     "inttypes.h": "#include <stdint.h>\n",
 }
 
-_DEFINED_AWAY = [
-    "-D__attribute__(x)=",
-    "-D__restrict=",
-    "-D__restrict__=",
-    "-D__extension__=",
-    "-D__inline=",
-    "-D__inline__=",
-    "-D__asm__(x)=",
-    "-D__declspec(x)=",
-    "-DLLAMA_SHARED",
-    "-DGGML_SHARED",
-]
+# Attributes and GNU extensions defined away; the export macros set as for a shared library. No
+# system's macros (_WIN32, __APPLE__, __GNUC__) are defined: the declarations are the same on all.
+_DEFINITIONS = (
+    "__attribute__(x)", "__restrict", "__restrict__", "__extension__", "__inline", "__inline__",
+    "__asm__(x)", "__declspec(x)", "LLAMA_SHARED 1", "GGML_SHARED 1", "__STDC__ 1",
+    "__STDC_VERSION__ 201112L", "__x86_64__ 1",
+)  # fmt: skip
 
 
 @dataclass
@@ -89,17 +88,36 @@ def present_headers(include_dirs: list[Path]) -> tuple[str, ...]:
     return found
 
 
-def preprocess(include_dirs: list[Path], cc: str = "cc", headers: tuple[str, ...] = HEADERS) -> str:
+class _Preprocessor(pcpp.Preprocessor):
+    """pcpp writing GCC's linemarkers, with its errors collected instead of printed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.line_directive = "#"
+        self.errors: list[str] = []
+
+    def on_error(self, file: str, line: int, msg: str) -> None:
+        self.errors.append(f"{file}:{line}: {msg}")
+        self.return_code += 1
+
+
+def preprocess(include_dirs: list[Path], headers: tuple[str, ...] = HEADERS) -> str:
     with tempfile.TemporaryDirectory() as stand_in_dir:
         for name, text in _STAND_INS.items():
             (Path(stand_in_dir) / name).write_text(text)
-        umbrella = Path(stand_in_dir) / "llamacrab_all.h"
-        umbrella.write_text("".join(f'#include "{h}"\n' for h in headers))
-        cmd = [cc, "-E", "-std=c11", "-nostdinc", "-undef", "-U__GNUC__", "-D__x86_64__"]
-        cmd += _DEFINED_AWAY + [f"-I{stand_in_dir}"] + [f"-I{d}" for d in include_dirs]
-        return subprocess.run(
-            [*cmd, str(umbrella)], check=True, capture_output=True, text=True
-        ).stdout
+        preprocessor = _Preprocessor()
+        for definition in _DEFINITIONS:
+            preprocessor.define(definition)
+        for directory in [stand_in_dir, *include_dirs]:
+            preprocessor.add_path(str(directory))
+        umbrella = "".join(f'#include "{h}"\n' for h in headers)
+        preprocessor.parse(umbrella, str(Path(stand_in_dir) / "llamacrab_all.h"))
+        out = io.StringIO()
+        preprocessor.write(out)
+    if preprocessor.return_code:
+        problems = "; ".join(preprocessor.errors) or "an #error directive"
+        raise SystemExit(f"llamacrab: preprocessing the llama.cpp headers failed: {problems}")
+    return out.getvalue()
 
 
 def _from_wanted_header(node: c_ast.Node, header_names: set[str]) -> bool:

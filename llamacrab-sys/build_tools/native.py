@@ -1,8 +1,8 @@
 """Build llama.cpp as shared libraries into a cache entry keyed by everything that shapes the build.
 
 Usage: python -m build_tools.native --backend cpu [--portable] [--rpc] [--sanitize address]
-           [--cmake-arg -DX=Y ...] [--tool llama-bench ...] [--cmake PATH] [--ninja PATH]
-           [--json OUT]
+           [--cmake-arg -DX=Y ...] [--tool llama-bench ...] [--cmake PATH] [--generator NAME]
+           [--make-program PATH] [--generator-platform x64] [--json OUT]
 
 The key covers the llama.cpp commit, backend, CMake options and compiler identities, so a second
 build with unchanged inputs reuses the installed tree at once. A tree from a local checkout is
@@ -22,8 +22,10 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from build_tools import layout
 from build_tools.cache import cache_root, locked
 from build_tools.source import Source, resolve_source
 
@@ -53,7 +55,7 @@ BASE_OPTIONS = [
     "-DGGML_CCACHE=OFF",
     "-DCMAKE_INSTALL_LIBDIR=lib",
     # Libraries find each other next to themselves wherever the package is installed.
-    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+    f"-DCMAKE_INSTALL_RPATH={layout.current().library_rpath}",
     "-DCMAKE_BUILD_WITH_INSTALL_RPATH=OFF",
 ]
 
@@ -160,6 +162,24 @@ def cache_key(
     return f"{source.commit[:12]}-{kind}-{digest[:16]}"
 
 
+@dataclass(frozen=True)
+class Generator:
+    """The CMake generator of the outer build (scikit-build-core's), reused for llama.cpp's."""
+
+    name: str = "Ninja"
+    make_program: str = ""  # its ninja or make, where the outer build found one
+    platform: str = ""  # a Visual Studio generator's target platform (x64, ARM64)
+
+    def cmake_args(self) -> list[str]:
+        args = ["-G", self.name]
+        # A Visual Studio or Xcode build drives MSBuild or xcodebuild, never a given program.
+        if self.make_program and not self.name.startswith(("Visual Studio", "Xcode")):
+            args.append(f"-DCMAKE_MAKE_PROGRAM={self.make_program}")
+        if self.platform:
+            args += ["-A", self.platform]
+        return args
+
+
 def _run(cmd: list[str], env: dict[str, str]) -> None:
     print("llamacrab: " + shlex.join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=env)
@@ -171,7 +191,7 @@ def build(
     rpc: bool = False,
     extra: list[str] | None = None,
     cmake: str = "cmake",
-    ninja: str | None = None,
+    generator: Generator | None = None,
     tools: list[str] | None = None,
     sanitize: str = "",
 ) -> dict:
@@ -195,16 +215,14 @@ def build(
         build_dir, prefix = entry / "build", entry / "install"
         env = dict(os.environ)
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        generator = ["-G", "Ninja"]
-        if ninja:
-            generator.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
+        generator_args = (generator or Generator()).cmake_args()
         names = []
         if not tools:  # upstream's programs keep upstream's names
             entry.mkdir(parents=True, exist_ok=True)
             (entry / "names.cmake").write_text(_NAMES_CMAKE)
             names = [f"-DCMAKE_PROJECT_INCLUDE={entry / 'names.cmake'}"]
         started = time.monotonic()
-        _run([cmake, "-S", str(source.path), "-B", str(build_dir), *generator,
+        _run([cmake, "-S", str(source.path), "-B", str(build_dir), *generator_args,
               f"-DCMAKE_INSTALL_PREFIX={prefix}", *names, *options], env)  # fmt: skip
         targets = [arg for tool in tools for arg in ("--target", tool)]
         _run([cmake, "--build", str(build_dir), "--config", "Release", *targets], env)
@@ -242,12 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cmake-arg", action="append", default=[], dest="extra")
     parser.add_argument("--tool", action="append", default=[], dest="tools")
     parser.add_argument("--cmake", default="cmake")
-    parser.add_argument("--ninja")
+    parser.add_argument("--generator", default="Ninja")
+    parser.add_argument("--make-program", default="")
+    parser.add_argument("--generator-platform", default="")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     try:
         info = build(
-            args.backend, args.portable, args.rpc, args.extra, args.cmake, args.ninja, args.tools,
+            args.backend, args.portable, args.rpc, args.extra, args.cmake,
+            Generator(args.generator, args.make_program, args.generator_platform), args.tools,
             args.sanitize,
         )  # fmt: skip
     except subprocess.CalledProcessError as exc:

@@ -3,11 +3,12 @@
 Usage: python -m build_tools.prefix --prefix DIR [--commit SHA] --json OUT
 
 DIR is what `cmake --install` of a shared-library llama.cpp build produced (include/llama.h,
-lib/libllama.so, lib/libggml*.so; libmtmd and ggml-rpc optional), for instance with a GPU backend
-llamacrab-sys does not ship. The output has the shape build_tools.native gives, so the bindings are
-generated from DIR's headers. Its libraries are used where they are, under their own names: the
-wheel is tied to DIR, and another llama.cpp build loaded into the same process (llama-cpp-python,
-...) may bind to them, which the renamed libllamacrab-* libraries of a normal build prevent.
+lib/libllama.so, lib/libggml*.so, or their macOS and Windows forms: build_tools/layout.py;
+libmtmd and ggml-rpc optional), for instance with a GPU backend llamacrab-sys does not ship.
+The output has the shape build_tools.native gives, so the bindings are generated from DIR's
+headers. Its libraries are used where they are, under their own names: the wheel is tied to DIR,
+and another llama.cpp build loaded into the same process (llama-cpp-python, ...) may bind to
+them, which the renamed libllamacrab-* libraries of a normal build prevent.
 
 The commit comes from --commit (LLAMACRAB_LLAMA_CPP_COMMIT), else from the install's CMake package
 (lib/cmake/llama/llama-config.cmake records LLAMA_BUILD_COMMIT for a build from a git checkout).
@@ -20,10 +21,10 @@ import json
 import re
 from pathlib import Path
 
+from build_tools import layout
+
 PREFIX_ENV = "LLAMACRAB_LLAMA_CPP_PREFIX"
 COMMIT_ENV = "LLAMACRAB_LLAMA_CPP_COMMIT"
-# The library names a llama.cpp install is made of (upstream names, or our renamed ones).
-_OURS = ("libllama", "libggml", "libmtmd", "libllamacrab-")
 # ggml's backend library name -> our backend name; the first one found wins.
 _BACKEND_LIBS = {"cuda": "cuda", "hip": "hip", "vulkan": "vulkan", "metal": "metal",
                  "opencl": "opencl", "blas": "blas"}  # fmt: skip
@@ -33,24 +34,15 @@ class PrefixError(SystemExit):
     """The directory is not a usable llama.cpp install."""
 
 
-def library_dir(prefix: Path) -> Path:
+def library_dir(prefix: Path, system: layout.System) -> Path:
     for name in ("lib", "lib64"):
-        if (prefix / name / "libllama.so").exists():
+        if any(library.name.removeprefix("lib").startswith("llama.") for library in
+               layout.libraries(prefix / name, system)):  # fmt: skip
             return prefix / name
     raise PrefixError(
-        f"llamacrab: {prefix} holds no lib/libllama.so: {PREFIX_ENV} must name the directory "
-        "`cmake --install` filled from a llama.cpp build with -DBUILD_SHARED_LIBS=ON"
+        f"llamacrab: {prefix} holds no lib/ with llama.cpp's libllama: {PREFIX_ENV} must name the "
+        "directory `cmake --install` filled from a llama.cpp build with -DBUILD_SHARED_LIBS=ON"
     )
-
-
-def llama_libraries(lib_dir: Path) -> list[Path]:
-    """The install's llama.cpp libraries, leaving out whatever else shares the directory."""
-    return sorted(p for p in lib_dir.glob("lib*.so") if p.name.startswith(_OURS))
-
-
-def backend_modules(prefix: Path) -> list[Path]:
-    """Backends built for GGML_BACKEND_DL (dlopen-only modules, installed to bin/ by upstream)."""
-    return sorted(p for p in (prefix / "bin").glob("libggml-*.so") if p.is_file())
 
 
 def installed_commit(lib_dir: Path) -> str | None:
@@ -64,7 +56,7 @@ def installed_commit(lib_dir: Path) -> str | None:
 
 
 def backend_of(libraries: list[Path], modules: list[Path]) -> str:
-    names = {p.name.removesuffix(".so") for p in libraries + modules}
+    names = {p.name.split(".")[0] for p in libraries + modules}
     for part, backend in _BACKEND_LIBS.items():
         if any(name.endswith("ggml-" + part) for name in names):
             return backend
@@ -76,9 +68,11 @@ def describe(prefix: Path, commit: str | None = None) -> dict:
     prefix = prefix.expanduser().resolve()
     if not (prefix / "include" / "llama.h").is_file():
         raise PrefixError(f"llamacrab: {prefix}/include/llama.h not found ({PREFIX_ENV})")
-    lib_dir = library_dir(prefix)
-    libraries = llama_libraries(lib_dir)
-    modules = backend_modules(prefix)
+    system = layout.current()
+    lib_dir = library_dir(prefix, system)
+    linked = layout.libraries(lib_dir, system)
+    libraries = [library.link for library in linked]
+    modules = layout.backend_modules(prefix, linked, system)
     recorded = installed_commit(lib_dir)
     if commit:
         commit_source = "given"
@@ -94,6 +88,7 @@ def describe(prefix: Path, commit: str | None = None) -> dict:
         "prefix": str(prefix),
         "include_dir": str(prefix / "include"),
         "lib_dir": str(lib_dir),
+        "runtime_dir": str(linked[0].runtime.parent),  # bin/ on Windows
         "libraries": [str(p) for p in libraries],
         "module_dir": str(prefix / "bin"),
         "modules": [str(p) for p in modules],
@@ -102,8 +97,8 @@ def describe(prefix: Path, commit: str | None = None) -> dict:
         "source": str(prefix),
         "source_origin": "prefix",
         "backend": backend_of(libraries, modules),
-        "portable": any(p.name.startswith("libggml-cpu") for p in modules),
-        "rpc": any(p.name.startswith("libggml-rpc") for p in libraries + modules),
+        "portable": any("ggml-cpu" in p.name for p in modules),
+        "rpc": any("ggml-rpc" in p.name for p in libraries + modules),
         "sanitize": "",
         "sanitizer_flags": "",
         "cmake_options": [],

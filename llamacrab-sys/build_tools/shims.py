@@ -212,7 +212,7 @@ extern "C" int64_t llamacrab_gguf_first_repeated_string(const uint8_t *data, siz
             const size_t stop = i + 1 < count ? starts[i + 1] - sizeof(uint64_t) : end;
             std::string_view word(reinterpret_cast<const char *>(data) + starts[i],
                                   stop - starts[i]);
-            word = word.substr(0, word.find('\0'));
+            word = word.substr(0, word.find('\\0'));
             if (word.empty()) {
                 word = renamed.emplace_back("[EMPTY_" + std::to_string(i) + "]");
             }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,23 @@ def test_generated_declarations_are_not_stale(source_tree: Path) -> None:
     assert hashlib.sha256(cdef.encode()).hexdigest() == build_info().cdef_sha256, (
         "llamacrab_sys was built from other headers or another generator: reinstall llamacrab-sys"
     )
+
+
+@pytest.mark.parametrize("target", ["x86_64-windows-gnu", "aarch64-macos", "x86_64-linux-gnu"])
+def test_the_generated_shims_compile_for_every_system(
+    source_tree: Path, tmp_path: Path, target: str
+) -> None:
+    """The shims are C++ for Linux, macOS and Windows alike (POSIX signals only where they exist,
+    bool rather than C's _Bool, no stray bytes): zig's clang compiles them against each system's
+    headers, warnings as errors."""
+    include_dirs = [source_tree / d for d in ("include", "ggml/include", "tools/mtmd")]
+    _, header, source, _ = bindings.render(include_dirs, list(build_info().libraries))
+    (tmp_path / "llamacrab_shims.h").write_text(header)
+    (tmp_path / "llamacrab_shims.cpp").write_text(source)
+    compiled = subprocess.run(
+        [sys.executable, "-m", "ziglang", "c++", "-target", target, "-std=c++17", "-Werror",
+         "-c", "-o", str(tmp_path / "shims.o"), f"-I{tmp_path}",
+         *(f"-I{d}" for d in include_dirs), str(tmp_path / "llamacrab_shims.cpp")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert compiled.returncode == 0, compiled.stderr

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cross_libraries import installed_library
 
 from build_tools import prefix
+from build_tools.layout import LINUX
 from build_tools.prefix import PrefixError, describe
 
 COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
@@ -17,7 +19,10 @@ def fake_install(root: Path, libs: list[str], commit: str | None = COMMIT) -> Pa
     (root / "include" / "llama.h").write_text("")
     (root / "lib").mkdir()
     for name in libs:
-        (root / "lib" / name).write_bytes(b"")
+        if name.endswith(".so"):  # a real library: its SONAME is read
+            installed_library(root, name.removeprefix("lib").removesuffix(".so"), LINUX)
+        else:
+            (root / "lib" / name).write_bytes(b"")
     if commit is not None:
         config = root / "lib" / "cmake" / "llama" / "llama-config.cmake"
         config.parent.mkdir(parents=True)
