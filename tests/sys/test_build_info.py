@@ -79,3 +79,26 @@ def test_the_rpc_backend_is_built_by_default_and_recorded() -> None:
     info = build_info()
     assert info.rpc == ("-DGGML_RPC=ON" in info.cmake_options)
     assert info.rpc == any("ggml-rpc" in p.name for p in info.libraries)
+
+
+WINDOWS_IMPORT = """
+import os, sys
+added = []
+def add_dll_directory(path):
+    added.append((path, "llamacrab_sys._native" in sys.modules))
+    return object()
+os.add_dll_directory = add_dll_directory
+sys.platform = "win32"  # what the package reads to know it runs on Windows
+import llamacrab_sys
+print(added)
+print(llamacrab_sys.build_info().library_dir)
+"""
+
+
+def test_on_windows_the_library_directory_is_added_before_the_module_loads() -> None:
+    # Windows has no rpath: without os.add_dll_directory, loading _native finds no llama.dll.
+    out = subprocess.run(
+        [sys.executable, "-c", WINDOWS_IMPORT], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == repr([(out[1], False)])  # added, and before _native was imported
+    assert Path(out[1]).is_dir()

@@ -13,6 +13,10 @@ order, thread safety, and inputs that make llama.cpp abort the process. Applicat
 - ``python_sampler``: a ``struct llama_sampler`` implemented in Python, for a native chain.
 """
 
+# First: on Windows it makes the llama.cpp DLLs findable before anything loads _native.
+from llamacrab_sys import _library_path  # noqa: F401
+
+# isort: split
 from llamacrab_sys import _backends
 from llamacrab_sys._build_info import BuildInfo, build_info
 from llamacrab_sys._callbacks import (

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from llamacrab_sys import _backends
+from llamacrab_sys._library_path import library_dir, load_recorded
 from llamacrab_sys._native import ffi, lib
-
-LIBRARY_DIR = Path(__file__).resolve().parent / "lib"
 
 
 @dataclass(frozen=True)
@@ -69,17 +66,12 @@ class BuildInfo:
         return fields
 
 
-def _load_recorded() -> dict[str, Any]:
-    text = resources.files("llamacrab_sys").joinpath("_build_info.json").read_text()
-    return json.loads(text)
-
-
 @functools.cache
 def build_info() -> BuildInfo:
-    raw = _load_recorded()
+    raw = load_recorded()
     # A user's llama.cpp (LLAMACRAB_LLAMA_CPP_PREFIX) is loaded where it is installed.
-    library_dir = Path(raw.get("library_dir", LIBRARY_DIR))
-    module_dir = Path(raw.get("module_dir", library_dir))
+    libraries_at = library_dir(raw)
+    module_dir = Path(raw.get("module_dir", libraries_at))
     prefix = raw.get("llama_cpp_prefix")
     return BuildInfo(
         package_version=raw["package_version"],
@@ -90,8 +82,8 @@ def build_info() -> BuildInfo:
         sanitize=raw.get("sanitize", ""),
         cmake_options=tuple(raw["cmake_options"]),
         compilers=raw["compilers"],
-        library_dir=library_dir,
-        libraries=tuple(library_dir / name for name in raw["libraries"]),
+        library_dir=libraries_at,
+        libraries=tuple(libraries_at / name for name in raw["libraries"]),
         backend_modules=tuple(module_dir / name for name in raw["backend_modules"]),
         functions=raw["functions"],
         shimmed_functions=raw["shimmed_functions"],
