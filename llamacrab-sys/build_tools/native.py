@@ -67,6 +67,36 @@ BASE_OPTIONS = [
 # SHARED library; dlopen-only backend MODULEs keep the names ggml's loader looks for.
 LIBRARY_PREFIX = "libllamacrab-"
 _NAMES_CMAKE = f'set(CMAKE_SHARED_LIBRARY_PREFIX "{LIBRARY_PREFIX}")\n'
+# On Windows ggml empties the prefix again after its project() (its DLLs would be ggml.dll, ...,
+# which the loader also matches by name with one already in the process): once the whole tree is
+# configured, every SHARED library gets the prefix as a target property.
+_WINDOWS_NAMES_CMAKE = f"""
+function(llamacrab_prefix_shared_libraries directory)
+  get_property(targets DIRECTORY "${{directory}}" PROPERTY BUILDSYSTEM_TARGETS)
+  foreach(target IN LISTS targets)
+    get_target_property(type "${{target}}" TYPE)
+    if(type STREQUAL "SHARED_LIBRARY")
+      set_target_properties("${{target}}" PROPERTIES PREFIX "{LIBRARY_PREFIX}")
+    endif()
+  endforeach()
+  get_property(subdirectories DIRECTORY "${{directory}}" PROPERTY SUBDIRECTORIES)
+  foreach(subdirectory IN LISTS subdirectories)
+    llamacrab_prefix_shared_libraries("${{subdirectory}}")
+  endforeach()
+endfunction()
+get_property(deferred GLOBAL PROPERTY LLAMACRAB_PREFIX_DEFERRED)
+if(NOT deferred)
+  set_property(GLOBAL PROPERTY LLAMACRAB_PREFIX_DEFERRED ON)
+  cmake_language(DEFER DIRECTORY "${{CMAKE_SOURCE_DIR}}"
+                 CALL llamacrab_prefix_shared_libraries "${{CMAKE_SOURCE_DIR}}")
+endif()
+"""
+
+
+def names_cmake(system: layout.System) -> str:
+    """The CMAKE_PROJECT_INCLUDE giving our libraries their names on ``system``."""
+    return _NAMES_CMAKE + (_WINDOWS_NAMES_CMAKE if system is layout.WINDOWS else "")
+
 
 NATIVE_CPU = ["-DGGML_NATIVE=ON"]
 # A distributable wheel must run on any x86-64: every CPU variant, picked at run time.
@@ -156,7 +186,7 @@ def cache_key(
     if tools:
         identity["tools"] = sorted(tools)
     else:
-        identity["library_names"] = _NAMES_CMAKE
+        identity["library_names"] = names_cmake(layout.current())
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     kind = "tools" if tools else backend
     return f"{source.commit[:12]}-{kind}-{digest[:16]}"
@@ -219,7 +249,7 @@ def build(
         names = []
         if not tools:  # upstream's programs keep upstream's names
             entry.mkdir(parents=True, exist_ok=True)
-            (entry / "names.cmake").write_text(_NAMES_CMAKE)
+            (entry / "names.cmake").write_text(names_cmake(layout.current()))
             names = [f"-DCMAKE_PROJECT_INCLUDE={entry / 'names.cmake'}"]
         started = time.monotonic()
         _run([cmake, "-S", str(source.path), "-B", str(build_dir), *generator_args,
