@@ -627,6 +627,20 @@ def test_a_probe_that_cannot_start_says_how_to_do_without(
         assert llm.projector is not None and llm.projector.vision
 
 
+@pytest.mark.parametrize("status", [2, 3])
+def test_a_trial_ending_in_any_other_status_than_its_own_is_a_death(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, status: int
+) -> None:
+    # Windows has no signals: a child's abort() ends it with status 3, an access violation with
+    # 0xC0000005. Only the trial's own 0 and 1 mean it lived; this child "dies" with `status`.
+    dying = tmp_path / "dying-python"
+    dying.write_text(f"#!/bin/sh\nexit {status}\n")
+    dying.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(dying))
+    with pytest.raises(ModelLoadError, match=rf"killed a child.*\(exit status {status}: "):
+        Llama(files["text"], n_ctx=256, n_threads=1, mmproj=files["vision"])
+
+
 def test_the_server_probes_its_projector_unless_told_not_to(files: dict[str, Path]) -> None:
     shown = {"model": str(files["text"]), "mmproj": str(files["vision"])}
     assert llama_kwargs(ServerSettings(**shown))["mmproj_probe"] is True

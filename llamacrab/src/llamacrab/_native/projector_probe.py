@@ -41,17 +41,28 @@ def probe(model: Path, projector: Path) -> None:
             f"could not start a child process to try the projector {projector.name} first "
             f"({error}); pass mmproj_probe=False to load a projector you trust without it"
         ) from None
-    if child.returncode >= 0:
+    if child.returncode in LIVED:
         return  # it worked, or refused the file with an error the load here reports again
-    try:
-        how = signal.Signals(-child.returncode).name
-    except ValueError:
-        how = f"signal {-child.returncode}"
     raise ModelLoadError(
         f"the projector {projector.name} does not fit its own description: it killed a "
-        f"child process that loaded it and encoded a test input first ({how}: "
-        f"{_native_reason(child.stderr)})"
+        f"child process that loaded it and encoded a test input first "
+        f"({_death(child.returncode)}: {_native_reason(child.stderr)})"
     )
+
+
+# projector_trial's own statuses: 0, it worked; 1, it refused the file. Anything else is a
+# death: a signal on POSIX (a negative status), and on Windows, which has none, abort()'s 3 or
+# an NTSTATUS such as 0xC0000005 (an access violation) or 0xC0000409 (a fast-fail abort).
+LIVED = (0, 1)
+
+
+def _death(status: int) -> str:
+    if status < 0:
+        try:
+            return signal.Signals(-status).name
+        except ValueError:
+            return f"signal {-status}"
+    return f"exit status {status:#x}" if status > 0xFFFF else f"exit status {status}"
 
 
 def _native_reason(stderr: str) -> str:

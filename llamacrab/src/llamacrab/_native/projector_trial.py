@@ -2,7 +2,8 @@
 PROJECTOR`` loads the projector as ``Projector`` does (on the CPU, for the text model's
 vocabulary alone) and encodes a small grey image and a second of silence with it, as far as
 it takes them. Exit status 0 when that worked, 1 when llamacrab or libmtmd refused something
-(the load in the parent then reports its own refusal); a death is the parent's answer.
+(the load in the parent then reports its own refusal); any other status, or a signal, is a
+death, and the parent's answer (``projector_probe.LIVED``).
 """
 
 from __future__ import annotations
