@@ -133,6 +133,8 @@ def _mach_o(data: bytes) -> SharedLibrary:
     symtab = None
     for _ in range(ncmds):
         cmd, cmdsize = struct.unpack_from("<II", data, at)
+        if cmdsize < 8:  # one that does not advance would be read ncmds (up to 2**32) times
+            raise BinaryFormatError(f"a load command of {cmdsize} bytes")
         if cmd == _LC_SEGMENT_64:
             (nsects,) = struct.unpack_from("<I", data, at + 64)
             for i in range(nsects):  # section_64 records of 80 bytes, flags at 64

@@ -137,3 +137,13 @@ def test_an_import_library_names_its_dll(tmp_path: Path) -> None:
     assert binaries.import_library_target(implib) == "fix.dll"
     with pytest.raises(BinaryFormatError, match=r"fix\.dll: not an import library"):
         binaries.import_library_target(tmp_path / "fix.dll")
+
+
+def test_a_mach_o_load_command_that_does_not_advance_is_refused(tmp_path: Path) -> None:
+    # mach_header_64 claiming 2**32 - 1 load commands, the first of 0 bytes: read as given, the
+    # loop would stay on it for each of them.
+    header = struct.pack("<IiiIIII4x", 0xFEEDFACF, 0x0100000C, 0, 6, 0xFFFFFFFF, 0, 0)
+    hostile = tmp_path / "libloop.dylib"
+    hostile.write_bytes(header + struct.pack("<II", 0x26, 0))  # LC_FUNCTION_STARTS, not read
+    with pytest.raises(BinaryFormatError, match=r"libloop\.dylib: a load command of 0 bytes"):
+        binaries.read(hostile)
