@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llamacrab_sys import _backends
-from llamacrab_sys._library_path import library_dir, load_recorded
+from llamacrab_sys._library_path import library_dir, load_recorded, module_dir
 from llamacrab_sys._native import ffi, lib
 
 
@@ -70,8 +70,7 @@ class BuildInfo:
 def build_info() -> BuildInfo:
     raw = load_recorded()
     # A user's llama.cpp (LLAMACRAB_LLAMA_CPP_PREFIX) is loaded where it is installed.
-    libraries_at = library_dir(raw)
-    module_dir = Path(raw.get("module_dir", libraries_at))
+    libraries_at, modules_at = library_dir(raw), module_dir(raw)
     prefix = raw.get("llama_cpp_prefix")
     return BuildInfo(
         package_version=raw["package_version"],
@@ -84,12 +83,12 @@ def build_info() -> BuildInfo:
         compilers=raw["compilers"],
         library_dir=libraries_at,
         libraries=tuple(libraries_at / name for name in raw["libraries"]),
-        backend_modules=tuple(module_dir / name for name in raw["backend_modules"]),
+        backend_modules=tuple(modules_at / name for name in raw["backend_modules"]),
         functions=raw["functions"],
         shimmed_functions=raw["shimmed_functions"],
         skipped_functions=raw["skipped_functions"],
         cdef_sha256=raw["cdef_sha256"],
-        module_dir=module_dir,
+        module_dir=modules_at,
         unavailable_features=tuple(raw.get("unavailable_features", ())),
         llama_cpp_prefix=Path(prefix) if prefix else None,
         commit_source=raw.get("commit_source", "pin"),

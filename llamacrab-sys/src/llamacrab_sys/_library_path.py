@@ -30,12 +30,17 @@ def library_dir(recorded: dict[str, Any]) -> Path:
     return Path(recorded.get("library_dir", LIBRARY_DIR))
 
 
+def module_dir(recorded: dict[str, Any]) -> Path:
+    """Where dlopen-only backend modules are looked for (the library directory by default)."""
+    return Path(recorded.get("module_dir", library_dir(recorded)))
+
+
 def add_dll_directories() -> list[Any]:
     """Windows: make the library directory and the backend module directory searched."""
     if sys.platform != "win32":  # the rpath does it
         return []
     recorded = load_recorded()
-    directories = {library_dir(recorded), Path(recorded.get("module_dir", library_dir(recorded)))}
+    directories = {library_dir(recorded), module_dir(recorded)}
     # Kept: closing one of these handles takes its directory out of the search again.
     return [os.add_dll_directory(str(path)) for path in sorted(directories) if path.is_dir()]
 
