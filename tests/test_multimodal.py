@@ -637,7 +637,7 @@ def test_a_trial_ending_in_any_other_status_than_its_own_is_a_death(
     dying.write_text(f"#!/bin/sh\nexit {status}\n")
     dying.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(dying))
-    with pytest.raises(ModelLoadError, match=rf"killed a child.*\(exit status {status}: "):
+    with pytest.raises(ModelLoadError, match=rf"killed a child.*\(exited with {status}: "):
         Llama(files["text"], n_ctx=256, n_threads=1, mmproj=files["vision"])
 
 

@@ -192,6 +192,25 @@ def test_a_child_that_cannot_answer_is_a_502_naming_how_it_ended() -> None:
     child.close()
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGRTMIN"), reason="real-time signals are Linux's")
+def test_a_child_killed_by_a_signal_without_a_name_is_reported_dead() -> None:
+    import subprocess
+    import sys
+
+    from llamacrab.server._isolation import ChildModel
+
+    # signal.Signals names SIGRTMIN and SIGRTMAX but none between them: describing such a death
+    # raised ValueError in the watcher thread, and the server never learned the child had died.
+    number = signal.SIGRTMIN + 6
+    script = f"import os; os.kill(os.getpid(), {number})"
+    process = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+    deaths: list[str] = []
+    child = ChildModel("gone", process, 9, "key", lambda _, reason: deaths.append(reason))
+    child._watch()
+    assert deaths == [f"the model's process killed by signal {number}"]
+    child.close()
+
+
 # A child that answers with the bytes of argv[2] (a start, no end), then dies (exit 9) or,
 # with argv[3] "hang", waits (for its client to leave).
 _DYING_CHILD = """

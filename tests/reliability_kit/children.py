@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llamacrab._exit_status import describe
+
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
 FAILURES = ("unclean", "crash", "hang")
@@ -237,11 +239,11 @@ class Runner:
                 status = process.wait()
                 if not ready:  # not a case's doing: the suite itself is broken
                     raise RuntimeError(f"a {self.section} child failed to start "
-                                       f"({_status(status)}): {_tail(log_path)}")  # fmt: skip
+                                       f"({describe(status)}): {_tail(log_path)}")  # fmt: skip
                 if (in_flight is not None and not abandoned) or status != 0:
                     what = in_flight or cases[-1]["id"]
                     where = "during its case" if in_flight else "at exit, after its last case"
-                    detail = f"{_status(status)} {where}; log: {_tail(log_path)}"
+                    detail = f"{describe(status)} {where}; log: {_tail(log_path)}"
                     failure = Result(what, "crash", detail, time.monotonic() - case_started)
                 break
             if "ready" in report:
@@ -285,15 +287,6 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-
-
-def _status(status: int) -> str:
-    if status < 0:
-        try:
-            return f"killed by {signal.Signals(-status).name}"
-        except ValueError:
-            return f"killed by signal {-status}"
-    return f"exit status {status}"
 
 
 def _tail(path: Path, size: int = 1500) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any, NoReturn
 
 from llamacrab._exceptions import InvalidParameterError, RpcError, RpcUnavailableError
+from llamacrab._exit_status import describe
 from llamacrab._native import rpc as _rpc
 from llamacrab._native.rpc import DEFAULT_PORT, Device, Endpoint, local_devices, probe
 from llamacrab._ports import free_port
@@ -209,7 +210,7 @@ class RpcWorker:
         while True:
             if self.process.poll() is not None:
                 raise RpcError(
-                    f"the RPC worker exited with {self.process.returncode} before answering: "
+                    f"the RPC worker {describe(self.process.returncode)} before answering: "
                     f"{self.output().strip()[-2000:]}",
                     self.endpoint,
                 )
@@ -269,5 +270,5 @@ class RpcWorker:
         self.close()
 
     def __repr__(self) -> str:
-        state = "running" if self.running else f"exited {self.process.returncode}"
+        state = "running" if self.running else describe(self.process.returncode)
         return f"<RpcWorker {self.endpoint} pid {self.pid} ({state})>"

@@ -13,12 +13,12 @@ loads it.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from llamacrab._exceptions import ModelLoadError
+from llamacrab._exit_status import describe
 
 PROBE_SECONDS = 600  # a large projector from a slow disk, loaded in full
 
@@ -46,7 +46,7 @@ def probe(model: Path, projector: Path) -> None:
     raise ModelLoadError(
         f"the projector {projector.name} does not fit its own description: it killed a "
         f"child process that loaded it and encoded a test input first "
-        f"({_death(child.returncode)}: {_native_reason(child.stderr)})"
+        f"({describe(child.returncode)}: {_native_reason(child.stderr)})"
     )
 
 
@@ -54,15 +54,6 @@ def probe(model: Path, projector: Path) -> None:
 # death: a signal on POSIX (a negative status), and on Windows, which has none, abort()'s 3 or
 # an NTSTATUS such as 0xC0000005 (an access violation) or 0xC0000409 (a fast-fail abort).
 LIVED = (0, 1)
-
-
-def _death(status: int) -> str:
-    if status < 0:
-        try:
-            return signal.Signals(-status).name
-        except ValueError:
-            return f"signal {-status}"
-    return f"exit status {status:#x}" if status > 0xFFFF else f"exit status {status}"
 
 
 def _native_reason(stderr: str) -> str:

@@ -12,7 +12,6 @@ import http.client
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llamacrab import ModelEntry, ModelLoadError
+from llamacrab._exit_status import describe
 from llamacrab._ports import free_port
 from llamacrab.server._settings import ServerSettings
 
@@ -163,7 +163,7 @@ class ChildModel:
         code = self.process.returncode
         if code is None:
             return "is running"
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        how = describe(code)
         last = next((line for line in reversed(self._stderr) if not line.startswith("INFO")), "")
         return f"{how}: {last}" if last else how
 
