@@ -174,6 +174,40 @@ def test_an_end_token_the_grammar_does_not_allow_is_refused(tiny_model_path: Pat
     assert "lazy ended" in lines
 
 
+# A Python sampler that keeps its candidates past the call; freed memory is filled with 0xA5.
+KEPT_CANDIDATES_CHILD = """
+    import sys
+    from llamacrab import CustomSampler, Llama
+
+    class Keeper(CustomSampler):
+        kept = None
+
+        def apply(self, candidates):
+            self.kept = candidates
+
+    keeper = Keeper()
+    with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:
+        llm.create_completion("hi", max_tokens=3, custom_samplers=[keeper])
+        n_vocab = llm.vocab.n_tokens
+        for _ in range(20):  # what llama.cpp frees and allocates meanwhile
+            llm.tokenize("the cat sat on the mat " * 50)
+        ids = keeper.kept["id"]
+        print(int(ids.min()), int(ids.max()), n_vocab)
+"""
+
+
+def test_candidates_a_python_sampler_keeps_stay_valid_memory(tiny_model_path: Path) -> None:
+    # They were a view of llama.cpp's candidate vector, freed after each sampled token: read
+    # back they held 0xA5A5A5A5 (-1515870811) under MALLOC_PERTURB_, and writes went to the heap.
+    env = {**os.environ, "MALLOC_PERTURB_": "165", "GGML_NO_BACKTRACE": "1"}
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(KEPT_CANDIDATES_CHILD),
+                            str(tiny_model_path)], capture_output=True, text=True, timeout=120,
+                           env=env)  # fmt: skip
+    assert_clean_exit(child)
+    low, high, n_vocab = map(int, child.stdout.split())
+    assert 0 <= low <= high < n_vocab, child.stdout
+
+
 # -- closing while another thread decodes ------------------------------------------------------
 
 CLOSE_DURING_DECODE_CHILD = """

@@ -20,12 +20,14 @@ class CustomSampler:
     """Subclass and override ``apply`` (and ``accept`` / ``reset`` if it keeps state).
 
     ``apply`` gets the candidates as a numpy structured array with fields ``id``, ``logit`` and
-    ``p``, a view of llama.cpp's own buffer: change ``logit`` in place (``-inf`` removes a
-    candidate). Custom samplers run first in the chain, once per generated token, so they see
-    the whole vocabulary in token-id order (``candidates["logit"][token_id]``), like a logits
-    processor. That is O(vocabulary) per token in numpy: prefer SamplingOptions fields where one
-    exists, they run in C. ``apply`` raising ``EndGeneration`` ends the generation there (a
-    per-token stop rule); any other exception ends it too, and reaches the caller.
+    ``p``: change ``logit`` in place (``-inf`` removes a candidate); the changes are copied
+    into llama.cpp's buffer when ``apply`` returns. The array is the sampler's own, refilled
+    for every token: one kept past the call stays valid memory but holds later candidates.
+    Custom samplers run first in the chain, once per generated token, so they see the whole
+    vocabulary in token-id order (``candidates["logit"][token_id]``), like a logits processor.
+    That is O(vocabulary) per token in numpy: prefer SamplingOptions fields where one exists,
+    they run in C. ``apply`` raising ``EndGeneration`` ends the generation there (a per-token
+    stop rule); any other exception ends it too, and reaches the caller.
     """
 
     name = "python"
@@ -49,17 +51,26 @@ class _Bridge:
         self.sampler = sampler
         self.name = sampler.name
         self.error: BaseException | None = None
+        self._copy = np.empty(0, dtype=TOKEN_DATA)
 
     def apply(self, candidates: Any) -> None:
         if self.error is not None:
             return
         size = int(candidates.size)
-        raw = ffi.buffer(candidates.data, size * TOKEN_DATA.itemsize)
+        native = np.frombuffer(ffi.buffer(candidates.data, size * TOKEN_DATA.itemsize),
+                               dtype=TOKEN_DATA)  # fmt: skip
+        # The sampler gets a copy: a view of llama.cpp's vector, kept past this call (as
+        # ``self.last = candidates``), would read and write freed memory after the generation.
+        if self._copy.size != size:
+            self._copy = np.empty(size, dtype=TOKEN_DATA)
+        self._copy[...] = native
         candidates.sorted = False  # logits may change: later samplers must not trust order
         try:
-            self.sampler.apply(np.frombuffer(raw, dtype=TOKEN_DATA))
+            self.sampler.apply(self._copy)
         except BaseException as error:
             self.error = error
+            return
+        native[...] = self._copy
 
     def accept(self, token: int) -> None:
         if self.error is not None:
