@@ -17,6 +17,7 @@ from llamacrab import (
     ToolCallError,
     parse_tool_calls,
 )
+from llamacrab._chat.generic_tools import parse_generic
 from llamacrab._chat.tool_calls import ToolCallSplitter, check_arguments
 
 from support import load_repo_module
@@ -219,3 +220,13 @@ def test_trigger_words_with_regex_characters_match_literally(llm: Llama) -> None
                                    grammar_trigger_words=("[TOOL_CALLS]",),
                                    custom_samplers=(StartText(opener),))  # fmt: skip
     assert result.text.strip() == "[TOOL_CALLS] done"
+
+
+def test_a_call_nested_past_the_recursion_limit_is_left_as_content() -> None:
+    # A model's answer can nest without end (forced by a grammar here in the hunt that found
+    # it): json.loads raised RecursionError out of create_chat_completion, the answer lost.
+    deep = "[" * 1500 + "]" * 1500
+    text = f'<tool_call>{{"name": "f", "arguments": {{"a": {deep}}}}}</tool_call>'
+    assert parse_tool_calls(text) == (text, [])
+    generic = f'{{"tool_call": {{"name": "f", "arguments": {{"a": {deep}}}}}}}'
+    assert parse_generic(generic) == (generic, [])

@@ -68,9 +68,9 @@ def _with_arguments(call: Any, as_object: bool, index: int) -> dict[str, Any]:
     if as_object and isinstance(arguments, str):
         try:
             function["arguments"] = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, RecursionError) as error:
             raise InvalidParameterError(
-                f"message {index}: tool call arguments are not JSON ({error})"
+                f"message {index}: tool call arguments are not JSON Python can read ({error})"
             ) from None
     elif not as_object and arguments is not None and not isinstance(arguments, str):
         function["arguments"] = json.dumps(arguments, ensure_ascii=False)
@@ -81,7 +81,7 @@ def _loaded(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return arguments
     return arguments
 

@@ -57,6 +57,17 @@ def _call_schema(tools: Sequence[Mapping[str, Any]], only: str | None) -> dict[s
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def forced_tool_name(tool_choice: Mapping[str, Any]) -> str:
+    """The tool a tool_choice object forces: ``{"type": "function", "function": {"name": ...}}``."""
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str):
+        raise InvalidParameterError(
+            f'a tool_choice object needs {{"function": {{"name": ...}}}}, got {dict(tool_choice)!r}'
+        )
+    return name
+
+
 def generic_grammar(
     tools: Sequence[Mapping[str, Any]],
     tool_choice: str | Mapping[str, Any],
@@ -66,9 +77,7 @@ def generic_grammar(
     "auto" either a call or ``{"response": ...}`` (a string, or ``response_schema``)."""
     only = None
     if isinstance(tool_choice, Mapping):
-        only = (tool_choice.get("function") or {}).get("name")
-        if not isinstance(only, str):
-            raise InvalidParameterError('a tool_choice object needs {"function": {"name": ...}}')
+        only = forced_tool_name(tool_choice)
     elif tool_choice not in ("auto", "required"):
         raise InvalidParameterError(f"unknown tool_choice {tool_choice!r}")
     call = {
@@ -93,6 +102,8 @@ def parse_generic(text: str) -> tuple[str, list[ToolCall]]:
     ``parse_tool_calls`` does; anything else is content as it is."""
     try:
         value = json.loads(text.strip())
+    except RecursionError:  # nested past Python's limit: no call, so content
+        value = None
     except json.JSONDecodeError:
         opened = _OPENER.match(text)
         if opened is not None:

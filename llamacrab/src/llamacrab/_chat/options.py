@@ -7,7 +7,12 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llamacrab._chat.generic_tools import GenericSplitter, generic_grammar, parse_generic
+from llamacrab._chat.generic_tools import (
+    GenericSplitter,
+    forced_tool_name,
+    generic_grammar,
+    parse_generic,
+)
 from llamacrab._chat.tool_calls import (
     ToolCallSplitter,
     check_arguments,
@@ -49,6 +54,8 @@ class ChatOptions:
             tool_names(self.tools)  # validates their shape
         elif self.tool_choice not in ("auto", "none"):
             raise InvalidParameterError(f"tool_choice {self.tool_choice!r} needs tools")
+        if isinstance(self.tool_choice, Mapping):
+            forced_tool_name(self.tool_choice)  # validates its shape
 
     @property
     def parses_tools(self) -> bool:
@@ -72,8 +79,8 @@ class ChatOptions:
         if self.tool_choice == "required":
             return {**kwargs, "grammar": forced_call_grammar(self.tools)}
         if isinstance(self.tool_choice, Mapping):
-            name = (self.tool_choice.get("function") or {}).get("name")
-            return {**kwargs, "grammar": forced_call_grammar(self.tools, only=name)}
+            only = forced_tool_name(self.tool_choice)
+            return {**kwargs, "grammar": forced_call_grammar(self.tools, only=only)}
         raise InvalidParameterError(f"unknown tool_choice {self.tool_choice!r}")
 
     def _generic_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

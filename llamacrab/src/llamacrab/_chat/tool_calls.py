@@ -44,9 +44,11 @@ def _call(obj: Any) -> ToolCall | None:
 
 
 def _loads(text: str) -> Any:
+    """``text`` parsed, or None: not JSON, or nested past Python's recursion limit (a model's
+    output can be anything; such a call is left in the content, as any malformed one)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
 
 

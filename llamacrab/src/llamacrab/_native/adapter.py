@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from llamacrab._exceptions import ModelLoadError
 from llamacrab._field_types import file_path
-from llamacrab._native.call import c_string, call, ffi, lib, read_string
+from llamacrab._native.call import c_path, call, ffi, lib, read_string
 from llamacrab._native.gguf_check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
@@ -38,9 +38,7 @@ class LoraAdapter(NativeHandle):
         # Closing the model from another thread waits for the load, then closes this too;
         # signals wait for the handle (signals.py).
         with held_signals(), model.in_flight() as model_pointer:
-            pointer = call(
-                "llama_adapter_lora_init", model_pointer, c_string(str(file), "adapter path")
-            )
+            pointer = call("llama_adapter_lora_init", model_pointer, c_path(file, "adapter path"))
             if pointer == ffi.NULL:
                 reason = log_lines.take_errors() or "see the llamacrab logger"
                 raise ModelLoadError(f"llama.cpp could not load the LoRA adapter {file}: {reason}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -43,11 +44,32 @@ def call_bounded(name: str, *args: Any, refusal: type[LlamaError], explain: str 
         raise refusal(error.message.removeprefix(PATCH_REFUSAL) + explain) from error
 
 
+def utf8(text: str, what: str, error: type[LlamaError] = InvalidParameterError) -> bytes:
+    """``text`` in UTF-8, or ``error`` naming ``what``: a str can hold a lone surrogate (JSON's
+    "\\ud800", a file name decoded with surrogateescape), which has no UTF-8."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(
+            f"{what} is not valid Unicode: an unpaired surrogate {text[exc.start]!r} at "
+            f"character {exc.start}"
+        ) from None
+
+
 def c_string(text: str, what: str) -> bytes:
     """Encode text for C: UTF-8, NUL-terminated by cffi, so an embedded NUL would truncate it."""
     if "\0" in text:
         raise InvalidParameterError(f"{what} contains a NUL character: {text!r}")
-    return text.encode("utf-8")
+    return utf8(text, what)
+
+
+def c_path(path: str | os.PathLike[str], what: str) -> bytes:
+    """A file name for C as the system spells it (os.fsencode: a name that is not UTF-8, which
+    Python decodes with surrogateescape, gets its own bytes back)."""
+    raw = os.fsencode(path)
+    if b"\0" in raw:
+        raise InvalidParameterError(f"{what} contains a NUL character: {os.fspath(path)!r}")
+    return raw
 
 
 def read_string(fill: Any, initial: int = 256) -> str:
@@ -63,4 +85,14 @@ def read_string(fill: Any, initial: int = 256) -> str:
         size = needed + 1
 
 
-__all__ = ["PATCH_REFUSAL", "c_string", "call", "call_bounded", "ffi", "lib", "read_string"]
+__all__ = [
+    "PATCH_REFUSAL",
+    "c_path",
+    "c_string",
+    "call",
+    "call_bounded",
+    "ffi",
+    "lib",
+    "read_string",
+    "utf8",
+]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llamacrab._exceptions import GrammarError
+from llamacrab._native.call import utf8
 from llamacrab._native.gbnf_structure import skip_quoted
 from llamacrab._native.grammar_fanout import check_grammar_fanout
 
@@ -24,7 +25,7 @@ MAX_TRIGGER_WORD_CHARS = 256
 
 def check_grammar(text: str) -> None:
     """Raise GrammarError if ``text`` exceeds a bound; syntax is left to llama.cpp."""
-    size = len(text.encode("utf-8"))
+    size = len(utf8(text, "the grammar", GrammarError))
     if size > MAX_GRAMMAR_BYTES:
         raise GrammarError(f"the grammar is {size} bytes; the limit is {MAX_GRAMMAR_BYTES}")
     depth = max_depth = rules = 0

@@ -21,7 +21,7 @@ from llamacrab._field_types import (
     is_number,
 )
 from llamacrab._native import backend as _backend
-from llamacrab._native.call import c_string, call, ffi, lib, read_string
+from llamacrab._native.call import c_path, c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import accelerator_present, warn_if_no_gpu
 from llamacrab._native.gguf_check import split_parts, validate_gguf
 from llamacrab._native.handle import NativeHandle
@@ -165,7 +165,7 @@ def _load_weights(file: Path, c_params: Any, progress: _Progress) -> Any:
     callback = progress_callback(progress)  # held here for the whole call
     c_params.progress_callback = callback.function
     c_params.progress_callback_user_data = callback.user_data
-    pointer = call("llama_model_load_from_file", c_string(str(file), "model path"), c_params)
+    pointer = call("llama_model_load_from_file", c_path(file, "model path"), c_params)
     if pointer == ffi.NULL:
         if progress.error is not None:
             raise progress.error

@@ -23,7 +23,7 @@ from llamacrab._exceptions import (
 from llamacrab._field_types import file_path
 from llamacrab._native import gguf_archs as archs
 from llamacrab._native import projector_probe
-from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
+from llamacrab._native.call import c_path, c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.gguf_check import validate_gguf
@@ -101,7 +101,7 @@ class Projector(NativeHandle):
         # Closing the model from another thread waits for the load, then closes this too;
         # signals wait for the handle (signals.py).
         with held_signals(), model.in_flight() as model_pointer:
-            pointer = call("mtmd_init_from_file", c_string(str(file), "path"), model_pointer,
+            pointer = call("mtmd_init_from_file", c_path(file, "projector path"), model_pointer,
                            params)  # fmt: skip
             if pointer == ffi.NULL:
                 reason = log_lines.take_errors() or "see the llamacrab logger"

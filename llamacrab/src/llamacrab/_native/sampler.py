@@ -282,12 +282,26 @@ class SamplerChain(NativeHandle):
             bridge.raise_error()
 
 
+# What llama.cpp throws when the token sampled ends every parse: the grammar allowed no
+# candidate at all (its tokens all banned, or none in the vocabulary spells what it needs).
+_DEAD_END = "Unexpected empty grammar stack"
+
+
 def _grammar_call(name: str, *args: Any) -> Any:
     """``call`` for the sampling entry points, where an ambiguous grammar can hit the bound of
-    llamacrab-sys's llama-grammar-stack-bound patch."""
-    return call_bounded(name, *args, refusal=GrammarError, explain=(
-        " (an ambiguous grammar: a rule that can start over inside itself, so the ways to read "
-        "the text multiply)"))  # fmt: skip
+    llamacrab-sys's llama-grammar-stack-bound patch, or leave no token to take."""
+    try:
+        return call_bounded(name, *args, refusal=GrammarError, explain=(
+            " (an ambiguous grammar: a rule that can start over inside itself, so the ways to "
+            "read the text multiply)"))  # fmt: skip
+    except NativeError as error:
+        if not error.message.startswith(_DEAD_END):
+            raise
+        raise GrammarError(
+            "the grammar allows no token here: every token it could take was ruled out (by "
+            "logit_bias or a ban) or no token of the vocabulary spells what it needs "
+            f"(llama.cpp: {error.message})"
+        ) from error
 
 
 class _EndBan(CustomSampler):

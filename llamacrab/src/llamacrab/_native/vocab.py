@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, TokenizeError
-from llamacrab._native.call import call, ffi, lib
+from llamacrab._native.call import call, ffi, lib, utf8
 from llamacrab._native.handle import NativeHandle
 
 _PIECE_BUFFER = 64
@@ -169,7 +169,7 @@ class Vocab:
         self, text: str, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
         """Tokens of ``text``; ``add_special`` adds BOS/EOS as the model wants them."""
-        data = text.encode("utf-8")
+        data = utf8(text, "the text to tokenize", TokenizeError)
         capacity = len(data) + 8
         for _ in range(2):  # the first call tells the size needed when it is too small
             out = ffi.new("llama_token[]", capacity)
