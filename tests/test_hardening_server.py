@@ -78,3 +78,61 @@ def test_label_values_are_escaped() -> None:
     text = metrics.render(0, 0, 0)
     _assert_parses(text)
     assert "\nllamacrab_forged" not in text
+
+
+# Valid for Python's json module, not for JSON (RFC 8259): llama-server's parser refuses them.
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        (b'{"prompt": "\\ud800"}', "unpaired surrogate '\\ud800'"),
+        (b'{"prompt": "hi", "stop": ["\\udc00"]}', "unpaired surrogate '\\udc00'"),
+        (b'{"prompt": "hi", "temperature": NaN}', "NaN is not a JSON value"),
+        (b'{"prompt": "hi", "temperature": Infinity}', "Infinity is not a JSON value"),
+        (b'{"prompt": "hi", "logit_bias": {"1": -Infinity}}', "-Infinity is not a JSON value"),
+        (b'{"prompt": "hi", "temperature": 1e999}', "1e999 is beyond a double's range"),
+    ],
+)
+def test_a_body_only_python_parses_is_refused_as_json_names_it(
+    client: TestClient, raw: bytes, problem: str
+) -> None:
+    # The surrogate reached the tokenizer's UTF-8 encoding: a plain-text 500 on every text route.
+    answer = client.post("/v1/completions", content=raw,
+                         headers={"content-type": "application/json"})  # fmt: skip
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert message.startswith("the request body is not valid JSON: ") and problem in message
+    anthropic = client.post("/v1/messages", content=raw)  # no content type: parsed as JSON too
+    assert anthropic.status_code == 400
+    assert anthropic.json()["type"] == "error" and problem in anthropic.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "\\ud83d\\ude00 NaN Infinity \\\\ud800", "temperature": 1e300}',
+        b'{"prompt": "hi", "max_tokens": 1E+308}',
+    ],
+)
+def test_json_that_only_looks_suspect_passes(client: TestClient, raw: bytes) -> None:
+    # A surrogate pair, the words inside a string, an escaped backslash, a finite exponent.
+    answer = client.post("/v1/completions", content=raw,
+                         headers={"content-type": "application/json"})  # fmt: skip
+    assert "not valid JSON" not in answer.text
+
+
+def test_an_unexpected_error_is_a_json_500_in_the_shape_of_its_api() -> None:
+    app = create_app(ServerSettings(model="absent.gguf"))
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    for path in ("/test/broken", "/v1/messages/broken"):
+        app.add_api_route(path, broken, methods=["GET"])
+    client = TestClient(app, raise_server_exceptions=False)
+    openai = client.get("/test/broken")
+    assert openai.status_code == 500
+    assert openai.json()["error"]["message"] == "internal server error: RuntimeError: a bug"
+    anthropic = client.get("/v1/messages/broken")
+    assert anthropic.status_code == 500
+    assert anthropic.json() == {"type": "error", "error": {
+        "type": "api_error", "message": "internal server error: RuntimeError: a bug"}}  # fmt: skip

@@ -203,6 +203,53 @@ def test_a_forced_tool_call_through_the_sdk(guarded_server: LiveServer) -> None:
     assert [(t.index, t.function.name) for t in calls] == [(0, "get_weather")]  # type: ignore[union-attr]
 
 
+def test_seed_minus_one_and_a_malformed_tool_choice(guarded_server: LiveServer) -> None:
+    url, auth = guarded_server.url, {"authorization": "Bearer sesame"}
+    messages = [{"role": "user", "content": "weather?"}]
+    # llama-server's "a random seed", which its clients send: was a 400 (0..4294967295).
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": messages}),
+    ):
+        answer = httpx.post(url + path, json={**body, "seed": -1, "max_tokens": 2}, headers=auth)
+        assert answer.status_code == 200, answer.text
+    # A tool_choice whose function is a name, not an object: a 400 naming the shape (was an
+    # AttributeError from inside, a plain-text 500).
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    answer = httpx.post(url + "/v1/chat/completions", headers=auth, json={
+        "messages": messages, "tools": [WEATHER], "max_tokens": 2,
+        "tool_choice": {"type": "function", "function": "get_weather"}})  # fmt: skip
+    assert answer.status_code == 400
+    assert 'needs {"function": {"name": ...}}' in answer.json()["error"]["message"]
+    named = {"messages": messages, "tools": [WEATHER], "max_tokens": 2, "tool_choice": tool}
+    answer = httpx.post(url + "/v1/chat/completions", headers=auth, json=named)
+    assert answer.status_code == 200, answer.text
+
+
+def test_a_long_tokenize_leaves_the_server_answering(tiny_path: Path) -> None:
+    # llama.cpp's tokenizer is quadratic in a run of one character: 200k of them take seconds
+    # here. /extras/tokenize ran it on the event loop, and every other request waited.
+    server = LiveServer(ServerSettings(model=str(tiny_path), n_ctx=256, n_threads=1))
+    try:
+        assert server.wait_until_loaded() == 200
+
+        def count() -> float:
+            answer = httpx.post(server.url + "/extras/tokenize/count",
+                                json={"input": "a" * 200_000}, timeout=120)  # fmt: skip
+            assert answer.json()["count"] > 100_000
+            return time.monotonic()
+
+        with ThreadPoolExecutor(1) as pool:
+            counted = pool.submit(count)
+            time.sleep(0.3)
+            assert httpx.get(server.url + "/health", timeout=120).status_code == 200
+            healthy = time.monotonic()
+            # Blocked, /health was answered just after the count (the same loop turn).
+            assert counted.result() - healthy > 0.5, "make the tokenize request longer"
+    finally:
+        server.close()
+
+
 def test_embeddings_through_the_sdk(tmp_path: Path) -> None:
     path = load_repo_module("scripts/convert_bert.py").minilm()
     texts = ["A cat sits on the mat.", "Stock markets fell today."]

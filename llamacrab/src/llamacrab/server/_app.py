@@ -24,7 +24,7 @@ from llamacrab._registry import ModelRegistry
 from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic import add_anthropic_routes
 from llamacrab.server._cors import CorsMiddleware
-from llamacrab.server._errors import ApiError, from_llama_error
+from llamacrab.server._errors import ApiError, error_body, from_llama_error
 from llamacrab.server._guards import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from llamacrab.server._llama_kwargs import llama_kwargs
 from llamacrab.server._llama_server import add_llama_server_routes
@@ -125,6 +125,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         return await api_error(request, ApiError(error.status_code, str(error.detail)))
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        # A bug, not the client's fault; still an answer its SDK can read (the traceback
+        # goes to the log: Starlette raises the error again once this has answered).
+        internal = ApiError(500, f"internal server error: {type(error).__name__}: {error}")
+        return JSONResponse(error_body(request.url.path, internal), status_code=500)
+
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
@@ -188,7 +195,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         inputs: Any = wire.embedding_inputs(body.input)
         with state.metrics.working_on():
             vectors = await in_thread(llama.embed, inputs)
-        n_tokens = sum(len(llama.tokenize(t)) if isinstance(t, str) else len(t) for t in inputs)
+        # Tokenizing is C work that can take seconds (llama.cpp's is quadratic in places): never
+        # on the event loop, which every other request waits on.
+        n_tokens = await in_thread(
+            lambda: sum(len(llama.tokenize(t)) if isinstance(t, str) else len(t) for t in inputs)
+        )
         state.metrics.tokens(n_tokens, 0)
         data = [wire.embedding(v, i, body.encoding_format) for i, v in enumerate(vectors)]
         usage = {"prompt_tokens": n_tokens, "completion_tokens": 0, "total_tokens": n_tokens}
@@ -206,7 +217,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise ApiError(400, "documents must be a non-empty list of texts", param="documents")
         with state.metrics.working_on():
             results = await in_thread(llama.rerank, body.query, documents, top_n=body.top_n)
-        n_tokens = sum(len(llama.tokenize(body.query + d)) for d in documents)
+        n_tokens = await in_thread(
+            lambda: sum(len(llama.tokenize(body.query + d)) for d in documents)
+        )
         state.metrics.tokens(n_tokens, 0)
         if tei:
             return JSONResponse([
@@ -230,17 +243,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/extras/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> Any:
         llama = state.ready(body.model)
-        return {"tokens": llama.tokenize(body.input, body.add_special, body.parse_special)}
+        tokens = await in_thread(llama.tokenize, body.input, body.add_special, body.parse_special)
+        return {"tokens": tokens}
 
     @app.post("/extras/tokenize/count", response_model=CountResponse, responses=ERRORS)
     async def tokenize_count(body: TokenizeRequest) -> Any:
         llama = state.ready(body.model)
-        return {"count": len(llama.tokenize(body.input, body.add_special, body.parse_special))}
+        tokens = await in_thread(llama.tokenize, body.input, body.add_special, body.parse_special)
+        return {"count": len(tokens)}
 
     @app.post("/extras/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest) -> Any:
         llama = state.ready(body.model)
-        return {"text": llama.detokenize(body.tokens)}
+        return {"text": await in_thread(llama.detokenize, body.tokens)}
 
 
 def _models_health(state: ServerState, model: str | None) -> JSONResponse:

@@ -1,9 +1,11 @@
-"""ASGI middleware: API keys, the request body limit, and per-request metrics."""
+"""ASGI middleware: API keys, the request body's limit and JSON, and per-request metrics."""
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
+import re
 import time
 from collections.abc import Sequence
 
@@ -65,7 +67,8 @@ class AuthMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses (413) a request body over ``limit`` bytes, declared or streamed."""
+    """Refuses (413) a request body over ``limit`` bytes, declared or streamed, and (400) a JSON
+    body that only Python's parser takes (see ``json_problem``)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -91,6 +94,11 @@ class BodyLimitMiddleware:
                 return
             if not message.get("more_body"):
                 break
+        if _is_json(scope) and (problem := json_problem(b"".join(parts))):
+            await _answer(
+                scope, send, ApiError(400, f"the request body is not valid JSON: {problem}")
+            )
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -101,6 +109,51 @@ class BodyLimitMiddleware:
             return await receive()  # later: the disconnect a streaming response listens for
 
         await self.app(scope, replay, send)
+
+
+def _is_json(scope: Scope) -> bool:
+    """Whether the routes parse the body as JSON (FastAPI does without a content type too)."""
+    kind = (_header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
+    return kind in (b"", b"application/json") or kind.endswith(b"+json")
+
+
+# What could make Python's json module accept a body that JSON (RFC 8259) does not: a surrogate
+# escape, NaN / Infinity, a three-digit exponent. Only a body holding one is parsed here.
+_SUSPECT = re.compile(rb"\\u[dD][89a-fA-F]|NaN|Infinity|[eE][+-]?[0-9]{3}")
+
+
+class _NotJson(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> float:
+    raise _NotJson(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotJson(f"the number {text[:40]} is beyond a double's range")
+    return value
+
+
+def json_problem(body: bytes) -> str | None:
+    """What makes ``body`` invalid JSON that Python's json module parses anyway: NaN or
+    Infinity, a number past a double (parsed as inf), a string with an unpaired surrogate
+    escape (no UTF-8 can carry it, so it fails later, wherever it is encoded). None when the
+    body is fine, or malformed in a way the route's own parse reports."""
+    if not _SUSPECT.search(body):
+        return None
+    try:
+        parsed = json.loads(body, parse_constant=_no_constant, parse_float=_finite)
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+    except _NotJson as error:
+        return str(error)
+    except UnicodeEncodeError as error:
+        return f"a string holds an unpaired surrogate {error.object[error.start]!r}"
+    except (ValueError, RecursionError):
+        return None
+    return None
 
 
 def route_template(scope: Scope) -> str:

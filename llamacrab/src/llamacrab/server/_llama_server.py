@@ -126,14 +126,12 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
 
 def _infill_kwargs(body: InfillRequest, settings: ServerSettings) -> dict[str, Any]:
     """``/completion``'s options as keywords: ``n_predict`` (else ``max_tokens``; -1 means the
-    server's limit), ``repeat_last_n``, ``seed`` -1 for a random one."""
+    server's limit), ``repeat_last_n``."""
     if body.n != 1:
         raise ApiError(400, "/infill returns one completion: n must be 1", param="n")
     wanted = body.n_predict if body.n_predict is not None and body.n_predict >= 0 else None
     max_tokens = body.max_tokens if wanted is None else wanted
     kwargs = generation_kwargs(body, settings, max_tokens, None)
-    if body.seed == -1:
-        kwargs.pop("seed", None)
     if body.repeat_last_n is not None:
         kwargs["penalty_last_n"] = body.repeat_last_n
     return kwargs

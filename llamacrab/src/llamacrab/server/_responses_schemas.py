@@ -21,6 +21,13 @@ from pydantic import (
 
 from llamacrab.server._schemas import LoraEntry
 
+# OpenAI's bounds on metadata: 16 pairs, keys up to 64 characters, values up to 512 (a stored
+# response keeps its metadata for an hour: unbounded, a client could fill memory with it).
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=16),
+]
+
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -163,7 +170,7 @@ class ResponseRequest(_Lenient):
     text: TextConfig | None = None
     stream: bool = False
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     lora: list[LoraEntry] | None = None  # llama-server's: this request's adapter scales
     # Fields refused unless unset (or at their default), named in the error.
@@ -259,7 +266,7 @@ class ResponseObject(BaseModel):
     parallel_tool_calls: bool
     text: dict[str, Any]
     store: bool
-    metadata: dict[str, str]
+    metadata: Metadata
     user: str | None = None
     background: bool
     truncation: Literal["disabled"]

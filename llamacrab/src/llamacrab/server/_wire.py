@@ -47,6 +47,8 @@ def generation_kwargs(
 ) -> dict[str, Any]:
     """Keywords for the Python API, with the server's caps applied."""
     kwargs: dict[str, Any] = {n: v for n in _SAMPLING if (v := getattr(body, n)) is not None}
+    if kwargs.get("seed") == -1:  # llama-server's "a random seed", which clients send
+        del kwargs["seed"]
     if body.logit_bias:
         try:
             kwargs["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
