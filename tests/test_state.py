@@ -155,6 +155,23 @@ def test_state_from_another_model_or_too_large_is_refused(
         tiny_llama.load_state(big)
 
 
+def test_a_fine_tune_with_the_same_metadata_is_another_model(
+    tmp_path: Path, tiny_llama: Llama
+) -> None:
+    # Other weights, the same metadata and layout (two fine-tunes of one base): a state of one
+    # loaded into the other and answered from memory computed by other weights, and a shared
+    # DiskCache served one model's entries to the other.
+    other = tiny.write_tiny_llama(tmp_path / "tuned.gguf", seed=1)
+    with Llama(other, n_ctx=128, cache=DiskCache(tmp_path / "cache")) as tuned:
+        assert tuned.model.metadata == tiny_llama.model.metadata
+        tuned.create_completion(PROMPT, max_tokens=0)
+        foreign = tuned.save_state()
+    with pytest.raises(StateError, match="different model"):
+        tiny_llama.load_state(foreign)
+    with Llama(tiny_llama.model.path, n_ctx=128, cache=DiskCache(tmp_path / "cache")) as base:
+        assert base.create_completion(PROMPT, max_tokens=1).usage.cached_tokens == 0
+
+
 def test_ram_cache_restores_the_longest_prefix_exactly(tiny_model_path: Path) -> None:
     cache = RamCache(capacity_bytes=64 << 20)
     extended = PROMPT + " and the mat sat on the dog"

@@ -31,6 +31,7 @@ from llamacrab._native.logging import log_lines
 from llamacrab._native.rpc import offload_devices, parse_endpoints
 from llamacrab._native.signals import Hold, held_signals
 from llamacrab._native.vocab import Vocab, VocabFacts
+from llamacrab._native.weights_sample import weights_sample
 from llamacrab_sys import progress_callback
 
 SPLIT_MODES = {
@@ -96,6 +97,12 @@ def _load_mode(params: ModelParams) -> int:
     return int(lib.LLAMA_LOAD_MODE_MLOCK if params.use_mlock else lib.LLAMA_LOAD_MODE_NONE)
 
 
+def _parts(file: Path, metadata: Mapping[str, Any]) -> list[Path]:
+    """The files of the model: ``file``, or every part of a split one."""
+    count = metadata.get("split.count", 1)
+    return split_parts(file, count) if isinstance(count, int) and count > 1 else [file]
+
+
 def _check_weights_fit(file: Path, params: ModelParams, metadata: Mapping[str, Any]) -> None:
     """Without mmap, llama.cpp reads every weight into memory it allocates (for a model that
     stays on the CPU: no accelerator, no RPC worker); past a container's memory limit that is
@@ -104,9 +111,7 @@ def _check_weights_fit(file: Path, params: ModelParams, metadata: Mapping[str, A
     (Mapped weights are page cache, which the kernel can drop: no limit for them.)"""
     if params.use_mmap or params.rpc_servers or accelerator_present():
         return
-    count = metadata.get("split.count", 1)
-    parts = split_parts(file, count) if isinstance(count, int) and count > 1 else [file]
-    weights = sum(part.stat().st_size for part in parts)
+    weights = sum(part.stat().st_size for part in _parts(file, metadata))
     left = host_memory_left()
     if weights > left.amount:
         raise ModelLoadError(
@@ -179,10 +184,12 @@ class Model(NativeHandle):
 
     kind = "model"
 
-    def __init__(self, pointer: Any, path: Path, params: ModelParams, kv_layout: KvLayout) -> None:
+    def __init__(self, pointer: Any, path: Path, params: ModelParams, kv_layout: KvLayout,
+                 weights: bytes = b"") -> None:  # fmt: skip
         super().__init__(pointer, lib.llama_model_free, None)
         self.path = path
         self.params = params
+        self._weights_sample = weights  # weights_sample.py: part of the identity
         # What each layer's KV cache holds per cell (contexts are checked against the memory).
         self.kv_layout = kv_layout
         # The Vocab holds its model, so the model holds it weakly: a reference cycle would
@@ -220,6 +227,7 @@ class Model(NativeHandle):
         overrides = _kv_overrides(params.kv_overrides) if params.kv_overrides else None
         reader, metadata = validate_gguf(file, overrides=params.kv_overrides)
         layout = kv_layout(reader, str(metadata.get("general.architecture", "")), metadata)
+        weights = weights_sample(_parts(file, metadata))  # the bytes llama.cpp is about to read
         if not params.vocab_only:  # (no weights: nothing to offload)
             warn_if_no_gpu(params.n_gpu_layers, remote=bool(params.rpc_servers))
             _check_weights_fit(file, params, metadata)
@@ -252,7 +260,7 @@ class Model(NativeHandle):
         try:
             with held_signals() as hold:  # nothing lands between the load and the handle
                 pointer = _load_weights(file, c_params, _Progress(progress, hold))
-                model = cls(pointer, file, params, layout)
+                model = cls(pointer, file, params, layout, weights)
             model.vocab.check_usable()
         except BaseException as error:
             if model is None:
@@ -329,12 +337,14 @@ class Model(NativeHandle):
 
     @functools.cached_property
     def identity(self) -> bytes:
-        """A digest of the metadata and the weights' layout: saved states carry it, so one is
-        never loaded into a different model."""
+        """A digest of the metadata, the weights' layout and a sample of the files' bytes
+        (read at load): saved states carry it, so one is never loaded into a different model,
+        a fine-tune of the same base included."""
         digest = hashlib.sha256()
         for key, value in sorted(self.metadata.items()):
             digest.update(f"{key}={value}\n".encode())
         digest.update(f"{self.n_params}:{self.size}:{self.vocab.n_tokens}".encode())
+        digest.update(self._weights_sample)
         return digest.digest()
 
     @property
