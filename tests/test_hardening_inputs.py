@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import struct
 import time
 import tracemalloc
@@ -221,6 +222,18 @@ def test_states_still_round_trip(tmp_path: object) -> None:
         "{{ '%1000000000d' % 1 }}",
         "{{ '%*d' % (1000000000, 1) }}",
         "{{ '%1000000000d'|format(1) }}",
+        # Found by a hostile-input hunt (each took gigabytes in one step before):
+        "{{ '{:>3000000000}'.format('a') }}",
+        "{{ '{0:.3000000000}'.format(1.5) }}",
+        "{% set s = 'x' * 999999 %}{{ ('{0}' * 1000).format(s) }}",
+        "{% set s = 'x' * 999999 %}{{ ('{a}' * 1000).format_map({'a': s}) }}",
+        "{% set s = 'x' * 999999 %}{{ ('%(a)s' * 1000) % {'a': s} }}",
+        "{{ 'x'.encode() * 3000000000 }}",
+        "{{ 'x'.encode().ljust(3000000000) }}",
+        "{{ 'x'.encode().center(3000000000) }}",
+        "{% set s = 'x' * 999999 %}{{ ('a' * 1000).translate({97: s}) }}",
+        "{{ range(100000)|list|tojson(separators=(',' * 60, ':')) * 1 }}",
+        "{{ [[[[[[range(30000)|list]]]]]]|tojson(indent=60) }}",
     ],
 )
 def test_templates_cannot_build_huge_values(source: str) -> None:
@@ -228,6 +241,21 @@ def test_templates_cannot_build_huge_values(source: str) -> None:
     with pytest.raises(TemplateError, match=f"limit of {MAX_VALUE_SIZE}"):
         render(source, [])
     assert time.perf_counter() - started < 1
+
+
+@pytest.mark.parametrize(
+    ("source", "problem"),
+    [
+        ("{{ [1]|tojson(indent=' ' * 999999) }}", "indentation or separator of 999999"),
+        ("{{ [1, 2]|tojson(separators=(' ' * 30000, ':')) }}", "separator of 30000"),
+        ("{{ [1]|tojson(indent=65) }}", "indentation or separator of 65"),
+        ("{{ '{:{}}'.format('a', 5) }}", "nests a field in a format spec"),
+        ("{{ '{'.format(1) }}", "format string is invalid"),
+    ],
+)
+def test_templates_cannot_hide_a_size_from_the_checks(source: str, problem: str) -> None:
+    with pytest.raises(TemplateError, match=re.escape(problem)):
+        render(source, [])
 
 
 def test_templates_cannot_build_huge_integers() -> None:
@@ -241,8 +269,12 @@ def test_ordinary_templates_still_render() -> None:
         "{{ '-' * 3 }}{{ [1] * 2 + [3] }}{{ 2 ** 10 }}{{ 'a' ~ 'b' }}{{ '%03d|%s' % (7, 'x') }}"
         "{{ ['p', 'q']|join(',') }}{{ 'abc'|replace('b', 'B') }}{{ 'z'.rjust(3, '.') }}"
         "{{ [[1], [2]]|sum(start=[]) }}{{ 'x'|indent(2) }}{{ '%s!'|format('hi') }}"
+        "{{ '{:>4}|{:.2f}|{name}'.format('a', 1.5, name='n') }}{{ {'a': [1]}|tojson(indent=2) }}"
+        "{{ [1, 2]|tojson(separators=(',', ':')) }}{{ 'ab'.encode().center(4).decode() }}"
     )
-    assert render(source, []) == "---[1, 1, 3]1024ab007|xp,qaBc..z[1, 2]xhi!"
+    assert render(source, []) == (
+        '---[1, 1, 3]1024ab007|xp,qaBc..z[1, 2]xhi!   a|1.50|n{\n  "a": [\n    1\n  ]\n}[1,2] ab '
+    )
 
 
 def test_a_template_may_change_what_it_built_but_not_what_it_was_given() -> None:

@@ -14,9 +14,10 @@ none or an undefined value treats the missing side as empty.
 
 The time limit cannot stop one C-level operation, so the operations that build a value in one
 step are bounded before they run: string and list repetition and concatenation (``*``, ``+``),
-``%`` formatting widths, integer ``**`` and ``*``, the ``join``, ``replace``, ``center``,
-``indent``, ``format`` and ``sum`` filters, the string methods that pad, join or replace, and
-the list and dict methods that grow a value (``append``, ``extend``, ``update`` ...).
+``%`` and ``str.format`` widths and fields, integer ``**`` and ``*``, the ``join``,
+``replace``, ``center``, ``indent``, ``format``, ``sum`` and ``tojson`` filters, the string (and
+bytes) methods that pad, join, translate or replace, and the list and dict methods that grow a
+value (``append``, ``extend``, ``update`` ...).
 ``range`` is bounded by Jinja's sandbox (``jinja2.sandbox.MAX_RANGE``).
 """
 
@@ -26,6 +27,7 @@ import contextvars
 import datetime
 import json
 import re
+import string
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -50,6 +52,7 @@ MAX_SECONDS = 2.0
 # it) one template operation may build, and the largest integer (bits) ``*`` or ``**`` may.
 MAX_VALUE_SIZE = 1_000_000
 MAX_INT_BITS = 10_000
+MAX_JSON_SPACING = 64  # tojson's indent and separators (real templates use 1 to 4)
 
 
 def _raise_exception(message: str) -> None:
@@ -80,14 +83,27 @@ def _tojson(
     ensure_ascii: bool = False,
     **_: Any,
 ) -> str:
-    """Hugging Face's ``tojson``: non-ASCII kept, key order kept unless ``sort_keys``."""
+    """Hugging Face's ``tojson``: non-ASCII kept, key order kept unless ``sort_keys``. Written
+    piece by piece and bounded: an indentation or separator is repeated once per line or item,
+    so each is at most MAX_JSON_SPACING characters, and the text at most MAX_VALUE_SIZE."""
     if isinstance(value, Iterator):
         value = list(value)
-    if isinstance(indent, int) and indent > 0:
-        _refuse_size(indent, "a JSON indentation")
+    spacing = [indent if isinstance(indent, int) else len(str(indent or ""))]
     seps = None if separators is None else (str(separators[0]), str(separators[1]))
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=seps,
-                      sort_keys=sort_keys, default=_json_default)  # fmt: skip
+    spacing += [len(sep) for sep in seps or ()]
+    if max(spacing) > MAX_JSON_SPACING:
+        raise TemplateError(
+            f"the chat template's tojson has an indentation or separator of {max(spacing)} "
+            f"characters, over the limit of {MAX_JSON_SPACING}"
+        )
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=seps,
+                               sort_keys=sort_keys, default=_json_default)  # fmt: skip
+    pieces, size = [], 0
+    for piece in encoder.iterencode(value):
+        size += len(piece)
+        _refuse_size(size, "a JSON text")
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 def _from_json(text: str) -> Any:
@@ -116,14 +132,15 @@ class _Generation(Extension):
 
 
 def _size(value: Any) -> int:
-    """Characters of a string; items of a list or tuple plus the characters of the strings in
-    it (a list of one long string repeated is as large as the string repeated); else 1."""
-    if isinstance(value, str):
+    """Characters of a string (bytes of bytes); items of a list or tuple plus the characters
+    of the strings in it (a list of one long string repeated is as large as the string
+    repeated); else 1."""
+    if isinstance(value, _TEXT):
         return len(value)
     if isinstance(value, (list, tuple)):
         total = len(value)
         for item in value:
-            total += len(item) if isinstance(item, (str, list, tuple)) else 0
+            total += len(item) if isinstance(item, _SEQUENCE) else 0
             if total > MAX_VALUE_SIZE:
                 break
         return total
@@ -150,24 +167,54 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int)
 
 
-_SEQUENCE = (str, list, tuple)
+_TEXT = (str, bytes, bytearray)  # ``.encode()`` gives a template bytes, with str's methods
+_SEQUENCE = (*_TEXT, list, tuple)
 # A %-conversion's width and precision: digits, or * (taken from the arguments).
 _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 
 
 def _check_percent(template: str, args: Any) -> None:
-    """Widths and precisions in ``template % args``: ``'%999999999d' % 1`` is a gigabyte."""
+    """Widths and precisions in ``template % args``: ``'%999999999d' % 1`` is a gigabyte; and
+    ``'%(a)s' * 1000 % {'a': long}`` writes one value a thousand times."""
     star = False
-    for width, precision in _PERCENT_SPEC.findall(template):
+    fields = _PERCENT_SPEC.findall(template)
+    for width, precision in fields:
         for number in (width, precision):
             star = star or number == "*"
             if number.isdigit():
                 _refuse_size(int(number), "a formatted field")
+    values = list(args.values()) if isinstance(args, Mapping) else args
+    values = values if isinstance(values, (tuple, list)) else [values]
     if star:
-        values = args if isinstance(args, tuple) else (args,)
         for value in values:
             if _is_int(value):
                 _refuse_size(abs(value), "a formatted field")
+    _refuse_size(len(template) + len(fields) * _longest(values), "a formatted string")
+
+
+def _longest(values: Iterable[Any]) -> int:
+    """The longest text any of ``values`` formats to (what a field may write)."""
+    return max((len(value) if isinstance(value, _TEXT) else len(str(value)) for value in values),
+               default=0)  # fmt: skip
+
+
+def _check_format(template: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """``str.format``: ``'{:>3000000000}'.format('a')`` is gigabytes in one step; a width in a
+    nested field (``'{:{}}'``) cannot be read before it runs, so it is refused."""
+    try:
+        fields = [
+            spec for _, name, spec, _ in string.Formatter().parse(template) if name is not None
+        ]
+    except ValueError as error:
+        raise TemplateError(f"the chat template's format string is invalid: {error}") from None
+    for spec in fields:
+        if "{" in (spec or ""):
+            raise TemplateError("the chat template nests a field in a format spec: "
+                                f"{template[:80]!r}")  # fmt: skip
+        for number in re.findall(r"\d+", spec or ""):
+            _refuse_size(int(number), "a formatted field")
+    longest = _longest([*args, *kwargs.values()])
+    _refuse_size(len(template) + len(fields) * longest, "a formatted string")
 
 
 def _check_binop(op: str, left: Any, right: Any) -> None:
@@ -184,17 +231,18 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
     elif op == "**":
         if _is_int(left) and _is_int(right) and right > 0 and abs(left) > 1:
             _refuse_bits(abs(left).bit_length() * right)
-    elif op == "%" and isinstance(left, str):
-        _check_percent(left, right)
+    elif op == "%" and isinstance(left, _TEXT):
+        _check_percent(left if isinstance(left, str) else left.decode("latin-1"), right)
 
 
-def _checked_join(sequence: Any, separator: str) -> None:
+def _checked_join(sequence: Any, separator: str | bytes | bytearray) -> None:
     items = list(sequence)
     _refuse_size(sum(_size(i) for i in items) + len(separator) * len(items), "a joined string")
 
 
 def _checked_replace(value: Any, old: Any, new: Any, count: Any = -1) -> None:
-    if isinstance(value, str) and isinstance(old, str) and isinstance(new, str):
+    kinds = {type(value), type(old), type(new)}
+    if len(kinds) == 1 and kinds <= set(_TEXT):
         found = value.count(old) if old else len(value) + 1
         if _is_int(count) and count >= 0:
             found = min(found, count)
@@ -245,14 +293,17 @@ def _guard_filters(env: jinja2.Environment) -> None:
 
 
 def _check_str_method(method: BuiltinFunctionType, args: tuple[Any, ...]) -> None:
-    """``'x'.ljust(10**9)`` and the like, refused before they run."""
+    """``'x'.ljust(10**9)`` and the like (of bytes too), refused before they run."""
     target, name = method.__self__, method.__name__
-    if not isinstance(target, str) or not args:
+    if not isinstance(target, _TEXT) or not args:
         return
-    if name in ("ljust", "rjust", "center", "zfill") and _is_int(args[0]):
+    if name == "translate" and isinstance(args[0], Mapping):
+        _refuse_size(len(target) * _longest(args[0].values()), "a translated string")
+    elif name in ("ljust", "rjust", "center", "zfill") and _is_int(args[0]):
         _refuse_size(args[0], "a padded string")
     elif name == "expandtabs" and _is_int(args[0]):
-        _refuse_size(len(target) + target.count("\t") * max(args[0], 0), "an expanded string")
+        tabs = target.count("\t") if isinstance(target, str) else target.count(b"\t")
+        _refuse_size(len(target) + tabs * max(args[0], 0), "an expanded string")
     elif name == "join":
         _checked_join(args[0], target)
     elif name == "replace" and len(args) >= 2:
@@ -329,6 +380,23 @@ class _Sandbox(SandboxedEnvironment):
         return attr in _GROWING | {"pop", "remove", "clear", "popitem", "discard", "sort",
                                    "reverse"} and id(obj) not in _FROZEN.get()  # fmt: skip
 
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """Jinja's own str.format / format_map, with the widths and fields checked first."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        template, mapped = value.__self__, value.__name__ == "format_map"
+
+        def checked(*args: Any, **kwargs: Any) -> str:
+            if mapped:
+                mapping = args[0] if len(args) == 1 and isinstance(args[0], Mapping) else {}
+                _check_format(template, (), mapping)
+            else:
+                _check_format(template, args, kwargs)
+            return wrapped(*args, **kwargs)
+
+        return checked
+
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         raise SecurityError(f"access to {attribute!r} of a {type(obj).__name__} is not allowed")
 
@@ -344,7 +412,7 @@ class _Sandbox(SandboxedEnvironment):
     def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(__obj, BuiltinFunctionType):
             target = __obj.__self__
-            if isinstance(target, str):
+            if isinstance(target, _TEXT):
                 if __obj.__name__ == "join" and args:
                     args = (list(args[0]), *args[1:])  # an iterator is read once: check a list
                 _check_str_method(__obj, args)
