@@ -22,6 +22,9 @@ from llamacrab import (
     LlamaError,
     Model,
     ModelLoadError,
+    RamCache,
+    SavedState,
+    StateError,
     TokenizeError,
 )
 
@@ -237,3 +240,32 @@ def test_bad_prompts_leave_the_llama_usable(tiny_llama: Llama) -> None:
 def test_every_error_is_a_llama_error() -> None:
     for error in (ContextOverflowError, InvalidModelError, ModelLoadError, TokenizeError):
         assert issubclass(error, LlamaError)
+
+
+def test_arguments_a_hunt_found_unchecked_are_refused_by_name(tmp_path: Path) -> None:
+    # Each was an AttributeError, ValueError, a silent acceptance or (a FIFO) a hang.
+    path = tiny.write_tiny_llama(tmp_path / "fim.gguf", fim=True)
+    fifo = tmp_path / "state.fifo"
+    os.mkfifo(fifo)
+    with Llama(path, n_ctx=128, n_threads=1) as llm:
+        refused: list[tuple[type[Exception], str, Any]] = [
+            (InvalidParameterError, "lora keys must be LoraAdapter",
+             lambda: llm.create_completion("x", lora={"x": 1.0}, max_tokens=1)),
+            (InvalidParameterError, r"files must be a list of items each a tuple \(a string, a",
+             lambda: llm.create_infill("a", "b", files=[("x", None)], max_tokens=1)),
+            (InvalidParameterError, "files must be",
+             lambda: llm.create_infill("a", "b", files=[("x", "y", "z")], max_tokens=1)),
+            (InvalidParameterError, "timeout must be > 0 seconds, not nan",
+             lambda: llm.create_completion("x", timeout=math.nan, max_tokens=1)),
+            (InvalidParameterError, "capacity_bytes must be positive, not nan",
+             lambda: RamCache(capacity_bytes=math.nan)),  # type: ignore[arg-type]
+            (InvalidParameterError, "the state path must be a file path",
+             lambda: SavedState.load("state\0")),
+            (StateError, "is not a regular file", lambda: SavedState.load(tmp_path)),
+            (StateError, "is not a regular file", lambda: SavedState.load(fifo)),
+        ]  # fmt: skip
+        for error, message, call in refused:
+            with pytest.raises(error, match=message):
+                call()
+        done = llm.create_infill("a", "b", files=[("x", "y")], max_tokens=1, temperature=0)
+        assert done.choices[0].finish_reason

@@ -230,3 +230,5 @@ def test_a_call_nested_past_the_recursion_limit_is_left_as_content() -> None:
     assert parse_tool_calls(text) == (text, [])
     generic = f'{{"tool_call": {{"name": "f", "arguments": {{"a": {deep}}}}}}}'
     assert parse_generic(generic) == (generic, [])
+    with pytest.raises(InvalidParameterError, match="text must be a string, not None"):
+        parse_tool_calls(None)  # type: ignore[arg-type]

@@ -129,6 +129,8 @@ def _matches(value: Any, expected: Any) -> bool:
     if origin in (tuple, list, Sequence):
         if not isinstance(value, tuple | list):
             return False
+        if origin is tuple and args and args[-1] is not Ellipsis:  # a fixed tuple: each item
+            return len(value) == len(args) and all(map(_matches, value, args))
         item = _item_type(origin, args) or Any
         if item is int and all(type(v) is int for v in value):
             return True  # token lists: 100,000 items in milliseconds
@@ -152,6 +154,8 @@ def _describe(expected: Any) -> str:
         return " or ".join(repr(arg) for arg in args)
     if expected is type(None):
         return "None"
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        return f"a tuple ({', '.join(_describe(arg) for arg in args)})"
     if origin in (tuple, list, Sequence):
         item = _item_type(origin, args)
         return "a list" + (f" of items each {_describe(item)}" if item is not None else "")

@@ -18,6 +18,7 @@ from typing import Any
 
 from llamacrab._engine.stop import StopMatcher
 from llamacrab._exceptions import InvalidParameterError, ToolCallError
+from llamacrab._field_types import checked
 from llamacrab._grammar.json_schema import schema_to_grammar
 from llamacrab._types import ToolCall
 
@@ -52,6 +53,7 @@ def _loads(text: str) -> Any:
         return None
 
 
+@checked
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """The answer's remaining content and the tool calls found in it (none: ``text``, [])."""
     hermes = [c for m in _HERMES.finditer(text) if (c := _call(_loads(m.group(1))))]

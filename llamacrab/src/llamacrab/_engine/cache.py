@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import InvalidParameterError, StateError
+from llamacrab._field_types import is_number
 from llamacrab._native.fork import reset_in_child
 from llamacrab._native.signals import held_signals
 from llamacrab._native.state import SavedState
@@ -69,7 +70,7 @@ class PromptCache(abc.ABC):
 
 
 def _check_capacity(capacity_bytes: int) -> None:
-    if capacity_bytes < 1:
+    if not is_number(capacity_bytes) or not capacity_bytes >= 1:  # NaN: nothing ever fits
         raise InvalidParameterError(f"capacity_bytes must be positive, not {capacity_bytes}")
 
 

@@ -412,7 +412,7 @@ class Session:
     def __init__(
         self, timeout: float | None = None, external: threading.Event | None = None
     ) -> None:
-        if timeout is not None and timeout <= 0:
+        if timeout is not None and not timeout > 0:  # NaN too: it would never pass
             raise InvalidParameterError(f"timeout must be > 0 seconds, not {timeout}")
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.external = external

@@ -493,6 +493,10 @@ class Context(NativeHandle):
     def check_lora(self, adapters: Mapping[LoraAdapter, float]) -> None:
         """Raise unless every adapter is an open adapter of this model, with a finite scale."""
         for adapter, scale in adapters.items():
+            if not isinstance(adapter, LoraAdapter):
+                raise InvalidParameterError(
+                    f"lora keys must be LoraAdapter (Llama.load_lora), not {adapter!r}"
+                )
             if adapter.model is not self.model:
                 raise InvalidParameterError(f"{adapter!r} was loaded for another model")
             # llama.cpp takes a C float: 1e39 would be inf there.

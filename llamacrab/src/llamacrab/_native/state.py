@@ -15,16 +15,17 @@ import hashlib
 import io
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import xxhash
 
 from llamacrab._exceptions import StateError
+from llamacrab._field_types import file_path
 
 
 class _Checksum(Protocol):
@@ -163,7 +164,7 @@ class SavedState:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write to ``path`` atomically (a crash never leaves half a file behind, and a failed
         write, a full disk, leaves neither half a file nor its partial copy)."""
-        target = Path(path)
+        target = file_path("the state path", path)
         partial = target.with_name(target.name + ".partial")
         try:
             partial.write_bytes(self.to_bytes())
@@ -174,8 +175,15 @@ class SavedState:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SavedState:
-        with open(path, "rb") as file:
-            return cls.from_file(file)
+        """The state saved at ``path``: a regular file (opening a FIFO would wait for a writer
+        for ever, so the file is opened without waiting and refused unless regular)."""
+        file = file_path("the state path", path)
+        descriptor = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            os.close(descriptor)
+            raise StateError(f"{file} is not a regular file")
+        with open(descriptor, "rb") as opened:
+            return cls.from_file(opened)
 
     @classmethod
     def from_file(cls, file: io.BufferedIOBase) -> SavedState:

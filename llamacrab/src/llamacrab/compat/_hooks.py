@@ -86,7 +86,14 @@ class Hooks(CustomSampler):
             raw[ids] = logits
         input_ids = np.asarray(self.ids, dtype=np.intc)
         if self.processors is not None:
-            scores = np.asarray(self.processors(input_ids, raw.copy()), dtype=np.single)
+            returned = self.processors(input_ids, raw.copy())
+            try:
+                scores = np.asarray(returned, dtype=np.single)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"a logits processor returned {type(returned).__name__}, not an array of "
+                    f"{self.n_vocab} scores"
+                ) from None
             if scores.shape != (self.n_vocab,):
                 raise ValueError(
                     f"a logits processor returned shape {scores.shape}, not ({self.n_vocab},)"
