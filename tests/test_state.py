@@ -832,3 +832,25 @@ def test_forged_checkpoints_are_declined_without_harm(gemma_path: Path) -> None:
     for name, (cached, tokens) in report["results"].items():
         assert cached == 0, name
         assert tokens == report["fresh"], name
+
+
+def test_states_cross_between_one_slot_and_parallel_slots_only_with_one_kv_stream(
+    tiny_model_path: Path,
+) -> None:
+    # llama.cpp writes a sequence's state with the context's count of KV streams and refuses
+    # another count; the docstring promised any direction (found by a hostile-input hunt).
+    with Llama(tiny_model_path, n_ctx=256, n_threads=1) as one:
+        one.create_completion(PROMPT, max_tokens=0)
+        alone = one.save_state()
+        with Llama(tiny_model_path, n_ctx=256, n_threads=1, parallel=2) as split:
+            with pytest.raises(StateError, match="unless kv_unified=True"):
+                split.load_state(alone, slot=1)
+            split.create_completion(PROMPT, max_tokens=0)
+            with pytest.raises(StateError, match="another number of KV streams"):
+                one.load_state(split.save_state(slot=0))
+            assert split.create_completion(PROMPT, max_tokens=1).choices[0].finish_reason
+        with Llama(tiny_model_path, n_ctx=256, n_threads=1, parallel=2, kv_unified=True) as kv:
+            kv.load_state(alone, slot=1)
+            kv.create_completion(PROMPT + " x", max_tokens=0)
+            one.load_state(kv.save_state(slot=1))
+            assert one.create_completion(PROMPT, max_tokens=1).usage.cached_tokens > 0

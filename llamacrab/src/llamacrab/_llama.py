@@ -282,7 +282,9 @@ class Llama:
         (with parallel slots, one goes to the slot holding the longest shared prefix).
         A state from another model, too long for the slot, or a corrupt blob raises StateError.
         ``slot=i`` loads into slot i, as ``save_state`` saves it: ConcurrentUseError while it
-        generates. A state saved from any slot, or from a one-slot Llama, loads into any."""
+        generates. A state saved from any slot loads into any slot; between a one-slot Llama
+        and parallel slots only with ``kv_unified=True`` (one KV stream for all slots, as a
+        one-slot Llama has), else StateError."""
         if slot is not None:
             self._completer.load(slot, state)
             return

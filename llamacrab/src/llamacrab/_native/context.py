@@ -742,6 +742,11 @@ class Context(NativeHandle):
                 read = call("llama_state_seq_set_data_ext", ctx, buffer, len(buffer), seq_id, flags)
         if read == 0:
             reason = log_lines.take_errors() or "see the llamacrab logger"
+            if "n_stream mismatch" in reason:
+                reason += (
+                    " (the state comes from a context with another number of KV streams: a "
+                    "one-slot Llama has one, parallel slots one each unless kv_unified=True)"
+                )
             raise StateError(f"llama.cpp rejected the state ({_scope(seq_id)}): {reason}")
 
     def _state_flags(self, seq_id: int | None, partial: bool) -> int:
