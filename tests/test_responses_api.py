@@ -284,7 +284,7 @@ def test_the_store_keeps_the_newest_responses_for_their_time() -> None:
     now = [0.0]
     store = ResponseStore(size=2, ttl=60, clock=lambda: now[0])
     for name in ("a", "b", "c"):
-        store.put(_response(name), ())
+        store.put(_response(name), (), 1)
         now[0] += 10
     assert store.get("a") is None  # pushed out by the third
     assert store.get("b") is not None and store.get("c") is not None
@@ -292,5 +292,19 @@ def test_the_store_keeps_the_newest_responses_for_their_time() -> None:
     assert store.get("b") is None and store.get("c") is not None
     assert store.delete("c") and not store.delete("c")
     nothing = ResponseStore(size=0, ttl=60)
-    nothing.put(_response("a"), ())
+    nothing.put(_response("a"), (), 1)
     assert nothing.get("a") is None
+
+
+def test_the_store_keeps_at_most_its_bytes() -> None:
+    # Without a byte bound, 256 requests of 8 MiB (a client's metadata or input) stayed an hour.
+    store = ResponseStore(size=10, ttl=60, max_bytes=100)
+    store.put(_response("a"), (), 60)
+    store.put(_response("b"), (), 30)
+    store.put(_response("c"), (), 30)  # 120 bytes: the oldest goes
+    assert store.get("a") is None and store.get("b") and store.get("c")
+    store.put(_response("huge"), (), 101)  # larger than the whole bound: not kept
+    assert store.get("huge") is None and store.get("b") and store.get("c")
+    assert store.delete("b")
+    store.put(_response("d"), (), 70)  # 30 + 70: both fit
+    assert store.get("c") and store.get("d")

@@ -5,6 +5,7 @@ bounded in-memory store."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
@@ -33,7 +34,8 @@ from llamacrab.server._wire import chat_kwargs
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     """``POST /v1/responses`` (also ``/responses``), and ``GET``/``DELETE`` of a stored one."""
     settings = state.settings
-    store = ResponseStore(settings.max_stored_responses, settings.stored_response_ttl)
+    store = ResponseStore(settings.max_stored_responses, settings.stored_response_ttl,
+                          settings.max_stored_response_bytes)  # fmt: skip
 
     async def create(body: ResponseRequest, client: Request) -> Any:
         llama = state.generator(body.model)
@@ -48,7 +50,8 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         def remember(response: dict[str, Any]) -> None:
             if stored:
                 output = INPUT_ITEMS.validate_python(response["output"])
-                store.put(response, (*items, *output))
+                added = len(json.dumps(response)) + len(INPUT_ITEMS.dump_json(list(body.input)))
+                store.put(response, (*items, *output), added)
 
         if body.stream:
             chunks = await in_thread(partial(llama.stream_chat_completion, messages, **kwargs))
@@ -115,7 +118,8 @@ def _stored(store: ResponseStore, response_id: str, param: str = "response_id") 
 def _not_found(store: ResponseStore, response_id: str, param: str) -> ApiError:
     kept = "this server stores no responses"
     if store.size:
-        kept = (f"this server keeps the last {store.size} responses for {store.ttl:g} s, and "
-                "none sent with store: false")  # fmt: skip
+        kept = (f"this server keeps the last {store.size} responses (at most "
+                f"{store.max_bytes} bytes of them) for {store.ttl:g} s, and none sent with "
+                "store: false")  # fmt: skip
     return ApiError(404, f"response {response_id!r} is not stored here: {kept}", param=param,
                     code="response_not_found")  # fmt: skip

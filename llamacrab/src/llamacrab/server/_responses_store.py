@@ -1,5 +1,6 @@
 """Responses kept in memory for ``previous_response_id`` and ``GET /v1/responses/{id}``: at most
-``size`` of them, each for ``ttl`` seconds after it was created, the oldest dropped first."""
+``size`` of them holding at most ``max_bytes`` together, each for ``ttl`` seconds after it was
+created, the oldest dropped first."""
 
 from __future__ import annotations
 
@@ -19,21 +20,30 @@ class StoredResponse:
     # follow-up's history extends this tuple: items are shared between entries, not copied.
     history: tuple[InputItem, ...]
     expires: float
+    size: int  # bytes of JSON it added: the response and its request's input items
 
 
 class ResponseStore:
-    """Bounded by count and age. Used from the event loop only, so it needs no lock."""
+    """Bounded by count, bytes and age (without a byte bound, 256 requests of 8 MiB kept 2 GiB
+    for an hour). Used from the event loop only, so it needs no lock."""
 
-    def __init__(self, size: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.size, self.ttl, self.clock = size, ttl, clock
+    def __init__(self, size: int, ttl: float, max_bytes: int = 256 << 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.size, self.ttl, self.max_bytes, self.clock = size, ttl, max_bytes, clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._bytes = 0
 
-    def put(self, response: dict[str, Any], history: tuple[InputItem, ...]) -> None:
-        if self.size == 0:
+    def put(self, response: dict[str, Any], history: tuple[InputItem, ...], size: int) -> None:
+        """Keep ``response`` (``size``: the bytes of JSON it adds); one larger than the whole
+        bound is not kept."""
+        if self.size == 0 or size > self.max_bytes:
             return
-        self._entries[response["id"]] = StoredResponse(response, history, self.clock() + self.ttl)
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        entry = StoredResponse(response, history, self.clock() + self.ttl, size)
+        self._drop(response["id"])
+        self._entries[response["id"]] = entry
+        self._bytes += size
+        while len(self._entries) > self.size or self._bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
 
     def get(self, response_id: str) -> StoredResponse | None:
         self._drop_expired()
@@ -41,10 +51,16 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         self._drop_expired()
-        return self._entries.pop(response_id, None) is not None
+        return self._drop(response_id)
+
+    def _drop(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._bytes -= entry.size
+        return entry is not None
 
     def _drop_expired(self) -> None:
         # Every entry lives as long as the others, so the expired ones are the oldest.
         now = self.clock()
         while self._entries and next(iter(self._entries.values())).expires <= now:
-            self._entries.popitem(last=False)
+            self._drop(next(iter(self._entries)))

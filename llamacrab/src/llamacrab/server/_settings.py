@@ -60,6 +60,7 @@ class ServerSettings:
     shutdown_timeout: float = 5.0  # seconds requests in flight get after SIGTERM / Ctrl-C
     max_stored_responses: int = 256  # Responses API: kept for previous_response_id (0: none)
     stored_response_ttl: float = 3600.0  # Responses API: seconds a stored response is kept
+    max_stored_response_bytes: int = 256 << 20  # Responses API: JSON the stored ones hold
     props: bool = False  # allow POST /props (llama-server's --props)
     slot_save_path: str | None = None  # directory of POST /slots/{id} save/restore files
     hf_filename: str | None = None
@@ -124,9 +125,12 @@ class ServerSettings:
             raise InvalidParameterError(
                 f"shutdown_timeout must be a number of seconds >= 0, not {self.shutdown_timeout}"
             )
-        if self.max_stored_responses < 0 or self.stored_response_ttl <= 0:
+        if min(self.max_stored_responses, self.max_stored_response_bytes) < 0 or not (
+            self.stored_response_ttl > 0
+        ):
             raise InvalidParameterError(
-                "max_stored_responses must be >= 0 and stored_response_ttl > 0"
+                "max_stored_responses and max_stored_response_bytes must be >= 0 and "
+                "stored_response_ttl > 0"
             )
         _check_models(self)
         if self.embeddings and self.reranking:
@@ -342,6 +346,12 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ),
     ("max_stored_responses", int, "responses kept for previous_response_id (default 256)"),
     ("stored_response_ttl", float, "seconds a stored response is kept (default 3600)"),
+    (
+        "max_stored_response_bytes",
+        int,
+        "bytes of JSON the stored responses may hold together, the oldest dropped first "
+        "(default 268435456: 256 MiB)",
+    ),
     ("props", bool, "allow POST /props (llama-server's flag; nothing is writable yet)"),
     ("slot_save_path", str, "directory for POST /slots/{id}?action=save|restore (default: off)"),
     ("hf_filename", str, "Hub: file or glob in the repository"),
