@@ -251,9 +251,9 @@ def test_arguments_a_hunt_found_unchecked_are_refused_by_name(tmp_path: Path) ->
         refused: list[tuple[type[Exception], str, Any]] = [
             (InvalidParameterError, "lora keys must be LoraAdapter",
              lambda: llm.create_completion("x", lora={"x": 1.0}, max_tokens=1)),
-            (InvalidParameterError, r"files must be a list of items each a tuple \(a string, a",
+            (InvalidParameterError, r"files must be \(name, text\) pairs of strings",
              lambda: llm.create_infill("a", "b", files=[("x", None)], max_tokens=1)),
-            (InvalidParameterError, "files must be",
+            (InvalidParameterError, r"files must be a list of items each a tuple of 2",
              lambda: llm.create_infill("a", "b", files=[("x", "y", "z")], max_tokens=1)),
             (InvalidParameterError, "timeout must be > 0 seconds, not nan",
              lambda: llm.create_completion("x", timeout=math.nan, max_tokens=1)),

@@ -226,28 +226,33 @@ def test_seed_minus_one_and_a_malformed_tool_choice(guarded_server: LiveServer) 
     assert answer.status_code == 200, answer.text
 
 
-def test_a_long_tokenize_leaves_the_server_answering(tiny_path: Path) -> None:
-    # llama.cpp's tokenizer is quadratic in a run of one character: 200k of them take seconds
-    # here. /extras/tokenize ran it on the event loop, and every other request waited.
-    server = LiveServer(ServerSettings(model=str(tiny_path), n_ctx=256, n_threads=1))
-    try:
-        assert server.wait_until_loaded() == 200
+@pytest.mark.parametrize("path", ["/extras/tokenize", "/extras/tokenize/count", "/tokenize"])
+def test_a_long_tokenize_leaves_the_server_answering(tiny_path: Path, path: str) -> None:
+    # Tokenizing is C work that can take seconds (llama.cpp's SPM byte fallback was quadratic:
+    # 200k of one character took 2 s). /extras/tokenize ran it on the event loop, so every
+    # other request waited. Here tokenize blocks until /health has answered.
+    with Llama(tiny_path, n_ctx=256, n_threads=1) as llm:
+        entered, release = threading.Event(), threading.Event()
+        tokenize = llm.tokenize
 
-        def count() -> float:
-            answer = httpx.post(server.url + "/extras/tokenize/count",
-                                json={"input": "a" * 200_000}, timeout=120)  # fmt: skip
-            assert answer.json()["count"] > 100_000
-            return time.monotonic()
+        def held(*args: object, **kwargs: object) -> list[int]:
+            entered.set()
+            release.wait(30)
+            return tokenize(*args, **kwargs)  # type: ignore[arg-type]
 
-        with ThreadPoolExecutor(1) as pool:
-            counted = pool.submit(count)
-            time.sleep(0.3)
-            assert httpx.get(server.url + "/health", timeout=120).status_code == 200
-            healthy = time.monotonic()
-            # Blocked, /health was answered just after the count (the same loop turn).
-            assert counted.result() - healthy > 0.5, "make the tokenize request longer"
-    finally:
-        server.close()
+        llm.tokenize = held  # type: ignore[method-assign]
+        server = LiveServer(ServerSettings(model=str(tiny_path), n_ctx=256), llm)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                body = {"input": "hello", "content": "hello"}
+                answer = pool.submit(httpx.post, server.url + path, json=body, timeout=60)
+                assert entered.wait(30)
+                assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+                release.set()
+                assert answer.result().status_code == 200
+        finally:
+            release.set()
+            server.close()
 
 
 def test_embeddings_through_the_sdk(tmp_path: Path) -> None:

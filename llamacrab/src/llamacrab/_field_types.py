@@ -129,8 +129,10 @@ def _matches(value: Any, expected: Any) -> bool:
     if origin in (tuple, list, Sequence):
         if not isinstance(value, tuple | list):
             return False
-        if origin is tuple and args and args[-1] is not Ellipsis:  # a fixed tuple: each item
-            return len(value) == len(args) and all(map(_matches, value, args))
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            # A fixed tuple's length; its items' types are left to the function, whose own
+            # message names the item ("strength must be a number, not '0.5'").
+            return len(value) == len(args)
         item = _item_type(origin, args) or Any
         if item is int and all(type(v) is int for v in value):
             return True  # token lists: 100,000 items in milliseconds
@@ -155,7 +157,7 @@ def _describe(expected: Any) -> str:
     if expected is type(None):
         return "None"
     if origin is tuple and args and args[-1] is not Ellipsis:
-        return f"a tuple ({', '.join(_describe(arg) for arg in args)})"
+        return f"a tuple of {len(args)} ({', '.join(_describe(arg) for arg in args)})"
     if origin in (tuple, list, Sequence):
         item = _item_type(origin, args)
         return "a list" + (f" of items each {_describe(item)}" if item is not None else "")

@@ -37,6 +37,11 @@ def infill_tokens(
     tokens = [vocab.bos] if vocab.add_bos and vocab.bos is not None else []
     if repo is not None and vocab.fim_repo is not None:
         tokens += [vocab.fim_repo, *vocab.tokenize(repo + "\n", add_special=False)]
+    for name, text in files:
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise InvalidParameterError(
+                f"files must be (name, text) pairs of strings, not {(name, text)!r:.80}"
+            )
     if vocab.fim_file_sep is not None:
         for name, text in files:
             tokens += [vocab.fim_file_sep, *vocab.tokenize(name + "\n", add_special=False)]
