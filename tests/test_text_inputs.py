@@ -1,14 +1,17 @@
-"""Text a Python str can hold that C cannot take, and requests that leave sampling nothing.
+"""Text a Python str can hold that C cannot take, text that cost quadratic time, and requests
+that leave sampling nothing.
 
 Found by a hostile-input hunt: a lone surrogate (JSON's "\\ud800", a name decoded with
-surrogateescape) has no UTF-8 and raised UnicodeEncodeError from inside the tokenizer; a
-grammar whose every token was banned raised llama.cpp's "Unexpected empty grammar stack" as
-a NativeError; a tool_choice whose function was not an object raised AttributeError."""
+surrogateescape) has no UTF-8 and raised UnicodeEncodeError from inside the tokenizer; a run of
+characters no token covers tokenized in quadratic time; a grammar whose every token was banned
+raised llama.cpp's "Unexpected empty grammar stack" as a NativeError; a tool_choice whose
+function was not an object raised AttributeError."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,3 +78,20 @@ def test_a_tool_choice_without_a_function_object_names_the_shape(choice: dict) -
         generic_grammar(TOOLS, choice)
     with pytest.raises(InvalidParameterError, match=r'needs \{"function": \{"name": \.\.\.\}\}'):
         ChatOptions(tools=TOOLS, tool_choice=choice)
+
+
+def test_a_run_no_token_covers_tokenizes_in_linear_time(tiny_llama: Llama) -> None:
+    # SPM's byte fallback reserved one character's bytes more at a time, copying the output
+    # for each (patch llama-vocab-spm-byte-fallback-linear): 4x the text took 16x the time,
+    # and an 8 MiB request body minutes inside one call nothing can interrupt.
+    def seconds(n: int) -> float:
+        text = "a" * n  # the tiny vocabulary has no "a": every one falls back to a byte
+        runs = []
+        for _ in range(3):
+            started = time.perf_counter()
+            assert len(tiny_llama.tokenize(text, add_special=False)) == n
+            runs.append(time.perf_counter() - started)
+        return min(runs)
+
+    small, large = seconds(100_000), seconds(400_000)
+    assert large < 8 * small, (small, large)

@@ -177,6 +177,18 @@ PATCHES: tuple[SourcePatch, ...] = (
     ),
     # mtmd-abort-callback: the same change over four files (one SourcePatch per file).
     SourcePatch(
+        name="llama-vocab-spm-byte-fallback-linear",
+        path="src/llama-vocab.cpp",
+        edits=(("            output.reserve(output.size() + symbol.n);\n", ""),),
+        why=(
+            "SPM's byte fallback reserved exactly one symbol's bytes more for every symbol no "
+            "token covers: reserve() then reallocates and copies the whole output each time "
+            "instead of growing it geometrically, so a run of such characters tokenized in "
+            "quadratic time (200k of them: 2 s on the tiny test model; an 8 MiB request body, "
+            "minutes). push_back alone grows it in amortized constant time."
+        ),
+    ),
+    SourcePatch(
         name="mtmd-abort-callback",
         path="tools/mtmd/clip.h",
         edits=(
