@@ -123,6 +123,69 @@ def test_infill_streams_llama_server_events(fim_server: LiveServer) -> None:
     assert stream[-1]["tokens_cached"] == whole["tokens_evaluated"] - 1
 
 
+# -- /completion ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/completion", "/completions"])
+def test_completion_matches_the_python_api(
+    fim_server: LiveServer, fim_path: Path, path: str
+) -> None:
+    with Llama(fim_path, n_ctx=256, n_threads=2) as llama:
+        expected = llama.create_completion("the cat", max_tokens=5, temperature=0)
+        prompt = llama.tokenize("the cat")
+        rest = llama.tokenize("the cat", add_special=False)
+        bias_token = expected.choices[0].tokens[0]
+    body = {"prompt": "the cat", "n_predict": 5, "temperature": 0, "return_tokens": True}
+    answer = httpx.post(fim_server.url + path, json=body, headers=KEY)
+    assert answer.status_code == 200, answer.text
+    got = answer.json()
+    assert got["content"] == expected.choices[0].text and got["stop"] is True
+    assert got["tokens"] == list(expected.choices[0].tokens)
+    assert got["tokens_evaluated"] == len(prompt) and got["tokens_predicted"] == 5
+    assert got["stop_type"] == "limit" and got["model"] == "fim"
+    # The same prompt as token ids, and as ids and text mixed (BOS as an id, then the text).
+    assert prompt[1:] == rest  # the tiny model adds BOS
+    for same in (prompt, [prompt[0], "the cat"]):
+        again = httpx.post(fim_server.url + path, headers=KEY, json={**body, "prompt": same})
+        assert again.json()["tokens"] == got["tokens"], again.text
+    # llama-server's forms of logit_bias: [[id, false]] bans, {"id": bias}.
+    for bias in ([[bias_token, False]], {str(bias_token): -1e9}):
+        banned = httpx.post(fim_server.url + path, headers=KEY,
+                            json={**body, "logit_bias": bias}).json()  # fmt: skip
+        assert bias_token not in banned["tokens"], banned
+
+
+def test_completion_streams_and_takes_llama_servers_samplers(fim_server: LiveServer) -> None:
+    body = {"prompt": "the cat", "n_predict": 6, "temperature": 0, "ignore_eos": True,
+            "dry_multiplier": 0.8, "repeat_last_n": 16, "xtc_probability": 0.0,
+            "top_n_sigma": -1, "cache_prompt": True}  # fmt: skip
+    whole = httpx.post(fim_server.url + "/completion", json=body, headers=KEY)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["tokens_predicted"] == 6  # ignore_eos: never ends early
+    answer = httpx.post(fim_server.url + "/completion", json={**body, "stream": True},
+                        headers=KEY)  # fmt: skip
+    assert "[DONE]" not in answer.text
+    stream = events(answer.text)
+    assert [e["stop"] for e in stream] == [False] * (len(stream) - 1) + [True]
+    assert "".join(str(e["content"]) for e in stream) == whole.json()["content"]
+    # The OpenAI route takes the same samplers; out of range is a 400 naming the field.
+    chat = {"prompt": "the cat", "max_tokens": 2, "dry_multiplier": 0.8, "dry_penalty_last_n": -2}
+    refused = httpx.post(fim_server.url + "/v1/completions", json=chat, headers=KEY)
+    assert refused.status_code == 400 and "dry" in refused.json()["error"]["message"]
+    outside = httpx.post(fim_server.url + "/completion", headers=KEY,
+                         json={"prompt": [1, 10**6], "n_predict": 1})  # fmt: skip
+    assert outside.status_code == 400 and "outside the vocabulary" in outside.text
+
+
+def test_llama_servers_other_route_names(fim_server: LiveServer) -> None:
+    url = fim_server.url
+    assert httpx.get(url + "/v1/health").json() == {"status": "ok"}  # no key: public
+    assert httpx.get(url + "/models", headers=KEY).json()["data"][0]["id"] == "fim"
+    chat = httpx.post(url + "/chat/completions", headers=KEY, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})  # fmt: skip
+    assert chat.status_code in (200, 400), chat.text  # the FIM model has no chat template
+
+
 @pytest.mark.real_model
 def test_infill_refuses_what_it_cannot_do(fim_server: LiveServer, gemma_server: LiveServer) -> None:
     no_fim = httpx.post(gemma_server.url + "/infill", json=INFILL)

@@ -91,7 +91,8 @@ def create_app(
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if settings.api_keys:
-        app.add_middleware(AuthMiddleware, keys=settings.api_keys, open_paths=("/health",))
+        app.add_middleware(AuthMiddleware, keys=settings.api_keys,
+                           open_paths=("/health", "/v1/health"))  # fmt: skip
     # Outermost: a browser's preflight carries no key; it is answered for any origin.
     app.add_middleware(CorsMiddleware, origins=settings.cors_origins,
                        origin_regex=settings.cors_origin_regex)  # fmt: skip
@@ -239,6 +240,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     for alias in ("/v1/reranking", "/rerank", "/reranking"):
         app.add_api_route(alias, rerank, methods=["POST"], response_model=RerankResponse,
                           responses=ERRORS, include_in_schema=False)  # fmt: skip
+    # The other names llama-server answers on.
+    app.add_api_route("/v1/health", health, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/models", models, methods=["GET"], response_model=ModelList,
+                      include_in_schema=False)  # fmt: skip
+    app.add_api_route("/chat/completions", chat_completions, methods=["POST"],
+                      response_model=ChatCompletionResponse, responses=ERRORS,
+                      include_in_schema=False)  # fmt: skip
 
     @app.post("/extras/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> Any:

@@ -1,5 +1,5 @@
 """llama-server's own routes, where llamacrab has the engine for them, with llama-server's field
-names: ``/infill`` (fill-in-the-middle with repository context), ``/apply-template``,
+names: ``/completion`` and ``/infill`` (``_llama_completion.py``), ``/apply-template``,
 ``/tokenize`` and ``/detokenize``, ``/props``, ``/slots`` with save/restore of a slot's state,
 and OpenAI's ``/v1/audio/transcriptions`` (with an audio projector). Each is a translation onto
 the Python API: the same engine, limits, API keys, cancellation and metrics as the OpenAI
@@ -11,7 +11,7 @@ import asyncio
 import base64
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,13 +22,12 @@ from starlette.requests import Request
 
 from llamacrab import ConcurrentUseError, SamplingOptions, SavedState, SlotInfo, build_info
 from llamacrab._llama import Llama
-from llamacrab._types import ChatCompletionChunk, CompletionChunk, Usage
+from llamacrab._types import ChatCompletionChunk, Usage
 from llamacrab.server._errors import ApiError
+from llamacrab.server._llama_completion import add_completion_routes
 from llamacrab.server._llama_server_schemas import (
     ApplyTemplateRequest,
     ApplyTemplateResponse,
-    InfillRequest,
-    InfillResponse,
     LlamaDetokenizeRequest,
     LlamaDetokenizeResponse,
     LlamaTokenizeRequest,
@@ -46,11 +45,8 @@ from llamacrab.server._schemas import ChatCompletionRequest, ErrorResponse
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
-from llamacrab.server._wire import chat_kwargs, generation_kwargs
+from llamacrab.server._wire import chat_kwargs
 
-# llama-server's repository-level FIM layout names the repository and the current file so.
-_FIM_REPO, _FIM_FILE = "myproject", "filename"
-_STOP_TYPES = {"eos": "eos", "length": "limit", "stop": "word"}
 # llama-server's sampler names where ours differ.
 _SAMPLER_NAMES = {"typical": "typ_p"}
 _RANDOM_SEED = 0xFFFFFFFF  # llama-server's LLAMA_DEFAULT_SEED: a random seed per request
@@ -66,6 +62,7 @@ _SLOT_ERRORS: dict[int | str, dict[str, Any]] = {
 
 def add_llama_server_routes(app: FastAPI, state: ServerState) -> None:
     """llama-server's routes (see the module's docstring)."""
+    add_completion_routes(app, state)
     _add_text_routes(app, state)
     _add_server_routes(app, state)
     _add_transcriptions(app, state)
@@ -75,33 +72,6 @@ def add_llama_server_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_text_routes(app: FastAPI, state: ServerState) -> None:
-    settings = state.settings
-
-    @app.post("/infill", response_model=InfillResponse, responses=ERRORS)
-    async def infill(body: InfillRequest, client: Request) -> Any:
-        llama = state.generator(body.model)
-        vocab = llama.vocab
-        if body.input_extra and vocab.fim_middle is not None and vocab.fim_file_sep is None:
-            raise ApiError(400, "input_extra needs a model with a FIM file-separator token; "
-                           "this one has none", param="input_extra")  # fmt: skip
-        arguments = {
-            "prefix": body.input_prefix + body.prompt,
-            "suffix": body.input_suffix,
-            "repo": _FIM_REPO,
-            "files": [(chunk.filename, chunk.text) for chunk in body.input_extra],
-            "file_name": _FIM_FILE,
-            **_infill_kwargs(body, settings),
-        }
-        alias = settings.alias
-        if body.stream:
-            chunks = await in_thread(partial(llama.stream_infill, **arguments))
-            return await sse_events(state, chunks, partial(_infill_events, alias))
-        result = await complete(state, client, partial(llama.create_infill, **arguments))
-        choice = result.choices[0]
-        tokens = choice.tokens if body.return_tokens else ()
-        return _infill_result(choice.text, tokens, choice.finish_reason, result.usage, alias,
-                              choice.stop_sequence)  # fmt: skip
-
     @app.post("/apply-template", response_model=ApplyTemplateResponse, responses=ERRORS)
     async def apply_template(body: ApplyTemplateRequest) -> Any:
         llama = state.ready(body.model)
@@ -122,60 +92,6 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
         llama = state.ready(body.model)
         # As llama-server: special tokens appear as their text.
         return {"content": await in_thread(llama.detokenize, body.tokens, True)}
-
-
-def _infill_kwargs(body: InfillRequest, settings: ServerSettings) -> dict[str, Any]:
-    """``/completion``'s options as keywords: ``n_predict`` (else ``max_tokens``; -1 means the
-    server's limit), ``repeat_last_n``."""
-    if body.n != 1:
-        raise ApiError(400, "/infill returns one completion: n must be 1", param="n")
-    wanted = body.n_predict if body.n_predict is not None and body.n_predict >= 0 else None
-    max_tokens = body.max_tokens if wanted is None else wanted
-    kwargs = generation_kwargs(body, settings, max_tokens, None)
-    if body.repeat_last_n is not None:
-        kwargs["penalty_last_n"] = body.repeat_last_n
-    return kwargs
-
-
-def _infill_result(
-    text: str,
-    tokens: Sequence[int],
-    reason: str | None,
-    usage: Usage | None,
-    alias: str,
-    stop: str | None,
-) -> dict[str, Any]:
-    """llama-server's last ``/completion`` answer (``stop: true``)."""
-    usage = usage or Usage(0, 0)
-    return {
-        "index": 0, "content": text, "tokens": list(tokens), "id_slot": -1, "stop": True,
-        "model": alias, "tokens_predicted": usage.completion_tokens,
-        "tokens_evaluated": usage.prompt_tokens, "tokens_cached": usage.cached_tokens,
-        "has_new_line": "\n" in text, "truncated": False,
-        "stop_type": _STOP_TYPES.get(reason or "", "none"), "stopping_word": stop or "",
-        "timings": {"cache_n": usage.cached_tokens,
-                    "prompt_n": usage.prompt_tokens - usage.cached_tokens,
-                    "predicted_n": usage.completion_tokens},
-    }  # fmt: skip
-
-
-async def _infill_events(alias: str, chunks: AsyncIterator[CompletionChunk]) -> AsyncIterator[str]:
-    """llama-server's ``/completion`` stream: ``{content, tokens, stop: false}`` events, then
-    one with ``stop: true`` and the counts; no ``[DONE]``."""
-    predicted = 0
-    try:
-        async for chunk in chunks:
-            predicted += len(chunk.tokens)
-            if chunk.finish_reason is None:
-                yield event({"index": 0, "content": chunk.text, "tokens": list(chunk.tokens),
-                             "stop": False, "id_slot": -1,
-                             "tokens_predicted": predicted})  # fmt: skip
-            else:
-                tokens, reason = chunk.tokens, chunk.finish_reason
-                yield event(_infill_result(chunk.text, tokens, reason, chunk.usage, alias,
-                                           chunk.stop_sequence))  # fmt: skip
-    except ApiError as error:
-        yield event(error.body())
 
 
 def _tokenize(llama: Llama, body: LlamaTokenizeRequest) -> list[int]:
@@ -418,6 +334,10 @@ def _add_transcriptions(app: FastAPI, state: ServerState) -> None:
         if response_format == "text":
             return PlainTextResponse(text)
         return {"text": text, "usage": _transcript_usage(result.usage)}
+
+    app.add_api_route("/audio/transcriptions", transcriptions, methods=["POST"],
+                      response_model=TranscriptionResponse, responses=ERRORS,
+                      include_in_schema=False)  # fmt: skip
 
 
 def _transcription_messages(

@@ -26,18 +26,35 @@ class InfillChunk(_Lenient):
     text: str
 
 
-class InfillRequest(GenerationFields):
+class NativeGeneration(GenerationFields):
+    """The options of llama-server's own generation routes (``/completion``, ``/infill``):
+    ``n_predict`` or ``max_tokens``, ``ignore_eos``; ``cache_prompt`` is accepted (llamacrab
+    always reuses a cached prefix)."""
+
+    n_predict: int | None = Field(None, ge=-1)  # -1: the server's limit
+    seed: int | None = Field(None, ge=-1, lt=2**32)  # -1: random, as llama-server
+    return_tokens: bool = False
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+
+
+class InfillRequest(NativeGeneration):
     """llama-server's ``/infill``: the prefix and suffix around the gap, other files of the
-    repository, and ``/completion``'s sampling options (``n_predict`` or ``max_tokens``)."""
+    repository, and ``/completion``'s sampling options."""
 
     input_prefix: str
     input_suffix: str
     input_extra: list[InfillChunk] = Field(default_factory=list, max_length=MAX_INFILL_FILES)
     prompt: str = ""  # text that continues the prefix (where llama-server's code puts it)
-    n_predict: int | None = Field(None, ge=-1)  # -1: the server's limit
-    repeat_last_n: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=-1, lt=2**32)  # -1: random, as llama-server
-    return_tokens: bool = False
+
+
+class LlamaCompletionRequest(NativeGeneration):
+    """llama-server's ``/completion``: ``prompt`` is text, token ids, or both mixed (special
+    tokens parsed in its text, as llama-server does); ``logit_bias`` also in llama-server's
+    forms, ``[[token id or text, bias or false], ...]`` (false bans the token)."""
+
+    prompt: str | list[str | int]
+    logit_bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None = None  # type: ignore[assignment]
 
 
 class ApplyTemplateRequest(_Lenient):
@@ -86,13 +103,13 @@ class ApplyTemplateResponse(BaseModel):
     prompt: str
 
 
-class InfillTimings(BaseModel):
+class LlamaTimings(BaseModel):
     cache_n: int
     prompt_n: int
     predicted_n: int
 
 
-class InfillResponse(BaseModel):
+class LlamaCompletionResponse(BaseModel):
     """llama-server's ``/completion`` answer (``stop: true``); streamed, the same fields come in
     pieces and the last event has ``stop: true`` and the counts."""
 
@@ -109,7 +126,7 @@ class InfillResponse(BaseModel):
     truncated: bool = False
     stop_type: Literal["eos", "limit", "word", "none"]
     stopping_word: str = ""
-    timings: InfillTimings
+    timings: LlamaTimings
 
 
 class GenerationSettingsOut(BaseModel):

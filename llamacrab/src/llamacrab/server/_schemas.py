@@ -53,6 +53,18 @@ class GenerationFields(_Lenient):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # llama-server's samplers, which it takes on every route (ranges: llamacrab's SamplingOptions)
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    top_n_sigma: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    repeat_last_n: int | None = None  # penalty_last_n
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
 
     @field_validator("stop")
     @classmethod

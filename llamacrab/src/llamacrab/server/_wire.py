@@ -31,7 +31,9 @@ from llamacrab.server._settings import ServerSettings
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "mirostat", "mirostat_tau", "mirostat_eta",
-             "seed", "grammar", "min_tokens")  # fmt: skip
+             "seed", "grammar", "min_tokens", "dynatemp_range", "dynatemp_exponent",
+             "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
+             "dry_allowed_length", "dry_penalty_last_n")  # fmt: skip
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -49,6 +51,10 @@ def generation_kwargs(
     kwargs: dict[str, Any] = {n: v for n in _SAMPLING if (v := getattr(body, n)) is not None}
     if kwargs.get("seed") == -1:  # llama-server's "a random seed", which clients send
         del kwargs["seed"]
+    if body.repeat_last_n is not None:
+        kwargs["penalty_last_n"] = body.repeat_last_n
+    if body.dry_sequence_breakers is not None:
+        kwargs["dry_sequence_breakers"] = tuple(body.dry_sequence_breakers)
     if body.logit_bias:
         try:
             kwargs["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}

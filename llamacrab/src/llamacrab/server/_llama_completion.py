@@ -1,0 +1,169 @@
+"""llama-server's own generation routes: ``/completion`` (also ``/completions``) and ``/infill``,
+with its field names and its answer (``content``, ``tokens``, ``stop_type``, counts), streamed
+as ``data:`` events with ``stop: false`` and a last one with ``stop: true`` (no ``[DONE]``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Sequence
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+
+from llamacrab._llama import Llama
+from llamacrab._types import CompletionChunk, Usage
+from llamacrab.server._errors import ApiError
+from llamacrab.server._llama_server_schemas import (
+    InfillRequest,
+    LlamaCompletionRequest,
+    LlamaCompletionResponse,
+    NativeGeneration,
+)
+from llamacrab.server._settings import ServerSettings
+from llamacrab.server._state import ServerState
+from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
+from llamacrab.server._wire import generation_kwargs
+
+# llama-server's repository-level FIM layout names the repository and the current file so.
+_FIM_REPO, _FIM_FILE = "myproject", "filename"
+_STOP_TYPES = {"eos": "eos", "length": "limit", "stop": "word"}
+
+
+def add_completion_routes(app: FastAPI, state: ServerState) -> None:
+    settings = state.settings
+
+    async def completion(body: LlamaCompletionRequest, client: Request) -> Any:
+        llama = state.generator(body.model)
+        prompt = await in_thread(_prompt_tokens, llama, body.prompt)
+        bias = await in_thread(_logit_bias, llama, body.logit_bias)
+        kwargs = native_kwargs(body.model_copy(update={"logit_bias": None}), llama, settings)
+        kwargs["logit_bias"] = {**bias, **kwargs.get("logit_bias", {})}
+        return await _answer(state, client, body, llama.stream_completion, llama.create_completion,
+                             prompt=prompt, **kwargs)  # fmt: skip
+
+    for path in ("/completion", "/completions"):  # llama-server: "legacy" and current names
+        app.add_api_route(path, completion, methods=["POST"], responses=ERRORS,
+                          response_model=LlamaCompletionResponse)  # fmt: skip
+
+    @app.post("/infill", response_model=LlamaCompletionResponse, responses=ERRORS)
+    async def infill(body: InfillRequest, client: Request) -> Any:
+        llama = state.generator(body.model)
+        vocab = llama.vocab
+        if body.input_extra and vocab.fim_middle is not None and vocab.fim_file_sep is None:
+            raise ApiError(400, "input_extra needs a model with a FIM file-separator token; "
+                           "this one has none", param="input_extra")  # fmt: skip
+        arguments = {
+            "prefix": body.input_prefix + body.prompt,
+            "suffix": body.input_suffix,
+            "repo": _FIM_REPO,
+            "files": [(chunk.filename, chunk.text) for chunk in body.input_extra],
+            "file_name": _FIM_FILE,
+            **native_kwargs(body, llama, settings),
+        }
+        return await _answer(state, client, body, llama.stream_infill, llama.create_infill,
+                             **arguments)  # fmt: skip
+
+
+async def _answer(state: ServerState, client: Request, body: NativeGeneration, stream: Any,
+                  create: Any, **arguments: Any) -> Any:  # fmt: skip
+    alias = state.settings.alias
+    if body.stream:
+        chunks = await in_thread(partial(stream, **arguments))
+        return await sse_events(state, chunks, partial(native_events, alias))
+    result = await complete(state, client, partial(create, **arguments))
+    choice = result.choices[0]
+    tokens = choice.tokens if body.return_tokens else ()
+    return native_answer(choice.text, tokens, choice.finish_reason, result.usage, alias,
+                         choice.stop_sequence)  # fmt: skip
+
+
+def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings) -> dict[str, Any]:
+    """The Python API's keywords: ``n_predict`` (else ``max_tokens``; -1 means the server's
+    limit), ``ignore_eos`` (every end-of-generation token banned)."""
+    if body.n != 1:
+        raise ApiError(400, "llama-server's routes return one completion: n must be 1",
+                       param="n")  # fmt: skip
+    wanted = body.n_predict if body.n_predict is not None and body.n_predict >= 0 else None
+    max_tokens = body.max_tokens if wanted is None else wanted
+    kwargs = generation_kwargs(body, settings, max_tokens, None)
+    if body.ignore_eos:
+        banned = dict.fromkeys(llama.vocab.eog_tokens, -math.inf)
+        kwargs["logit_bias"] = {**kwargs.get("logit_bias", {}), **banned}
+    return kwargs
+
+
+def _prompt_tokens(llama: Llama, prompt: str | list[str | int]) -> list[int]:
+    """Text, token ids or both mixed, as llama-server's /completion reads them: special tokens
+    parsed in text, BOS as the model wants it before the first piece when that is text (token
+    ids are taken as they are)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    tokens: list[int] = []
+    for i, part in enumerate(prompt):
+        if isinstance(part, int):
+            tokens.extend(llama.vocab.check_tokens([part]).tolist())
+        else:
+            tokens.extend(llama.tokenize(part, add_special=i == 0, parse_special=True))
+    return tokens
+
+
+def _logit_bias(
+    llama: Llama, bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None
+) -> dict[int, float]:
+    """llama-server's forms: ``{"id": bias}`` or ``[[id or text, bias]]``; ``false`` bans the
+    token; text stands for each of its tokens."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias or []
+    out: dict[int, float] = {}
+    for key, value in pairs:
+        amount = -math.inf if value is False else float(value)
+        if isinstance(key, int) or (isinstance(key, str) and key.lstrip("-").isdigit()):
+            out[int(key)] = amount
+        else:
+            for token in llama.tokenize(key, add_special=False):
+                out[token] = amount
+    return out
+
+
+def native_answer(
+    text: str,
+    tokens: Sequence[int],
+    reason: str | None,
+    usage: Usage | None,
+    alias: str,
+    stop: str | None,
+) -> dict[str, Any]:
+    """llama-server's last ``/completion`` answer (``stop: true``)."""
+    usage = usage or Usage(0, 0)
+    return {
+        "index": 0, "content": text, "tokens": list(tokens), "id_slot": -1, "stop": True,
+        "model": alias, "tokens_predicted": usage.completion_tokens,
+        "tokens_evaluated": usage.prompt_tokens, "tokens_cached": usage.cached_tokens,
+        "has_new_line": "\n" in text, "truncated": False,
+        "stop_type": _STOP_TYPES.get(reason or "", "none"), "stopping_word": stop or "",
+        "timings": {"cache_n": usage.cached_tokens,
+                    "prompt_n": usage.prompt_tokens - usage.cached_tokens,
+                    "predicted_n": usage.completion_tokens},
+    }  # fmt: skip
+
+
+async def native_events(alias: str, chunks: AsyncIterator[CompletionChunk]) -> AsyncIterator[str]:
+    """llama-server's ``/completion`` stream: ``{content, tokens, stop: false}`` events, then
+    one with ``stop: true`` and the counts; no ``[DONE]``."""
+    predicted = 0
+    try:
+        async for chunk in chunks:
+            predicted += len(chunk.tokens)
+            if chunk.finish_reason is None:
+                yield event({"index": 0, "content": chunk.text, "tokens": list(chunk.tokens),
+                             "stop": False, "id_slot": -1,
+                             "tokens_predicted": predicted})  # fmt: skip
+            else:
+                tokens, reason = chunk.tokens, chunk.finish_reason
+                yield event(native_answer(chunk.text, tokens, reason, chunk.usage, alias,
+                                          chunk.stop_sequence))  # fmt: skip
+    except ApiError as error:
+        yield event(error.body())
