@@ -42,8 +42,15 @@ _EMBEDDINGS = {"/v1/embeddings", "/embeddings", "/embedding"}
 _RERANK = {"/v1/rerank", "/v1/reranking", "/rerank", "/reranking"}
 _GENERATION_ENDINGS = ("completions", "/completion", "/infill", "/responses", "/v1/messages")
 # Routes about models themselves: no model is loaded for them.
-_MODEL_ROUTES = {"/v1/models", "/models", "/models/load", "/models/unload", "/health", "/v1/health",
-                 "/metrics"}
+_MODEL_ROUTES = {
+    "/v1/models",
+    "/models",
+    "/models/load",
+    "/models/unload",
+    "/health",
+    "/v1/health",
+    "/metrics",
+}
 
 
 def required_kind(path: str) -> str | None:
