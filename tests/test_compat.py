@@ -498,6 +498,40 @@ def test_streams_from_two_threads_take_turns(llm: Llama) -> None:
     assert results == [expected + "|length"] * 3
 
 
+def test_a_stream_left_by_an_ended_thread_holds_no_turn(tiny_model_path: Path) -> None:
+    # The turn was keyed on the ended thread's id: every other thread's call waited for ever
+    # (and a thread reusing the id passed; found by a hostile-input hunt).
+    with Llama(model_path=str(tiny_model_path), n_ctx=128, n_threads=1, verbose=False) as tiny:
+        kept: list[Any] = []
+
+        def read_one() -> None:
+            chunks = tiny("the cat", max_tokens=30, stream=True)
+            next(chunks)
+            kept.append(chunks)
+
+        answers: list[str] = []
+        go = threading.Event()
+
+        def call() -> None:
+            go.wait()
+            answers.append(text(tiny("hi", max_tokens=2)))
+
+        # Started first, so that it cannot get the ended thread's id (which passed as the owner).
+        caller = threading.Thread(target=call)
+        caller.start()
+        worker = threading.Thread(target=read_one)
+        worker.start()
+        worker.join()
+        go.set()
+        caller.join(timeout=60)
+        assert not caller.is_alive() and len(answers) == 1
+        # The stream left behind was superseded; read on, it ends without taking a turn back.
+        assert [c["choices"][0]["finish_reason"] for c in kept[0]][-1] is not None
+        assert text(tiny("hi", max_tokens=2, temperature=0)) == text(
+            tiny("hi", max_tokens=2, temperature=0)
+        )
+
+
 def test_prompt_lookup_draft_model_and_generate(llm: Llama, gemma_path: Path) -> None:
     prompt = "a b c d e f g h a b c d e f g h a b c d"
     with Llama(model_path=str(gemma_path), n_ctx=512, n_threads=2, verbose=False,

@@ -4,7 +4,8 @@ llamacrab's one-slot Llama lets a new call supersede an unfinished stream. Code 
 llama-cpp-python, such as LangChain's ``batch`` (a thread per input, each streaming), calls
 one Llama from several threads at once; there each call must wait for the one running rather
 than cut it short. Within one thread nothing waits: a second stream started while the first is
-unread supersedes it, as llamacrab does.
+unread supersedes it, as llamacrab does; nor does anyone wait for a thread that has ended (a
+stream it left unfinished is superseded too).
 """
 
 from __future__ import annotations
@@ -13,34 +14,45 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+# How often a waiting thread looks whether the owner has ended: a thread that ends holding a
+# turn (its stream kept, unfinished, by someone else) never notifies.
+_POLL_SECONDS = 0.05
+
 
 class Turns:
+    """Turns handed out per thread: ``acquire`` returns a ticket that ``release`` takes back.
+    The turns of a thread that has ended are void: the next thread takes over (its new call
+    supersedes the stream left unfinished), and releasing a void ticket changes nothing."""
+
     def __init__(self) -> None:
         # Re-entrant: a stream abandoned mid-way may be collected (its turn returned) while
         # this thread holds the lock.
         self._changed = threading.Condition(threading.RLock())
-        self._owner: int | None = None
-        self._depth = 0
+        self._owner: threading.Thread | None = None
+        self._held: set[object] = set()
 
-    def acquire(self) -> None:
-        me = threading.get_ident()
+    def acquire(self) -> object:
+        me, ticket = threading.current_thread(), object()
         with self._changed:
-            while self._owner not in (None, me):
-                self._changed.wait()
+            while self._owner not in (None, me) and self._owner.is_alive():
+                self._changed.wait(_POLL_SECONDS)
+            if self._owner is not me:
+                self._held.clear()  # none, or an ended thread's: void
             self._owner = me
-            self._depth += 1
+            self._held.add(ticket)
+        return ticket
 
-    def release(self) -> None:
+    def release(self, ticket: object) -> None:
         with self._changed:
-            self._depth -= 1
-            if self._depth <= 0:
-                self._owner, self._depth = None, 0
+            self._held.discard(ticket)
+            if not self._held:
+                self._owner = None
                 self._changed.notify_all()
 
     @contextmanager
     def turn(self) -> Iterator[None]:
-        self.acquire()
+        ticket = self.acquire()
         try:
             yield
         finally:
-            self.release()
+            self.release(ticket)

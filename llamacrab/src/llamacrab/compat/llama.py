@@ -687,7 +687,7 @@ class Llama:
         """Chunks as llama-cpp-python streams them: text pieces, then an empty last one with
         the finish_reason; ``meta.outcome`` gets the usage. ``echo``: the prompt text to echo
         first, or the engine's echo chunk (with the prompt's logprobs) to show as the prompt."""
-        self._turns.acquire()
+        ticket = self._turns.acquire()
         try:
             if isinstance(echo, _EngineEcho):
                 rated = convert.echo_logprobs(next(engine).logprobs, echo.first)
@@ -706,7 +706,7 @@ class Llama:
             )
         finally:
             engine.close()
-            self._turns.release()
+            self._turns.release(ticket)
 
     @staticmethod
     def _completion_result(
@@ -773,7 +773,7 @@ class Llama:
     def _tokens(
         self, engine: Stream[CompletionChunk]
     ) -> Generator[int, Sequence[int] | None, None]:
-        self._turns.acquire()
+        ticket = self._turns.acquire()
         try:
             for chunk in engine:
                 for token in chunk.tokens:
@@ -789,7 +789,7 @@ class Llama:
                     yield self.token_eos()
         finally:
             engine.close()
-            self._turns.release()
+            self._turns.release(ticket)
 
     @checked
     def eval(self, tokens: Sequence[int]) -> None:
@@ -900,7 +900,7 @@ class Llama:
     def _chat_chunks(
         self, engine: Stream[ChatCompletionChunk], meta: _Meta
     ) -> Generator[CreateChatCompletionStreamResponse, None, None]:
-        self._turns.acquire()
+        ticket = self._turns.acquire()
         try:
             yield convert.chat_chunk(meta.id, meta.created, meta.model, {"role": "assistant"})
             for chunk in engine:
@@ -921,7 +921,7 @@ class Llama:
             yield convert.chat_chunk(meta.id, meta.created, meta.model, {}, meta.outcome.finish)
         finally:
             engine.close()
-            self._turns.release()
+            self._turns.release(ticket)
 
     @staticmethod
     def _chat_result(
