@@ -751,3 +751,11 @@ def test_a_pickled_llama_loads_its_model_again_with_the_same_arguments(
                 assert text(restored.create_completion("the cat", max_tokens=6,
                                                        temperature=0)) == expected  # fmt: skip
         assert not original.llamacrab.closed  # the copies closed their own
+
+
+def test_an_empty_token_prompt_with_echo_and_logprobs_is_refused(tiny_model_path: Path) -> None:
+    with (
+        Llama(model_path=str(tiny_model_path), n_ctx=64, n_threads=1, verbose=False) as tiny,
+        pytest.raises(InvalidParameterError, match="the prompt is empty"),
+    ):
+        tiny.create_completion([], echo=True, logprobs=1, max_tokens=1)  # was IndexError

@@ -100,8 +100,12 @@ def test_an_ambiguous_grammar_is_stopped_at_the_stack_bound_not_left_to_run(
             str(MAX_GRAMMAR_RULES),
         ),
         ('root ::= "' + "a" * (MAX_GRAMMAR_BYTES + 1) + '"', str(MAX_GRAMMAR_BYTES)),
+        # A count past Python's int() limit raised ValueError; past 2000 llama.cpp's parser
+        # failed with "failed to parse grammar", naming nothing.
+        ('root ::= "a"{' + "9" * 5000 + "}", "20"),
+        ('root ::= "a"{2001,}', "2000"),
     ],
-    ids=["nesting", "rule-chain", "size"],
+    ids=["nesting", "rule-chain", "size", "count-digits", "count"],
 )
 def test_grammar_bounds_name_the_limit(grammar: str, limit: str) -> None:
     with pytest.raises(GrammarError, match=f"limit is {limit}"):

@@ -458,6 +458,12 @@ def test_health_reports_loading_failures(tmp_path: Path) -> None:
         server.close()
 
 
+def test_a_port_past_65535_is_refused() -> None:
+    # uvicorn listened on 99999 % 65536 and logged 99999.
+    with pytest.raises(InvalidParameterError, match="port must be 1-65535, not 99999"):
+        ServerSettings(model="m.gguf", port=99999)
+
+
 def test_settings_come_from_flags_and_environment() -> None:
     environ = {"LLAMACRAB_MODEL": "m.gguf", "LLAMACRAB_PARALLEL": "4",
                "LLAMACRAB_API_KEY": "sk-env-4f1a, sk-env-8b2c", "LLAMACRAB_EMBEDDINGS": "true",

@@ -552,3 +552,10 @@ def test_flags_naming_one_models_files_are_refused_with_many(flags: list[str], m
     with pytest.raises(InvalidParameterError, match=match):
         parse_settings(["--models-dir", "d", *flags], environ={})
     parse_settings(["m.gguf", *flags], environ={})  # one model: they apply to it
+
+
+def test_a_body_nested_past_the_recursion_limit_names_no_model() -> None:
+    # Reading its model raised RecursionError: a 500 where the one-model server says 400.
+    from llamacrab.server._models import _requested_model
+
+    assert _requested_model({"query_string": b"model=m"}, b"[" * 200_000) == "m"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -109,6 +110,23 @@ def test_draft_model_must_share_the_vocabulary(tiny_model_path: Path, tmp_path: 
 def test_prompt_lookup_settings_are_checked() -> None:
     with pytest.raises(InvalidParameterError):
         PromptLookup(min_ngram=3, max_ngram=2)
+    for wrong in ({"max_draft": 1.5}, {"max_ngram": None}, {"max_draft": "3"}):
+        with pytest.raises(InvalidParameterError, match="must be an integer"):
+            PromptLookup(**wrong)  # type: ignore[arg-type]
+
+
+def test_a_huge_max_ngram_looks_only_at_lengths_the_history_has() -> None:
+    # Every draft walked max_ngram..1 (10**9 lengths: minutes a draft; found by a hunt).
+    drafter = PromptLookup(max_ngram=10**12).drafter(None)  # type: ignore[arg-type]
+    drafts: list[list[int]] = []  # the first four draft nothing: plain decoding is timed first
+
+    def draft() -> None:
+        drafts.extend(drafter.draft([1, 2, 3, 1, 2], 4) for _ in range(5))
+
+    worker = threading.Thread(target=draft)
+    worker.start()
+    worker.join(timeout=30)
+    assert drafts == [[]] * 4 + [[3, 1, 2]]
 
 
 LIST = "Copy the list: apples, pears, plums, cherries, apples, pears, plums, cherries,"

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from llamacrab._exceptions import InvalidParameterError
+from llamacrab._field_types import check_field_types
 
 if TYPE_CHECKING:
     from llamacrab._native.context import Context
@@ -101,6 +102,7 @@ class PromptLookup:
     max_draft: int = 32
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not 1 <= self.min_ngram <= self.max_ngram or self.max_draft < 1:
             raise InvalidParameterError(f"invalid prompt-lookup settings: {self}")
 
@@ -118,9 +120,10 @@ class _LookupDrafter:
         if size <= 0:
             return []
         tokens = np.asarray(history, dtype=np.int64)
-        for n in range(self.options.max_ngram, self.options.min_ngram - 1, -1):
-            if len(tokens) <= n:
-                continue
+        # Only n-grams shorter than the history can occur in it earlier (a huge max_ngram
+        # walked every impossible length, each draft).
+        longest = min(self.options.max_ngram, len(tokens) - 1)
+        for n in range(longest, self.options.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if hits.size:

@@ -21,6 +21,9 @@ MAX_GRAMMAR_NESTING = 128  # nested ( ) groups
 MAX_GRAMMAR_RULES = 8192  # named rules plus the rules groups and repetitions generate
 MAX_TRIGGER_WORDS = 64
 MAX_TRIGGER_WORD_CHARS = 256
+# llama.cpp's MAX_REPETITION_THRESHOLD: a larger minimum count fails its parser (a vague
+# "failed to parse grammar"), a larger maximum means no maximum.
+MAX_REPETITION = 2000
 
 
 def check_grammar(text: str) -> None:
@@ -81,6 +84,8 @@ def _check_repetition(text: str, start: int) -> None:
         j = i
         while j < len(text) and text[j].isascii() and text[j].isdigit():
             j += 1
+        if j - i > 20:  # past 64 bits: llama.cpp's stoull throws (and Python's int() past 4300)
+            raise GrammarError(f"a repetition count has {j - i} digits; the limit is 20")
         numbers.append(int(text[i:j]) if j > i else None)
         i = _skip_space(text, j)
         if i >= len(text) or text[i] != ",":
@@ -89,6 +94,10 @@ def _check_repetition(text: str, start: int) -> None:
     low, high = numbers[0], numbers[-1] if len(numbers) == 2 else numbers[0]
     if low is not None and high is not None and high < low:
         raise GrammarError(f"the repetition {{{low},{high}}} has its maximum below its minimum")
+    if low is not None and low > MAX_REPETITION:
+        raise GrammarError(
+            f"a repetition of at least {low} times; the limit is {MAX_REPETITION} (llama.cpp's)"
+        )
 
 
 def _skip_space(text: str, i: int) -> int:

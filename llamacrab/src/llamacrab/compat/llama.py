@@ -657,6 +657,8 @@ class Llama:
             else:
                 tokens = [int(t) for t in prompt]
                 prompt_text = self._llm.detokenize(tokens)
+            if not tokens:
+                raise InvalidParameterError("the prompt is empty")
             self._hooks(tokens, logits_processor, stopping_criteria, sampling)
             if echo and logprobs is not None:  # the engine echoes, to rate the prompt's tokens
                 vocab = self._llm.vocab

@@ -240,8 +240,8 @@ def _requested_model(scope: Scope, body: bytes) -> str | None:
     if body:
         try:
             data = json.loads(body)
-        except ValueError:
-            data = None  # the route answers the malformed body
+        except (ValueError, RecursionError):
+            data = None  # the route answers the malformed body (or one nested too deep)
         if isinstance(data, dict) and isinstance(data.get("model"), str) and data["model"]:
             return str(data["model"])
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))

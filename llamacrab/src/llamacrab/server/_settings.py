@@ -119,6 +119,8 @@ class ServerSettings:
         ):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"{name} must be >= 1")
+        if self.port > 65535:  # uvicorn took 99999 as 99999 % 65536 and said 99999
+            raise InvalidParameterError(f"port must be 1-65535, not {self.port}")
         if self.timeout <= 0 or self.max_queue < 0:
             raise InvalidParameterError("timeout must be > 0 and max_queue >= 0")
         if not 0 <= self.shutdown_timeout < math.inf:
