@@ -211,6 +211,39 @@ def test_a_child_killed_by_a_signal_without_a_name_is_reported_dead() -> None:
     child.close()
 
 
+def test_a_child_still_loading_is_ended_when_the_server_stops() -> None:
+    import subprocess
+    import sys
+    import threading
+
+    from llamacrab import ModelLoadError
+    from llamacrab.server._isolation import ChildModel, stop_loading_children
+
+    # A child that never answers (its RPC worker unreachable, or hung): the server's shutdown
+    # waited for the load's 600 s, and a second SIGTERM could not cut it short.
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                               stderr=subprocess.PIPE)  # fmt: skip
+    child = ChildModel("stuck", process, 9, "key", lambda *_: None)
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            child._load(600)
+        except ModelLoadError as error:
+            failures.append(error)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    deadline = time.monotonic() + 10
+    while not child.loading and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop_loading_children()
+    loader.join(timeout=30)
+    assert not loader.is_alive() and len(failures) == 1
+    assert "killed by SIGTERM" in str(failures[0])
+    assert not child.loading and process.poll() is not None
+
+
 # A child that answers with the bytes of argv[2] (a start, no end), then dies (exit 9) or,
 # with argv[3] "hang", waits (for its client to leave).
 _DYING_CHILD = """

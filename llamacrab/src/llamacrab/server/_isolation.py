@@ -69,6 +69,7 @@ class ChildModel:
         self.key = key
         self._on_death = on_death
         self._closing = False
+        self.loading = False  # in _load: the server's shutdown ends it (stop_loading_children)
         self._stderr: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
         self._pump = threading.Thread(target=self._read_stderr, daemon=True,
                                       name=f"llamacrab-child-{name}")  # fmt: skip
@@ -119,6 +120,13 @@ class ChildModel:
             connection.close()
 
     def _load(self, timeout: float) -> None:
+        self.loading = True
+        try:
+            self._wait_loaded(timeout)
+        finally:
+            self.loading = False
+
+    def _wait_loaded(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         body = json.dumps({"model": self.name}).encode()
         while True:
@@ -184,6 +192,15 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def stop_loading_children() -> None:
+    """End the children still loading their model: the server stops, and a load can take up
+    to its timeout (600 s: an RPC worker that never answers, a child that hangs), for which the
+    registry's close would wait."""
+    for child in list(_children):
+        if child.loading:
+            child.close()
 
 
 @atexit.register

@@ -16,6 +16,7 @@ from llamacrab import (
 )
 from llamacrab._llama import Llama
 from llamacrab.server._errors import ApiError
+from llamacrab.server._isolation import stop_loading_children
 from llamacrab.server._llama_kwargs import given, llama_kwargs
 from llamacrab.server._metrics import Metrics
 from llamacrab.server._models import lease_error, open_registry, refusal
@@ -91,6 +92,7 @@ class ServerState:
         """Close the models this server opened (or the registry it serves): the server stops.
         A request still using one ends as one whose model closed (503 ``shutting_down``)."""
         if self.registry is not None:
+            stop_loading_children()
             self.registry.close()
         elif self._owns_llama and self.llama is not None:
             self.llama.close()
