@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -117,3 +118,45 @@ def test_chat_response_format_json_schema(gemma: Llama) -> None:
 def test_malformed_patterns_are_refused(pattern: str, problem: str) -> None:
     with pytest.raises(GrammarError, match=problem):
         schema_to_grammar({"type": "string", "pattern": pattern})
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        ({"type": "array", "minItems": 10**6}, "'minItems' at root-value is 1000000; it must be"),
+        ({"type": "string", "minLength": -1}, "'minLength' at root-value is -1"),
+        ({"type": "string", "maxLength": 2**64}, "'maxLength' at root-value is 1844"),
+        ({"type": "object", "maxProperties": -3}, "'maxProperties' at root-value is -3"),
+        ({"enum": []}, "'enum' at root-value is empty"),
+        ({"type": []}, "'type' at root-value is empty"),
+        ({"enum": [float("nan")]}, "not JSON (ValueError): nan"),
+        ({"const": {1, 2}}, "not JSON (TypeError)"),
+    ],
+)
+def test_bad_schema_values_are_refused_naming_the_keyword(
+    schema: dict[str, Any], problem: str
+) -> None:
+    # Each failed only when llama.cpp parsed the grammar ("failed to parse grammar", naming
+    # nothing), was accepted silently (minItems -5), or raised from json.dumps (a hunt).
+    with pytest.raises(GrammarError, match=re.escape(problem)):
+        schema_to_grammar(schema)
+
+
+def test_schemas_that_grew_the_converter_without_bound_are_quick() -> None:
+    # Property names that clean up to one rule name: each new rule tried every name before it
+    # (16k: 30 s). One dict shared in both branches, 40 deep: 2**40 visits (hung).
+    names = {"a" + chr(0x4E00 + i): {"const": i} for i in range(8000)}
+    with pytest.raises(GrammarError, match="grows past"):
+        schema_to_grammar({"type": "object", "properties": names, "required": list(names)})
+    few = {"a" + chr(0x4E00 + i): {"const": i} for i in range(300)}
+    grammar = schema_to_grammar({"type": "object", "properties": few, "required": list(few)})
+    assert grammar.count(" ::= ") > 300
+    shared: dict[str, Any] = {"type": "string", "maxLength": 3}
+    for _ in range(40):
+        shared = {"anyOf": [shared, shared]}
+    assert len(schema_to_grammar(shared)) < 20_000
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(GrammarError, match="not JSON"):
+        schema_to_grammar({"const": deep})

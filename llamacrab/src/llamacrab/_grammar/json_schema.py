@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._grammar.number_range import bounded, integral_bound
 from llamacrab._grammar.regex_gbnf import pattern_to_gbnf
-from llamacrab._native.grammar_bounds import MAX_GRAMMAR_BYTES
+from llamacrab._native.grammar_bounds import MAX_GRAMMAR_BYTES, MAX_REPETITION
 
 # Keywords that constrain nothing a grammar must enforce.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -45,6 +46,9 @@ _KEYWORD_TYPES: dict[str, tuple[type, ...]] = {
     "enum": (list,), "anyOf": (list,), "oneOf": (list,), "allOf": (list,), "$ref": (str,),
     "$defs": (Mapping,), "definitions": (Mapping,),
 }  # fmt: skip
+# Counts of items, characters or properties: a minimum becomes a grammar repetition, which
+# llama.cpp refuses past MAX_REPETITION (a maximum past it means no maximum there).
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "maxProperties")
 _DIGITS2 = "[0-9] [0-9]"
 _FORMATS = {
     "date": '[0-9]{4} "-" ( "0" [1-9] | "1" [0-2] ) "-" ( "0" [1-9] | [12] [0-9] | "3" [01] )',
@@ -80,8 +84,13 @@ JSON_OBJECT_GRAMMAR = "root ::= json-object\n" + "".join(
 
 
 def _literal(value: Any) -> str:
-    """A GBNF string literal matching ``value`` serialized as JSON."""
-    text = json.dumps(value, ensure_ascii=False)
+    """A GBNF string literal matching ``value`` serialized as JSON (a const or enum value)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, RecursionError) as error:  # NaN, a set, nested too deep
+        raise GrammarError(
+            f"a const or enum value is not JSON ({type(error).__name__}): {reprlib.repr(value)}"
+        ) from None
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -96,14 +105,35 @@ class _Converter:
         self.depth = 0
         self.rules: dict[str, str] = {}
         self.refs: dict[str, str] = {}
+        self.named: dict[tuple[str, str], str] = {}  # (base name, body): its rule
+        self.next_suffix: dict[str, int] = {}
+        self.size = 0
+        # Each subschema object visited once: a Python schema can share one dict in many
+        # places ({"anyOf": [s, s]} nested n deep is 2**n visits). The object is kept with its
+        # rule, so its id cannot be reused by another while converting.
+        self.visited: dict[int, tuple[Any, str]] = {}
 
     def add(self, hint: str, body: str) -> str:
+        """The rule named after ``hint`` whose body is ``body``: an existing one, or a new one
+        (``base``, ``base-2``, ...). Names and sizes are kept as they grow: finding a free name
+        by trying each in turn was quadratic in the properties whose names clean up alike, and
+        a grammar past MAX_GRAMMAR_BYTES is refused while it is being built, not after."""
         base = re.sub(r"[^a-zA-Z0-9-]+", "-", hint).strip("-").lower() or "rule"
-        name, n = base, 1
-        while name in self.rules and self.rules[name] != body:
+        known = self.named.get((base, body))
+        if known is not None:
+            return known
+        name, n = base, self.next_suffix.get(base, 1)
+        while name in self.rules:
             n += 1
             name = f"{base}-{n}"
+        self.next_suffix[base] = n
+        self.size += len(name) + len(body) + 6
+        if self.size > MAX_GRAMMAR_BYTES:
+            raise GrammarError(
+                f"the schema's grammar grows past {MAX_GRAMMAR_BYTES} bytes (at {hint!r})"
+            )
         self.rules[name] = body
+        self.named[(base, body)] = name
         return name
 
     def visit(self, schema: Any, hint: str) -> str:
@@ -112,11 +142,17 @@ class _Converter:
             raise GrammarError(
                 f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (at {hint!r})"
             )
+        seen = self.visited.get(id(schema))
+        if seen is not None and seen[0] is schema:
+            return seen[1]
         self.depth += 1
         try:
-            return self._visit(schema, hint)
+            rule = self._visit(schema, hint)
         finally:
             self.depth -= 1
+        if isinstance(schema, Mapping):
+            self.visited[id(schema)] = (schema, rule)
+        return rule
 
     def _visit(self, schema: Any, hint: str) -> str:
         if schema is True or schema == {}:
@@ -292,8 +328,19 @@ def _check_keyword_types(schema: Mapping[str, Any], hint: str) -> None:
             )
         if keyword == "required" and not all(isinstance(r, str) for r in value):
             raise GrammarError(f"JSON Schema 'required' at {hint} must list property names")
-        if keyword in ("anyOf", "oneOf", "allOf") and not value:
+        if keyword in ("anyOf", "oneOf", "allOf", "enum", "type") and not value:
             raise GrammarError(f"JSON Schema {keyword!r} at {hint} is empty")
+        if keyword in _COUNTS:
+            _check_count(keyword, value, hint)
+
+
+def _check_count(keyword: str, value: int, hint: str) -> None:
+    most, why = (MAX_REPETITION, "llama.cpp's most") if keyword.startswith("min") else (2**63, "")
+    if not 0 <= value <= most:
+        raise GrammarError(
+            f"JSON Schema {keyword!r} at {hint} is {value}; it must be 0 to {most}"
+            + (f" ({why})" if why else "")
+        )
 
 
 def _check_optional_size(may: list[str], tail: str, hint: str) -> None:
