@@ -63,3 +63,26 @@ def test_every_command_has_help() -> None:
         result = llamacrab(command, "--help")
         assert result.returncode == 0 and "usage: llamacrab" in result.stdout
     assert "LLAMACRAB_API_KEY" in llamacrab("serve", "--help").stdout
+
+
+def test_a_reader_that_leaves_and_a_missing_stdin_end_quietly(tiny_model_path: Path) -> None:
+    # `| head -c 10` raised BrokenPipeError with a traceback; >/dev/full an OSError one;
+    # chat with stdin closed (<&-) RuntimeError("input(): lost sys.stdin") (a hunt).
+    command = [sys.executable, "-m", "llamacrab", "run", str(tiny_model_path), "-p", "hi",
+               "-n", "2000"]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.read(10)
+        child.stdout.close()  # the reader leaves
+        errors = child.stderr.read().decode()
+        assert child.wait(timeout=300) == 1
+    assert "Traceback" not in errors, errors
+    with open("/dev/full", "w") as full:
+        child_full = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True,
+                                    timeout=300)  # fmt: skip
+    assert child_full.returncode == 1 and "Traceback" not in child_full.stderr
+    assert "No space left on device" in child_full.stderr
+    closed_stdin = 'exec "$0" -m llamacrab run "$1" <&-'
+    chat = subprocess.run(["sh", "-c", closed_stdin, sys.executable, str(tiny_model_path)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -191,7 +192,7 @@ def _run(args: argparse.Namespace) -> None:
 def _chat(llm: Llama, system: str | None, sampling: dict[str, Any]) -> None:
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
-    while True:
+    while sys.stdin is not None and not sys.stdin.closed:  # no stdin at all (<&-): nothing to read
         try:
             line = input("> ")
         except EOFError:
@@ -284,4 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader left (``| head``): end quietly, as Unix tools do. Python would fail
+        # again flushing stdout at exit, so it is pointed at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as error:  # writing the answer: a full disk (>/dev/full), a closed stream
+        print(f"llamacrab: {error}", file=sys.stderr)
+        return 1
     return 0
