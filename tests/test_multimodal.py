@@ -300,6 +300,13 @@ def test_bad_media_raise_clear_errors_and_nothing_breaks(
             llm.create_completion(text, media=media, **GREEDY)
     with pytest.raises(MediaError, match="sample_rate"):
         Audio(samples=tone(16000))
+    # Found by a hunt: TypeError or ValueError from deep inside, or accepted ("at True Hz").
+    for rate in ("16000", float("nan"), True, -1):
+        with pytest.raises(MediaError, match=f"sample_rate in Hz, not {rate!r}"):
+            Audio(samples=tone(16000), sample_rate=rate)  # type: ignore[arg-type]
+    for data in ("a.png", memoryview(b"x"), 5, [1, 2]):
+        with pytest.raises(MediaError, match="data must be a file's bytes, not"):
+            Image(data=data)  # type: ignore[arg-type]
     with pytest.raises(MediaError, match="either data"):
         Image()
     with pytest.raises(ModelLoadError, match="mismatch between text model"):

@@ -6,6 +6,7 @@ their signature first: anything else is refused before native code sees it."""
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from llamacrab._exceptions import MediaError
+from llamacrab._field_types import is_number
 
 # The most pixels (width x height) an image may have, decoded or given as an array: 50
 # megapixels is 150 MB of RGB. An encoded file's size says nothing about this (a PNG of one
@@ -53,8 +55,9 @@ class Audio:
 
     def __post_init__(self) -> None:
         _one_source(self.data, self.samples, "samples")
-        if self.samples is not None and (self.sample_rate is None or self.sample_rate <= 0):
-            raise MediaError("audio samples need their sample_rate (Hz)")
+        rate = self.sample_rate
+        if self.samples is not None and not (is_number(rate) and math.isfinite(rate) and rate > 0):
+            raise MediaError(f"audio samples need their sample_rate in Hz, not {rate!r}")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Audio:
@@ -67,6 +70,8 @@ Media = Image | Audio
 def _one_source(data: bytes | None, array: np.ndarray | None, name: str) -> None:
     if (data is None) == (array is None):
         raise MediaError(f"give either data (encoded bytes) or {name}, not both or neither")
+    if data is not None and not isinstance(data, bytes | bytearray):
+        raise MediaError(f"data must be a file's bytes, not {type(data).__name__}")
     if data is not None and not data:
         raise MediaError("the media data is empty")
 
