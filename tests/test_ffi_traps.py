@@ -34,6 +34,7 @@ from llamacrab import (
     ConcurrentUseError,
     Context,
     ContextParams,
+    GrammarError,
     InvalidParameterError,
     Llama,
     LlamaError,
@@ -257,7 +258,8 @@ del teardown
     ) -> None:
         chain = SamplerChain(tiny_llama.model, SamplingOptions(grammar='root ::= "cat"'))
         dog = tiny_llama.tokenize(" dog", add_special=False)[-1]
-        with pytest.raises(NativeError, match="grammar"):  # std::runtime_error in llama.cpp
+        # llama.cpp's std::runtime_error, named: it was a NativeError with llama.cpp's words.
+        with pytest.raises(GrammarError, match=f"does not allow token {dog} here"):
             chain.accept(dog)
         chain.reset()
         chain.close()

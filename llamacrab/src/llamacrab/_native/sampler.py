@@ -240,7 +240,8 @@ class SamplerChain(NativeHandle):
                         "the chain selected no token, or a C++ exception",
                     )  # fmt: skip
                 return token
-            token = int(_grammar_call("llama_sampler_sample", chain, ctx, index))
+            token = int(_grammar_call("llama_sampler_sample", chain, ctx, index,
+                                      dead_end=_NO_TOKEN_LEFT))  # fmt: skip
         self._raise_python_error()
         return token
 
@@ -248,7 +249,12 @@ class SamplerChain(NativeHandle):
         with self.in_flight() as chain:
             if self._grammar_at is not None and token in self._end_tokens:
                 self._check_grammar_may_end(chain, token)
-            _grammar_call("llama_sampler_accept", chain, token)
+            _grammar_call(
+                "llama_sampler_accept",
+                chain,
+                token,
+                dead_end=f"the grammar does not allow token {token} here",
+            )
         self._raise_python_error()
 
     def _check_grammar_may_end(self, chain: Any, token: int) -> None:
@@ -282,14 +288,20 @@ class SamplerChain(NativeHandle):
             bridge.raise_error()
 
 
-# What llama.cpp throws when the token sampled ends every parse: the grammar allowed no
-# candidate at all (its tokens all banned, or none in the vocabulary spells what it needs).
+# What llama.cpp throws when a token accepted ends every parse: sampled, the grammar allowed
+# no candidate at all (its tokens all banned, or none in the vocabulary spells what it needs);
+# accepted by the caller, the token was one the grammar does not allow.
 _DEAD_END = "Unexpected empty grammar stack"
+_NO_TOKEN_LEFT = (
+    "the grammar allows no token here: every token it could take was ruled out (by logit_bias "
+    "or a ban) or no token of the vocabulary spells what it needs"
+)
 
 
-def _grammar_call(name: str, *args: Any) -> Any:
+def _grammar_call(name: str, *args: Any, dead_end: str = _NO_TOKEN_LEFT) -> Any:
     """``call`` for the sampling entry points, where an ambiguous grammar can hit the bound of
-    llamacrab-sys's llama-grammar-stack-bound patch, or leave no token to take."""
+    llamacrab-sys's llama-grammar-stack-bound patch, or every parse end (``dead_end`` says
+    how)."""
     try:
         return call_bounded(name, *args, refusal=GrammarError, explain=(
             " (an ambiguous grammar: a rule that can start over inside itself, so the ways to "
@@ -297,11 +309,7 @@ def _grammar_call(name: str, *args: Any) -> Any:
     except NativeError as error:
         if not error.message.startswith(_DEAD_END):
             raise
-        raise GrammarError(
-            "the grammar allows no token here: every token it could take was ruled out (by "
-            "logit_bias or a ban) or no token of the vocabulary spells what it needs "
-            f"(llama.cpp: {error.message})"
-        ) from error
+        raise GrammarError(f"{dead_end} (llama.cpp: {error.message})") from error
 
 
 class _EndBan(CustomSampler):
