@@ -95,3 +95,19 @@ def test_a_run_no_token_covers_tokenizes_in_linear_time(tiny_llama: Llama) -> No
 
     small, large = seconds(100_000), seconds(400_000)
     assert large < 8 * small, (small, large)
+
+
+def test_bytes_tokenize_as_they_are_utf8_or_not(tiny_llama: Llama) -> None:
+    # llama-cpp-python's tokenize takes bytes, a piece cut mid-character included; the compat
+    # layer refused what is not UTF-8 (TokenizeError).
+    from llamacrab.compat import Llama as CompatLlama
+
+    assert tiny_llama.tokenize(b"the cat") == tiny_llama.tokenize("the cat")
+    cut = "é".encode()[:1]  # half of a two-byte character
+    tokens = tiny_llama.tokenize(b"the " + cut, add_special=False)
+    assert b"".join(tiny_llama.vocab.token_to_bytes(t) for t in tokens).endswith(cut)
+    compat = CompatLlama(model_path=str(tiny_llama.model.path), n_ctx=64, verbose=False)
+    try:
+        assert compat.tokenize(b"the " + cut, add_bos=False) == tokens
+    finally:
+        compat.close()

@@ -546,8 +546,10 @@ class Llama:
 
     @checked
     def tokenize(
-        self, text: str, add_special: bool = True, parse_special: bool = False
+        self, text: str | bytes, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
+        """Tokens of ``text``; bytes are tokenized as they are, UTF-8 or not (as
+        llama-cpp-python's ``tokenize`` takes them)."""
         return self.model.vocab.tokenize(text, add_special, parse_special)
 
     @checked

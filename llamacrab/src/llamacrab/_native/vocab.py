@@ -166,10 +166,14 @@ class Vocab:
         return array.astype(np.int32)
 
     def tokenize(
-        self, text: str, add_special: bool = True, parse_special: bool = False
+        self, text: str | bytes, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
-        """Tokens of ``text``; ``add_special`` adds BOS/EOS as the model wants them."""
-        data = utf8(text, "the text to tokenize", TokenizeError)
+        """Tokens of ``text``; ``add_special`` adds BOS/EOS as the model wants them. Bytes go
+        to llama.cpp as they are, UTF-8 or not (byte fallback, or U+FFFD, for what is not)."""
+        if isinstance(text, bytes | bytearray):
+            data = bytes(text)
+        else:
+            data = utf8(text, "the text to tokenize", TokenizeError)
         capacity = len(data) + 8
         for _ in range(2):  # the first call tells the size needed when it is too small
             out = ffi.new("llama_token[]", capacity)

@@ -100,11 +100,9 @@ class LlamaState:
 
 
 def _tokenize(llm: llamacrab.Llama, text: bytes | str, add_bos: bool, special: bool) -> list[int]:
-    if isinstance(text, bytes | bytearray):
-        try:
-            text = bytes(text).decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise llamacrab.TokenizeError(f"text is not UTF-8: {error}") from error
+    """As llama-cpp-python: bytes as they are, UTF-8 or not (a piece cut mid-character)."""
+    if isinstance(text, bytearray):
+        text = bytes(text)
     return llm.tokenize(text, add_special=add_bos, parse_special=special)
 
 
@@ -445,8 +443,9 @@ class Llama:
 
     @checked
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
-        """Tokens of UTF-8 ``text``; ``add_bos`` adds the special tokens the model wants
-        around a text, ``special`` parses control-token text such as ``<bos>``."""
+        """Tokens of ``text`` (bytes as they are, UTF-8 or not); ``add_bos`` adds the special
+        tokens the model wants around a text, ``special`` parses control-token text such as
+        ``<bos>``."""
         return _tokenize(self._llm, text, add_bos, special)
 
     @checked
