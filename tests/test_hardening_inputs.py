@@ -99,6 +99,9 @@ def test_any_error_pillow_raises_on_a_broken_file_is_a_media_error() -> None:
         PILImage.open(io.BytesIO(broken)).load()
     with pytest.raises(MediaError, match=r"could not decode the image.*broken PNG file"):
         rgb_pixels(Image(data=broken))
+    # Pillow names the stream it was given, an object's repr; the message ends at the reason.
+    with pytest.raises(MediaError, match=r"\(19 bytes\): cannot identify image file$"):
+        rgb_pixels(Image(data=b"not an image at all"))
 
 
 # -- sounds ----------------------------------------------------------------------------------

@@ -139,8 +139,9 @@ def decode_image(data: bytes) -> np.ndarray:
             "decoding image files needs Pillow: pip install 'llamacrab[media]'"
         ) from None
 
+    stream = io.BytesIO(data)
     try:
-        with PILImage.open(io.BytesIO(data)) as opened:
+        with PILImage.open(stream) as opened:
             _check_pixel_count(*opened.size)  # read from the header: nothing decoded yet
             return np.asarray(opened.convert("RGB"))
     except PILImage.DecompressionBombError as error:  # Pillow's own, larger limit
@@ -150,7 +151,8 @@ def decode_image(data: bytes) -> np.ndarray:
         ) from None
     except Exception as error:  # Pillow's decoders raise SyntaxError, struct.error, EOFError,
         # ... on malformed files as well as OSError and ValueError
-        raise MediaError(f"could not decode the image ({len(data)} bytes): {error}") from None
+        reason = str(error).replace(f" {stream!r}", "")  # "cannot identify image file <_io...>"
+        raise MediaError(f"could not decode the image ({len(data)} bytes): {reason}") from None
 
 
 def rgb_pixels(image: Image) -> np.ndarray:
