@@ -36,6 +36,10 @@ tiny = load_repo_module("scripts/make_tiny_gguf.py")
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not found"):
         Llama(tmp_path / "nope.gguf")
+    # A directory or a device was "not found" too.
+    for odd in (tmp_path, Path("/dev/null")):
+        with pytest.raises(ModelLoadError, match=f"model file is not a regular file: {odd}$"):
+            Llama(odd)
 
 
 def test_paths_that_are_no_file_names_are_refused_by_name(

@@ -1067,7 +1067,8 @@ def _read_file(path: Path) -> tuple[_Reader, dict[str, Any], list[Any]]:
     """Header of one file, with its own tensors checked against its size."""
     try:
         if not path.is_file():
-            raise ModelLoadError(f"model file not found: {path}")
+            what = "is not a regular file" if path.exists() else "not found"
+            raise ModelLoadError(f"model file {what}: {path}")
         size = path.stat().st_size
         if size < 24:
             raise InvalidModelError(f"{path} is not a valid GGUF file: only {size} bytes")
