@@ -11,6 +11,7 @@ import pytest
 
 from llamacrab import (
     ControlVector,
+    DecodeError,
     InvalidModelError,
     InvalidParameterError,
     Llama,
@@ -307,3 +308,19 @@ def test_two_alora_adapters_at_once_are_refused(
         first, other = llm.adapters
         with pytest.raises(InvalidParameterError, match="aLoRA adapter runs alone"):
             llm.create_completion([1, 5, 6, 7], max_tokens=1, lora={first: 1.0, other: 1.0})
+
+
+def test_a_lora_scale_that_overflows_is_a_decode_error_not_text(
+    tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    # The logits came out NaN and every pick was the same arbitrary token, output as text
+    # (found by a hostile-input hunt).
+    with Llama(tiny_model_path, n_ctx=64, n_threads=1) as llm:
+        expected = llm.create_completion("the cat", max_tokens=3, temperature=0).choices[0]
+        adapter = llm.load_lora(files["lora"], scale=1e30)
+        for sampling in ({"temperature": 0}, {"top_k": 5}, {"temperature": 0.7}):
+            with pytest.raises(DecodeError, match="computed a logit of nan"):
+                llm.create_completion("the cat", max_tokens=3, **sampling)
+        llm.set_lora_adapters({adapter: 0.0})
+        again = llm.create_completion("the cat", max_tokens=3, temperature=0).choices[0]
+        assert again.tokens == expected.tokens

@@ -16,13 +16,17 @@ from llamacrab import (
     ContextError,
     ContextOverflowError,
     ContextParams,
+    DecodeAbortedError,
+    DecodeError,
     InvalidModelError,
     InvalidParameterError,
     Llama,
     LlamaError,
     Model,
     ModelLoadError,
+    NativeError,
     RamCache,
+    RpcError,
     SavedState,
     StateError,
     TokenizeError,
@@ -273,3 +277,27 @@ def test_arguments_a_hunt_found_unchecked_are_refused_by_name(tmp_path: Path) ->
                 call()
         done = llm.create_infill("a", "b", files=[("x", "y")], max_tokens=1, temperature=0)
         assert done.choices[0].finish_reason
+
+
+def _raise_decode_error() -> None:
+    raise DecodeError("llama_decode failed: invalid batch", 1)
+
+
+def test_errors_cross_process_boundaries() -> None:
+    # A multiprocessing worker's exception is pickled back; NativeError and DecodeError could
+    # not be made again from their text alone: Pool.map hung for ever (a hostile-input hunt).
+    import multiprocessing
+    import pickle
+
+    errors = [NativeError("llama_tokenize", 3, "bad"), DecodeError("failed", 1),
+              DecodeAbortedError("cancelled", 2), ContextOverflowError("big", n_ctx=3),
+              RpcError("gone", "host:1"), InvalidParameterError("p"), StateError("s")]  # fmt: skip
+    for error in errors:
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+        assert vars(again) == vars(error)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        waiting = pool.apply_async(_raise_decode_error)
+        with pytest.raises(DecodeError, match="invalid batch") as caught:
+            waiting.get(timeout=120)
+    assert caught.value.status == 1

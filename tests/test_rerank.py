@@ -58,3 +58,47 @@ def test_reranking_needs_rank_pooling(tiny_model_path: Path) -> None:
         pytest.raises(InvalidParameterError, match="rank"),
     ):
         llm.rerank("q", ["d"])
+
+
+PAST_THE_POSITION_TABLE = """
+import sys
+from llamacrab import Batch, ContextOverflowError, Llama
+with Llama(sys.argv[1], embeddings=True, n_threads=1) as llm:
+    rows = llm.model.position_rows
+    long = "the cat " * rows  # more tokens than the table has positions
+    for call in (lambda: llm.rerank("q", [long]), lambda: llm.embed(long)):
+        try:
+            call()
+        except ContextOverflowError as error:
+            print("refused:", error)
+    print("truncated:", llm.embed(long, truncate=True).shape)
+    batch = Batch(1, 1)  # the raw path: a position past the table in a batch of its own
+    batch.set_one(5, rows + 3)
+    try:
+        llm.context.decode(batch)
+    except ContextOverflowError as error:
+        print("refused:", error)
+    print("rows:", rows, "cells:", llm.context.n_ctx)
+"""
+
+
+def test_a_text_past_the_learned_position_table_is_refused_not_an_abort(
+    tmp_path: Path,
+) -> None:
+    # A BERT model's positions come from a table of n_ctx_train rows; the context is padded to
+    # 256 cells, so an 83-token text on this 64-row reranker read outside it: SIGABRT in
+    # ggml_get_rows (GGML_ASSERT(i01 >= 0 && i01 < ne01), found by a hostile-input hunt).
+    import subprocess
+    import sys
+
+    path = load_repo_module("scripts/convert_bert.py").write_tiny_reranker(tmp_path / "r.gguf")
+    child = subprocess.run([sys.executable, "-c", PAST_THE_POSITION_TABLE, str(path)],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    lines = child.stdout.splitlines()
+    assert sum(line.startswith("refused:") for line in lines) == 3, child.stdout
+    assert "the model's position table holds 64" in lines[0]
+    assert "position 67 is past this model's learned position table (64" in lines[-2]
+    rows, cells = (int(word) for word in lines[-1].split()[1::2])
+    assert rows == 64 < cells
+    assert lines[-3].startswith("truncated:")

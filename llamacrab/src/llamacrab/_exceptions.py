@@ -7,7 +7,7 @@ LlamaError
 ├── ModelLoadError             llama.cpp could not load the model
 │   └── InvalidModelError      (also ValueError) the file failed validation before loading
 ├── ContextError               llama.cpp could not create a context
-├── DecodeError                llama_decode failed; .status holds its return code
+├── DecodeError                llama_decode failed (.status its return code; 0: NaN logits)
 │   └── DecodeAbortedError     the abort callback stopped it (see Context.cancel)
 ├── ContextOverflowError       (also ValueError) the tokens do not fit in the context
 ├── TokenizeError              (also ValueError) text or tokens rejected
@@ -28,6 +28,8 @@ LlamaError
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class LlamaError(Exception):
@@ -55,6 +57,11 @@ class NativeError(LlamaError):
         self.code = code
         self.message = message
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Its arguments, not its text: a multiprocessing worker's error is pickled back to the
+        # parent, and one that cannot be made again there hung Pool.map for ever.
+        return type(self), (self.function, self.code, self.message)
+
 
 class ModelLoadError(LlamaError):
     """llama.cpp could not load a model file."""
@@ -69,11 +76,14 @@ class ContextError(LlamaError):
 
 
 class DecodeError(LlamaError):
-    """llama_decode returned an error status."""
+    """llama_decode returned an error ``status``, or (``status`` 0) computed NaN logits."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+    def __reduce__(self) -> tuple[Any, ...]:  # as NativeError's
+        return type(self), (str(self), self.status)
 
 
 class DecodeAbortedError(DecodeError):

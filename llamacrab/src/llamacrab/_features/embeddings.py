@@ -37,6 +37,10 @@ class Embedder:
         # Rank pooling yields the classifier's outputs (one score for a reranker) per sequence.
         self.width = model.n_cls_out if self.ranks else model.n_embd_out
         self.limit = min(context.n_ubatch, context.n_batch)  # one text, one decode
+        # A learned position table (BERT) holds a text's positions too: past it, an abort.
+        self.positions = model.position_rows
+        if self.positions is not None:
+            self.limit = min(self.limit, self.positions)
         self.pack_tokens = max(1, min(pack_tokens, self.limit))
         self.n_seq = context.params.n_seq_max
         self.batch = Batch(self.limit, self.n_seq)
@@ -47,9 +51,12 @@ class Embedder:
         if len(tokens) <= self.limit:
             return tokens
         if not truncate:
+            holds = ("the model's position table holds" if self.limit == self.positions
+                     else "one decode holds")  # fmt: skip
+            advice = "" if self.limit == self.positions else ", or raise n_ubatch"
             raise ContextOverflowError(
-                f"text {index} has {len(tokens)} tokens; one decode holds {self.limit} "
-                "(pass truncate=True, or raise n_ubatch)",
+                f"text {index} has {len(tokens)} tokens; {holds} {self.limit} "
+                f"(pass truncate=True{advice})",
                 n_prompt_tokens=len(tokens), n_ctx=self.limit,
             )  # fmt: skip
         return tokens[: self.limit - 1] + tokens[-1:]

@@ -106,6 +106,11 @@ class Batch:
         pointers = self._seq_pointers[:n][self._logits[:n] != 0]
         return frozenset(((pointers - self._cells_address) // 4).tolist())
 
+    def last_position(self) -> int:
+        """The highest position the batch holds (-1 when empty)."""
+        n = self.struct.n_tokens
+        return int(self._positions[:n].max()) if n else -1
+
     def set_one(self, token: int, pos: int, seq_id: int = 0) -> None:
         """The per-token fast path of generation: one token, logits wanted."""
         self._check_open()

@@ -337,6 +337,13 @@ class Context(NativeHandle):
                 f"a batch of {batch.struct.n_tokens} tokens exceeds the {self.max_decode} this "
                 "context decodes at once"
             )
+        rows = self.model.position_rows
+        if rows is not None and (last := batch.last_position()) >= rows:
+            raise ContextOverflowError(
+                f"position {last} is past this model's learned position table ({rows} "
+                "positions, its n_ctx_train): ggml would read outside it and abort",
+                n_prompt_tokens=last + 1, n_ctx=rows,
+            )  # fmt: skip
         wanted = self._adapters if lora is None else lora
         with self.exclusive() as ctx, ExitStack() as adapters:
             self._apply_lora(ctx, wanted)

@@ -110,6 +110,9 @@ class _Reader:
         self.data, self.offset, self.path = data, 0, path
         self.types: dict[str, int] = {}  # GGUF value type of each metadata key
         self.failing = f"{path} is not a valid GGUF file"  # what a problem makes the file
+        # Rows of a learned position table (BERT, GPT-2): a position past them reads outside
+        # the table, a GGML_ASSERT in ggml_get_rows (an abort). None: positions are computed.
+        self.position_rows: int | None = None
 
     def fail(self, problem: str) -> InvalidModelError:
         return InvalidModelError(f"{self.failing}: {problem}")
@@ -1060,6 +1063,7 @@ def _check_hyperparameters(
         )
 
 
+_POSITION_TABLE = "position_embd.weight"  # llama.cpp's LLM_TENSOR_POS_EMBD
 _SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 
 
@@ -1121,6 +1125,10 @@ def validate_gguf(
         for part in split_parts(path, count)[1:]:
             tensors = tensors + _read_file(part)[2]
     _check_hyperparameters(reader, metadata, tensors, kind)
+    reader.position_rows = next(
+        (int(dims[1]) for name, dims, _, _ in tensors if name == _POSITION_TABLE and len(dims) > 1),
+        None,
+    )
     if overrides and kind == "model":
         reader, metadata = _overridden(reader, metadata, overrides)
         _check_hyperparameters(reader, metadata, tensors, kind)

@@ -185,11 +185,13 @@ class Model(NativeHandle):
     kind = "model"
 
     def __init__(self, pointer: Any, path: Path, params: ModelParams, kv_layout: KvLayout,
-                 weights: bytes = b"") -> None:  # fmt: skip
+                 weights: bytes = b"", position_rows: int | None = None) -> None:  # fmt: skip
         super().__init__(pointer, lib.llama_model_free, None)
         self.path = path
         self.params = params
         self._weights_sample = weights  # weights_sample.py: part of the identity
+        # A learned position table's rows (BERT, GPT-2): the positions a sequence may take.
+        self.position_rows = position_rows
         # What each layer's KV cache holds per cell (contexts are checked against the memory).
         self.kv_layout = kv_layout
         # The Vocab holds its model, so the model holds it weakly: a reference cycle would
@@ -260,7 +262,7 @@ class Model(NativeHandle):
         try:
             with held_signals() as hold:  # nothing lands between the load and the handle
                 pointer = _load_weights(file, c_params, _Progress(progress, hold))
-                model = cls(pointer, file, params, layout, weights)
+                model = cls(pointer, file, params, layout, weights, reader.position_rows)
             model.vocab.check_usable()
         except BaseException as error:
             if model is None:

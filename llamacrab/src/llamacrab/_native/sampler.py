@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._exceptions import GrammarError, InvalidParameterError, NativeError
+from llamacrab._exceptions import DecodeError, GrammarError, InvalidParameterError, NativeError
 from llamacrab._field_types import INT32_MAX, check_field_types, check_range, is_number
 from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
@@ -226,7 +226,7 @@ class SamplerChain(NativeHandle):
             elif (logits := call("llama_get_logits_ith", ctx, index)) == ffi.NULL:
                 raise InvalidParameterError(f"no logits for output {index} of the last decode")
             elif self._argmax is not None:  # logit_bias and greedy keep no state to accept
-                return self._argmax.pick(logits, banned)
+                return _finite(logits, self._argmax.pick(logits, banned), index)
             elif self._top_k_first:
                 k, biased = self.options.top_k, self._biased
                 ban = ffi.NULL if banned is None else ffi.from_buffer("llama_token[]", banned)
@@ -239,9 +239,11 @@ class SamplerChain(NativeHandle):
                         "llamacrab_sample_top_k_first", lib.LLAMACRAB_UNKNOWN_EXCEPTION,
                         "the chain selected no token, or a C++ exception",
                     )  # fmt: skip
-                return token
+                return _finite(logits, token, index)
             token = int(_grammar_call("llama_sampler_sample", chain, ctx, index,
                                       dead_end=_NO_TOKEN_LEFT))  # fmt: skip
+            if not self.in_graph:  # (the graph copies out no logits to look at)
+                _finite(logits, token, index)
         self._raise_python_error()
         return token
 
@@ -286,6 +288,19 @@ class SamplerChain(NativeHandle):
         """What a Python sampler raised while llama.cpp ran it reaches the caller here."""
         for bridge in self._bridges:
             bridge.raise_error()
+
+
+def _finite(logits: Any, token: int, index: int) -> int:
+    """``token``, unless the model's logit for it is NaN or infinite: the model computed
+    nothing usable there (weights, an adapter's scale or a control vector that overflowed), and
+    every pick would be the same arbitrary token, output as if it were text."""
+    if not math.isfinite(logits[token]):
+        raise DecodeError(
+            f"the model computed a logit of {logits[token]} for output {index} (weights, a LoRA "
+            "scale or a control vector strength that overflows): nothing to sample from",
+            status=0,
+        )
+    return token
 
 
 # What llama.cpp throws when a token accepted ends every parse: sampled, the grammar allowed
