@@ -232,3 +232,17 @@ def test_a_call_nested_past_the_recursion_limit_is_left_as_content() -> None:
     assert parse_generic(generic) == (generic, [])
     with pytest.raises(InvalidParameterError, match="text must be a string, not None"):
         parse_tool_calls(None)  # type: ignore[arg-type]
+
+
+def test_a_streamed_chat_keeps_the_logprobs_of_what_it_held_back(llm: Llama) -> None:
+    # A call's text (and text a stop string may still end) is held back; its chunks' logprobs
+    # were dropped with them: a streamed forced call had 1 entry where the answer had 53.
+    messages = [{"role": "user", "content": "weather?"}]
+    options = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 100, "seed": 3,
+               "logprobs": 2}  # fmt: skip
+    whole = llm.create_chat_completion(messages, **options).choices[0]
+    chunks = list(llm.stream_chat_completion(messages, **options))
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert whole.logprobs is not None and whole.message.tool_calls
+    assert sum(len(p.tokens) for p in streamed) == len(whole.logprobs.tokens) > 5
+    assert tuple(t for p in streamed for t in p.tokens) == whole.logprobs.tokens

@@ -32,6 +32,7 @@ from llamacrab._types import (
     ChatMessage,
     CompletionChoice,
     CompletionChunk,
+    Logprobs,
     ToolCall,
 )
 
@@ -123,6 +124,7 @@ class ChatOptions:
         if self.parses_tools:
             splitter = GenericSplitter() if self.generic_tools else ToolCallSplitter()
         first = True
+        held: list[Logprobs] = []  # of chunks held back: they go with the next delta sent
         try:
             for chunk in stream:
                 text, finish = chunk.text, chunk.finish_reason
@@ -134,15 +136,18 @@ class ChatOptions:
                         text += rest
                         if found:
                             calls, finish = self._checked(found), "tool_calls"
+                if chunk.logprobs is not None:
+                    held.append(chunk.logprobs)
                 if not (first or text or calls or finish):
-                    continue  # held back: part of a tool call
+                    continue  # held back: part of a tool call, or text a stop may still end
+                logprobs = Logprobs.join(held) if held else None
+                held = []
                 delta = ChatDelta("assistant" if first else None, text, calls)
                 first = False
                 stop = chunk.stop_sequence if finish == "stop" else None
                 yield ChatCompletionChunk("chatcmpl-" + chunk.id.removeprefix("cmpl-"),
                                           chunk.created, chunk.model, chunk.index, delta,
-                                          finish, chunk.usage, chunk.logprobs,
-                                          stop)  # fmt: skip
+                                          finish, chunk.usage, logprobs, stop)  # fmt: skip
         finally:
             stream.close()  # breaking out of the chat stream stops generation at once
 
