@@ -102,11 +102,3 @@ def test_a_text_past_the_learned_position_table_is_refused_not_an_abort(
     rows, cells = (int(word) for word in lines[-1].split()[1::2])
     assert rows == 64 < cells
     assert lines[-3].startswith("truncated:")
-
-
-def test_an_encoder_does_not_generate(reranker: Llama) -> None:
-    # A BERT model "completed" text: five tokens of noise at any temperature (a hunt).
-    before = reranker.rerank("what is a crab?", DOCUMENTS)
-    with pytest.raises(InvalidParameterError, match=r"not causal .* does not generate text"):
-        reranker.create_completion("what is a crab?", max_tokens=5)
-    assert reranker.rerank("what is a crab?", DOCUMENTS) == before  # and it still reranks

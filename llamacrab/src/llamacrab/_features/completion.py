@@ -225,13 +225,6 @@ class Completer:
                 "a generation cannot start from inside another on the same Llama (a custom "
                 "sampler, logits processor or stopping criterion runs inside it)"
             )
-        if not self.kv.context.model.causal:
-            # An encoder (BERT) attends both ways and has no language-model head: what it
-            # "generates" is noise, with nothing to say so.
-            raise InvalidParameterError(
-                "this model is not causal (an encoder such as BERT): it embeds or reranks "
-                "(Llama.embed, Llama.rerank) but does not generate text"
-            )
         speculative, default = speculation
         if prompt.chunks is not None and (echo or speculative is not None):
             raise InvalidParameterError("echo and speculative decoding take text prompts only")
