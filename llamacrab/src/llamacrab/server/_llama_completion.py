@@ -36,7 +36,9 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
     async def completion(body: LlamaCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
-        prompt = await in_thread(_prompt_tokens, llama, body.prompt)
+        if body.prompt == []:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        prompt = await in_thread(mixed_tokens, llama, body.prompt, True, True)
         bias = await in_thread(_logit_bias, llama, body.logit_bias)
         kwargs = native_kwargs(body.model_copy(update={"logit_bias": None}), llama, settings)
         kwargs["logit_bias"] = {**bias, **kwargs.get("logit_bias", {})}
@@ -94,20 +96,20 @@ def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings
     return kwargs
 
 
-def _prompt_tokens(llama: Llama, prompt: str | list[str | int]) -> list[int]:
-    """Text, token ids or both mixed, as llama-server's /completion reads them: special tokens
-    parsed in text, BOS as the model wants it before the first piece when that is text (token
-    ids are taken as they are)."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise ApiError(400, "the prompt is empty", param="prompt")
+def mixed_tokens(
+    llama: Llama, content: str | list[str | int], add_special: bool, parse_special: bool
+) -> list[int]:
+    """Text, token ids or both mixed, as llama-server reads a prompt or ``/tokenize`` content:
+    special tokens added before the first element only when it is text (token ids are taken
+    as they are)."""
+    if isinstance(content, str):
+        return llama.tokenize(content, add_special, parse_special)
     tokens: list[int] = []
-    for i, part in enumerate(prompt):
+    for i, part in enumerate(content):
         if isinstance(part, int):
             tokens.extend(llama.vocab.check_tokens([part]).tolist())
         else:
-            tokens.extend(llama.tokenize(part, add_special=i == 0, parse_special=True))
+            tokens.extend(llama.tokenize(part, add_special and i == 0, parse_special))
     return tokens
 
 

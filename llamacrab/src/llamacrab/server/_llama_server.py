@@ -24,7 +24,7 @@ from llamacrab import ConcurrentUseError, SamplingOptions, SavedState, SlotInfo,
 from llamacrab._llama import Llama
 from llamacrab._types import ChatCompletionChunk, Usage
 from llamacrab.server._errors import ApiError
-from llamacrab.server._llama_completion import add_completion_routes
+from llamacrab.server._llama_completion import add_completion_routes, mixed_tokens
 from llamacrab.server._llama_server_schemas import (
     ApplyTemplateRequest,
     ApplyTemplateResponse,
@@ -82,7 +82,8 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize", response_model=LlamaTokenizeResponse, responses=ERRORS)
     async def tokenize(body: LlamaTokenizeRequest) -> Any:
         llama = state.ready(body.model)
-        tokens = await in_thread(_tokenize, llama, body)
+        tokens = await in_thread(mixed_tokens, llama, body.content, body.add_special,
+                                 body.parse_special)  # fmt: skip
         if not body.with_pieces:
             return {"tokens": tokens}
         return {"tokens": [{"id": t, "piece": _piece(llama, t)} for t in tokens]}
@@ -92,20 +93,6 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
         llama = state.ready(body.model)
         # As llama-server: special tokens appear as their text.
         return {"content": await in_thread(llama.detokenize, body.tokens, True)}
-
-
-def _tokenize(llama: Llama, body: LlamaTokenizeRequest) -> list[int]:
-    """Text, or llama-server's mixed list of text and token ids (special tokens added before
-    the first element only)."""
-    if isinstance(body.content, str):
-        return llama.tokenize(body.content, body.add_special, body.parse_special)
-    tokens: list[int] = []
-    for i, part in enumerate(body.content):
-        if isinstance(part, int):
-            tokens.extend(llama.vocab.check_tokens([part]).tolist())
-        else:
-            tokens.extend(llama.tokenize(part, body.add_special and i == 0, body.parse_special))
-    return tokens
 
 
 def _piece(llama: Llama, token: int) -> str | list[int]:
