@@ -21,6 +21,11 @@ from build_tools.cache import cache_root, locked
 PIN_FILE = Path(__file__).resolve().parent.parent / "pin.json"
 LOCAL_CHECKOUT_ENV = "LLAMACRAB_LLAMA_CPP_DIR"
 _EXTRACTED_STAMP = ".llamacrab-extracted"
+# The web UI's npm inputs: read only by an npm build of the UI (LLAMA_BUILD_UI=ON), which no
+# build here asks for. They hold the tree's longest paths (161 characters below its root, 104
+# without them), which under a Windows user's cache directory pass MAX_PATH's 260 characters
+# and fail the extraction unless long paths are enabled.
+NOT_EXTRACTED = ("tools/ui/src/", "tools/ui/tests/")
 
 
 class SourceError(RuntimeError):
@@ -128,7 +133,8 @@ def _extract_tree(archive_path: Path, member_prefix: str, dest: Path) -> None:
             if not m.name.startswith(prefix) or not (m.isfile() or m.isdir()):
                 continue
             m.name = m.name[len(prefix) :]
-            members.append(m)
+            if not (m.name + "/").startswith(NOT_EXTRACTED):
+                members.append(m)
         if not members:
             raise SourceError(f"{archive_path.name} holds no {member_prefix} tree")
         tar.extractall(staging, members=members, filter="data")
