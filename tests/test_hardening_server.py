@@ -155,3 +155,25 @@ def test_responses_metadata_has_openais_bounds(
     at_limits = {str(i).rjust(64, "k"): "v" * 512 for i in range(16)}
     answer = client.post("/v1/responses", json={"input": "hi", "metadata": at_limits})
     assert answer.status_code == 503  # valid: it finds no model loaded
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "application/x-www-form-urlencoded", "text/plain;charset=UTF-8"]
+)
+def test_a_json_body_not_declared_so_is_refused_naming_its_content_type(
+    client: TestClient, content_type: str | None
+) -> None:
+    # What `curl -d` and a web page's plain POST send: never parsed, since a browser posts the
+    # plain types to any server on the machine without asking CORS first.
+    headers = {"Content-Type": content_type} if content_type else {}
+    answer = client.post("/completion", content=b'{"prompt": "hi"}', headers=headers)
+    assert answer.status_code == 400
+    message = answer.json()["error"]["message"]
+    assert "not read as JSON" in message and repr(content_type or "missing") in message
+    assert "application/json" in message
+    # A declared JSON body that is wrong is still refused field by field.
+    wrong = client.post("/completion", json={"prompt": 3.5})
+    assert wrong.status_code == 400 and "not read as JSON" not in wrong.json()["error"]["message"]
+    vendor = client.post("/completion", content=b'{"prompt": "hi"}',
+                         headers={"Content-Type": "application/vnd.api+json"})  # fmt: skip
+    assert vendor.status_code == 503  # read as JSON; no model is loaded

@@ -25,7 +25,12 @@ from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic import add_anthropic_routes
 from llamacrab.server._cors import CorsMiddleware
 from llamacrab.server._errors import ApiError, error_body, from_llama_error
-from llamacrab.server._guards import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from llamacrab.server._guards import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    MetricsMiddleware,
+    content_type_problem,
+)
 from llamacrab.server._llama_kwargs import llama_kwargs
 from llamacrab.server._llama_server import add_llama_server_routes
 from llamacrab.server._lora import add_lora_routes, request_lora
@@ -116,6 +121,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        unread = content_type_problem(request.headers, error.errors())
+        if unread is not None:
+            return await api_error(request, ApiError(400, unread))
         problems = [
             f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
             for e in error.errors()

@@ -8,7 +8,9 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from typing import Any
 
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llamacrab.server._errors import ApiError, error_body
@@ -154,6 +156,19 @@ def json_problem(body: bytes) -> str | None:
     except (ValueError, RecursionError):
         return None
     return None
+
+
+def content_type_problem(headers: Headers, errors: Sequence[Any]) -> str | None:
+    """Why a body was not read at all, when its Content-Type is the reason: JSON is parsed only
+    when declared (``curl -d`` sends a form type), so that a web page cannot post to a server on
+    this machine without the browser's CORS check, which the plain types skip."""
+    declared = headers.get("content-type", "")
+    if declared.split(";")[0].strip().lower().endswith(("/json", "+json")):
+        return None
+    if not any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+        return None
+    return (f"the body was not read as JSON: its Content-Type is {declared or 'missing'!r}; "
+            "send Content-Type: application/json")  # fmt: skip
 
 
 def route_template(scope: Scope) -> str:
