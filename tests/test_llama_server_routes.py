@@ -258,6 +258,24 @@ def test_tokenize_with_pieces_round_trip(gemma_server: LiveServer) -> None:
     assert bad.status_code == 400 and "outside the vocabulary" in bad.text
 
 
+def test_detokenize_joins_the_pieces_as_llama_server(fim_server: LiveServer) -> None:
+    # A SentencePiece vocabulary that adds a space before the text: llama_detokenize drops it
+    # again, llama-server (and so its clients, which detokenize token by token) keeps it.
+    url = fim_server.url
+    asked = {"content": "the a", "with_pieces": True}
+    pieces = httpx.post(url + "/tokenize", headers=KEY, json=asked).json()["tokens"]
+    tokens = [p["id"] for p in pieces]
+    joined = "".join(p["piece"] for p in pieces)
+    assert joined.startswith(" ") and joined.strip() == "the a"
+    answer = httpx.post(url + "/detokenize", headers=KEY, json={"tokens": tokens}).json()
+    assert answer == {"content": joined}
+    one_by_one = [
+        httpx.post(url + "/detokenize", headers=KEY, json={"tokens": [t]}).json()["content"]
+        for t in tokens
+    ]
+    assert "".join(one_by_one) == joined
+
+
 # -- /props --------------------------------------------------------------------------------------
 
 

@@ -91,8 +91,16 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize", response_model=LlamaDetokenizeResponse, responses=ERRORS)
     async def detokenize(body: LlamaDetokenizeRequest) -> Any:
         llama = state.ready(body.model)
-        # As llama-server: special tokens appear as their text.
-        return {"content": await in_thread(llama.detokenize, body.tokens, True)}
+        return {"content": await in_thread(_joined_pieces, llama, body.tokens)}
+
+
+def _joined_pieces(llama: Llama, tokens: list[int]) -> str:
+    """The tokens' pieces joined, as llama-server detokenizes: special tokens as their text,
+    and a leading space kept (llama_detokenize drops the one a SentencePiece vocabulary adds)."""
+    vocab = llama.vocab
+    vocab.check_tokens(tokens)
+    raw = b"".join(vocab.token_to_bytes(t, special=True) for t in tokens)
+    return raw.decode("utf-8", "replace")
 
 
 def _piece(llama: Llama, token: int) -> str | list[int]:
