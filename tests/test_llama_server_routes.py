@@ -155,6 +155,56 @@ def test_completion_matches_the_python_api(
         assert bias_token not in banned["tokens"], banned
 
 
+def test_completion_answers_several_prompts_in_order(fim_server: LiveServer) -> None:
+    url, body = fim_server.url, {"n_predict": 4, "temperature": 0, "return_tokens": True}
+
+    def one(prompt: object) -> Any:
+        answer = httpx.post(url + "/completion", headers=KEY, json={**body, "prompt": prompt})
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    cat, dog = one("the cat"), one("a dog")
+    single = one(["the cat"])  # one prompt: one object
+    assert isinstance(single, dict) and single["tokens"] == cat["tokens"]
+    ids = httpx.post(url + "/tokenize", headers=KEY,
+                     json={"content": "a dog", "add_special": True}).json()["tokens"]  # fmt: skip
+    for several in (["the cat", "a dog"], ["the cat", ids], [["the cat"], [ids[0], "a dog"]]):
+        both = one(several)
+        assert [a["index"] for a in both] == [0, 1], several
+        assert [a["tokens"] for a in both] == [cat["tokens"], dog["tokens"]], several
+    # A token id among the strings makes them one prompt, as llama-server reads it.
+    assert isinstance(one([ids[0], "a dog"]), dict)
+    refused = {
+        "streamed": {"prompt": ["a", "b"], "stream": True},
+        "too many": {"prompt": ["a"] * 9},
+        "an empty one": {"prompt": ["a", []]},
+    }
+    for why, extra in refused.items():
+        answer = httpx.post(url + "/completion", headers=KEY, json={**body, **extra})
+        assert answer.status_code == 400, why
+        assert answer.json()["error"]["param"] == "prompt", why
+
+
+def test_completion_takes_a_json_schema_and_lora(fim_server: LiveServer) -> None:
+    url, body = fim_server.url, {"prompt": "the cat", "n_predict": 24, "temperature": 0}
+
+    def content(**extra: Any) -> str:
+        answer = httpx.post(url + "/completion", headers=KEY, json={**body, **extra})
+        assert answer.status_code == 200, answer.text
+        return str(answer.json()["content"])
+
+    assert content(json_schema={"enum": ["yes", "no"]}) in ('"yes"', '"no"')
+    assert content(json_schema={}).startswith("{")  # any object, as llama-server reads {}
+    # A grammar given as well wins (llama-server uses the schema only without one).
+    assert content(json_schema={"enum": ["yes"]}, grammar='root ::= "x"') == "x"
+    for path, extra in (("/completion", body), ("/infill", INFILL)):
+        bad = httpx.post(url + path, headers=KEY, json={**extra, "json_schema": {"type": 7}})
+        assert bad.status_code == 400 and "json_schema" in bad.json()["error"]["message"]
+        # The request's LoRA scales are read (this server has no adapter to name).
+        lora = httpx.post(url + path, headers=KEY, json={**extra, "lora": [{"id": 0, "scale": 1}]})
+        assert lora.status_code == 400 and "no LoRA adapter with id 0" in lora.text
+
+
 def test_completion_streams_and_takes_llama_servers_samplers(fim_server: LiveServer) -> None:
     body = {"prompt": "the cat", "n_predict": 6, "temperature": 0, "ignore_eos": True,
             "dry_multiplier": 0.8, "repeat_last_n": 16, "xtc_probability": 0.0,

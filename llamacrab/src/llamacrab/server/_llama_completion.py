@@ -7,11 +7,14 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
+from llamacrab import schema_to_grammar
+from llamacrab._exceptions import LlamaError
 from llamacrab._llama import Llama
 from llamacrab._types import CompletionChunk, Usage
 from llamacrab.server._errors import ApiError
@@ -21,6 +24,7 @@ from llamacrab.server._llama_server_schemas import (
     LlamaCompletionResponse,
     NativeGeneration,
 )
+from llamacrab.server._lora import request_lora
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
@@ -36,18 +40,29 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
     async def completion(body: LlamaCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
-        if body.prompt == []:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        prompt = await in_thread(mixed_tokens, llama, body.prompt, True, True)
+        prompts = _prompts(body.prompt, settings.max_n)
+        if len(prompts) > 1 and body.stream:
+            raise ApiError(400, "several prompts are answered together, not streamed: stream "
+                           "one prompt per request", param="prompt")  # fmt: skip
         bias = await in_thread(_logit_bias, llama, body.logit_bias)
-        kwargs = native_kwargs(body.model_copy(update={"logit_bias": None}), llama, settings)
+        plain = body.model_copy(update={"logit_bias": None})
+        kwargs = await in_thread(native_kwargs, plain, llama, settings)
         kwargs["logit_bias"] = {**bias, **kwargs.get("logit_bias", {})}
-        return await _answer(state, client, body, llama.stream_completion, llama.create_completion,
-                             prompt=prompt, **kwargs)  # fmt: skip
+        answers = []
+        for index, prompt in enumerate(prompts):
+            kwargs["prompt"] = await in_thread(mixed_tokens, llama, prompt, True, True)
+            create = llama.create_completion
+            answers.append(await _answer(state, client, body, llama.stream_completion, create,
+                                         **kwargs))  # fmt: skip
+            if not body.stream:
+                answers[-1]["index"] = index
+        # As llama-server: one prompt, one object; several, a list in their order.
+        return answers[0] if len(answers) == 1 else JSONResponse(answers)
 
+    answer_model = LlamaCompletionResponse | list[LlamaCompletionResponse]
     for path in ("/completion", "/completions"):  # llama-server: "legacy" and current names
         app.add_api_route(path, completion, methods=["POST"], responses=ERRORS,
-                          response_model=LlamaCompletionResponse)  # fmt: skip
+                          response_model=answer_model)  # fmt: skip
 
     @app.post("/infill", response_model=LlamaCompletionResponse, responses=ERRORS)
     async def infill(body: InfillRequest, client: Request) -> Any:
@@ -62,7 +77,7 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
             "repo": _FIM_REPO,
             "files": [(chunk.filename, chunk.text) for chunk in body.input_extra],
             "file_name": _FIM_FILE,
-            **native_kwargs(body, llama, settings),
+            **await in_thread(native_kwargs, body, llama, settings),
         }
         return await _answer(state, client, body, llama.stream_infill, llama.create_infill,
                              **arguments)  # fmt: skip
@@ -83,7 +98,8 @@ async def _answer(state: ServerState, client: Request, body: NativeGeneration, s
 
 def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings) -> dict[str, Any]:
     """The Python API's keywords: ``n_predict`` (else ``max_tokens``; -1 means the server's
-    limit), ``ignore_eos`` (every end-of-generation token banned)."""
+    limit), ``ignore_eos`` (every end-of-generation token banned), ``json_schema`` as a
+    grammar, ``lora``. Run off the event loop: a schema's conversion takes time."""
     if body.n != 1:
         raise ApiError(400, "llama-server's routes return one completion: n must be 1",
                        param="n")  # fmt: skip
@@ -93,7 +109,30 @@ def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings
     if body.ignore_eos:
         banned = dict.fromkeys(llama.vocab.eog_tokens, -math.inf)
         kwargs["logit_bias"] = {**kwargs.get("logit_bias", {}), **banned}
+    if body.json_schema is not None and body.grammar is None:
+        try:
+            kwargs["grammar"] = schema_to_grammar(body.json_schema or {"type": "object"})
+        except LlamaError as error:
+            raise ApiError(400, f"json_schema: {error}", param="json_schema") from error
+    kwargs.update(request_lora(body.lora, llama))
     return kwargs
+
+
+def _prompts(
+    prompt: str | list[str | int] | list[str | list[str | int]], limit: int
+) -> list[str | list[str | int]]:
+    """The prompts of a request, as llama-server reads them: a list holding a token id is one
+    prompt (text and ids mixed); any other list is several."""
+    if isinstance(prompt, str):
+        return [prompt]
+    several = [] if any(isinstance(p, int) for p in prompt) else list(prompt)
+    prompts = cast("list[str | list[str | int]]", several or [prompt])
+    if len(prompts) > limit:
+        raise ApiError(400, f"{len(prompts)} prompts exceed this server's limit of {limit} "
+                       "a request", param="prompt")  # fmt: skip
+    if any(p == [] for p in prompts):
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return prompts
 
 
 def mixed_tokens(

@@ -36,6 +36,8 @@ class NativeGeneration(GenerationFields):
     return_tokens: bool = False
     ignore_eos: bool = False
     cache_prompt: bool = True
+    # Generation constrained to a JSON Schema ({} is any object); a grammar given too wins.
+    json_schema: dict[str, Any] | None = None
 
 
 class InfillRequest(NativeGeneration):
@@ -50,10 +52,11 @@ class InfillRequest(NativeGeneration):
 
 class LlamaCompletionRequest(NativeGeneration):
     """llama-server's ``/completion``: ``prompt`` is text, token ids, or both mixed (special
-    tokens parsed in its text, as llama-server does); ``logit_bias`` also in llama-server's
-    forms, ``[[token id or text, bias or false], ...]`` (false bans the token)."""
+    tokens parsed in its text, as llama-server does), or a list of such prompts (a list with
+    no token id in it: each string is a prompt, each answered in turn); ``logit_bias`` also in
+    llama-server's forms, ``[[token id or text, bias or false], ...]`` (false bans the token)."""
 
-    prompt: str | list[str | int]
+    prompt: str | list[str | int] | list[str | list[str | int]]
     logit_bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None = None  # type: ignore[assignment]
 
 

@@ -54,7 +54,7 @@ class ServerSettings:
     insecure: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
     max_tokens_limit: int = 4096  # cap on a request's max_tokens
-    max_n: int = 8  # cap on a request's n and best_of
+    max_n: int = 8  # cap on a request's n, best_of and prompts
     max_queue: int = 64  # requests waiting for a slot before 503
     timeout: float = 600.0  # seconds a request may run
     shutdown_timeout: float = 5.0  # seconds requests in flight get after SIGTERM / Ctrl-C
@@ -337,7 +337,7 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("insecure", bool, "allow a non-loopback --host without an API key"),
     ("max_body_bytes", int, "largest request body (default 8 MiB)"),
     ("max_tokens_limit", int, "cap on a request's max_tokens (default 4096)"),
-    ("max_n", int, "cap on a request's n and best_of (default 8)"),
+    ("max_n", int, "cap on a request's n, best_of and prompts (default 8)"),
     ("max_queue", int, "requests waiting for a slot before 503 (default 64)"),
     ("timeout", float, "seconds a request may run (default 600)"),
     (
