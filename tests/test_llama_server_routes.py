@@ -205,6 +205,42 @@ def test_completion_takes_a_json_schema_and_lora(fim_server: LiveServer) -> None
         assert lora.status_code == 400 and "no LoRA adapter with id 0" in lora.text
 
 
+def test_samplers_choose_the_chain_as_in_llama_server(
+    fim_server: LiveServer, fim_path: Path
+) -> None:
+    settings = {"top_p": 0.5, "min_p": 0.0, "temperature": 1.5, "seed": 5}
+
+    def tokens(llama: Llama, **chain: Any) -> list[int]:
+        answer = llama.create_completion("the cat", max_tokens=8, **chain, **settings)
+        return list(answer.choices[0].tokens)
+
+    with Llama(fim_path, n_ctx=256, n_threads=2) as llama:
+        default = tokens(llama)
+        expected = tokens(llama, order=("temperature", "top_p"))
+        other_way = tokens(llama, order=("top_p", "temperature"))
+        # llama.vim's and llama.vscode's FIM chain: top-k, top-p, then the infill sampler.
+        fim = tokens(llama, order=("top_k", "top_p"), infill=True)
+    assert len({tuple(default), tuple(expected), tuple(other_way)}) == 3  # the order tells
+    body = {"prompt": "the cat", "max_tokens": 8, "return_tokens": True, **settings}
+
+    def served(path: str, samplers: object) -> Any:
+        answer = httpx.post(fim_server.url + path, headers=KEY,
+                            json={**body, "samplers": samplers})  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    for samplers in (["temperature", "top_p"], ["TEMP", "nucleus"], "tp"):
+        assert served("/completion", samplers)["tokens"] == expected, samplers
+    assert served("/completion", ["top_k", "top_p", "infill"])["tokens"] == fim
+    with Llama(fim_path, n_ctx=256, n_threads=2) as llama:
+        text = llama.detokenize(expected)
+    assert served("/v1/completions", "tp")["choices"][0]["text"] == text  # every route
+    for samplers in (["top_k", "beam"], "kpz"):
+        bad = httpx.post(fim_server.url + "/completion", headers=KEY,
+                         json={**body, "samplers": samplers})  # fmt: skip
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "samplers"
+
+
 def test_completion_streams_and_takes_llama_servers_samplers(fim_server: LiveServer) -> None:
     body = {"prompt": "the cat", "n_predict": 6, "temperature": 0, "ignore_eos": True,
             "dry_multiplier": 0.8, "repeat_last_n": 16, "xtc_probability": 0.0,

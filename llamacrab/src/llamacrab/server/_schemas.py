@@ -4,7 +4,7 @@ own clients send newer fields than any server knows."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -65,6 +65,8 @@ class GenerationFields(_Lenient):
     dry_allowed_length: int | None = None
     dry_penalty_last_n: int | None = None
     dry_sequence_breakers: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    # The chain's samplers in order: names (["top_k", "top_p", "infill"]) or one char each
+    samplers: list[Annotated[str, Field(max_length=32)]] | str | None = Field(None, max_length=32)
 
     @field_validator("stop")
     @classmethod

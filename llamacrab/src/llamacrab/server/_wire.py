@@ -21,6 +21,7 @@ from llamacrab._types import (
     Usage,
 )
 from llamacrab.server._errors import ApiError
+from llamacrab.server._sampler_order import sampler_order
 from llamacrab.server._schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,6 +56,8 @@ def generation_kwargs(
         kwargs["penalty_last_n"] = body.repeat_last_n
     if body.dry_sequence_breakers is not None:
         kwargs["dry_sequence_breakers"] = tuple(body.dry_sequence_breakers)
+    if body.samplers is not None:
+        kwargs.update(sampler_order(body.samplers))
     if body.logit_bias:
         try:
             kwargs["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
