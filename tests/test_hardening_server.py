@@ -177,3 +177,25 @@ def test_a_json_body_not_declared_so_is_refused_naming_its_content_type(
     vendor = client.post("/completion", content=b'{"prompt": "hi"}',
                          headers={"Content-Type": "application/vnd.api+json"})  # fmt: skip
     assert vendor.status_code == 503  # read as JSON; no model is loaded
+
+
+def test_null_for_a_field_with_a_default_is_the_default(client: TestClient) -> None:
+    # OpenAI's optional fields are nullable and llama-server reads null as absent: clients that
+    # serialize every field send them so (a 400 before).
+    unset = {"n": None, "stream": None, "temperature": None, "stop": None, "seed": None}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": None, **unset}
+    native = {"prompt": "hi", "ignore_eos": None, "cache_prompt": None, "return_tokens": None}
+    for path, body in (
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", {"prompt": "hi", "echo": None, **unset}),
+        ("/completion", {**native, **unset}),
+        ("/v1/responses", {"input": "hi", "store": None, "stream": None}),
+    ):
+        answer = client.post(path, json=body)
+        assert answer.status_code == 503, (path, answer.text)  # valid; no model is loaded
+    # A required field is still required.
+    for path, body in (
+        ("/v1/chat/completions", {"messages": None}),
+        ("/completion", {"prompt": None}),
+    ):
+        assert client.post(path, json=body).status_code == 400, path

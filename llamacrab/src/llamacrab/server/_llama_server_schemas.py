@@ -9,17 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llamacrab.server._schemas import ChatMessageIn, GenerationFields, ToolDefinition
+from llamacrab.server._schemas import ChatMessageIn, GenerationFields, Lenient, ToolDefinition
 
 # Context files one /infill request may carry (each is bounded by the body limit as well).
 MAX_INFILL_FILES = 256
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class InfillChunk(_Lenient):
+class InfillChunk(Lenient):
     """A file of the repository given as context: ``[FIM_SEP]filename\\ntext``."""
 
     filename: str = "tmp"  # llama-server's default name
@@ -60,13 +56,13 @@ class LlamaCompletionRequest(NativeGeneration):
     logit_bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None = None  # type: ignore[assignment]
 
 
-class ApplyTemplateRequest(_Lenient):
+class ApplyTemplateRequest(Lenient):
     model: str | None = None
     messages: list[ChatMessageIn] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
 
 
-class LlamaTokenizeRequest(_Lenient):
+class LlamaTokenizeRequest(Lenient):
     """llama-server's ``/tokenize``: its defaults differ from ``/extras/tokenize``'s (no BOS,
     special tokens parsed). ``content`` may mix text and token ids."""
 
@@ -77,12 +73,12 @@ class LlamaTokenizeRequest(_Lenient):
     with_pieces: bool = False
 
 
-class LlamaDetokenizeRequest(_Lenient):
+class LlamaDetokenizeRequest(Lenient):
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
 
 
-class SlotActionRequest(_Lenient):
+class SlotActionRequest(Lenient):
     filename: str | None = None
 
 

@@ -19,7 +19,7 @@ from pydantic import (
     field_validator,
 )
 
-from llamacrab.server._schemas import LoraEntry
+from llamacrab.server._schemas import Lenient, LoraEntry
 
 # OpenAI's bounds on metadata: 16 pairs, keys up to 64 characters, values up to 512 (a stored
 # response keeps its metadata for an hour: unbounded, a client could fill memory with it).
@@ -27,10 +27,6 @@ Metadata = Annotated[
     dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
     Field(max_length=16),
 ]
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
 
 
 class Unsupported(BaseModel):
@@ -59,17 +55,17 @@ def _by_type(known: tuple[str, ...], default: str | None = None) -> Callable[[An
 # -- input ---------------------------------------------------------------------------------------
 
 
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class RefusalPart(_Lenient):
+class RefusalPart(Lenient):
     type: Literal["refusal"]
     refusal: str
 
 
-class ImagePart(_Lenient):
+class ImagePart(Lenient):
     type: Literal["input_image"]
     image_url: str | None = None
     file_id: str | None = None
@@ -86,20 +82,20 @@ ContentPart = Annotated[
 ]
 
 
-class MessageItem(_Lenient):
+class MessageItem(Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
 
 
-class FunctionCallItem(_Lenient):
+class FunctionCallItem(Lenient):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(_Lenient):
+class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[ContentPart]
@@ -116,7 +112,7 @@ InputItem = Annotated[
 INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
-class FunctionTool(_Lenient):
+class FunctionTool(Lenient):
     """A function tool in the Responses API's flat shape."""
 
     type: Literal["function"]
@@ -132,7 +128,7 @@ Tool = Annotated[
 ]
 
 
-class FunctionChoice(_Lenient):
+class FunctionChoice(Lenient):
     type: Literal["function"]
     name: str
 
@@ -143,7 +139,7 @@ ToolChoice = Annotated[
 ]
 
 
-class TextFormat(_Lenient):
+class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     description: str | None = None
@@ -151,12 +147,12 @@ class TextFormat(_Lenient):
     strict: bool | None = None
 
 
-class TextConfig(_Lenient):
+class TextConfig(Lenient):
     format: TextFormat = Field(default_factory=lambda: TextFormat.model_validate({}))
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ResponseRequest(_Lenient):
+class ResponseRequest(Lenient):
     model: str | None = None
     input: list[InputItem] = Field(default_factory=list)
     instructions: str | None = None

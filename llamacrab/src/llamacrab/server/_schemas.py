@@ -6,18 +6,34 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Stop strings are matched against every generated piece of text: bound how many and how long.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
+    """A request body as OpenAI's and llama-server's routes read it: unknown fields ignored,
+    and null for a field that has a default taken as that default (OpenAI's optional fields
+    are nullable; llama-server reads null as absent)."""
+
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
 
-class StreamOptions(_Lenient):
+
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
@@ -28,7 +44,7 @@ class LoraEntry(BaseModel):
     scale: float = Field(allow_inf_nan=False)
 
 
-class GenerationFields(_Lenient):
+class GenerationFields(Lenient):
     """Fields shared by completions and chat completions (llama.cpp's samplers included)."""
 
     model: str | None = None
@@ -101,24 +117,24 @@ class ChatMessageIn(BaseModel):
     tool_call_id: str | None = None
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(Lenient):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class ToolDefinition(_Lenient):
+class ToolDefinition(Lenient):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(Lenient):
     name: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # llama.cpp's json_object
@@ -134,14 +150,14 @@ class ChatCompletionRequest(GenerationFields):
     response_format: ResponseFormat | None = None
 
 
-class EmbeddingRequest(_Lenient):
+class EmbeddingRequest(Lenient):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
 
 
-class RerankRequest(_Lenient):
+class RerankRequest(Lenient):
     model: str | None = None
     query: str
     documents: list[str] | None = None
@@ -151,14 +167,14 @@ class RerankRequest(_Lenient):
     return_text: bool = False  # TEI: each result carries its text
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     model: str | None = None
     input: str
     add_special: bool = True
     parse_special: bool = False
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(Lenient):
     model: str | None = None
     tokens: list[int]
 
