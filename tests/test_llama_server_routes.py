@@ -297,6 +297,9 @@ def test_limits_and_keys_hold_on_these_routes(fim_server: LiveServer) -> None:
     metrics = httpx.get(url + "/metrics", headers=KEY).text
     assert 'route="/infill",status="200"' in metrics
     assert "llamacrab_prompt_tokens_total 0\n" not in metrics  # /infill counted its tokens
+    for path, body in (("/infill", INFILL), ("/completion", {"prompt": "a"})):
+        over = httpx.post(url + path, json={**body, "n_predict": 10**6}, headers=KEY).json()
+        assert over["error"]["param"] == "n_predict" and "n_predict 1000000" in str(over)
 
 
 # -- /apply-template, /tokenize, /detokenize -----------------------------------------------------

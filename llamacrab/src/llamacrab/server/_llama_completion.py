@@ -104,6 +104,9 @@ def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings
         raise ApiError(400, "llama-server's routes return one completion: n must be 1",
                        param="n")  # fmt: skip
     wanted = body.n_predict if body.n_predict is not None and body.n_predict >= 0 else None
+    if wanted is not None and wanted > settings.max_tokens_limit:
+        raise ApiError(400, f"n_predict {wanted} exceeds this server's limit of "
+                       f"{settings.max_tokens_limit}", param="n_predict")  # fmt: skip
     max_tokens = body.max_tokens if wanted is None else wanted
     kwargs = generation_kwargs(body, settings, max_tokens, None)
     if body.ignore_eos:
