@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
@@ -213,3 +214,23 @@ def test_async_stream_does_not_block_the_event_loop(gemma: Llama) -> None:
 
     text, ticks = asyncio.run(main())
     assert text.startswith(" France") and ticks > 5
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_usage_times_the_prompt_and_the_generation(
+    tiny_model_path: Path, parallel: int | None
+) -> None:
+    with Llama(tiny_model_path, n_ctx=512, parallel=parallel) as llm:
+        prompt = "the cat sat on the mat " * 8
+        started = time.monotonic()
+        usage = llm.create_completion(prompt, max_tokens=12, temperature=0).usage
+        elapsed = time.monotonic() - started
+        assert usage.prompt_seconds > 0 and usage.generation_seconds > 0
+        assert usage.prompt_seconds + usage.generation_seconds <= elapsed
+        # Streamed, the last chunk carries them; nothing to generate, nothing timed after.
+        last = list(llm.stream_completion(prompt + "x", max_tokens=0))[-1].usage
+        assert last is not None and last.prompt_seconds > 0 and last.generation_seconds == 0
+        # A cancelled generation that never began reads nothing.
+        stream = llm.stream_completion(prompt, max_tokens=4)
+        stream.cancel()
+        assert [c.usage.prompt_seconds for c in stream if c.usage] in ([0.0], [])

@@ -105,7 +105,17 @@ def test_infill_matches_the_python_api(fim_server: LiveServer, fim_path: Path) -
     assert body["tokens_evaluated"] == expected.usage.prompt_tokens
     assert body["tokens_predicted"] == 6 and body["stop"] is True
     assert body["stop_type"] == "limit" and body["model"] == "fim"
-    assert body["timings"]["predicted_n"] == 6
+    timings = body["timings"]
+    assert (
+        timings["predicted_n"] == 6
+        and timings["prompt_n"] + timings["cache_n"] == (body["tokens_evaluated"])
+    )
+    # llama-server's arithmetic (benchmarks and llama.vim read these): the first token comes
+    # with the prompt, the rates count the 5 steps after it.
+    for name, rated in (("prompt", timings["prompt_n"]), ("predicted", 5)):
+        ms = timings[f"{name}_ms"]
+        assert ms > 0 and timings[f"{name}_per_token_ms"] == pytest.approx(ms / rated)
+        assert timings[f"{name}_per_second"] == pytest.approx(rated / ms * 1000)
 
 
 def test_infill_streams_llama_server_events(fim_server: LiveServer) -> None:

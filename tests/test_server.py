@@ -94,6 +94,18 @@ def test_chat_and_its_stream_agree(gemma_server: LiveServer) -> None:
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    # llama-server's extra "timings", which its web UIs read: on the answer, and on the last
+    # event of a stream (the usage event when asked for, else the one that finishes).
+    assert whole.usage is not None
+    for timed in (whole, chunks[-1]):
+        timings = (timed.model_extra or {})["timings"]
+        assert timings["predicted_n"] == whole.usage.completion_tokens and timings["prompt_ms"] > 0
+    plain = list(client.chat.completions.create(model="gemma", messages=messages,  # type: ignore[arg-type]
+                                                max_tokens=4, stream=True))  # fmt: skip
+    assert [("timings" in (c.model_extra or {})) for c in plain] == [False] * (len(plain) - 1) + [
+        True
+    ]
+    assert plain[-1].choices[0].finish_reason is not None
 
 
 @pytest.mark.real_model

@@ -25,6 +25,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens reused from the KV memory or a prompt cache
+    # Wall time reading the prompt (from its start to the first token sampled), and after it
+    # to the end (0.0 where nothing ran). Waiting for a slot is in neither.
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
 
     @property
     def total_tokens(self) -> int:

@@ -420,6 +420,7 @@ class Session:
         self.cancelled = threading.Event()
         self.wake: Callable[[], None] | None = None  # tells a scheduler to look at it now
         self.reused = 0  # prompt tokens found in memory instead of decoded
+        self.prompt_started: float | None = None  # time.monotonic() when its prompt was begun
         # With Request.prompt_logprobs: (logprob, top alternatives) of prompt tokens 1, 2, ...
         self.prompt_logprobs: list[tuple[float, dict[str, float]]] = []
 
@@ -483,6 +484,7 @@ def _start(kv: KvState, request: Request, session: Session, samplers: Samplers) 
 
 def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
     kv.owner = None  # the memory changes now: the generation before may not touch it again
+    session.prompt_started = time.monotonic()
     try:
         # While the prompt is decoded (or its media encoded), cancel() aborts the call in
         # progress too; a timeout or a cancel between two decodes is seen before the next chunk.

@@ -271,8 +271,10 @@ class Scheduler:
             if job.session.stopped():
                 self._end(slot, Step(job.emitter.stops.flush(), None, "cancelled"))
             elif job.todo is None and job.request.media is not None:
+                job.session.prompt_started = time.monotonic()
                 self._start_media(slot, job.request.media)
             elif job.todo is None:
+                job.session.prompt_started = time.monotonic()
                 try:  # a failure here (a cache failure is a miss already) is this slot's alone
                     job.samplers.bind(self.context, slot.kv.seq_id)
                     keep = slot.kv.prepare(job.request.prompt, job.request.lora)

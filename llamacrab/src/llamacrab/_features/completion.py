@@ -307,7 +307,7 @@ class Completer:
         choices = tuple(dataclasses.replace(c, index=i) for i, (c, _, _) in enumerate(kept))
         first = candidates[0][2]
         completion_tokens = sum(u.completion_tokens for _, _, u in candidates)
-        usage = Usage(first.prompt_tokens, completion_tokens, first.cached_tokens)
+        usage = dataclasses.replace(first, completion_tokens=completion_tokens)
         return Completion(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name,
                           choices, usage)  # fmt: skip
 
@@ -364,14 +364,19 @@ class Completer:
                     prompt_logprobs = _prompt_logprobs(self.model.vocab, request, session)
                 yield CompletionChunk(chunk_id, created, name, 0, echo_text,
                                       logprobs=prompt_logprobs)  # fmt: skip
+            first_at = None
             for step in steps:
+                now = time.monotonic()
+                first_at = first_at or now
                 produced += step.token is not None
                 text = step.text
                 if step.finish_reason not in (None, "cancelled"):
                     text += suffix
                 usage = None
                 if step.finish_reason:
-                    usage = Usage(len(request.prompt), produced, session.reused)
+                    started = session.prompt_started or first_at
+                    usage = Usage(len(request.prompt), produced, session.reused,
+                                  first_at - started, now - first_at)  # fmt: skip
                 tokens = () if step.token is None else (step.token,)
                 logprobs = _step_logprobs(self.model.vocab, step, offset)
                 offset += len(text)

@@ -28,7 +28,7 @@ from llamacrab.server._lora import request_lora
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
-from llamacrab.server._wire import generation_kwargs
+from llamacrab.server._wire import generation_kwargs, timings
 
 # llama-server's repository-level FIM layout names the repository and the current file so.
 _FIM_REPO, _FIM_FILE = "myproject", "filename"
@@ -188,9 +188,7 @@ def native_answer(
         "tokens_evaluated": usage.prompt_tokens, "tokens_cached": usage.cached_tokens,
         "has_new_line": "\n" in text, "truncated": False,
         "stop_type": _STOP_TYPES.get(reason or "", "none"), "stopping_word": stop or "",
-        "timings": {"cache_n": usage.cached_tokens,
-                    "prompt_n": usage.prompt_tokens - usage.cached_tokens,
-                    "predicted_n": usage.completion_tokens},
+        "timings": timings(usage),
     }  # fmt: skip
 
 

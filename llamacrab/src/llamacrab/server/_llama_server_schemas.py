@@ -9,7 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llamacrab.server._schemas import ChatMessageIn, GenerationFields, Lenient, ToolDefinition
+from llamacrab.server._schemas import (
+    ChatMessageIn,
+    GenerationFields,
+    Lenient,
+    LlamaTimings,
+    ToolDefinition,
+)
 
 # Context files one /infill request may carry (each is bounded by the body limit as well).
 MAX_INFILL_FILES = 256
@@ -100,12 +106,6 @@ class LlamaDetokenizeResponse(BaseModel):
 
 class ApplyTemplateResponse(BaseModel):
     prompt: str
-
-
-class LlamaTimings(BaseModel):
-    cache_n: int
-    prompt_n: int
-    predicted_n: int
 
 
 class LlamaCompletionResponse(BaseModel):

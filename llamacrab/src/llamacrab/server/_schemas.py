@@ -203,6 +203,21 @@ class CompletionChoiceOut(BaseModel):
     logprobs: LogprobsOut | None = None
 
 
+class LlamaTimings(BaseModel):
+    """llama-server's ``timings``: the prompt's tokens read (past the cached ones) and the
+    tokens generated, each with its wall time, per token and per second."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -211,6 +226,7 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[CompletionChoiceOut]
     usage: UsageOut | None = None
+    timings: LlamaTimings | None = None  # llama-server's extra field
 
 
 class FunctionCallOut(BaseModel):
@@ -259,6 +275,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoiceOut]
     usage: UsageOut
+    timings: LlamaTimings | None = None  # llama-server's extra field
 
 
 class EmbeddingOut(BaseModel):

@@ -55,11 +55,14 @@ async def sse(
             async for chunk in chunks:
                 encoded = encode(chunk)
                 payloads = encoded if isinstance(encoded, list) else [encoded]
+                used = chunk.usage if chunk.finish_reason is not None else None
+                if used is not None and not include_usage:  # llama-server: on the last event
+                    payloads[-1] = {**payloads[-1], "timings": wire.timings(used)}
                 for payload in payloads:
                     yield event(payload)
-                if chunk.finish_reason is not None and chunk.usage is not None and include_usage:
-                    last = payloads[-1]
-                    yield event({**last, "choices": [], "usage": wire.usage(chunk.usage)})
+                if used is not None and include_usage:
+                    yield event({**payloads[-1], "choices": [], "usage": wire.usage(used),
+                                 "timings": wire.timings(used)})  # fmt: skip
         except ApiError as error:
             yield event(error.body())
         yield "data: [DONE]\n\n"

@@ -134,6 +134,23 @@ def usage(value: Usage) -> dict[str, Any]:
     ).model_dump()
 
 
+def timings(usage: Usage) -> dict[str, float]:
+    """llama-server's ``timings`` of a finished generation, with its arithmetic: the first token
+    comes with the prompt's last batch, so the generation's rates count the steps after it; a
+    rate without a divisor is 0."""
+    read, steps = usage.prompt_tokens - usage.cached_tokens, max(usage.completion_tokens - 1, 0)
+    out: dict[str, float] = {"cache_n": usage.cached_tokens}
+    for name, count, rated, seconds in (
+        ("prompt", read, read, usage.prompt_seconds),
+        ("predicted", usage.completion_tokens, steps, usage.generation_seconds),
+    ):
+        ms = seconds * 1000
+        out |= {f"{name}_n": count, f"{name}_ms": ms,
+                f"{name}_per_token_ms": ms / rated if rated else 0.0,
+                f"{name}_per_second": rated / seconds if seconds > 0 else 0.0}  # fmt: skip
+    return out
+
+
 def _logprobs(value: Logprobs | None) -> dict[str, Any] | None:
     if value is None:
         return None
@@ -187,7 +204,7 @@ def completion(result: Completion, model: str) -> dict[str, Any]:
     ]  # fmt: skip
     return {"id": result.id, "object": "text_completion", "created": result.created,
             "model": model, "system_fingerprint": system_fingerprint(), "choices": choices,
-            "usage": usage(result.usage)}  # fmt: skip
+            "usage": usage(result.usage), "timings": timings(result.usage)}  # fmt: skip
 
 
 def chat_completion(result: ChatCompletion, model: str) -> dict[str, Any]:
@@ -201,7 +218,7 @@ def chat_completion(result: ChatCompletion, model: str) -> dict[str, Any]:
                         "finish_reason": finish_reason(c.finish_reason)})  # fmt: skip
     return {"id": result.id, "object": "chat.completion", "created": result.created,
             "model": model, "system_fingerprint": system_fingerprint(), "choices": choices,
-            "usage": usage(result.usage)}  # fmt: skip
+            "usage": usage(result.usage), "timings": timings(result.usage)}  # fmt: skip
 
 
 def completion_chunk(chunk: CompletionChunk, model: str) -> dict[str, Any]:
