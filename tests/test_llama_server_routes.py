@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from live_server import LiveServer
@@ -310,6 +311,43 @@ def test_limits_and_keys_hold_on_these_routes(fim_server: LiveServer) -> None:
     for path, body in (("/infill", INFILL), ("/completion", {"prompt": "a"})):
         over = httpx.post(url + path, json={**body, "n_predict": 10**6}, headers=KEY).json()
         assert over["error"]["param"] == "n_predict" and "n_predict 1000000" in str(over)
+
+
+# -- /embedding, /embeddings ---------------------------------------------------------------------
+
+
+def test_llama_servers_embedding_routes() -> None:
+    path = load_repo_module("scripts/convert_bert.py").minilm()
+    texts = ["A cat sits on the mat.", "Stock markets fell today."]
+    with Llama(path, embeddings=True, n_threads=2) as reference:
+        raw = np.asarray(reference.embed(texts, normalize=False), dtype=np.float64)
+        ids = reference.tokenize(texts[0])
+    with Llama(path, embeddings=True, pooling="none", n_threads=2) as reference:
+        per_token = reference.embed_tokens(texts)
+    norms = {  # embd_normalize -> each row's divisor, as llama.cpp's common_embd_normalize
+        -1: np.ones(2), 0: np.abs(raw).max(axis=1) / 32760, 1: np.abs(raw).sum(axis=1),
+        2: np.linalg.norm(raw, axis=1), 3: (np.abs(raw) ** 3).sum(axis=1) ** (1 / 3),
+    }  # fmt: skip
+    for server in _running(ServerSettings(model=str(path), embeddings=True, n_threads=2)):
+        for norm, divisor in norms.items():
+            for path_name in ("/embedding", "/embeddings"):
+                asked = {"content": texts, "embd_normalize": norm}
+                got = httpx.post(server.url + path_name, json=asked).json()
+                assert [g["index"] for g in got] == [0, 1]
+                vectors = np.array([g["embedding"][0] for g in got])
+                assert np.allclose(vectors, raw / divisor[:, None], rtol=1e-4, atol=1e-5), norm
+        default = httpx.post(server.url + "/embedding", json={"input": texts[0]}).json()
+        assert np.allclose(default[0]["embedding"][0], raw[0] / norms[2][0], atol=1e-5)
+        # Token ids (with the BOS/CLS and SEP the vocabulary adds) are one input.
+        as_ids = httpx.post(server.url + "/embedding", json={"content": ids}).json()
+        assert np.allclose(as_ids[0]["embedding"][0], default[0]["embedding"][0], atol=1e-5)
+        for bad in ({}, {"content": []}, {"content": "a", "embd_normalize": -2}):
+            assert httpx.post(server.url + "/embedding", json=bad).status_code == 400, bad
+    settings = ServerSettings(model=str(path), embeddings=True, pooling="none", n_threads=2)
+    for server in _running(settings):
+        got = httpx.post(server.url + "/embedding", json={"content": texts}).json()
+        for answer, expected in zip(got, per_token, strict=True):
+            assert np.allclose(answer["embedding"], expected, atol=1e-5)  # one vector a token
 
 
 # -- /apply-template, /tokenize, /detokenize -----------------------------------------------------

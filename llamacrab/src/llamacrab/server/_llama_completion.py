@@ -40,7 +40,10 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
     async def completion(body: LlamaCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
-        prompts = _prompts(body.prompt, settings.max_n)
+        prompts = split_prompts(body.prompt)
+        if len(prompts) > settings.max_n:
+            raise ApiError(400, f"{len(prompts)} prompts exceed this server's limit of "
+                           f"{settings.max_n} a request", param="prompt")  # fmt: skip
         if len(prompts) > 1 and body.stream:
             raise ApiError(400, "several prompts are answered together, not streamed: stream "
                            "one prompt per request", param="prompt")  # fmt: skip
@@ -121,18 +124,15 @@ def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings
     return kwargs
 
 
-def _prompts(
-    prompt: str | list[str | int] | list[str | list[str | int]], limit: int
+def split_prompts(
+    prompt: str | list[str | int] | list[str | list[str | int]],
 ) -> list[str | list[str | int]]:
     """The prompts of a request, as llama-server reads them: a list holding a token id is one
-    prompt (text and ids mixed); any other list is several."""
+    prompt (text and ids mixed); any other list is several. An empty one is refused."""
     if isinstance(prompt, str):
         return [prompt]
     several = [] if any(isinstance(p, int) for p in prompt) else list(prompt)
     prompts = cast("list[str | list[str | int]]", several or [prompt])
-    if len(prompts) > limit:
-        raise ApiError(400, f"{len(prompts)} prompts exceed this server's limit of {limit} "
-                       "a request", param="prompt")  # fmt: skip
     if any(p == [] for p in prompts):
         raise ApiError(400, "the prompt is empty", param="prompt")
     return prompts

@@ -25,6 +25,7 @@ from llamacrab._llama import Llama
 from llamacrab._types import ChatCompletionChunk, Usage
 from llamacrab.server._errors import ApiError
 from llamacrab.server._llama_completion import add_completion_routes, mixed_tokens
+from llamacrab.server._llama_embedding import add_embedding_routes
 from llamacrab.server._llama_server_schemas import (
     ApplyTemplateRequest,
     ApplyTemplateResponse,
@@ -63,6 +64,7 @@ _SLOT_ERRORS: dict[int | str, dict[str, Any]] = {
 def add_llama_server_routes(app: FastAPI, state: ServerState) -> None:
     """llama-server's routes (see the module's docstring)."""
     add_completion_routes(app, state)
+    add_embedding_routes(app, state)
     _add_text_routes(app, state)
     _add_server_routes(app, state)
     _add_transcriptions(app, state)

@@ -52,14 +52,29 @@ class InfillRequest(NativeGeneration):
     prompt: str = ""  # text that continues the prefix (where llama-server's code puts it)
 
 
+# llama-server's prompt shapes: text, token ids and text mixed, or a list of such prompts.
+Prompts = str | list[str | int] | list[str | list[str | int]]
+
+
 class LlamaCompletionRequest(NativeGeneration):
     """llama-server's ``/completion``: ``prompt`` is text, token ids, or both mixed (special
     tokens parsed in its text, as llama-server does), or a list of such prompts (a list with
     no token id in it: each string is a prompt, each answered in turn); ``logit_bias`` also in
     llama-server's forms, ``[[token id or text, bias or false], ...]`` (false bans the token)."""
 
-    prompt: str | list[str | int] | list[str | list[str | int]]
+    prompt: Prompts
     logit_bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None = None  # type: ignore[assignment]
+
+
+class LlamaEmbeddingRequest(Lenient):
+    """llama-server's ``/embedding``: ``content`` (or ``input``) read as ``/completion`` reads
+    its prompt; ``embd_normalize`` -1 none, 0 to an int16 range, 2 Euclidean (its default),
+    any other p the p-norm."""
+
+    model: str | None = None
+    content: Prompts | None = None
+    input: Prompts | None = None
+    embd_normalize: int = Field(2, ge=-1, le=2**31 - 1)
 
 
 class ApplyTemplateRequest(Lenient):
