@@ -216,6 +216,40 @@ def test_completion_takes_a_json_schema_and_lora(fim_server: LiveServer) -> None
         assert lora.status_code == 400 and "no LoRA adapter with id 0" in lora.text
 
 
+def test_completion_probabilities_as_llama_server(fim_server: LiveServer, fim_path: Path) -> None:
+    body = {"prompt": "the cat", "n_predict": 4, "temperature": 0, "return_tokens": True}
+    with Llama(fim_path, n_ctx=256, n_threads=2) as llama:
+        expected = llama.create_completion("the cat", max_tokens=4, temperature=0, logprobs=3)
+        logprobs = expected.choices[0].logprobs
+        assert logprobs is not None
+        for top, ids in zip(logprobs.top_logprobs, logprobs.top_ids, strict=True):
+            assert list(top) == [llama.vocab.token_to_piece(i, special=True) for i in ids]
+        raw = {
+            t: llama.vocab.token_to_bytes(t, special=True) for ids in logprobs.top_ids for t in ids
+        }
+    url = fim_server.url + "/completion"
+    got = httpx.post(url, headers=KEY, json={**body, "n_probs": 3}).json()
+    probs = got["completion_probabilities"]
+    assert [p["id"] for p in probs] == got["tokens"] == list(expected.choices[0].tokens)
+    for p, logprob, ids in zip(probs, logprobs.token_logprobs, logprobs.top_ids, strict=True):
+        assert p["logprob"] == pytest.approx(logprob, abs=1e-4)
+        assert [t["id"] for t in p["top_logprobs"]] == list(ids)
+        assert p["top_logprobs"][0]["id"] == p["id"]  # greedy: the likeliest
+        assert all(bytes(t["bytes"]) == raw[t["id"]] for t in p["top_logprobs"])
+        values = [t["logprob"] for t in p["top_logprobs"]]
+        assert values == sorted(values, reverse=True)
+    # "logprobs" is its other name; streamed, each event carries its own tokens' entries.
+    alias = httpx.post(url, headers=KEY, json={**body, "logprobs": 3}).json()
+    assert alias["completion_probabilities"] == probs
+    streamed = httpx.post(url, headers=KEY, json={**body, "n_probs": 3, "stream": True}).text
+    pieces = [e.get("completion_probabilities", []) for e in events(streamed)]
+    assert [p for piece in pieces for p in piece] == probs
+    assert "completion_probabilities" not in httpx.post(url, headers=KEY, json=body).json()
+    for bad in ({"n_probs": 3, "post_sampling_probs": True}, {"n_probs": 21}):
+        refused = httpx.post(url, headers=KEY, json={**body, **bad})
+        assert refused.status_code == 400, bad
+
+
 def test_samplers_choose_the_chain_as_in_llama_server(
     fim_server: LiveServer, fim_path: Path
 ) -> None:

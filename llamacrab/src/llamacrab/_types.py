@@ -115,6 +115,9 @@ class Logprobs:
     token_logprobs: tuple[float, ...]
     top_logprobs: tuple[dict[str, float], ...]
     text_offset: tuple[int, ...]
+    # Per generated token, the ids of its top_logprobs' tokens in their order (a prompt's
+    # tokens, with echo, have none).
+    top_ids: tuple[tuple[int, ...], ...] = ()
 
     @staticmethod
     def join(parts: Sequence[Logprobs]) -> Logprobs:
@@ -124,6 +127,7 @@ class Logprobs:
             tuple(v for p in parts for v in p.token_logprobs),
             tuple(d for p in parts for d in p.top_logprobs),
             tuple(o for p in parts for o in p.text_offset),
+            tuple(i for p in parts for i in p.top_ids),
         )
 
 

@@ -49,6 +49,7 @@ class Step:
     logprob: float | None = None
     top_logprobs: dict[str, float] | None = None
     stop: str | None = None  # the stop string that ended it (finish_reason "stop")
+    top_ids: tuple[int, ...] = ()  # the ids of top_logprobs' tokens, in their order
 
 
 # Stands for a position filled by an image or sound: never equal to a real token.
@@ -551,11 +552,13 @@ class Emitter:
         except EndGeneration:  # a Python sampler's stop rule: this token is not output
             return Step(self.rest(), None, "stop")
         logprob, top = None, None
+        top_ids: tuple[int, ...] = ()
         if request.logprobs is not None:
-            logprob, top = token_logprobs(context, token, request.logprobs, index)
+            logprob, top, top_ids = token_logprobs(context, token, request.logprobs, index)
         if self.vocab.is_eog(token):
             return Step(self.rest(), None, "eos")
-        step = Step(self.stops.push(self.decoder.feed([token])), token, None, logprob, top)
+        text = self.stops.push(self.decoder.feed([token]))
+        step = Step(text, token, None, logprob, top, top_ids=top_ids)
         if self.stops.stopped:
             step.finish_reason, step.stop = "stop", self.stops.matched
         return step

@@ -19,19 +19,21 @@ _PROMPT_LOGITS_BYTES = 64 << 20
 
 def token_logprobs(
     context: Context, token: int, top_n: int, index: int = -1
-) -> tuple[float, dict[str, float]]:
+) -> tuple[float, dict[str, float], tuple[int, ...]]:
     """The log-probability of ``token`` under the logits of output ``index`` of the last
-    decode, and the ``top_n`` most likely tokens there."""
+    decode, and the ``top_n`` most likely tokens there: by their text, and their ids."""
     logits = context.logits(index)
     peak = float(logits.max())
     log_total = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
     top: dict[str, float] = {}
+    ids: tuple[int, ...] = ()
     if top_n:
         best = np.argpartition(logits, -top_n)[-top_n:]
-        for index in best[np.argsort(-logits[best])]:
-            piece = context.model.vocab.token_to_piece(int(index), special=True)
+        ids = tuple(int(i) for i in best[np.argsort(-logits[best])])
+        for index in ids:
+            piece = context.model.vocab.token_to_piece(index, special=True)
             top[piece] = float(logits[index]) - log_total
-    return float(logits[token]) - log_total, top
+    return float(logits[token]) - log_total, top, ids
 
 
 class PromptLogprobs:
@@ -48,4 +50,5 @@ class PromptLogprobs:
         for row in range(count):
             following = position + row + 1
             if following < len(self.prompt):
-                self.values.append(token_logprobs(context, self.prompt[following], self.top_n, row))
+                logprob, top, _ = token_logprobs(context, self.prompt[following], self.top_n, row)
+                self.values.append((logprob, top))

@@ -416,6 +416,7 @@ def _step_logprobs(vocab: Vocab, step: Step, offset: int) -> Logprobs | None:
         (step.logprob,),
         (step.top_logprobs or {},),
         (offset,),
+        (step.top_ids,),
     )
 
 

@@ -16,7 +16,8 @@ from starlette.requests import Request
 from llamacrab import schema_to_grammar
 from llamacrab._exceptions import LlamaError
 from llamacrab._llama import Llama
-from llamacrab._types import CompletionChunk, Usage
+from llamacrab._native.vocab import Vocab
+from llamacrab._types import CompletionChunk, Logprobs, Usage
 from llamacrab.server._errors import ApiError
 from llamacrab.server._llama_server_schemas import (
     InfillRequest,
@@ -55,8 +56,8 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         for index, prompt in enumerate(prompts):
             kwargs["prompt"] = await in_thread(mixed_tokens, llama, prompt, True, True)
             create = llama.create_completion
-            answers.append(await _answer(state, client, body, llama.stream_completion, create,
-                                         **kwargs))  # fmt: skip
+            answers.append(await _answer(state, client, body, llama, llama.stream_completion,
+                                         create, **kwargs))  # fmt: skip
             if not body.stream:
                 answers[-1]["index"] = index
         # As llama-server: one prompt, one object; several, a list in their order.
@@ -65,9 +66,11 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
     answer_model = LlamaCompletionResponse | list[LlamaCompletionResponse]
     for path in ("/completion", "/completions"):  # llama-server: "legacy" and current names
         app.add_api_route(path, completion, methods=["POST"], responses=ERRORS,
-                          response_model=answer_model)  # fmt: skip
+                          response_model=answer_model,
+                          response_model_exclude_unset=True)  # fmt: skip
 
-    @app.post("/infill", response_model=LlamaCompletionResponse, responses=ERRORS)
+    @app.post("/infill", response_model=LlamaCompletionResponse, responses=ERRORS,
+              response_model_exclude_unset=True)  # fmt: skip
     async def infill(body: InfillRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         vocab = llama.vocab
@@ -82,21 +85,25 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
             "file_name": _FIM_FILE,
             **await in_thread(native_kwargs, body, llama, settings),
         }
-        return await _answer(state, client, body, llama.stream_infill, llama.create_infill,
-                             **arguments)  # fmt: skip
+        return await _answer(state, client, body, llama, llama.stream_infill,
+                             llama.create_infill, **arguments)  # fmt: skip
 
 
-async def _answer(state: ServerState, client: Request, body: NativeGeneration, stream: Any,
-                  create: Any, **arguments: Any) -> Any:  # fmt: skip
+async def _answer(state: ServerState, client: Request, body: NativeGeneration, llama: Llama,
+                  stream: Any, create: Any, **arguments: Any) -> Any:  # fmt: skip
     alias = state.settings.alias
+    vocab = llama.vocab if arguments.get("logprobs") is not None else None
     if body.stream:
         chunks = await in_thread(partial(stream, **arguments))
-        return await sse_events(state, chunks, partial(native_events, alias))
+        return await sse_events(state, chunks, partial(native_events, alias, vocab))
     result = await complete(state, client, partial(create, **arguments))
     choice = result.choices[0]
     tokens = choice.tokens if body.return_tokens else ()
-    return native_answer(choice.text, tokens, choice.finish_reason, result.usage, alias,
-                         choice.stop_sequence)  # fmt: skip
+    answer = native_answer(choice.text, tokens, choice.finish_reason, result.usage, alias,
+                           choice.stop_sequence)  # fmt: skip
+    if vocab is not None and choice.logprobs is not None:
+        answer["completion_probabilities"] = probabilities(vocab, choice.tokens, choice.logprobs)
+    return answer
 
 
 def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings) -> dict[str, Any]:
@@ -121,6 +128,13 @@ def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings
         except LlamaError as error:
             raise ApiError(400, f"json_schema: {error}", param="json_schema") from error
     kwargs.update(request_lora(body.lora, llama))
+    n_probs = body.n_probs if body.n_probs is not None else body.logprobs
+    if body.post_sampling_probs and n_probs:
+        raise ApiError(400, "post_sampling_probs is not supported: the probabilities given "
+                       "are those before sampling (leave it false)",
+                       param="post_sampling_probs")  # fmt: skip
+    if n_probs:
+        kwargs["logprobs"] = n_probs
     return kwargs
 
 
@@ -192,20 +206,52 @@ def native_answer(
     }  # fmt: skip
 
 
-async def native_events(alias: str, chunks: AsyncIterator[CompletionChunk]) -> AsyncIterator[str]:
+async def native_events(
+    alias: str, vocab: Vocab | None, chunks: AsyncIterator[CompletionChunk]
+) -> AsyncIterator[str]:
     """llama-server's ``/completion`` stream: ``{content, tokens, stop: false}`` events, then
-    one with ``stop: true`` and the counts; no ``[DONE]``."""
+    one with ``stop: true`` and the counts; no ``[DONE]``. With ``vocab`` (``n_probs`` asked
+    for), each event with tokens carries their ``completion_probabilities``."""
     predicted = 0
     try:
         async for chunk in chunks:
             predicted += len(chunk.tokens)
             if chunk.finish_reason is None:
-                yield event({"index": 0, "content": chunk.text, "tokens": list(chunk.tokens),
-                             "stop": False, "id_slot": -1,
-                             "tokens_predicted": predicted})  # fmt: skip
+                payload = {"index": 0, "content": chunk.text, "tokens": list(chunk.tokens),
+                           "stop": False, "id_slot": -1, "tokens_predicted": predicted}  # fmt: skip
             else:
                 tokens, reason = chunk.tokens, chunk.finish_reason
-                yield event(native_answer(chunk.text, tokens, reason, chunk.usage, alias,
-                                          chunk.stop_sequence))  # fmt: skip
+                payload = native_answer(chunk.text, tokens, reason, chunk.usage, alias,
+                                        chunk.stop_sequence)  # fmt: skip
+            if vocab is not None and chunk.logprobs is not None:
+                payload["completion_probabilities"] = probabilities(
+                    vocab, chunk.tokens, chunk.logprobs
+                )
+            yield event(payload)
     except ApiError as error:
         yield event(error.body())
+
+
+def probabilities(vocab: Vocab, tokens: Sequence[int], logprobs: Logprobs) -> list[dict[str, Any]]:
+    """llama-server's ``completion_probabilities``: each generated token and its ``n_probs``
+    likeliest alternatives, by id, text (cut before a partial UTF-8 character), bytes and
+    log-probability before sampling."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        raw = vocab.token_to_bytes(token, special=True)
+        return {"id": token, "token": _whole_characters(raw), "bytes": list(raw),
+                "logprob": logprob}  # fmt: skip
+
+    return [
+        {**entry(token, logprob),
+         "top_logprobs": [entry(i, p) for i, p in zip(ids, top.values(), strict=True)]}
+        for token, logprob, top, ids in zip(tokens, logprobs.token_logprobs,
+                                            logprobs.top_logprobs, logprobs.top_ids, strict=True)
+    ]  # fmt: skip
+
+
+def _whole_characters(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return raw[: error.start].decode("utf-8")

@@ -40,6 +40,10 @@ class NativeGeneration(GenerationFields):
     cache_prompt: bool = True
     # Generation constrained to a JSON Schema ({} is any object); a grammar given too wins.
     json_schema: dict[str, Any] | None = None
+    # The likeliest tokens at each step, before sampling ("logprobs" is its other name)
+    n_probs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    post_sampling_probs: bool = False
 
 
 class InfillRequest(NativeGeneration):
@@ -123,6 +127,17 @@ class ApplyTemplateResponse(BaseModel):
     prompt: str
 
 
+class TokenProbability(BaseModel):
+    id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class CompletionProbability(TokenProbability):
+    top_logprobs: list[TokenProbability]
+
+
 class LlamaCompletionResponse(BaseModel):
     """llama-server's ``/completion`` answer (``stop: true``); streamed, the same fields come in
     pieces and the last event has ``stop: true`` and the counts."""
@@ -141,6 +156,7 @@ class LlamaCompletionResponse(BaseModel):
     stop_type: Literal["eos", "limit", "word", "none"]
     stopping_word: str = ""
     timings: LlamaTimings
+    completion_probabilities: list[CompletionProbability] | None = None  # with n_probs
 
 
 class GenerationSettingsOut(BaseModel):
