@@ -396,6 +396,18 @@ def test_apply_template_is_the_chat_prompt(gemma_server: LiveServer, gemma: Llam
     assert answer.json()["prompt"].endswith("<start_of_turn>model\n")
     empty = httpx.post(gemma_server.url + "/apply-template", json={"messages": []})
     assert empty.status_code == 400
+    # A last assistant message is continued, as llama-server does (its "prefill").
+    opened = {"role": "assistant", "content": "The answer is"}
+    answer = httpx.post(gemma_server.url + "/apply-template",
+                        json={"messages": [*messages, opened]})  # fmt: skip
+    assert answer.json() == {"prompt": gemma.chat_prompt(messages) + "The answer is"}
+    parts = {"role": "assistant", "content": [{"type": "text", "text": "The answer is"}]}
+    same = httpx.post(gemma_server.url + "/apply-template", json={"messages": [*messages, parts]})
+    assert same.json() == answer.json()
+    for refused in ([*messages, opened, opened],
+                    [*messages, {"role": "assistant", "tool_calls": [{"id": "1"}]}]):  # fmt: skip
+        bad = httpx.post(gemma_server.url + "/apply-template", json={"messages": refused})
+        assert bad.status_code == 400 and "assistant" in bad.json()["error"]["message"]
 
 
 @pytest.mark.real_model
