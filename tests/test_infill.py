@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llamacrab import InvalidParameterError, Llama
+from llamacrab import InfillLimits, InvalidParameterError, Llama
 
 from support import load_repo_module
 
@@ -69,3 +69,27 @@ def test_infill_generates_and_streams(fim_llama: Llama) -> None:
 def test_model_without_fim_tokens(tiny_llama: Llama) -> None:
     with pytest.raises(InvalidParameterError, match="fill-in-the-middle"):
         tiny_llama.create_infill("a", "b")
+
+
+def test_limits_keep_the_text_nearest_the_gap(fim_llama: Llama) -> None:
+    t = ids(fim_llama)
+    pre, suf, mid = t["<|fim_prefix|>"], t["<|fim_suffix|>"], t["<|fim_middle|>"]
+    prefix, suffix = "one two three four five six", "seven eight nine ten"
+    files = [("a.py", "alpha beta gamma"), ("b.py", "delta epsilon")]
+    whole = fim_llama.infill_prompt(prefix, suffix, repo="crab", files=files, file_name="c.py")
+    limits = InfillLimits(prefix=5, suffix=3, context=7)
+    cut = fim_llama.infill_prompt(prefix, suffix, repo="crab", files=files, file_name="c.py",
+                                  limits=limits)  # fmt: skip
+    bos = fim_llama.vocab.bos
+    context = whole[1 : whole.index(pre)]  # after BOS: the repository and its files
+    assert cut == [bos, *context[-7:], pre, *text(fim_llama, prefix)[-5:], suf,
+                   *text(fim_llama, suffix)[:3], mid]  # fmt: skip
+    assert fim_llama.infill_prompt(prefix, suffix, limits=InfillLimits(0, 0, 0)) == [
+        bos, pre, suf, mid]  # fmt: skip
+    # llama-server's budgets: a batch for prefix and suffix (3:1, less the prompt and two FIM
+    # tokens), the rest of a sequence's context for the repository (its limit of -1 adds 2).
+    assert InfillLimits.llama_server(2048, 4096, n_prompt=10) == InfillLimits(1536, 500, 2050)
+    assert InfillLimits.llama_server(512, 256) == InfillLimits(384, 126, 0)
+    for bad in (-1, 1.5):
+        with pytest.raises(InvalidParameterError, match=r"InfillLimits\.suffix"):
+            InfillLimits(suffix=bad)  # type: ignore[arg-type]

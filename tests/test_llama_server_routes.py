@@ -19,7 +19,7 @@ from live_server import LiveServer
 from test_multimodal import tone, wav_bytes
 from test_tool_calls import TEMPLATE
 
-from llamacrab import Llama
+from llamacrab import InfillLimits, Llama
 from llamacrab.server import ServerSettings
 
 from support import load_repo_module
@@ -117,6 +117,39 @@ def test_infill_matches_the_python_api(fim_server: LiveServer, fim_path: Path) -
         ms = timings[f"{name}_ms"]
         assert ms > 0 and timings[f"{name}_per_token_ms"] == pytest.approx(ms / rated)
         assert timings[f"{name}_per_second"] == pytest.approx(rated / ms * 1000)
+
+
+def test_infill_cuts_a_prompt_too_long_as_llama_server(
+    fim_server: LiveServer, fim_path: Path
+) -> None:
+    # An editor sends a long prefix and its ring of context chunks: llama-server cuts them to
+    # fit (the prefix's end, the suffix's start, the context's end); llamacrab refused (400).
+    body = {**INFILL, "input_prefix": "the cat sat. " * 250, "input_suffix": "the end " * 40}
+    answer = httpx.post(fim_server.url + "/infill", json=body, headers=KEY)
+    assert answer.status_code == 200, answer.text
+    files = [("constants.py", INFILL["input_extra"][0]["text"])]
+    with Llama(fim_path, n_ctx=256, n_threads=2) as llama:
+        whole = llama.infill_prompt(body["input_prefix"], body["input_suffix"], repo="myproject",
+                                    files=files, file_name="filename")  # fmt: skip
+        # llama-server's budgets with a batch of half the context: prefix 96, suffix 30,
+        # and the repository context what is left of the 255 positions (all of it here).
+        cut = llama.infill_prompt(body["input_prefix"], body["input_suffix"], repo="myproject",
+                                  files=files, file_name="filename",
+                                  limits=InfillLimits.llama_server(128, 256))  # fmt: skip
+    assert len(whole) > 256 > len(cut)
+    assert answer.json()["tokens_evaluated"] == len(cut)
+    # A long repository context gives up what still does not fit: one position stays free.
+    chunks = [{"filename": "big.py", "text": "x = 1\n" * 300}]
+    crowded = {**body, "input_prefix": "the cat sat. " * 60, "input_extra": chunks}
+    answer = httpx.post(fim_server.url + "/infill", json=crowded, headers=KEY)
+    assert answer.status_code == 200 and answer.json()["tokens_evaluated"] == 255, answer.text
+    # One that fits is sent whole (llama-server would cut it too: more context here).
+    fits = httpx.post(fim_server.url + "/infill", json=INFILL, headers=KEY).json()
+    with Llama(fim_path, n_ctx=256, n_threads=2) as llama:
+        expected = llama.infill_prompt(INFILL["input_prefix"], INFILL["input_suffix"],
+                                       repo="myproject", files=files,
+                                       file_name="filename")  # fmt: skip
+    assert fits["tokens_evaluated"] == len(expected)
 
 
 def test_infill_streams_llama_server_events(fim_server: LiveServer) -> None:

@@ -43,6 +43,7 @@ from llamacrab._exceptions import (
     UnknownModelError,
 )
 from llamacrab._features.hub import HubOptions, ResolvedModel, resolve
+from llamacrab._features.infill import InfillLimits
 from llamacrab._features.presets import PRESETS, Preset
 from llamacrab._features.rpc import RpcWorker, RpcWorkerOptions, local_devices
 from llamacrab._features.rpc import probe as probe_rpc_worker
@@ -119,6 +120,7 @@ __all__ = [
     "HubOptions",
     "Image",
     "IncrementalDecoder",
+    "InfillLimits",
     "InvalidModelError",
     "InvalidParameterError",
     "Llama",

@@ -25,7 +25,7 @@ from llamacrab._features.completion import Completer, check_speculation, complet
 from llamacrab._features.embeddings import DEFAULT_PACK_TOKENS, Embeddings
 from llamacrab._features.hub import HubOptions, ResolvedModel
 from llamacrab._features.hub import resolve as resolve_model
-from llamacrab._features.infill import infill_tokens
+from llamacrab._features.infill import InfillLimits, infill_tokens
 from llamacrab._features.llama_options import ExtraOptions, take_extra_options
 from llamacrab._features.media import MediaInput
 from llamacrab._features.params import merge_sampling, split_params, with_slots
@@ -411,6 +411,22 @@ class Llama:
     # -- fill in the middle --------------------------------------------------------------------
 
     @checked
+    def infill_prompt(
+        self,
+        prefix: str,
+        suffix: str,
+        *,
+        spm: bool = False,
+        repo: str | None = None,
+        files: Sequence[tuple[str, str]] = (),
+        file_name: str | None = None,
+        limits: InfillLimits | None = None,
+    ) -> list[int]:
+        """The tokens ``create_infill`` decodes for these arguments (the model's FIM layout)."""
+        return infill_tokens(self.vocab, prefix, suffix, spm=spm, repo=repo, files=files,
+                             file_name=file_name, limits=limits or InfillLimits())  # fmt: skip
+
+    @checked
     def create_infill(
         self,
         prefix: str,
@@ -420,13 +436,15 @@ class Llama:
         repo: str | None = None,
         files: Sequence[tuple[str, str]] = (),
         file_name: str | None = None,
+        limits: InfillLimits | None = None,
         **kwargs: Any,
     ) -> Completion:
         """Complete the code between ``prefix`` and ``suffix`` with the model's FIM tokens.
         ``spm`` puts the suffix first; ``repo``, ``files`` and ``file_name`` add repository
-        context. Other keywords are those of ``create_completion``."""
-        tokens = infill_tokens(self.vocab, prefix, suffix, spm=spm, repo=repo, files=files,
-                               file_name=file_name)  # fmt: skip
+        context; ``limits`` cuts the parts to fit (``InfillLimits.llama_server(...)`` as
+        llama-server does). Other keywords are those of ``create_completion``."""
+        tokens = self.infill_prompt(prefix, suffix, spm=spm, repo=repo, files=files,
+                                    file_name=file_name, limits=limits)  # fmt: skip
         return self.create_completion(tokens, **kwargs)
 
     @checked
@@ -439,11 +457,12 @@ class Llama:
         repo: str | None = None,
         files: Sequence[tuple[str, str]] = (),
         file_name: str | None = None,
+        limits: InfillLimits | None = None,
         **kwargs: Any,
     ) -> Stream[CompletionChunk]:
         """``create_infill``, chunk by chunk (see ``stream_completion``)."""
-        tokens = infill_tokens(self.vocab, prefix, suffix, spm=spm, repo=repo, files=files,
-                               file_name=file_name)  # fmt: skip
+        tokens = self.infill_prompt(prefix, suffix, spm=spm, repo=repo, files=files,
+                                    file_name=file_name, limits=limits)  # fmt: skip
         return self.stream_completion(tokens, **kwargs)
 
     # -- embeddings ----------------------------------------------------------------------------

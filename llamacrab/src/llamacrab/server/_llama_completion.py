@@ -4,6 +4,7 @@ as ``data:`` events with ``stop: false`` and a last one with ``stop: true`` (no 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
@@ -13,10 +14,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
-from llamacrab import schema_to_grammar
+from llamacrab import InfillLimits, Vocab, schema_to_grammar
 from llamacrab._exceptions import LlamaError
 from llamacrab._llama import Llama
-from llamacrab._native.vocab import Vocab
 from llamacrab._types import CompletionChunk, Logprobs, Usage
 from llamacrab.server._errors import ApiError
 from llamacrab.server._llama_server_schemas import (
@@ -77,16 +77,33 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         if body.input_extra and vocab.fim_middle is not None and vocab.fim_file_sep is None:
             raise ApiError(400, "input_extra needs a model with a FIM file-separator token; "
                            "this one has none", param="input_extra")  # fmt: skip
-        arguments = {
-            "prefix": body.input_prefix + body.prompt,
-            "suffix": body.input_suffix,
-            "repo": _FIM_REPO,
-            "files": [(chunk.filename, chunk.text) for chunk in body.input_extra],
-            "file_name": _FIM_FILE,
-            **await in_thread(native_kwargs, body, llama, settings),
-        }
-        return await _answer(state, client, body, llama, llama.stream_infill,
-                             llama.create_infill, **arguments)  # fmt: skip
+        kwargs = await in_thread(native_kwargs, body, llama, settings)
+        kwargs["prompt"] = await in_thread(_infill_prompt, llama, body)
+        return await _answer(state, client, body, llama, llama.stream_completion,
+                             llama.create_completion, **kwargs)  # fmt: skip
+
+
+def _infill_prompt(llama: Llama, body: InfillRequest) -> list[int]:
+    """The FIM prompt, whole when it fits a sequence's context; else cut as llama-server cuts
+    every one: the prefix's end and the suffix's start within a batch (3:1), the repository
+    context's end in the rest of the context. The batch is at most half the context, and the
+    repository context gives up what still does not fit (llama-server's cut can overflow)."""
+    files = [(chunk.filename, chunk.text) for chunk in body.input_extra]
+    prefix = body.input_prefix + body.prompt
+    prompt = partial(llama.infill_prompt, prefix, body.input_suffix, repo=_FIM_REPO,
+                     files=files, file_name=_FIM_FILE)  # fmt: skip
+    tokens = prompt()
+    room = llama.context.n_ctx_seq
+    if len(tokens) < room:
+        return tokens
+    n_prompt = len(llama.tokenize(body.prompt, add_special=False)) if body.prompt else 0
+    batch = min(llama.context.n_batch, room // 2)
+    limits = InfillLimits.llama_server(batch, room, n_prompt)
+    tokens = prompt(limits=limits)
+    excess = len(tokens) - (room - 1)  # one position left to generate into
+    if excess > 0 and limits.context:
+        tokens = prompt(limits=dataclasses.replace(limits, context=max(0, limits.context - excess)))
+    return tokens
 
 
 async def _answer(state: ServerState, client: Request, body: NativeGeneration, llama: Llama,
