@@ -227,24 +227,24 @@ async def native_events(
     alias: str, vocab: Vocab | None, chunks: AsyncIterator[CompletionChunk]
 ) -> AsyncIterator[str]:
     """llama-server's ``/completion`` stream: ``{content, tokens, stop: false}`` events, then
-    one with ``stop: true`` and the counts; no ``[DONE]``. With ``vocab`` (``n_probs`` asked
-    for), each event with tokens carries their ``completion_probabilities``."""
+    one with ``stop: true``, the counts and no text (the text is all in the events before
+    it, as llama-server sends it); no ``[DONE]``. With ``vocab`` (``n_probs`` asked for),
+    each event with tokens carries their ``completion_probabilities``."""
     predicted = 0
     try:
         async for chunk in chunks:
             predicted += len(chunk.tokens)
-            if chunk.finish_reason is None:
+            if chunk.text or chunk.tokens:
                 payload = {"index": 0, "content": chunk.text, "tokens": list(chunk.tokens),
                            "stop": False, "id_slot": -1, "tokens_predicted": predicted}  # fmt: skip
-            else:
-                tokens, reason = chunk.tokens, chunk.finish_reason
-                payload = native_answer(chunk.text, tokens, reason, chunk.usage, alias,
-                                        chunk.stop_sequence)  # fmt: skip
-            if vocab is not None and chunk.logprobs is not None:
-                payload["completion_probabilities"] = probabilities(
-                    vocab, chunk.tokens, chunk.logprobs
-                )
-            yield event(payload)
+                if vocab is not None and chunk.logprobs is not None:
+                    payload["completion_probabilities"] = probabilities(
+                        vocab, chunk.tokens, chunk.logprobs
+                    )
+                yield event(payload)
+            if chunk.finish_reason is not None:
+                yield event(native_answer("", (), chunk.finish_reason, chunk.usage, alias,
+                                          chunk.stop_sequence))  # fmt: skip
     except ApiError as error:
         yield event(error.body())
 
