@@ -478,6 +478,7 @@ def test_tokenize_with_pieces_round_trip(gemma_server: LiveServer) -> None:
     )
     mixed = httpx.post(url + "/tokenize", json={"content": [2, "Hello", 1902]}).json()
     assert mixed == {"tokens": [2, 9259, 1902]}
+    assert httpx.post(url + "/tokenize", json={}).json() == {"tokens": []}  # as llama-server
     bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and "outside the vocabulary" in bad.text
 

@@ -92,7 +92,7 @@ class LlamaTokenizeRequest(Lenient):
     special tokens parsed). ``content`` may mix text and token ids."""
 
     model: str | None = None
-    content: str | list[str | int]
+    content: str | list[str | int] = ""  # absent: no tokens, as llama-server answers
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
