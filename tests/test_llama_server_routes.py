@@ -327,6 +327,17 @@ def test_samplers_choose_the_chain_as_in_llama_server(
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "samplers"
 
 
+def test_a_completion_that_fills_the_context_is_truncated(fim_server: LiveServer) -> None:
+    body = {"prompt": "the cat", "temperature": 0, "ignore_eos": True}
+    for extra in ({}, {"stream": True}):
+        answer = httpx.post(fim_server.url + "/completion", headers=KEY, json={**body, **extra})
+        last = events(answer.text)[-1] if extra else answer.json()
+        assert last["truncated"] is True and last["stop_type"] == "limit", last
+        assert last["tokens_evaluated"] + last["tokens_predicted"] >= 255  # n_ctx 256
+    short = httpx.post(fim_server.url + "/completion", headers=KEY, json={**body, "n_predict": 3})
+    assert short.json()["truncated"] is False and short.json()["stop_type"] == "limit"
+
+
 def test_completion_streams_and_takes_llama_servers_samplers(fim_server: LiveServer) -> None:
     body = {"prompt": "the cat", "n_predict": 6, "temperature": 0, "ignore_eos": True,
             "dry_multiplier": 0.8, "repeat_last_n": 16, "xtc_probability": 0.0,

@@ -106,18 +106,27 @@ def _infill_prompt(llama: Llama, body: InfillRequest) -> list[int]:
     return tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class _Answering:
+    """What the answer of one request needs besides its result."""
+
+    alias: str
+    n_ctx_seq: int  # a sequence's share of the context: a generation that fills it was cut
+    vocab: Vocab | None  # with n_probs: to describe each token and its alternatives
+
+
 async def _answer(state: ServerState, client: Request, body: NativeGeneration, llama: Llama,
                   stream: Any, create: Any, **arguments: Any) -> Any:  # fmt: skip
-    alias = state.settings.alias
     vocab = llama.vocab if arguments.get("logprobs") is not None else None
+    answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab)
     if body.stream:
         chunks = await in_thread(partial(stream, **arguments))
-        return await sse_events(state, chunks, partial(native_events, alias, vocab))
+        return await sse_events(state, chunks, partial(native_events, answering))
     result = await complete(state, client, partial(create, **arguments))
     choice = result.choices[0]
     tokens = choice.tokens if body.return_tokens else ()
-    answer = native_answer(choice.text, tokens, choice.finish_reason, result.usage, alias,
-                           choice.stop_sequence)  # fmt: skip
+    answer = native_answer(choice.text, tokens, choice.finish_reason, result.usage,
+                           choice.stop_sequence, answering)  # fmt: skip
     if vocab is not None and choice.logprobs is not None:
         answer["completion_probabilities"] = probabilities(vocab, choice.tokens, choice.logprobs)
     return answer
@@ -208,28 +217,31 @@ def native_answer(
     tokens: Sequence[int],
     reason: str | None,
     usage: Usage | None,
-    alias: str,
     stop: str | None,
+    answering: _Answering,
 ) -> dict[str, Any]:
-    """llama-server's last ``/completion`` answer (``stop: true``)."""
+    """llama-server's last ``/completion`` answer (``stop: true``); ``truncated`` when the
+    generation ran out of context (llama-server: one position short of it)."""
     usage = usage or Usage(0, 0)
+    held = usage.prompt_tokens + usage.completion_tokens
     return {
         "index": 0, "content": text, "tokens": list(tokens), "id_slot": -1, "stop": True,
-        "model": alias, "tokens_predicted": usage.completion_tokens,
+        "model": answering.alias, "tokens_predicted": usage.completion_tokens,
         "tokens_evaluated": usage.prompt_tokens, "tokens_cached": usage.cached_tokens,
-        "has_new_line": "\n" in text, "truncated": False,
+        "has_new_line": "\n" in text,
+        "truncated": reason == "length" and held + 1 >= answering.n_ctx_seq,
         "stop_type": _STOP_TYPES.get(reason or "", "none"), "stopping_word": stop or "",
         "timings": timings(usage),
     }  # fmt: skip
 
 
 async def native_events(
-    alias: str, vocab: Vocab | None, chunks: AsyncIterator[CompletionChunk]
+    answering: _Answering, chunks: AsyncIterator[CompletionChunk]
 ) -> AsyncIterator[str]:
     """llama-server's ``/completion`` stream: ``{content, tokens, stop: false}`` events, then
     one with ``stop: true``, the counts and no text (the text is all in the events before
-    it, as llama-server sends it); no ``[DONE]``. With ``vocab`` (``n_probs`` asked for),
-    each event with tokens carries their ``completion_probabilities``."""
+    it, as llama-server sends it); no ``[DONE]``. With ``n_probs`` asked for, each event
+    with tokens carries their ``completion_probabilities``."""
     predicted = 0
     try:
         async for chunk in chunks:
@@ -237,14 +249,14 @@ async def native_events(
             if chunk.text or chunk.tokens:
                 payload = {"index": 0, "content": chunk.text, "tokens": list(chunk.tokens),
                            "stop": False, "id_slot": -1, "tokens_predicted": predicted}  # fmt: skip
-                if vocab is not None and chunk.logprobs is not None:
+                if answering.vocab is not None and chunk.logprobs is not None:
                     payload["completion_probabilities"] = probabilities(
-                        vocab, chunk.tokens, chunk.logprobs
+                        answering.vocab, chunk.tokens, chunk.logprobs
                     )
                 yield event(payload)
             if chunk.finish_reason is not None:
-                yield event(native_answer("", (), chunk.finish_reason, chunk.usage, alias,
-                                          chunk.stop_sequence))  # fmt: skip
+                yield event(native_answer("", (), chunk.finish_reason, chunk.usage,
+                                          chunk.stop_sequence, answering))  # fmt: skip
     except ApiError as error:
         yield event(error.body())
 
