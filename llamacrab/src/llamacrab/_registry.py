@@ -35,6 +35,7 @@ from llamacrab._features.models_dir import scan_models_dir
 from llamacrab._features.presets import with_preset
 from llamacrab._field_types import INT32_MAX, check_field_types, check_range, is_number
 from llamacrab._llama import Llama
+from llamacrab._native.claims import POLL_SECONDS
 from llamacrab._native.fork import reset_in_child
 from llamacrab._native.gguf_memory import MemoryEstimate
 
@@ -213,7 +214,10 @@ class ModelRegistry:
         self._loader: Callable[[ModelEntry], Loaded] = loader or (
             lambda entry: Llama(entry.model, **entry.llama_options())
         )
-        self._lock = threading.Condition()
+        # Entered as ``with self._mutex`` (the C lock: atomic), never through the Condition,
+        # whose Python __enter__ a Ctrl-C can leave holding it; waits poll (claims.py).
+        self._mutex = threading.RLock()
+        self._lock = threading.Condition(self._mutex)
         reset_in_child(self._lock)
         self._slots: dict[str, _Slot] = {}
         self._closed = False
@@ -238,7 +242,7 @@ class ModelRegistry:
             if model is None:
                 raise InvalidParameterError(f"model {entry!r}: no model path or repository")
             entry = ModelEntry(entry, os.fspath(model), options, keep_alive, pinned)
-        with self._lock:
+        with self._mutex:
             if entry.name in self._slots:
                 raise InvalidParameterError(f"a model named {entry.name!r} is already registered")
             self._slots[entry.name] = _Slot(entry)
@@ -283,30 +287,30 @@ class ModelRegistry:
         return cls(entries, **kwargs)
 
     def names(self) -> list[str]:
-        with self._lock:
+        with self._mutex:
             return list(self._slots)
 
     def __contains__(self, name: object) -> bool:
-        with self._lock:
+        with self._mutex:
             return name in self._slots
 
     def entry(self, name: str) -> ModelEntry:
-        with self._lock:
+        with self._mutex:
             return self._slot(name).entry
 
     def loaded(self, name: str) -> Llama | None:
         """The entry's Llama if it is loaded now (never loads it)."""
-        with self._lock:
+        with self._mutex:
             slot = self._slot(name)
             return slot.llama if slot.status == "loaded" and isinstance(slot.llama, Llama) else None
 
     def entries(self) -> list[EntryStatus]:
         """Every entry's status, in the order they were added."""
-        with self._lock:
+        with self._mutex:
             return [self._status(slot) for slot in self._slots.values()]
 
     def status(self, name: str) -> EntryStatus:
-        with self._lock:
+        with self._mutex:
             return self._status(self._slot(name))
 
     # -- loading and using ---------------------------------------------------------------------
@@ -337,7 +341,7 @@ class ModelRegistry:
         """Mark the entry failed because ``loaded``, its model, broke while loaded (a process
         of its own died): it is reported with ``reason``, and the next use loads it again.
         False when ``loaded`` is no longer the entry's model."""
-        with self._lock:
+        with self._mutex:
             slot = self._slot(name)
             if slot.llama is not loaded:
                 return False
@@ -347,7 +351,7 @@ class ModelRegistry:
         return True
 
     def release(self, name: str) -> None:
-        with self._lock:
+        with self._mutex:
             slot = self._slot(name)
             if slot.in_use <= 0:
                 raise InvalidParameterError(f"model {name!r} was not acquired")
@@ -368,10 +372,10 @@ class ModelRegistry:
         """Unload the entry (False if it was not loaded; a failed entry forgets its error).
         One in use raises ConcurrentUseError, unless ``force``: its generations are cancelled
         and their callers get ClosedHandleError."""
-        with self._lock:
+        with self._mutex:
             slot = self._slot(name)
             while slot.status == "loading":
-                self._lock.wait()
+                self._lock.wait(POLL_SECONDS)
             if slot.status != "loaded":
                 slot.status, slot.error = "unloaded", None
                 return False
@@ -388,11 +392,11 @@ class ModelRegistry:
 
     def close(self) -> None:
         """Unload every model (cancelling what runs) and stop the keep-alive timer."""
-        with self._lock:
+        with self._mutex:
             self._closed = True
             self._stop.set()
             while any(slot.status == "loading" for slot in self._slots.values()):
-                self._lock.wait()
+                self._lock.wait(POLL_SECONDS)
             loaded = [s.take() for s in self._slots.values() if s.status == "loaded"]
             self._lock.notify_all()
         for llama in loaded:
@@ -424,7 +428,7 @@ class ModelRegistry:
                            slot.used_wall)  # fmt: skip
 
     def _obtain(self, name: str, *, lease: bool, retry: bool) -> Loaded:
-        with self._lock:
+        with self._mutex:
             slot = self._slot(name)
             while True:
                 if self._closed:
@@ -434,7 +438,7 @@ class ModelRegistry:
                     slot.in_use += lease
                     return slot.llama
                 if slot.status == "loading":
-                    self._lock.wait()
+                    self._lock.wait(POLL_SECONDS)
                     continue
                 if slot.status == "failed" and not (retry or slot.crashed):
                     raise ModelLoadError(f"model {name!r} failed to load: {slot.error}")
@@ -443,7 +447,7 @@ class ModelRegistry:
         try:
             llama = self._load(slot)
         except BaseException as error:
-            with self._lock:
+            with self._mutex:
                 if isinstance(error, ModelBudgetError):
                     slot.status = "unloaded"  # no room now; another time there may be
                 else:
@@ -455,7 +459,7 @@ class ModelRegistry:
                 # model_load_failed, never a bare 500, and the same message each time).
                 raise ModelLoadError(f"model {name!r} failed to load: {slot.error}") from error
             raise
-        with self._lock:
+        with self._mutex:
             slot.llama, slot.status = llama, "loaded"
             slot.touch()
             slot.in_use += lease
@@ -471,7 +475,7 @@ class ModelRegistry:
         estimate = estimate_llama(entry.model, entry.llama_options())
         victims: list[Loaded] = []
         try:
-            with self._lock:
+            with self._mutex:
                 slot.estimate = estimate
                 self._make_room(slot, estimate, victims)
         finally:
@@ -508,7 +512,7 @@ class ModelRegistry:
     # -- keep-alive ----------------------------------------------------------------------------
 
     def _start_reaper(self) -> None:
-        with self._lock:
+        with self._mutex:
             wanted = self.keep_alive is not None or any(
                 s.entry.keep_alive is not None for s in self._slots.values()
             )
@@ -520,12 +524,12 @@ class ModelRegistry:
         try:
             reaper.start()
         except RuntimeError as error:  # no thread to be had (a pids limit): try next time
-            with self._lock:
+            with self._mutex:
                 self._reaper = None
             log.warning("keep_alive cannot unload idle models for now: %s", error)
 
     def _reap_interval(self) -> float:
-        with self._lock:
+        with self._mutex:
             times = [s.entry.keep_alive if s.entry.keep_alive is not None else self.keep_alive
                      for s in self._slots.values()]  # fmt: skip
         shortest = min((t for t in times if t is not None), default=4.0)
@@ -535,7 +539,7 @@ class ModelRegistry:
         while not self._stop.wait(self._reap_interval()):
             now = time.monotonic()
             expired: list[Loaded] = []
-            with self._lock:
+            with self._mutex:
                 for slot in self._slots.values():
                     entry = slot.entry
                     keep = entry.keep_alive if entry.keep_alive is not None else self.keep_alive

@@ -154,21 +154,24 @@ class DiskCache(PromptCache):
             ) from error
         self._short_of_room = False  # said once, until a state fits again
         self._pending: OrderedDict[tuple[bytes, bytes], SavedState] = OrderedDict()
-        self._changed = threading.Condition()
+        # Entered as ``with self._mutex`` (the C lock: atomic), never through the Condition,
+        # whose Python __enter__ a Ctrl-C can leave holding it (claims.py).
+        self._mutex = threading.RLock()
+        self._changed = threading.Condition(self._mutex)
         reset_in_child(self._changed)
         self._writer: threading.Thread | None = None
         self._closed = False
 
     @property
     def size_bytes(self) -> int:
-        with self._changed:
+        with self._mutex:
             waiting = sum(state.size_bytes for state in self._pending.values())
         with held_signals():
             return int(self._cache.volume()) + waiting
 
     def store(self, state: SavedState, namespace: bytes = b"") -> None:
         key = _key(namespace, state.tokens)
-        with self._changed:
+        with self._mutex:
             while (
                 not self._closed
                 and len(self._pending) >= self.MAX_PENDING
@@ -199,7 +202,7 @@ class DiskCache(PromptCache):
     def _write_pending(self) -> None:
         """Write pending states oldest first; the thread ends when none is left."""
         while True:
-            with self._changed:
+            with self._mutex:
                 if not self._pending:
                     self._writer = None
                     self._changed.notify_all()
@@ -214,7 +217,7 @@ class DiskCache(PromptCache):
                         self._cache.cull()  # the size limit now, not on some later write
             except Exception:  # a full disk, a locked database: the generation stands
                 log.warning("prompt cache save failed; skipped", exc_info=True)
-            with self._changed:
+            with self._mutex:
                 if self._pending.get(key) is state:  # not stored again meanwhile
                     del self._pending[key]
                 self._changed.notify_all()
@@ -241,13 +244,13 @@ class DiskCache(PromptCache):
 
     def flush(self) -> None:
         """Wait until every stored state is on disk (or its write failed and was logged)."""
-        with self._changed:
+        with self._mutex:
             while self._writing():
                 self._changed.wait(timeout=1.0)
 
     def _keys(self, namespace: bytes) -> list[tuple[int, ...]]:
         # Keys of another form (an older llamacrab's bare token bytes) belong to no namespace.
-        with self._changed:
+        with self._mutex:
             pending = [key for key in self._pending if key[0] == namespace]
         with held_signals():
             stored = [key for key in self._cache.iterkeys() if isinstance(key, tuple)]
@@ -256,7 +259,7 @@ class DiskCache(PromptCache):
 
     def _get(self, namespace: bytes, tokens: tuple[int, ...]) -> SavedState | None:
         key = _key(namespace, tokens)
-        with self._changed:
+        with self._mutex:
             pending = self._pending.get(key)
         if pending is not None:
             return pending
@@ -279,14 +282,14 @@ class DiskCache(PromptCache):
 
     def close(self) -> None:
         """Write what is pending, then close the directory; later stores raise StateError."""
-        with self._changed:
+        with self._mutex:
             self._closed = True
         self.flush()
         with held_signals():
             self._cache.close()
 
     def __len__(self) -> int:
-        with self._changed:
+        with self._mutex:
             pending = set(self._pending)
         with held_signals():
             return len(pending | set(self._cache.iterkeys()))

@@ -19,6 +19,7 @@ from llamacrab._engine.lora import LoraPlan, lora_plan
 from llamacrab._engine.speculative import Drafter, SpeculativeStats
 from llamacrab._engine.stop import StopMatcher
 from llamacrab._exceptions import (
+    ConcurrentUseError,
     ContextOverflowError,
     DecodeAbortedError,
     InvalidParameterError,
@@ -28,6 +29,7 @@ from llamacrab._exceptions import (
 from llamacrab._field_types import check_field_types
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
+from llamacrab._native.claims import Flag
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import EndGeneration
 from llamacrab._native.mtmd import Chunks
@@ -400,7 +402,11 @@ class KvState:
         try:
             self.context.decode(self.batch, self.plan.at(len(self.tokens)))
         except BaseException:
-            self.reset()  # a failed decode may leave part of the batch in memory
+            # A failed decode may leave part of the batch in memory. Refused while a Ctrl-C's
+            # traceback keeps the interrupted call's hold alive (claims.py): the next prompt's
+            # prepare() removes whatever the memory holds past its tokens anyway.
+            with contextlib.suppress(ConcurrentUseError):
+                self.reset()
             raise
         self.tokens.extend(tokens)
 
@@ -418,7 +424,7 @@ class Session:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.external = external
         self.superseded = False
-        self.cancelled = threading.Event()
+        self.cancelled = Flag()
         self.wake: Callable[[], None] | None = None  # tells a scheduler to look at it now
         self.reused = 0  # prompt tokens found in memory instead of decoded
         self.prompt_started: float | None = None  # time.monotonic() when its prompt was begun

@@ -38,6 +38,9 @@ from llamacrab._types import common_prefix
 # How long an idle engine waits for the next request of a burst, and for the whole burst.
 GATHER_SECONDS = 0.003
 GATHER_LIMIT = 0.010
+# An idle engine looks at its queue this often even unnotified: a notification a Ctrl-C
+# swallowed (it can land inside Condition.notify) delays a job by this, never for ever.
+_IDLE_POLL_SECONDS = 0.5
 
 
 @dataclass(eq=False)
@@ -69,7 +72,7 @@ class Scheduler:
     """Runs the generations submitted to it on ``n_slots`` sequences of ``context``; at most
     ``max_queue`` more wait for a free slot (QueueFullError beyond that). ``lock`` is held while
     the engine works in llama.cpp, so other users of the context wait between steps. Whoever
-    takes both takes ``lock`` before ``_cond``."""
+    takes both takes ``lock`` before ``_mutex``."""
 
     def __init__(
         self,
@@ -85,7 +88,10 @@ class Scheduler:
         self.batch = Batch(context.max_decode, n_slots)
         self.waiting: deque[_Job] = deque()
         self._turn = 0  # which slot's adapters the next batch uses first (round robin)
-        self._cond = threading.Condition()
+        # Entered as ``with self._mutex`` (the C lock: atomic), never through the Condition,
+        # whose Python __enter__ a Ctrl-C can leave holding it; waits poll (claims.py).
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         reset_in_child(self._cond)
         self._closed = False
         self._encoding: Session | None = None  # the job whose image or sound is encoded now
@@ -107,7 +113,7 @@ class Scheduler:
         engine owns ``samplers`` and closes them when the job ends."""
         request.check(self.limit)
         job = _Job(request, samplers, session, Emitter(self.context.model.vocab, request))
-        with self._cond:
+        with self._mutex:
             if self._closed:
                 raise ClosedHandleError("this Llama is closed")
             if len(self.waiting) >= self.max_queue:
@@ -129,7 +135,7 @@ class Scheduler:
         return len(self.waiting)
 
     def cancel_all(self) -> None:
-        with self._cond:
+        with self._mutex:
             for job in [*self.waiting, *(s.job for s in self.slots if s.job)]:
                 job.session.cancelled.set()
             self.context.cancel()  # the step in progress is theirs: it ends now
@@ -137,7 +143,7 @@ class Scheduler:
 
     def describe(self) -> list[tuple[bool, int]]:
         """Each slot: whether it generates now, and how many tokens its memory holds."""
-        with self._cond:
+        with self._mutex:
             return [(slot.job is not None, len(slot.kv.tokens)) for slot in self.slots]
 
     @contextlib.contextmanager
@@ -149,7 +155,7 @@ class Scheduler:
             raise InvalidParameterError(
                 f"slot {index} does not exist: this Llama has slots 0 to {len(self.slots) - 1}"
             )
-        with self.lock, self._cond:
+        with self.lock, self._mutex:
             if self._closed:
                 raise ClosedHandleError("this Llama is closed")
             if self.slots[index].job is not None:
@@ -161,7 +167,7 @@ class Scheduler:
 
     def forget(self) -> None:
         """Drop every slot's cached prompt; only while idle."""
-        with self.lock, self._cond:
+        with self.lock, self._mutex:
             if self.waiting or self.busy_slots:
                 raise StateError("generations are running on the parallel slots")
             for slot in self.slots:
@@ -172,7 +178,7 @@ class Scheduler:
         """Held while the context's adapters change (a WeightsGuard): refused while generations
         run or wait, as their KV would mix two sets of weights; new ones wait until it is done."""
         with self.lock:
-            with self._cond:
+            with self._mutex:
                 if not self._closed and (self.waiting or self.busy_slots):
                     raise ConcurrentUseError(
                         "generations are running on the parallel slots: change the LoRA adapters "
@@ -185,7 +191,7 @@ class Scheduler:
         if not self._thread.is_alive():  # stopped, or the parent's (a child of fork() has none)
             self._closed = True
             return
-        with self._cond:
+        with self._mutex:
             self._closed = True
             self._cond.notify()
         # The step in progress ends now (its generations raise ClosedHandleError anyway): a
@@ -199,7 +205,7 @@ class Scheduler:
     def _wake(self) -> None:
         """A session was cancelled: a waiting job ends here and now (the engine may be busy
         for a while); a running one at the engine's next step."""
-        with self._cond:
+        with self._mutex:
             self._drop_stopped_waiting()
             encoding = self._encoding
             if encoding is not None and encoding.stopped():
@@ -213,13 +219,13 @@ class Scheduler:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._mutex:
                 if not any(slot.job for slot in self.slots):
                     while not self._closed and not self.waiting:
-                        self._cond.wait()
+                        self._cond.wait(_IDLE_POLL_SECONDS)
                     self._gather()
                 while not self._closed and not self._admit():
-                    self._cond.wait()
+                    self._cond.wait(_IDLE_POLL_SECONDS)
                 if self._closed:
                     break
             with self.lock:
@@ -228,7 +234,7 @@ class Scheduler:
                 except BaseException as error:  # a bug must not leave clients waiting forever
                     self._fail([s for s in self.slots if s.job], error)
         closed = ClosedHandleError("this Llama was closed during the generation")
-        with self._cond:  # a client leaving meanwhile takes its job out of the queue (_wake)
+        with self._mutex:  # a client leaving meanwhile takes its job out of the queue (_wake)
             waiting = list(self.waiting)
             self.waiting.clear()
         for job in waiting:
@@ -240,7 +246,7 @@ class Scheduler:
         GATHER_SECONDS of the last (at most GATHER_LIMIT in all, and no longer than there are
         free slots for them). A burst's requests reach the engine a few ms apart (a server
         parses and tokenizes each on its own thread); started on the first alone, the others
-        would wait a whole step (a prompt's decode) for their first token. Holds ``_cond``."""
+        would wait a whole step (a prompt's decode) for their first token. Holds ``_mutex``."""
         deadline = time.monotonic() + GATHER_LIMIT
         while not self._closed and len(self.waiting) < len(self.slots):
             arrived = len(self.waiting)

@@ -385,7 +385,10 @@ class Completer:
         finally:
             session.cancel()  # a consumer that left early stops the generation at once
             if samplers is not None:
-                samplers.close()
+                # Refused while a Ctrl-C's traceback keeps the interrupted call's hold alive
+                # (claims.py): the chain is then freed with its object.
+                with contextlib.suppress(ConcurrentUseError):
+                    samplers.close()
 
 
 def _prompt_logprobs(vocab: Vocab, request: Request, session: Session) -> Logprobs | None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import weakref
 from typing import Protocol
 
+from llamacrab._exceptions import LlamaError
 from llamacrab._native import logging as _logging
 from llamacrab._native.fork import reset_in_child
 from llamacrab_sys import lib
@@ -25,6 +27,7 @@ EXIT_WAIT_SECONDS = 10.0
 _lock = threading.Lock()
 reset_in_child(_lock)
 _initialised = False
+logger = logging.getLogger("llamacrab")
 # Top-level handles (models); each closes its own children before itself.
 _live_roots: weakref.WeakSet[_Closable] = weakref.WeakSet()
 
@@ -59,6 +62,16 @@ def _shutdown() -> None:
     # alive explicitly (children first, through each root's close), then free the backend.
     # A handle still in use after the wait is leaked, and then the backend too: the process is
     # ending, and freeing memory a running call reads would crash it.
-    freed = [handle._close(timeout=EXIT_WAIT_SECONDS) for handle in list(_live_roots)]
+    freed = [_close_at_exit(handle) for handle in list(_live_roots)]
     if all(freed):
         lib.llama_backend_free()
+
+
+def _close_at_exit(handle: _Closable) -> bool:
+    # One that cannot be closed (the exit hook runs on a thread a signal handler interrupted
+    # inside a call on it) is leaked; the others are still closed.
+    try:
+        return handle._close(timeout=EXIT_WAIT_SECONDS)
+    except LlamaError as error:
+        logger.warning("a %s was left open at exit: %s", type(handle).__name__, error)
+        return False

@@ -16,7 +16,6 @@ import numpy as np
 
 from llamacrab._exceptions import (
     ClosedHandleError,
-    ConcurrentUseError,
     ContextError,
     ContextOverflowError,
     DecodeAbortedError,
@@ -34,6 +33,7 @@ from llamacrab._field_types import (
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.call import call, ffi, lib
+from llamacrab._native.claims import Exclusive
 from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.devices import accelerator_present
 from llamacrab._native.fork import note_compute_threads, thread_limit
@@ -231,8 +231,7 @@ class Context(NativeHandle):
         lib.llama_set_abort_callback(pointer, lib.llamacrab_abort_on_flags, self._abort_flags)
         self.model = model
         self.params = params
-        self._busy = threading.Lock()
-        self._holder: int | None = None  # the thread inside exclusive()
+        self._busy = Exclusive()  # one thread's native call at a time
         self._adapters: dict[LoraAdapter, float] = {}  # the default set
         self._applied: dict[LoraAdapter, float] = {}  # what llama.cpp applies now (scale != 0)
         self._cvec: tuple[ControlVector, int, int] | None = None
@@ -285,25 +284,16 @@ class Context(NativeHandle):
         """Hold the context for one thread's native call; yields the raw pointer. ``close()``
         from another thread cancels the call and waits for it before freeing."""
         self.check_own()  # the parent's (fork()): its lock may be held by a thread not here
-        if not self._busy.acquire(blocking=False):
-            if self.held_here():
-                raise ConcurrentUseError(
-                    "this context is in use by a call on this thread: a callback inside it "
-                    "(a custom sampler, say) cannot use it"
-                )
-            raise ConcurrentUseError("this context is in use by another thread")
-        try:
-            self._holder = threading.get_ident()
-            with self.in_flight() as pointer:
-                yield pointer
-        finally:
-            self._holder = None
-            self._busy.release()
+        here = ("this context is in use by a call on this thread: a callback inside it (a "
+                "custom sampler, say) cannot use it")  # fmt: skip
+        elsewhere = "this context is in use by another thread"
+        with self._busy.hold(here, elsewhere), self.in_flight() as pointer:
+            yield pointer
 
     def held_here(self) -> bool:
         """Whether this thread is inside a call holding the context (a callback of llama.cpp's
         running on it, such as a Python sampler)."""
-        return self._holder == threading.get_ident()
+        return self._busy.holder_thread() == threading.get_ident()
 
     def cancel(self) -> None:
         """Abort the decode in progress (from any thread); it raises DecodeAbortedError."""

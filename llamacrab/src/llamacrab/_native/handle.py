@@ -5,6 +5,7 @@ so another thread can be inside llama.cpp when ``close()`` runs)."""
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from typing import Any, TypeVar
 
 from llamacrab._exceptions import ClosedHandleError, ConcurrentUseError, ForkedHandleError
 from llamacrab._native import fork as _fork
+from llamacrab._native.claims import POLL_SECONDS, Claim, Claims, refuse_reentry
 from llamacrab_sys import ffi, raise_callback_interrupt
 
 # Tests observe every free through this: ``observer(kind, address)`` right after the pointer is
@@ -61,14 +63,17 @@ class NativeHandle:
         # weakref's own exit hook would free every live handle at exit without waiting for the
         # calls in flight; the backend's exit hook closes the roots, which waits.
         self._finalizer.atexit = False
-        self._calls = threading.Condition(threading.Lock())
+        # Entered as ``with self._mutex`` (the C lock: atomic), never through the Condition,
+        # whose Python __enter__ a Ctrl-C can leave holding it (claims.py).
+        self._mutex = threading.RLock()
+        self._calls = threading.Condition(self._mutex)
         # Held while the finalizer runs from close(): weakref.finalize hands the free to the
         # first caller and returns at once to the others, so a second close() (another thread
         # closing the same parent) would go on to free the parent while the first is still
         # inside this object's free, which reads the parent (ASan: llama_free reading a freed
         # model). Waiting here makes every close() return only once the memory is freed.
         self._freeing = threading.RLock()
-        self._callers: dict[int, int] = {}  # thread id -> native calls in flight
+        self._callers = Claims()  # the native calls in flight, by thread
         self._closing = False
         if parent is not None:
             try:
@@ -81,7 +86,8 @@ class NativeHandle:
         # Under the lock close() sets _closing with: a child is either refused, or adopted
         # before close() lists the children it closes first.
         self.check_own()
-        with self._calls:
+        refuse_reentry(self._mutex, self.kind)
+        with self._mutex:
             self.pointer  # noqa: B018 - a closed or closing parent must not gain children
             self._children.add(child)
 
@@ -124,21 +130,19 @@ class NativeHandle:
     @contextmanager
     def in_flight(self) -> Iterator[Any]:
         """Yield the pointer for one native call; ``close()`` waits until the call returns."""
-        me = threading.get_ident()
         self.check_own()
-        with self._calls:
-            if self._closing or not self._finalizer.alive:
-                raise self._closed_error()
-            self._callers[me] = self._callers.get(me, 0) + 1
+        refuse_reentry(self._mutex, self.kind)
+        claim = Claim()
         try:
+            with self._mutex:
+                if self._closing or not self._finalizer.alive:
+                    raise self._closed_error()
+                self._callers.add(claim)
             yield self._pointer
         finally:
-            with self._calls:
-                if self._callers[me] == 1:
-                    del self._callers[me]
-                    self._calls.notify_all()
-                else:
-                    self._callers[me] -= 1
+            with self._mutex:
+                self._callers.discard(claim)
+                self._calls.notify_all()
             raise_callback_interrupt()  # a Ctrl-C that landed in a log line during the call
 
     def check_closable(self) -> None:
@@ -149,8 +153,9 @@ class NativeHandle:
         pending: list[NativeHandle] = [self]
         while pending:
             handle = pending.pop()
-            with handle._calls:  # children are adopted under it
-                inside, children = me in handle._callers, list(handle._children)
+            refuse_reentry(handle._mutex, handle.kind)
+            with handle._mutex:  # children are adopted under it
+                inside, children = me in handle._callers.threads(), list(handle._children)
             if inside:
                 where = "its call" if handle is self else f"a call on its {handle.kind}"
                 raise ConcurrentUseError(f"this {self.kind} cannot be closed from inside {where}")
@@ -173,17 +178,27 @@ class NativeHandle:
             self._finalizer.detach()
             return True
         self.check_closable()
-        with self._calls:
+        with self._mutex:
             self._closing = True
         self._interrupt()
         closed = all([child._close(timeout) for child in list(self._children)])
-        with self._calls:
-            if not self._calls.wait_for(lambda: not self._callers, timeout):
-                return False
+        if not self._calls_ended(timeout):
+            return False
         if closed:
             with self._freeing:
                 self._finalizer()
         return closed
+
+    def _calls_ended(self, timeout: float | None) -> bool:
+        """Wait until no native call is in flight; False if one still is after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._mutex:
+            while self._callers:
+                left = POLL_SECONDS if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._calls.wait(min(left, POLL_SECONDS))
+        return True
 
     def __reduce__(self) -> Any:
         # copy.copy and copy.deepcopy come here too: a copy would share the pointer.

@@ -4,7 +4,6 @@ tokenized multimodal prompts (input chunks), each freed once, children before pa
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -13,7 +12,6 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import (
-    ConcurrentUseError,
     DecodeAbortedError,
     DecodeError,
     InvalidParameterError,
@@ -24,6 +22,7 @@ from llamacrab._field_types import file_path
 from llamacrab._native import gguf_archs as archs
 from llamacrab._native import projector_probe
 from llamacrab._native.call import c_path, c_string, call, call_bounded, ffi, lib
+from llamacrab._native.claims import Exclusive
 from llamacrab._native.context import Context
 from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.gguf_check import validate_gguf
@@ -96,7 +95,7 @@ class Projector(NativeHandle):
         params.n_threads = thread_limit(params.n_threads if n_threads is None else n_threads)
         note_compute_threads()
         log_lines.take_errors()
-        self._encoder_busy = threading.Lock()
+        self._encoder_busy = Exclusive()
         self._evaluating: Context | None = None  # the context an evaluate() in flight polls
         # Closing the model from another thread waits for the load, then closes this too;
         # signals wait for the handle (signals.py).
@@ -237,25 +236,24 @@ class Projector(NativeHandle):
     ) -> Iterator[None]:
         """Have the encoder poll ``context``'s abort flags (a patched libmtmd; the decodes
         poll them anyway) for one evaluation, armed; the projector's ``close()`` cancels it."""
-        if not self._encoder_busy.acquire(blocking=False):
-            # libmtmd's encoder keeps one compute graph and one output buffer per projector.
-            raise ConcurrentUseError("this projector is evaluating a prompt on another thread")
-        try:
-            self._evaluating = context
-            context.arm_cancel()  # clears a cancel from before: look at what asked for one
-            if self._closing or (stopped is not None and stopped()):
-                context.cancel()
-            if _ENCODER_ABORTS:
-                call("mtmd_set_abort_callback", projector, lib.llamacrab_abort_on_flags,
-                     context.abort_flags)  # fmt: skip
+        # libmtmd's encoder keeps one compute graph and one output buffer per projector.
+        busy = "this projector is evaluating a prompt on another thread"
+        with self._encoder_busy.hold(busy, busy):
             try:
-                yield
+                self._evaluating = context
+                context.arm_cancel()  # clears a cancel from before: look at what asked for one
+                if self._closing or (stopped is not None and stopped()):
+                    context.cancel()
+                if _ENCODER_ABORTS:
+                    call("mtmd_set_abort_callback", projector, lib.llamacrab_abort_on_flags,
+                         context.abort_flags)  # fmt: skip
+                try:
+                    yield
+                finally:
+                    if _ENCODER_ABORTS:  # the flags may be freed before the next evaluation
+                        call("mtmd_set_abort_callback", projector, ffi.NULL, ffi.NULL)
             finally:
-                if _ENCODER_ABORTS:  # the flags may be freed before the next evaluation
-                    call("mtmd_set_abort_callback", projector, ffi.NULL, ffi.NULL)
-        finally:
-            self._evaluating = None
-            self._encoder_busy.release()
+                self._evaluating = None
 
     def _interrupt(self) -> None:
         evaluating = self._evaluating

@@ -27,13 +27,16 @@ class Turns:
     def __init__(self) -> None:
         # Re-entrant: a stream abandoned mid-way may be collected (its turn returned) while
         # this thread holds the lock.
-        self._changed = threading.Condition(threading.RLock())
+        # Entered as ``with self._mutex`` (the C lock: atomic), never through the Condition,
+        # whose Python __enter__ a Ctrl-C can leave holding it.
+        self._mutex = threading.RLock()
+        self._changed = threading.Condition(self._mutex)
         self._owner: threading.Thread | None = None
         self._held: set[object] = set()
 
     def acquire(self) -> object:
         me, ticket = threading.current_thread(), object()
-        with self._changed:
+        with self._mutex:
             while self._owner not in (None, me) and self._owner.is_alive():
                 self._changed.wait(_POLL_SECONDS)
             if self._owner is not me:
@@ -43,7 +46,7 @@ class Turns:
         return ticket
 
     def release(self, ticket: object) -> None:
-        with self._changed:
+        with self._mutex:
             self._held.discard(ticket)
             if not self._held:
                 self._owner = None
