@@ -55,9 +55,7 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         answers = []
         for index, prompt in enumerate(prompts):
             kwargs["prompt"] = await in_thread(mixed_tokens, llama, prompt, True, True)
-            create = llama.create_completion
-            answers.append(await _answer(state, client, body, llama, llama.stream_completion,
-                                         create, **kwargs))  # fmt: skip
+            answers.append(await _answer(state, client, body, llama, kwargs))
             if not body.stream:
                 answers[-1]["index"] = index
         # As llama-server: one prompt, one object; several, a list in their order.
@@ -79,8 +77,7 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
                            "this one has none", param="input_extra")  # fmt: skip
         kwargs = await in_thread(native_kwargs, body, llama, settings)
         kwargs["prompt"] = await in_thread(_infill_prompt, llama, body)
-        return await _answer(state, client, body, llama, llama.stream_completion,
-                             llama.create_completion, **kwargs)  # fmt: skip
+        return await _answer(state, client, body, llama, kwargs)
 
 
 def _infill_prompt(llama: Llama, body: InfillRequest) -> list[int]:
@@ -116,13 +113,14 @@ class _Answering:
 
 
 async def _answer(state: ServerState, client: Request, body: NativeGeneration, llama: Llama,
-                  stream: Any, create: Any, **arguments: Any) -> Any:  # fmt: skip
-    vocab = llama.vocab if arguments.get("logprobs") is not None else None
+                  kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """The completion of ``kwargs`` (its prompt as tokens), streamed or whole."""
+    vocab = llama.vocab if kwargs.get("logprobs") is not None else None
     answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab)
     if body.stream:
-        chunks = await in_thread(partial(stream, **arguments))
+        chunks = await in_thread(partial(llama.stream_completion, **kwargs))
         return await sse_events(state, chunks, partial(native_events, answering))
-    result = await complete(state, client, partial(create, **arguments))
+    result = await complete(state, client, partial(llama.create_completion, **kwargs))
     choice = result.choices[0]
     tokens = choice.tokens if body.return_tokens else ()
     answer = native_answer(choice.text, tokens, choice.finish_reason, result.usage,
