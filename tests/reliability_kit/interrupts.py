@@ -8,7 +8,9 @@ four Llamas (one slot, two parallel slots, a RAM or a disk prompt cache; kept ac
 an operation (load a new Llama with or without mmap and drop it, complete, a prompt of
 350-910 tokens that one decode takes up to a second over (a Ctrl-C aborts it mid-graph),
 stream and stop early, chat, a JSON-schema completion, save or load a state, tokenize, reset,
-two threads completing at once) and a moment (a timer thread sends the signal); or a
+two threads completing at once) and a moment (a timer thread sends the signal, or in every
+other case the kernel's interval timer, whose SIGALRM lands at any bytecode of the main
+thread, where a thread's signal lands almost only where it can take the GIL); or a
 completion with an image on one of two more Llamas (one slot, two slots) whose projector
 takes most of a second to encode it (a Ctrl-C aborts the encode mid-graph). Each case that
 raised notes how long after the signal.
@@ -71,8 +73,43 @@ def generate(count: int, seed: int) -> list[dict[str, Any]]:
             "signal": rng.choice(("SIGINT", "SIGINT", "SIGINT", "SIGUSR1")),
             "delay": round(rng.random() ** 2 * 0.5, 4),  # mostly early: inside the native call
             "prompt": rng.choice(PROMPTS),
+            # Not drawn from rng: the cases of a seed stay the ones they were
+            "delivery": "kernel" if i % 2 else "thread",
         })  # fmt: skip
     return cases
+
+
+class _Sender:
+    """Sends the case's signal after its delay: from a timer thread, or from the handler of
+    the kernel's SIGALRM (which then runs where the main thread is, at any bytecode)."""
+
+    def __init__(self, case: dict[str, Any], number: int) -> None:
+        self.sent: list[float] = []
+        self.number, self.delay = number, case["delay"]
+        self.kernel = case.get("delivery") == "kernel"
+        self.timer = threading.Timer(self.delay, self.send)
+        self.previous: Any = None
+
+    def send(self, *_: object) -> None:
+        self.sent.append(time.perf_counter())
+        os.kill(os.getpid(), self.number)
+
+    def start(self) -> None:
+        if self.kernel:
+            self.previous = signal.signal(signal.SIGALRM, self.send)
+            signal.setitimer(signal.ITIMER_REAL, max(self.delay, 1e-6))
+        else:
+            self.timer.start()  # (a delay of 0 may fire before start returns)
+
+    def join(self) -> None:
+        if not self.kernel:
+            self.timer.join()
+            return
+        while not self.sent:  # the delays are at most 0.5 s
+            time.sleep(0.001)
+        if self.previous is not None:
+            signal.signal(signal.SIGALRM, self.previous)
+            self.previous = None
 
 
 def projector(workdir: Path, model: Path) -> str:
@@ -241,18 +278,12 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     llm, expected, saved = state["llamas"][case["config"]]
     usr1, lost = state["usr1"], state["lost"]
     before, lost_before = usr1[0], lost.count
-    number = getattr(signal, case["signal"])
-    sent: list[float] = []
-
-    def send() -> None:
-        sent.append(time.perf_counter())
-        os.kill(os.getpid(), number)
-
-    timer = threading.Timer(case["delay"], send)
+    timer = _Sender(case, getattr(signal, case["signal"]))
+    sent = timer.sent
     interrupts, refusal, latency = 0, None, None
     threads: list[threading.Thread] = []
     try:
-        timer.start()  # (a delay of 0 may fire before start returns)
+        timer.start()
         try:
             _operate(llm, saved, case, state["model"], threads)
         except KeyboardInterrupt:
