@@ -163,16 +163,16 @@ def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings
 
 
 def split_prompts(
-    prompt: str | list[str | int] | list[str | list[str | int]],
+    prompt: str | list[str | int] | list[str | list[str | int]], field: str = "prompt"
 ) -> list[str | list[str | int]]:
-    """The prompts of a request, as llama-server reads them: a list holding a token id is one
-    prompt (text and ids mixed); any other list is several. An empty one is refused."""
+    """The prompts of a request's ``field``, as llama-server reads them: a list holding a token
+    id is one prompt (text and ids mixed); any other list is several. An empty one is refused."""
     if isinstance(prompt, str):
         return [prompt]
     several = [] if any(isinstance(p, int) for p in prompt) else list(prompt)
     prompts = cast("list[str | list[str | int]]", several or [prompt])
     if any(p == [] for p in prompts):
-        raise ApiError(400, "the prompt is empty", param="prompt")
+        raise ApiError(400, f"the {field} is empty", param=field)
     return prompts
 
 

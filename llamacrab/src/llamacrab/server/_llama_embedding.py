@@ -21,10 +21,11 @@ from llamacrab.server._streaming import ERRORS, in_thread
 def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
     async def embedding(body: LlamaEmbeddingRequest) -> Any:
         llama = state.embedder(body.model)
+        field = "content" if body.content is not None else "input"
         content = body.content if body.content is not None else body.input
         if content is None:
             raise ApiError(400, '"input" or "content" must be provided', param="content")
-        prompts = split_prompts(content)
+        prompts = split_prompts(content, field)
         with state.metrics.working_on():
             tokens, vectors = await in_thread(_embed, llama, prompts, body.embd_normalize)
         state.metrics.tokens(sum(map(len, tokens)), 0)
@@ -54,6 +55,7 @@ def _normalized(vector: np.ndarray, norm: int) -> np.ndarray:
     elif norm == 0:
         total = float(np.abs(vector).max(initial=0.0)) / 32760.0
     else:
-        total = float(np.sum(np.abs(vector) ** norm) ** (1.0 / norm))
+        with np.errstate(over="ignore"):  # a large p: inf, and so zeros, as llama.cpp gives
+            total = float(np.sum(np.abs(vector) ** norm) ** (1.0 / norm))
     scale = 1.0 / total if total > 0 else 0.0
     return (vector * scale).astype(np.float32)
