@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from llamacrab import InvalidParameterError, Llama
+from llamacrab._engine.logprobs import token_logprobs
 
 
 def test_logprobs_come_from_the_pre_sampling_distribution(tiny_llama: Llama) -> None:
@@ -33,6 +35,20 @@ def test_logprob_matches_a_numpy_log_softmax(tiny_llama: Llama) -> None:
     expected = -np.log(np.exp(logits - logits.max()).sum())  # log-softmax of the argmax
     assert result.choices[0].logprobs is not None
     assert math.isclose(result.choices[0].logprobs.token_logprobs[0], expected, abs_tol=1e-4)
+
+
+def test_two_tokens_spelling_one_text_are_one_alternative(tiny_llama: Llama) -> None:
+    """The tiny vocabulary spells " " twice (a byte token and a word piece): the likelier is
+    the alternative, and the ids, texts and bytes of the alternatives stay aligned (the
+    server's completion_probabilities zips them)."""
+    vocab = tiny_llama.vocab
+    space = [i for i in range(vocab.n_tokens) if vocab.token_to_piece(i) == " "]
+    assert len(space) == 2
+    logits = np.full(vocab.n_tokens, -10.0, dtype=np.float32)
+    logits[space[1]], logits[space[0]], logits[50] = 5.0, 4.0, 3.0
+    context = SimpleNamespace(logits=lambda index: logits, model=tiny_llama.model)
+    _, top, ids = token_logprobs(context, space[1], 3)  # type: ignore[arg-type]
+    assert ids == (space[1], 50) and list(top) == [" ", vocab.token_to_piece(50)]
 
 
 def test_no_logprobs_unless_asked(tiny_llama: Llama) -> None:

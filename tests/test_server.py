@@ -135,6 +135,27 @@ def test_chat_logprobs_in_openai_shape(gemma_server: LiveServer) -> None:
 
 
 @pytest.mark.real_model
+def test_logprobs_give_each_tokens_own_bytes(gemma_server: LiveServer) -> None:
+    """``bytes`` holds a token's own bytes (a byte-fallback token's one byte, not the escape
+    its text shows), so joined they spell the answer."""
+    client = sdk(gemma_server)
+    emoji_bytes = {"478": 100, "397": 100, "408": 100, "381": 100}  # 0xf0 0x9f 0xaa 0x8f
+    result = client.chat.completions.create(
+        model="gemma", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=3, logit_bias=emoji_bytes,
+    )  # fmt: skip
+    content = result.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and all(len(e.bytes or []) == 1 for e in content)
+    assert content[0].token == "\\xf0" and content[0].bytes == [0xF0]
+    joined = b"".join(bytes(e.bytes or []) for e in content)
+    assert joined.decode() == result.choices[0].message.content
+    alternatives = [t for entry in content for t in entry.top_logprobs]
+    assert len(alternatives) == 12
+    assert all(bytes(t.bytes or []).decode(errors="backslashreplace") == t.token
+               for t in alternatives)  # fmt: skip
+
+
+@pytest.mark.real_model
 def test_json_schema_response_format(gemma_server: LiveServer) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -286,6 +307,10 @@ def test_embeddings_through_the_sdk(tmp_path: Path) -> None:
             vectors = np.array([d.embedding for d in result.data])
             assert np.allclose(vectors, expected, atol=1e-6)
         assert as_floats.usage.prompt_tokens == n_tokens
+        for empty, named in (("", "input 0 is an empty text"), (["a", ""], "input 1 is an empty"),
+                             ([[1], []], "input 1 is an empty list"), ([], "input is empty")):
+            with pytest.raises(openai.BadRequestError, match=named):  # as OpenAI: not a lone BOS
+                client.embeddings.create(model=path.name, input=empty)  # type: ignore[arg-type]
         chat = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
         assert chat.status_code == 400 and "embeddings" in chat.json()["error"]["message"]
 

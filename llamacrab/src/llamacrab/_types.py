@@ -118,6 +118,11 @@ class Logprobs:
     # Per generated token, the ids of its top_logprobs' tokens in their order (a prompt's
     # tokens, with echo, have none).
     top_ids: tuple[tuple[int, ...], ...] = ()
+    # Per token, its bytes: ``tokens`` shows a byte that is part of a character split across
+    # tokens escaped (``\\xf0``), these hold the byte itself (OpenAI's logprobs ``bytes``).
+    token_bytes: tuple[bytes, ...] = ()
+    # Per generated token, the bytes of its top_logprobs' tokens in their order.
+    top_bytes: tuple[tuple[bytes, ...], ...] = ()
 
     @staticmethod
     def join(parts: Sequence[Logprobs]) -> Logprobs:
@@ -128,6 +133,8 @@ class Logprobs:
             tuple(d for p in parts for d in p.top_logprobs),
             tuple(o for p in parts for o in p.text_offset),
             tuple(i for p in parts for i in p.top_ids),
+            tuple(b for p in parts for b in p.token_bytes),
+            tuple(b for p in parts for b in p.top_bytes),
         )
 
 

@@ -26,14 +26,17 @@ def token_logprobs(
     peak = float(logits.max())
     log_total = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
     top: dict[str, float] = {}
-    ids: tuple[int, ...] = ()
+    ids: list[int] = []
     if top_n:
         best = np.argpartition(logits, -top_n)[-top_n:]
-        ids = tuple(int(i) for i in best[np.argsort(-logits[best])])
-        for index in ids:
-            piece = context.model.vocab.token_to_piece(index, special=True)
-            top[piece] = float(logits[index]) - log_total
-    return float(logits[token]) - log_total, top, ids
+        for index in best[np.argsort(-logits[best])]:
+            piece = context.model.vocab.token_to_piece(int(index), special=True)
+            # Two tokens can spell the same text (an SPM byte token <0x41> and "A"): the
+            # likelier one is kept, so ids stay aligned with the texts.
+            if piece not in top:
+                top[piece] = float(logits[index]) - log_total
+                ids.append(int(index))
+    return float(logits[token]) - log_total, top, tuple(ids)
 
 
 class PromptLogprobs:

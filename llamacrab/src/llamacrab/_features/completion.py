@@ -403,11 +403,13 @@ def _prompt_logprobs(vocab: Vocab, request: Request, session: Session) -> Logpro
     for token in request.prompt[1 : len(values) + 1]:
         offsets.append(offset)
         offset += len(decoder.feed((token,)))
+    scored = request.prompt[1 : len(values) + 1]
     return Logprobs(
-        tuple(vocab.token_to_piece(t, special=True) for t in request.prompt[1 : len(values) + 1]),
+        tuple(vocab.token_to_piece(t, special=True) for t in scored),
         tuple(value for value, _ in values),
         tuple(top for _, top in values),
         tuple(offsets),
+        token_bytes=tuple(vocab.token_to_bytes(t, special=True) for t in scored),
     )
 
 
@@ -420,6 +422,8 @@ def _step_logprobs(vocab: Vocab, step: Step, offset: int) -> Logprobs | None:
         (step.top_logprobs or {},),
         (offset,),
         (step.top_ids,),
+        (vocab.token_to_bytes(step.token, special=True),),
+        (tuple(vocab.token_to_bytes(i, special=True) for i in step.top_ids),),
     )
 
 

@@ -167,15 +167,20 @@ def _chat_logprobs(value: Logprobs | None) -> dict[str, Any] | None:
     if value is None:
         return None
 
-    def entry(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def entry(token: str, logprob: float, raw: bytes | None) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob,
+                "bytes": list(token.encode() if raw is None else raw)}  # fmt: skip
+
+    def alternatives(i: int) -> list[dict[str, Any]]:
+        top = value.top_logprobs[i]
+        raws = value.top_bytes[i] if i < len(value.top_bytes) else (None,) * len(top)
+        return [entry(t, p, raw) for (t, p), raw in zip(top.items(), raws, strict=True)]
 
     content = [
-        {**entry(token, logprob), "top_logprobs": [entry(t, p) for t, p in top.items()]}
-        for token, logprob, top in zip(
-            value.tokens, value.token_logprobs, value.top_logprobs, strict=True
-        )
-    ]
+        {**entry(token, logprob, value.token_bytes[i] if i < len(value.token_bytes) else None),
+         "top_logprobs": alternatives(i)}
+        for i, (token, logprob) in enumerate(zip(value.tokens, value.token_logprobs, strict=True))
+    ]  # fmt: skip
     return {"content": content}
 
 
@@ -258,17 +263,18 @@ def chat_chunk(chunk: ChatCompletionChunk, model: str) -> list[dict[str, Any]]:
 
 def embedding_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
     """The inputs of an embeddings request: texts, or token-id lists (one list of ids is one
-    input). Empty is refused, as llama-server does."""
-    if isinstance(value, str):
-        return [value]
-    if not value:
+    input). Empty is refused, as OpenAI does (an empty text too: it would embed a lone BOS)."""
+    inputs = [value] if isinstance(value, str) else value
+    if not inputs:
         raise ApiError(400, "input is empty: send a text, a list of texts or of token ids",
                        param="input")  # fmt: skip
-    if all(isinstance(v, int) for v in value):
-        return [value]
-    if any(isinstance(v, list) and not v for v in value):
-        raise ApiError(400, "an input of token ids is empty", param="input")
-    return list(value)
+    if all(isinstance(v, int) for v in inputs):
+        return [inputs]
+    for i, item in enumerate(inputs):
+        if not item:
+            kind = "text" if isinstance(item, str) else "list of token ids"
+            raise ApiError(400, f"input {i} is an empty {kind}", param="input")
+    return list(inputs)
 
 
 def embedding(vector: np.ndarray, index: int, encoding: str) -> dict[str, Any]:
