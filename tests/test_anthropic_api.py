@@ -317,6 +317,7 @@ PREFILL: Any = [*COUNT, {"role": "assistant", "content": "{"}]
         ({"messages": [{"role": "user", "content": [DOCUMENT]}]}, "document"),
         ({"messages": [{"role": "user", "content": [URL_IMAGE]}]}, "url"),
         ({"messages": PREFILL, "tools": [WEATHER]}, "prefill"),
+        ({"tools": [{"name": "shout", "input_schema": {"type": "string"}}]}, "'object'"),
         ({"max_tokens": None}, "max_tokens"),
     ],
 )

@@ -109,6 +109,36 @@ def test_named_tool_choice_and_none(llm: Llama) -> None:
         llm.create_chat_completion(messages, tools=[{"name": "bare"}])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_function_without_parameters_is_called_with_none(llm: Llama, seed: int) -> None:
+    """OpenAI: omitting parameters defines a function that takes none, so a forced call's
+    arguments are ``{}`` (the model invented keys when any object was allowed)."""
+    bare = {"type": "function", "function": {"name": "ping"}}
+    result = llm.create_chat_completion([{"role": "user", "content": "ping?"}], tools=[bare],
+                                        tool_choice="required", max_tokens=200,
+                                        temperature=1.0, seed=seed)  # fmt: skip
+    assert [json.loads(c.arguments) for c in result.choices[0].message.tool_calls] == [{}]
+
+
+@pytest.mark.parametrize(
+    "parameters", [{"type": "string"}, {"type": ["object", "null"]}, "object", [{"type": "object"}]]
+)
+def test_parameters_that_are_not_an_object_schema_are_refused(
+    llm: Llama, parameters: object
+) -> None:
+    """Arguments are a JSON object: a call constrained to a string would answer text no
+    client reads as arguments (Anthropic's route answered 500 for it)."""
+    tool = {"type": "function", "function": {"name": "shout", "parameters": parameters}}
+    with pytest.raises(InvalidParameterError, match="'shout': parameters must be a JSON Schema"):
+        llm.create_chat_completion([{"role": "user", "content": "hi"}], tools=[tool],
+                                   tool_choice="required")  # fmt: skip
+    untyped = {"properties": {"word": {"enum": ["hey"]}}, "required": ["word"]}
+    tool["function"]["parameters"] = untyped  # no "type": read as an object's schema
+    result = llm.create_chat_completion([{"role": "user", "content": "hi"}], tools=[tool],
+                                        tool_choice="required", max_tokens=200)  # fmt: skip
+    assert json.loads(result.choices[0].message.tool_calls[0].arguments) == {"word": "hey"}
+
+
 def test_functionary_formats() -> None:
     v31 = 'Ok <function=get_weather>{"city": "Paris"}</function><function=get_time>{}</function>'
     content, calls = parse_tool_calls(v31)

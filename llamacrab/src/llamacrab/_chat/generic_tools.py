@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llamacrab._chat.tool_calls import parse_tool_calls, tool_names
+from llamacrab._chat.tool_calls import parse_tool_calls, tool_names, tool_parameters
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._grammar.json_schema import schema_to_grammar
 from llamacrab._types import ToolCall
@@ -46,7 +46,7 @@ def _call_schema(tools: Sequence[Mapping[str, Any]], only: str | None) -> dict[s
         schema: dict[str, Any] = {
             "type": "object",
             "properties": {"name": {"type": "string", "const": name},
-                           "arguments": function.get("parameters") or {"type": "object"}},
+                           "arguments": tool_parameters(tool)},
             "required": ["name", "arguments"],
         }  # fmt: skip
         if function.get("description"):

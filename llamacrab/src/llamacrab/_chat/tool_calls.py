@@ -120,6 +120,9 @@ class ToolCallSplitter:
 
 
 def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The tools' names, checking each tool's shape and that its parameters describe an
+    object (arguments are a JSON object: a call constrained to a string schema would answer
+    text that no client can read as arguments)."""
     names = []
     for i, tool in enumerate(tools):
         is_function = isinstance(tool, Mapping) and tool.get("type", "function") == "function"
@@ -128,8 +131,33 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
             raise InvalidParameterError(
                 f"tool {i} is not {{'type': 'function', 'function': {{'name': ...}}}}"
             )
+        parameters = function.get("parameters")
+        if parameters is not None and (
+            not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object"
+        ):
+            raise InvalidParameterError(
+                f"tool {function['name']!r}: parameters must be a JSON Schema of type "
+                f"'object', not {_shown(parameters)}"
+            )
         names.append(function["name"])
     return names
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+# OpenAI: omitting parameters defines a function that takes none.
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def tool_parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema of a (checked, see ``tool_names``) tool's arguments: always an object."""
+    parameters = tool["function"].get("parameters")
+    if parameters is None:
+        return dict(_NO_PARAMETERS)
+    return {**parameters, "type": "object"}
 
 
 # A chat template mentioning one of these openers gets, for tool_choice "auto", a lazy grammar:
@@ -165,8 +193,7 @@ def check_arguments(calls: Sequence[ToolCall], tools: Sequence[Mapping[str, Any]
             "checking tool arguments needs the jsonschema package: pip install 'llamacrab[tools]'"
         ) from None
     schemas = {
-        name: tool["function"].get("parameters") or {"type": "object"}
-        for tool, name in zip(tools, tool_names(tools), strict=True)
+        name: tool_parameters(tool) for tool, name in zip(tools, tool_names(tools), strict=True)
     }
     for call in calls:
         if call.name not in schemas:
@@ -188,10 +215,9 @@ def forced_call_grammar(tools: Sequence[Mapping[str, Any]], only: str | None = N
     for tool, name in zip(tools, tool_names(tools), strict=True):
         if only is not None and name != only:
             continue
-        parameters = tool["function"].get("parameters") or {"type": "object"}
         options.append({
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters},
+            "properties": {"name": {"const": name}, "arguments": tool_parameters(tool)},
             "required": ["name", "arguments"],
         })  # fmt: skip
     if not options:

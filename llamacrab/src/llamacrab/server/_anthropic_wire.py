@@ -187,6 +187,9 @@ def _tool(tool: ToolIn) -> dict[str, Any]:
         raise _unsupported(f"defer_loading (tool {tool.name!r})")
     if tool.input_schema is None:
         raise ApiError(400, f"tool {tool.name!r} needs an input_schema")
+    if tool.input_schema.get("type", "object") != "object":  # a tool's input is an object
+        raise ApiError(400, f"tool {tool.name!r}: input_schema must be of type 'object', not "
+                       f"{tool.input_schema['type']!r}")  # fmt: skip
     function = {"name": tool.name, "parameters": tool.input_schema}
     if tool.description is not None:
         function["description"] = tool.description
