@@ -14,6 +14,7 @@ from typing import Any
 import anthropic
 import httpx
 import jsonschema
+import openai
 import pytest
 from anthropic.types import TextBlock, ToolUseBlock
 from live_server import LiveServer
@@ -128,6 +129,33 @@ def test_multi_turn_with_system_blocks(client: anthropic.Anthropic, reference: L
         max_tokens=10, temperature=0,
     )  # fmt: skip
     assert _text(message) == expected.text
+
+
+@pytest.mark.real_model
+def test_system_messages_among_the_turns(client: anthropic.Anthropic, reference: Llama) -> None:
+    """SDK 2.x types ``{"role": "system"}`` messages: each is a system message where it
+    stands (they were a 400)."""
+    turns: list[Any] = [
+        {"role": "system", "content": "You are kind."},
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": "Hello Ada."},
+        {"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    message = client.messages.create(model="gemma", max_tokens=10, messages=turns,
+                                     extra_body=GREEDY)  # fmt: skip
+    flat = [{**t, "content": t["content"] if isinstance(t["content"], str)
+             else t["content"][0]["text"]} for t in turns]  # fmt: skip
+    assert _text(message) == reference.create_chat_completion(flat, max_tokens=10,
+                                                              temperature=0).text  # fmt: skip
+    counted = client.messages.count_tokens(model="gemma", messages=turns)
+    assert counted.input_tokens == message.usage.input_tokens + (
+        message.usage.cache_read_input_tokens or 0
+    )
+    image: Any = {"role": "system", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}  # fmt: skip
+    with pytest.raises(anthropic.BadRequestError, match="text blocks only"):
+        client.messages.create(model="gemma", max_tokens=4, messages=[image, *turns[1:]])
 
 
 @pytest.mark.real_model
@@ -297,6 +325,30 @@ def test_keys_in_either_header_and_anthropics_error_shape(server: LiveServer) ->
     assert openai_route.status_code == 200
     refused = httpx.get(server.url + "/v1/models", headers={"x-api-key": "wrong"})
     assert refused.status_code == 401 and "message" in refused.json()["error"]  # OpenAI's shape
+
+
+@pytest.mark.real_model
+def test_both_sdks_list_and_retrieve_the_model(
+    server: LiveServer, client: anthropic.Anthropic
+) -> None:
+    """One /v1/models answers OpenAI's and Anthropic's ``models`` (whose ModelInfo needs
+    created_at, display_name, lifecycle and type); /v1/models/{id} retrieves a listed one."""
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == ["gemma"] and listed.has_more is False
+    card = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).json()["data"][0]
+    assert anthropic.types.ModelInfo.model_validate(card).display_name == "gemma"
+    assert openai.types.Model.model_validate(card).created == card["created"]
+    assert client.models.retrieve("gemma").created_at.timestamp() == card["created"]
+    opened = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert opened.models.retrieve("gemma").id == "gemma"
+    with pytest.raises(openai.NotFoundError, match="lists one, 'gemma'"):
+        opened.models.retrieve("gpt-4o")
+    # Unknown routes and methods answer in the shape of the API their path belongs to.
+    batches = httpx.get(server.url + "/v1/messages/batches", headers={"x-api-key": KEY})
+    assert batches.status_code in (404, 405) and batches.json()["type"] == "error"
+    wrong_method = httpx.get(server.url + "/v1/chat/completions", headers={"x-api-key": KEY})
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
 
 
 DOCUMENT: Any = {

@@ -96,6 +96,33 @@ def test_messages_are_checked(templated: Llama) -> None:
         {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i!"}]}
     ]
     assert templated.chat_prompt(parts) == "<s><user>Hi!</s><assistant>"
+    # An assistant's refusal part (OpenAI's SDK types it) is what it said.
+    refused = [*parts, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}]
+    assert templated.chat_prompt(refused).startswith("<s><user>Hi!</s><assistant>No.</s>")
+    with pytest.raises(InvalidParameterError, match="'refusal'"):
+        templated.chat_prompt([{"role": "user", "content": [{"type": "refusal"}]}])
+
+
+def test_chat_template_kwargs_are_template_variables(tiny_llama: Llama) -> None:
+    template = (
+        "{{ messages[0].content }}"
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+    )
+    hello = [{"role": "user", "content": "Hi"}]
+    off = {"enable_thinking": False}
+    assert tiny_llama.chat_prompt(hello, template, chat_template_kwargs=off) == "Hi/no_think"
+    assert (
+        tiny_llama.chat_prompt(hello, template, chat_template_kwargs={"enable_thinking": 1}) == "Hi"
+    )
+    counted = [
+        tiny_llama.create_chat_completion(hello, chat_format=template, max_tokens=1,
+                                          chat_template_kwargs=kwargs).usage.prompt_tokens
+        for kwargs in (off, None)
+    ]  # fmt: skip
+    assert counted[0] > counted[1]
+    for bad, words in (({"tools": []}, "set by the chat itself"), ({"a b": 1}, "not a variable")):
+        with pytest.raises(InvalidParameterError, match=words):
+            tiny_llama.create_chat_completion(hello, chat_format=template, chat_template_kwargs=bad)
 
 
 @pytest.mark.real_model

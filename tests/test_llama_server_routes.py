@@ -462,6 +462,48 @@ def test_apply_template_is_the_chat_prompt(gemma_server: LiveServer, gemma: Llam
         assert bad.status_code == 400 and "assistant" in bad.json()["error"]["message"]
 
 
+# A template that reads llama-server's usual chat_template_kwargs, as Qwen 3's and gpt-oss's do.
+THINKING = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    "{% if reasoning_effort is defined %}[effort={{ reasoning_effort }}]{% endif %}<assistant>"
+)
+
+
+def _applied(url: str, **fields: Any) -> str:
+    body = {"messages": [{"role": "user", "content": "Hi"}], **fields}
+    answer = httpx.post(url + "/apply-template", json=body)
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["prompt"])
+
+
+def _prompt_tokens(url: str, **fields: Any) -> int:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **fields}
+    answer = httpx.post(url + "/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    return int(answer.json()["usage"]["prompt_tokens"])
+
+
+def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(tmp_path: Path) -> None:
+    """llama-server's chat_template_kwargs (Qwen 3's enable_thinking) and OpenAI's
+    reasoning_effort ("none": thinking off) were ignored: they are template variables."""
+    path = tiny.write_tiny_llama(tmp_path / "thinking.gguf", chat_templates={"": THINKING})
+    for server in _running(ServerSettings(model=str(path), n_ctx=256)):
+        url, off = server.url, {"chat_template_kwargs": {"enable_thinking": False}}
+        assert _applied(url) == "<user>Hi<assistant>"
+        assert _applied(url, **off) == _applied(url, reasoning_effort="none")
+        assert _applied(url, **off) == "<user>Hi<no-think><assistant>"
+        assert _applied(url, reasoning_effort="high") == "<user>Hi[effort=high]<assistant>"
+        plain = _prompt_tokens(url)
+        assert _prompt_tokens(url, **off) == _prompt_tokens(url, reasoning_effort="none") > plain
+        assert _prompt_tokens(url, reasoning_effort="high") > plain
+        refused = httpx.post(url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}],
+            "chat_template_kwargs": {"messages": []}})  # fmt: skip
+        assert refused.status_code == 400
+        assert "'messages' is set by the chat itself" in refused.json()["error"]["message"]
+
+
 @pytest.mark.real_model
 def test_tokenize_with_pieces_round_trip(gemma_server: LiveServer) -> None:
     url = gemma_server.url

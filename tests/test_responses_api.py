@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 from live_server import LiveServer
+from openai.types.responses import Response
 
 from llamacrab.server import ServerSettings
 from llamacrab.server._responses_store import ResponseStore
@@ -109,6 +110,13 @@ def test_text_with_instructions_is_the_chat_answer(gemma_server: LiveServer) -> 
     assert usage.output_tokens_details.reasoning_tokens == 0
     assert usage.input_tokens_details.cached_tokens >= 0
     assert result.instructions == "Answer briefly." and result.model == "gemma"
+    raw = client.responses.with_raw_response.create(
+        model="gemma", input="Hi", max_output_tokens=2,
+        reasoning={"effort": "low", "summary": "auto"},  # a template variable; no summary
+    )  # fmt: skip
+    strict = Response.model_validate(raw.http_response.json())  # every required field
+    assert strict.reasoning is not None and strict.reasoning.effort == "low"
+    assert [item.type for item in strict.output] == ["message"]
     if usage.output_tokens == 12:  # cut short
         assert result.status == "incomplete" and message.status == "incomplete"
         assert result.incomplete_details and result.incomplete_details.reason == "max_output_tokens"

@@ -250,6 +250,17 @@ def test_seed_minus_one_and_a_malformed_tool_choice(guarded_server: LiveServer) 
     ):
         answer = httpx.post(url + path, json={**body, "seed": -1, "max_tokens": 2}, headers=auth)
         assert answer.status_code == 200, answer.text
+    # OpenAI's seed is an int64 (clients draw 64-bit seeds): each value is one 32-bit seed.
+    texts = set()
+    for seed in (2**70, 2**63 - 1, -2, 5, 5 + 2**32 - 1):
+        body = {"prompt": "hi", "seed": seed, "max_tokens": 8, "temperature": 1.0}
+        answer = httpx.post(url + "/v1/completions", json=body, headers=auth)
+        if seed == 2**70:
+            assert answer.status_code == 400 and "seed" in answer.json()["error"]["message"]
+            continue
+        assert answer.status_code == 200, answer.text
+        texts.add((seed % (2**32 - 1), answer.json()["choices"][0]["text"]))
+    assert len({seed for seed, _ in texts}) == 3 and len(texts) == 3  # 5 and 5 + 2**32 - 1 agree
     # A tool_choice whose function is a name, not an object: a 400 naming the shape (was an
     # AttributeError from inside, a plain-text 500).
     tool = {"type": "function", "function": {"name": "get_weather"}}
@@ -258,6 +269,10 @@ def test_seed_minus_one_and_a_malformed_tool_choice(guarded_server: LiveServer) 
         "tool_choice": {"type": "function", "function": "get_weather"}})  # fmt: skip
     assert answer.status_code == 400
     assert 'needs {"function": {"name": ...}}' in answer.json()["error"]["message"]
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [tool]}}
+    body = {"messages": messages, "tools": [WEATHER], "max_tokens": 2, "tool_choice": allowed}
+    answer = httpx.post(url + "/v1/chat/completions", headers=auth, json=body)
+    assert answer.json()["error"]["message"] == "tool_choice type 'allowed_tools' is not supported"
     named = {"messages": messages, "tools": [WEATHER], "max_tokens": 2, "tool_choice": tool}
     answer = httpx.post(url + "/v1/chat/completions", headers=auth, json=named)
     assert answer.status_code == 200, answer.text
@@ -307,8 +322,12 @@ def test_embeddings_through_the_sdk(tmp_path: Path) -> None:
             vectors = np.array([d.embedding for d in result.data])
             assert np.allclose(vectors, expected, atol=1e-6)
         assert as_floats.usage.prompt_tokens == n_tokens
-        for empty, named in (("", "input 0 is an empty text"), (["a", ""], "input 1 is an empty"),
-                             ([[1], []], "input 1 is an empty list"), ([], "input is empty")):
+        for empty, named in (
+            ("", "input 0 is an empty text"),
+            (["a", ""], "input 1 is an empty"),
+            ([[1], []], "input 1 is an empty list"),
+            ([], "input is empty"),
+        ):
             with pytest.raises(openai.BadRequestError, match=named):  # as OpenAI: not a lone BOS
                 client.embeddings.create(model=path.name, input=empty)  # type: ignore[arg-type]
         chat = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})

@@ -18,8 +18,18 @@ from live_server import LiveServer
 from test_tool_calls import WEATHER
 
 from llamacrab import InvalidParameterError, Llama
+from llamacrab._types import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessage,
+    ToolCall,
+    Usage,
+)
 from llamacrab.cli import main as cli_main
 from llamacrab.server import ServerSettings
+from llamacrab.server import _wire as wire
 
 from support import load_repo_module
 
@@ -100,6 +110,26 @@ def test_tools_on_gemma_use_the_generic_format(gemma_server: LiveServer) -> None
         tool_choice="none", max_tokens=16, temperature=0,
     )  # fmt: skip
     assert final.choices[0].message.content
+
+
+def test_parallel_tool_calls_false_answers_the_first_call() -> None:
+    """Chat's parallel_tool_calls false (a template with native calls can answer several):
+    whole and streamed, as /v1/responses and Anthropic's disable_parallel_tool_use do."""
+    calls = (ToolCall("a", "{}", "call_1"), ToolCall("b", "{}", "call_2"))
+    message = ChatMessage("assistant", None, calls)
+    result = ChatCompletion("chatcmpl-1", 0, "m", (ChatChoice(0, message, "tool_calls"),),
+                            Usage(3, 4))  # fmt: skip
+    chunk = ChatCompletionChunk("chatcmpl-1", 0, "m", 0, ChatDelta(None, "", calls), "tool_calls")
+
+    def names(parallel: bool) -> tuple[list[str], list[str]]:
+        whole = wire.chat_completion(result, "m", parallel)["choices"][0]["message"]
+        streamed = [c for e in wire.chat_chunk(chunk, "m", parallel)
+                    for c in e["choices"][0]["delta"].get("tool_calls", [])]  # fmt: skip
+        return [c["function"]["name"] for c in whole["tool_calls"]], [
+            c["function"]["name"] for c in streamed
+        ]
+
+    assert names(True) == (["a", "b"], ["a", "b"]) and names(False) == (["a"], ["a"])
 
 
 # -- what fails at start, what does not ----------------------------------------------------------

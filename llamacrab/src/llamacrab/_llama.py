@@ -12,7 +12,7 @@ import numpy as np
 
 from llamacrab._chat.media_parts import MediaPolicy
 from llamacrab._chat.options import ChatOptions
-from llamacrab._chat.prompt import chat_prompt
+from llamacrab._chat.prompt import chat_prompt, template_kwargs
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.generation import Request, Session
 from llamacrab._engine.scheduler import Scheduler
@@ -311,9 +311,12 @@ class Llama:
         messages: Sequence[Mapping[str, Any]],
         chat_format: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text a chat completion would send for ``messages`` (and ``tools``)."""
-        return chat_prompt(self.model, messages, chat_format or self.chat_format, tools=tools)
+        """The prompt text a chat completion would send for ``messages`` (and ``tools``, and
+        ``chat_template_kwargs``)."""
+        return chat_prompt(self.model, messages, chat_format or self.chat_format, tools=tools,
+                           **template_kwargs(chat_template_kwargs))  # fmt: skip
 
     @checked
     def create_chat_completion(
@@ -326,6 +329,7 @@ class Llama:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] = "auto",
         check_tool_arguments: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> ChatCompletion:
         """Answer ``messages`` (OpenAI-shaped dicts: role, content) with the model's chat
@@ -345,8 +349,10 @@ class Llama:
         jsonschema package). A template that cannot present tools gets them the way llama.cpp's
         generic format does: a system message describing them, and a grammar for a JSON
         ``tool_call`` (or, with "auto", a ``response``), parsed back into ``tool_calls``.
-        Tools are never executed."""
-        options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments)
+        Tools are never executed. ``chat_template_kwargs`` are more variables for a Jinja
+        template (llama-server's: ``{"enable_thinking": False}`` for Qwen 3, ...)."""
+        options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments,
+                              chat_template_kwargs)  # fmt: skip
         tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)
         return chat_completion(self.create_completion(tokens, max_tokens=max_tokens, **kwargs),
                                options)  # fmt: skip
@@ -362,12 +368,14 @@ class Llama:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] = "auto",
         check_tool_arguments: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Stream[ChatCompletionChunk]:
         """``create_chat_completion`` as a stream of deltas (the first carries the role).
         With ``tools``, text from a tool-call opener on is held back; the last delta carries
         the parsed ``tool_calls`` (finish_reason "tool_calls"), or the text if none parsed."""
-        options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments)
+        options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments,
+                              chat_template_kwargs)  # fmt: skip
         tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)
         stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
         return stream.then(options.chunks)

@@ -59,6 +59,9 @@ def _call_schema(tools: Sequence[Mapping[str, Any]], only: str | None) -> dict[s
 
 def forced_tool_name(tool_choice: Mapping[str, Any]) -> str:
     """The tool a tool_choice object forces: ``{"type": "function", "function": {"name": ...}}``."""
+    kind = tool_choice.get("type", "function")
+    if kind != "function":  # OpenAI's allowed_tools and custom choices
+        raise InvalidParameterError(f"tool_choice type {kind!r} is not supported")
     function = tool_choice.get("function")
     name = function.get("name") if isinstance(function, Mapping) else None
     if not isinstance(name, str):

@@ -13,6 +13,7 @@ from llamacrab._chat.generic_tools import (
     generic_grammar,
     parse_generic,
 )
+from llamacrab._chat.prompt import template_kwargs
 from llamacrab._chat.tool_calls import (
     ToolCallSplitter,
     check_arguments,
@@ -47,10 +48,13 @@ class ChatOptions:
     tool_choice: str | Mapping[str, Any] = "auto"
     response_format: Mapping[str, Any] | None = None
     check_tool_arguments: bool = False
+    # More variables for a Jinja chat template (llama-server's chat_template_kwargs).
+    template_kwargs: Mapping[str, Any] | None = None
     generic_tools: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        self.template_kwargs = template_kwargs(self.template_kwargs)
         if self.tools:
             tool_names(self.tools)  # validates their shape
         elif self.tool_choice not in ("auto", "none"):

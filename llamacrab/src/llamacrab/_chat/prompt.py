@@ -19,6 +19,24 @@ from llamacrab._exceptions import InvalidParameterError, TemplateError
 from llamacrab._native.model import Model
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# What a template is given by the chat itself; chat_template_kwargs add to these.
+_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                       "documents")  # fmt: skip
+
+
+def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` (llama-server's: ``enable_thinking``, ``reasoning_effort``, ...)
+    checked: names, none of the variables the chat itself sets."""
+    checked = dict(kwargs or {})
+    for name in checked:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidParameterError(f"chat_template_kwargs: {name!r} is not a variable name")
+        if name in _TEMPLATE_VARIABLES:
+            raise InvalidParameterError(
+                f"chat_template_kwargs: {name!r} is set by the chat itself "
+                f"(these are: {', '.join(_TEMPLATE_VARIABLES)})"
+            )
+    return checked
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -37,6 +55,9 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             texts = []
             for part in content:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part)
+                if kind == "refusal" and role == "assistant":  # what it said, as its text
+                    texts.append(str(part.get("refusal", "")))
+                    continue
                 if kind != "text":
                     raise InvalidParameterError(
                         f"message {i}: content part of type {kind!r} is not supported"

@@ -34,7 +34,9 @@ def chat_request(
             options.generic_tools = True
         else:
             tools = None
-    prompt, tokens = _prompt_and_tokens(model, media, messages, chat_format, tools)
+    prompt, tokens = _prompt_and_tokens(
+        model, media, messages, chat_format, tools, options.template_kwargs
+    )
     completion = options.completion_kwargs(kwargs, source)
     if isinstance(tokens, list) and model.needs_checkpoints:
         start = _last_content_start(model, messages, prompt, tokens)
@@ -59,11 +61,13 @@ def _prompt_and_tokens(
     messages: Sequence[Mapping[str, Any]],
     chat_format: str | None,
     tools: Sequence[Mapping[str, Any]] | None,
+    variables: Mapping[str, Any] | None = None,
 ) -> tuple[str, list[int] | Chunks]:
+    """``variables``: checked chat_template_kwargs."""
     items: list[Media] = []
     if has_media(messages):
         messages, items = extract_media(messages, media.projector.marker, media.policy)
-    prompt = chat_prompt(model, messages, chat_format, tools=tools)
+    prompt = chat_prompt(model, messages, chat_format, tools=tools, **(variables or {}))
     if items:
         add_special = _adds_bos(model, prompt)
         return prompt, media.tokenize(prompt, items, add_special=add_special, parse_special=True)

@@ -86,7 +86,7 @@ ToolResultBlock.model_rebuild()
 
 
 class MessageIn(_Lenient):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: an instruction among the turns
     content: str | list[ContentBlock]
 
 

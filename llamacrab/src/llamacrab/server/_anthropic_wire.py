@@ -73,8 +73,19 @@ def conversation(body: CountTokensRequest) -> Conversation:
     turns = _merged(body.messages)
     prefill = _joined(_prefill_blocks(turns.pop()[1])) if turns[-1][0] == "assistant" else None
     for role, blocks in turns:
-        messages.extend(_user_messages(blocks) if role == "user" else [_assistant_message(blocks)])
+        if role == "system":
+            messages.append({"role": "system", "content": _system_text(blocks)})
+        elif role == "user":
+            messages.extend(_user_messages(blocks))
+        else:
+            messages.append(_assistant_message(blocks))
     return Conversation(messages, prefill or None)  # an empty prefill starts a turn as usual
+
+
+def _system_text(blocks: Sequence[ContentBlock]) -> str:
+    if any(not isinstance(b, TextBlock) for b in blocks):
+        raise ApiError(400, "a system message holds text blocks only")
+    return _joined(blocks, "\n")
 
 
 def _merged(messages: Sequence[MessageIn]) -> list[tuple[str, list[ContentBlock]]]:

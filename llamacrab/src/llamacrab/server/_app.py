@@ -54,10 +54,12 @@ from llamacrab.server._schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
+    ModelOut,
     RerankRequest,
     RerankResponse,
     TokenizeRequest,
     TokenizeResponse,
+    model_list,
 )
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import ServerState
@@ -113,7 +115,9 @@ def create_app(
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        # In the shape of the API the path belongs to: an unknown route under /v1/messages
+        # (an Anthropic SDK's batches, say) answers as Anthropic does.
+        return JSONResponse(error_body(request.url.path, error), status_code=error.status)
 
     @app.exception_handler(LlamaError)
     async def llama_error(request: Request, error: LlamaError) -> JSONResponse:
@@ -158,10 +162,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> Any:
         if state.registry is not None:  # every entry, with its status (llama-server's router)
             data = [model_json(s, state.created) for s in state.registry.entries()]
-            return JSONResponse({"object": "list", "data": data})
-        model = {"id": settings.alias, "object": "model", "created": state.created,
-                 "owned_by": "llamacrab"}  # fmt: skip
-        return {"object": "list", "data": [model]}
+            return JSONResponse(model_list(data))
+        return model_list([ModelOut.of(settings.alias, state.created).model_dump()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelOut, responses=ERRORS)
+    async def model(model_id: str) -> Any:
+        """One model (OpenAI's and Anthropic's ``models.retrieve``): a listed one only."""
+        if state.registry is not None:
+            if model_id not in state.registry:
+                raise ApiError(404, f"no model {model_id!r}: GET /v1/models lists them",
+                               code="model_not_found")  # fmt: skip
+            return JSONResponse(model_json(state.registry.status(model_id), state.created))
+        if model_id != settings.alias:
+            raise ApiError(404, f"no model {model_id!r}: this server lists one, "
+                           f"{settings.alias!r}", code="model_not_found")  # fmt: skip
+        return ModelOut.of(settings.alias, state.created)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
@@ -188,7 +203,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return await generate(
             state, client, body, partial(llama.stream_chat_completion, messages, **kwargs),
             partial(llama.create_chat_completion, messages, **kwargs),
-            wire.chat_chunk, wire.chat_completion,
+            partial(wire.chat_chunk, parallel=body.parallel_tool_calls is not False),
+            partial(wire.chat_completion, parallel=body.parallel_tool_calls is not False),
         )  # fmt: skip
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)

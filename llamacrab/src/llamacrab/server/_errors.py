@@ -43,7 +43,7 @@ class ApiError(Exception):
         self.details = details or {}
 
     def body(self) -> dict[str, Any]:
-        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request")
+        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else _TYPES[400])
         error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         return {"error": {**error, **self.details}}
 

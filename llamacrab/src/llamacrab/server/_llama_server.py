@@ -46,7 +46,7 @@ from llamacrab.server._schemas import ChatCompletionRequest, ErrorResponse
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
-from llamacrab.server._wire import chat_kwargs
+from llamacrab.server._wire import chat_kwargs, template_variables
 
 # llama-server's sampler names where ours differ.
 _SAMPLER_NAMES = {"typical": "typ_p"}
@@ -82,7 +82,8 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
         prefill = _prefill(messages)
         if prefill is not None:
             messages.pop()
-        prompt = await in_thread(llama.chat_prompt, messages, None, tools)
+        variables = template_variables(body.chat_template_kwargs, body.reasoning_effort)
+        prompt = await in_thread(llama.chat_prompt, messages, None, tools, variables)
         return {"prompt": prompt + (prefill or "")}
 
     @app.post("/tokenize", response_model=LlamaTokenizeResponse, responses=ERRORS)

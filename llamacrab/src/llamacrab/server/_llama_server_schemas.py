@@ -85,6 +85,8 @@ class ApplyTemplateRequest(Lenient):
     model: str | None = None
     messages: list[ChatMessageIn] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
 
 class LlamaTokenizeRequest(Lenient):

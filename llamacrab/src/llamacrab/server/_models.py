@@ -35,6 +35,7 @@ from llamacrab.server._forward import forward
 from llamacrab.server._isolation import ChildModel, runs_isolated
 from llamacrab.server._llama_kwargs import generation_kwargs, given, model_kwargs
 from llamacrab.server._metrics import escape_label
+from llamacrab.server._schemas import ModelOut
 from llamacrab.server._settings import ServerSettings
 
 # Routes that need a model of one kind; the others (tokenize, templates, ...) take any.
@@ -51,6 +52,10 @@ _MODEL_ROUTES = {
     "/v1/health",
     "/metrics",
 }
+
+
+def _about_models(path: str) -> bool:
+    return path in _MODEL_ROUTES or path.startswith("/v1/models/")  # one model's card
 
 
 def required_kind(path: str) -> str | None:
@@ -164,9 +169,8 @@ def status_json(status: EntryStatus) -> dict[str, Any]:
 
 
 def model_json(status: EntryStatus, created: int) -> dict[str, Any]:
-    return {"id": status.name, "object": "model", "created": created,
-            "owned_by": "llamacrab", "kind": status.kind, "pinned": status.pinned,
-            "status": status_json(status)}  # fmt: skip
+    card = ModelOut.of(status.name, created).model_dump()
+    return {**card, "kind": status.kind, "pinned": status.pinned, "status": status_json(status)}
 
 
 def render_metrics(registry: ModelRegistry) -> str:
@@ -259,7 +263,7 @@ class ModelLeaseMiddleware:
         self.timeout = timeout  # seconds an isolated entry's process may keep a request silent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _MODEL_ROUTES:
+        if scope["type"] != "http" or _about_models(scope["path"]):
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []

@@ -11,7 +11,6 @@ from llamacrab.server._errors import ApiError
 from llamacrab.server._responses_wire import (
     Draft,
     call_item,
-    kept_calls,
     message_item,
     new_id,
     output_text,
@@ -19,6 +18,7 @@ from llamacrab.server._responses_wire import (
     usage,
 )
 from llamacrab.server._sse import sse_json
+from llamacrab.server._wire import kept_calls
 
 Event = dict[str, Any]
 

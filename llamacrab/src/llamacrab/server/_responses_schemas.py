@@ -152,6 +152,14 @@ class TextConfig(Lenient):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ReasoningConfig(Lenient):
+    """``effort`` reaches the chat template as llama-server passes it (see
+    ``_wire.template_variables``); no reasoning summary is produced."""
+
+    effort: str | None = None
+    summary: str | None = None
+
+
 class ResponseRequest(Lenient):
     model: str | None = None
     input: list[InputItem] = Field(default_factory=list)
@@ -163,6 +171,7 @@ class ResponseRequest(Lenient):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool = True
+    reasoning: ReasoningConfig | None = None
     text: TextConfig | None = None
     stream: bool = False
     store: bool = True
@@ -219,6 +228,7 @@ OutputItem = Annotated[MessageOut | FunctionCallOut, Field(discriminator="type")
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):

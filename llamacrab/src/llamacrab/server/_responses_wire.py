@@ -26,6 +26,7 @@ from llamacrab.server._responses_schemas import (
 )
 from llamacrab.server._schemas import ChatCompletionRequest
 from llamacrab.server._settings import ServerSettings
+from llamacrab.server._wire import kept_calls
 
 # Opaque data the client may ask back; none is ever produced here, so asking for it is harmless.
 _INCLUDABLE = ("reasoning.encrypted_content",)
@@ -175,6 +176,7 @@ def chat_request(body: ResponseRequest, messages: list[dict[str, Any]]) -> ChatC
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "tools": tools or None, "tool_choice": _chat_tool_choice(body),
         "response_format": _response_format(body),
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
     })  # fmt: skip
 
 
@@ -235,7 +237,9 @@ def draft(body: ResponseRequest, model: str, stored: bool) -> Draft:
         "parallel_tool_calls": body.parallel_tool_calls, "store": stored,
         "text": {"format": text or {"type": "text"}}, "metadata": body.metadata or {},
         "user": body.user, "background": False, "truncation": "disabled",
-        "reasoning": {"effort": None, "summary": None},  # no reasoning model here
+        # No reasoning summary is written, whatever was asked.
+        "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                      "summary": None},
     }  # fmt: skip
     return Draft(new_id("resp"), int(time.time()), echo)
 
@@ -263,14 +267,12 @@ def call_item(
             "status": state}  # fmt: skip
 
 
-def kept_calls(calls: Sequence[ToolCall], parallel: bool) -> Sequence[ToolCall]:
-    """parallel_tool_calls false: the first call only (a forced call is one call anyway)."""
-    return calls if parallel else calls[:1]
-
-
 def usage(value: Usage) -> dict[str, Any]:
     return {"input_tokens": value.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": value.cached_tokens},
+            # OpenAI counts tokens written to a cache with a retention it bills; a prompt
+            # stays in memory here without such a write.
+            "input_tokens_details": {"cached_tokens": value.cached_tokens,
+                                     "cache_write_tokens": 0},
             "output_tokens": value.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": value.total_tokens}  # fmt: skip

@@ -4,6 +4,7 @@ own clients send newer fields than any server knows."""
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -62,7 +63,7 @@ class GenerationFields(Lenient):
     mirostat_eta: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
     lora: list[LoraEntry] | None = None  # this request's adapter scales (others: 0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # OpenAI's: an int64
     stop: str | list[str] | None = None
     min_tokens: int | None = Field(None, ge=0)
     grammar: str | None = None  # GBNF
@@ -147,7 +148,10 @@ class ChatCompletionRequest(GenerationFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: an answer's first call only
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # llama-server's: template variables
+    reasoning_effort: str | None = None  # as llama-server: a template variable ("none": off)
 
 
 class EmbeddingRequest(Lenient):
@@ -309,15 +313,39 @@ class RerankResponse(BaseModel):
 
 
 class ModelOut(BaseModel):
+    """A model as OpenAI lists it, with the fields Anthropic's ``ModelInfo`` requires beside
+    them: one list answers both SDKs' ``models.list()``."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "llamacrab"
+    type: Literal["model"] = "model"
+    display_name: str
+    created_at: str  # RFC 3339, of ``created``
+    lifecycle: Literal["active"] = "active"
+
+    @classmethod
+    def of(cls, model_id: str, created: int) -> ModelOut:
+        stamp = datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")
+        return cls(id=model_id, created=created, display_name=model_id, created_at=stamp)
 
 
 class ModelList(BaseModel):
+    """OpenAI's list, with Anthropic's page fields (one page: nothing more to fetch)."""
+
     object: Literal["list"] = "list"
     data: list[ModelOut]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+def model_list(data: list[dict[str, Any]]) -> dict[str, Any]:
+    """``data`` (model cards) as ``ModelList`` shapes it."""
+    ids = [card["id"] for card in data]
+    return {"object": "list", "data": data, "first_id": ids[0] if ids else None,
+            "last_id": ids[-1] if ids else None, "has_more": False}  # fmt: skip
 
 
 class TokenizeResponse(BaseModel):

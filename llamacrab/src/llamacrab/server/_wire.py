@@ -50,8 +50,13 @@ def generation_kwargs(
 ) -> dict[str, Any]:
     """Keywords for the Python API, with the server's caps applied."""
     kwargs: dict[str, Any] = {n: v for n in _SAMPLING if (v := getattr(body, n)) is not None}
-    if kwargs.get("seed") == -1:  # llama-server's "a random seed", which clients send
+    seed = kwargs.get("seed")
+    if seed == -1:  # llama-server's "a random seed", which clients send
         del kwargs["seed"]
+    elif seed is not None and not 0 <= seed < 2**32:
+        # OpenAI's seed is an int64, llama.cpp's 32 bits: one seed of those for each value
+        # (never 2**32 - 1, which llama.cpp reads as "random").
+        kwargs["seed"] = seed % (2**32 - 1)
     if body.repeat_last_n is not None:
         kwargs["penalty_last_n"] = body.repeat_last_n
     if body.dry_sequence_breakers is not None:
@@ -122,7 +127,25 @@ def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[s
         kwargs["logprobs"] = body.top_logprobs or 0
     if not body.stream:
         kwargs["n"] = body.n
+    variables = template_variables(body.chat_template_kwargs, body.reasoning_effort)
+    if variables:
+        kwargs["chat_template_kwargs"] = variables
     return kwargs
+
+
+def template_variables(
+    given: dict[str, Any] | None, reasoning_effort: str | None
+) -> dict[str, Any]:
+    """chat_template_kwargs with OpenAI's reasoning_effort added as llama-server adds it: a
+    variable for templates that read it (gpt-oss), "none" turning thinking off (Qwen 3's
+    ``enable_thinking``). A template that reads neither is unchanged by them."""
+    variables = dict(given or {})
+    if reasoning_effort == "none":
+        variables.pop("reasoning_effort", None)
+        variables["enable_thinking"] = False
+    elif reasoning_effort:
+        variables["reasoning_effort"] = reasoning_effort
+    return variables
 
 
 def usage(value: Usage) -> dict[str, Any]:
@@ -212,12 +235,19 @@ def completion(result: Completion, model: str) -> dict[str, Any]:
             "usage": usage(result.usage), "timings": timings(result.usage)}  # fmt: skip
 
 
-def chat_completion(result: ChatCompletion, model: str) -> dict[str, Any]:
+def kept_calls(calls: Sequence[ToolCall], parallel: bool) -> Sequence[ToolCall]:
+    """parallel_tool_calls false: the first call only (a forced call is one call anyway)."""
+    return calls if parallel else calls[:1]
+
+
+def chat_completion(result: ChatCompletion, model: str, parallel: bool = True) -> dict[str, Any]:
+    """``parallel``: the request's parallel_tool_calls."""
     choices = []
     for c in result.choices:
         message: dict[str, Any] = {"role": "assistant", "content": c.message.content}
         if c.message.tool_calls:
-            message["tool_calls"] = _tool_calls(c.message.tool_calls, streamed=False)
+            calls = kept_calls(c.message.tool_calls, parallel)
+            message["tool_calls"] = _tool_calls(calls, streamed=False)
         choices.append({"index": c.index, "message": message,
                         "logprobs": _chat_logprobs(c.logprobs),
                         "finish_reason": finish_reason(c.finish_reason)})  # fmt: skip
@@ -234,7 +264,9 @@ def completion_chunk(chunk: CompletionChunk, model: str) -> dict[str, Any]:
             "choices": [choice]}  # fmt: skip
 
 
-def chat_chunk(chunk: ChatCompletionChunk, model: str) -> list[dict[str, Any]]:
+def chat_chunk(
+    chunk: ChatCompletionChunk, model: str, parallel: bool = True
+) -> list[dict[str, Any]]:
     """The events of one chunk, in OpenAI's shape: the first chunk opens with a delta of the
     role and empty content; text, tool calls and log-probabilities come in deltas without a
     finish reason; the last chunk closes with an empty delta and the finish reason."""
@@ -252,7 +284,7 @@ def chat_chunk(chunk: ChatCompletionChunk, model: str) -> list[dict[str, Any]]:
     if chunk.delta.content:
         delta["content"] = chunk.delta.content
     if chunk.delta.tool_calls:
-        delta["tool_calls"] = _tool_calls(chunk.delta.tool_calls, streamed=True)
+        delta["tool_calls"] = _tool_calls(kept_calls(chunk.delta.tool_calls, parallel), True)
     logprobs = _chat_logprobs(chunk.logprobs)
     if delta or logprobs:
         events.append(event(delta or {"content": ""}, logprobs))
