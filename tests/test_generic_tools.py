@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from test_tool_calls import WEATHER, StartText
@@ -130,6 +131,25 @@ def test_generic_answers_parse() -> None:
     assert parse_generic('{"response": "Hi\\nthere"}') == ("Hi\nthere", [])
     assert parse_generic('{"response": {"ok": true}}') == ('{\n  "ok": true\n}', [])
     assert parse_generic("plain words") == ("plain words", [])
+    # A call cut short (max_tokens) is neither content nor a call: its JSON is ours, not
+    # the user's text.
+    for cut in ('{\n  "tool_call": {\n    "name": "get_', '{"tool_c', "{\n  ", "{"):
+        assert parse_generic(cut) == ("", []), cut
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_leaves_no_json_in_the_content(llm: Llama, stream: bool) -> None:
+    kwargs: Any = {"chat_format": "chatml", "tools": [WEATHER], "tool_choice": "required",
+                   "max_tokens": 6}  # fmt: skip
+    if stream:
+        chunks = list(llm.stream_chat_completion(ASK, **kwargs))
+        content = "".join(c.delta.content for c in chunks)
+        finish, calls = chunks[-1].finish_reason, [c for k in chunks for c in k.delta.tool_calls]
+    else:
+        choice = llm.create_chat_completion(ASK, **kwargs).choices[0]
+        content, finish = choice.message.content or "", choice.finish_reason
+        calls = list(choice.message.tool_calls)
+    assert (content, finish, calls) == ("", "length", [])
 
 
 @pytest.mark.parametrize(

@@ -101,8 +101,9 @@ def generic_grammar(
 def parse_generic(text: str) -> tuple[str, list[ToolCall]]:
     """Content and tool calls of an answer in the generic format: ``{"response": ...}`` is
     content (JSON other than a string is written out, indented; a response string cut short,
-    at max_tokens, is its text so far, as a stream shows it); calls are parsed as
-    ``parse_tool_calls`` does; anything else is content as it is."""
+    at max_tokens, is its text so far, as a stream shows it; a call cut short is no content
+    and no call); calls are parsed as ``parse_tool_calls`` does; anything else is content as
+    it is."""
     try:
         value = json.loads(text.strip())
     except RecursionError:  # nested past Python's limit: no call, so content
@@ -111,6 +112,8 @@ def parse_generic(text: str) -> tuple[str, list[ToolCall]]:
         opened = _OPENER.match(text)
         if opened is not None:
             return _JsonStringReader().push(text[opened.end() :]), []
+        if _cut_call(text):  # the call's private JSON is not the user's text
+            return "", []
         value = None
     if (
         isinstance(value, Mapping)
@@ -125,6 +128,18 @@ def parse_generic(text: str) -> tuple[str, list[ToolCall]]:
 
 _OPENER = re.compile(r'\s*\{\s*"response"\s*:\s*"')
 _COMPACT_OPENER = '{"response":"'
+_COMPACT_CALL = '{"tool_call":'
+
+
+def _cut_call(text: str) -> bool:
+    """Whether ``text`` is the start of a call cut short (at max_tokens, say), or of an
+    answer that could still have become one (``{``)."""
+    compact = re.sub(r"\s+", "", text)
+    return bool(compact) and (
+        compact.startswith(_COMPACT_CALL) or _COMPACT_CALL.startswith(compact)
+    )
+
+
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
 
