@@ -112,6 +112,44 @@ def test_tools_on_gemma_use_the_generic_format(gemma_server: LiveServer) -> None
     assert final.choices[0].message.content
 
 
+@pytest.mark.real_model
+def test_deprecated_function_calling(gemma_server: LiveServer) -> None:
+    """``functions`` and ``function_call`` (still typed by the SDK) were ignored: the model
+    answered in text. They are one tool call at most, answered as ``function_call``."""
+    client = openai.OpenAI(base_url=gemma_server.url + "/v1", api_key="x", max_retries=0)
+    messages: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    function: Any = WEATHER["function"]
+    forced: Any = {"name": "get_weather"}
+    result = client.chat.completions.create(model="m", messages=messages, functions=[function],
+                                            function_call=forced, max_tokens=80,
+                                            temperature=0)  # fmt: skip
+    choice = result.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    call = choice.message.function_call
+    assert call is not None and call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Lisbon")
+    stream = client.chat.completions.create(model="m", messages=messages, functions=[function],
+                                            function_call=forced, max_tokens=80, temperature=0,
+                                            stream=True)  # fmt: skip
+    chunks = [c.choices[0] for c in stream if c.choices]
+    streamed = [c.delta.function_call for c in chunks if c.delta.function_call]
+    assert [(f.name, f.arguments) for f in streamed] == [(call.name, call.arguments)]
+    assert chunks[-1].finish_reason == "function_call"
+    # The old round trip: the assistant's function_call, then a "function" message.
+    follow_up = [*messages, {"role": "assistant", "content": None,
+                             "function_call": {"name": call.name, "arguments": call.arguments}},
+                 {"role": "function", "name": "get_weather", "content": "Sunny, 24C"}]  # fmt: skip
+    final = client.chat.completions.create(model="m", messages=follow_up, functions=[function],
+                                           function_call="none", max_tokens=8)  # fmt: skip
+    assert final.choices[0].message.content and final.choices[0].finish_reason != "function_call"
+    for bad, words in (({"functions": [function], "tools": [WEATHER]}, "not both"),
+                       ({"messages": [{"role": "function", "name": "f", "content": "x"}]},
+                        "without an assistant function_call")):  # fmt: skip
+        body = {"messages": messages, "max_tokens": 2, **bad}
+        refused = httpx.post(gemma_server.url + "/v1/chat/completions", json=body)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"]
+
+
 def test_parallel_tool_calls_false_answers_the_first_call() -> None:
     """Chat's parallel_tool_calls false (a template with native calls can answer several):
     whole and streamed, as /v1/responses and Anthropic's disable_parallel_tool_use do."""

@@ -21,6 +21,8 @@ from llamacrab import __version__
 from llamacrab._exceptions import LlamaError
 from llamacrab._llama import Llama
 from llamacrab._registry import ModelRegistry
+from llamacrab._types import ChatCompletion, ChatCompletionChunk
+from llamacrab.server import _legacy_functions as legacy_functions
 from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic import add_anthropic_routes
 from llamacrab.server._cors import CorsMiddleware
@@ -200,11 +202,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         kwargs = wire.chat_kwargs(body, settings)
         kwargs.update(request_lora(body.lora, llama))
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = legacy_functions.messages_of(messages)
+        legacy = body.functions is not None
+        parallel = body.parallel_tool_calls is not False and not legacy
+
+        def chunk(value: ChatCompletionChunk, model: str) -> list[dict[str, Any]]:
+            shaped = wire.chat_chunk(value, model, parallel)
+            return legacy_functions.events(shaped) if legacy else shaped
+
+        def answer(value: ChatCompletion, model: str) -> dict[str, Any]:
+            shaped = wire.chat_completion(value, model, parallel)
+            return legacy_functions.answer(shaped) if legacy else shaped
+
         return await generate(
             state, client, body, partial(llama.stream_chat_completion, messages, **kwargs),
-            partial(llama.create_chat_completion, messages, **kwargs),
-            partial(wire.chat_chunk, parallel=body.parallel_tool_calls is not False),
-            partial(wire.chat_completion, parallel=body.parallel_tool_calls is not False),
+            partial(llama.create_chat_completion, messages, **kwargs), chunk, answer,
         )  # fmt: skip
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)

@@ -111,11 +111,12 @@ class CompletionRequest(GenerationFields):
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None  # deprecated: one call of an assistant
 
 
 class FunctionDefinition(Lenient):
@@ -149,6 +150,9 @@ class ChatCompletionRequest(GenerationFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: an answer's first call only
+    # Deprecated function calling (_legacy_functions): one call at most.
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # llama-server's: template variables
     reasoning_effort: str | None = None  # as llama-server: a template variable ("none": off)
@@ -248,6 +252,7 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionCallOut | None = None  # deprecated function calling's one call
 
 
 class TokenLogprobOut(BaseModel):

@@ -20,6 +20,7 @@ from llamacrab._types import (
     ToolCall,
     Usage,
 )
+from llamacrab.server import _legacy_functions as legacy_functions
 from llamacrab.server._errors import ApiError
 from llamacrab.server._sampler_order import sampler_order
 from llamacrab.server._schemas import (
@@ -119,6 +120,11 @@ def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[s
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     if body.tool_choice is not None:
         kwargs["tool_choice"] = body.tool_choice
+    if body.functions:
+        functions = [f.model_dump(exclude_none=True) for f in body.functions]
+        kwargs["tools"] = legacy_functions.tools_of(functions, body.tools)
+    if body.function_call is not None:
+        kwargs["tool_choice"] = legacy_functions.tool_choice_of(body.function_call)
     if body.response_format is not None:
         kwargs["response_format"] = body.response_format.model_dump(
             by_alias=True, exclude_none=True
