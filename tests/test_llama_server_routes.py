@@ -119,6 +119,31 @@ def test_infill_matches_the_python_api(fim_server: LiveServer, fim_path: Path) -
         assert timings[f"{name}_per_second"] == pytest.approx(rated / ms * 1000)
 
 
+def test_openai_suffix_fills_in_the_middle(
+    fim_server: LiveServer, fim_path: Path, gemma_server: LiveServer
+) -> None:
+    """/v1/completions' ``suffix`` is OpenAI's insertion: the answer goes between the prompt
+    and the suffix (it was glued after the answer, which the model never saw it before)."""
+    prefix, suffix = INFILL["input_prefix"], INFILL["input_suffix"]
+    body = {"prompt": prefix, "suffix": suffix, "max_tokens": 6, "temperature": 0}
+    answer = httpx.post(fim_server.url + "/v1/completions", json=body, headers=KEY)
+    assert answer.status_code == 200, answer.text
+    with Llama(fim_path, n_ctx=256, n_threads=2) as llama:
+        expected = llama.create_infill(prefix, suffix, max_tokens=6, temperature=0)
+    assert answer.json()["choices"][0]["text"] == expected.text
+    assert answer.json()["usage"]["prompt_tokens"] == expected.usage.prompt_tokens
+    streamed = httpx.post(fim_server.url + "/v1/completions", headers=KEY,
+                          json={**body, "stream": True}).text  # fmt: skip
+    assert "".join(e["choices"][0]["text"] for e in events(streamed)) == expected.text
+    for path, extra, words in (
+        (gemma_server.url, {}, "no fill-in-the-middle tokens"),
+        (fim_server.url, {"echo": True}, "echo cannot be used with suffix"),
+        (fim_server.url, {"prompt": [1, 2]}, "suffix needs a text prompt"),
+    ):
+        refused = httpx.post(path + "/v1/completions", headers=KEY, json={**body, **extra})
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"]
+
+
 def test_infill_cuts_a_prompt_too_long_as_llama_server(
     fim_server: LiveServer, fim_path: Path
 ) -> None:

@@ -190,10 +190,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         llama = state.generator(body.model)
         prompt, kwargs = wire.completion_prompt(body), wire.completion_kwargs(body, settings)
         kwargs.update(request_lora(body.lora, llama))
+        suffix = wire.insertion(body, prompt)
+        if suffix is None:
+            stream, create = llama.stream_completion, llama.create_completion
+        else:  # the model's FIM tokens put the answer between the prompt and the suffix
+            stream = partial(llama.stream_infill, suffix=suffix)
+            create = partial(llama.create_infill, suffix=suffix)
         return await generate(
-            state, client, body, partial(llama.stream_completion, prompt, **kwargs),
-            partial(llama.create_completion, prompt, **kwargs),
-            wire.completion_chunk, wire.completion,
+            state, client, body, partial(stream, prompt, **kwargs),
+            partial(create, prompt, **kwargs), wire.completion_chunk, wire.completion,
         )  # fmt: skip
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)

@@ -91,12 +91,24 @@ def completion_kwargs(body: CompletionRequest, settings: ServerSettings) -> dict
     if body.best_of is not None and body.best_of > settings.max_n:
         raise ApiError(400, f"best_of exceeds this server's limit of {settings.max_n}",
                        param="best_of")  # fmt: skip
-    kwargs.update(echo=body.echo, suffix=body.suffix or "", logprobs=body.logprobs)
+    kwargs.update(echo=body.echo, logprobs=body.logprobs)
     if not body.stream:
         kwargs.update(n=body.n, best_of=body.best_of)
     elif body.best_of not in (None, 1):
         raise ApiError(400, "best_of cannot be used with stream", param="best_of")
     return kwargs
+
+
+def insertion(body: CompletionRequest, prompt: str | list[int]) -> str | None:
+    """The text the answer goes before (OpenAI's ``suffix``): filled in the middle with the
+    model's FIM tokens, as OpenAI inserts; None for a plain completion."""
+    if not body.suffix:
+        return None
+    if not isinstance(prompt, str):
+        raise ApiError(400, "suffix needs a text prompt, not token ids", param="suffix")
+    if body.echo:
+        raise ApiError(400, "echo cannot be used with suffix", param="echo")
+    return body.suffix
 
 
 def completion_prompt(body: CompletionRequest) -> str | list[int]:
