@@ -492,6 +492,21 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(
         ({"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
         ({"prompt": ""}, 400, "empty"),
         ({"messages": []}, 400, "messages"),
+        # Outputs this server cannot make were accepted and an ordinary text answered.
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "modalities": ["text", "audio"],
+                "audio": {"voice": "alloy", "format": "wav"},
+            },
+            400,
+            "only text answers",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "web_search_options": {}},
+            400,
+            "web search",
+        ),
     ]
     for body, status, words in cases:
         route = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else None

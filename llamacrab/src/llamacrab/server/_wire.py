@@ -126,6 +126,11 @@ def completion_prompt(body: CompletionRequest) -> str | list[int]:
 def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[str, Any]:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.audio is not None or set(body.modalities or ()) - {"text"}:
+        raise ApiError(400, "only text answers: modalities other than \"text\" and audio "
+                       "are not supported", param="modalities")  # fmt: skip
+    if body.web_search_options is not None:
+        raise ApiError(400, "web search is not supported", param="web_search_options")
     max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     kwargs = generation_kwargs(body, settings, max_tokens, None)
     if body.tools:
