@@ -148,6 +148,9 @@ def test_store_false_and_deleted_responses_are_not_kept(gemma_server: LiveServer
     unstored = answer(client, input="Say hi.", max_output_tokens=2, store=False)
     assert unstored.store is False
     kept = answer(client, input="Say hi.", max_output_tokens=2)
+    assert client.responses.retrieve(kept.id).output_text == kept.output_text
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed again"):
+        list(client.responses.retrieve(kept.id, stream=True))  # was an empty event stream
     client.responses.delete(kept.id)
     for gone in (unstored.id, kept.id):
         with pytest.raises(openai.NotFoundError, match="is not stored here") as error:

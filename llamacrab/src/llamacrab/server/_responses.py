@@ -63,7 +63,11 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         remember(response)
         return response
 
-    async def retrieve(response_id: str) -> Any:
+    async def retrieve(response_id: str, stream: bool = False) -> Any:
+        if stream:  # the SDK would read this JSON as an empty event stream
+            raise ApiError(400, "a stored response cannot be streamed again (OpenAI streams "
+                           "background responses only, which are not supported)",
+                           param="stream")  # fmt: skip
         return _stored(store, response_id).response
 
     async def delete(response_id: str) -> Any:
