@@ -116,7 +116,7 @@ def test_the_projector_describes_itself_and_follows_its_model(files: dict[str, P
         projector.bitmap(Image(pixels=PIXELS))
     with (
         Llama(files["text"], n_ctx=256) as plain,
-        pytest.raises(InvalidParameterError, match="no projector"),
+        pytest.raises(InvalidParameterError, match="takes no images or sounds"),
     ):
         plain.create_completion("x <__media__>", media=[Image(pixels=PIXELS)])
 

@@ -515,6 +515,10 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(
         error = response.json()["error"]
         assert words.lower() in error["message"].lower(), (body, error)
         assert set(error) - {"n_prompt_tokens", "n_ctx"} == {"message", "type", "param", "code"}
+    # A validation error names its field in param (OpenAI's); bad JSON says so.
+    assert post({"prompt": "hi", "temperature": -1}).json()["error"]["param"] == "temperature"
+    broken = post(b"{not json").json()["error"]["message"]
+    assert broken.startswith("the body is not valid JSON (at character 1): Expecting"), broken
     overflow = post({"prompt": [5] * 300}).json()["error"]
     assert overflow["code"] == "context_length_exceeded"
     assert (overflow["n_prompt_tokens"], overflow["n_ctx"]) == (300, 256)  # as llama-server

@@ -21,7 +21,10 @@ class MediaInput:
     @property
     def projector(self) -> Projector:
         if self._projector is None:
-            raise InvalidParameterError("this Llama has no projector: pass mmproj= for media")
+            raise InvalidParameterError(
+                "this model takes no images or sounds: it needs a projector, mmproj= (a "
+                "server's --mmproj)"
+            )
         return self._projector
 
     def tokenize(

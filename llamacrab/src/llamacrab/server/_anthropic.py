@@ -25,7 +25,13 @@ from llamacrab.server._anthropic_schemas import (
     MessageResponse,
     MessagesRequest,
 )
-from llamacrab.server._errors import ANTHROPIC_PATH, ApiError, anthropic_body, from_llama_error
+from llamacrab.server._errors import (
+    ANTHROPIC_PATH,
+    ApiError,
+    anthropic_body,
+    from_llama_error,
+    invalid_body,
+)
 from llamacrab.server._lora import request_lora
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import complete, in_thread, sse_events
@@ -57,14 +63,7 @@ def _api_error(error: ApiError | LlamaError | RequestValidationError) -> ApiErro
         return error
     if isinstance(error, LlamaError):
         return from_llama_error(error)
-    return ApiError(400, "; ".join(_problem(problem) for problem in error.errors()))
-
-
-def _problem(problem: dict[str, Any]) -> str:
-    where = ".".join(str(part) for part in problem["loc"][1:]) or "body"
-    if problem["type"] == "extra_forbidden":
-        return f"{where}: not supported by this server"
-    return f"{where}: {problem['msg']}"
+    return invalid_body(error.errors())
 
 
 def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:

@@ -26,7 +26,7 @@ from llamacrab.server import _legacy_functions as legacy_functions
 from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic import add_anthropic_routes
 from llamacrab.server._cors import CorsMiddleware
-from llamacrab.server._errors import ApiError, error_body, from_llama_error
+from llamacrab.server._errors import ApiError, error_body, from_llama_error, invalid_body
 from llamacrab.server._guards import (
     AuthMiddleware,
     BodyLimitMiddleware,
@@ -130,11 +130,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         unread = content_type_problem(request.headers, error.errors())
         if unread is not None:
             return await api_error(request, ApiError(400, unread))
-        problems = [
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
-            for e in error.errors()
-        ]
-        return await api_error(request, ApiError(400, "; ".join(problems)))
+        return await api_error(request, invalid_body(error.errors()))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:

@@ -4,6 +4,7 @@ Anthropic's Messages routes as Anthropic does: ``{"type": "error", "error": {"ty
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llamacrab._exceptions import (
@@ -61,6 +62,23 @@ def error_body(path: str, error: ApiError) -> dict[str, Any]:
     if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
         return anthropic_body(error)
     return error.body()
+
+
+def invalid_body(problems: Sequence[Mapping[str, Any]]) -> ApiError:
+    """A request body that does not validate (pydantic's problems): each named by its field,
+    ``param`` the first one's, as OpenAI names it."""
+    described, fields = [], []
+    for problem in problems:
+        where = ".".join(str(part) for part in problem["loc"][1:])
+        if problem["type"] == "json_invalid":  # where: the character the parser stopped at
+            detail = (problem.get("ctx") or {}).get("error", problem["msg"])
+            described.append(f"the body is not valid JSON (at character {where}): {detail}")
+            continue
+        fields.append(where)
+        unknown = problem["type"] == "extra_forbidden"
+        message = "not supported by this server" if unknown else problem["msg"]
+        described.append(f"{where or 'body'}: {message}")
+    return ApiError(400, "; ".join(described), param=next((f for f in fields if f), None))
 
 
 def model_closed() -> ApiError:
