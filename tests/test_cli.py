@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,17 @@ def test_a_reader_that_leaves_and_a_missing_stdin_end_quietly(tiny_model_path: P
     chat = subprocess.run(["sh", "-c", closed_stdin, sys.executable, str(tiny_model_path)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr
+
+
+def test_text_to_a_file_or_pipe_is_utf8_whatever_the_locale(tiny_model_path: Path) -> None:
+    """Python writes a redirected stdout in the locale's encoding (cp1252 on Windows): the
+    tiny model's U+FFFD raised UnicodeEncodeError mid-answer. Redirected text is UTF-8."""
+    command = [sys.executable, "-m", "llamacrab", "run", str(tiny_model_path), "-p", "hi",
+               "-n", "64", "--temperature", "0"]  # fmt: skip
+    env = {**os.environ, "PYTHONIOENCODING": "cp1252"}
+    run = subprocess.run(command, capture_output=True, env=env, timeout=300)
+    assert run.returncode == 0 and b"Traceback" not in run.stderr, run.stderr.decode()
+    with Llama(tiny_model_path, n_ctx=256) as llm:
+        expected = llm.create_completion("hi", max_tokens=64, temperature=0).text
+    assert "\ufffd" in expected  # what cp1252 cannot write
+    assert run.stdout.decode("utf-8").strip() == expected.strip()

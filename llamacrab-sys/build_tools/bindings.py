@@ -91,9 +91,9 @@ def generate(native: dict, out_dir: Path, package_version: str = "") -> dict:
     unavailable = required_api.check(decls, native["include_dir"])
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "llamacrab_shims.h").write_text(shim_header)
-    (out_dir / "llamacrab_shims.cpp").write_text(shim_source)
-    (out_dir / "_cdef.h").write_text(cdef)
+    (out_dir / "llamacrab_shims.h").write_text(shim_header, encoding="utf-8")
+    (out_dir / "llamacrab_shims.cpp").write_text(shim_source, encoding="utf-8")
+    (out_dir / "_cdef.h").write_text(cdef, encoding="utf-8")
 
     builder = cffi.FFI()
     builder.cdef(cdef)
@@ -126,8 +126,12 @@ def generate(native: dict, out_dir: Path, package_version: str = "") -> dict:
         info["commit_source"] = native["commit_source"]
         info["library_dir"] = native["runtime_dir"]
         info["module_dir"] = native["module_dir"]
-    (out_dir / "libraries.cmake").write_text(_libraries_cmake(native, libraries, modules))
-    (out_dir / "_build_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    (out_dir / "libraries.cmake").write_text(
+        _libraries_cmake(native, libraries, modules), encoding="utf-8"
+    )
+    (out_dir / "_build_info.json").write_text(
+        json.dumps(info, indent=2, sort_keys=True), encoding="utf-8"
+    )
     return info
 
 
@@ -137,7 +141,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--package-version", default="")
     args = parser.parse_args()
-    native = json.loads(args.native_json.read_text())
+    native = json.loads(args.native_json.read_text(encoding="utf-8"))
     info = generate(native, args.out_dir, args.package_version)
     print(f"llamacrab: {info['functions']} functions, {info['shimmed_functions']} shims generated")
 

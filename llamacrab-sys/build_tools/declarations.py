@@ -94,6 +94,9 @@ class _Preprocessor(pcpp.Preprocessor):
     def __init__(self) -> None:
         super().__init__()
         self.line_directive = "#"
+        # llama.h's comments hold UTF-8 (a Greek sigma, "approximately"); pcpp would read
+        # them in the locale's encoding, which fails under East Asian code pages (cp932).
+        self.assume_encoding = "utf-8"
         self.errors: list[str] = []
 
     def on_error(self, file: str, line: int, msg: str) -> None:
@@ -104,7 +107,7 @@ class _Preprocessor(pcpp.Preprocessor):
 def preprocess(include_dirs: list[Path], headers: tuple[str, ...] = HEADERS) -> str:
     with tempfile.TemporaryDirectory() as stand_in_dir:
         for name, text in _STAND_INS.items():
-            (Path(stand_in_dir) / name).write_text(text)
+            (Path(stand_in_dir) / name).write_text(text, encoding="utf-8")
         preprocessor = _Preprocessor()
         for definition in _DEFINITIONS:
             preprocessor.define(definition)

@@ -237,11 +237,11 @@ def build(
     # For the shims, which CMake compiles with the same instrumentation.
     flags = {"sanitizer_flags": " ".join(sanitizer_flags(sanitize))}
     if source.immutable and stamp.is_file():
-        return {**json.loads(stamp.read_text()), **flags, "cache_hit": True}
+        return {**json.loads(stamp.read_text(encoding="utf-8")), **flags, "cache_hit": True}
 
     with locked(entry.with_suffix(".lock")):
         if source.immutable and stamp.is_file():
-            return {**json.loads(stamp.read_text()), **flags, "cache_hit": True}
+            return {**json.loads(stamp.read_text(encoding="utf-8")), **flags, "cache_hit": True}
         build_dir, prefix = entry / "build", entry / "install"
         env = dict(os.environ)
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
@@ -249,7 +249,7 @@ def build(
         names = []
         if not tools:  # upstream's programs keep upstream's names
             entry.mkdir(parents=True, exist_ok=True)
-            (entry / "names.cmake").write_text(names_cmake(layout.current()))
+            (entry / "names.cmake").write_text(names_cmake(layout.current()), encoding="utf-8")
             names = [f"-DCMAKE_PROJECT_INCLUDE={entry / 'names.cmake'}"]
         started = time.monotonic()
         _run([cmake, "-S", str(source.path), "-B", str(build_dir), *generator_args,
@@ -277,7 +277,7 @@ def build(
             "compilers": ids,
             "build_seconds": round(time.monotonic() - started, 1),
         }
-        stamp.write_text(json.dumps(info, indent=2))
+        stamp.write_text(json.dumps(info, indent=2), encoding="utf-8")
     return {**info, **flags, "cache_hit": False}
 
 
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"llamacrab: llama.cpp build failed: {shlex.join(map(str, exc.cmd))}")
     text = json.dumps(info, indent=2)
     if args.json:
-        args.json.write_text(text)
+        args.json.write_text(text, encoding="utf-8")
     print(text)
 
 

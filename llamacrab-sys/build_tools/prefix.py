@@ -50,7 +50,9 @@ def installed_commit(lib_dir: Path) -> str | None:
     config = lib_dir / "cmake" / "llama" / "llama-config.cmake"
     if not config.is_file():
         return None
-    match = re.search(r"set\(LLAMA_BUILD_COMMIT\s+\"?([^\s\")]+)", config.read_text())
+    match = re.search(
+        r"set\(LLAMA_BUILD_COMMIT\s+\"?([^\s\")]+)", config.read_text(encoding="utf-8")
+    )
     commit = match.group(1) if match else ""
     return commit if commit and commit.lower() != "unknown" else None
 
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     info = describe(args.prefix, args.commit or None)
-    args.json.write_text(json.dumps(info, indent=2))
+    args.json.write_text(json.dumps(info, indent=2), encoding="utf-8")
     print(json.dumps(info, indent=2))
 
 

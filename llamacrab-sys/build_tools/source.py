@@ -50,7 +50,7 @@ class Source:
 
 
 def read_pin() -> dict:
-    return json.loads(PIN_FILE.read_text())
+    return json.loads(PIN_FILE.read_text(encoding="utf-8"))
 
 
 def _check_tree(path: Path) -> None:
@@ -139,7 +139,7 @@ def _extract_tree(archive_path: Path, member_prefix: str, dest: Path) -> None:
             raise SourceError(f"{archive_path.name} holds no {member_prefix} tree")
         tar.extractall(staging, members=members, filter="data")
     _check_tree(staging)
-    (staging / _EXTRACTED_STAMP).write_text(archive_path.name + "\n")
+    (staging / _EXTRACTED_STAMP).write_text(archive_path.name + "\n", encoding="utf-8")
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
 
@@ -181,7 +181,9 @@ def _patched_tree(pristine: Path, commit: str, digest: str) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
             raise SourceError(str(exc)) from exc
         stamp = staging / _EXTRACTED_STAMP
-        stamp.write_text(stamp.read_text() + f"patches {digest}\n")
+        stamp.write_text(
+            stamp.read_text(encoding="utf-8") + f"patches {digest}\n", encoding="utf-8"
+        )
         shutil.rmtree(tree, ignore_errors=True)
         staging.rename(tree)
     return tree

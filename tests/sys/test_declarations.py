@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import sys
@@ -78,6 +79,25 @@ def test_generated_declarations_are_not_stale(source_tree: Path) -> None:
     assert hashlib.sha256(cdef.encode()).hexdigest() == build_info().cdef_sha256, (
         "llamacrab_sys was built from other headers or another generator: reinstall llamacrab-sys"
     )
+
+
+def test_declarations_do_not_depend_on_the_locale(source_tree: Path, tmp_path: Path) -> None:
+    """llama.h's comments hold UTF-8: the headers were read in the locale's encoding, which
+    failed under Windows' East Asian code pages (cp932). An ASCII locale (Python's UTF-8 mode
+    and locale coercion off) fails the same way; the generator reads UTF-8 whatever it is."""
+    script = (
+        "import hashlib, sys; from pathlib import Path; from build_tools import bindings; "
+        "dirs = [Path(sys.argv[1], d) for d in ('include', 'ggml/include', 'tools/mtmd')]; "
+        "*_, cdef = bindings.render(dirs, [Path(p) for p in sys.argv[2:]]); "
+        "print(hashlib.sha256(cdef.encode()).hexdigest())"
+    )
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(source_tree), *build_info().libraries],
+        capture_output=True, text=True, env=env, cwd=Path(bindings.__file__).parents[1],
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == build_info().cdef_sha256
 
 
 @pytest.mark.parametrize("target", ["x86_64-windows-gnu", "aarch64-macos", "x86_64-linux-gnu"])

