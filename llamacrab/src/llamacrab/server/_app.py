@@ -204,7 +204,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         kwargs.update(request_lora(body.lora, llama))
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         messages = legacy_functions.messages_of(messages)
-        legacy = body.functions is not None
+        legacy = bool(body.functions)
         parallel = body.parallel_tool_calls is not False and not legacy
 
         def chunk(value: ChatCompletionChunk, model: str) -> list[dict[str, Any]]:
