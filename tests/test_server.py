@@ -405,6 +405,12 @@ def test_a_full_queue_answers_503_and_a_request_past_its_timeout_504(tiny_path: 
                 queued_by = time.monotonic()  # its 0.5 s started before this
                 busy = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
                 assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+                # Anthropic's clients: its 529 overloaded_error (the SDK's OverloadedError).
+                message = {"model": "m", "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+                overloaded = httpx.post(server.url + "/v1/messages", json=message)
+                assert overloaded.status_code == 529, overloaded.text
+                assert overloaded.json()["error"]["type"] == "overloaded_error"
                 assert scheduler.queue_depth == 1 and not queued.done()
                 # The queued request's 0.5 s pass while the gate still holds the slot (a
                 # deadline, not an ordering): it is dropped from the queue as timed out.

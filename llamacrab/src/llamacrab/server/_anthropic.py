@@ -29,6 +29,7 @@ from llamacrab.server._errors import (
     ANTHROPIC_PATH,
     ApiError,
     anthropic_body,
+    anthropic_status,
     from_llama_error,
     invalid_body,
 )
@@ -53,7 +54,8 @@ class _AnthropicRoute(APIRoute):
                 return await handler(request)
             except (ApiError, LlamaError, RequestValidationError) as error:
                 api_error = _api_error(error)
-                return JSONResponse(anthropic_body(api_error), status_code=api_error.status)
+                status = anthropic_status(api_error)
+                return JSONResponse(anthropic_body(api_error), status_code=status)
 
         return answer
 

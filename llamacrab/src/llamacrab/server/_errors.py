@@ -56,6 +56,12 @@ def anthropic_body(error: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
+def anthropic_status(error: ApiError) -> int:
+    """The status Anthropic answers ``error`` with: 529 for a server too busy to take the
+    request (its ``overloaded_error``; the SDK raises OverloadedError and backs off)."""
+    return 529 if error.code == "server_busy" else error.status
+
+
 def error_body(path: str, error: ApiError) -> dict[str, Any]:
     """``error`` in the shape of the API that ``path`` belongs to (for answers given before
     any route runs, such as a missing API key)."""
