@@ -47,7 +47,7 @@ def test_two_tokens_spelling_one_text_are_one_alternative(tiny_llama: Llama) -> 
     logits = np.full(vocab.n_tokens, -10.0, dtype=np.float32)
     logits[space[1]], logits[space[0]], logits[50] = 5.0, 4.0, 3.0
     context = SimpleNamespace(logits=lambda index: logits, model=tiny_llama.model)
-    _, top, ids = token_logprobs(context, space[1], 3)  # type: ignore[arg-type]
+    _, top, ids, _ = token_logprobs(context, space[1], 3)  # type: ignore[arg-type]
     assert ids == (space[1], 50) and list(top) == [" ", vocab.token_to_piece(50)]
 
 

@@ -52,6 +52,7 @@ class Step:
     top_logprobs: dict[str, float] | None = None
     stop: str | None = None  # the stop string that ended it (finish_reason "stop")
     top_ids: tuple[int, ...] = ()  # the ids of top_logprobs' tokens, in their order
+    top_bytes: tuple[bytes, ...] = ()  # and their bytes
 
 
 # Stands for a position filled by an image or sound: never equal to a real token.
@@ -559,12 +560,15 @@ class Emitter:
             return Step(self.rest(), None, "stop")
         logprob, top = None, None
         top_ids: tuple[int, ...] = ()
+        top_bytes: tuple[bytes, ...] = ()
         if request.logprobs is not None:
-            logprob, top, top_ids = token_logprobs(context, token, request.logprobs, index)
+            logprob, top, top_ids, top_bytes = token_logprobs(
+                context, token, request.logprobs, index
+            )
         if self.vocab.is_eog(token):
             return Step(self.rest(), None, "eos")
         text = self.stops.push(self.decoder.feed([token]))
-        step = Step(text, token, None, logprob, top, top_ids=top_ids)
+        step = Step(text, token, None, logprob, top, top_ids=top_ids, top_bytes=top_bytes)
         if self.stops.stopped:
             step.finish_reason, step.stop = "stop", self.stops.matched
         return step

@@ -19,24 +19,28 @@ _PROMPT_LOGITS_BYTES = 64 << 20
 
 def token_logprobs(
     context: Context, token: int, top_n: int, index: int = -1
-) -> tuple[float, dict[str, float], tuple[int, ...]]:
+) -> tuple[float, dict[str, float], tuple[int, ...], tuple[bytes, ...]]:
     """The log-probability of ``token`` under the logits of output ``index`` of the last
-    decode, and the ``top_n`` most likely tokens there: by their text, and their ids."""
+    decode, and the ``top_n`` most likely tokens there: by their text, their ids and their
+    bytes (each read from C once: the text is the bytes, escaped where not UTF-8)."""
     logits = context.logits(index)
     peak = float(logits.max())
     log_total = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
     top: dict[str, float] = {}
     ids: list[int] = []
+    raws: list[bytes] = []
     if top_n:
         best = np.argpartition(logits, -top_n)[-top_n:]
         for index in best[np.argsort(-logits[best])]:
-            piece = context.model.vocab.token_to_piece(int(index), special=True)
+            raw = context.model.vocab.token_to_bytes(int(index), special=True)
+            piece = raw.decode("utf-8", "backslashreplace")  # as Vocab.token_to_piece
             # Two tokens can spell the same text (an SPM byte token <0x41> and "A"): the
             # likelier one is kept, so ids stay aligned with the texts.
             if piece not in top:
                 top[piece] = float(logits[index]) - log_total
                 ids.append(int(index))
-    return float(logits[token]) - log_total, top, tuple(ids)
+                raws.append(raw)
+    return float(logits[token]) - log_total, top, tuple(ids), tuple(raws)
 
 
 class PromptLogprobs:
@@ -53,5 +57,5 @@ class PromptLogprobs:
         for row in range(count):
             following = position + row + 1
             if following < len(self.prompt):
-                logprob, top, _ = token_logprobs(context, self.prompt[following], self.top_n, row)
+                logprob, top, *_ = token_logprobs(context, self.prompt[following], self.top_n, row)
                 self.values.append((logprob, top))

@@ -403,27 +403,28 @@ def _prompt_logprobs(vocab: Vocab, request: Request, session: Session) -> Logpro
     for token in request.prompt[1 : len(values) + 1]:
         offsets.append(offset)
         offset += len(decoder.feed((token,)))
-    scored = request.prompt[1 : len(values) + 1]
+    raws = tuple(vocab.token_to_bytes(t, special=True) for t in request.prompt[1 : len(values) + 1])
     return Logprobs(
-        tuple(vocab.token_to_piece(t, special=True) for t in scored),
+        tuple(raw.decode("utf-8", "backslashreplace") for raw in raws),  # token_to_piece's text
         tuple(value for value, _ in values),
         tuple(top for _, top in values),
         tuple(offsets),
-        token_bytes=tuple(vocab.token_to_bytes(t, special=True) for t in scored),
+        token_bytes=raws,
     )
 
 
 def _step_logprobs(vocab: Vocab, step: Step, offset: int) -> Logprobs | None:
     if step.logprob is None or step.token is None:
         return None
+    raw = vocab.token_to_bytes(step.token, special=True)
     return Logprobs(
-        (vocab.token_to_piece(step.token, special=True),),
+        (raw.decode("utf-8", "backslashreplace"),),  # token_to_piece's text
         (step.logprob,),
         (step.top_logprobs or {},),
         (offset,),
         (step.top_ids,),
-        (vocab.token_to_bytes(step.token, special=True),),
-        (tuple(vocab.token_to_bytes(i, special=True) for i in step.top_ids),),
+        (raw,),
+        (step.top_bytes,),
     )
 
 
