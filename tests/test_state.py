@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 import shutil
 import signal
 import struct
@@ -78,6 +79,41 @@ def test_state_round_trip_between_llamas_gives_identical_output(tiny_model_path:
         result = second.create_completion(PROMPT, max_tokens=8, **GREEDY)
         assert result.usage.cached_tokens == len(state.tokens) - 1
         assert result.choices[0].tokens == expected.choices[0].tokens
+
+
+def test_a_state_view_is_the_state_bytes_read_only(tiny_llama: Llama) -> None:
+    tiny_llama.create_completion(PROMPT, max_tokens=0)
+    context = tiny_llama.context
+    for seq_id in (0, None):
+        view = context.state_view(seq_id)
+        assert view.readonly and view == context.state_bytes(seq_id)
+        with pytest.raises(TypeError):
+            view[0] = 1
+    assert isinstance(tiny_llama.save_state().payload, memoryview)  # snapshots copy nothing
+
+
+def test_states_pickle_whether_fresh_or_read_from_disk(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    # Both hold views, not bytes: of llama.cpp's buffer, of a mapped cache file.
+    with Llama(tiny_model_path, n_ctx=128) as first, Llama(tiny_model_path, n_ctx=128) as second:
+        first.create_completion(PROMPT, max_tokens=0)
+        fresh = first.save_state()
+        cache = DiskCache(tmp_path / "cache")
+        cache.store(fresh)
+        cache.flush()
+        found = cache.longest_prefix(fresh.tokens)
+        assert found is not None
+        expected = first.create_completion(PROMPT, max_tokens=8, **GREEDY)
+        for state in (fresh, found[1]):
+            copy = pickle.loads(pickle.dumps(state))
+            assert copy == state
+            second.reset()
+            second.load_state(copy)
+            result = second.create_completion(PROMPT, max_tokens=8, **GREEDY)
+            assert result.usage.cached_tokens == len(state.tokens) - 1
+            assert result.choices[0].tokens == expected.choices[0].tokens
+        cache.close()
 
 
 def test_state_files_and_every_kind_of_bad_state(tmp_path: Path, tiny_llama: Llama) -> None:

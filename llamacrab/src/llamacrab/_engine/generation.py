@@ -145,7 +145,7 @@ class KvState:
     def snapshot(self, scope: str = "sequence") -> SavedState:
         if scope not in ("sequence", "context"):
             raise InvalidParameterError(f"scope must be 'sequence' or 'context', not {scope!r}")
-        payload = self.context.state_bytes(self.seq_id if scope == "sequence" else None)
+        payload = self.context.state_view(self.seq_id if scope == "sequence" else None)
         model_id, n_ctx = self.context.model.identity, self.context.n_ctx
         checkpoints = tuple(self.checkpoints) if scope == "sequence" else ()
         return SavedState(tuple(self.tokens), payload, model_id, n_ctx, scope, checkpoints)
@@ -298,7 +298,7 @@ class KvState:
         """Keep the windowed layers' cells as they are now (see ``StateCheckpoint``); one that
         llama.cpp cannot save is skipped: it only saves decoding later."""
         try:
-            payload = self.context.state_bytes(self.seq_id, partial=True)
+            payload = self.context.state_view(self.seq_id, partial=True)
         except StateError:
             log.warning("a checkpoint could not be saved; skipped", exc_info=True)
             return

@@ -701,19 +701,29 @@ class Context(NativeHandle):
         """llama.cpp's serialized state: of one sequence, or of the whole context (None: every
         sequence, the logits and embeddings of the last decode). ``partial``: of a sequence's
         sliding-window layers only (what a checkpoint keeps; the other layers can be cut)."""
+        return bytes(self.state_view(seq_id, partial))
+
+    def state_view(self, seq_id: int | None, partial: bool = False) -> memoryview:
+        """``state_bytes`` as a read-only view of the buffer llama.cpp wrote it into. Copying
+        it into bytes costs more than writing it (a 14 MB state: ~8 ms against ~2.5, the copy
+        faulting in fresh pages), and the engine snapshots a state after every completion."""
         flags = self._state_flags(seq_id, partial)
         with self.exclusive() as ctx:
             if seq_id is None:
                 size = call("llama_state_get_size", ctx)
-                buffer = ffi.new("uint8_t[]", size)
-                written = call("llama_state_get_data", ctx, buffer, size)
             else:
                 size = call("llama_state_seq_get_size_ext", ctx, seq_id, flags)
-                buffer = ffi.new("uint8_t[]", size)
-                written = call("llama_state_seq_get_data_ext", ctx, buffer, size, seq_id, flags)
+            # numpy's memory: it asks for huge pages for large blocks, and faulting in a fresh
+            # block page by page cost ~10 ms of a 14 MB state's snapshot (~2 ms this way).
+            array = np.empty(size, dtype=np.uint8)
+            with ffi.from_buffer("uint8_t[]", array) as buffer:
+                if seq_id is None:
+                    written = call("llama_state_get_data", ctx, buffer, size)
+                else:
+                    written = call("llama_state_seq_get_data_ext", ctx, buffer, size, seq_id, flags)
         if written == 0:
             raise StateError(f"llama.cpp could not save the state ({_scope(seq_id)})")
-        return bytes(ffi.buffer(buffer, written))
+        return array.data[:written].toreadonly()  # the view keeps the array alive
 
     def load_state_bytes(
         self, data: bytes | memoryview, seq_id: int | None, partial: bool = False

@@ -154,6 +154,11 @@ class SavedState:
             tuple(int(t) for t in tokens), payload, model_id, n_ctx, _SCOPES[scope], checkpoints
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # As its checked blob: the payloads are views (of a mapped file, of the buffer
+        # llama.cpp wrote), which pickle cannot take.
+        return SavedState.from_bytes, (self.to_bytes(),)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SavedState):
             return NotImplemented
