@@ -30,9 +30,11 @@ def test_warmup_decodes_once_and_leaves_nothing_behind(tiny_model_path: Path) ->
         assert _prompt_tokens_evaluated(warm) == 2  # BOS and EOS
         assert warm.context.positions(0) is None  # the memory is empty again
         assert len(cache) == 0  # and no prompt cache holds the warm-up
+        assert warm.vocab._facts.eog is not None  # the end tokens are found: no first-call scan
         answer = warm.create_completion(PROMPT, max_tokens=8, temperature=0, min_tokens=8)
     with Llama(tiny_model_path, n_ctx=128, n_threads=2) as cold:
         assert _prompt_tokens_evaluated(cold) == 1  # none
+        assert cold.vocab._facts.eog is None
         again = cold.create_completion(PROMPT, max_tokens=8, temperature=0, min_tokens=8)
     assert answer.choices[0].text == again.choices[0].text
     assert answer.usage.cached_tokens == 0
