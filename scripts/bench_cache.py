@@ -99,10 +99,11 @@ class Server:
 
 
 def first_token_seconds(llm: Llama, prompt: str) -> float:
-    """Time to the first chunk of the answer. Two tokens: the cache store at the end comes
-    before the last chunk, which must not be the first."""
+    """Time to the first chunk of the answer, greedy as llama-server is asked. Two tokens, the
+    first not an end: the cache store at the end comes before the last chunk, which must not be
+    the first (greedy, this model ends its answer at once)."""
     started = time.perf_counter()
-    stream = llm.stream_completion(prompt, max_tokens=2)
+    stream = llm.stream_completion(prompt, max_tokens=2, min_tokens=2, temperature=0)
     next(stream)
     seconds = time.perf_counter() - started
     for _ in stream:  # finish: the completion stores its state in the cache now
