@@ -218,6 +218,18 @@ def test_a_worker_ends_with_the_process_that_started_it() -> None:
 
 
 @needs_rpc
+def test_a_worker_ends_when_its_stdin_ends_while_its_parent_id_stays() -> None:
+    # What a worker on Windows sees of its parent's end (os.getppid() keeps the dead one's id).
+    worker = RpcWorker.start(threads=1)
+    try:
+        assert worker.process.stdin is not None
+        worker.process.stdin.close()
+        assert worker.process.wait(timeout=20) == 0  # its own orderly exit, not our SIGTERM
+    finally:
+        worker.close()
+
+
+@needs_rpc
 def test_worker_lists_devices_and_refuses_an_unknown_one() -> None:
     command = [sys.executable, "-m", "llamacrab", "rpc-worker"]
     listed = subprocess.run(

@@ -338,13 +338,41 @@ def test_a_client_leaving_is_not_answered_nor_its_leaving_blamed_on_the_child() 
     assert text == 'data: {"n": 1}\n\n', text
 
 
-def test_a_child_ends_when_its_server_is_gone(tmp_path: Path, tiny_model_path: Path) -> None:
-    import shlex
+# Stands for the server: starts the child as ChildModel does, waits until it serves, then ends
+# without stopping it (or, with "close", closes the child's stdin and lives on).
+_PARENT = """
+import os, socket, subprocess, sys, time
+from llamacrab.server._isolation import PARENT_ENV
+spec, port, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+child = subprocess.Popen([sys.executable, "-m", "llamacrab.server._child"], stdin=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, PARENT_ENV: str(os.getpid())})
+child.stdin.write(open(spec, "rb").read() + b"\\n")
+child.stdin.flush()
+print(child.pid, flush=True)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.1)
+print("serving" if child.poll() is None else "ended", flush=True)
+if how == "exit":
+    os._exit(0)
+child.stdin.close()
+print(child.wait(timeout=20), flush=True)
+"""
+
+
+def _child_of_a_parent(tmp_path: Path, tiny_model_path: Path, how: str) -> list[str]:
+    """Run _PARENT; what it printed: the child's pid, whether it served, (for "close") how it
+    ended."""
     import socket
     import subprocess
     import sys
 
-    from llamacrab.server._isolation import PARENT_ENV, child_spec
+    from llamacrab.server._isolation import child_spec
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -352,16 +380,26 @@ def test_a_child_ends_when_its_server_is_gone(tmp_path: Path, tiny_model_path: P
     spec = tmp_path / "spec.json"
     spec.write_text(child_spec(ModelEntry("m", str(tiny_model_path)), ServerSettings(model=""),
                                port, "key"))  # fmt: skip
-    # The shell stands for the server: it starts the child, then ends without stopping it.
-    script = (f"{PARENT_ENV}=$$ {shlex.quote(sys.executable)} -m llamacrab.server._child "
-              f"< {shlex.quote(str(spec))} >/dev/null 2>&1 & c=$!; echo $c; sleep 6; "
-              "kill -0 $c && echo serving")  # fmt: skip
-    shell = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
-    printed, running = shell.stdout.split()
+    parent = subprocess.run([sys.executable, "-c", _PARENT, str(spec), str(port), how],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    return parent.stdout.split()
+
+
+def test_a_child_ends_when_its_server_is_gone(tmp_path: Path, tiny_model_path: Path) -> None:
+    printed, running = _child_of_a_parent(tmp_path, tiny_model_path, "exit")
+    assert running == "serving"  # it serves while its parent lives
     pid = int(printed)
-    assert running == "serving"  # it serves while the shell lives
     deadline = time.monotonic() + 20
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)  # reparented: not our child, so /proc tells whether it still runs
     stat = Path(f"/proc/{pid}/stat")
     assert not stat.exists() or stat.read_text().rsplit(") ", 1)[1].startswith("Z")
+
+
+def test_a_child_ends_when_its_stdin_ends_while_its_parent_id_stays(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    # What a child on Windows sees of its parent's end (os.getppid() keeps the dead one's id).
+    _, running, status = _child_of_a_parent(tmp_path, tiny_model_path, "close")
+    assert running == "serving"
+    assert status == "1"  # its own exit when the pipe ended, not a timeout of the parent's wait

@@ -26,6 +26,7 @@ from llamacrab._exceptions import InvalidParameterError, RpcError, RpcUnavailabl
 from llamacrab._exit_status import describe
 from llamacrab._native import rpc as _rpc
 from llamacrab._native.rpc import DEFAULT_PORT, Device, Endpoint, local_devices, probe
+from llamacrab._parent_watch import watch_parent
 from llamacrab._ports import free_port
 
 __all__ = ["DEFAULT_PORT", "Device", "RpcWorker", "RpcWorkerOptions", "local_devices", "probe"]
@@ -134,14 +135,16 @@ def run_worker(options: RpcWorkerOptions) -> NoReturn:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    watched = os.environ.pop(_PARENT_ENV, None)
-    parent = int(watched) if watched and watched.isdigit() else None
+    watched = os.environ.pop(_PARENT_ENV, "")
+    parent_gone = threading.Event()
+    if watched.isdigit():
+        watch_parent(int(watched), parent_gone.set)
     thread = threading.Thread(target=serve, name="llamacrab-rpc-worker", daemon=True)
     thread.start()
     try:
         while thread.is_alive():
             thread.join(0.5)
-            if parent is not None and os.getppid() != parent:
+            if parent_gone.is_set():
                 raise KeyboardInterrupt  # the RpcWorker that started it is gone
     except KeyboardInterrupt:
         sys.stdout.flush()
@@ -150,8 +153,12 @@ def run_worker(options: RpcWorkerOptions) -> NoReturn:
     raise failure[0] if failure else RpcError("the RPC worker stopped", options.endpoint)
 
 
-# Set by RpcWorker for its child: the worker ends when the process that started it is gone.
+# Set by RpcWorker for its child: the worker ends when the process that started it is gone
+# (its stdin, a pipe the parent holds open, ends; on POSIX also when its parent changes).
 _PARENT_ENV = "LLAMACRAB_RPC_WORKER_PARENT"
+# The write ends of the workers' stdin: held until stop() or this process's end, not for as
+# long as the RpcWorker object, whose loss alone must not end its worker.
+_parent_pipes: set[IO[bytes]] = set()
 
 
 class RpcWorker:
@@ -189,11 +196,13 @@ class RpcWorker:
             log = tempfile.TemporaryFile() if output is None else None  # noqa: SIM115 - the worker owns it
             process = subprocess.Popen(
                 [sys.executable, "-m", "llamacrab", "rpc-worker", *chosen.argv()],
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,
                 stdout=log if output is None else output,
                 stderr=subprocess.STDOUT,
                 env={**(os.environ if env is None else env), _PARENT_ENV: str(os.getpid())},
             )
+            assert process.stdin is not None
+            _parent_pipes.add(process.stdin)
             worker = cls(chosen, process, log)
             try:
                 worker._wait_ready(start_timeout)
@@ -250,6 +259,7 @@ class RpcWorker:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._release_pipe()
         return int(self.process.returncode)
 
     def kill(self) -> None:
@@ -257,6 +267,12 @@ class RpcWorker:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self._release_pipe()
+
+    def _release_pipe(self) -> None:
+        if self.process.stdin is not None:
+            _parent_pipes.discard(self.process.stdin)
+            self.process.stdin.close()
 
     def close(self) -> None:
         self.stop()

@@ -25,7 +25,8 @@ from llamacrab._exit_status import describe
 from llamacrab._ports import free_port
 from llamacrab.server._settings import ServerSettings
 
-# The child reads what to serve from stdin and its parent's pid from here (it ends when gone).
+# The child reads what to serve from stdin's first line and its parent's pid from here (it
+# ends when the rest of stdin ends or, on POSIX, its parent changes).
 PARENT_ENV = "LLAMACRAB_SERVE_PARENT"
 _STDERR_LINES = 40
 _children: weakref.WeakSet[ChildModel] = weakref.WeakSet()
@@ -95,8 +96,10 @@ class ChildModel:
             start_new_session=True,  # the parent stops it; a Ctrl-C meant for it does not
         )  # fmt: skip
         assert process.stdin is not None
-        with process.stdin:
-            process.stdin.write(spec.encode())
+        # One line, and the pipe stays open: it closes when this process ends, however it
+        # ends, which is how the child knows (os.getppid() cannot tell on Windows).
+        process.stdin.write(spec.encode() + b"\n")
+        process.stdin.flush()
         child = cls(entry.name, process, port, key, on_death)
         try:
             child._load(timeout)
@@ -192,6 +195,8 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    if process.stdin is not None:
+        process.stdin.close()
 
 
 def stop_loading_children() -> None:
