@@ -258,6 +258,18 @@ def test_disk_cache_survives_a_restart(tmp_path: Path, tiny_model_path: Path) ->
     assert int(runs[0].stdout) == 0 and int(runs[1].stdout) > 10
 
 
+def test_a_disk_cache_writes_a_state_s_exact_blob_from_its_parts(
+    tmp_path: Path, tiny_llama: Llama
+) -> None:
+    tiny_llama.create_completion(PROMPT, max_tokens=0)
+    state = tiny_llama.save_state()
+    cache = DiskCache(tmp_path / "cache")
+    cache.store(state)
+    cache.close()
+    (value,) = (tmp_path / "cache").rglob("*.val")
+    assert value.read_bytes() == state.to_bytes() == b"".join(state.blob_parts())
+
+
 def test_a_disk_cache_writes_behind_and_bounds_what_waits(
     tmp_path: Path, tiny_llama: Llama
 ) -> None:

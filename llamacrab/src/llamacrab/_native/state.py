@@ -93,21 +93,25 @@ class SavedState:
         return len(self.payload) + extra + 4 * len(self.tokens)
 
     def to_bytes(self) -> bytes:
+        return b"".join(self.blob_parts())
+
+    def blob_parts(self) -> list[bytes | memoryview]:
+        """``to_bytes`` in parts, the payloads as they are held: a writer can send them on
+        without joining tens of megabytes into one more copy first."""
         head = _HEAD.pack(
             MAGIC, FORMAT_VERSION, _SCOPES.index(self.scope), self.n_ctx, self.model_id,
             len(self.tokens),
         )  # fmt: skip
-        parts = [head, np.asarray(self.tokens, dtype="<i4").tobytes(),
+        parts: list[bytes | memoryview] = [head, np.asarray(self.tokens, dtype="<i4").tobytes(),
                  struct.pack("<Q", len(self.payload)), self.payload,
                  struct.pack("<I", len(self.checkpoints))]  # fmt: skip
         for checkpoint in self.checkpoints:
             parts += [_CHECKPOINT_HEAD.pack(checkpoint.n_tokens, len(checkpoint.payload)),
                       checkpoint.payload]  # fmt: skip
-        # Hashed part by part and joined once: states are tens of megabytes.
         digest = _CHECKSUMS[FORMAT_VERSION]()
         for part in parts:
             digest.update(part)
-        return b"".join([*parts, digest.digest()])
+        return [*parts, digest.digest()]
 
     @classmethod
     def from_bytes(cls, blob: bytes | mmap.mmap) -> SavedState:
