@@ -142,6 +142,36 @@ def test_gemma_without_a_template_gets_the_gemma_format(gemma: Llama) -> None:
     assert second.choices[0].finish_reason in ("eos", "length")
 
 
+def test_counted_chat_tokens_are_the_prompt_a_completion_decodes(gemma: Llama) -> None:
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    cases: list[dict[str, object]] = [
+        {},
+        {"tools": tools},  # Gemma's template cannot present them: a generic-format system turn
+        {"tools": tools, "tool_choice": "none"},  # ... which "none" leaves out
+        {"tools": tools, "tool_choice": "required", "max_tokens": 4, "temperature": 0},
+        {"response_format": {"type": "json_object"}},
+    ]
+    counts = []
+    for case in cases:
+        count = gemma.count_chat_tokens(question, **case)  # type: ignore[arg-type]
+        answer = gemma.create_chat_completion(question, **{"max_tokens": 1, **case})  # type: ignore[arg-type]
+        assert count == answer.usage.prompt_tokens, case
+        counts.append(count)
+    assert counts[0] == counts[2] < counts[1]
+    # What a completion refuses, the count refuses alike.
+    for bad in (
+        {"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    ):
+        for call in (gemma.count_chat_tokens, gemma.create_chat_completion):
+            with pytest.raises(InvalidParameterError):
+                call(question, **bad)  # type: ignore[operator]
+    with pytest.raises(InvalidParameterError, match="role"):
+        gemma.count_chat_tokens([{"role": "nobody", "content": "hi"}])
+
+
 def test_async_chat_stream(templated: Llama) -> None:
     import asyncio
 

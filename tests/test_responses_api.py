@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,21 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from live_server import LiveServer
-from openai.types.responses import Response
+from openai.types.responses import (
+    Response,
+    ResponseFunctionToolCallItem,
+    ResponseFunctionToolCallOutputItem,
+    ResponseInputMessageItem,
+    ResponseItem,
+    ResponseOutputMessage,
+)
 
 from llamacrab.server import ServerSettings
+from llamacrab.server._responses_items import listed, page, with_ids
+from llamacrab.server._responses_schemas import INPUT_ITEMS
 from llamacrab.server._responses_store import ResponseStore
 
 KEY = "sesame"
@@ -245,22 +256,27 @@ def test_json_schema_text_format(gemma_server: LiveServer) -> None:
 # -- refusals and guards -------------------------------------------------------------------------
 
 
+# Requests /v1/responses refuses (and /v1/responses/input_tokens with them): the options, the
+# param named, words of the message.
+REFUSALS = [
+    ({"tools": [{"type": "web_search_preview"}]}, "tools", "'web_search_preview' is not"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice", "'file_search' is not"),
+    ({"background": True}, "background", "background responses are not supported"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' is not"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input", "input[0].content[0]: content type 'input_file'"),
+    ({"include": ["message.output_text.logprobs"]}, "include", "is not supported"),
+    ({"truncation": "auto"}, "truncation", "truncation"),
+    ({"max_output_tokens": 10_000}, "max_output_tokens", "limit of 256"),
+    ({"previous_response_id": "resp_unknown"}, "previous_response_id", "is not stored"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema",
+     "needs a schema"),
+    ({"input": []}, "input", "nothing to answer"),
+]  # fmt: skip
+
+
 @pytest.mark.real_model
-@pytest.mark.parametrize(
-    ("options", "param", "words"),
-    [
-        ({"tools": [{"type": "web_search_preview"}]}, "tools", "'web_search_preview' is not"),
-        ({"tool_choice": {"type": "file_search"}}, "tool_choice", "'file_search' is not"),
-        ({"background": True}, "background", "background responses are not supported"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' is not"),
-        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
-         "input", "input[0].content[0]: content type 'input_file'"),
-        ({"include": ["message.output_text.logprobs"]}, "include", "is not supported"),
-        ({"truncation": "auto"}, "truncation", "truncation"),
-        ({"max_output_tokens": 10_000}, "max_output_tokens", "limit of 256"),
-        ({"previous_response_id": "resp_unknown"}, "previous_response_id", "is not stored"),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize(("options", "param", "words"), REFUSALS)
 def test_what_is_refused_is_named(
     gemma_server: LiveServer, options: dict[str, Any], param: str, words: str
 ) -> None:
@@ -282,6 +298,292 @@ def test_the_route_sits_behind_the_key_and_is_counted(gemma_server: LiveServer) 
     assert 'route="/responses",status="200"' in metrics
     schema = httpx.get(gemma_server.url + "/openapi.json", headers=headers).json()
     assert "/v1/responses" in schema["paths"]
+
+
+# -- input items ---------------------------------------------------------------------------------
+
+ITEM_TYPES = pydantic.TypeAdapter(ResponseItem)
+
+
+def strict_items(client: openai.OpenAI, response_id: str, **query: Any) -> dict[str, Any]:
+    """A page of input items as answered, every item validated by the SDK's types (the SDK
+    itself builds them without validating)."""
+    raw = client.responses.input_items.with_raw_response.list(response_id, **query)
+    page = raw.http_response.json()
+    page["data"] = [ITEM_TYPES.validate_python(item) for item in page["data"]]
+    return page  # type: ignore[no-any-return]
+
+
+def ids(items: Any) -> list[str]:
+    return [item.id for item in items]
+
+
+@pytest.fixture(scope="module")
+def chained(gemma_server: LiveServer) -> tuple[Response, Response]:
+    """A response, and one after it (previous_response_id) with two messages of its own."""
+    client = sdk(gemma_server)
+    first = answer(client, instructions="Answer briefly.", input="Name a colour.",
+                   max_output_tokens=4)  # fmt: skip
+    second = answer(client, previous_response_id=first.id, max_output_tokens=4, input=[
+        {"role": "developer", "content": "Use one word."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Another one."}]},
+    ])  # fmt: skip
+    return first, second
+
+
+@pytest.mark.real_model
+def test_input_items_are_the_conversation_newest_first(
+    gemma_server: LiveServer, chained: tuple[Response, Response]
+) -> None:
+    client = sdk(gemma_server)
+    first, second = chained
+    page = strict_items(client, second.id)
+    newest_first = page["data"]
+    # The earlier response's input and output come first: the model was given them too.
+    assert [type(item) for item in reversed(newest_first)] == [
+        ResponseInputMessageItem, ResponseOutputMessage, ResponseInputMessageItem,
+        ResponseInputMessageItem,
+    ]  # fmt: skip
+    asked, answered, developer, user = reversed(newest_first)
+    assert asked.role == "user" and asked.content[0].text == "Name a colour."
+    assert answered.id == first.output[0].id and answered.status == first.output[0].status
+    assert answered.content[0].text == first.output_text
+    assert developer.role == "developer" and developer.content[0].text == "Use one word."
+    assert user.content[0].type == "input_text" and user.content[0].text == "Another one."
+    assert {item.status for item in (asked, developer, user)} == {"completed"}
+    all_ids = ids(newest_first)
+    assert len(set(all_ids)) == 4 and all(i.startswith("msg_") for i in all_ids)
+    assert (page["object"], page["has_more"]) == ("list", False)
+    assert (page["first_id"], page["last_id"]) == (all_ids[0], all_ids[-1])
+    # In order, the same items; the ids were given once, when each response was stored.
+    assert ids(client.responses.input_items.list(second.id, order="asc")) == all_ids[::-1]
+    assert ids(client.responses.input_items.list(second.id)) == all_ids
+    assert ids(client.responses.input_items.list(first.id)) == [asked.id]
+    harmless = ["reasoning.encrypted_content", "message.input_image.image_url"]
+    assert ids(client.responses.input_items.list(second.id, include=harmless)) == all_ids  # type: ignore[arg-type]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("order", ["asc", "desc"])
+def test_pages_of_one_walk_every_item(
+    gemma_server: LiveServer, chained: tuple[Response, Response], order: str
+) -> None:
+    client = sdk(gemma_server)
+    second = chained[1]
+    every = ids(client.responses.input_items.list(second.id, order=order))  # type: ignore[arg-type]
+    walked, after = [], None
+    while True:
+        options = {} if after is None else {"after": after}
+        page = client.responses.input_items.list(second.id, order=order, limit=1, **options)  # type: ignore[arg-type]
+        [item] = page.data
+        assert page.first_id == page.last_id == item.id  # type: ignore[attr-defined]
+        walked.append(item.id)
+        if not page.has_more:
+            break
+        after = item.id
+    assert walked == every and len(every) == 4
+    assert ids(client.responses.input_items.list(second.id, order=order, limit=1)) == every  # type: ignore[arg-type]
+    rest = client.responses.input_items.list(second.id, order=order, limit=2, after=every[0])  # type: ignore[arg-type]
+    assert ids(rest.data) == every[1:3] and rest.has_more
+    past_the_end = strict_items(client, second.id, order=order, after=every[-1])
+    assert past_the_end["data"] == [] and past_the_end["has_more"] is False
+    assert past_the_end["first_id"] is None and past_the_end["last_id"] is None
+
+
+@pytest.mark.real_model
+def test_function_calls_and_their_outputs_are_listed(tools_server: LiveServer) -> None:
+    client = sdk(tools_server)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = answer(client, input=question, tools=[WEATHER], tool_choice=FORCED,
+                    max_output_tokens=40)  # fmt: skip
+    [call] = called.output
+    assert call.type == "function_call"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
+    reply = answer(client, previous_response_id=called.id, input=[result], tools=[WEATHER])
+    asked, listed_call, output = strict_items(client, reply.id, order="asc")["data"]
+    assert isinstance(asked, ResponseInputMessageItem)
+    assert isinstance(listed_call, ResponseFunctionToolCallItem)
+    assert listed_call.model_dump() == {**call.model_dump(), "created_by": None}
+    assert isinstance(output, ResponseFunctionToolCallOutputItem)
+    assert output.id.startswith("fco_") and output.status == "completed"
+    assert (output.call_id, output.output) == (call.call_id, "Sunny, 24 C")
+    # Items the client sends keep their ids; one repeated gets another (ids stay unique).
+    resent = answer(client, input=[*question, call.model_dump(), result, call.model_dump()],
+                    tools=[WEATHER], max_output_tokens=2)  # fmt: skip
+    listed = list(client.responses.input_items.list(resent.id, order="asc"))
+    assert [item.type for item in listed] == ["message", "function_call",
+                                              "function_call_output", "function_call"]  # fmt: skip
+    assert listed[1].id == call.id and listed[3].id not in (call.id, None)
+    assert len(set(ids(listed))) == 4
+
+
+@pytest.mark.real_model
+def test_listing_unknown_responses_is_404_as_retrieving(gemma_server: LiveServer) -> None:
+    client = sdk(gemma_server)
+    unstored = answer(client, input="Say hi.", max_output_tokens=2, store=False)
+    deleted = answer(client, input="Say hi.", max_output_tokens=2)
+    client.responses.delete(deleted.id)
+    for gone in ("resp_unknown", unstored.id, deleted.id):
+        with pytest.raises(openai.NotFoundError) as listing:
+            client.responses.input_items.list(gone)
+        with pytest.raises(openai.NotFoundError) as retrieving:
+            client.responses.retrieve(gone)
+        assert listing.value.body == retrieving.value.body
+        assert listing.value.body["param"] == "response_id"  # type: ignore[index]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    ("query", "param", "words"),
+    [
+        ("limit=0", "limit", "greater than or equal to 1"),
+        ("limit=-5", "limit", "greater than or equal to 1"),
+        ("limit=101", "limit", "less than or equal to 100"),
+        ("limit=" + "9" * 5000, "limit", "integer"),
+        ("limit=twenty", "limit", "valid integer"),
+        ("order=newest", "order", "'asc' or 'desc'"),
+        ("after=msg_unknown", "after", "no input item 'msg_unknown'"),
+        ("after=" + "x" * 60_000, "after", "no input item 'xxx"),
+        ("include[]=message.output_text.logprobs", "include", "'message.output_text.logprobs'"),
+        ("include=file_search_call.everything", "include", "is not supported"),
+    ],
+)  # fmt: skip
+def test_bad_pages_are_refused_by_name(
+    gemma_server: LiveServer, chained: tuple[Response, Response], query: str, param: str,
+    words: str,
+) -> None:  # fmt: skip
+    url = f"{gemma_server.url}/v1/responses/{chained[1].id}/input_items?{query}"
+    refused = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"})
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert len(error["message"]) < 300  # a long id is not echoed whole
+
+
+@pytest.mark.real_model
+def test_an_after_too_long_for_http_is_refused_and_the_server_lives_on(
+    gemma_server: LiveServer, chained: tuple[Response, Response]
+) -> None:
+    host, port = gemma_server.url.removeprefix("http://").split(":")
+    target = f"/v1/responses/{chained[1].id}/input_items?after={'x' * 100_000}"
+    request = f"GET {target} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(f"{request}Connection: close\r\n\r\n".encode())
+        status_line = connection.makefile("rb").readline()
+    assert status_line.split()[1] == b"400"  # uvicorn's, before any route: an HTTP limit
+    assert httpx.get(gemma_server.url + "/health").status_code == 200
+    assert ids(sdk(gemma_server).responses.input_items.list(chained[1].id, limit=1))
+
+
+# -- input tokens --------------------------------------------------------------------------------
+
+
+def count(client: openai.OpenAI, **body: Any) -> int:
+    counted = client.responses.input_tokens.count(model="gemma", **body)
+    assert counted.object == "response.input_tokens"
+    return counted.input_tokens
+
+
+def prompt_tokens_processed(server: LiveServer) -> str:
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    [line] = [x for x in metrics.text.splitlines() if x.startswith("llamacrab_prompt_tokens")]
+    return line
+
+
+@pytest.mark.real_model
+def test_input_tokens_are_a_response_usage_input_tokens(
+    gemma_server: LiveServer, chained: tuple[Response, Response]
+) -> None:
+    client = sdk(gemma_server)
+    first, second = chained
+    processed = prompt_tokens_processed(gemma_server)
+    with_instructions = count(client, instructions="Answer briefly.", input="Name a colour.")
+    assert with_instructions == first.usage.input_tokens  # type: ignore[union-attr]
+    assert count(client, input="Name a colour.") < with_instructions
+    following = count(client, previous_response_id=first.id, input=[
+        {"role": "developer", "content": "Use one word."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Another one."}]},
+    ])  # fmt: skip
+    assert following == second.usage.input_tokens  # type: ignore[union-attr]
+    assert prompt_tokens_processed(gemma_server) == processed  # nothing was decoded
+    # Without /v1 too, behind the key like every route.
+    url, body = gemma_server.url + "/responses/input_tokens", {"input": "Name a colour."}
+    assert httpx.post(url, json=body).status_code == 401
+    counted = httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert counted.json() == {"object": "response.input_tokens",
+                              "input_tokens": count(client, input="Name a colour.")}  # fmt: skip
+
+
+@pytest.mark.real_model
+def test_input_tokens_with_tools_are_the_response_usage(tools_server: LiveServer) -> None:
+    client = sdk(tools_server)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = answer(client, input=question, tools=[WEATHER], tool_choice=FORCED,
+                    max_output_tokens=40)  # fmt: skip
+    [call] = called.output
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
+    reply = answer(client, previous_response_id=called.id, input=[result], tools=[WEATHER])
+    assert count(client, input=question, tools=[WEATHER]) == called.usage.input_tokens
+    assert count(client, input=question) < called.usage.input_tokens
+    by_id = count(client, previous_response_id=called.id, input=[result], tools=[WEATHER])
+    assert by_id == reply.usage.input_tokens
+
+
+@pytest.mark.real_model
+def test_input_tokens_are_the_prompt_the_chat_engine_builds(gemma_server: LiveServer) -> None:
+    # Gemma 3's own template presents no tools: "none" leaves them out, "auto" describes them
+    # in a system turn; a forced call that cannot be refuses alike on both routes.
+    client = sdk(gemma_server)
+    for choice in ("none", "auto"):
+        options = {"input": "What is the weather in Paris?", "tools": [WEATHER],
+                   "tool_choice": choice}  # fmt: skip
+        assert count(client, **options) == answer(client, **options).usage.input_tokens
+    assert count(client, input="hi", tools=[WEATHER], tool_choice="none") == count(
+        client, input="hi"
+    )
+    for bad in ({"type": "function", "name": "nope"}, "required"):
+        extra = {} if bad != "required" else {"text": {"format": {"type": "json_object"}}}
+        messages = []
+        for call in (answer, count):
+            with pytest.raises(openai.BadRequestError) as error:
+                call(client, input="hi", tools=[WEATHER], tool_choice=bad, **extra)
+            messages.append(error.value.message)
+        assert messages[0] == messages[1]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(("options", "param", "words"), REFUSALS)
+def test_input_tokens_refuse_what_responses_refuse(
+    gemma_server: LiveServer, options: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as error:
+        count(sdk(gemma_server), extra_body={"input": "hi", **options})
+    assert error.value.body["param"] == param  # type: ignore[index]
+    assert words in error.value.message
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        # Deeper than JSON parsers go (Python's stops near 1,000 levels).
+        ('{"input": "hi", "metadata": ' + "[" * 10_000 + "]" * 10_000 + "}", 400,
+         "error parsing the body"),
+        ('{"input": "hi", "metadata": ' + '{"a": ' * 900 + "1" + "}" * 900 + "}", 400,
+         "metadata.a: Input should be a valid string"),
+        ('{"input": "hi", "instructions": 7}', 400, "instructions: Input should be a valid"),
+        ('{"input": "hi"', 400, "not valid JSON"),
+    ],
+)  # fmt: skip
+def test_hostile_input_tokens_bodies_are_refused(
+    gemma_server: LiveServer, body: str, status: int, words: str
+) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    url = gemma_server.url + "/v1/responses/input_tokens"
+    refused = httpx.post(url, content=body, headers=headers, timeout=60)
+    assert refused.status_code == status and words in refused.json()["error"]["message"]
+    assert httpx.get(gemma_server.url + "/health").status_code == 200
+    assert count(sdk(gemma_server), input="hi") > 0
 
 
 # -- the store -----------------------------------------------------------------------------------
@@ -319,3 +621,43 @@ def test_the_store_keeps_at_most_its_bytes() -> None:
     assert store.delete("b")
     store.put(_response("d"), (), 70)  # 30 + 70: both fit
     assert store.get("c") and store.get("d")
+
+
+def test_stored_items_keep_their_ids_and_repeated_ones_get_new() -> None:
+    sent = INPUT_ITEMS.validate_python([
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "id": "fc_1", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "Sunny"},
+        {"type": "function_call", "id": "fc_1", "call_id": "c", "name": "f", "arguments": "{}"},
+    ])  # fmt: skip
+    identified = with_ids(sent)
+    given = [listed(item)["id"] for item in identified]
+    assert given[1] == "fc_1" and identified[1] is sent[1]  # kept, not copied
+    assert given[0].startswith("msg_") and given[2].startswith("fco_")
+    assert given[3].startswith("fc_") and len(set(given)) == 4
+    again = with_ids(identified)  # a follow-up's history: nothing changes
+    assert all(new is old for new, old in zip(again, identified, strict=True))
+
+
+def test_content_parts_are_listed_in_the_sdk_shapes() -> None:
+    image = "data:image/png;base64,iVBORw0KGgo="
+    items = with_ids(INPUT_ITEMS.validate_python([
+        {"role": "user", "content": [{"type": "input_text", "text": "See"},
+                                     {"type": "input_image", "image_url": image}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "No."},
+                                          {"type": "refusal", "refusal": "I can't."}]},
+        {"role": "system", "content": "Be kind.", "status": "incomplete"},
+        {"type": "function_call_output", "call_id": "c",
+         "output": [{"type": "input_text", "text": "24 C"}]},
+    ]))  # fmt: skip
+    data = page(items, "asc", 20, None)["data"]
+    user, assistant, system, output = map(ITEM_TYPES.validate_python, data)
+    assert isinstance(user, ResponseInputMessageItem)
+    assert [part.type for part in user.content] == ["input_text", "input_image"]
+    assert user.content[1].image_url == image and user.content[1].detail == "auto"  # type: ignore[union-attr]
+    assert isinstance(assistant, ResponseOutputMessage) and assistant.status == "completed"
+    assert [part.type for part in assistant.content] == ["output_text", "refusal"]
+    assert isinstance(system, ResponseInputMessageItem) and system.status == "incomplete"
+    assert system.content[0].text == "Be kind."  # type: ignore[union-attr]
+    assert isinstance(output, ResponseFunctionToolCallOutputItem)
+    assert output.output[0].text == "24 C"  # type: ignore[union-attr]

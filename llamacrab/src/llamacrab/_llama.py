@@ -380,6 +380,27 @@ class Llama:
         stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
         return stream.then(options.chunks)
 
+    @checked
+    def count_chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        chat_format: str | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> int:
+        """How many prompt tokens ``create_chat_completion`` with the same arguments would
+        decode (its ``usage.prompt_tokens``; an image or a sound counts the positions it
+        takes), found without generating. The messages, tools, tool_choice and response_format
+        are checked as it checks them; keywords that shape only the answer (max_tokens,
+        sampling) are taken and change nothing."""
+        options = ChatOptions(tools, tool_choice, response_format, False, chat_template_kwargs)
+        tokens, _ = self._chat_request(messages, chat_format, options, kwargs)
+        return len(tokens) if isinstance(tokens, list) else tokens.n_pos
+
     async def astream_chat_completion(
         self, messages: Sequence[Mapping[str, Any]], **kwargs: Any
     ) -> AsyncIterator[ChatCompletionChunk]:

@@ -1,27 +1,32 @@
 """OpenAI's Responses API (``/v1/responses``) over the chat API: each request is translated
 into a chat request, so the chat route's limits, cancellation and metrics apply, and its result
 (whole or streamed) translated back. Responses are kept for ``previous_response_id`` in a
-bounded in-memory store."""
+bounded in-memory store, which also lists their input items; a request's input tokens are
+counted from the same chat request, without generating."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Any
+from typing import Annotated, Any, NamedTuple
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from starlette.requests import Request
 
+from llamacrab import Llama
 from llamacrab._types import ChatCompletionChunk
 from llamacrab.server import _responses_wire as wire
 from llamacrab.server._errors import ApiError
 from llamacrab.server._lora import request_lora
 from llamacrab.server._responses_events import ResponseEvents, frame
+from llamacrab.server._responses_items import Order, check_includes, page, with_ids
 from llamacrab.server._responses_schemas import (
     INPUT_ITEMS,
     DeletedResponse,
     InputItem,
+    InputItemList,
+    InputTokens,
     ResponseObject,
     ResponseRequest,
 )
@@ -31,27 +36,45 @@ from llamacrab.server._streaming import ERRORS, complete, in_thread, sse_events
 from llamacrab.server._wire import chat_kwargs
 
 
+class _ChatCall(NamedTuple):
+    """The chat call that answers a request: the model, the messages and the keywords (and the
+    items of the earlier responses the messages begin with)."""
+
+    llama: Llama
+    previous: tuple[InputItem, ...]
+    messages: list[dict[str, Any]]
+    kwargs: dict[str, Any]
+
+
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
-    """``POST /v1/responses`` (also ``/responses``), and ``GET``/``DELETE`` of a stored one."""
+    """``POST /v1/responses`` (also ``/responses``), ``GET``/``DELETE`` of a stored one and
+    ``GET`` of its input items, and ``POST /v1/responses/input_tokens``."""
     settings = state.settings
     store = ResponseStore(settings.max_stored_responses, settings.stored_response_ttl,
                           settings.max_stored_response_bytes)  # fmt: skip
 
-    async def create(body: ResponseRequest, client: Request) -> Any:
+    def chat_call(body: ResponseRequest) -> _ChatCall:
+        """What answers ``body``, once everything it asks for has been checked."""
         llama = state.generator(body.model)
         wire.check_supported(body, settings)
-        items = (*_history(store, body.previous_response_id), *body.input)
-        messages = wire.chat_messages(body.instructions, items)
+        previous = _history(store, body.previous_response_id)
+        messages = wire.chat_messages(body.instructions, (*previous, *body.input))
         kwargs = chat_kwargs(wire.chat_request(body, messages), settings)
         kwargs.update(request_lora(body.lora, llama))
+        return _ChatCall(llama, previous, messages, kwargs)
+
+    async def create(body: ResponseRequest, client: Request) -> Any:
+        llama, previous, messages, kwargs = chat_call(body)
         stored = body.store and store.size > 0
         draft = wire.draft(body, state.model_name(body.model), stored)
 
         def remember(response: dict[str, Any]) -> None:
             if stored:
                 output = INPUT_ITEMS.validate_python(response["output"])
-                added = len(json.dumps(response)) + len(INPUT_ITEMS.dump_json(list(body.input)))
-                store.put(response, (*items, *output), added)
+                history = with_ids((*previous, *body.input, *output))
+                own_input = history[len(previous) : len(previous) + len(body.input)]
+                added = len(json.dumps(response)) + len(INPUT_ITEMS.dump_json(list(own_input)))
+                store.put(response, history, added)
 
         if body.stream:
             chunks = await in_thread(partial(llama.stream_chat_completion, messages, **kwargs))
@@ -62,6 +85,13 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         response = wire.response(draft, result, body.parallel_tool_calls)
         remember(response)
         return response
+
+    async def count_input_tokens(body: ResponseRequest) -> Any:
+        """The prompt tokens ``POST /v1/responses`` would take for ``body`` (nothing is
+        generated; what it refuses is refused here)."""
+        call = chat_call(body)
+        count = await in_thread(partial(call.llama.count_chat_tokens, call.messages, **call.kwargs))
+        return {"object": "response.input_tokens", "input_tokens": count}
 
     async def retrieve(response_id: str, stream: bool = False) -> Any:
         if stream:  # the SDK would read this JSON as an empty event stream
@@ -75,15 +105,34 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
             raise _not_found(store, response_id, "response_id")
         return {"id": response_id, "object": "response", "deleted": True}
 
+    async def input_items(
+        response_id: str,
+        after: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Order = "desc",
+        include: Annotated[list[str] | None, Query()] = None,
+        # The openai SDK's spelling of a list in a query string.
+        include_listed: Annotated[list[str] | None, Query(alias="include[]")] = None,
+    ) -> Any:
+        check_includes((*(include or ()), *(include_listed or ())))
+        return page(_stored(store, response_id).input_items, order, limit, after)
+
     for prefix, documented in (("/v1", True), ("", False)):
         app.add_api_route(f"{prefix}/responses", create, methods=["POST"],
                           response_model=ResponseObject, responses=ERRORS,
+                          include_in_schema=documented)  # fmt: skip
+        # Before /responses/{response_id}, whose path it matches too.
+        app.add_api_route(f"{prefix}/responses/input_tokens", count_input_tokens,
+                          methods=["POST"], response_model=InputTokens, responses=ERRORS,
                           include_in_schema=documented)  # fmt: skip
         app.add_api_route(f"{prefix}/responses/{{response_id}}", retrieve, methods=["GET"],
                           response_model=ResponseObject, responses=ERRORS,
                           include_in_schema=documented)  # fmt: skip
         app.add_api_route(f"{prefix}/responses/{{response_id}}", delete, methods=["DELETE"],
                           response_model=DeletedResponse, responses=ERRORS,
+                          include_in_schema=documented)  # fmt: skip
+        app.add_api_route(f"{prefix}/responses/{{response_id}}/input_items", input_items,
+                          methods=["GET"], response_model=InputItemList, responses=ERRORS,
                           include_in_schema=documented)  # fmt: skip
 
 

@@ -82,20 +82,32 @@ ContentPart = Annotated[
 ]
 
 
-class MessageItem(Lenient):
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class ItemBase(Lenient):
+    """What an item keeps once its response is stored, for ``GET
+    /v1/responses/{id}/input_items``: its id (the client's, else one given when stored) and
+    its status."""
+
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+class MessageItem(ItemBase):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
 
 
-class FunctionCallItem(Lenient):
+class FunctionCallItem(ItemBase):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(Lenient):
+class FunctionCallOutputItem(ItemBase):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[ContentPart]
@@ -209,7 +221,7 @@ class OutputTextOut(BaseModel):
 class MessageOut(BaseModel):
     type: Literal["message"] = "message"
     id: str
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: ItemStatus
     role: Literal["assistant"] = "assistant"
     content: list[OutputTextOut]
 
@@ -220,7 +232,7 @@ class FunctionCallOut(BaseModel):
     call_id: str
     name: str
     arguments: str
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: ItemStatus
 
 
 OutputItem = Annotated[MessageOut | FunctionCallOut, Field(discriminator="type")]
@@ -283,3 +295,18 @@ class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
     deleted: bool = True
+
+
+class InputItemList(BaseModel):
+    """A page of a stored response's input items (their JSON: see ``_responses_items``)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class InputTokens(BaseModel):
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int

@@ -1,6 +1,6 @@
-"""Responses kept in memory for ``previous_response_id`` and ``GET /v1/responses/{id}``: at most
-``size`` of them holding at most ``max_bytes`` together, each for ``ttl`` seconds after it was
-created, the oldest dropped first."""
+"""Responses kept in memory for ``previous_response_id``, ``GET /v1/responses/{id}`` and its
+``/input_items``: at most ``size`` of them holding at most ``max_bytes`` together, each for
+``ttl`` seconds after it was created, the oldest dropped first."""
 
 from __future__ import annotations
 
@@ -16,11 +16,18 @@ from llamacrab.server._responses_schemas import InputItem
 @dataclass(frozen=True)
 class StoredResponse:
     response: dict[str, Any]  # the response object, as answered
-    # The whole conversation up to and including this response's output, as input items. A
-    # follow-up's history extends this tuple: items are shared between entries, not copied.
+    # The whole conversation up to and including this response's output, as input items, each
+    # with its id. A follow-up's history extends this tuple: items are shared between entries,
+    # not copied.
     history: tuple[InputItem, ...]
     expires: float
     size: int  # bytes of JSON it added: the response and its request's input items
+
+    @property
+    def input_items(self) -> tuple[InputItem, ...]:
+        """The items it was generated from: the history before its own output (which ends
+        the history, one item for each of the response's output items)."""
+        return self.history[: len(self.history) - len(self.response["output"])]
 
 
 class ResponseStore:

@@ -138,16 +138,16 @@ def _chat_content(content: str | list[ContentPart]) -> str | list[dict[str, Any]
     if isinstance(content, str):
         return content
     if not any(isinstance(part, ImagePart) for part in content):
-        return "".join(_text(part) for part in content)
+        return "".join(part_text(part) for part in content)
     return [
         {"type": "image_url", "image_url": {"url": part.image_url}}
         if isinstance(part, ImagePart)
-        else {"type": "text", "text": _text(part)}
+        else {"type": "text", "text": part_text(part)}
         for part in content
     ]
 
 
-def _text(part: ContentPart) -> str:
+def part_text(part: ContentPart) -> str:
     if isinstance(part, TextPart):
         return part.text
     return part.refusal if isinstance(part, RefusalPart) else ""
