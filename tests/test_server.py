@@ -513,6 +513,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(
             400,
             "web search",
         ),
+        ({"messages": [{"role": "user", "content": "hi"}], "verbosity": "low"}, 400, "verbosity"),
     ]
     for body, status, words in cases:
         route = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else None

@@ -155,10 +155,11 @@ class ChatCompletionRequest(GenerationFields):
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # llama-server's: template variables
-    # Refused unless unset: outputs this server cannot make (audio, web searches).
+    # Refused unless unset: outputs this server cannot make (audio, web searches, verbosity).
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # "medium" only: no other length
     reasoning_effort: str | None = None  # as llama-server: a template variable ("none": off)
 
 

@@ -131,6 +131,8 @@ def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[s
                        "are not supported", param="modalities")  # fmt: skip
     if body.web_search_options is not None:
         raise ApiError(400, "web search is not supported", param="web_search_options")
+    if body.verbosity not in (None, "medium"):  # as /v1/responses refuses text.verbosity
+        raise ApiError(400, f"verbosity {body.verbosity!r} is not supported", param="verbosity")
     max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     kwargs = generation_kwargs(body, settings, max_tokens, None)
     if body.tools:
