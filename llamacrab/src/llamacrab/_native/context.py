@@ -263,8 +263,8 @@ class Context(NativeHandle):
     def _warm_up(self) -> None:
         """What llama.cpp's tools do at load: decode BOS and EOS, then empty the memory; and
         find the end-of-generation tokens (~2 ms for 262k). Here a fresh process's first token
-        of Gemma 3 270M comes ~27 ms sooner. Not for a model
-        with an encoder (llamacrab runs decoders), and a failure only costs the head start."""
+        of Gemma 3 270M comes ~27 ms sooner. Not for a model with an encoder (llamacrab runs
+        decoders), and a failure only costs the head start."""
         if lib.llama_model_has_encoder(self.model.pointer):
             return
         vocab = self.model.vocab

@@ -102,9 +102,11 @@ class SavedState:
             MAGIC, FORMAT_VERSION, _SCOPES.index(self.scope), self.n_ctx, self.model_id,
             len(self.tokens),
         )  # fmt: skip
-        parts: list[bytes | memoryview] = [head, np.asarray(self.tokens, dtype="<i4").tobytes(),
-                 struct.pack("<Q", len(self.payload)), self.payload,
-                 struct.pack("<I", len(self.checkpoints))]  # fmt: skip
+        parts: list[bytes | memoryview] = [
+            head, np.asarray(self.tokens, dtype="<i4").tobytes(),
+            struct.pack("<Q", len(self.payload)), self.payload,
+            struct.pack("<I", len(self.checkpoints)),
+        ]  # fmt: skip
         for checkpoint in self.checkpoints:
             parts += [_CHECKPOINT_HEAD.pack(checkpoint.n_tokens, len(checkpoint.payload)),
                       checkpoint.payload]  # fmt: skip
