@@ -162,8 +162,12 @@ def test_store_false_and_deleted_responses_are_not_kept(gemma_server: LiveServer
     assert client.responses.retrieve(kept.id).output_text == kept.output_text
     with pytest.raises(openai.BadRequestError, match="cannot be streamed again"):
         list(client.responses.retrieve(kept.id, stream=True))  # was an empty event stream
+    with pytest.raises(openai.BadRequestError, match="only background responses"):
+        client.responses.cancel(kept.id)  # it was complete when answered (was a 404)
     client.responses.delete(kept.id)
     for gone in (unstored.id, kept.id):
+        with pytest.raises(openai.NotFoundError, match="is not stored here"):
+            client.responses.cancel(gone)
         with pytest.raises(openai.NotFoundError, match="is not stored here") as error:
             answer(client, previous_response_id=gone, input="Again.")
         assert error.value.body["param"] == "previous_response_id"  # type: ignore[index]

@@ -47,8 +47,9 @@ class _ChatCall(NamedTuple):
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
-    """``POST /v1/responses`` (also ``/responses``), ``GET``/``DELETE`` of a stored one and
-    ``GET`` of its input items, and ``POST /v1/responses/input_tokens``."""
+    """``POST /v1/responses`` (also ``/responses``), ``GET``/``DELETE`` of a stored one, ``GET``
+    of its input items and ``POST`` of its cancel (refused), and ``POST
+    /v1/responses/input_tokens``."""
     settings = state.settings
     store = ResponseStore(settings.max_stored_responses, settings.stored_response_ttl,
                           settings.max_stored_response_bytes)  # fmt: skip
@@ -100,6 +101,12 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
                            param="stream")  # fmt: skip
         return _stored(store, response_id).response
 
+    async def cancel(response_id: str) -> Any:
+        _stored(store, response_id)  # an unknown one is the 404 retrieve answers
+        raise ApiError(400, "only background responses can be cancelled, and this server runs "
+                       "none: this one was complete when it was answered",
+                       param="response_id")  # fmt: skip
+
     async def delete(response_id: str) -> Any:
         if not store.delete(response_id):
             raise _not_found(store, response_id, "response_id")
@@ -130,6 +137,9 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
                           include_in_schema=documented)  # fmt: skip
         app.add_api_route(f"{prefix}/responses/{{response_id}}", delete, methods=["DELETE"],
                           response_model=DeletedResponse, responses=ERRORS,
+                          include_in_schema=documented)  # fmt: skip
+        app.add_api_route(f"{prefix}/responses/{{response_id}}/cancel", cancel,
+                          methods=["POST"], response_model=ResponseObject, responses=ERRORS,
                           include_in_schema=documented)  # fmt: skip
         app.add_api_route(f"{prefix}/responses/{{response_id}}/input_items", input_items,
                           methods=["GET"], response_model=InputItemList, responses=ERRORS,
