@@ -1,5 +1,6 @@
 """What a process may still take: the machine's available memory or what a cgroup's limit leaves
-where that is less, and the threads a pids cgroup leaves room for."""
+where that is less, the threads a pids cgroup leaves room for, and the threads it computes on by
+default."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from llamacrab._native.host_limits import host_memory_left, thread_room
+from llamacrab._native.host_limits import (
+    cpu_quota,
+    default_threads,
+    host_memory_left,
+    thread_room,
+)
+
+from support import load_repo_module
 
 PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 GIB = 1 << 30
@@ -272,6 +280,57 @@ def test_thread_room_is_the_least_over_the_pids_hierarchy(tmp_path: Path) -> Non
     _limit(tmp_path / "pids/jobs", "pids.max", "max")
     assert thread_room(proc) is None
     assert thread_room(tmp_path / "missing") is None
+
+
+def test_the_cpu_quota_is_the_least_over_both_hierarchies_rounded_up(tmp_path: Path) -> None:
+    proc = _fake_proc(
+        tmp_path,
+        """
+        4:cpu,cpuacct:/docker/box
+        0::/job
+        """,
+        """
+        41 31 0:38 / {root}/unified rw,relatime - cgroup2 cgroup2 rw
+        39 31 0:36 / {root}/cpu rw,relatime - cgroup cgroup rw,cpu,cpuacct
+        """,
+    )
+    _limit(tmp_path / "unified/job", "cpu.max", "max 100000")  # no quota
+    assert cpu_quota(proc) is None
+    _limit(tmp_path / "cpu/docker/box", "cpu.cfs_quota_us", "-1")
+    _limit(tmp_path / "cpu/docker/box", "cpu.cfs_period_us", "100000")
+    assert cpu_quota(proc) is None
+    _limit(tmp_path / "cpu/docker", "cpu.cfs_quota_us", "250000")  # --cpus=2.5, a level up
+    _limit(tmp_path / "cpu/docker", "cpu.cfs_period_us", "100000")
+    quota = cpu_quota(proc)
+    assert quota is not None and quota.amount == 3
+    assert f"{tmp_path}/cpu/docker/cpu.cfs_quota_us: 250000 per 100000" in quota.source
+    _limit(tmp_path / "unified/job", "cpu.max", "50000 100000")  # half a CPU: still one thread
+    quota = cpu_quota(proc)
+    assert quota is not None and quota.amount == 1 and "unified/job/cpu.max" in quota.source
+    assert cpu_quota(tmp_path / "missing") is None
+
+
+def test_default_threads_are_physical_cores_of_the_cpus_a_process_may_use(tmp_path: Path) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = tmp_path / "cpu"
+    for cpu in allowed:  # pairs of hyperthreads: (0, 1), (2, 3), ...
+        first = cpu - cpu % 2
+        _limit(cpus / f"cpu{cpu}/topology", "thread_siblings_list", f"{first}-{first + 1}")
+    no_quota = _fake_proc(tmp_path, "0::/\n", "")
+    expected = len({cpu - cpu % 2 for cpu in allowed})
+    assert default_threads(no_quota, cpus).amount == expected
+    assert default_threads(no_quota, tmp_path / "no-topology").amount == len(allowed)
+    # In a child bound to one CPU, a context computes on one thread unless told otherwise.
+    code = (
+        "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from llamacrab import Llama; "
+        "llm = Llama(sys.argv[1], n_ctx=64); print(llm.context.n_threads); llm.close(); "
+        "llm = Llama(sys.argv[1], n_ctx=64, n_threads=3); print(llm.context.n_threads)"
+    )
+    model = load_repo_module("scripts/make_tiny_gguf.py").write_tiny_llama(tmp_path / "m.gguf")
+    child = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert child.stdout.split() == ["1", "3"], child.stderr[-2000:]
 
 
 def test_threads_past_the_pids_limit_are_capped_not_killed(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -38,7 +37,7 @@ from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.devices import accelerator_present
 from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.handle import NativeHandle
-from llamacrab._native.host_limits import host_memory_left
+from llamacrab._native.host_limits import default_threads, host_memory_left
 from llamacrab._native.kv_layout import pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
@@ -173,7 +172,7 @@ class ContextParams:
         c.n_batch = max(c.n_batch, self.n_seq_max)
         c.n_ubatch = max(min(self.n_ubatch, self.n_batch), self.n_seq_max)
         c.n_ctx = max(c.n_ctx, self.n_seq_max)
-        threads = os.cpu_count() or 1
+        threads = default_threads().amount
         c.n_threads = thread_limit(self.n_threads or threads)
         c.n_threads_batch = thread_limit(self.n_threads_batch or self.n_threads or threads)
         c.flash_attn_type = FLASH_ATTN[self.flash_attn]
@@ -246,6 +245,8 @@ class Context(NativeHandle):
         self.kv_fingerprint = self._fingerprint()
         self.n_ctx = int(lib.llama_n_ctx(pointer))
         self.n_batch = int(lib.llama_n_batch(pointer))
+        self.n_threads = int(lib.llama_n_threads(pointer))  # as computed, asked or by default
+        self.n_threads_batch = int(lib.llama_n_threads_batch(pointer))
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(pointer))  # what one sequence may hold
         self.n_swa = model.n_swa
         self.recurrent = model.recurrent

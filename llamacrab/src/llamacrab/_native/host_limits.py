@@ -1,6 +1,6 @@
 """How much more memory this process may take: what the machine has available, or less where
-a cgroup's limit leaves less, and how many more threads it may start where a pids cgroup
-limits them.
+a cgroup's limit leaves less; how many more threads it may start where a pids cgroup limits
+them; and how many threads to compute on by default.
 
 A container's limits are its cgroups'. Past the memory limit the kernel's OOM killer ends the
 process, and past the pids limit GNU OpenMP exits it ("libgomp: Thread creation failed"), with
@@ -13,6 +13,7 @@ that cannot be read (Windows) no memory limit.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -125,6 +126,71 @@ def threads_within_room(n_threads: int) -> int:
             room.amount + 1, n_threads, room.amount, room.source,
         )  # fmt: skip
     return room.amount + 1
+
+
+def default_threads(
+    proc: Path = Path("/proc/self"), cpus: Path = Path("/sys/devices/system/cpu")
+) -> Limit:
+    """Threads for llama.cpp when none are asked for: one per physical core, as llama.cpp's
+    own tools default (a core's hyperthreads share its arithmetic units), among the CPUs this
+    process may run on (its affinity: taskset, a cpuset), and no more than its cgroups' CPU
+    quota (a container's --cpus) allows. os.cpu_count() counts every CPU of the machine: in
+    a container given 2 of 64, 64 threads took turns on 2. Linux only; elsewhere every CPU."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity here (macOS, Windows)
+        return Limit(os.cpu_count() or 1, "every CPU of this machine")
+    cores = _physical_cores(allowed, cpus)
+    best = Limit(cores, f"the physical cores of the {len(allowed)} CPUs this process may use")
+    quota = cpu_quota(proc)
+    if quota is not None and quota.amount < best.amount:
+        best = quota
+    return best
+
+
+def _physical_cores(allowed: list[int], cpus: Path) -> int:
+    """How many cores ``allowed`` CPUs make: hyperthreads of one core count once (each CPU's
+    thread_siblings_list names its core's CPUs; where unreadable, each CPU is a core)."""
+    cores: set[str] = set()
+    for cpu in allowed:
+        try:
+            siblings = (cpus / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text()
+        except OSError:
+            siblings = str(cpu)
+        cores.add(siblings.strip())
+    return max(len(cores), 1)
+
+
+def cpu_quota(proc: Path = Path("/proc/self")) -> Limit | None:
+    """The CPUs' worth of time this process's cgroups allow (quota over period, rounded up),
+    the least over their levels; None where none limits it."""
+    best: Limit | None = None
+    for directory, mount_point, version in _hierarchies(proc, "cpu"):
+        for level in _up_to(directory, mount_point):
+            quota = _read_quota(level, version)
+            if quota is not None and (best is None or quota.amount < best.amount):
+                best = quota
+    return best
+
+
+def _read_quota(level: Path, version: int) -> Limit | None:
+    if version == 2:
+        try:
+            quota, period = (level / "cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
+            return None
+        source = level / "cpu.max"
+    else:
+        try:
+            quota = (level / "cpu.cfs_quota_us").read_text().strip()
+            period = (level / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+        source = level / "cpu.cfs_quota_us"
+    if not quota.isdigit() or not period.isdigit() or int(period) == 0:  # "max", -1: no quota
+        return None
+    cpus = max(math.ceil(int(quota) / int(period)), 1)
+    return Limit(cpus, f"this process's CPU quota ({source}: {quota} per {period})")
 
 
 def _hierarchies(proc: Path, controller: str) -> list[tuple[Path, Path, int]]:

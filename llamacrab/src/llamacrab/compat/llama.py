@@ -333,9 +333,8 @@ class Llama:
         self.model_path = os.fspath(model_path)
         self.verbose = verbose
         self.n_batch = llm.context.n_batch
-        threads = os.cpu_count() or 1
-        self.n_threads = n_threads or threads
-        self.n_threads_batch = n_threads_batch or n_threads or threads
+        self.n_threads = llm.context.n_threads  # what llama.cpp computes on, asked or not
+        self.n_threads_batch = llm.context.n_threads_batch
         self.context_params = SimpleNamespace(
             n_ctx=llm.context.n_ctx,
             n_batch=llm.context.n_batch,
