@@ -253,6 +253,35 @@ def test_count_tokens_matches_the_usage(client: anthropic.Anthropic) -> None:
 
 
 @pytest.mark.real_model
+def test_counts_follow_the_chat_api_where_a_template_cannot_present_tools(
+    gemma_path: Path,
+) -> None:
+    # Gemma 3's own template has no place for tools: the chat API describes them in a system
+    # turn (llama.cpp's generic format), or leaves them out for "none"; the counts were the
+    # template's rendering, without the description.
+    settings = ServerSettings(model=str(gemma_path), model_alias="gemma", n_ctx=2048,
+                              n_threads=2, max_tokens_limit=64)  # fmt: skip
+    live = LiveServer(settings)
+    try:
+        assert live.wait_until_loaded() == 200
+        plain = anthropic.Anthropic(base_url=live.url, api_key="-", max_retries=0)
+        counts = []
+        for choice in ({"type": "auto"}, {"type": "none"}):
+            ask: Any = {"model": "gemma", "messages": COUNT, "tools": [WEATHER],
+                        "tool_choice": choice}  # fmt: skip
+            counted = plain.messages.count_tokens(**ask).input_tokens
+            with plain.messages.stream(max_tokens=2, extra_body=GREEDY, **ask) as stream:
+                opened = next(iter(stream)).message.usage.input_tokens  # type: ignore[union-attr]
+                final = stream.get_final_message().usage
+            assert counted == opened == final.input_tokens + (final.cache_read_input_tokens or 0)
+            counts.append(counted)
+        alone = plain.messages.count_tokens(model="gemma", messages=COUNT).input_tokens
+        assert counts[1] == alone < counts[0]
+    finally:
+        live.close()
+
+
+@pytest.mark.real_model
 def test_an_output_format_constrains_the_answer(client: anthropic.Anthropic) -> None:
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}},
               "required": ["colour"], "additionalProperties": False}  # fmt: skip

@@ -81,11 +81,12 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         kwargs.update(request_lora(body.lora, llama))
         reply = wire.Reply.of(body, state.model_name(body.model))
         prompt: list[int] | Chunks | None = None
-        if chat.prefill is not None or body.stream:  # a stream opens with the prompt's length
+        if chat.prefill is not None:
             prompt = await in_thread(wire.prompt, llama, chat, options.get("tools"), max_media)
         stream, create = _generation(llama, chat, prompt, options, kwargs)
-        if body.stream and prompt is not None:
-            return await _streamed(state, stream, reply, wire.prompt_length(prompt))
+        if body.stream:  # a stream opens with the prompt's length
+            length = await _input_tokens(llama, chat, prompt, options)
+            return await _streamed(state, stream, reply, length)
         return wire.message(await complete(state, client, create), reply)
 
     @router.post(ANTHROPIC_PATH + "/count_tokens", response_model=CountTokensResponse)
@@ -93,10 +94,23 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         llama = state.generator(body.model)
         chat = wire.conversation(body)
         options = wire.chat_options(body, prefill=chat.prefill is not None)
-        prompt = await in_thread(wire.prompt, llama, chat, options.get("tools"), max_media)
-        return {"input_tokens": wire.prompt_length(prompt)}
+        prompt: list[int] | Chunks | None = None
+        if chat.prefill is not None:
+            prompt = await in_thread(wire.prompt, llama, chat, options.get("tools"), max_media)
+        return {"input_tokens": await _input_tokens(llama, chat, prompt, options)}
 
     app.include_router(router)
+
+
+async def _input_tokens(
+    llama: Llama, chat: wire.Conversation, prompt: list[int] | Chunks | None,
+    options: dict[str, Any],
+) -> int:  # fmt: skip
+    """The prompt's length as the generation will decode it: a prefill's own prompt, else the
+    chat API's (which describes tools a template cannot present, and drops them for "none")."""
+    if prompt is not None:
+        return wire.prompt_length(prompt)
+    return int(await in_thread(partial(llama.count_chat_tokens, chat.messages, **options)))
 
 
 def _generation(
