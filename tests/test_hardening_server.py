@@ -106,6 +106,19 @@ def test_a_body_only_python_parses_is_refused_as_json_names_it(
     assert anthropic.json()["type"] == "error" and problem in anthropic.json()["error"]["message"]
 
 
+def test_a_body_nested_past_the_parser_says_so(client: TestClient) -> None:
+    # FastAPI answered "There was an error parsing the body", naming nothing.
+    raw = b'{"prompt": "hi", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    headers = {"content-type": "application/json"}
+    for route, shape in (("/v1/completions", "openai"), ("/v1/messages", "anthropic")):
+        answer = client.post(route, content=raw, headers=headers)
+        assert answer.status_code == 400, answer.text
+        body = answer.json()
+        assert (body.get("type") == "error") is (shape == "anthropic")
+        assert "nests deeper than this server reads" in body["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code != 500
+
+
 @pytest.mark.parametrize(
     "raw",
     [

@@ -134,7 +134,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        return await api_error(request, ApiError(error.status_code, str(error.detail)))
+        detail = str(error.detail)
+        if isinstance(error.__cause__, RecursionError):  # FastAPI's "error parsing the body"
+            detail = ("the body's JSON nests deeper than this server reads (Python's parser "
+                      "stops near 1,000 levels)")  # fmt: skip
+        return await api_error(request, ApiError(error.status_code, detail))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
