@@ -270,6 +270,30 @@ def test_a_disk_cache_writes_a_state_s_exact_blob_from_its_parts(
     assert value.read_bytes() == state.to_bytes() == b"".join(state.blob_parts())
 
 
+def test_a_disk_cache_does_not_write_a_state_it_holds_again(
+    tmp_path: Path, tiny_llama: Llama
+) -> None:
+    tiny_llama.create_completion(PROMPT, max_tokens=2, **GREEDY)
+    first = tiny_llama.save_state()
+    cache = DiskCache(tmp_path / "cache")
+    writes = []
+    write = cache._cache.set
+    cache._cache.set = lambda *args, **kwargs: (writes.append(args[0]), write(*args, **kwargs))[1]
+    cache.store(first)
+    cache.flush()
+    tiny_llama.reset()
+    tiny_llama.create_completion(PROMPT, max_tokens=2, **GREEDY)  # the same tokens again
+    cache.store(tiny_llama.save_state())
+    cache.flush()
+    assert len(writes) == 1 and len(cache) == 1
+    tiny_llama.create_completion(PROMPT + " again", max_tokens=2, **GREEDY)
+    cache.store(tiny_llama.save_state())  # other tokens: written
+    cache.close()
+    assert len(writes) == 2
+    with pytest.raises(StateError, match="closed"):
+        cache.store(first)  # held, and still refused once closed
+
+
 def test_a_disk_cache_writes_behind_and_bounds_what_waits(
     tmp_path: Path, tiny_llama: Llama
 ) -> None:

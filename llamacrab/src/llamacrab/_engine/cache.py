@@ -123,9 +123,11 @@ class DiskCache(PromptCache):
 
     States are written behind: ``store`` hands a state to a writer thread and returns, so the
     generation that made it (and, with parallel slots, every other one) does not wait for the
-    disk; a lookup finds it at once. At most MAX_PENDING states wait to be written (a store
-    beyond that waits for room). ``close()`` and the interpreter's exit wait for what is still
-    being written; a write that fails is logged and skipped, as a failed store was before."""
+    disk; a lookup finds it at once. A state whose tokens the directory holds already is not
+    written again (a repeated greedy request: tens of megabytes a time). At most MAX_PENDING
+    states wait to be written (a store beyond that waits for room). ``close()`` and the
+    interpreter's exit wait for what is still being written; a write that fails is logged and
+    skipped, as a failed store was before."""
 
     MAX_PENDING = 2
 
@@ -171,6 +173,11 @@ class DiskCache(PromptCache):
     def store(self, state: SavedState, namespace: bytes = b"") -> None:
         key = _key(namespace, state.tokens)
         with self._mutex:
+            self._check_open()
+            pending = key in self._pending
+        if not pending and self._holds(key):
+            return  # the same tokens' state: writing tens of megabytes again would add nothing
+        with self._mutex:
             while (
                 not self._closed
                 and len(self._pending) >= self.MAX_PENDING
@@ -178,8 +185,7 @@ class DiskCache(PromptCache):
                 and self._writing()
             ):
                 self._changed.wait(timeout=1.0)
-            if self._closed:
-                raise StateError("this DiskCache is closed")
+            self._check_open()
             self._pending[key] = state
             if self._writing():
                 return
@@ -193,6 +199,18 @@ class DiskCache(PromptCache):
             except RuntimeError:  # no thread to be had (a pids limit): write it here
                 self._writer = None
         self._write_pending()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("this DiskCache is closed")
+
+    def _holds(self, key: tuple[bytes, bytes]) -> bool:
+        """Whether the directory has an entry for ``key`` (a failed lookup: it has not)."""
+        try:
+            with held_signals():
+                return key in self._cache
+        except Exception:  # a locked or broken database: the write will say what is wrong
+            return False
 
     def _writing(self) -> bool:
         # A forked child inherits the attribute, not the thread: is_alive() tells.
