@@ -331,6 +331,15 @@ def test_default_threads_are_physical_cores_of_the_cpus_a_process_may_use(tmp_pa
     child = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True,
                            text=True, timeout=120)  # fmt: skip
     assert child.stdout.split() == ["1", "3"], child.stderr[-2000:]
+    # OpenMP told to bind its threads pins the thread that loads it: counted before that.
+    code = (
+        "import sys; from llamacrab import Llama; "
+        "print(Llama(sys.argv[1], n_ctx=64).context.n_threads)"
+    )
+    bound_env = {**os.environ, "OMP_PROC_BIND": "true"}
+    bound = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True,
+                           text=True, timeout=120, env=bound_env)  # fmt: skip
+    assert bound.stdout.split() == [str(default_threads().amount)], bound.stderr[-2000:]
 
 
 def test_threads_past_the_pids_limit_are_capped_not_killed(

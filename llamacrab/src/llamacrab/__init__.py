@@ -8,6 +8,9 @@ Native objects are wrapped in handles that free themselves exactly once (childre
 a closed handle raises ClosedHandleError. llama.cpp's log goes to the ``llamacrab`` logger.
 """
 
+# First: the CPUs this process may use, before llama.cpp's OpenMP can pin this thread.
+from llamacrab import _startup_cpus  # noqa: F401  # isort: skip
+
 from llamacrab._chat.builtin import builtin_names as chat_format_names
 from llamacrab._chat.media_parts import MediaPolicy
 from llamacrab._chat.tool_calls import parse_tool_calls

@@ -19,6 +19,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from llamacrab._startup_cpus import allowed_cpus
+
 logger = logging.getLogger("llamacrab")
 
 # cgroup v1 writes "no limit" as the largest page-aligned 63-bit number; anything this large is
@@ -136,10 +138,10 @@ def default_threads(
     process may run on (its affinity: taskset, a cpuset), and no more than its cgroups' CPU
     quota (a container's --cpus) allows. os.cpu_count() counts every CPU of the machine: in
     a container given 2 of 64, 64 threads took turns on 2. Linux only; elsewhere every CPU."""
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # no affinity here (macOS, Windows)
+    cpus_allowed = allowed_cpus()
+    if cpus_allowed is None:  # no affinity here (macOS, Windows)
         return Limit(os.cpu_count() or 1, "every CPU of this machine")
+    allowed = sorted(cpus_allowed)
     cores = _physical_cores(allowed, cpus)
     best = Limit(cores, f"the physical cores of the {len(allowed)} CPUs this process may use")
     quota = cpu_quota(proc)
