@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -90,6 +91,11 @@ def test_a_state_view_is_the_state_bytes_read_only(tiny_llama: Llama) -> None:
         with pytest.raises(TypeError):
             view[0] = 1
     assert isinstance(tiny_llama.save_state().payload, memoryview)  # snapshots copy nothing
+    # A checkpoint holds such a view too, and still hashes, pickles and copies.
+    checkpoint = StateCheckpoint(3, context.state_view(0))
+    copied = copy.deepcopy(checkpoint)
+    assert copied == checkpoint == pickle.loads(pickle.dumps(checkpoint))
+    assert hash(copied) == hash(checkpoint)
 
 
 def test_states_pickle_whether_fresh_or_read_from_disk(

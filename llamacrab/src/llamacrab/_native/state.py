@@ -60,6 +60,13 @@ class StateCheckpoint:
     n_tokens: int
     payload: bytes | memoryview  # a view, as SavedState's: checkpoints add megabytes
 
+    def __hash__(self) -> int:
+        # Not the payload's: a view of numpy memory (what a snapshot holds) cannot be hashed.
+        return hash((self.n_tokens, len(self.payload)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return StateCheckpoint, (self.n_tokens, bytes(self.payload))  # a view cannot pickle
+
 
 @dataclass(frozen=True, eq=False)
 class SavedState:
