@@ -230,6 +230,20 @@ def test_a_worker_ends_when_its_stdin_ends_while_its_parent_id_stays() -> None:
 
 
 @needs_rpc
+def test_the_pipe_to_a_worker_that_ended_on_its_own_is_closed_at_the_next_start() -> None:
+    from llamacrab._features import rpc
+
+    first = RpcWorker.start(threads=1)
+    pipe = first.process.stdin
+    first.process.kill()  # a crash, and its RpcWorker dropped without stop()
+    first.process.wait()
+    with RpcWorker.start(threads=1) as second:
+        assert pipe is not None and pipe.closed
+        assert first.process not in rpc._parent_pipes and second.process in rpc._parent_pipes
+    assert second.process not in rpc._parent_pipes
+
+
+@needs_rpc
 def test_worker_lists_devices_and_refuses_an_unknown_one() -> None:
     command = [sys.executable, "-m", "llamacrab", "rpc-worker"]
     listed = subprocess.run(

@@ -25,6 +25,7 @@ from typing import IO, Any, NoReturn
 from llamacrab._exceptions import InvalidParameterError, RpcError, RpcUnavailableError
 from llamacrab._exit_status import describe
 from llamacrab._native import rpc as _rpc
+from llamacrab._native.host_limits import default_threads
 from llamacrab._native.rpc import DEFAULT_PORT, Device, Endpoint, local_devices, probe
 from llamacrab._parent_watch import watch_parent
 from llamacrab._ports import free_port
@@ -90,7 +91,9 @@ class RpcWorkerOptions:
 
 
 def _default_threads() -> int:
-    return max(1, (os.cpu_count() or 2) // 2)  # upstream rpc-server's default
+    # Upstream rpc-server takes half the machine's logical CPUs, a guess at its physical cores;
+    # these are counted (among the CPUs this process may use, within its CPU quota).
+    return default_threads().amount
 
 
 def _check_can_listen(options: RpcWorkerOptions) -> None:
@@ -156,9 +159,15 @@ def run_worker(options: RpcWorkerOptions) -> NoReturn:
 # Set by RpcWorker for its child: the worker ends when the process that started it is gone
 # (its stdin, a pipe the parent holds open, ends; on POSIX also when its parent changes).
 _PARENT_ENV = "LLAMACRAB_RPC_WORKER_PARENT"
-# The write ends of the workers' stdin: held until stop() or this process's end, not for as
-# long as the RpcWorker object, whose loss alone must not end its worker.
-_parent_pipes: set[IO[bytes]] = set()
+# The write ends of the workers' stdin, by process: held until stop() or this process's end,
+# not for as long as the RpcWorker object, whose loss alone must not end its worker; those of
+# workers that ended on their own are closed at the next start.
+_parent_pipes: dict[subprocess.Popen[bytes], IO[bytes]] = {}
+
+
+def _close_pipes_of_ended_workers() -> None:
+    for process in [p for p in _parent_pipes if p.poll() is not None]:
+        _parent_pipes.pop(process).close()
 
 
 class RpcWorker:
@@ -202,7 +211,8 @@ class RpcWorker:
                 env={**(os.environ if env is None else env), _PARENT_ENV: str(os.getpid())},
             )
             assert process.stdin is not None
-            _parent_pipes.add(process.stdin)
+            _close_pipes_of_ended_workers()
+            _parent_pipes[process] = process.stdin
             worker = cls(chosen, process, log)
             try:
                 worker._wait_ready(start_timeout)
@@ -270,8 +280,8 @@ class RpcWorker:
         self._release_pipe()
 
     def _release_pipe(self) -> None:
+        _parent_pipes.pop(self.process, None)
         if self.process.stdin is not None:
-            _parent_pipes.discard(self.process.stdin)
             self.process.stdin.close()
 
     def close(self) -> None:

@@ -96,12 +96,9 @@ class ChildModel:
             start_new_session=True,  # the parent stops it; a Ctrl-C meant for it does not
         )  # fmt: skip
         assert process.stdin is not None
-        # One line, and the pipe stays open: it closes when this process ends, however it
-        # ends, which is how the child knows (os.getppid() cannot tell on Windows).
-        process.stdin.write(spec.encode() + b"\n")
-        process.stdin.flush()
-        child = cls(entry.name, process, port, key, on_death)
+        child = cls(entry.name, process, port, key, on_death)  # reads its stderr from now on
         try:
+            child._send_spec(spec)
             child._load(timeout)
         except BaseException:
             child.close()
@@ -121,6 +118,17 @@ class ChildModel:
             return answer.status, answer.read()
         finally:
             connection.close()
+
+    def _send_spec(self, spec: str) -> None:
+        """One line, and the pipe stays open: it closes when this process ends, however it
+        ends, which is how the child knows (os.getppid() cannot tell on Windows)."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(spec.encode() + b"\n")
+            self.process.stdin.flush()
+        except OSError:  # it ended before reading what to serve
+            self.process.wait()
+            raise ModelLoadError(f"model {self.name!r}: its process {self.ended()}") from None
 
     def _load(self, timeout: float) -> None:
         self.loading = True
