@@ -1,4 +1,4 @@
-"""Chat with the model's template, JSON-schema output, and a forced tool call.
+"""Chat: the model's template, a prompt's token count, JSON-schema output, a forced tool call.
 
 Usage: python examples/chat.py [MODEL.gguf] [--chat-format NAME]
 Without a model: Gemma 3 270M from PyPI (a base model: its chat answers are weak, the mechanics
@@ -49,6 +49,7 @@ def main() -> None:
     with Llama(args.model or default_model(), n_ctx=2048, chat_format=args.chat_format) as llm:
         messages = [{"role": "user", "content": "Name three animals that live in the sea."}]
         print("prompt:", repr(llm.chat_prompt(messages)))
+        print("prompt tokens:", llm.count_chat_tokens(messages))  # nothing is generated
         for chunk in llm.stream_chat_completion(messages, max_tokens=48, temperature=0):
             print(chunk.delta.content, end="", flush=True)
         print()
