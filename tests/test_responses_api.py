@@ -7,7 +7,7 @@ import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import jsonschema
@@ -394,9 +394,16 @@ def test_pages_of_one_walk_every_item(
     assert past_the_end["first_id"] is None and past_the_end["last_id"] is None
 
 
-@pytest.mark.real_model
-def test_function_calls_and_their_outputs_are_listed(tools_server: LiveServer) -> None:
-    client = sdk(tools_server)
+class ToolRoundTrip(NamedTuple):
+    question: list[dict[str, Any]]
+    called: Any  # the response with the forced call
+    call: Any  # its function_call item
+    result: dict[str, Any]  # the call's output, sent back
+    reply: Any  # the response to it
+
+
+def tool_round_trip(client: openai.OpenAI) -> ToolRoundTrip:
+    """A forced call of WEATHER, then its output sent back by previous_response_id."""
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     called = answer(client, input=question, tools=[WEATHER], tool_choice=FORCED,
                     max_output_tokens=40)  # fmt: skip
@@ -404,6 +411,13 @@ def test_function_calls_and_their_outputs_are_listed(tools_server: LiveServer) -
     assert call.type == "function_call"
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
     reply = answer(client, previous_response_id=called.id, input=[result], tools=[WEATHER])
+    return ToolRoundTrip(question, called, call, result, reply)
+
+
+@pytest.mark.real_model
+def test_function_calls_and_their_outputs_are_listed(tools_server: LiveServer) -> None:
+    client = sdk(tools_server)
+    question, _, call, result, reply = tool_round_trip(client)
     asked, listed_call, output = strict_items(client, reply.id, order="asc")["data"]
     assert isinstance(asked, ResponseInputMessageItem)
     assert isinstance(listed_call, ResponseFunctionToolCallItem)
@@ -521,12 +535,7 @@ def test_input_tokens_are_a_response_usage_input_tokens(
 @pytest.mark.real_model
 def test_input_tokens_with_tools_are_the_response_usage(tools_server: LiveServer) -> None:
     client = sdk(tools_server)
-    question = [{"role": "user", "content": "What is the weather in Paris?"}]
-    called = answer(client, input=question, tools=[WEATHER], tool_choice=FORCED,
-                    max_output_tokens=40)  # fmt: skip
-    [call] = called.output
-    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
-    reply = answer(client, previous_response_id=called.id, input=[result], tools=[WEATHER])
+    question, called, _, result, reply = tool_round_trip(client)
     assert count(client, input=question, tools=[WEATHER]) == called.usage.input_tokens
     assert count(client, input=question) < called.usage.input_tokens
     by_id = count(client, previous_response_id=called.id, input=[result], tools=[WEATHER])

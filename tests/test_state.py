@@ -98,6 +98,18 @@ def test_a_state_view_is_the_state_bytes_read_only(tiny_llama: Llama) -> None:
     assert hash(copied) == hash(checkpoint)
 
 
+def _stored_and_found(
+    state: SavedState, directory: Path
+) -> tuple[DiskCache, tuple[int, SavedState]]:
+    """A DiskCache in ``directory`` holding ``state`` on disk, and the lookup of its tokens."""
+    cache = DiskCache(directory)
+    cache.store(state)
+    cache.flush()
+    found = cache.longest_prefix(state.tokens)
+    assert found is not None
+    return cache, found
+
+
 def test_states_pickle_whether_fresh_or_read_from_disk(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
@@ -105,11 +117,7 @@ def test_states_pickle_whether_fresh_or_read_from_disk(
     with Llama(tiny_model_path, n_ctx=128) as first, Llama(tiny_model_path, n_ctx=128) as second:
         first.create_completion(PROMPT, max_tokens=0)
         fresh = first.save_state()
-        cache = DiskCache(tmp_path / "cache")
-        cache.store(fresh)
-        cache.flush()
-        found = cache.longest_prefix(fresh.tokens)
-        assert found is not None
+        cache, found = _stored_and_found(fresh, tmp_path / "cache")
         expected = first.create_completion(PROMPT, max_tokens=8, **GREEDY)
         for state in (fresh, found[1]):
             copy = pickle.loads(pickle.dumps(state))
@@ -548,10 +556,7 @@ def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: L
 def test_state_files_are_mapped_and_may_vanish_or_be_bad(tmp_path: Path, tiny_llama: Llama) -> None:
     tiny_llama.create_completion(PROMPT, max_tokens=0)
     state = tiny_llama.save_state()
-    cache = DiskCache(tmp_path / "cache")
-    cache.store(state)
-    cache.flush()
-    found = cache.longest_prefix(state.tokens)
+    cache, found = _stored_and_found(state, tmp_path / "cache")
     assert found == (len(state.tokens), state)
     cache._cache.clear()  # the file goes; the state read from it stays whole
     tiny_llama.reset()
