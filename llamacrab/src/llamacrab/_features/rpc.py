@@ -98,7 +98,11 @@ def _default_threads() -> int:
 
 def _check_can_listen(options: RpcWorkerOptions) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ggml's server does
+        # As ggml's server binds (SO_REUSEADDR: a port left in TIME_WAIT is free), but on
+        # Windows that option lets a second socket bind a port in use: there the check asks for
+        # the port alone, so a taken one is refused (untried on Windows).
+        exclusive = getattr(socket, "SO_EXCLUSIVEADDRUSE", None)
+        sock.setsockopt(socket.SOL_SOCKET, exclusive or socket.SO_REUSEADDR, 1)
         try:
             sock.bind((options.host, options.port))
         except OSError as error:
