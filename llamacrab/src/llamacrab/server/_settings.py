@@ -296,7 +296,7 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("n_ctx", int, "context size in tokens, shared by the slots (default 4096 per slot)"),
     ("n_batch", int, "tokens per llama_decode (default 2048)"),
     ("n_ubatch", int, "physical batch size (default 512)"),
-    ("n_threads", int, "CPU threads (default: llama.cpp's choice)"),
+    ("n_threads", int, "CPU threads (default: one per physical core this process may use)"),
     ("n_gpu_layers", int, "layers to offload to a GPU"),
     ("rpc", list, "ggml RPC workers host:port to offload layers to (comma-separated or repeated)"),
     ("flash_attn", str, f"flash attention: {', '.join(FLASH_ATTN)} (default auto)"),
