@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--n-ctx", type=int, help="context size (default 4096, or the preset's)")
     run.add_argument("--preset", choices=list(PRESETS),
                      help="named options under the flags (see the README's table)")  # fmt: skip
-    run.add_argument("--n-threads", type=int)
+    run.add_argument("--n-threads", type=int,
+                     help="CPU threads (default: the physical cores it may use)")  # fmt: skip
     run.add_argument("--n-gpu-layers", type=int)
     run.add_argument("--temperature", type=float, default=0.8)
     run.add_argument("--top-k", type=int, default=40)
@@ -100,7 +101,8 @@ def _add_rpc_worker_arguments(commands: Any) -> None:
     )
     worker.add_argument("--host", default="127.0.0.1", help="IPv4 address (default 127.0.0.1)")
     worker.add_argument("--port", type=int, default=50052, help="default 50052")
-    worker.add_argument("-t", "--threads", type=int, help="CPU threads (default: half the cores)")
+    worker.add_argument("-t", "--threads", type=int,
+                        help="CPU threads (default: the physical cores it may use)")  # fmt: skip
     worker.add_argument("-d", "--device", action="append", default=[],
                         help="device names, comma-separated or repeated (see --list-devices; "
                         "default: every accelerator, else the CPU)")  # fmt: skip
