@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from llamacrab._native.host_limits import (
+    _sysctl_int,
     cpu_quota,
+    darwin_cores,
     default_threads,
     host_memory_left,
     thread_room,
@@ -340,6 +342,16 @@ def test_default_threads_are_physical_cores_of_the_cpus_a_process_may_use(tmp_pa
     bound = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True,
                            text=True, timeout=120, env=bound_env)  # fmt: skip
     assert bound.stdout.split() == [str(default_threads().amount)], bound.stderr[-2000:]
+
+
+def test_a_mac_computes_on_its_performance_cores() -> None:
+    # Apple silicon: performance cores only, as llama.cpp counts them; an Intel Mac: physical.
+    apple = {b"hw.perflevel0.physicalcpu": 8, b"hw.physicalcpu": 12}
+    assert darwin_cores(apple.get) == 8
+    assert darwin_cores({b"hw.physicalcpu": 6}.get) == 6
+    assert darwin_cores({}.get) is None
+    if sys.platform.startswith("linux"):
+        assert _sysctl_int(b"hw.physicalcpu") is None  # glibc has no sysctlbyname: no error
 
 
 def test_threads_past_the_pids_limit_are_capped_not_killed(

@@ -12,10 +12,13 @@ that cannot be read (Windows) no memory limit.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,7 +140,12 @@ def default_threads(
     own tools default (a core's hyperthreads share its arithmetic units), among the CPUs this
     process may run on (its affinity: taskset, a cpuset), and no more than its cgroups' CPU
     quota (a container's --cpus) allows. os.cpu_count() counts every CPU of the machine: in
-    a container given 2 of 64, 64 threads took turns on 2. Linux only; elsewhere every CPU."""
+    a container given 2 of 64, 64 threads took turns on 2. On macOS the performance cores (as
+    llama.cpp counts them); elsewhere (Windows) every CPU."""
+    if sys.platform == "darwin":
+        cores = darwin_cores()
+        if cores is not None:
+            return Limit(cores, "the performance cores of this Mac")
     cpus_allowed = allowed_cpus()
     if cpus_allowed is None:  # no affinity here (macOS, Windows)
         return Limit(os.cpu_count() or 1, "every CPU of this machine")
@@ -148,6 +156,34 @@ def default_threads(
     if quota is not None and quota.amount < best.amount:
         best = quota
     return best
+
+
+def darwin_cores(sysctl: Callable[[bytes], int | None] | None = None) -> int | None:
+    """macOS's cores for computing: Apple silicon's performance cores (its efficiency cores
+    slow a decode down: llama.cpp's tools leave them out too), else the physical cores (an
+    Intel Mac); None where neither can be read. Untried on macOS itself."""
+    read = sysctl or _sysctl_int
+    for name in (b"hw.perflevel0.physicalcpu", b"hw.physicalcpu"):
+        value = read(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _sysctl_int(name: bytes) -> int | None:
+    """An integer from sysctlbyname(3) (macOS, the BSDs); None where there is none."""
+    try:
+        lookup = ctypes.CDLL(None).sysctlbyname
+    except (OSError, AttributeError):  # Linux's C library has no sysctlbyname
+        return None
+    lookup.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                       ctypes.c_void_p, ctypes.c_size_t]  # fmt: skip
+    lookup.restype = ctypes.c_int
+    value = ctypes.c_int(0)
+    size = ctypes.c_size_t(ctypes.sizeof(value))
+    if lookup(name, ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        return None
+    return value.value if value.value > 0 else None
 
 
 def _physical_cores(allowed: list[int], cpus: Path) -> int:
