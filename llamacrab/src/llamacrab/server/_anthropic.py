@@ -80,9 +80,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         kwargs = wire.generation_kwargs(body, state.settings)
         kwargs.update(request_lora(body.lora, llama))
         reply = wire.Reply.of(body, state.model_name(body.model))
-        prompt: list[int] | Chunks | None = None
-        if chat.prefill is not None:
-            prompt = await in_thread(wire.prompt, llama, chat, options.get("tools"), max_media)
+        prompt = await _prefill_prompt(llama, chat, options, max_media)
         stream, create = _generation(llama, chat, prompt, options, kwargs)
         if body.stream:  # a stream opens with the prompt's length
             length = await _input_tokens(llama, chat, prompt, options)
@@ -94,12 +92,19 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         llama = state.generator(body.model)
         chat = wire.conversation(body)
         options = wire.chat_options(body, prefill=chat.prefill is not None)
-        prompt: list[int] | Chunks | None = None
-        if chat.prefill is not None:
-            prompt = await in_thread(wire.prompt, llama, chat, options.get("tools"), max_media)
+        prompt = await _prefill_prompt(llama, chat, options, max_media)
         return {"input_tokens": await _input_tokens(llama, chat, prompt, options)}
 
     app.include_router(router)
+
+
+async def _prefill_prompt(
+    llama: Llama, chat: wire.Conversation, options: dict[str, Any], max_media: int
+) -> list[int] | Chunks | None:
+    """The prompt a prefill is continued from (the completion API's); None without one."""
+    if chat.prefill is None:
+        return None
+    return await in_thread(wire.prompt, llama, chat, options.get("tools"), max_media)  # type: ignore[no-any-return]
 
 
 async def _input_tokens(
