@@ -4,6 +4,7 @@ default."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,7 @@ from llamacrab._native.host_limits import (
     default_threads,
     host_memory_left,
     thread_room,
+    windows_commit_left,
 )
 
 from support import load_repo_module
@@ -141,6 +144,25 @@ def test_the_machine_s_share_is_what_it_has_available_and_free_swap(tmp_path: Pa
     left = host_memory_left(missing, _meminfo(tmp_path, 3 * GIB, swap_free=GIB))
     assert left.amount == 4 * GIB
     assert left.source == "this machine has available (MemAvailable and free swap)"
+
+
+def test_windows_share_is_what_it_may_commit() -> None:
+    class Kernel32:  # GlobalMemoryStatusEx fills the structure it is handed and answers nonzero
+        def __init__(self, answer: int) -> None:
+            self.answer = answer
+
+        def GlobalMemoryStatusEx(self, ref: Any) -> int:
+            status = ref._obj
+            assert status.length == ctypes.sizeof(status) == 64  # MEMORYSTATUSEX's size
+            status.avail_phys, status.avail_page_file = GIB, 5 * GIB
+            return self.answer
+
+    left = windows_commit_left(Kernel32(1))
+    assert left is not None and left.amount == 5 * GIB
+    assert "commit" in left.source
+    assert windows_commit_left(Kernel32(0)) is None  # the call failed
+    if sys.platform != "win32":
+        assert windows_commit_left() is None
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """Claims of the README and SECURITY.md that nothing else tests: CORS off and --cors-origin, SSE
 ending in ``data: [DONE]`` (after an error too), /health 503 while the model loads, the body limit
-on a streamed (chunked) body, and silence when logging is not configured."""
+on a streamed (chunked) body, request ids, and silence when logging is not configured."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import openai
 import pytest
 from fastapi.testclient import TestClient
 from live_server import LiveServer
@@ -115,6 +118,40 @@ def test_cors_origin_flags_allow_those_origins_only() -> None:
     for origin in (ORIGIN, "http://localhost:3000"):
         answer = anyone.get("/v1/models", headers={"Origin": origin})
         assert answer.headers["access-control-allow-origin"] in ("*", origin)
+
+
+# -- request ids ---------------------------------------------------------------------------------
+
+
+def test_every_answer_names_its_request_where_the_sdks_read_it() -> None:
+    client = _app(api_keys=("k",), cors_origins=(ORIGIN,))
+    key = {"Authorization": "Bearer k"}
+    answers = [
+        client.get("/v1/models", headers=key),  # 200
+        client.get("/v1/models"),  # 401, refused before any route
+        client.get("/nowhere", headers=key),  # 404
+        client.options("/v1/completions", headers=PREFLIGHT),  # a preflight
+    ]
+    ids = [answer.headers["x-request-id"] for answer in answers]
+    assert [answer.headers["request-id"] for answer in answers] == ids  # Anthropic's name
+    assert all(re.fullmatch("req_[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids)
+
+    # A proxy's id is kept; one that is not a plain token is replaced.
+    kept = client.get("/v1/models", headers={**key, "X-Request-Id": "edge-7f3a:12"})
+    assert kept.headers["x-request-id"] == kept.headers["request-id"] == "edge-7f3a:12"
+    for bad in ("two words", "x" * 129, "semi;colon"):
+        answer = client.get("/v1/models", headers={**key, "X-Request-Id": bad})
+        assert re.fullmatch("req_[0-9a-f]{32}", answer.headers["x-request-id"]), bad
+
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=client)
+    page = sdk.models.with_raw_response.list()
+    assert page.request_id is not None and page.request_id.startswith("req_")
+    with pytest.raises(openai.AuthenticationError) as refused:
+        openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=client,
+                      max_retries=0).models.list()  # fmt: skip
+    assert refused.value.request_id is not None and refused.value.request_id.startswith("req_")
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key="k", http_client=client)
+    assert claude.models.with_raw_response.list().request_id.startswith("req_")
 
 
 # -- server-sent events --------------------------------------------------------------------------

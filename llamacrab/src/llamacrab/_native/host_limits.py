@@ -6,8 +6,8 @@ A container's limits are its cgroups'. Past the memory limit the kernel's OOM ki
 process, and past the pids limit GNU OpenMP exits it ("libgomp: Thread creation failed"), with
 no error to catch either way. What is left counts what is in use already: a second model or
 context that fits the limit alone may not fit beside the first. Linux only; elsewhere (and
-where these files cannot be read) there is physical memory and no thread limit, and where even
-that cannot be read (Windows) no memory limit.
+where these files cannot be read) there is physical memory (on Windows what may be committed)
+and no thread limit, and where even that cannot be read no memory limit.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llamacrab._startup_cpus import allowed_cpus
 
@@ -77,9 +78,35 @@ def _available(meminfo: Path) -> Limit:
         try:
             physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (AttributeError, ValueError, OSError):  # Windows has no sysconf
-            return Limit(_UNLIMITED, "no memory size could be read on this machine:")
+            return windows_commit_left() or Limit(
+                _UNLIMITED, "no memory size could be read on this machine:"
+            )
         return Limit(physical, "this machine has")
     return Limit(kib << 10, "this machine has available (MemAvailable and free swap)")
+
+
+class _MemoryStatus(ctypes.Structure):
+    """Windows' MEMORYSTATUSEX."""
+
+    _fields_ = [("length", ctypes.c_uint32), ("memory_load", ctypes.c_uint32),
+                *((name, ctypes.c_uint64) for name in (
+                    "total_phys", "avail_phys", "total_page_file", "avail_page_file",
+                    "total_virtual", "avail_virtual", "avail_extended_virtual"))]  # fmt: skip
+
+
+def windows_commit_left(kernel32: Any = None) -> Limit | None:
+    """What Windows lets this process commit still (memory and page file: past it, allocations
+    fail), from GlobalMemoryStatusEx; None elsewhere or where it fails. Untried on Windows
+    itself; ``kernel32`` is for tests."""
+    if kernel32 is None:
+        windll = getattr(ctypes, "windll", None)  # Windows only
+        if windll is None:
+            return None
+        kernel32 = windll.kernel32
+    status = _MemoryStatus(length=ctypes.sizeof(_MemoryStatus))
+    if not kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
+        return None
+    return Limit(status.avail_page_file, "this machine can commit (memory and page file)")
 
 
 def _not_cache(level: Path, names: tuple[str, str, str]) -> int:

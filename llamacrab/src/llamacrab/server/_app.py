@@ -44,6 +44,7 @@ from llamacrab.server._models import (
     render_metrics,
     status_json,
 )
+from llamacrab.server._request_id import RequestIdMiddleware
 from llamacrab.server._responses import add_responses_routes
 from llamacrab.server._schemas import (
     ChatCompletionRequest,
@@ -105,6 +106,7 @@ def create_app(
     # Outermost: a browser's preflight carries no key; it is answered for any origin.
     app.add_middleware(CorsMiddleware, origins=settings.cors_origins,
                        origin_regex=settings.cors_origin_regex)  # fmt: skip
+    app.add_middleware(RequestIdMiddleware)  # on every answer, a refused preflight's too
     _install_error_handlers(app)
     _add_routes(app, state)
     add_responses_routes(app, state)

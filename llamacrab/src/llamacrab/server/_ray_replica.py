@@ -8,10 +8,11 @@ import asyncio
 
 from fastapi import FastAPI
 from ray import serve
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llamacrab._llama import Llama
 from llamacrab.server._app import create_app
+from llamacrab.server._request_id import with_headers
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import open_llama
 
@@ -30,12 +31,7 @@ class ReplicaHeaderMiddleware:
             await self.app(scope, receive, send)
             return
 
-        async def named(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), self.header]}
-            await send(message)
-
-        await self.app(scope, receive, named)
+        await self.app(scope, receive, with_headers(send, [self.header]))
 
 
 class Replica:
