@@ -33,6 +33,33 @@ def assert_clean_exit(child: subprocess.CompletedProcess[str]) -> None:
     assert child.returncode == 0, f"exit {child.returncode}\n{child.stdout}\n{child.stderr[-3000:]}"
 
 
+# -- CPU kernels --------------------------------------------------------------------------------
+
+KERNELS_CHILD = """
+    import sys, numpy as np
+    from llamacrab import Llama
+    text = ("The history of the city begins in the Roman period, when a small settlement grew "
+            "around the river crossing. During the Middle Ages it became an important market "
+            "town, and its cathedral was completed in the thirteenth century.")
+    for extra in (True, False):  # repacked or AMX weights where the CPU has them; plain ones
+        with Llama(sys.argv[1], n_ctx=256, n_threads=1, use_extra_bufts=extra) as llm:
+            echo = llm.create_completion(text, max_tokens=0, logprobs=1, echo=True)
+            logprobs = [p for p in echo.choices[0].logprobs.token_logprobs if p is not None]
+            print(-float(np.mean(logprobs)), len(logprobs))
+"""
+
+
+def test_the_cpu_s_fast_kernels_compute_what_the_plain_ones_do(gemma_path: Path) -> None:
+    # On a CPU with AMX a Q4_K model's products run on tiles; GCC 12 once dropped the stores of
+    # their configuration: SIGSEGV, or tiles of the wrong shape where the garbage was valid.
+    # The kernels round differently (near ties may go either way): the text's likelihood agrees.
+    child = run_child(KERNELS_CHILD, str(gemma_path), timeout=300)
+    assert_clean_exit(child)
+    (fast, n), (plain, m) = (line.split() for line in child.stdout.split("\n")[:2])
+    assert int(n) == int(m) > 30 and 1.0 < float(plain) < 4.0, child.stdout
+    assert abs(float(fast) - float(plain)) < 0.02 * float(plain), child.stdout
+
+
 # -- grammars ----------------------------------------------------------------------------------
 
 HOSTILE_GRAMMAR_CHILD = """

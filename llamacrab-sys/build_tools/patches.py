@@ -56,6 +56,29 @@ PATCHES: tuple[SourcePatch, ...] = (
         ),
     ),
     SourcePatch(
+        name="ggml-amx-tile-config",
+        path="ggml/src/ggml-cpu/amx/mmq.cpp",
+        edits=(
+            (
+                "    _tile_loadconfig(&tc);\n",
+                "#if defined(__GNUC__)\n"
+                "    // llamacrab: the stores to tc must happen before ldtilecfg reads it\n"
+                '    __asm__ __volatile__("" : : "r"(&tc) : "memory");\n'
+                "#endif\n"
+                "    _tile_loadconfig(&tc);\n",
+            ),
+        ),
+        why=(
+            "GCC 12's _tile_loadconfig (Debian 12's compiler) tells the compiler that ldtilecfg "
+            "reads 8 bytes of the tile configuration, so at -O2 it drops the stores of the rest: "
+            "the configuration loaded was stack garbage, a general protection fault (SIGSEGV) "
+            "at the first matrix product on a CPU with AMX (every prompt of a Q4_K model on a "
+            "Sapphire Rapids or newer Xeon), or wrong tile shapes where the garbage happened "
+            "to be valid. A compiler barrier that sees the structure's address keeps the "
+            "stores. GCC 13 and clang read the whole structure; the patch is harmless there."
+        ),
+    ),
+    SourcePatch(
         name="llama-grammar-stack-bound",
         path="src/llama-grammar.cpp",
         edits=(
