@@ -387,7 +387,9 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10) -> None:
         time.sleep(0.01)
 
 
-def test_a_full_queue_answers_503_and_a_request_past_its_timeout_504(tiny_path: Path) -> None:
+def test_a_full_queue_answers_503_and_a_request_past_its_timeout_504_not_retried(
+    tiny_path: Path,
+) -> None:
     gate = Gate()
     llama = Llama(tiny_path, n_ctx=256, parallel=1, max_queue=1)
     scheduler = llama.scheduler
@@ -405,6 +407,7 @@ def test_a_full_queue_answers_503_and_a_request_past_its_timeout_504(tiny_path: 
                 queued_by = time.monotonic()  # its 0.5 s started before this
                 busy = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
                 assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+                assert "x-should-retry" not in busy.headers  # the SDKs retry: a slot may free
                 # Anthropic's clients: its 529 overloaded_error (the SDK's OverloadedError).
                 message = {"model": "m", "max_tokens": 2,
                            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
@@ -418,6 +421,8 @@ def test_a_full_queue_answers_503_and_a_request_past_its_timeout_504(tiny_path: 
                 gate.open.set()
                 late = queued.result()
             assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
+            # Asked again it would time out again: the SDKs are told not to retry it.
+            assert late.headers["x-should-retry"] == "false"
             holder.join(timeout=30)
             ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert ok.status_code == 200

@@ -25,6 +25,7 @@ from llamacrab import Llama
 from llamacrab.server import ServerSettings, parse_settings
 from llamacrab.server import _state as server_state
 from llamacrab.server._app import create_app
+from llamacrab.server._errors import ApiError
 
 from support import load_repo_module
 
@@ -152,6 +153,25 @@ def test_every_answer_names_its_request_where_the_sdks_read_it() -> None:
     assert refused.value.request_id is not None and refused.value.request_id.startswith("req_")
     claude = anthropic.Anthropic(base_url="http://testserver", api_key="k", http_client=client)
     assert claude.models.with_raw_response.list().request_id.startswith("req_")
+
+
+def test_errors_that_would_repeat_tell_the_sdks_not_to_retry() -> None:
+    client = _app()  # nothing loads: the generating routes answer 503 "still loading"
+    loading = client.post("/v1/completions", json={"prompt": "hi"})
+    assert loading.status_code == 503 and "x-should-retry" not in loading.headers
+    state = client.app.state.llamacrab  # type: ignore[attr-defined]
+    state.error = "no such file"
+    message = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/messages", message)):
+        failed = client.post(path, json=body)
+        assert failed.status_code == 503 and "failed to load" in failed.text
+        assert failed.headers["x-should-retry"] == "false", path
+    repeatable = [ApiError(500, "a bug"), ApiError(501, "unsupported"),
+                  ApiError(504, "slow", code="timeout")]  # fmt: skip
+    assert all(e.headers == {"x-should-retry": "false"} for e in repeatable)
+    transient = [ApiError(503, "busy", code="server_busy"), ApiError(502, "child died"),
+                 ApiError(409, "slot busy"), ApiError(400, "bad")]  # fmt: skip
+    assert all(e.headers == {} for e in transient)
 
 
 # -- server-sent events --------------------------------------------------------------------------

@@ -55,7 +55,8 @@ class _AnthropicRoute(APIRoute):
             except (ApiError, LlamaError, RequestValidationError) as error:
                 api_error = _api_error(error)
                 status = anthropic_status(api_error)
-                return JSONResponse(anthropic_body(api_error), status_code=status)
+                return JSONResponse(anthropic_body(api_error), status_code=status,
+                                    headers=api_error.headers)  # fmt: skip
 
         return answer
 

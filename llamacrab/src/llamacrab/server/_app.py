@@ -121,7 +121,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         # In the shape of the API the path belongs to: an unknown route under /v1/messages
         # (an Anthropic SDK's batches, say) answers as Anthropic does.
-        return JSONResponse(error_body(request.url.path, error), status_code=error.status)
+        return JSONResponse(error_body(request.url.path, error), status_code=error.status,
+                            headers=error.headers)  # fmt: skip
 
     @app.exception_handler(LlamaError)
     async def llama_error(request: Request, error: LlamaError) -> JSONResponse:
@@ -147,7 +148,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         # A bug, not the client's fault; still an answer its SDK can read (the traceback
         # goes to the log: Starlette raises the error again once this has answered).
         internal = ApiError(500, f"internal server error: {type(error).__name__}: {error}")
-        return JSONResponse(error_body(request.url.path, internal), status_code=500)
+        return await api_error(request, internal)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

@@ -43,6 +43,14 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.details = details or {}
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """``x-should-retry: false`` where asking again gets the same answer (a timeout, a bug, an
+        unsupported call, a model that failed to load): the OpenAI and Anthropic SDKs retry
+        any other 5xx twice, holding a slot each time."""
+        transient = self.status in (502, 503) and self.code != "load_failed"
+        return {"x-should-retry": "false"} if self.status >= 500 and not transient else {}
+
     def body(self) -> dict[str, Any]:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else _TYPES[400])
         error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
