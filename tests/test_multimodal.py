@@ -844,3 +844,49 @@ def test_one_projector_evaluates_for_one_context_at_a_time(files: dict[str, Path
     lines = child.stdout.splitlines()
     assert lines[0] == "second refused: this projector is evaluating a prompt on another thread"
     assert lines[1] == lines[2].replace("then", "first"), lines
+
+
+FOREIGN_MEDIA_CHILD = """
+import sys
+import numpy as np
+from llamacrab import Context, ContextParams, Image, Llama, LlamaError, Model, Projector
+text, vision, gemma3, other = sys.argv[1:]
+image = Image(pixels=np.zeros((32, 32, 3), np.uint8))
+with Llama(text, n_ctx=512, n_threads=1, mmproj=vision) as seeing:
+    chunks = seeing.tokenize_media("look " + seeing.media_marker + " here", [image])
+    for llm in (Llama(other, n_ctx=512, n_threads=1),  # wider, no projector
+                Llama(text, n_ctx=512, n_threads=1, mmproj=gemma3)):  # another projector
+        with llm:
+            try:
+                llm.create_completion(chunks, max_tokens=2)
+            except LlamaError as error:
+                print("refused:", error)
+            print("then:", llm.create_completion("the cat", max_tokens=2).usage.completion_tokens)
+    model, wide = seeing.model, Model.load(other)
+    merged = Projector(model, gemma3)  # fewer embeddings per image than vision's
+    own = Context(model, ContextParams(n_ctx=512, n_ubatch=512))
+    for projector, context in ((merged, own), (chunks.projector, Context(wide))):
+        try:
+            projector.evaluate(context, chunks, 0, 0)
+        except LlamaError as error:
+            print("refused:", error)
+    print("then:", chunks.projector.evaluate(own, chunks, 0, 0))
+"""
+
+
+def test_media_chunks_of_another_projector_or_model_are_refused_not_a_crash(
+    files: dict[str, Path], gemma_path: Path
+) -> None:
+    # libmtmd sized the embeddings by one model and read them for another: SIGSEGV, or garbage
+    # decoded; chunks of a projector with fewer tokens per image aborted in clip.
+    args = (files["text"], files["vision"], files["gemma3"], gemma_path)
+    child = run_child(FOREIGN_MEDIA_CHILD, *map(str, args), timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    lines = child.stdout.splitlines()
+    refusals = [line for line in lines if line.startswith("refused:")]
+    assert len(refusals) == 4, child.stdout
+    assert "takes no images or sounds" in refusals[0]
+    assert "another Llama's projector" in refusals[1]
+    assert "another projector" in refusals[2] and "another model" in refusals[3]
+    assert lines.count("then: 2") == 2, child.stdout  # both Llamas still generate
+    assert int(lines[-1].removeprefix("then: ")) > IMAGE_TOKENS  # the chunks' own projector

@@ -58,6 +58,7 @@ def completion_prompt(
             raise InvalidParameterError("media= needs a text prompt with media markers")
         prompt = media.tokenize(prompt, items, add_special=True, parse_special=False)
     if isinstance(prompt, Chunks):
+        media.check_own(prompt)
         return Prompt([MEDIA_TOKEN] * prompt.n_pos, "", prompt)
     if isinstance(prompt, str):
         if not prompt:

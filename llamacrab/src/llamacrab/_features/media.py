@@ -27,6 +27,15 @@ class MediaInput:
             )
         return self._projector
 
+    def check_own(self, chunks: Chunks) -> None:
+        """Refuse a prompt tokenized by another Llama's projector (its media would be encoded
+        for another model)."""
+        if chunks.projector is not self.projector:
+            raise InvalidParameterError(
+                "this multimodal prompt was tokenized by another Llama's projector: make it "
+                "with this Llama's tokenize_media"
+            )
+
     def tokenize(
         self, text: str, media: Sequence[Media], add_special: bool, parse_special: bool
     ) -> Chunks:

@@ -210,6 +210,14 @@ class Projector(NativeHandle):
         ``context.cancel()``, closing either, or a Ctrl-C stops it (DecodeAbortedError), in
         the middle of an image's encoding too; so does ``stopped`` returning True at the
         start (a cancel that came just before). One evaluation at a time per projector."""
+        # libmtmd sizes embeddings by this projector's model and its chunks' tokens: another
+        # model's context, or chunks of another projector, read past the end of its buffers.
+        if chunks.projector is not self:
+            raise MediaError("these chunks were tokenized by another projector; tokenize the "
+                             "prompt with the projector that evaluates it")  # fmt: skip
+        if context.model is not self.model:
+            raise MediaError("this projector was made for another model than the context's; "
+                             "evaluate with a projector of the context's model")  # fmt: skip
         new_n_past = ffi.new("llama_pos *")
         with (
             self.in_flight() as projector,
