@@ -330,6 +330,50 @@ def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
     assert [b.type for b in answer.content] == ["text"] and _text(answer)
 
 
+@pytest.mark.real_model
+def test_the_sdks_tool_runner_goes_on_without_a_thread(
+    client: anthropic.Anthropic, server: LiveServer
+) -> None:
+    # The runner asks for a server-side thread first and, told in the error's details that
+    # the server cannot thread, sends the conversation again without one (a 400 before).
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "Sunny, 24 degrees."
+
+    runner = client.beta.messages.tool_runner(
+        model="gemma", max_tokens=48, tools=[get_weather], max_iterations=2,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        extra_body=GREEDY,
+    )  # fmt: skip
+    replies = list(runner)
+    assert replies and all(reply.role == "assistant" for reply in replies)
+    threaded = _post(server, {"model": "gemma", "max_tokens": 4, "thread": {"type": "create"},
+                              "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert threaded.status_code == 400
+    assert threaded.json()["error"]["details"] == {
+        "error_code": "thread_unsupported_request", "unsupported": ["thread"]
+    }  # fmt: skip
+
+
+@pytest.mark.real_model
+def test_a_full_context_is_not_reported_as_the_token_budget(client: anthropic.Anthropic) -> None:
+    # A slot holds 1,024 tokens: a long prompt leaves room for fewer than max_tokens. Told
+    # "max_tokens", a client would ask again with a larger budget, and fail the same way.
+    long: Any = [{"role": "user", "content": "word " * 980}]
+    whole = client.messages.create(model="gemma", max_tokens=200, messages=long,
+                                   extra_body=GREEDY)  # fmt: skip
+    assert whole.usage.output_tokens < 200
+    assert whole.stop_reason == "model_context_window_exceeded"
+    with client.messages.stream(model="gemma", max_tokens=200, messages=long,
+                                extra_body=GREEDY) as stream:  # fmt: skip
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "model_context_window_exceeded"
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+    short = client.messages.create(model="gemma", max_tokens=3, messages=long, extra_body=GREEDY)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+
+
 # -- keys and refusals ---------------------------------------------------------------------------
 
 

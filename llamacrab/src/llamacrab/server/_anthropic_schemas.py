@@ -153,6 +153,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     lora: list[LoraEntry] | None = None  # llama-server's: this request's adapter scales
+    thread: dict[str, Any] | None = None  # stored server-side threads: refused (see wire)
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -182,7 +183,8 @@ class MessageResponse(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: list[TextBlockOut | ToolUseBlockOut]
     model: str
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use",
+                         "model_context_window_exceeded"]  # fmt: skip
     stop_sequence: str | None
     usage: UsageOut
 

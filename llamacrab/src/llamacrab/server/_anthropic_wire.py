@@ -218,6 +218,13 @@ def _tool_choice(choice: ToolChoiceIn) -> str | dict[str, Any]:
 def generation_kwargs(body: MessagesRequest, settings: ServerSettings) -> dict[str, Any]:
     """Sampling, stop strings and max_tokens under the server's limits: the same checks as
     the OpenAI routes, through their fields."""
+    if body.thread is not None:
+        # The anthropic SDK's tool runner asks for a thread first and, told so in these
+        # details, sends the whole conversation again without one.
+        raise ApiError(400, "thread: this server keeps no threads; send the whole "
+                       "conversation in messages", param="thread",
+                       details={"error_code": "thread_unsupported_request",
+                                "unsupported": ["thread"]})  # fmt: skip
     fields = GenerationFields.model_validate(
         body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "stream"})
         | {"stop": body.stop_sequences}
@@ -285,17 +292,21 @@ class Reply:
 
     model: str
     one_call: bool  # tool_choice's disable_parallel_tool_use
+    max_tokens: int
 
     @classmethod
     def of(cls, body: MessagesRequest, model: str) -> Reply:
         one = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
-        return cls(model, one)
+        return cls(model, one, body.max_tokens)
 
-    def stop(self, finish: FinishReason, matched: str | None) -> dict[str, Any]:
+    def stop(self, finish: FinishReason, matched: str | None, generated: int) -> dict[str, Any]:
         """The stop reason, and the stop sequence that ended the answer (``matched``, as
-        the engine reports it)."""
-        return {"stop_reason": _STOP_REASONS[finish],
-                "stop_sequence": matched if finish == "stop" else None}  # fmt: skip
+        the engine reports it). Cut short before ``max_tokens`` (``generated`` tokens), the
+        context was full: a client told "max_tokens" would ask again with a larger budget."""
+        reason = _STOP_REASONS[finish]
+        if finish == "length" and generated < self.max_tokens:
+            reason = "model_context_window_exceeded"
+        return {"stop_reason": reason, "stop_sequence": matched if finish == "stop" else None}
 
     def calls(self, calls: Sequence[ToolCall]) -> Sequence[ToolCall]:
         return calls[:1] if self.one_call else calls
@@ -334,7 +345,8 @@ def message(result: ChatCompletion | Completion, reply: Reply) -> dict[str, Any]
     content += [_tool_use(call) for call in reply.calls(calls)]
     return {"id": message_id(result.id), "type": "message", "role": "assistant",
             "content": content, "model": reply.model,
-            **reply.stop(choice.finish_reason, choice.stop_sequence),
+            **reply.stop(choice.finish_reason, choice.stop_sequence,
+                         result.usage.completion_tokens),
             "usage": usage(result.usage)}  # fmt: skip
 
 
@@ -402,7 +414,8 @@ class MessageEvents:
             yield sse("content_block_delta", {"index": self.blocks - 1, "delta": delta})
             yield sse("content_block_stop", {"index": self.blocks - 1})
         yield from self._close_text()
-        counts = usage(last.usage or Usage(self.input_tokens, 0))
-        delta = self.reply.stop(last.finish_reason, last.stop_sequence)
+        generated = last.usage or Usage(self.input_tokens, 0)
+        counts = usage(generated)
+        delta = self.reply.stop(last.finish_reason, last.stop_sequence, generated.completion_tokens)
         yield sse("message_delta", {"delta": delta, "usage": counts})
         yield sse("message_stop", {})

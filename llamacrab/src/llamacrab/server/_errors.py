@@ -61,7 +61,8 @@ def anthropic_body(error: ApiError) -> dict[str, Any]:
     """``error`` in the shape of Anthropic's API."""
     fallback = "api_error" if error.status >= 500 else "invalid_request_error"
     kind = _ANTHROPIC_TYPES.get(error.status, fallback)
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    details = {"details": error.details} if error.details else {}
+    return {"type": "error", "error": {"type": kind, "message": error.message, **details}}
 
 
 def anthropic_status(error: ApiError) -> int:
