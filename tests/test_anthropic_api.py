@@ -189,6 +189,14 @@ def test_the_stream_speaks_anthropics_events(server: LiveServer) -> None:
     assert payloads[0]["message"]["usage"]["input_tokens"] > 0
     assert payloads[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert payloads[-2]["usage"]["output_tokens"] == 4
+    # Asked again, most of the prompt is reused: the start says so as the end does (it
+    # counted the whole prompt as uncached before).
+    again = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY})
+    events = [block.split("\n") for block in again.text.strip().split("\n\n")]
+    start, end = (json.loads(events[i][1].removeprefix("data: ")) for i in (0, -2))
+    split = ("input_tokens", "cache_read_input_tokens")
+    assert [start["message"]["usage"][k] for k in split] == [end["usage"][k] for k in split]
+    assert start["message"]["usage"]["cache_read_input_tokens"] > 0
 
 
 @pytest.mark.real_model

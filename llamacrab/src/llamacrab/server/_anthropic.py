@@ -140,12 +140,15 @@ def _generation(
 async def _streamed(
     state: ServerState, stream: Callable[[], Stream[Any]], reply: wire.Reply, input_tokens: int
 ) -> StreamingResponse:
+    opened = await in_thread(stream)
+
     async def write(chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
         events: wire.MessageEvents | None = None  # the message's id comes with the first chunk
         try:
             async for chunk in chunks:
-                if events is None:
-                    events = wire.MessageEvents(reply, wire.message_id(chunk.id), input_tokens)
+                if events is None:  # the prompt is in memory now: how much of it was reused
+                    events = wire.MessageEvents(reply, wire.message_id(chunk.id), input_tokens,
+                                                opened.session.reused)  # fmt: skip
                     for text in events.start():
                         yield text
                 for text in events.chunk(chunk):
@@ -153,4 +156,4 @@ async def _streamed(
         except ApiError as error:
             yield wire.error_event(error)
 
-    return await sse_events(state, await in_thread(stream), write)
+    return await sse_events(state, opened, write)

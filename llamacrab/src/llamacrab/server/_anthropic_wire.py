@@ -364,14 +364,15 @@ class MessageEvents:
     first text, a ``tool_use`` block per call at the end (its input as one JSON delta), then
     ``message_delta`` (stop reason, usage) and ``message_stop``."""
 
-    def __init__(self, reply: Reply, message_id: str, input_tokens: int) -> None:
-        self.reply, self.id, self.input_tokens = reply, message_id, input_tokens
+    def __init__(self, reply: Reply, message_id: str, input_tokens: int, cached: int) -> None:
+        self.reply, self.id = reply, message_id
+        self.input_tokens, self.cached = input_tokens, cached  # the prompt, and what was reused
         self.blocks = 0  # blocks opened so far
         self.text_open = False
 
     def start(self) -> Iterator[str]:
-        usage = {"input_tokens": self.input_tokens, "output_tokens": 0,
-                 "cache_read_input_tokens": 0}  # fmt: skip
+        usage = {"input_tokens": self.input_tokens - self.cached, "output_tokens": 0,
+                 "cache_read_input_tokens": self.cached}  # fmt: skip
         opened: dict[str, Any] = {
             "id": self.id, "type": "message", "role": "assistant", "content": [],
             "model": self.reply.model, "stop_reason": None, "stop_sequence": None, "usage": usage,
