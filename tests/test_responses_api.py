@@ -22,12 +22,17 @@ from openai.types.responses import (
     ResponseInputMessageItem,
     ResponseItem,
     ResponseOutputMessage,
+    ResponseStreamEvent,
 )
 
+from llamacrab._types import ChatCompletionChunk, ChatDelta
 from llamacrab.server import ServerSettings
+from llamacrab.server._errors import ApiError
+from llamacrab.server._responses_events import ResponseEvents
 from llamacrab.server._responses_items import listed, page, with_ids
-from llamacrab.server._responses_schemas import INPUT_ITEMS
+from llamacrab.server._responses_schemas import INPUT_ITEMS, ResponseRequest
 from llamacrab.server._responses_store import ResponseStore
+from llamacrab.server._responses_wire import draft
 
 KEY = "sesame"
 WEATHER = {
@@ -307,6 +312,7 @@ def test_the_route_sits_behind_the_key_and_is_counted(gemma_server: LiveServer) 
 # -- input items ---------------------------------------------------------------------------------
 
 ITEM_TYPES = pydantic.TypeAdapter(ResponseItem)
+STREAM_EVENTS: pydantic.TypeAdapter[ResponseStreamEvent] = pydantic.TypeAdapter(ResponseStreamEvent)
 
 
 def strict_items(client: openai.OpenAI, response_id: str, **query: Any) -> dict[str, Any]:
@@ -674,3 +680,25 @@ def test_content_parts_are_listed_in_the_sdk_shapes() -> None:
     assert system.content[0].text == "Be kind."  # type: ignore[union-attr]
     assert isinstance(output, ResponseFunctionToolCallOutputItem)
     assert output.output[0].text == "24 C"  # type: ignore[union-attr]
+
+
+def test_a_stream_failing_mid_answer_keeps_the_text_it_streamed() -> None:
+    # The SDK takes response.failed's output as the response's: it was empty, and the streamed
+    # text vanished from its snapshot.
+    request = ResponseRequest.model_validate({"model": "m", "input": "Tell a story."})
+    events = ResponseEvents(draft(request, "m", stored=False), parallel_tool_calls=True)
+    streamed = [*events.start()]
+    for piece in ("Once", " upon"):
+        chunk = ChatCompletionChunk("chatcmpl-1", 0, "m", 0, ChatDelta(None, piece, ()), None)
+        streamed += events.chunk(chunk)
+    streamed += events.failed(ApiError(504, "the request ran past 3 s", code="timeout"))
+    parsed = [STREAM_EVENTS.validate_python(event) for event in streamed]
+    kinds = [event.type for event in parsed]
+    assert kinds[-5:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "error", "response.failed"]  # fmt: skip
+    failed = parsed[-1].response  # type: ignore[union-attr]
+    assert failed.status == "failed" and failed.error is not None
+    [message] = failed.output
+    assert isinstance(message, ResponseOutputMessage) and message.status == "incomplete"
+    assert message.content[0].text == "Once upon"  # type: ignore[union-attr]
+    assert [event.sequence_number for event in parsed] == list(range(len(parsed)))

@@ -59,10 +59,14 @@ class ResponseEvents:
         return events
 
     def failed(self, error: ApiError) -> list[Event]:
-        """An error after the answer began: the error, then the response as failed."""
+        """An error after the answer began: the open message closed as incomplete (the SDK
+        takes the failed response's output as it is: the text streamed so far would vanish),
+        the error, then the response as failed."""
+        closed = self._close_message("incomplete") if self._message is not None else []
         failure = {"code": "server_error", "message": error.message}
         response = self.draft.object("failed", self.output, error=failure)
-        return [self._event("error", code=error.code, message=error.message, param=error.param),
+        return [*closed,
+                self._event("error", code=error.code, message=error.message, param=error.param),
                 self._event("response.failed", response=response)]  # fmt: skip
 
     def _finish(self, chunk: ChatCompletionChunk) -> list[Event]:
