@@ -156,6 +156,20 @@ def test_multi_turn_by_items_and_by_previous_response_id(gemma_server: LiveServe
     assert chained.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
     stored = client.responses.retrieve(chained.id)
     assert stored.output_text == chained.output_text and stored.status == chained.status
+    # The Vercel AI SDK's way while responses are stored: earlier answers by reference.
+    referenced = answer(client, input=[
+        {"role": "user", "content": "Name a colour."},
+        {"type": "item_reference", "id": first.output[0].id},
+        {"role": "user", "content": "Name another one."},
+    ])  # fmt: skip
+    assert referenced.output_text == replayed.output_text
+    assert referenced.usage.input_tokens == replayed.usage.input_tokens  # type: ignore[union-attr]
+    items = client.responses.input_items.list(referenced.id, order="asc").data
+    assert [getattr(item, "role", None) for item in items] == ["user", "assistant", "user"]
+    assert items[1].id == first.output[0].id
+    with pytest.raises(openai.NotFoundError, match="'msg_gone' is not stored here") as gone:
+        answer(client, input=[{"type": "item_reference", "id": "msg_gone"}])
+    assert gone.value.body["param"] == "input[0].id"  # type: ignore[index]
 
 
 @pytest.mark.real_model
@@ -271,7 +285,7 @@ REFUSALS = [
     ({"tools": [{"type": "web_search_preview"}]}, "tools", "'web_search_preview' is not"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice", "'file_search' is not"),
     ({"background": True}, "background", "background responses are not supported"),
-    ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' is not"),
+    ({"input": [{"type": "web_search_call", "id": "x"}]}, "input", "'web_search_call' is not"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input", "input[0].content[0]: content type 'input_file'"),
     ({"include": ["message.output_text.logprobs"]}, "include", "is not supported"),

@@ -27,6 +27,8 @@ from llamacrab.server._responses_schemas import (
     InputItem,
     InputItemList,
     InputTokens,
+    ItemReference,
+    RequestItem,
     ResponseObject,
     ResponseRequest,
 )
@@ -42,6 +44,7 @@ class _ChatCall(NamedTuple):
 
     llama: Llama
     previous: tuple[InputItem, ...]
+    own: tuple[InputItem, ...]  # the request's input, references to stored items resolved
     messages: list[dict[str, Any]]
     kwargs: dict[str, Any]
 
@@ -57,23 +60,24 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     def chat_call(body: ResponseRequest) -> _ChatCall:
         """What answers ``body``, once everything it asks for has been checked."""
         llama = state.generator(body.model)
-        wire.check_supported(body, settings)
+        own = tuple(_referenced(store, item, i) for i, item in enumerate(body.input))
+        wire.check_supported(body, settings, own)
         previous = _history(store, body.previous_response_id)
-        messages = wire.chat_messages(body.instructions, (*previous, *body.input))
+        messages = wire.chat_messages(body.instructions, (*previous, *own))
         kwargs = chat_kwargs(wire.chat_request(body, messages), settings)
         kwargs.update(request_lora(body.lora, llama))
-        return _ChatCall(llama, previous, messages, kwargs)
+        return _ChatCall(llama, previous, own, messages, kwargs)
 
     async def create(body: ResponseRequest, client: Request) -> Any:
-        llama, previous, messages, kwargs = chat_call(body)
+        llama, previous, own, messages, kwargs = chat_call(body)
         stored = body.store and store.size > 0
         draft = wire.draft(body, state.model_name(body.model), stored)
 
         def remember(response: dict[str, Any]) -> None:
             if stored:
                 output = INPUT_ITEMS.validate_python(response["output"])
-                history = with_ids((*previous, *body.input, *output))
-                own_input = history[len(previous) : len(previous) + len(body.input)]
+                history = with_ids((*previous, *own, *output))
+                own_input = history[len(previous) : len(previous) + len(own)]
                 added = len(json.dumps(response)) + len(INPUT_ITEMS.dump_json(list(own_input)))
                 store.put(response, history, added)
 
@@ -165,6 +169,18 @@ async def _events(
             yield frame(event)
 
 
+def _referenced(store: ResponseStore, item: RequestItem, index: int) -> InputItem:
+    """``item``, or for a reference the stored item it names (404 where none is kept)."""
+    if not isinstance(item, ItemReference):
+        return item
+    found = store.item(item.id)
+    if found is None:
+        raise ApiError(404, f"input[{index}]: item {item.id!r} is not stored here: "
+                       f"{_kept(store)}", param=f"input[{index}].id",
+                       code="item_not_found")  # fmt: skip
+    return found
+
+
 def _history(store: ResponseStore, response_id: str | None) -> tuple[InputItem, ...]:
     if response_id is None:
         return ()
@@ -179,10 +195,12 @@ def _stored(store: ResponseStore, response_id: str, param: str = "response_id") 
 
 
 def _not_found(store: ResponseStore, response_id: str, param: str) -> ApiError:
-    kept = "this server stores no responses"
-    if store.size:
-        kept = (f"this server keeps the last {store.size} responses (at most "
-                f"{store.max_bytes} bytes of them) for {store.ttl:g} s, and none sent with "
-                "store: false")  # fmt: skip
-    return ApiError(404, f"response {response_id!r} is not stored here: {kept}", param=param,
-                    code="response_not_found")  # fmt: skip
+    return ApiError(404, f"response {response_id!r} is not stored here: {_kept(store)}",
+                    param=param, code="response_not_found")  # fmt: skip
+
+
+def _kept(store: ResponseStore) -> str:
+    if not store.size:
+        return "this server stores no responses"
+    return (f"this server keeps the last {store.size} responses (at most {store.max_bytes} "
+            f"bytes of them) for {store.ttl:g} s, and none sent with store: false")  # fmt: skip

@@ -113,15 +113,29 @@ class FunctionCallOutputItem(ItemBase):
     output: str | list[ContentPart]
 
 
-InputItem = Annotated[
+class ItemReference(Lenient):
+    """An item of a stored response, by its id: the Vercel AI SDK sends earlier answers so
+    while responses are stored (its default)."""
+
+    type: Literal["item_reference"]
+    id: str
+
+
+_ITEM_TYPES = ("message", "function_call", "function_call_output")
+_ITEMS = (
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[Unsupported, Tag("unsupported")],
-    # A message may leave its type out ({"role": ..., "content": ...}).
-    Discriminator(_by_type(("message", "function_call", "function_call_output"), "message")),
-]
+    | Annotated[Unsupported, Tag("unsupported")]
+)
+# A message may leave its type out ({"role": ..., "content": ...}).
+InputItem = Annotated[_ITEMS, Discriminator(_by_type(_ITEM_TYPES, "message"))]
 INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+# What a request's input may hold besides: references to stored items.
+RequestItem = Annotated[
+    _ITEMS | Annotated[ItemReference, Tag("item_reference")],
+    Discriminator(_by_type((*_ITEM_TYPES, "item_reference"), "message")),
+]
 
 
 class FunctionTool(Lenient):
@@ -174,7 +188,7 @@ class ReasoningConfig(Lenient):
 
 class ResponseRequest(Lenient):
     model: str | None = None
-    input: list[InputItem] = Field(default_factory=list)
+    input: list[RequestItem] = Field(default_factory=list)
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)

@@ -56,6 +56,15 @@ class ResponseStore:
         self._drop_expired()
         return self._entries.get(response_id)
 
+    def item(self, item_id: str) -> InputItem | None:
+        """The item with this id in a kept conversation (the newest response's first)."""
+        self._drop_expired()
+        for entry in reversed(self._entries.values()):
+            for item in entry.history:
+                if getattr(item, "id", None) == item_id:
+                    return item
+        return None
+
     def delete(self, response_id: str) -> bool:
         self._drop_expired()
         return self._drop(response_id)

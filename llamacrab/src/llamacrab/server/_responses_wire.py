@@ -39,14 +39,18 @@ def new_id(prefix: str) -> str:
 # -- refusals ------------------------------------------------------------------------------------
 
 
-def check_supported(body: ResponseRequest, settings: ServerSettings) -> None:
+def check_supported(
+    body: ResponseRequest, settings: ServerSettings, items: Sequence[InputItem]
+) -> None:
     """400 naming the first field this server cannot honour, rather than an answer that
-    silently ignores it."""
-    for param, message in _unsupported(body, settings):
+    silently ignores it (``items``: the request's input, references resolved)."""
+    for param, message in _unsupported(body, settings, items):
         raise ApiError(400, message, param=param, code="unsupported_parameter")
 
 
-def _unsupported(body: ResponseRequest, settings: ServerSettings) -> Iterator[tuple[str, str]]:
+def _unsupported(
+    body: ResponseRequest, settings: ServerSettings, items: Sequence[InputItem]
+) -> Iterator[tuple[str, str]]:
     if body.background:
         yield "background", "background responses are not supported; send background: false"
     if body.conversation is not None:
@@ -82,14 +86,15 @@ def _unsupported(body: ResponseRequest, settings: ServerSettings) -> Iterator[tu
     if isinstance(body.tool_choice, Unsupported):
         yield "tool_choice", (f"tool_choice type {body.tool_choice.type!r} is not supported; "
                               'use "none", "auto", "required" or a function')  # fmt: skip
-    for i, item in enumerate(body.input):
+    for i, item in enumerate(items):
         yield from _unsupported_in_item(item, f"input[{i}]")
 
 
 def _unsupported_in_item(item: InputItem, where: str) -> Iterator[tuple[str, str]]:
     if isinstance(item, Unsupported):
         yield "input", (f"{where}: item type {item.type!r} is not supported; send message, "
-                        "function_call and function_call_output items")  # fmt: skip
+                        "function_call, function_call_output and item_reference "
+                        "items")  # fmt: skip
         return
     if isinstance(item, FunctionCallItem):
         return
