@@ -11,13 +11,23 @@ import struct
 import time
 import tracemalloc
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 import xxhash
 from PIL import Image as PILImage
 
-from llamacrab import MediaError, StateError, TemplateError
+from llamacrab import (
+    Batch,
+    Context,
+    ContextParams,
+    InvalidParameterError,
+    MediaError,
+    Model,
+    StateError,
+    TemplateError,
+)
 from llamacrab._chat.template import MAX_INT_BITS, MAX_VALUE_SIZE, render
 from llamacrab._native import media, state
 from llamacrab._native.media import (
@@ -310,3 +320,37 @@ def test_templates_get_what_real_templates_use() -> None:
     assert render(source, [], tools=tools) == (
         '[{"name": "f", "parameters": {}}]|{\'a\': [1]}|kept||x|y'
     )
+
+
+# -- integers on their way to C ------------------------------------------------------------------
+
+
+def test_numbers_c_cannot_take_are_refused_not_wrapped(tiny_model_path: Path) -> None:
+    # numpy's assignment wrapped token 2**40 to token 0 and truncated 1.5; cffi raised a bare
+    # OverflowError or TypeError for a delta, an index or a position past int32.
+    batch = Batch(8, n_seq_max=2)
+    for tokens in (np.array([1, 2**40]), np.array([1.5]), np.array([True])):
+        with pytest.raises(InvalidParameterError, match="tokens must be integers within int32"):
+            batch.set(tokens, 0)
+    with pytest.raises(InvalidParameterError, match="positions must be integers"):
+        batch.set_rows(np.array([1]), np.array([2**33]), np.array([0]), np.array([1]))
+    with pytest.raises(InvalidParameterError, match="seq_ids must be integers"):
+        batch.set_rows(np.array([1]), np.array([0]), np.array([0.5]), np.array([1]))
+    with pytest.raises(InvalidParameterError, match="differ in length"):
+        batch.set_rows(np.array([1, 2]), np.array([0]), np.array([0, 0]), np.array([1, 1]))
+    context = Context(Model.load(tiny_model_path), ContextParams(n_ctx=64, embeddings=True))
+    batch.set(np.array([1, 260, 261]), 0)
+    context.decode(batch)
+    refused = [
+        (lambda: context.shift(0, 2**31), "delta"),
+        (lambda: context.divide(0, 2**31), "divisor"),
+        (lambda: context.remove(0, 0, 2**32), "p1"),
+        (lambda: context.remove(0.5, 0), "seq_id"),  # type: ignore[arg-type]
+        (lambda: context.logits(2**31), "index"),
+        (lambda: context.embeddings(64, index=2**31), "index"),
+        (lambda: context.embeddings(64, seq_id=2**31), "seq_id"),
+    ]
+    for attempt, name in refused:
+        with pytest.raises(InvalidParameterError, match=f"^{name} must be an integer"):
+            attempt()
+    assert context.logits().shape == (context.n_vocab,)  # the context goes on

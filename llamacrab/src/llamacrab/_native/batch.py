@@ -12,6 +12,17 @@ from llamacrab._native.call import ffi
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
+def _int32s(name: str, values: np.ndarray) -> np.ndarray:
+    """``values`` as integers that fit int32 (numpy's assignment would wrap 2**40 to token 0 or
+    truncate 1.5 to 1)."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu" or (
+        array.size and not (array.min() >= _INT32_MIN and array.max() <= _INT32_MAX)
+    ):
+        raise InvalidParameterError(f"{name} must be integers within int32")
+    return array
+
+
 class Batch:
     """Room for ``capacity`` tokens of up to ``n_seq_max`` sequences (one sequence per token).
     Python owns its arrays (nothing native to free); after ``close()`` they are released and
@@ -57,7 +68,7 @@ class Batch:
         self._check_seq_id(seq_id)
         if not _INT32_MIN <= start_pos <= _INT32_MAX - n:
             raise InvalidParameterError(f"positions from {start_pos} overflow int32")
-        self._tokens[:n] = tokens
+        self._tokens[:n] = _int32s("tokens", tokens)
         self._positions[:n] = np.arange(start_pos, start_pos + n, dtype=np.int32)
         self._seq_pointers[:n] = self._cells_address + 4 * seq_id
         self._logits[:n] = 1 if logits_all else 0
@@ -78,7 +89,7 @@ class Batch:
             )
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         seq_ids = np.repeat(np.arange(len(sequences)), lengths)
-        self._tokens[:n] = np.concatenate(sequences)
+        self._tokens[:n] = _int32s("tokens", np.concatenate(sequences))
         self._positions[:n] = np.arange(n) - starts
         self._seq_pointers[:n] = self._cells_address + 4 * seq_ids
         self._logits[:n] = 1
@@ -92,10 +103,13 @@ class Batch:
         n = len(tokens)
         if not 0 < n <= self.capacity:
             raise InvalidParameterError(f"{n} tokens do not fit a batch of {self.capacity}")
+        if not len(positions) == len(seq_ids) == len(logits) == n:
+            raise InvalidParameterError("tokens, positions, seq_ids and logits differ in length")
+        seq_ids = _int32s("seq_ids", seq_ids)
         if seq_ids.min() < 0 or seq_ids.max() >= self.n_seq_max:
             raise InvalidParameterError(f"a seq_id outside 0..{self.n_seq_max - 1}")
-        self._tokens[:n] = tokens
-        self._positions[:n] = positions
+        self._tokens[:n] = _int32s("tokens", tokens)
+        self._positions[:n] = _int32s("positions", positions)
         self._seq_pointers[:n] = self._cells_address + 4 * seq_ids.astype(np.uintp)
         self._logits[:n] = logits
         self.struct.n_tokens = n
