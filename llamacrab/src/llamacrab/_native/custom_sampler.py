@@ -20,9 +20,10 @@ class CustomSampler:
     """Subclass and override ``apply`` (and ``accept`` / ``reset`` if it keeps state).
 
     ``apply`` gets the candidates as a numpy structured array with fields ``id``, ``logit`` and
-    ``p``: change ``logit`` in place (``-inf`` removes a candidate); the changes are copied
-    into llama.cpp's buffer when ``apply`` returns. The array is the sampler's own, refilled
-    for every token: one kept past the call stays valid memory but holds later candidates.
+    ``p``: change ``logit`` in place (``-inf`` removes a candidate); the logits (not the ids
+    nor ``p``) are copied into llama.cpp's buffer when ``apply`` returns. The array is the
+    sampler's own, refilled for every token: one kept past the call stays valid memory but
+    holds later candidates.
     Custom samplers run first in the chain, once per generated token, so they see the whole
     vocabulary in token-id order (``candidates["logit"][token_id]``), like a logits processor.
     That is O(vocabulary) per token in numpy: prefer SamplingOptions fields where one exists,
@@ -70,7 +71,9 @@ class _Bridge:
         except BaseException as error:
             self.error = error
             return
-        native[...] = self._copy
+        # Only the logits go back: llama.cpp indexes the logits row with the ids (an id
+        # rewritten to 2**30 was read far outside it), and computes ``p`` from the logits.
+        native["logit"] = self._copy["logit"]
 
     def accept(self, token: int) -> None:
         if self.error is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from llamacrab._exceptions import InvalidParameterError
 from llamacrab._native.call import ffi
 
 
@@ -38,6 +39,15 @@ class BiasedArgmax:
             logits[self.tokens] += self.bias  # float32, as llama.cpp adds it
             if banned is not None:
                 logits[banned] = -np.inf
-            return int(logits.argmax())  # the first maximum, as llama.cpp's greedy keeps
+            best = int(logits.argmax())  # the first maximum, as llama.cpp's greedy keeps
+            ruled_out = logits[best] == -np.inf
         finally:
             logits[touched] = saved
+        # Every token at -inf: argmax fell back to token 0, banned like the rest. (A raw -inf,
+        # the model's own, is left to the caller's check of the logits.)
+        if ruled_out and np.isfinite(logits[best]):
+            raise InvalidParameterError(
+                "no token left to pick: logit_bias (with min_tokens' ban of the "
+                "end-of-generation tokens, if any) sets every logit to -inf"
+            )
+        return best

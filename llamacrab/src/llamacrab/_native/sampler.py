@@ -128,7 +128,9 @@ class SamplingOptions:
 
 
 class SamplerChain(NativeHandle):
-    """A native sampler chain bound to a model's vocabulary. It owns the samplers it holds."""
+    """A native sampler chain bound to a model's vocabulary. It owns the samplers it holds. It
+    samples from a context whose model's vocabulary has its size: its own model's, or another
+    model's of the same vocabulary (the same file loaded again, ``vocab_only`` included)."""
 
     kind = "sampler"
 
@@ -163,9 +165,13 @@ class SamplerChain(NativeHandle):
             len(self._bridges) + bool(options.logit_bias) if options.grammar is not None else None
         )
         self._end_tokens = frozenset(model.vocab.eog_tokens)
+        self._vocab = model.vocab
+        self.n_vocab = model.vocab.n_tokens
+        # Why the grammar cannot go on, after llama.cpp threw in its accept (see _advance).
+        self._dead_end: str | None = None
         # Built after the chain, which checked the bias's token ids against the vocabulary.
         self._argmax = (
-            BiasedArgmax(model.vocab.n_tokens, options.logit_bias)
+            BiasedArgmax(self.n_vocab, options.logit_bias)
             if options.plain_greedy and not self._bridges
             else None
         )
@@ -189,10 +195,16 @@ class SamplerChain(NativeHandle):
 
     def attach(self, context: Context, seq_id: int) -> bool:
         """Have ``context`` run this chain inside its compute graph for sequence ``seq_id``;
-        True when every sampler of it runs there. Once given to llama.cpp, a chain skips on
-        the CPU the samplers it ran in the graph: on False, build a new chain for the CPU."""
+        True when every sampler of it runs there. False at once, the chain left to the CPU,
+        when ``graph_fits`` says one cannot. Once given to llama.cpp, a chain skips on the CPU
+        the samplers it ran in the graph: on a later False, build a new chain for the CPU."""
         if self.in_graph:
             raise InvalidParameterError("this sampler chain was given to a context already")
+        self._check_vocabulary(context)
+        # Asked first: ggml asserts (an abort) on some chains llama.cpp takes (a top_k past
+        # the vocabulary), and a Python sampler has no graph implementation.
+        if self._bridges or not graph_fits(self.options, context.n_vocab):
+            return False
         self.in_graph = True
         if not context.set_graph_sampler(seq_id, self):
             return False
@@ -217,6 +229,8 @@ class SamplerChain(NativeHandle):
             raise InvalidParameterError(
                 "banned tokens need a greedy or top_k-first chain on the CPU"
             )
+        self._check_vocabulary(context)
+        self._check_no_dead_end()
         with self.in_flight() as chain, context.exclusive() as ctx:
             # llama_sampler_sample asserts (an abort) when the output has no logits: none
             # decoded yet, an index out of range, a token decoded without logits.
@@ -240,7 +254,7 @@ class SamplerChain(NativeHandle):
                         "the chain selected no token, or a C++ exception",
                     )  # fmt: skip
                 return _finite(logits, token, index)
-            token = int(_grammar_call("llama_sampler_sample", chain, ctx, index,
+            token = int(self._advance("llama_sampler_sample", chain, ctx, index,
                                       dead_end=_NO_TOKEN_LEFT))  # fmt: skip
             if not self.in_graph:  # (the graph copies out no logits to look at)
                 _finite(logits, token, index)
@@ -248,21 +262,61 @@ class SamplerChain(NativeHandle):
         return token
 
     def accept(self, token: int) -> None:
+        """Record ``token`` as the one that came next (``sample`` accepts what it picks)."""
+        token = self._checked_token(token)
+        self._check_no_dead_end()
         with self.in_flight() as chain:
-            if self._grammar_at is not None and token in self._end_tokens:
-                self._check_grammar_may_end(chain, token)
-            _grammar_call(
+            if self._grammar_at is not None:
+                self._check_grammar_allows(chain, token)
+            self._advance(
                 "llama_sampler_accept",
                 chain,
                 token,
-                dead_end=f"the grammar does not allow token {token} here",
+                # reached only past the test above: a lazy grammar, at its trigger word
+                dead_end=f"the grammar does not allow the text from the trigger word that "
+                f"token {token} completes",
             )
         self._raise_python_error()
 
-    def _check_grammar_may_end(self, chain: Any, token: int) -> None:
-        """llama.cpp's grammar aborts the process when it accepts an end-of-generation token
-        before the grammar is complete. Its apply is the same test without the abort: it sets
-        the token's logit to -inf unless a parse may end here (or a lazy grammar still waits)."""
+    def _checked_token(self, token: int) -> int:
+        """``token`` as an int of the vocabulary: llama.cpp's samplers take any int32 (a
+        ``-1`` aborts adaptive-p's accept) and cffi a wider one not at all."""
+        if isinstance(token, bool) or not isinstance(token, int | np.integer):
+            raise InvalidParameterError(f"a token id is an int, not {token!r}")
+        return int(self._vocab.check_tokens([token])[0])
+
+    def _check_vocabulary(self, context: Context) -> None:
+        """The chain reads (and its logit_bias writes) ``n_vocab`` logits of a row, and picks
+        among as many tokens: a context of another vocabulary size has rows of another length."""
+        if context.n_vocab != self.n_vocab:
+            raise InvalidParameterError(
+                f"this sampler chain is for a vocabulary of {self.n_vocab} tokens; the "
+                f"context's model has {context.n_vocab}: build a chain with that model"
+            )
+
+    def _check_no_dead_end(self) -> None:
+        if self._dead_end is not None:
+            raise GrammarError(
+                f"this chain's grammar cannot go on from an earlier token ({self._dead_end}): "
+                "call reset() before using the chain again"
+            )
+
+    def _advance(self, name: str, *args: Any, dead_end: str) -> Any:
+        """``_grammar_call`` for a call that accepts a token into the chain. llama.cpp throws
+        from the grammar's accept only after it emptied (or overfilled) the grammar's parse
+        stacks, and the grammar's next use would abort on them: the chain refuses until
+        ``reset``."""
+        try:
+            return _grammar_call(name, *args, dead_end=dead_end)
+        except GrammarError as error:
+            self._dead_end = str(error)
+            raise
+
+    def _check_grammar_allows(self, chain: Any, token: int) -> None:
+        """The grammar's accept throws with its parse stacks already emptied when ``token``
+        does not fit, and aborts the process for an end-of-generation token that comes before
+        the grammar is complete. Its apply is the same test without either: it sets the
+        token's logit to -inf unless the grammar allows it here (or a lazy grammar waits)."""
         candidate = ffi.new("llama_token_data[1]", [(token, 0.0, 0.0)])
         candidates = ffi.new("llama_token_data_array *", (candidate, 1, -1, False))
         grammar = lib.llama_sampler_chain_get(chain, self._grammar_at)
@@ -273,15 +327,23 @@ class SamplerChain(NativeHandle):
                 "the chain has no sampler where its grammar was put",
             )
         _grammar_call("llama_sampler_apply", grammar, candidates)
-        if candidates.data[0].logit == -math.inf:
+        if candidates.data[0].logit != -math.inf:
+            return
+        if token in self._end_tokens:
             raise GrammarError(
                 f"the grammar does not allow the end-of-generation token {token} here: the "
                 "text it accepted so far is not complete"
             )
+        piece = self._vocab.token_to_piece(token, special=True)
+        raise GrammarError(
+            f"the grammar does not allow token {token} here: its text {piece!r} does not "
+            "continue what the grammar accepted so far"
+        )
 
     def reset(self) -> None:
         with self.in_flight() as chain:
             call("llama_sampler_reset", chain)
+        self._dead_end = None  # the grammar starts over from its root
         self._raise_python_error()
 
     def _raise_python_error(self) -> None:

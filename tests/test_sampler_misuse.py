@@ -1,0 +1,238 @@
+"""A SamplerChain misused through the public API: a Python sampler that rewrites token ids, a
+context of another model, tokens the vocabulary or the grammar refuse, a bias that bans every
+token. Each used to read or write outside a buffer or abort in llama.cpp; each now raises, and
+the chain (and the context) go on working. The cases that crashed run in a child process, so a
+regression fails the test instead of the test run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_crash_proof import assert_clean_exit, run_child
+
+from llamacrab import InvalidParameterError, Llama
+
+# argv[1]: the tiny model. A context with logits for one output, and helpers the cases share.
+_PRELUDE = """
+    import sys
+    import numpy as np
+    from llamacrab import (
+        Batch, Context, ContextParams, CustomSampler, GrammarError, InvalidParameterError, Model,
+        ModelParams, SamplerChain, SamplingOptions, TokenizeError,
+    )
+
+    model = Model.load(sys.argv[1])
+    n_vocab = model.vocab.n_tokens
+
+    def decoded(graph_sampling="off"):
+        context = Context(model, ContextParams(n_ctx=64, graph_sampling=graph_sampling))
+        with Batch(8) as batch:
+            batch.set(np.array([1, 260], np.int32), 0)
+            context.decode(batch)
+        return context
+
+    def refused(error, action, *words):
+        try:
+            action()
+        except error as caught:
+            assert all(word in str(caught) for word in words), caught
+            return str(caught)
+        raise AssertionError(f"no {error.__name__}")
+
+    def piece(token):
+        return model.vocab.token_to_piece(token)
+
+    context = decoded()
+"""
+
+_REWRITTEN_IDS = """
+    class RewriteIds(CustomSampler):
+        def __init__(self, value):
+            self.value = value
+
+        def apply(self, candidates):
+            candidates["id"][:] = self.value
+
+    greedy = SamplerChain(model, SamplingOptions(temperature=0)).sample(context)
+    for value in (2**30, n_vocab, -5):
+        for temperature in (0.0, 0.8):
+            options = SamplingOptions(
+                temperature=temperature, seed=1, custom_samplers=(RewriteIds(value),)
+            )
+            token = SamplerChain(model, options).sample(context)
+            assert 0 <= token < n_vocab, (value, token)
+            assert temperature > 0 or token == greedy, (value, token)  # the logits were kept
+    print("done")
+"""
+
+
+def test_a_python_sampler_that_rewrites_token_ids_changes_nothing(tiny_model_path: Path) -> None:
+    # The ids a Python sampler wrote were copied back into llama.cpp's candidates: the picked
+    # "token" 2**30 indexed the logits row (SIGSEGV); n_vocab or -5 read past its ends.
+    child = run_child(_PRELUDE + _REWRITTEN_IDS, str(tiny_model_path))
+    assert_clean_exit(child)
+    assert child.stdout.split() == ["done"]
+
+
+_ANOTHER_VOCABULARY = """
+    big = Model.load(sys.argv[2], ModelParams(vocab_only=True))  # 262,144 tokens
+    for options in (
+        {"temperature": 0},  # the pick in numpy read 262,144 floats of a 271-float row
+        {"temperature": 0, "logit_bias": {262143: 3e38}},  # and wrote one past it
+        {"top_k": 40, "seed": 1},  # top_k-first, in C
+        {"temperature": 0.8, "top_k": 0, "seed": 1},  # the whole chain, in C
+    ):
+        chain = SamplerChain(big, SamplingOptions(**options))
+        refused(InvalidParameterError, lambda: chain.sample(context), "262144", str(n_vocab))
+    # Another Model of the same vocabulary (here the same file, vocab_only) is fine.
+    same = Model.load(sys.argv[1], ModelParams(vocab_only=True))
+    for options in ({"temperature": 0}, {"temperature": 0.8, "seed": 1}):
+        expected = SamplerChain(model, SamplingOptions(**options)).sample(context)
+        assert SamplerChain(same, SamplingOptions(**options)).sample(context) == expected
+    print("done")
+"""
+
+
+@pytest.mark.real_model
+def test_a_chain_refuses_a_context_of_another_vocabulary(
+    tiny_model_path: Path, gemma_path: Path
+) -> None:
+    child = run_child(_PRELUDE + _ANOTHER_VOCABULARY, str(tiny_model_path), str(gemma_path))
+    assert_clean_exit(child)
+    assert child.stdout.split() == ["done"]
+
+
+_ATTACH_ANOTHER_VOCABULARY = """
+    big = Model.load(sys.argv[2], ModelParams(vocab_only=True))
+    graph = decoded("on")
+    chain = SamplerChain(big, SamplingOptions(temperature=0, logit_bias={262000: 1.0}))
+    refused(InvalidParameterError, lambda: chain.attach(graph, 0), "262144")
+    assert not chain.in_graph and graph.graph_sampler(0) is None
+    with Batch(8) as batch:  # the decode aborted in ggml's logit_bias (GGML_ASSERT)
+        batch.set(np.array([261], np.int32), 2)
+        graph.decode(batch)
+    print("done")
+"""
+
+
+@pytest.mark.real_model
+def test_attach_refuses_a_chain_of_another_vocabulary(
+    tiny_model_path: Path, gemma_path: Path
+) -> None:
+    child = run_child(_PRELUDE + _ATTACH_ANOTHER_VOCABULARY, str(tiny_model_path), str(gemma_path))
+    assert_clean_exit(child)
+    assert child.stdout.split() == ["done"]
+
+
+_ATTACH_TOP_K_PAST_THE_VOCABULARY = """
+    graph = Context(model, ContextParams(n_ctx=64, graph_sampling="on"))
+    chain = SamplerChain(model, SamplingOptions(top_k=1000, seed=1))
+    assert chain.attach(graph, 0) is False  # ggml's top_k asserts k <= n (an abort)
+    assert not chain.in_graph and graph.graph_sampler(0) is None
+    with Batch(8) as batch:
+        batch.set(np.array([1, 260], np.int32), 0)
+        graph.decode(batch)
+    assert 0 <= chain.sample(graph) < n_vocab  # still a whole chain for the CPU
+    print("done")
+"""
+
+
+def test_attach_declines_a_top_k_larger_than_the_vocabulary(tiny_model_path: Path) -> None:
+    child = run_child(_PRELUDE + _ATTACH_TOP_K_PAST_THE_VOCABULARY, str(tiny_model_path))
+    assert_clean_exit(child)
+    assert child.stdout.split() == ["done"]
+
+
+_GRAMMAR_REFUSES = """
+    b = model.vocab.tokenize("b", add_special=False)[-1]
+    chain = SamplerChain(model, SamplingOptions(grammar='root ::= "a"+', temperature=0))
+    refused(GrammarError, lambda: chain.accept(b), "does not allow", str(b))
+    token = chain.sample(context)  # aborted: the refused accept had emptied the grammar
+    assert piece(token) == "a", piece(token)
+
+    # sample accepts the token already: accepting it again is a token too many
+    once = SamplerChain(model, SamplingOptions(grammar='root ::= "a"', temperature=0))
+    token = once.sample(context)
+    refused(GrammarError, lambda: once.accept(token), "does not allow", str(token))
+    assert model.vocab.is_eog(once.sample(context))  # unchanged: "a" was read, only the end
+    print("done")
+"""
+
+
+def test_a_token_the_grammar_refuses_leaves_the_chain_as_it_was(tiny_model_path: Path) -> None:
+    child = run_child(_PRELUDE + _GRAMMAR_REFUSES, str(tiny_model_path))
+    assert_clean_exit(child)
+    assert child.stdout.split() == ["done"]
+
+
+_GRAMMAR_DEAD_ENDS = """
+    # A lazy grammar is not consulted before its trigger: the trigger's text itself is what
+    # the grammar refuses, found while llama.cpp accepts the token that completes it.
+    lazy = SamplerChain(model, SamplingOptions(
+        grammar='root ::= "x"', grammar_trigger_words=("cat",), temperature=0
+    ))
+    cat = model.vocab.tokenize(" cat", add_special=False)
+    refused(GrammarError, lambda: [lazy.accept(token) for token in cat], "does not allow")
+    refused(GrammarError, lambda: lazy.sample(context), "reset()")
+    refused(GrammarError, lambda: lazy.accept(cat[0]), "reset()")
+    lazy.reset()
+    assert 0 <= lazy.sample(context) < n_vocab
+
+    # Every token the grammar allows is banned: llama.cpp accepts a token anyway, and throws.
+    x = model.vocab.tokenize("x", add_special=False)[-1]
+    banned = SamplerChain(model, SamplingOptions(
+        grammar='root ::= "x"', logit_bias={x: float("-inf")}, temperature=0
+    ))
+    for _ in range(2):
+        refused(GrammarError, lambda: banned.sample(context), "allows no token")
+        refused(GrammarError, lambda: banned.sample(context), "reset()")
+        banned.reset()
+    print("done")
+"""
+
+
+def test_a_grammar_at_a_dead_end_refuses_until_reset(tiny_model_path: Path) -> None:
+    # llama.cpp empties the grammar's parse stacks before it throws; its next use aborted.
+    child = run_child(_PRELUDE + _GRAMMAR_DEAD_ENDS, str(tiny_model_path))
+    assert_clean_exit(child)
+    assert child.stdout.split() == ["done"]
+
+
+_ACCEPT_OUTSIDE_THE_VOCABULARY = """
+    for options in (
+        {"adaptive_p_target": 0.5},  # accept(-1) aborted in llama_sampler_adaptive_p_accept
+        {"temperature": 0},
+        {"repeat_penalty": 1.5, "grammar": "root ::= [a-z ]*"},
+    ):
+        chain = SamplerChain(model, SamplingOptions(seed=1, **options))
+        for token in (-1, n_vocab, 10**6, 2**31 - 1, -(2**31), 2**40):
+            refused(TokenizeError, lambda: chain.accept(token), str(token), "vocabulary")
+        for token in ("a", 1.5, True, None):
+            refused(InvalidParameterError, lambda: chain.accept(token), "token id")
+        chain.accept(np.int32(260))  # a numpy integer is a token id too
+        assert 0 <= chain.sample(context) < n_vocab
+    print("done")
+"""
+
+
+def test_accept_refuses_what_is_not_a_token_of_the_vocabulary(tiny_model_path: Path) -> None:
+    child = run_child(_PRELUDE + _ACCEPT_OUTSIDE_THE_VOCABULARY, str(tiny_model_path))
+    assert_clean_exit(child)
+    assert child.stdout.split() == ["done"]
+
+
+def test_a_logit_bias_that_bans_every_token_is_refused(tiny_llama: Llama) -> None:
+    """The greedy pick found no finite logit and emitted token 0, banned like the rest."""
+    n_vocab = tiny_llama.vocab.n_tokens
+    eos = tiny_llama.vocab.eog_tokens[0]
+    everything = dict.fromkeys(range(n_vocab), float("-inf"))
+    all_but_eos = {**everything, eos: 0.0}
+    with pytest.raises(InvalidParameterError, match="no token left"):
+        tiny_llama.create_completion("the cat", max_tokens=2, temperature=0, logit_bias=everything)
+    with pytest.raises(InvalidParameterError, match="no token left"):  # min_tokens bans the end
+        tiny_llama.create_completion(
+            "the cat", max_tokens=2, temperature=0, logit_bias=all_but_eos, min_tokens=1
+        )
+    result = tiny_llama.create_completion("the cat", max_tokens=2, temperature=0)
+    assert result.usage.completion_tokens >= 1
