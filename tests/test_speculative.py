@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llamacrab import DraftModel, InvalidParameterError, Llama, PromptLookup
+from llamacrab import DraftModel, InvalidParameterError, Llama, PromptLookup, TokenizeError
 from llamacrab._native.model import Model
 
 from support import load_repo_module
@@ -194,3 +194,33 @@ def test_a_draft_longer_than_a_batch_is_cut_to_fit(tiny_model_path: Path) -> Non
         fast = llm.create_completion("the cat", max_tokens=24, temperature=0, speculative=guess)  # type: ignore[arg-type]
         assert fast.choices[0].tokens == plain.tokens
         assert llm.speculative_stats.drafted >= 3
+
+
+class Overdraft(AlwaysDraft):
+    """Ignores the limit it is given."""
+
+    def draft(self, history: Sequence[int], limit: int) -> list[int]:
+        return self.guess
+
+
+def test_a_drafter_s_guesses_must_be_tokens_and_within_its_limit(tiny_llama: Llama) -> None:
+    # A user's drafter returned ids straight to the batch: 2**40 a bare OverflowError, 1.5
+    # truncated to a token, a string a ValueError from numpy.
+    for guess in ([2**40], [-1], [271], [1.5], ["a"], [None], [True]):
+        with pytest.raises(TokenizeError):
+            tiny_llama.create_completion("the cat", max_tokens=4, temperature=0,
+                                         speculative=AlwaysDraft(guess))  # type: ignore[arg-type]  # fmt: skip
+    plain = tiny_llama.create_completion("the cat", max_tokens=8, temperature=0).choices[0]
+    tiny_llama.reset()
+    guess = Overdraft(plain.tokens[1:] * 40)  # far past any batch and max_tokens
+    fast = tiny_llama.create_completion("the cat", max_tokens=8, temperature=0, speculative=guess)  # type: ignore[arg-type]
+    assert fast.choices[0].tokens == plain.tokens
+
+
+def test_a_llama_cannot_draft_for_itself(tiny_llama: Llama) -> None:
+    # Its drafts were a newer generation that superseded the one they drafted for: the answer
+    # ended "cancelled" after a few tokens, without an error.
+    with pytest.raises(InvalidParameterError, match="the model it drafts for"):
+        tiny_llama.create_completion("the cat", max_tokens=8,
+                                     speculative=DraftModel(llama=tiny_llama))  # fmt: skip
+    assert tiny_llama.create_completion("the cat", max_tokens=3).usage.completion_tokens == 3

@@ -651,7 +651,10 @@ class _Stepper:
             left = (
                 room if self.request.max_tokens is None else self.request.max_tokens - produced - 1
             )
-            drafts = self.drafter.draft([*self.kv.tokens, token], max(0, min(room, left)))
+            limit = max(0, min(room, left))
+            proposed = self.drafter.draft([*self.kv.tokens, token], limit)
+            # A drafter of the user's may return anything: ids of the vocabulary, at most limit.
+            drafts = self.kv.context.model.vocab.check_tokens(proposed).tolist()[:limit]
         if drafts:
             self.kv.decode_all([token, *drafts])
             self.stats.drafted += len(drafts)

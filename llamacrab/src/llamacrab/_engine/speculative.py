@@ -157,6 +157,13 @@ class DraftModel:
     max_draft: int = 8
 
     def drafter(self, target: Model) -> Drafter:
+        if self.llama.model is target:
+            # Its drafts would be a newer generation of the same engine, which supersedes
+            # (cancels) the one it drafts for; and the same model drafts at no gain.
+            raise InvalidParameterError(
+                "the draft model is the model it drafts for: draft with a smaller model, or "
+                "with PromptLookup"
+            )
         check_vocabularies(target, self.llama.model)
         return _ModelDrafter(self)
 

@@ -149,13 +149,19 @@ class Vocab:
         return bool(self._get(lib.llama_vocab_is_eog, token))
 
     def check_tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Tokens as an int32 array, each checked against the vocabulary size."""
+        """Tokens as an int32 array, each checked against the vocabulary size (not floats,
+        bools or strings: numpy would truncate 1.5 to token 1)."""
         try:
-            array = np.asarray(tokens, dtype=np.int64)
-        except OverflowError:  # an id past 64 bits (a JSON body can hold any integer)
-            raise TokenizeError(
-                f"a token id is outside the vocabulary (0..{self.n_tokens - 1})"
-            ) from None
+            array = np.asarray(tokens)
+        except ValueError:  # ragged
+            raise TokenizeError("tokens must be a flat sequence of integers") from None
+        if array.size == 0:
+            array = array.astype(np.int64)  # [] is a float array
+        if array.dtype == object and all(_is_int(t) for t in array.flat):
+            # ids past 64 bits (a JSON body can hold any integer)
+            raise TokenizeError(f"a token id is outside the vocabulary (0..{self.n_tokens - 1})")
+        if array.dtype.kind not in "iu":
+            raise TokenizeError(f"token ids must be integers, not {array.dtype} values")
         if array.ndim != 1:
             raise TokenizeError(f"tokens must be a flat sequence, got shape {array.shape}")
         bad = (array < 0) | (array >= self.n_tokens)
@@ -241,3 +247,7 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """Whatever bytes are left (an incomplete character becomes U+FFFD)."""
         return self._utf8.decode(b"", final=True)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
