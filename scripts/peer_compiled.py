@@ -18,11 +18,13 @@ into place at the end.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -30,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "llamacrab-sys"))
 
 from build_tools.cache import cache_root, locked  # noqa: E402
+from build_tools.patches import PATCHES, patched_text  # noqa: E402
 from build_tools.source import pinned_archive, read_pin  # noqa: E402
 
 # The peer is the release whose vendored llama.cpp is our pinned commit (pin.json).
@@ -40,11 +43,15 @@ CMAKE_ARGS = " ".join([
     "-DGGML_VULKAN=OFF", "-DGGML_METAL=OFF", "-DGGML_BLAS=OFF", "-DGGML_RPC=OFF",
 ])  # fmt: skip
 _STAMP = ".llamacrab-complete"
+# The peer runs llama.cpp as released but for this one of our patches: compiled by GCC 12, its
+# AMX matrix product faults at the first prompt on a CPU with AMX (build_tools/patches.py).
+_PEER_PATCHES = [p for p in PATCHES if p.name == "ggml-amx-tile-config"]
 
 
 def peer_dir() -> Path:
     """Where the compiled peer lives (whether or not it is built yet)."""
-    key = f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
+    patched = hashlib.sha256(repr(_PEER_PATCHES).encode()).hexdigest()[:12]
+    key = f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}-{patched}"
     return cache_root() / "peer-compiled" / f"llama-cpp-python-{VERSION}-{key}"
 
 
@@ -69,7 +76,7 @@ def compiled_peer(quiet: bool = True) -> Path:
             command = [
                 sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
                 "--no-deps", "--no-cache-dir", "--target", str(staging),
-                str(archive), "diskcache>=5.6.1",
+                str(_patched_source(archive, Path(tmp) / "source")), "diskcache>=5.6.1",
             ]  # fmt: skip
             if quiet:
                 command.insert(4, "--quiet")
@@ -81,6 +88,17 @@ def compiled_peer(quiet: bool = True) -> Path:
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)
     return target
+
+
+def _patched_source(archive: Path, into: Path) -> Path:
+    """The sdist unpacked into ``into``, its vendored llama.cpp patched; its root."""
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    [root] = into.iterdir()
+    for patch in _PEER_PATCHES:
+        target = root / "vendor" / "llama.cpp" / patch.path
+        target.write_text(patched_text(patch, target.read_text(encoding="utf-8")), "utf-8")
+    return root
 
 
 if __name__ == "__main__":
