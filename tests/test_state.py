@@ -656,6 +656,25 @@ def test_a_slot_moves_to_another_slot_while_a_third_generates(tiny_model_path: P
         assert llm.slots()[target].n_tokens == len(tokens) + 8 - 1  # the last one not decoded
 
 
+def test_held_tokens_are_what_a_slot_s_memory_holds(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=256, n_threads=2) as one:
+        assert one.held_tokens() == []
+        answer = one.create_completion(PROMPT, max_tokens=4, temperature=0).choices[0]
+        prompt = one.tokenize(PROMPT)
+        held = one.held_tokens()
+        assert held == prompt + list(answer.tokens[:-1])  # the last not decoded
+        held.append(1)  # a copy
+        assert len(one.held_tokens()) == one.slots()[0].n_tokens
+    with Llama(tiny_model_path, n_ctx=2 * 128, n_threads=2, parallel=2) as two:
+        two.create_completion(PROMPT, max_tokens=2, temperature=0)
+        holding = [i for i, slot in enumerate(two.slots()) if slot.n_tokens]
+        assert len(holding) == 1
+        assert two.held_tokens(slot=holding[0])[: len(prompt)] == prompt
+        assert two.held_tokens(slot=1 - holding[0]) == []
+        with pytest.raises(InvalidParameterError, match="slot 2 does not exist"):
+            two.held_tokens(slot=2)
+
+
 def test_slot_states_refuse_what_cannot_work(tiny_model_path: Path) -> None:
     with Llama(tiny_model_path, n_ctx=2 * 128, n_threads=2, parallel=2) as llm:
         llm.create_completion(PROMPT, max_tokens=0)

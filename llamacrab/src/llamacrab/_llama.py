@@ -262,6 +262,14 @@ class Llama:
         return self._completer.slots()
 
     @checked
+    def held_tokens(self, *, slot: int = 0) -> list[int]:
+        """A copy of the tokens slot ``slot``'s memory holds: the last prompt and its answer
+        but the last token sampled (decoded only if the answer goes on), what a next prompt
+        sharing them reuses. Read without waiting: while the slot generates, as it was
+        between two steps."""
+        return self._completer.held_tokens(slot)
+
+    @checked
     def save_state(self, scope: str = "sequence", *, slot: int | None = None) -> SavedState:
         """The KV memory and the tokens it holds (``SavedState.save`` writes it to a file);
         ``scope="context"`` saves the whole context (every sequence, last outputs; one slot

@@ -141,20 +141,29 @@ class Scheduler:
             self.context.cancel()  # the step in progress is theirs: it ends now
             self._cond.notify()
 
+    def _check_slot(self, index: int) -> None:
+        if not 0 <= index < len(self.slots):
+            raise InvalidParameterError(
+                f"slot {index} does not exist: this Llama has slots 0 to {len(self.slots) - 1}"
+            )
+
     def describe(self) -> list[tuple[bool, int]]:
         """Each slot: whether it generates now, and how many tokens its memory holds."""
         with self._mutex:
             return [(slot.job is not None, len(slot.kv.tokens)) for slot in self.slots]
+
+    def held_tokens(self, index: int) -> list[int]:
+        """A copy of the tokens slot ``index``'s memory holds, between two steps."""
+        self._check_slot(index)
+        with self._mutex:
+            return list(self.slots[index].kv.tokens)
 
     @contextlib.contextmanager
     def idle_slot(self, index: int) -> Iterator[KvState]:
         """Slot ``index``'s memory, to save, load or clear while the other slots wait: no step
         runs and no job enters a slot until the block ends. A slot with a job (generating, or
         admitted and about to) raises ConcurrentUseError: its memory changes with each step."""
-        if not 0 <= index < len(self.slots):
-            raise InvalidParameterError(
-                f"slot {index} does not exist: this Llama has slots 0 to {len(self.slots) - 1}"
-            )
+        self._check_slot(index)
         with self.lock, self._mutex:
             if self._closed:
                 raise ClosedHandleError("this Llama is closed")

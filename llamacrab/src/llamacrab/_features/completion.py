@@ -135,6 +135,13 @@ class Completer:
         described = self.scheduler.describe()
         return [SlotInfo(i, busy, held, n_ctx) for i, (busy, held) in enumerate(described)]
 
+    def held_tokens(self, index: int) -> list[int]:
+        if self.scheduler is not None:
+            return self.scheduler.held_tokens(index)
+        if index != 0:
+            raise InvalidParameterError(f"slot {index} does not exist: this Llama has slot 0")
+        return list(self.kv.tokens)
+
     @contextlib.contextmanager
     def idle_slot(self, index: int) -> Iterator[KvState]:
         """Slot ``index``'s memory while it is idle (ConcurrentUseError while it generates):
