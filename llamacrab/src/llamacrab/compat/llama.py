@@ -11,6 +11,7 @@ import random
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -36,6 +37,11 @@ from llamacrab import (
 from llamacrab._field_types import checked
 from llamacrab._types import common_prefix
 from llamacrab.compat import _convert as convert
+from llamacrab.compat._chat_inputs import (
+    check_chat_format,
+    current_messages,
+    native_chat_format,
+)
 from llamacrab.compat._constants import (
     KV_TYPES,
     LLAMA_ATTENTION_TYPE_UNSPECIFIED,
@@ -72,8 +78,6 @@ from llamacrab.compat.llama_types import (
     FinishReason,
 )
 
-# llama-cpp-python's chat format names that llamacrab spells differently.
-_CHAT_FORMATS = {"llama-2": "llama2-sys", "qwen": "chatml"}
 _SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 
@@ -182,7 +186,7 @@ class Llama:
         use_mlock: bool = False,
         kv_overrides: Mapping[str, bool | int | float | str] | None = None,
         # Context parameters
-        seed: int = LLAMA_DEFAULT_SEED,
+        seed: int | None = LLAMA_DEFAULT_SEED,
         n_ctx: int = 512,
         n_batch: int = 512,
         n_ubatch: int = 512,
@@ -271,8 +275,9 @@ class Llama:
             "use_mmap": use_mmap,
             "use_mlock": use_mlock,
             "kv_overrides": kv_overrides,
-            "n_threads": n_threads,
-            "n_threads_batch": n_threads_batch,
+            # llama-cpp-python: 0, as None, asks for the default.
+            "n_threads": n_threads or None,
+            "n_threads_batch": n_threads_batch or None,
             "rope_scaling": _named(
                 "rope_scaling_type",
                 LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED
@@ -302,6 +307,7 @@ class Llama:
                 )
         if problems:
             raise UnsupportedParameterError(problems)
+        check_chat_format(chat_format)  # now, not at the first chat (nor after the load)
         if not os.path.exists(model_path):
             raise InvalidParameterError(f"Model path does not exist: {os.fspath(model_path)}")
 
@@ -314,7 +320,7 @@ class Llama:
                 n_batch=batch,
                 n_ubatch=min(batch, n_ubatch),
                 speculative=speculative,
-                chat_format=_chat_format(chat_format),
+                chat_format=native_chat_format(chat_format),
                 **native,
             )
 
@@ -482,6 +488,51 @@ class Llama:
     def pooling_type(self) -> int:
         pooling = self._llm.context.pooling
         return next(k for k, v in POOLING_TYPES.items() if v == pooling)
+
+    # -- what the context holds ---------------------------------------------------------------
+
+    def _held_tokens(self) -> list[int]:
+        """The tokens in the context's memory: the prompt and output of the last generation
+        but its last sampled token, which nothing decoded yet."""
+        return self._llm.held_tokens()
+
+    @property
+    def n_tokens(self) -> int:
+        """How many tokens the context holds."""
+        return len(self._held_tokens())
+
+    @property
+    def input_ids(self) -> npt.NDArray[np.intc]:
+        """The tokens the context holds, then zeros up to ``n_ctx()`` (llama-cpp-python's
+        shape). A read-only copy: llamacrab's engine keeps its own record."""
+        held = self._input_ids
+        ids = np.zeros(self._n_ctx, dtype=np.intc)
+        ids[: len(held)] = held
+        ids.flags.writeable = False
+        return ids
+
+    @property
+    def _input_ids(self) -> npt.NDArray[np.intc]:
+        """``input_ids`` up to ``n_tokens``."""
+        ids = np.asarray(self._held_tokens(), dtype=np.intc)
+        ids.flags.writeable = False
+        return ids
+
+    @property
+    def scores(self) -> npt.NDArray[np.single]:
+        """No rows: llamacrab keeps no logits of past tokens (they are sampled in llama.cpp;
+        a ``logits_processor`` sees each token's). Shape ``(0, n_vocab())``."""
+        return np.zeros((0, self._n_vocab), dtype=np.single)
+
+    @property
+    def eval_tokens(self) -> deque[int]:
+        """The tokens the context holds."""
+        return deque(self._held_tokens(), maxlen=self._n_ctx)
+
+    @property
+    def eval_logits(self) -> deque[list[float]]:
+        """Empty: llamacrab keeps no logits of past tokens (see ``scores``)."""
+        return deque(maxlen=self._n_ctx if self._logits_all else 1)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -762,10 +813,15 @@ class Llama:
     ) -> Generator[int, Sequence[int] | None, None]:
         """The sampled tokens of ``tokens``' continuation, one by one, as llamacrab's engine
         produces them; an end-of-generation token is yielded last, and the generator ends
-        there or at the end of the context (a stopping criterion ends it silently)."""
+        there or at the end of the context (a stopping criterion ends it silently).
+        ``reset=False`` continues the sequence the context holds (``input_ids``): ``tokens``
+        follow it, as in llama-cpp-python, and only they are decoded (none given: the last
+        held token again, for its logits)."""
         keywords = Sampling.of({**locals(), "temperature": temp, "logit_bias": None})
         sampling = self._sampling(keywords, self._seed % 2**32)
         prompt = [int(t) for t in tokens]
+        if not reset:  # the engine finds the held tokens in memory: a prefix it keeps
+            prompt = self._held_tokens() + prompt
         self._hooks(prompt, logits_processor, stopping_criteria, sampling)
         engine = self._llm.stream_completion(prompt, max_tokens=None, **sampling)
         return self._tokens(engine)
@@ -849,7 +905,8 @@ class Llama:
         template; calls the model makes (always, with ``tool_choice`` "required" or a named
         function, which a grammar enforces) come back as ``message.tool_calls``.
         ``response_format`` {"type": "json_object"} (optionally with "schema") or
-        {"type": "json_schema", ...} constrains the answer."""
+        {"type": "json_schema", ...} constrains the answer. Legacy ``function`` messages
+        become tool messages, an assistant's ``function_call`` its tool call."""
         sampling = self._sampling(Sampling.of(locals()), self._call_seed(seed))
         if functions is not None and tools is None:
             tools = [{"type": "function", "function": f} for f in functions]
@@ -863,12 +920,13 @@ class Llama:
             "tool_choice": _tool_choice(tool_choice, tools),
             "logprobs": _chat_logprobs(logprobs, top_logprobs),
         }
-        chat_format = _chat_format(self.chat_format)
+        chat_format = native_chat_format(self.chat_format)
+        turns = current_messages(messages)  # legacy function messages as tool messages
         if logits_processor is not None:
-            prompt = self._chat_prompt_tokens(messages, chat_format, tools)
+            prompt = self._chat_prompt_tokens(turns, chat_format, tools)
             self._hooks(prompt, logits_processor, None, sampling)
         engine = self._llm.stream_chat_completion(
-            messages, chat_format=chat_format, **chat, **sampling
+            turns, chat_format=chat_format, **chat, **sampling
         )
         meta = _Meta(model if model is not None else self.model_path, "chatcmpl-")
         chunks = self._chat_chunks(engine, meta)
@@ -1078,14 +1136,6 @@ def _speculative(
         return None
 
 
-def _chat_format(name: str | None) -> str | None:
-    if name is None or name == "chat_template.default":
-        return None  # the model's own template
-    if name.startswith("chat_template."):
-        return "tokenizer." + name
-    return _CHAT_FORMATS.get(name, name)
-
-
 def _max_tokens(max_tokens: int | None) -> int | None:
     return None if max_tokens is None or max_tokens <= 0 else max_tokens
 
@@ -1093,7 +1143,12 @@ def _max_tokens(max_tokens: int | None) -> int | None:
 def _stops(stop: str | Sequence[str] | None) -> list[str]:
     if stop is None:
         return []
-    return [stop] if isinstance(stop, str) else [s for s in stop if s]
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if "" in stops:
+        # llama-cpp-python finds an empty stop string before the first token and returns no
+        # text; dropping it instead would change the answer silently.
+        raise UnsupportedParameterError([f"stop={stop!r} (an empty stop string)"])
+    return stops
 
 
 def _tool_choice(

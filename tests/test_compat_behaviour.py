@@ -1,0 +1,151 @@
+"""llamacrab.compat where llama-cpp-python's behaviour was lost or refused (an audit's
+findings): generate(reset=False), the context's tokens as attributes, legacy function
+messages, default-meaning keyword values, empty stop strings, chat format names, and
+llama_grammar's ready grammars."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llamacrab import InvalidParameterError
+from llamacrab.compat import Llama, LlamaGrammar, UnsupportedParameterError
+
+pytestmark = pytest.mark.real_model
+
+CALL = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+QUESTION = {"role": "user", "content": "Weather in Paris?"}
+
+
+@pytest.fixture(scope="module")
+def llm(gemma_path: Path) -> Iterator[Llama]:
+    with Llama(model_path=str(gemma_path), n_ctx=512, n_threads=2, verbose=False) as llm:
+        yield llm
+
+
+def greedy(llm: Llama, tokens: list[int], count: int, reset: bool = True) -> list[int]:
+    """The first ``count`` tokens ``generate`` yields, the generator then closed."""
+    tokens_out = llm.generate(tokens, temp=0, reset=reset)
+    try:
+        return list(itertools.islice(tokens_out, count))
+    finally:
+        tokens_out.close()
+
+
+def test_generate_without_reset_continues_the_sequence_the_context_holds(llm: Llama) -> None:
+    # It was ignored: the second half started a new sequence from its one token.
+    prompt = llm.tokenize(b"Count: 1, 2, 3,")
+    whole = greedy(llm, prompt, 8)
+    first = greedy(llm, prompt, 4)
+    # The last token yielded was never decoded: llama-cpp-python's callers pass it on.
+    second = greedy(llm, [first[-1]], 4, reset=False)
+    assert first + second == whole
+    assert llm.detokenize(whole).startswith(b" 4, 5,")
+
+
+def test_the_context_tokens_are_read_only_attributes(llm: Llama) -> None:
+    # They were missing (AttributeError): n_tokens, input_ids, scores, eval_tokens, ...
+    prompt = llm.tokenize(b"Count: 1, 2, 3,")
+    first = greedy(llm, prompt, 3)
+    held = prompt + first[:2]  # the last token yielded is not decoded yet
+    assert llm.n_tokens == len(held)
+    assert llm._input_ids.tolist() == held and list(llm.eval_tokens) == held
+    assert llm.input_ids.shape == (llm.n_ctx(),) and llm.input_ids.dtype == np.intc
+    assert llm.input_ids[: llm.n_tokens].tolist() == held
+    assert not llm.input_ids[llm.n_tokens :].any()
+    with pytest.raises(ValueError, match="read-only"):
+        llm.input_ids[0] = 1
+    with pytest.raises(AttributeError):
+        llm.n_tokens = 0  # type: ignore[misc]
+    # No logits are kept: no rows, never made-up ones.
+    assert llm.scores.shape == (0, llm.n_vocab()) and llm.scores.dtype == np.single
+    assert len(llm.eval_logits) == 0 and llm.eval_logits.maxlen == 1
+    llm.reset()
+    assert llm.n_tokens == 0 and not llm.input_ids.any()
+
+
+def chat_usage(llm: Llama, messages: list[dict[str, Any]]) -> tuple[Any, Any]:
+    result: Any = llm.create_chat_completion(messages, max_tokens=4, temperature=0)
+    return result["usage"], result["choices"][0]["message"]
+
+
+def test_legacy_function_messages_are_tool_messages(llm: Llama) -> None:
+    # A "function" message was refused by role; an assistant's function_call was dropped.
+    modern_call = {"role": "assistant", "content": None,
+                   "tool_calls": [{"type": "function", "function": CALL}]}  # fmt: skip
+    modern_result = {"role": "tool", "name": "get_weather", "content": "sunny"}
+    legacy_call = {"role": "assistant", "content": None, "function_call": CALL}
+    legacy_result = {"role": "function", "name": "get_weather", "content": "sunny"}
+    modern = chat_usage(llm, [QUESTION, modern_call, modern_result])
+    assert chat_usage(llm, [QUESTION, legacy_call, legacy_result]) == modern
+    assert chat_usage(llm, [QUESTION, legacy_call]) == chat_usage(llm, [QUESTION, modern_call])
+    # A response appended to the history carries both: the call is shown once.
+    answered = {**modern_call, "function_call": CALL}
+    assert chat_usage(llm, [QUESTION, answered, legacy_result]) == modern
+
+
+def test_zero_threads_and_no_seed_ask_for_the_defaults(tiny_model_path: Path) -> None:
+    # llama-cpp-python reads 0 and None as "the default"; they were refused.
+    path = str(tiny_model_path)
+    with (
+        Llama(path, n_ctx=64, n_threads=0, n_threads_batch=0, seed=None, verbose=False) as tiny,
+        Llama(path, n_ctx=64, verbose=False) as default,
+    ):
+        threads = (tiny.n_threads, tiny.n_threads_batch)
+        assert threads == (default.n_threads, default.n_threads_batch)
+        sampled = tiny("the cat", max_tokens=4)["choices"]
+        assert sampled == default("the cat", max_tokens=4)["choices"]
+
+
+def test_an_empty_stop_string_is_refused_by_name(llm: Llama) -> None:
+    # It was dropped, where llama-cpp-python stops before the first token.
+    hi = [{"role": "user", "content": "hi"}]
+    for stop in ("", ["\n", ""]):
+        with pytest.raises(UnsupportedParameterError, match=r"stop=.*empty stop string"):
+            llm("Count: 1, 2,", max_tokens=2, stop=stop)
+        with pytest.raises(UnsupportedParameterError, match=r"stop=.*empty stop string"):
+            llm.create_chat_completion(hi, max_tokens=2, stop=stop)
+
+
+def test_chat_formats_without_an_equivalent_are_refused_when_the_llama_is_made(
+    tiny_model_path: Path,
+) -> None:
+    # They were accepted, and the first chat failed.
+    path = str(tiny_model_path)
+    for name in ("baichuan", "functionary-v2", "chatml-function-calling"):
+        with pytest.raises(UnsupportedParameterError, match=rf"chat_format='{name}'.*chatml"):
+            Llama(path, n_ctx=64, verbose=False, chat_format=name)
+    with pytest.raises(InvalidParameterError, match=r"no chat format 'nope'.*llama-2"):
+        Llama(path, n_ctx=64, verbose=False, chat_format="nope")
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    for name in ("llama-2", "qwen", "mistral-instruct", "chat_template.default", template):
+        with Llama(path, n_ctx=64, verbose=False, chat_format=name) as tiny:
+            assert tiny.chat_format == name
+
+
+def test_llama_grammar_offers_ready_grammars_and_the_schema_converter(llm: Llama) -> None:
+    # llama_cpp.llama_grammar's JSON_GBNF, json_schema_to_gbnf, ... were missing, and
+    # LlamaGrammar(_grammar=..., verbose=False) raised TypeError.
+    from llamacrab.compat.llama_grammar import (
+        JSON_ARR_GBNF,
+        JSON_GBNF,
+        LIST_GBNF,
+        json_schema_to_gbnf,
+    )
+
+    for grammar, start in ((JSON_GBNF, "{"), (JSON_ARR_GBNF, "["), (LIST_GBNF, "- ")):
+        constrained = LlamaGrammar(_grammar=grammar, verbose=False)
+        result: Any = llm("Here is the data:\n", max_tokens=6, temperature=0, grammar=constrained)
+        assert result["choices"][0]["text"].startswith(start)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    text = json.dumps(schema)
+    assert json_schema_to_gbnf(text) == LlamaGrammar.from_json_schema(text).grammar
+    assert json_schema_to_gbnf(schema) == json_schema_to_gbnf(text)
+    with pytest.raises(UnsupportedParameterError, match="prop_order"):
+        json_schema_to_gbnf(text, prop_order=["n"])
