@@ -25,6 +25,7 @@ from llamacrab import (
     InvalidParameterError,
     MediaError,
     Model,
+    SamplerChain,
     StateError,
     TemplateError,
 )
@@ -349,6 +350,9 @@ def test_numbers_c_cannot_take_are_refused_not_wrapped(tiny_model_path: Path) ->
         (lambda: context.logits(2**31), "index"),
         (lambda: context.embeddings(64, index=2**31), "index"),
         (lambda: context.embeddings(64, seq_id=2**31), "seq_id"),
+        (lambda: context.embeddings(64, count=2**40), "count"),
+        (lambda: SamplerChain(context.model).sample(context, 2**31), "index"),
+        (lambda: SamplerChain(context.model).sample(context, 1.5), "index"),  # type: ignore[arg-type]
     ]
     for attempt, name in refused:
         with pytest.raises(InvalidParameterError, match=f"^{name} must be an integer"):

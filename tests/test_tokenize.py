@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from llamacrab import Llama, TokenizeError
@@ -55,3 +56,17 @@ def test_out_of_range_tokens(gemma: Llama) -> None:
         gemma.detokenize([5, 262_144])
     with pytest.raises(TokenizeError):
         gemma.vocab.token_to_piece(-1)
+
+
+def test_token_ids_of_any_integer_kind_are_taken_and_nothing_else(tiny_llama: Llama) -> None:
+    vocab = tiny_llama.vocab
+    taken = [[np.uint64(5), 3], np.array([5, 3], dtype=np.uint16), (np.int8(5), 3), [5, 3]]
+    for tokens in taken:  # numpy makes floats of numpy's unsigned mixed with Python's ints
+        assert vocab.check_tokens(tokens).tolist() == [5, 3]
+    outside = [[2**63, 1], [np.int64(1), 2**70], [-1]]  # past int64: a JSON body can send it
+    for tokens in outside:
+        with pytest.raises(TokenizeError, match="outside the vocabulary"):
+            vocab.check_tokens(tokens)
+    for tokens in ([1.5], np.array([1.0]), [True], ["a"], [None], [1, "2"]):
+        with pytest.raises(TokenizeError, match="token ids must be integers"):
+            vocab.check_tokens(tokens)  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ import numpy as np
 
 from llamacrab._exceptions import InvalidParameterError
 
-INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
+INT32_MIN, INT32_MAX, UINT32_MAX = -(2**31), 2**31 - 1, 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # past it a C float is infinite
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 

@@ -654,7 +654,7 @@ class _Stepper:
             limit = max(0, min(room, left))
             proposed = self.drafter.draft([*self.kv.tokens, token], limit)
             # A drafter of the user's may return anything: ids of the vocabulary, at most limit.
-            drafts = self.kv.context.model.vocab.check_tokens(proposed).tolist()[:limit]
+            drafts = self.kv.context.model.vocab.check_tokens(list(proposed)[:limit]).tolist()
         if drafts:
             self.kv.decode_all([token, *drafts])
             self.stats.drafted += len(drafts)

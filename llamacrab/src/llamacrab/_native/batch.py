@@ -7,9 +7,8 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import ClosedHandleError, InvalidParameterError
+from llamacrab._field_types import INT32_MAX, INT32_MIN
 from llamacrab._native.call import ffi
-
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 def _int32s(name: str, values: np.ndarray) -> np.ndarray:
@@ -17,7 +16,7 @@ def _int32s(name: str, values: np.ndarray) -> np.ndarray:
     truncate 1.5 to 1)."""
     array = np.asarray(values)
     if array.dtype.kind not in "iu" or (
-        array.size and not (array.min() >= _INT32_MIN and array.max() <= _INT32_MAX)
+        array.size and not (array.min() >= INT32_MIN and array.max() <= INT32_MAX)
     ):
         raise InvalidParameterError(f"{name} must be integers within int32")
     return array
@@ -66,7 +65,7 @@ class Batch:
         if not 0 < n <= self.capacity:
             raise InvalidParameterError(f"{n} tokens do not fit a batch of {self.capacity}")
         self._check_seq_id(seq_id)
-        if not _INT32_MIN <= start_pos <= _INT32_MAX - n:
+        if not INT32_MIN <= start_pos <= INT32_MAX - n:
             raise InvalidParameterError(f"positions from {start_pos} overflow int32")
         self._tokens[:n] = _int32s("tokens", tokens)
         self._positions[:n] = np.arange(start_pos, start_pos + n, dtype=np.int32)
@@ -131,7 +130,7 @@ class Batch:
         # The seq_id pointer must stay inside the cells (llama.cpp reads through it), and the
         # numbers must fit int32 (numpy would raise OverflowError).
         self._check_seq_id(seq_id)
-        if not (_INT32_MIN <= token <= _INT32_MAX and _INT32_MIN <= pos <= _INT32_MAX):
+        if not (INT32_MIN <= token <= INT32_MAX and INT32_MIN <= pos <= INT32_MAX):
             raise InvalidParameterError(f"token {token} or position {pos} overflows int32")
         self._tokens[0] = token
         self._positions[0] = pos

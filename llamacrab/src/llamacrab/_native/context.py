@@ -25,6 +25,7 @@ from llamacrab._exceptions import (
 from llamacrab._field_types import (
     FLOAT32_MAX,
     INT32_MAX,
+    INT32_MIN,
     UINT32_MAX,
     check_field_types,
     check_range,
@@ -44,7 +45,6 @@ from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
 from llamacrab._native.signals import arm_sigint, held_signals
 
-_INT32_MIN = -INT32_MAX - 1
 GGML_MAX_N_THREADS = 512  # ggml.h
 KV_CELL_BYTES = 48  # llama_kv_cells: pos, shift and ext (x, y) int32s, a std::bitset<256>
 
@@ -411,7 +411,7 @@ class Context(NativeHandle):
                     "llama.cpp copies no logits: create the context with graph_sampling='off' "
                     "to read them"
                 )
-            check_range("index", index, _INT32_MIN, INT32_MAX)
+            check_range("index", index, INT32_MIN, INT32_MAX)
             row = call("llama_get_logits_ith", ctx, index)
             if row == ffi.NULL:
                 raise InvalidParameterError(f"no logits for output {index} of the last decode")
@@ -438,7 +438,8 @@ class Context(NativeHandle):
         # A pooled row of rank pooling holds the classifier's outputs; any other, the embedding.
         row_width = model.n_cls_out if seq_id is not None and self.pooling == "rank" else None
         row_width = row_width or model.n_embd_out
-        check_range("index", index, _INT32_MIN, INT32_MAX - count + 1)
+        check_range("count", count, 1, INT32_MAX)
+        check_range("index", index, INT32_MIN, INT32_MAX - count + 1)
         if seq_id is not None:
             self._check_sequence(seq_id)
         if not 0 < width <= row_width or count < 1 or (seq_id is not None and count != 1):
@@ -625,7 +626,7 @@ class Context(NativeHandle):
             lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
 
     def _check_sequence(self, seq_id: int) -> None:
-        check_range("seq_id", seq_id, _INT32_MIN, INT32_MAX)  # what cffi takes
+        check_range("seq_id", seq_id, INT32_MIN, INT32_MAX)  # what cffi takes
         if not 0 <= seq_id < self.params.n_seq_max:
             raise InvalidParameterError(
                 f"sequence {seq_id} outside 0..{self.params.n_seq_max - 1} (n_seq_max)"
@@ -633,8 +634,8 @@ class Context(NativeHandle):
 
     def _check_range(self, seq_id: int, p0: int, p1: int) -> None:
         self._check_sequence(seq_id)
-        check_range("p0", p0, _INT32_MIN, INT32_MAX)
-        check_range("p1", p1, _INT32_MIN, INT32_MAX)
+        check_range("p0", p0, INT32_MIN, INT32_MAX)
+        check_range("p1", p1, INT32_MIN, INT32_MAX)
         if p0 < 0 or (p1 >= 0 and p1 < p0):
             raise InvalidParameterError(f"invalid position range [{p0}, {p1}) (p1 -1: to the end)")
 
@@ -681,7 +682,7 @@ class Context(NativeHandle):
     def shift(self, seq_id: int, delta: int, p0: int = 0, p1: int = -1) -> None:
         """Add ``delta`` to the positions [p0, p1) of a sequence (context shifting)."""
         self._check_range(seq_id, p0, p1)
-        check_range("delta", delta, _INT32_MIN, INT32_MAX)
+        check_range("delta", delta, INT32_MIN, INT32_MAX)
         with self.exclusive() as ctx:
             memory = lib.llama_get_memory(ctx)
             if not lib.llama_memory_can_shift(memory):
@@ -691,7 +692,7 @@ class Context(NativeHandle):
     def divide(self, seq_id: int, divisor: int, p0: int = 0, p1: int = -1) -> None:
         """Integer-divide the positions [p0, p1) of a sequence (self-extend)."""
         self._check_range(seq_id, p0, p1)
-        check_range("divisor", divisor, _INT32_MIN, INT32_MAX)
+        check_range("divisor", divisor, INT32_MIN, INT32_MAX)
         if divisor < 1:
             raise InvalidParameterError(f"divisor must be at least 1, not {divisor}")
         with self.exclusive() as ctx:

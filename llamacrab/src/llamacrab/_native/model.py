@@ -15,6 +15,7 @@ from llamacrab._exceptions import InvalidModelError, InvalidParameterError, Mode
 from llamacrab._field_types import (
     FLOAT32_MAX,
     INT32_MAX,
+    INT32_MIN,
     check_field_types,
     check_range,
     file_path,
@@ -86,7 +87,7 @@ class ModelParams:
                     f"tensor_split holds shares (finite numbers >= 0), not {share!r}"
                 )
         for name in ("n_gpu_layers", "main_gpu"):
-            check_range(name, getattr(self, name), -INT32_MAX - 1, INT32_MAX)
+            check_range(name, getattr(self, name), INT32_MIN, INT32_MAX)
 
 
 def _load_mode(params: ModelParams) -> int:

@@ -12,7 +12,13 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import DecodeError, GrammarError, InvalidParameterError, NativeError
-from llamacrab._field_types import INT32_MAX, check_field_types, check_range, is_number
+from llamacrab._field_types import (
+    INT32_MAX,
+    INT32_MIN,
+    check_field_types,
+    check_range,
+    is_number,
+)
 from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
@@ -78,7 +84,7 @@ class SamplingOptions:
     def __post_init__(self) -> None:
         check_field_types(self)
         for name in ("top_k", "dry_allowed_length"):
-            check_range(name, getattr(self, name), -INT32_MAX - 1, INT32_MAX)  # C int32s
+            check_range(name, getattr(self, name), INT32_MIN, INT32_MAX)  # C int32s
         for name in ("penalty_last_n", "dry_penalty_last_n"):
             # llama.cpp allocates (and zero-fills) a ring of this many tokens: 2^31 was 8 GB
             check_range(name, getattr(self, name), -1, MAX_PENALTY_WINDOW)
@@ -229,6 +235,7 @@ class SamplerChain(NativeHandle):
             raise InvalidParameterError(
                 "banned tokens need a greedy or top_k-first chain on the CPU"
             )
+        check_range("index", index, INT32_MIN, INT32_MAX)  # what cffi takes
         self._check_vocabulary(context)
         self._check_no_dead_end()
         with self.in_flight() as chain, context.exclusive() as ctx:

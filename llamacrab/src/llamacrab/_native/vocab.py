@@ -6,7 +6,7 @@ import codecs
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -157,9 +157,8 @@ class Vocab:
             raise TokenizeError("tokens must be a flat sequence of integers") from None
         if array.size == 0:
             array = array.astype(np.int64)  # [] is a float array
-        if array.dtype == object and all(_is_int(t) for t in array.flat):
-            # ids past 64 bits (a JSON body can hold any integer)
-            raise TokenizeError(f"a token id is outside the vocabulary (0..{self.n_tokens - 1})")
+        elif array.dtype.kind in "fO" and not isinstance(tokens, np.ndarray):
+            array = self._as_int64(tokens, array)
         if array.dtype.kind not in "iu":
             raise TokenizeError(f"token ids must be integers, not {array.dtype} values")
         if array.ndim != 1:
@@ -170,6 +169,20 @@ class Vocab:
                 f"token {int(array[bad][0])} is outside the vocabulary (0..{self.n_tokens - 1})"
             )
         return array.astype(np.int32)
+
+    def _as_int64(self, items: Sequence[object], array: np.ndarray) -> np.ndarray:
+        """Items numpy made floats or objects of: int64 where each is an integer (numpy's
+        unsigned mixed with Python's, or ids past 64 bits: a JSON body can hold any, and they
+        are outside the vocabulary), else ``array`` as it is, for the caller to refuse."""
+        ints = [item for item in items if _is_int(item)]
+        if len(ints) != len(items):
+            return array
+        try:
+            return np.array([int(item) for item in ints], dtype=np.int64)
+        except OverflowError:
+            raise TokenizeError(
+                f"a token id is outside the vocabulary (0..{self.n_tokens - 1})"
+            ) from None
 
     def tokenize(
         self, text: str | bytes, add_special: bool = True, parse_special: bool = False
@@ -249,5 +262,5 @@ class IncrementalDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(value: object) -> TypeGuard[int | np.integer]:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
