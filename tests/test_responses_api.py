@@ -167,6 +167,12 @@ def test_multi_turn_by_items_and_by_previous_response_id(gemma_server: LiveServe
     items = client.responses.input_items.list(referenced.id, order="asc").data
     assert [getattr(item, "role", None) for item in items] == ["user", "assistant", "user"]
     assert items[1].id == first.output[0].id
+    bare = answer(client, input=[  # the SDK's ItemReference may leave its type out
+        {"role": "user", "content": "Name a colour."},
+        {"id": first.output[0].id},
+        {"role": "user", "content": "Name another one."},
+    ])  # fmt: skip
+    assert bare.output_text == replayed.output_text
     with pytest.raises(openai.NotFoundError, match="'msg_gone' is not stored here") as gone:
         answer(client, input=[{"type": "item_reference", "id": "msg_gone"}])
     assert gone.value.body["param"] == "input[0].id"  # type: ignore[index]
@@ -654,6 +660,23 @@ def test_the_store_keeps_at_most_its_bytes() -> None:
     assert store.delete("b")
     store.put(_response("d"), (), 70)  # 30 + 70: both fit
     assert store.get("c") and store.get("d")
+
+
+def test_items_are_found_by_id_while_a_history_holding_them_is_kept() -> None:
+    now = [0.0]
+    store = ResponseStore(size=2, ttl=60, clock=lambda: now[0])
+    turn = [{"role": "user", "content": "Hi", "id": "u"}, {"role": "assistant", "content": "Hey"}]
+    first = with_ids(INPUT_ITEMS.validate_python(turn))
+    answer = first[1].id
+    assert answer is not None and answer.startswith("msg_")
+    store.put(_response("a"), first, 1)
+    follow_up = with_ids((*first, *INPUT_ITEMS.validate_python([{"role": "user", "content": "?"}])))
+    store.put(_response("b"), follow_up, 1)  # shares the first two items
+    assert store.item("u") is first[0] and store.item(answer) is first[1]
+    assert store.delete("a")  # b still holds them
+    assert store.item("u") is first[0] and store.item(follow_up[2].id or "") is follow_up[2]
+    now[0] = 61  # b expired: nothing holds them
+    assert store.item("u") is None and store.item(answer) is None
 
 
 def test_stored_items_keep_their_ids_and_repeated_ones_get_new() -> None:

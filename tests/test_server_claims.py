@@ -124,6 +124,10 @@ def test_cors_origin_flags_allow_those_origins_only() -> None:
 # -- request ids ---------------------------------------------------------------------------------
 
 
+def _boom() -> None:
+    raise RuntimeError("a bug")
+
+
 def test_every_answer_names_its_request_where_the_sdks_read_it() -> None:
     client = _app(api_keys=("k",), cors_origins=(ORIGIN,))
     key = {"Authorization": "Bearer k"}
@@ -143,6 +147,18 @@ def test_every_answer_names_its_request_where_the_sdks_read_it() -> None:
     for bad in ("two words", "x" * 129, "semi;colon"):
         answer = client.get("/v1/models", headers={**key, "X-Request-Id": bad})
         assert re.fullmatch("req_[0-9a-f]{32}", answer.headers["x-request-id"]), bad
+
+    # A bug's 500 too: Starlette answers it outside every middleware.
+    app = create_app(ServerSettings(model="absent.gguf"))
+    for path in ("/boom", "/v1/messages/boom"):
+        app.add_api_route(path, _boom)
+    crashed = TestClient(app, raise_server_exceptions=False).get(
+        "/v1/messages/boom", headers={"X-Request-Id": "edge-1"}
+    )
+    assert crashed.status_code == 500 and crashed.json()["type"] == "error"  # Anthropic's shape
+    assert crashed.headers["x-request-id"] == crashed.headers["request-id"] == "edge-1"
+    crashed = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert re.fullmatch("req_[0-9a-f]{32}", crashed.headers["x-request-id"])
 
     sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=client)
     page = sdk.models.with_raw_response.list()

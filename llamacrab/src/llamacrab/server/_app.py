@@ -44,7 +44,7 @@ from llamacrab.server._models import (
     render_metrics,
     status_json,
 )
-from llamacrab.server._request_id import RequestIdMiddleware
+from llamacrab.server._request_id import RequestIdMiddleware, id_headers
 from llamacrab.server._responses import add_responses_routes
 from llamacrab.server._schemas import (
     ChatCompletionRequest,
@@ -103,10 +103,11 @@ def create_app(
     if settings.api_keys:
         app.add_middleware(AuthMiddleware, keys=settings.api_keys,
                            open_paths=("/health", "/v1/health"))  # fmt: skip
-    # Outermost: a browser's preflight carries no key; it is answered for any origin.
+    # Outside the key check: a browser's preflight carries no key; it is answered for any
+    # origin.
     app.add_middleware(CorsMiddleware, origins=settings.cors_origins,
                        origin_regex=settings.cors_origin_regex)  # fmt: skip
-    app.add_middleware(RequestIdMiddleware)  # on every answer, a refused preflight's too
+    app.add_middleware(RequestIdMiddleware)  # outermost: on every answer, a preflight's too
     _install_error_handlers(app)
     _add_routes(app, state)
     add_responses_routes(app, state)
@@ -148,7 +149,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         # A bug, not the client's fault; still an answer its SDK can read (the traceback
         # goes to the log: Starlette raises the error again once this has answered).
         internal = ApiError(500, f"internal server error: {type(error).__name__}: {error}")
-        return await api_error(request, internal)
+        answer = await api_error(request, internal)
+        answer.headers.update(id_headers(request.scope))
+        return answer
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

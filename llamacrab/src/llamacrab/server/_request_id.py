@@ -35,6 +35,13 @@ def with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
     return sending
 
 
+def id_headers(scope: Scope) -> dict[str, str]:
+    """The headers naming the request of ``scope`` (none before the middleware ran): for the
+    answer to an unhandled exception, which Starlette sends outside every middleware."""
+    ident = scope.get("state", {}).get("request_id")
+    return {} if ident is None else {name.decode(): ident.decode() for name in HEADERS}
+
+
 class RequestIdMiddleware:
     """Answers every HTTP request with its id in ``x-request-id`` and ``request-id``."""
 
@@ -46,4 +53,5 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         ident = request_id(scope)
+        scope.setdefault("state", {})["request_id"] = ident
         await self.app(scope, receive, with_headers(send, [(name, ident) for name in HEADERS]))

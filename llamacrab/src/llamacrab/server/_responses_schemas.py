@@ -117,7 +117,7 @@ class ItemReference(Lenient):
     """An item of a stored response, by its id: the Vercel AI SDK sends earlier answers so
     while responses are stored (its default)."""
 
-    type: Literal["item_reference"]
+    type: Literal["item_reference"] = "item_reference"
     id: str
 
 
@@ -131,10 +131,20 @@ _ITEMS = (
 # A message may leave its type out ({"role": ..., "content": ...}).
 InputItem = Annotated[_ITEMS, Discriminator(_by_type(_ITEM_TYPES, "message"))]
 INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+_request_item_type = _by_type((*_ITEM_TYPES, "item_reference"), "message")
+
+
+def _reference_or_type(value: Any) -> str | None:
+    """A bare ``{"id": ...}`` is a reference (the SDK's ItemReference may leave its type out);
+    any other item without a type, a message."""
+    if isinstance(value, dict) and value.keys() == {"id"}:
+        return "item_reference"
+    return _request_item_type(value)
+
+
 # What a request's input may hold besides: references to stored items.
 RequestItem = Annotated[
-    _ITEMS | Annotated[ItemReference, Tag("item_reference")],
-    Discriminator(_by_type((*_ITEM_TYPES, "item_reference"), "message")),
+    _ITEMS | Annotated[ItemReference, Tag("item_reference")], Discriminator(_reference_or_type)
 ]
 
 

@@ -39,6 +39,9 @@ class ResponseStore:
         self.size, self.ttl, self.max_bytes, self.clock = size, ttl, max_bytes, clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
+        # Item id: the newest item with it, and how many kept histories hold it (histories
+        # share items), for item references without a walk through every history.
+        self._items: dict[str, tuple[InputItem, int]] = {}
 
     def put(self, response: dict[str, Any], history: tuple[InputItem, ...], size: int) -> None:
         """Keep ``response`` (``size``: the bytes of JSON it adds); one larger than the whole
@@ -49,6 +52,7 @@ class ResponseStore:
         self._drop(response["id"])
         self._entries[response["id"]] = entry
         self._bytes += size
+        self._index(entry.history, +1)
         while len(self._entries) > self.size or self._bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
 
@@ -57,13 +61,10 @@ class ResponseStore:
         return self._entries.get(response_id)
 
     def item(self, item_id: str) -> InputItem | None:
-        """The item with this id in a kept conversation (the newest response's first)."""
+        """The item with this id in a kept conversation (the newest response's)."""
         self._drop_expired()
-        for entry in reversed(self._entries.values()):
-            for item in entry.history:
-                if getattr(item, "id", None) == item_id:
-                    return item
-        return None
+        found = self._items.get(item_id)
+        return None if found is None else found[0]
 
     def delete(self, response_id: str) -> bool:
         self._drop_expired()
@@ -73,7 +74,19 @@ class ResponseStore:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
             self._bytes -= entry.size
+            self._index(entry.history, -1)
         return entry is not None
+
+    def _index(self, items: tuple[InputItem, ...], step: int) -> None:
+        for item in items:
+            item_id = getattr(item, "id", None)
+            if item_id is None:
+                continue
+            newest, holders = self._items.get(item_id, (item, 0))
+            if holders + step > 0:
+                self._items[item_id] = (item if step > 0 else newest, holders + step)
+            else:
+                del self._items[item_id]
 
     def _drop_expired(self) -> None:
         # Every entry lives as long as the others, so the expired ones are the oldest.
