@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import shutil
 import threading
@@ -370,6 +371,29 @@ def test_from_toml_reads_entries_limits_and_relative_paths(models: Path, tmp_pat
     config.write_text('[models.x]\nmodel = "alpha.gguf"\nn_ctxx = 1\n')
     with pytest.raises(InvalidParameterError, match=r"unknown options.*n_ctxx"):
         ModelRegistry.from_toml(config)
+    # Found by an audit: the string "false" pinned the entry (bool() of it), and a file
+    # that is not UTF-8 was a UnicodeDecodeError traceback.
+    config.write_text('[models.x]\nmodel = "alpha.gguf"\npinned = "false"\n')
+    with pytest.raises(InvalidParameterError, match="pinned"):
+        ModelRegistry.from_toml(config)
+    config.write_bytes(b'[models.x]\nmodel = "\xff.gguf"\n')
+    with pytest.raises(InvalidParameterError, match="cannot read the model registry"):
+        ModelRegistry.from_toml(config)
+
+
+def test_a_folder_skips_files_whose_names_are_not_utf8(
+    models: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Such a name cannot be a model's in JSON: /v1/models, /health and /metrics answered 500.
+    shutil.copy(models / "alpha.gguf", tmp_path / "alpha.gguf")
+    shutil.copy(models / "alpha.gguf", tmp_path / os.fsdecode(b"\xff\xfe.gguf"))
+    (tmp_path / os.fsdecode(b"sub\xff")).mkdir()
+    with (
+        caplog.at_level(logging.WARNING, "llamacrab"),
+        ModelRegistry.from_directory(tmp_path) as registry,
+    ):
+        assert registry.names() == ["alpha"]
+    assert sum("is not UTF-8" in record.message for record in caplog.records) == 2
 
 
 def test_from_directory_groups_split_files_and_pairs_projectors(models: Path) -> None:

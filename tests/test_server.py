@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -553,6 +554,22 @@ def test_a_port_past_65535_is_refused() -> None:
     # uvicorn listened on 99999 % 65536 and logged 99999.
     with pytest.raises(InvalidParameterError, match="port must be 1-65535, not 99999"):
         ServerSettings(model="m.gguf", port=99999)
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, 1e300, 0, -1])
+def test_a_timeout_that_no_deadline_can_hold_is_refused(timeout: float) -> None:
+    # Found by an audit: NaN failed every request (a 500 on isolated models), inf and 1e300
+    # overflowed a child's deadline.
+    with pytest.raises(InvalidParameterError, match="timeout must be > 0 and at most"):
+        ServerSettings(model="m.gguf", timeout=timeout)
+
+
+@pytest.mark.parametrize("keys", [("",), ("sk-1", "  ")])
+def test_an_empty_api_key_is_refused(keys: tuple[str, ...]) -> None:
+    # It matched an empty x-api-key header: anyone was let in, and --host 0.0.0.0 started
+    # without --insecure.
+    with pytest.raises(InvalidParameterError, match="an API key is empty or blank"):
+        ServerSettings(model="m.gguf", api_keys=keys)
 
 
 def test_settings_come_from_flags_and_environment() -> None:

@@ -262,7 +262,7 @@ class ModelRegistry:
             import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
         try:
             data = tomllib.loads(file.read_text(encoding="utf-8"))
-        except (OSError, tomllib.TOMLDecodeError) as error:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
             raise InvalidParameterError(f"cannot read the model registry {file}: {error}") from None
         models = data.pop("models", {})
         unknown = set(data) - {"max_loaded", "memory_budget", "keep_alive"}
@@ -576,7 +576,7 @@ def _toml_entry(folder: Path, name: str, table: Any) -> ModelEntry:
         raise InvalidParameterError(f"[models.{name}] needs model = a GGUF path or org/repo")
     options = dict(table)
     model = options.pop("model")
-    keep_alive, pinned = options.pop("keep_alive", None), bool(options.pop("pinned", False))
+    keep_alive, pinned = options.pop("keep_alive", None), options.pop("pinned", False)
     isolate = options.pop("isolate", None)
     for key in ("mmproj",):
         if isinstance(options.get(key), str):

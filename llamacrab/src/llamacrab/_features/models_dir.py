@@ -102,7 +102,18 @@ def _scan_files(files: list[Path]) -> tuple[dict[str, FoundModel], list[Path]]:
 def _gguf_files(folder: Path) -> list[Path]:
     """The regular files named ``*.gguf`` in ``folder``: a FIFO, a device or a folder of that
     name is no model (and would make a subfolder look like several)."""
-    return [path for path in folder.glob("*.gguf") if path.is_file()]
+    return [path for path in folder.glob("*.gguf") if path.is_file() and _utf8_name(path)]
+
+
+def _utf8_name(path: Path) -> bool:
+    """Whether ``path``'s name is text: one that is not UTF-8 cannot be a model's name in
+    JSON (every listing answered 500, /health too); it is skipped, with a warning."""
+    try:
+        path.name.encode("utf-8")
+    except UnicodeEncodeError:
+        log.warning("skipping %r: its name is not UTF-8", path)
+        return False
+    return True
 
 
 def scan_models_dir(folder: Path) -> list[FoundModel]:
@@ -110,7 +121,7 @@ def scan_models_dir(folder: Path) -> list[FoundModel]:
     if not folder.is_dir():
         raise InvalidParameterError(f"models folder {folder} is not a directory")
     models, projectors = _scan_files(_gguf_files(folder))
-    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and _utf8_name(p)):
         inner, inner_projectors = _scan_files(_gguf_files(sub))
         if len(inner) == 1:
             found = next(iter(inner.values()))

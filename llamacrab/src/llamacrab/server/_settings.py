@@ -121,8 +121,15 @@ class ServerSettings:
                 raise InvalidParameterError(f"{name} must be >= 1")
         if self.port > 65535:  # uvicorn took 99999 as 99999 % 65536 and said 99999
             raise InvalidParameterError(f"port must be 1-65535, not {self.port}")
-        if self.timeout <= 0 or self.max_queue < 0:
-            raise InvalidParameterError("timeout must be > 0 and max_queue >= 0")
+        # NaN failed every request; past ~1e10 s a deadline left the range of timestamps.
+        if not 0 < self.timeout <= MAX_TIMEOUT or self.max_queue < 0:
+            raise InvalidParameterError(
+                f"timeout must be > 0 and at most {MAX_TIMEOUT:g} s (not {self.timeout}), and "
+                "max_queue >= 0"
+            )
+        if any(not key.strip() for key in self.api_keys):
+            # An empty key matched an empty x-api-key header: anyone was let in.
+            raise InvalidParameterError("an API key is empty or blank: give real keys")
         if not 0 <= self.shutdown_timeout < math.inf:
             raise InvalidParameterError(
                 f"shutdown_timeout must be a number of seconds >= 0, not {self.shutdown_timeout}"
@@ -175,6 +182,9 @@ class ServerSettings:
             f"refusing to listen on {self.host} without an API key: pass --api-key (or "
             "LLAMACRAB_API_KEY), or --insecure to serve it unprotected"
         )
+
+
+MAX_TIMEOUT = 1e7  # seconds a request may run at most: about four months
 
 
 # Flags naming one model's files (an adapter, vector, projector or draft model fits one
