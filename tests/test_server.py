@@ -564,6 +564,22 @@ def test_a_timeout_that_no_deadline_can_hold_is_refused(timeout: float) -> None:
         ServerSettings(model="m.gguf", timeout=timeout)
 
 
+def test_a_bad_environment_variable_is_named_when_its_flag_is_used(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Found by an audit: a traceback while the flags were built, in every subcommand.
+    for variable, value in (("LLAMACRAB_PORT", "abc"), ("LLAMACRAB_INSECURE", "maybe"),
+                            ("LLAMACRAB_CONTROL_VECTOR_LAYER_RANGE", "1,x")):  # fmt: skip
+        with pytest.raises(InvalidParameterError, match=f"^{variable}='{value}': "):
+            parse_settings(["m.gguf"], {variable: value})
+    assert parse_settings(["m.gguf", "--port", "9000"], {"LLAMACRAB_PORT": "abc"}).port == 9000
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLAMACRAB_PORT", "abc")
+        with pytest.raises(SystemExit) as shown:
+            cli_main(["run", "--help"])
+    assert shown.value.code == 0 and "--max-tokens" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("keys", [("",), ("sk-1", "  ")])
 def test_an_empty_api_key_is_refused(keys: tuple[str, ...]) -> None:
     # It matched an empty x-api-key header: anyone was let in, and --host 0.0.0.0 started

@@ -417,19 +417,38 @@ def add_arguments(
         raw = env.get(_env_name(name))
         help_text = f"{text} [env {_env_name(name)}]"
         if kind is bool:
-            switch = None if raw is None else _boolean(raw)
+            switch = _from_env(name, raw, _boolean)
             parser.add_argument(_flag(name), action="store_true", default=switch, help=help_text)
         elif kind is list:
             items = [] if raw is None else [v.strip() for v in raw.split(",") if v.strip()]
             parser.add_argument(_flag(name), action="append", default=items, help=help_text)
         elif kind is _pair:  # two integers: START END (env: "START,END")
-            pair = None if raw is None else [int(v) for v in raw.replace(",", " ").split()]
+            pair = _from_env(name, raw, lambda r: [int(v) for v in r.replace(",", " ").split()])
             parser.add_argument(_flag(name), type=int, nargs=2, metavar=("START", "END"),
                                 default=pair, help=help_text)  # fmt: skip
         else:
             parser.add_argument(
-                _flag(name), type=kind, default=None if raw is None else kind(raw), help=help_text
+                _flag(name), type=kind, default=_from_env(name, raw, kind), help=help_text
             )
+
+
+@dataclass(frozen=True)
+class _BadEnv:
+    """A variable's value that is not its flag's type: an error when the flag is used (every
+    subcommand builds these flags: ``run --help`` failed on a bad LLAMACRAB_PORT)."""
+
+    variable: str
+    value: str
+    problem: str
+
+
+def _from_env(name: str, raw: str | None, convert: Callable[[str], Any]) -> Any:
+    if raw is None:
+        return None
+    try:
+        return convert(raw)
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        return _BadEnv(_env_name(name), raw, str(error))
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -441,6 +460,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     values: dict[str, Any] = {"model": model or ""}
     for name, kind, _ in _OPTIONS:
         value = getattr(args, name)
+        if isinstance(value, _BadEnv):
+            raise InvalidParameterError(f"{value.variable}={value.value!r}: {value.problem}")
         if kind is list:
             values[_PLURAL[name]] = tuple(value)
         elif value is not None:
