@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,24 @@ def test_text_to_a_file_or_pipe_is_utf8_whatever_the_locale(tiny_model_path: Pat
         expected = llm.create_completion("hi", max_tokens=64, temperature=0).text
     assert "\ufffd" in expected  # what cp1252 cannot write
     assert run.stdout.decode("utf-8").strip() == expected.strip()
+
+
+def test_serve_says_when_its_model_fails_to_load(tmp_path: Path) -> None:
+    # Found by an audit: `serve typo.gguf` ran on printing nothing but uvicorn's lines (the
+    # library's logger is quiet unless configured; a program configures it).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    missing = tmp_path / "typo.gguf"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "llamacrab", "serve", str(missing), "--port", str(port)],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stderr is not None
+        lines = iter(server.stderr.readline, "")
+        said = next((line for line in lines if "failed to load" in line), "")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert said.startswith("ERROR:") and f"model file not found: {missing}" in said

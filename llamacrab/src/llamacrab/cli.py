@@ -17,6 +17,7 @@ import argparse
 import codecs
 import io
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -255,11 +256,25 @@ def _tokenize(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from llamacrab import server
 
+    _show_server_log()
     ray_options = _ray_options(args)
     if args.ray:
         server.serve_ray(settings_from_args(args), **ray_options)
     else:
         server.serve(settings_from_args(args))
+
+
+def _show_server_log() -> None:
+    """``serve`` is a program, not a library: unless logging is configured already, the
+    server's own lines (a model ready, or one that failed to load: the server ran on saying
+    nothing) and every warning and error go to stderr, without llama.cpp's loading chatter."""
+    if logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    handler.addFilter(lambda r: r.levelno >= logging.WARNING or r.name == "llamacrab.server")
+    logging.getLogger("llamacrab").addHandler(handler)
+    logging.getLogger("llamacrab.server").setLevel(logging.INFO)
 
 
 def _rpc_worker(args: argparse.Namespace) -> None:
