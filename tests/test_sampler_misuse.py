@@ -67,12 +67,17 @@ _REWRITTEN_IDS = """
 """
 
 
+def runs_to_the_end(code: str, *args: str) -> None:
+    """``code`` after the prelude, in a child that must exit cleanly having printed "done"."""
+    child = run_child(_PRELUDE + code, *args)
+    assert_clean_exit(child)
+    assert child.stdout.split() == ["done"]
+
+
 def test_a_python_sampler_that_rewrites_token_ids_changes_nothing(tiny_model_path: Path) -> None:
     # The ids a Python sampler wrote were copied back into llama.cpp's candidates: the picked
     # "token" 2**30 indexed the logits row (SIGSEGV); n_vocab or -5 read past its ends.
-    child = run_child(_PRELUDE + _REWRITTEN_IDS, str(tiny_model_path))
-    assert_clean_exit(child)
-    assert child.stdout.split() == ["done"]
+    runs_to_the_end(_REWRITTEN_IDS, str(tiny_model_path))
 
 
 _ANOTHER_VOCABULARY = """
@@ -98,9 +103,7 @@ _ANOTHER_VOCABULARY = """
 def test_a_chain_refuses_a_context_of_another_vocabulary(
     tiny_model_path: Path, gemma_path: Path
 ) -> None:
-    child = run_child(_PRELUDE + _ANOTHER_VOCABULARY, str(tiny_model_path), str(gemma_path))
-    assert_clean_exit(child)
-    assert child.stdout.split() == ["done"]
+    runs_to_the_end(_ANOTHER_VOCABULARY, str(tiny_model_path), str(gemma_path))
 
 
 _ATTACH_ANOTHER_VOCABULARY = """
@@ -120,9 +123,7 @@ _ATTACH_ANOTHER_VOCABULARY = """
 def test_attach_refuses_a_chain_of_another_vocabulary(
     tiny_model_path: Path, gemma_path: Path
 ) -> None:
-    child = run_child(_PRELUDE + _ATTACH_ANOTHER_VOCABULARY, str(tiny_model_path), str(gemma_path))
-    assert_clean_exit(child)
-    assert child.stdout.split() == ["done"]
+    runs_to_the_end(_ATTACH_ANOTHER_VOCABULARY, str(tiny_model_path), str(gemma_path))
 
 
 _ATTACH_TOP_K_PAST_THE_VOCABULARY = """
@@ -139,9 +140,7 @@ _ATTACH_TOP_K_PAST_THE_VOCABULARY = """
 
 
 def test_attach_declines_a_top_k_larger_than_the_vocabulary(tiny_model_path: Path) -> None:
-    child = run_child(_PRELUDE + _ATTACH_TOP_K_PAST_THE_VOCABULARY, str(tiny_model_path))
-    assert_clean_exit(child)
-    assert child.stdout.split() == ["done"]
+    runs_to_the_end(_ATTACH_TOP_K_PAST_THE_VOCABULARY, str(tiny_model_path))
 
 
 _GRAMMAR_REFUSES = """
@@ -161,9 +160,7 @@ _GRAMMAR_REFUSES = """
 
 
 def test_a_token_the_grammar_refuses_leaves_the_chain_as_it_was(tiny_model_path: Path) -> None:
-    child = run_child(_PRELUDE + _GRAMMAR_REFUSES, str(tiny_model_path))
-    assert_clean_exit(child)
-    assert child.stdout.split() == ["done"]
+    runs_to_the_end(_GRAMMAR_REFUSES, str(tiny_model_path))
 
 
 _GRAMMAR_DEAD_ENDS = """
@@ -194,9 +191,7 @@ _GRAMMAR_DEAD_ENDS = """
 
 def test_a_grammar_at_a_dead_end_refuses_until_reset(tiny_model_path: Path) -> None:
     # llama.cpp empties the grammar's parse stacks before it throws; its next use aborted.
-    child = run_child(_PRELUDE + _GRAMMAR_DEAD_ENDS, str(tiny_model_path))
-    assert_clean_exit(child)
-    assert child.stdout.split() == ["done"]
+    runs_to_the_end(_GRAMMAR_DEAD_ENDS, str(tiny_model_path))
 
 
 _ACCEPT_OUTSIDE_THE_VOCABULARY = """
@@ -217,9 +212,7 @@ _ACCEPT_OUTSIDE_THE_VOCABULARY = """
 
 
 def test_accept_refuses_what_is_not_a_token_of_the_vocabulary(tiny_model_path: Path) -> None:
-    child = run_child(_PRELUDE + _ACCEPT_OUTSIDE_THE_VOCABULARY, str(tiny_model_path))
-    assert_clean_exit(child)
-    assert child.stdout.split() == ["done"]
+    runs_to_the_end(_ACCEPT_OUTSIDE_THE_VOCABULARY, str(tiny_model_path))
 
 
 def test_a_logit_bias_that_bans_every_token_is_refused(tiny_llama: Llama) -> None:
