@@ -559,3 +559,11 @@ def test_a_body_nested_past_the_recursion_limit_names_no_model() -> None:
     from llamacrab.server._models import _requested_model
 
     assert _requested_model({"query_string": b"model=m"}, b"[" * 200_000) == "m"
+
+
+def test_a_repeated_model_query_names_the_last_as_the_route_reads_it() -> None:
+    # Found by an audit: the lease took the first, the route used the last (Starlette's), and
+    # an isolated entry answered 500 ("not a Llama of this process").
+    from llamacrab.server._models import _requested_model
+
+    assert _requested_model({"query_string": b"model=local&model=iso"}, b"") == "iso"
