@@ -23,7 +23,7 @@ import pytest
 from live_server import LiveServer
 from test_tool_calls import TEMPLATE
 
-from llamacrab import InvalidParameterError, estimate_memory
+from llamacrab import InvalidParameterError, ModelBudgetError, estimate_memory
 from llamacrab._features.models_dir import scan_models_dir
 from llamacrab.server import ServerSettings, parse_settings
 from llamacrab.server._errors import ApiError
@@ -567,3 +567,15 @@ def test_a_repeated_model_query_names_the_last_as_the_route_reads_it() -> None:
     from llamacrab.server._models import _requested_model
 
     assert _requested_model({"query_string": b"model=local&model=iso"}, b"") == "iso"
+
+
+def test_a_model_larger_than_the_whole_budget_is_not_a_busy_server() -> None:
+    # Found by an audit: it was 503 "model_busy", which clients retry, for ever.
+    from llamacrab.server._models import lease_error
+
+    never = lease_error(ModelBudgetError("needs 2 GiB, more than the whole budget", alone=True))
+    assert (never.status, never.code, never.headers) == (
+        500, "model_too_large", {"x-should-retry": "false"}
+    )  # fmt: skip
+    busy = lease_error(ModelBudgetError("no room: each is in use"))
+    assert (busy.status, busy.code, busy.headers) == (503, "model_busy", {})

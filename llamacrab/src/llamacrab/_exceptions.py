@@ -140,7 +140,11 @@ class UnknownModelError(LlamaError, LookupError):
 
 class ModelBudgetError(LlamaError):
     """A model does not fit a registry's ``max_loaded`` or memory budget, and no loaded model
-    can make room (each is in use or pinned, or the model alone exceeds the budget)."""
+    can make room (each is in use or pinned, or the model ``alone`` exceeds the budget)."""
+
+    def __init__(self, message: str, *, alone: bool = False) -> None:
+        super().__init__(message)
+        self.alone = alone  # never fits: unloading others cannot help
 
 
 class InvalidParameterError(LlamaError, ValueError):

@@ -489,7 +489,8 @@ class ModelRegistry:
         if budget is not None and estimate.total > budget:
             raise ModelBudgetError(
                 f"model {slot.entry.name!r} needs about {_mib(estimate.total)}, more than the "
-                f"whole memory budget of {_mib(budget)}"
+                f"whole memory budget of {_mib(budget)}",
+                alone=True,
             )
         while True:
             others = [s for s in self._slots.values()

@@ -17,9 +17,11 @@ from llamacrab.server._errors import ApiError, error_body
 from llamacrab.server._metrics import UNMATCHED_ROUTE, Metrics
 
 
-async def _answer(scope: Scope, send: Send, error: ApiError) -> None:
+async def answer_early(scope: Scope, send: Send, error: ApiError) -> None:
+    """Answer ``error`` from a middleware, before any route runs."""
     body = json.dumps(error_body(scope["path"], error)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in error.headers.items()]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
@@ -63,7 +65,7 @@ class AuthMiddleware:
         )
         if not valid:
             message = "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)"
-            await _answer(scope, send, ApiError(401, message, code="invalid_api_key"))
+            await answer_early(scope, send, ApiError(401, message, code="invalid_api_key"))
             return
         await self.app(scope, receive, send)
 
@@ -82,7 +84,7 @@ class BodyLimitMiddleware:
         too_large = ApiError(413, f"the request body exceeds {self.limit} bytes")
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _answer(scope, send, too_large)
+            await answer_early(scope, send, too_large)
             return
         parts, size = [], 0
         while True:
@@ -92,12 +94,12 @@ class BodyLimitMiddleware:
             parts.append(message.get("body", b""))
             size += len(parts[-1])
             if size > self.limit:
-                await _answer(scope, send, too_large)
+                await answer_early(scope, send, too_large)
                 return
             if not message.get("more_body"):
                 break
         if _is_json(scope) and (problem := json_problem(b"".join(parts))):
-            await _answer(
+            await answer_early(
                 scope, send, ApiError(400, f"the request body is not valid JSON: {problem}")
             )
             return

@@ -30,8 +30,9 @@ from llamacrab import (
     UnknownModelError,
 )
 from llamacrab._registry import Loaded
-from llamacrab.server._errors import ApiError, error_body
+from llamacrab.server._errors import ApiError
 from llamacrab.server._forward import forward
+from llamacrab.server._guards import answer_early
 from llamacrab.server._isolation import ChildModel, runs_isolated
 from llamacrab.server._llama_kwargs import generation_kwargs, given, model_kwargs
 from llamacrab.server._metrics import escape_label
@@ -224,19 +225,15 @@ def add_model_routes(app: FastAPI, registry: ModelRegistry, created: int) -> Non
 
 
 def lease_error(error: Exception) -> ApiError:
-    """The answer for a model that cannot be had: unknown 404, no room 503, failed 500."""
+    """The answer for a model that cannot be had: unknown 404, no room 503 (500 if the model
+    alone exceeds the budget), failed 500."""
     if isinstance(error, UnknownModelError):
         return ApiError(404, str(error), param="model", code="model_not_found")
+    if isinstance(error, ModelBudgetError) and error.alone:  # a retry cannot help
+        return ApiError(500, str(error), param="model", code="model_too_large")
     if isinstance(error, ModelBudgetError):
         return ApiError(503, str(error), param="model", code="model_busy")
     return ApiError(500, str(error), param="model", code="model_load_failed")
-
-
-async def _answer(scope: Scope, send: Send, error: ApiError) -> None:
-    body = json.dumps(error_body(scope["path"], error)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _requested_model(scope: Scope, body: bytes) -> str | None:
@@ -285,14 +282,14 @@ class ModelLeaseMiddleware:
             if name is not None and scope.get("method") == "POST":
                 known = ", ".join(names)
                 unknown = UnknownModelError(f"no model named {name!r} (registered: {known})")
-                await _answer(scope, send, lease_error(unknown))
+                await answer_early(scope, send, lease_error(unknown))
                 return
             await self.app(scope, _replay(messages, receive), send)
             return
         wanted = required_kind(scope["path"])
         kind = self.registry.entry(name).kind
         if wanted is not None and kind != wanted:
-            await _answer(scope, send, refusal(name, kind, wanted))
+            await answer_early(scope, send, refusal(name, kind, wanted))
             return
         held: list[Loaded] = []  # set in the worker thread once the lease is taken
 
@@ -308,11 +305,11 @@ class ModelLeaseMiddleware:
             else:
                 await self.app(scope, _replay(messages, receive), send)
         except ApiError as error:  # the isolated entry's process could not answer
-            await _answer(scope, send, error)
+            await answer_early(scope, send, error)
         except (UnknownModelError, ModelBudgetError, ModelLoadError) as error:
             if held:
                 raise
-            await _answer(scope, send, lease_error(error))
+            await answer_early(scope, send, lease_error(error))
         finally:
             if held:
                 self.registry.release(name)
