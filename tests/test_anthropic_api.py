@@ -279,8 +279,10 @@ def test_counts_follow_the_chat_api_where_a_template_cannot_present_tools(
                         "tool_choice": choice}  # fmt: skip
             counted = plain.messages.count_tokens(**ask).input_tokens
             with plain.messages.stream(max_tokens=2, extra_body=GREEDY, **ask) as stream:
-                opened = next(iter(stream)).message.usage.input_tokens  # type: ignore[union-attr]
+                start = next(iter(stream)).message.usage  # type: ignore[union-attr]
                 final = stream.get_final_message().usage
+            # The start splits the prompt as the end does: uncached input and cache reads.
+            opened = start.input_tokens + (start.cache_read_input_tokens or 0)
             assert counted == opened == final.input_tokens + (final.cache_read_input_tokens or 0)
             counts.append(counted)
         alone = plain.messages.count_tokens(model="gemma", messages=COUNT).input_tokens
