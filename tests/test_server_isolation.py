@@ -218,15 +218,20 @@ def test_a_child_that_ends_before_reading_what_to_serve_is_a_load_error() -> Non
     from llamacrab import ModelLoadError
     from llamacrab.server._isolation import ChildModel
 
-    # Its stdin's write end broke: a BrokenPipeError (a 500), with both pipes left open.
-    process = subprocess.Popen([sys.executable, "-c", "import sys; print('no', file=sys.stderr)"],
-                               stdin=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    process.wait()
-    child = ChildModel("gone", process, 9, "key", lambda *_: None)
-    with pytest.raises(ModelLoadError, match="'gone': its process exited"):
-        child._send_spec("{}" * 100_000)  # more than a pipe holds
-    child.close()
-    assert process.stdin is not None and process.stdin.closed
+    # Its stdin's write end broke: a BrokenPipeError (a 500), with both pipes left open. A
+    # spec small enough to stay in the pipe's buffer broke again when close() flushed it
+    # (found by the isolated churn: "internal server error: BrokenPipeError").
+    for spec in ("{}" * 100_000, "{}"):  # more than a pipe holds; less than its buffer
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; print('no', file=sys.stderr)"],
+            stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        process.wait()
+        child = ChildModel("gone", process, 9, "key", lambda *_: None)
+        with pytest.raises(ModelLoadError, match="'gone': its process exited"):
+            child._send_spec(spec)
+        child.close()
+        assert process.stdin is not None and process.stdin.closed
 
 
 def test_a_child_still_loading_is_ended_when_the_server_stops() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -204,7 +205,10 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.kill()
             process.wait()
     if process.stdin is not None:
-        process.stdin.close()
+        # Closing flushes what a broken pipe kept buffered (a spec the child never read) and
+        # raises again; the pipe is closed either way.
+        with contextlib.suppress(OSError):
+            process.stdin.close()
 
 
 def stop_loading_children() -> None:
