@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -115,11 +117,18 @@ def test_serve_says_when_its_model_fails_to_load(tmp_path: Path) -> None:
         [sys.executable, "-m", "llamacrab", "serve", str(missing), "--port", str(port)],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    said: list[str] = []
     try:
         assert server.stderr is not None
         lines = iter(server.stderr.readline, "")
-        said = next((line for line in lines if "failed to load" in line), "")
+        reader = threading.Thread(target=lambda: said.extend(
+            line for line in lines if "failed to load" in line), daemon=True)  # fmt: skip
+        reader.start()
+        deadline = time.monotonic() + 60  # without the line the server runs on: not for ever
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         server.terminate()
         server.wait(timeout=30)
-    assert said.startswith("ERROR:") and f"model file not found: {missing}" in said
+    assert said and said[0].startswith("ERROR:"), said
+    assert f"model file not found: {missing}" in said[0]

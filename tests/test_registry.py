@@ -246,8 +246,9 @@ def test_max_loaded_evicts_the_least_recently_used_never_one_in_use(models: Path
         assert statuses(registry) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
         registry.get("beta")  # now gamma goes: alpha is still in use
         assert statuses(registry)["gamma"] == "unloaded"
-        with registry.use("beta"), pytest.raises(ModelBudgetError, match="in use"):
+        with registry.use("beta"), pytest.raises(ModelBudgetError, match="in use") as busy:
             registry.get("gamma")  # both loaded ones in use: no room
+        assert not busy.value.alone  # room may come
         assert statuses(registry)["gamma"] == "unloaded"  # not failed: room may come later
         registry.release("alpha")  # idle now; its last use is now, after beta's
         registry.get("gamma")
@@ -278,8 +279,9 @@ def test_memory_budget_evicts_by_estimate(models: Path) -> None:
         assert statuses(registry)["alpha"] == "unloaded"
         assert sum(e.estimate.total for e in registry.entries()
                    if e.status == "loaded" and e.estimate) <= one * 2.5  # fmt: skip
-        with pytest.raises(ModelBudgetError, match="more than the whole memory budget"):
+        with pytest.raises(ModelBudgetError, match="more than the whole memory budget") as big:
             registry.get("big")
+        assert big.value.alone  # no room will ever come: the server says so (model_too_large)
 
 
 def test_keep_alive_unloads_an_idle_model_but_not_one_in_use(models: Path) -> None:

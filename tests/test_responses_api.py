@@ -677,6 +677,16 @@ def test_items_are_found_by_id_while_a_history_holding_them_is_kept() -> None:
     assert store.item("u") is first[0] and store.item(follow_up[2].id or "") is follow_up[2]
     now[0] = 61  # b expired: nothing holds them
     assert store.item("u") is None and store.item(answer) is None
+    # A client's id may come again in another conversation: the newest kept one answers,
+    # and a deleted response's item is never found again.
+    one, two = (with_ids(INPUT_ITEMS.validate_python([{"role": "user", "content": text,
+                                                       "id": "m"}])) for text in "ab")  # fmt: skip
+    store.put(_response("c"), one, 1)
+    store.put(_response("d"), two, 1)
+    assert store.item("m") is two[0]
+    assert store.delete("d") and store.item("m") is one[0]
+    store.put(_response("c"), one, 1)  # stored again under its id: still one holder
+    assert store.delete("c") and store.item("m") is None
 
 
 def test_stored_items_keep_their_ids_and_repeated_ones_get_new() -> None:

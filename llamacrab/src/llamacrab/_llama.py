@@ -265,8 +265,8 @@ class Llama:
     def held_tokens(self, *, slot: int = 0) -> list[int]:
         """A copy of the tokens slot ``slot``'s memory holds: the last prompt and its answer
         but the last token sampled (decoded only if the answer goes on), what a next prompt
-        sharing them reuses. Read without waiting: while the slot generates, as it was
-        between two steps."""
+        sharing them reuses. Read without waiting: while the slot generates, a snapshot
+        taken mid-step (a new prompt may show only the prefix it reuses)."""
         return self._completer.held_tokens(slot)
 
     @checked

@@ -268,12 +268,15 @@ def _show_server_log() -> None:
     """``serve`` is a program, not a library: unless logging is configured already, the
     server's own lines (a model ready, or one that failed to load: the server ran on saying
     nothing) and every warning and error go to stderr, without llama.cpp's loading chatter."""
-    if logging.getLogger().handlers:
-        return
+    ours = logging.getLogger("llamacrab")
+    if logging.getLogger().handlers or any(
+        not isinstance(h, logging.NullHandler) for h in ours.handlers
+    ):
+        return  # configured already (or by an earlier serve in this process)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
     handler.addFilter(lambda r: r.levelno >= logging.WARNING or r.name == "llamacrab.server")
-    logging.getLogger("llamacrab").addHandler(handler)
+    ours.addHandler(handler)
     logging.getLogger("llamacrab.server").setLevel(logging.INFO)
 
 

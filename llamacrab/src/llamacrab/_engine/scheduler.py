@@ -153,7 +153,7 @@ class Scheduler:
             return [(slot.job is not None, len(slot.kv.tokens)) for slot in self.slots]
 
     def held_tokens(self, index: int) -> list[int]:
-        """A copy of the tokens slot ``index``'s memory holds, between two steps."""
+        """A copy of the tokens slot ``index``'s memory holds (a step may be under way)."""
         self._check_slot(index)
         with self._mutex:
             return list(self.slots[index].kv.tokens)

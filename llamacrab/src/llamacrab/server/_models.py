@@ -245,10 +245,10 @@ def _requested_model(scope: Scope, body: bytes) -> str | None:
             data = None  # the route answers the malformed body (or one nested too deep)
         if isinstance(data, dict) and isinstance(data.get("model"), str) and data["model"]:
             return str(data["model"])
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
     # The last of repeated values, as the route reads it (the first leased one model while
     # the route used another: a 500 for an isolated one).
-    return query["model"][-1] if query.get("model") else None
+    return query["model"][-1] or None if query.get("model") else None
 
 
 class ModelLeaseMiddleware:

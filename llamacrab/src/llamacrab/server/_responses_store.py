@@ -39,9 +39,10 @@ class ResponseStore:
         self.size, self.ttl, self.max_bytes, self.clock = size, ttl, max_bytes, clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
-        # Item id: the newest item with it, and how many kept histories hold it (histories
-        # share items), for item references without a walk through every history.
-        self._items: dict[str, tuple[InputItem, int]] = {}
+        # Item id: each item with that id (by identity: histories share items) and how many
+        # kept histories hold it, the newest last; item references need no walk through
+        # every history, and an item goes with the last response holding it.
+        self._items: dict[str, dict[int, tuple[InputItem, int]]] = {}
 
     def put(self, response: dict[str, Any], history: tuple[InputItem, ...], size: int) -> None:
         """Keep ``response`` (``size``: the bytes of JSON it adds); one larger than the whole
@@ -63,8 +64,8 @@ class ResponseStore:
     def item(self, item_id: str) -> InputItem | None:
         """The item with this id in a kept conversation (the newest response's)."""
         self._drop_expired()
-        found = self._items.get(item_id)
-        return None if found is None else found[0]
+        held = self._items.get(item_id)
+        return None if not held else next(reversed(held.values()))[0]
 
     def delete(self, response_id: str) -> bool:
         self._drop_expired()
@@ -82,10 +83,13 @@ class ResponseStore:
             item_id = getattr(item, "id", None)
             if item_id is None:
                 continue
-            newest, holders = self._items.get(item_id, (item, 0))
+            held = self._items.setdefault(item_id, {})
+            _, holders = held.pop(id(item), (item, 0)) if step > 0 else held[id(item)]
             if holders + step > 0:
-                self._items[item_id] = (item if step > 0 else newest, holders + step)
+                held[id(item)] = (item, holders + step)  # a new holder makes it the newest
             else:
+                del held[id(item)]
+            if not held:
                 del self._items[item_id]
 
     def _drop_expired(self) -> None:

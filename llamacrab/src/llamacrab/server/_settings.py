@@ -406,7 +406,8 @@ _SINGULAR = {"control_vectors": "control_vector", "control_vectors_scaled": "con
 def add_arguments(
     parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None
 ) -> None:
-    """Add the server flags to ``parser``; a set ``LLAMACRAB_<NAME>`` variable is the default."""
+    """Add the server flags to ``parser``; a set ``LLAMACRAB_<NAME>`` variable is the default
+    (one not of its flag's type is refused by ``settings_from_args``, naming it)."""
     env = os.environ if environ is None else environ
     parser.add_argument(
         "model", nargs="?", default=env.get("LLAMACRAB_MODEL"),
