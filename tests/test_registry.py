@@ -3,6 +3,7 @@ multi-model form is tested in test_server_models.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -248,7 +249,7 @@ def test_max_loaded_evicts_the_least_recently_used_never_one_in_use(models: Path
         assert statuses(registry)["gamma"] == "unloaded"
         with registry.use("beta"), pytest.raises(ModelBudgetError, match="in use") as busy:
             registry.get("gamma")  # both loaded ones in use: no room
-        assert not busy.value.alone  # room may come
+        assert not busy.value.alone and not busy.value.permanent  # room may come
         assert statuses(registry)["gamma"] == "unloaded"  # not failed: room may come later
         registry.release("alpha")  # idle now; its last use is now, after beta's
         registry.get("gamma")
@@ -344,6 +345,19 @@ def test_an_entry_whose_context_cannot_be_made_fails_to_load(models: Path) -> No
         (lambda: ModelEntry("a", "a.gguf", keep_alive=-1), "keep_alive must be a number"),
         (lambda: ModelEntry("a", "a.gguf", pinned="yes"), "pinned"),  # type: ignore[arg-type]
         (lambda: ModelEntry("a", "a.gguf", options=[1]), "options"),  # type: ignore[arg-type]
+        (
+            lambda: ModelRegistry(
+                [ModelEntry("a", "a.gguf", pinned=True), ModelEntry("b", "b.gguf", pinned=True)],
+                max_loaded=1,
+            ),
+            r"2 models are pinned \('a', 'b'\), more than max_loaded 1",
+        ),
+        (
+            lambda: ModelRegistry([ModelEntry("a", "a.gguf", pinned=True)], max_loaded=1).add(
+                "b", "b.gguf", pinned=True
+            ),
+            r"pinned \('a', 'b'\)",
+        ),
     ],
 )
 def test_limits_and_entries_of_another_type_or_range_are_refused(make: Any, match: str) -> None:
@@ -516,3 +530,158 @@ def test_a_folder_pairs_a_real_projector_with_its_model(tmp_path: Path) -> None:
         assert seer.projector is not None and registry.get("other").projector is None
         estimate = registry.status("seer-Q8_0").estimate
         assert estimate is not None and estimate.weights > seer.model.size  # projector counted
+
+
+# -- limits, with stand-ins for the loaded models -------------------------------------------
+
+
+class Fake:
+    """What a loader may make of an entry instead of a Llama (the server's isolated entry)."""
+
+    scheduler = None
+    busy = False
+
+    def __init__(self, name: str, owner: Fakes) -> None:
+        self.name, self.owner, self.closed = name, owner, False
+
+    def cancel(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.name in self.owner.slow:  # as a process of its own ends, up to 10 s later
+            self.owner.log.append(f"closing {self.name}")
+            self.owner.gate.wait(10)
+        self.closed = True
+        self.owner.log.append(f"closed {self.name}")
+        if self.name in self.owner.failing:
+            raise RuntimeError(f"{self.name} would not close")
+
+
+class Fakes:
+    """A loader of Fakes, logging what happens to them: the ``slow`` ones' close waits for
+    ``gate``, the ``failing`` ones' raises."""
+
+    def __init__(self, slow: tuple[str, ...] = (), failing: tuple[str, ...] = ()) -> None:
+        self.slow, self.failing = slow, failing
+        self.gate = threading.Event()
+        self.log: list[str] = []
+        self.made: dict[str, Fake] = {}
+
+    def __call__(self, entry: ModelEntry) -> Fake:
+        self.log.append(f"load {entry.name}")
+        self.made[entry.name] = Fake(entry.name, self)
+        return self.made[entry.name]
+
+
+def _started(registry: ModelRegistry, name: str) -> threading.Thread:
+    thread = threading.Thread(target=registry.start, args=(name,), daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_for(condition: Any) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    ("how", "failing"),
+    [("forced unload", ()), ("keep_alive", ()), ("forced unload", ("alpha",))],
+    ids=["forced unload", "keep_alive", "a close that raises"],
+)
+def test_a_model_still_closing_keeps_its_room_until_its_close_returns(
+    models: Path, how: str, failing: tuple[str, ...]
+) -> None:
+    # Found by an audit: an unloaded model stopped counting before its close returned (an
+    # isolated entry's process serves on for up to 10 s after SIGTERM), and another model
+    # loaded beside it, over max_loaded or the memory budget. A close that raises ends too.
+    fakes = Fakes(slow=("alpha",), failing=failing)
+    one = estimate_memory(models / "alpha.gguf", **TINY).total
+    limits: dict[str, Any] = (
+        {"max_loaded": 1} if how == "forced unload"
+        else {"memory_budget": int(one * 1.5), "keep_alive": 0.1}
+    )  # fmt: skip
+    with ModelRegistry(loader=fakes, **limits) as registry:
+        registry.add("alpha", models / "alpha.gguf", **TINY)
+        registry.add("beta", models / "beta.gguf", **TINY)
+        try:
+            registry.start("alpha")
+
+            def unload() -> None:
+                with contextlib.suppress(RuntimeError):  # alpha's close, when it raises
+                    registry.unload("alpha", force=True)
+
+            if how == "forced unload":
+                threading.Thread(target=unload, daemon=True).start()
+            _wait_for(lambda: "closing alpha" in fakes.log)
+            loading = _started(registry, "beta")
+            time.sleep(0.3)
+            assert registry.status("beta").status == "loading"  # waiting, neither failed
+            assert fakes.log == ["load alpha", "closing alpha"]  # nor loaded beside it
+        finally:
+            fakes.gate.set()
+        loading.join(10)
+        assert fakes.log[:4] == ["load alpha", "closing alpha", "closed alpha", "load beta"]
+        assert registry.status("beta").status in ("loaded", "unloaded")  # keep_alive: gone
+
+
+def test_the_registry_closes_every_model_and_waits_for_those_closing(models: Path) -> None:
+    fakes = Fakes(slow=("alpha",), failing=("beta",))
+    registry = ModelRegistry(loader=fakes)
+    for name in ("alpha", "beta", "gamma"):
+        registry.add(name, models / "alpha.gguf", **TINY)
+        registry.start(name)
+    threading.Thread(target=registry.unload, args=("alpha",), daemon=True).start()
+    _wait_for(lambda: "closing alpha" in fakes.log)
+    threading.Timer(0.3, fakes.gate.set).start()
+    with pytest.raises(RuntimeError, match="beta would not close"):
+        registry.close()  # beta's close raised: gamma is closed all the same
+    assert all(fake.closed for fake in fakes.made.values())  # alpha's too, before it returned
+
+
+def test_no_room_beside_pinned_models_is_permanent_and_evicts_nothing(models: Path) -> None:
+    # Found by an audit: a server answered 503 model_busy, which clients retry for ever.
+    fakes = Fakes()
+    with ModelRegistry(max_loaded=1, loader=fakes) as registry:
+        registry.add("alpha", models / "alpha.gguf", pinned=True, **TINY)
+        registry.add("beta", models / "beta.gguf", **TINY)
+        registry.start("alpha")
+        with pytest.raises(ModelBudgetError, match="beside the pinned models 'alpha'") as full:
+            registry.start("beta")
+        assert full.value.permanent and not full.value.alone
+    one = estimate_memory(models / "alpha.gguf", **TINY).total
+    big = estimate_memory(models / "alpha.gguf", **{**TINY, "n_ctx": 4096}).total
+    fakes = Fakes()
+    with ModelRegistry(memory_budget=one + big - 1, loader=fakes) as registry:
+        registry.add("alpha", models / "alpha.gguf", pinned=True, **TINY)
+        registry.add("beta", models / "beta.gguf", **TINY)
+        registry.add("big", models / "alpha.gguf", **{**TINY, "n_ctx": 4096})
+        registry.start("alpha")
+        registry.start("beta")  # idle: unloading it would not make room for big
+        with pytest.raises(ModelBudgetError, match="budget is taken") as full:
+            registry.start("big")
+        assert full.value.permanent and statuses(registry)["beta"] == "loaded"
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "model 'apart': its process exited with 1: no memory",  # the process ended
+        "model 'apart' failed to load: its process exited with 1: no memory",  # it answered
+    ],
+)
+def test_a_failed_load_says_it_once(models: Path, said: str) -> None:
+    def load(entry: ModelEntry) -> Fake:
+        raise ModelLoadError(said)
+
+    with ModelRegistry(loader=load) as registry:
+        registry.add("apart", models / "alpha.gguf", **TINY)
+        for obtain in (registry.start, registry.lease):  # the first time as every later one
+            with pytest.raises(ModelLoadError) as failed:
+                obtain("apart")
+            assert str(failed.value) == (
+                "model 'apart' failed to load: its process exited with 1: no memory"
+            )
+        assert registry.status("apart").error == "its process exited with 1: no memory"

@@ -19,7 +19,7 @@ LlamaError
 ├── ToolCallError              (also ValueError) a tool call whose arguments fail their schema
 ├── MediaError                 (also ValueError) an image or sound that cannot be used
 ├── UnknownModelError          (also LookupError) a registry has no entry of that name
-├── ModelBudgetError           no room for a model within a registry's limits now
+├── ModelBudgetError           no room for a model within a registry's limits (.permanent)
 ├── RpcError                   a ggml RPC worker cannot be used or started (.endpoint)
 │   ├── RpcUnavailableError    no connection, or no HELLO answer in time
 │   └── RpcProtocolError       it answered, but not as this build's RPC protocol version
@@ -140,11 +140,14 @@ class UnknownModelError(LlamaError, LookupError):
 
 class ModelBudgetError(LlamaError):
     """A model does not fit a registry's ``max_loaded`` or memory budget, and no loaded model
-    can make room (each is in use or pinned, or the model ``alone`` exceeds the budget)."""
+    can make room (each is in use or pinned, or the model ``alone`` exceeds the budget).
+    ``permanent``: no room will come by waiting (the model ``alone`` is too large, or the
+    pinned models leave none until one is unloaded on request)."""
 
-    def __init__(self, message: str, *, alone: bool = False) -> None:
+    def __init__(self, message: str, *, alone: bool = False, permanent: bool = False) -> None:
         super().__init__(message)
         self.alone = alone  # never fits: unloading others cannot help
+        self.permanent = permanent or alone
 
 
 class InvalidParameterError(LlamaError, ValueError):

@@ -188,8 +188,10 @@ class ModelRegistry:
     Limits: ``max_loaded`` models and a ``memory_budget`` in bytes (or "6GiB"), checked against
     each model's estimate read from its GGUF before loading. To make room the least recently
     used model unloads, never one in use (a lease from ``use``/``acquire``, or a busy parallel
-    slot) and never a pinned one; ``ModelBudgetError`` when none can. An idle model unloads
-    after ``keep_alive`` seconds (per entry, else the registry's; None: never).
+    slot) and never a pinned one; ``ModelBudgetError`` when none can (``permanent`` when the
+    pinned models alone leave no room). An unloaded model counts until its close returns: a
+    load that needs its room waits. An idle model unloads after ``keep_alive`` seconds (per
+    entry, else the registry's; None: never).
 
     Unloading closes the ``Llama``: handles close children first and wait for a native call in
     flight, so a thread still holding the Llama gets ClosedHandleError, never a crash.
@@ -220,9 +222,14 @@ class ModelRegistry:
         self._lock = threading.Condition(self._mutex)
         reset_in_child(self._lock)
         self._slots: dict[str, _Slot] = {}
+        # Unloaded models whose close has not returned, by id(): each still holds its memory
+        # (an isolated entry's process serves on for up to 10 s), so each still counts.
+        self._closing: dict[int, MemoryEstimate | None] = {}
         self._closed = False
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        entries = list(entries)
+        self._check_pinned([e.name for e in entries if e.pinned])  # naming all, not the first
         for entry in entries:
             self.add(entry)
 
@@ -245,6 +252,9 @@ class ModelRegistry:
         with self._mutex:
             if entry.name in self._slots:
                 raise InvalidParameterError(f"a model named {entry.name!r} is already registered")
+            if entry.pinned:
+                already = [name for name, s in self._slots.items() if s.entry.pinned]
+                self._check_pinned([*already, entry.name])
             self._slots[entry.name] = _Slot(entry)
         self._start_reaper()
         return entry
@@ -384,26 +394,28 @@ class ModelRegistry:
                     f"model {name!r} is in use ({slot.in_use} leases"
                     f"{', generating' if slot.llama and slot.llama.busy else ''})"
                 )
-            llama = slot.take()
-            self._lock.notify_all()
-        llama.cancel()
-        llama.close()
+            llama = self._detach(slot)
+        self._close([llama], cancel=True)
         return True
 
     def close(self) -> None:
-        """Unload every model (cancelling what runs) and stop the keep-alive timer."""
+        """Unload every model (cancelling what runs) and stop the keep-alive timer; returns
+        once every model is closed, those other threads were closing too."""
         with self._mutex:
             self._closed = True
             self._stop.set()
+            self._lock.notify_all()  # loads waiting for room give up
             while any(slot.status == "loading" for slot in self._slots.values()):
                 self._lock.wait(POLL_SECONDS)
-            loaded = [s.take() for s in self._slots.values() if s.status == "loaded"]
-            self._lock.notify_all()
-        for llama in loaded:
-            llama.cancel()
-            llama.close()
-        if self._reaper is not None and self._reaper is not threading.current_thread():
-            self._reaper.join(timeout=10)
+            loaded = [self._detach(s) for s in self._slots.values() if s.status == "loaded"]
+        try:
+            self._close(loaded, cancel=True)
+        finally:  # one of them raising: the others' memory is free all the same on return
+            with self._mutex:
+                while self._closing:
+                    self._lock.wait(POLL_SECONDS)
+            if self._reaper is not None and self._reaper is not threading.current_thread():
+                self._reaper.join(timeout=10)
 
     def __enter__(self) -> ModelRegistry:
         return self
@@ -419,6 +431,13 @@ class ModelRegistry:
             known = ", ".join(sorted(self._slots)) or "none"
             raise UnknownModelError(f"no model named {name!r} (registered: {known})")
         return slot
+
+    def _check_pinned(self, pinned: list[str]) -> None:
+        if self.max_loaded is not None and len(pinned) > self.max_loaded:
+            raise InvalidParameterError(
+                f"{len(pinned)} models are pinned ({', '.join(map(repr, pinned))}), more than "
+                f"max_loaded {self.max_loaded}: they cannot all stay loaded"
+            )
 
     def _status(self, slot: _Slot) -> EntryStatus:
         entry = slot.entry
@@ -451,7 +470,7 @@ class ModelRegistry:
                 if isinstance(error, ModelBudgetError):
                     slot.status = "unloaded"  # no room now; another time there may be
                 else:
-                    slot.status, slot.error = "failed", f"{type(error).__name__}: {error}"
+                    slot.status, slot.error = "failed", _reason(name, error)
                 self._lock.notify_all()
             if isinstance(error, LlamaError) and not isinstance(error, ModelBudgetError):
                 # A bad file, a context or an option refused: the entry's failure to load,
@@ -466,25 +485,25 @@ class ModelRegistry:
             self._lock.notify_all()
             if not self._closed:
                 return llama
-            slot.take()
-        llama.close()
+            self._detach(slot)
+        self._close([llama])
         raise ModelLoadError("the model registry is closed")
 
     def _load(self, slot: _Slot) -> Loaded:
         entry = slot.entry
         estimate = estimate_llama(entry.model, entry.llama_options())
-        victims: list[Loaded] = []
-        try:
+        while True:
             with self._mutex:
                 slot.estimate = estimate
-                self._make_room(slot, estimate, victims)
-        finally:
-            for llama in victims:  # closed outside the lock: a close waits for native calls
-                llama.close()
-        return self._loader(entry)
+                victims = self._make_room(slot, estimate)
+            if not victims:
+                return self._loader(entry)
+            self._close(victims)  # then their room is looked at again
 
-    def _make_room(self, slot: _Slot, estimate: MemoryEstimate, victims: list[Loaded]) -> None:
-        """Unload least recently used idle models until ``slot`` fits (called locked)."""
+    def _make_room(self, slot: _Slot, estimate: MemoryEstimate) -> list[Loaded]:
+        """Nothing once ``slot`` fits beside the models loaded, loading and closing; else the
+        least recently used idle models, unloaded, that the caller closes to make room (called
+        locked). Waits for the models closing when their room is what it lacks."""
         budget = self.memory_budget
         if budget is not None and estimate.total > budget:
             raise ModelBudgetError(
@@ -493,22 +512,76 @@ class ModelRegistry:
                 alone=True,
             )
         while True:
+            if self._closed:
+                raise ModelLoadError("the model registry is closed")
             others = [s for s in self._slots.values()
                       if s is not slot and s.status in ("loaded", "loading")]  # fmt: skip
-            used = sum(s.estimate.total for s in others if s.estimate is not None)
-            over_count = self.max_loaded is not None and len(others) >= self.max_loaded
-            over_budget = budget is not None and used + estimate.total > budget
-            if not (over_count or over_budget):
-                return
-            idle = [s for s in others if s.idle() and not s.entry.pinned]
-            if not idle:
-                need = _mib(estimate.total)
-                why = (f"{len(others)} of max_loaded {self.max_loaded} models are loaded"
-                       if over_count else f"{_mib(used)} of the {_mib(budget or 0)} budget is "
-                       f"taken and {slot.entry.name!r} needs about {need}")  # fmt: skip
-                raise ModelBudgetError(f"no room for model {slot.entry.name!r}: {why}, and "
-                                       "each of them is in use, loading or pinned")  # fmt: skip
-            victims.append(min(idle, key=lambda s: s.used).take())
+            held = [s.estimate for s in others]
+            if self._fits([*held, *self._closing.values()], estimate):
+                return []
+            pinned = [s for s in others if s.entry.pinned and s.status == "loaded"]
+            if not self._fits([s.estimate for s in pinned], estimate):
+                raise self._no_room(slot, estimate, pinned, permanent=True)
+            if self._fits(held, estimate):
+                self._lock.wait(POLL_SECONDS)  # woken as each close returns
+                continue
+            idle = sorted((s for s in others if s.idle() and not s.entry.pinned),
+                          key=lambda s: s.used)  # fmt: skip
+            if not self._fits([s.estimate for s in others if s not in idle], estimate):
+                raise self._no_room(slot, estimate, others, permanent=False)
+            victims: list[_Slot] = []
+            while not self._fits([s.estimate for s in others if s not in victims], estimate):
+                victims.append(idle[len(victims)])
+            return [self._detach(victim) for victim in victims]
+
+    def _fits(self, held: list[MemoryEstimate | None], estimate: MemoryEstimate) -> bool:
+        """Whether a model of ``estimate`` fits beside models of the ``held`` estimates."""
+        if self.max_loaded is not None and len(held) >= self.max_loaded:
+            return False
+        used = sum(e.total for e in held if e is not None)
+        return self.memory_budget is None or used + estimate.total <= self.memory_budget
+
+    def _no_room(self, slot: _Slot, estimate: MemoryEstimate, blocking: list[_Slot], *,
+                 permanent: bool) -> ModelBudgetError:  # fmt: skip
+        name = slot.entry.name
+        if self.max_loaded is not None and len(blocking) >= self.max_loaded:
+            why = f"{len(blocking)} of max_loaded {self.max_loaded} models are loaded"
+        else:
+            used = sum(s.estimate.total for s in blocking if s.estimate is not None)
+            why = (f"{_mib(used)} of the {_mib(self.memory_budget or 0)} budget is taken and "
+                   f"{name!r} needs about {_mib(estimate.total)}")  # fmt: skip
+        if not permanent:
+            return ModelBudgetError(f"no room for model {name!r}: {why}, and each of them is in "
+                                    "use, loading or pinned")  # fmt: skip
+        pinned = ", ".join(repr(s.entry.name) for s in blocking)
+        return ModelBudgetError(f"no room for model {name!r} beside the pinned models {pinned}: "
+                                f"{why}, and a pinned model is only unloaded on request",
+                                permanent=True)  # fmt: skip
+
+    def _detach(self, slot: _Slot) -> Loaded:
+        """Unload ``slot``'s model (called locked); it counts until ``_close`` closes it."""
+        llama = slot.take()
+        self._closing[id(llama)] = slot.estimate
+        return llama
+
+    def _close(self, llamas: list[Loaded], *, cancel: bool = False) -> None:
+        """Close detached models outside the lock (a close waits for native calls in flight),
+        every one even if one raises (the first error is raised after). Each stops counting
+        as its close ends, raising or not: counted for ever, it would stall every load."""
+        failure: BaseException | None = None
+        for llama in llamas:
+            try:
+                if cancel:
+                    llama.cancel()
+                llama.close()
+            except BaseException as error:
+                failure = failure or error
+            finally:
+                with self._mutex:
+                    del self._closing[id(llama)]
+                    self._lock.notify_all()
+        if failure is not None:
+            raise failure
 
     # -- keep-alive ----------------------------------------------------------------------------
 
@@ -546,11 +619,8 @@ class ModelRegistry:
                     keep = entry.keep_alive if entry.keep_alive is not None else self.keep_alive
                     if (keep is not None and not entry.pinned and slot.idle()
                             and now - slot.used >= keep):  # fmt: skip
-                        expired.append(slot.take())
-                if expired:
-                    self._lock.notify_all()
-            for llama in expired:
-                llama.close()
+                        expired.append(self._detach(slot))
+            self._close(expired)
 
 
 def estimate_memory(
@@ -566,6 +636,18 @@ def _llama(name: str, loaded: Loaded) -> Llama:
         raise ModelLoadError(f"model {name!r} is not a Llama of this process (its loader made "
                              f"a {type(loaded).__name__})")  # fmt: skip
     return loaded
+
+
+def _reason(name: str, error: BaseException) -> str:
+    """Why ``name`` failed to load, said once: a plain ModelLoadError by its text (what "failed
+    to load" says already), less the model's name an isolated entry's process starts it with;
+    any other error by its type and text."""
+    if type(error) is not ModelLoadError:
+        return f"{type(error).__name__}: {error}"
+    text = str(error)
+    for prefix in (f"model {name!r} failed to load: ", f"model {name!r}: "):
+        text = text.removeprefix(prefix)
+    return text
 
 
 def _mib(size: int) -> str:
