@@ -8,15 +8,17 @@ import time
 import httpx
 import uvicorn
 
-from llamacrab import Llama
-from llamacrab.server import ServerSettings, create_app
+from llamacrab import Llama, ModelRegistry
+from llamacrab.server import ServerSettings
+from llamacrab.server._app import create_app  # the public one takes no registry
 
 
 class LiveServer:
-    """``create_app(settings, llama)`` served by uvicorn on 127.0.0.1 (a free port)."""
+    """``create_app(settings, llama, registry)`` served by uvicorn on 127.0.0.1 (a free port)."""
 
-    def __init__(self, settings: ServerSettings, llama: Llama | None = None) -> None:
-        app = create_app(settings, llama)
+    def __init__(self, settings: ServerSettings, llama: Llama | None = None,
+                 registry: ModelRegistry | None = None) -> None:  # fmt: skip
+        app = create_app(settings, llama, registry)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from anyio import CapacityLimiter
 from live_server import LiveServer
 
 from llamacrab import ModelEntry, ModelRegistry
+from llamacrab._registry import Loaded
 from llamacrab.server import ServerSettings
-from llamacrab.server._isolation import runs_isolated
+from llamacrab.server._isolation import ChildModel, runs_isolated
 
 from support import load_repo_module
 
@@ -184,7 +186,7 @@ def test_a_child_that_cannot_answer_is_a_502_naming_how_it_ended() -> None:
         sent.append(message)
 
     with pytest.raises(ApiError) as caught:
-        asyncio.run(forward(child, scope, b"{}", receive, send, timeout=5))
+        asyncio.run(forward(child, scope, b"{}", receive, send, 5, CapacityLimiter(2)))
     assert caught.value.status == 502 and sent == []
     assert caught.value.body()["error"]["message"] == (
         "model 'gone': its process exited with 3: ggml.c:1: no room"
@@ -316,7 +318,7 @@ def _forward_to_dying_child(path: str, start: str, sent: list[dict[str, object]]
         sent.append(message)
 
     try:
-        asyncio.run(forward(child, scope, b"{}", receive, send, timeout=10))
+        asyncio.run(forward(child, scope, b"{}", receive, send, 10, CapacityLimiter(2)))
     finally:
         child.close()
 
@@ -426,3 +428,113 @@ def test_a_child_ends_when_its_stdin_ends_while_its_parent_id_stays(
     _, running, status = _child_of_a_parent(tmp_path, tiny_model_path, "close")
     assert running == "serving"
     assert status == "1"  # its own exit when the pipe ended, not a timeout of the parent's wait
+
+
+def test_a_transcription_naming_an_isolated_model_in_its_form_goes_to_that_model(
+    server: LiveServer,
+) -> None:
+    # Found by an audit: the lease read a JSON body's model only, so a form's went unleased
+    # and the route answered 500 ("model 'apart' is not a Llama of this process").
+    answer = httpx.post(server.url + "/v1/audio/transcriptions", headers=AUTH,
+                        files={"file": ("tone.wav", b"RIFF")}, data={"model": "apart"},
+                        timeout=120)  # fmt: skip
+    assert answer.status_code == 400, answer.text  # the child's own route refuses it
+    assert answer.json()["error"]["message"].startswith(
+        "model 'apart' cannot transcribe: it has no audio projector"
+    )
+
+
+# A child that takes requests (writing a "." for each) and answers each with its body once its
+# stdin ends.
+_HOLDING_CHILD = """
+import http.server, os, sys, threading
+released = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), released.set()), daemon=True).start()
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["content-length"]))
+        os.write(1, b".")
+        released.wait()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+http.server.ThreadingHTTPServer.request_queue_size = 128
+server = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler)
+os.write(1, b"listening\\n")
+server.serve_forever()
+"""
+
+
+def _holding_child(name: str) -> ChildModel:
+    import subprocess
+    import sys
+
+    from llamacrab._ports import free_port
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", _HOLDING_CHILD, str(port)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)  # fmt: skip
+    assert process.stdout is not None and process.stdout.readline() == b"listening\n"
+    return ChildModel(name, process, port, "key", lambda *_: None)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("held_in", ["answer", "load"])
+def test_requests_waiting_on_one_model_never_hold_up_another(
+    tiny_model_path: Path, held_in: str
+) -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Found by an audit: the lease and the forwarding waited in anyio's 40 threads, which every
+    # sync route shares: 44 long requests to an isolated model made a 2-token request to
+    # another, loaded model wait 7.8 s. Here 48 requests to "slow" wait until released, for
+    # its child's answers or for its load.
+    slow, quick = _holding_child("slow"), _holding_child("quick")
+    assert slow.process.stdin is not None and quick.process.stdin is not None
+    quick.process.stdin.close()  # it answers at once
+    loaded, leasing = threading.Event(), threading.Semaphore(0)
+
+    def load(entry: ModelEntry) -> ChildModel:
+        if entry.name == "quick":
+            return quick
+        if held_in == "load":
+            loaded.wait()
+        return slow
+
+    class Counted(ModelRegistry):
+        def lease(self, name: str) -> Loaded:
+            leasing.release()
+            return super().lease(name)
+
+    registry = Counted([ModelEntry(name, str(tiny_model_path)) for name in ("slow", "quick")],
+                       loader=load)  # fmt: skip
+    server = LiveServer(ServerSettings(model=""), registry=registry)
+    url = server.url + "/v1/completions"
+    try:
+        with ThreadPoolExecutor(48) as pool:
+            waiting = [pool.submit(httpx.post, url, json={"model": "slow"}, timeout=60)
+                       for _ in range(48)]  # fmt: skip
+            try:  # 40 of them hold a thread each (as many as anyio lends by default)
+                if held_in == "answer":
+                    assert slow.process.stdout and slow.process.stdout.read(40) == b"." * 40
+                else:
+                    assert all(leasing.acquire(timeout=30) for _ in range(40))
+                start = time.monotonic()
+                answer = httpx.post(url, json={"model": "quick"}, timeout=10)
+                took = time.monotonic() - start
+            finally:  # the others go on
+                loaded.set()
+                slow.process.stdin.close()
+            assert [f.result().status_code for f in waiting] == [200] * 48
+        assert answer.status_code == 200 and answer.json() == {"model": "quick"}
+        assert took < 5
+    finally:
+        server.close()

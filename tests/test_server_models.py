@@ -579,3 +579,98 @@ def test_a_model_larger_than_the_whole_budget_is_not_a_busy_server() -> None:
     )  # fmt: skip
     busy = lease_error(ModelBudgetError("no room: each is in use"))
     assert (busy.status, busy.code, busy.headers) == (503, "model_busy", {})
+
+
+def test_no_room_beside_pinned_models_is_not_a_busy_server() -> None:
+    # Found by an audit: with max_loaded taken by pinned models, every other model was a 503
+    # model_busy, which clients retry for ever (while /health said ok).
+    from llamacrab.server._models import lease_error
+
+    pinned = lease_error(ModelBudgetError("no room beside the pinned models", permanent=True))
+    assert (pinned.status, pinned.code, pinned.headers) == (
+        500, "model_blocked_by_pinned", {"x-should-retry": "false"}
+    )  # fmt: skip
+
+
+def test_a_server_of_no_model_is_refused_at_start(tmp_path: Path) -> None:
+    # Found by an audit: `serve --models-dir EMPTY` ran, answering 404 to every request.
+    import subprocess
+    import sys
+
+    from llamacrab._ports import free_port
+    from llamacrab.server._models import open_registry
+
+    (tmp_path / "notes.txt").write_text("no model here")
+    with pytest.raises(InvalidParameterError, match=r"--models-dir .* holds no model \(it "):
+        open_registry(parse_settings(["--models-dir", str(tmp_path)], environ={}))
+    config = _toml(tmp_path / "none.toml", "max_loaded = 1\n")
+    with pytest.raises(InvalidParameterError, match=r"none\.toml names no model"):
+        open_registry(parse_settings(["--models", config], environ={}))
+    run = subprocess.run([sys.executable, "-m", "llamacrab", "serve", "--models-dir",
+                          str(tmp_path), "--port", str(free_port())], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 1 and run.stderr == (
+        f"llamacrab: --models-dir {tmp_path} holds no model (it looks for *.gguf files in it "
+        "and in its subfolders): there is nothing to serve\n"
+    )
+
+
+def test_props_slots_and_transcriptions_serve_the_model_a_request_names(
+    folder: Path, tmp_path: Path
+) -> None:
+    # Found by an audit: with several models /props and /slots answered 400 "name one of" even
+    # given ?model= (llama-server's router takes it), and a transcription's form field model
+    # was not leased.
+    config = _toml(folder / "pair.toml", f'[models.alpha]\nmodel = "alpha.gguf"\n{TINY}'
+                                         f'[models.beta]\nmodel = "beta.gguf"\n{TINY}')  # fmt: skip
+    settings = ServerSettings(model="", models=config, slot_save_path=str(tmp_path), props=True)
+    for server in _serve(settings):
+        url = server.url
+        props = httpx.get(url + "/props", params={"model": "beta"})
+        assert props.status_code == 200, props.text
+        assert props.json()["model_alias"] == "beta"
+        assert props.json()["model_path"] == str(folder / "beta.gguf")
+        assert httpx.post(url + "/props?model=alpha", json={}).json() == {"success": True}
+        unnamed = httpx.get(url + "/props")
+        assert unnamed.status_code == 400 and "alpha, beta" in unnamed.text
+        httpx.post(url + "/v1/completions", json={"model": "alpha", "prompt": "the cat",
+                                                  "max_tokens": 2})  # fmt: skip
+        slots = httpx.get(url + "/slots", params={"model": "alpha"})
+        assert slots.status_code == 200, slots.text
+        assert [s["n_prompt_tokens"] > 0 for s in slots.json()] == [True]
+        action = url + "/slots/0?model=alpha&action="
+        saved = httpx.post(action + "save", json={"filename": "alpha.bin"})
+        assert saved.status_code == 200 and saved.json()["n_saved"] > 0, saved.text
+        restored = httpx.post(action + "restore", json={"filename": "alpha.bin"})
+        assert restored.json()["n_restored"] == saved.json()["n_saved"], restored.text
+        assert httpx.post(action + "erase").json()["n_erased"] > 0
+        transcribed = httpx.post(url + "/v1/audio/transcriptions", data={"model": "beta"},
+                                 files={"file": ("tone.wav", b"RIFF")})  # fmt: skip
+        assert transcribed.status_code == 400, transcribed.text
+        assert transcribed.json()["error"]["message"].startswith(
+            "model 'beta' cannot transcribe: it has no audio projector"
+        )
+
+
+def test_a_form_names_its_model_in_its_field() -> None:
+    # Found by an audit: a form's model (a transcription's) was not read, so not leased.
+    from llamacrab.server._models import _requested_model
+
+    def form(content_type: bytes, body: bytes, query: bytes = b"") -> str | None:
+        scope = {"headers": [(b"content-type", content_type)], "query_string": query}
+        return _requested_model(scope, body)
+
+    def part(disposition: str, data: bytes) -> bytes:
+        return f"--b0\r\nContent-Disposition: form-data; {disposition}\r\n\r\n".encode() + data
+
+    multipart = b"multipart/form-data; boundary=b0"
+    body = (part('name="file"; filename="model"', b"model=x\r\n--b1\r\n" * 1000) + b"\r\n"
+            + part('name="model"', b"first") + b"\r\n"
+            + part('name="model"', "s\u00e9cond".encode()) + b"\r\n--b0--\r\n")  # fmt: skip
+    assert form(multipart, body) == "s\u00e9cond"  # the last, as the route reads it; no file
+    assert form(multipart, part('name="model"', b"") + b"\r\n--b0--\r\n", b"model=q") == "q"
+    assert form(multipart, b"not a form at all", b"model=q") == "q"
+    assert form(b"multipart/form-data", part('name="model"', b"m")) is None  # no boundary
+    urlencoded = b"application/x-www-form-urlencoded"
+    assert form(urlencoded, b"prompt=a&model=one&model=tw%C3%B6") == "tw\u00f6"
+    assert form(b"text/plain", b"model=one") is None

@@ -1,6 +1,7 @@
 """Forwarding one request to an isolated entry's process (server/_isolation.py) and its answer
 back unchanged, streamed as it comes (server-sent events too). The parent's checks (API key,
-body size) ran before; the child gets its own key instead of the client's."""
+body size) ran before; the child gets its own key instead of the client's. The blocking calls
+run on the model's own worker threads (``threads``), never on those the other routes share."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import contextlib
 import http.client
 import socket
 
-from starlette.concurrency import run_in_threadpool
+from anyio import CapacityLimiter, to_thread
 from starlette.types import Receive, Scope, Send
 
 from llamacrab.server import _anthropic_wire
@@ -24,8 +25,8 @@ _DROPPED_ANSWER = {"connection", "transfer-encoding", "keep-alive", "server", "d
 _CHUNK = 64 * 1024
 
 
-async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive,
-                  send: Send, timeout: float) -> None:  # fmt: skip
+async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive, send: Send,
+                  timeout: float, threads: CapacityLimiter) -> None:  # fmt: skip
     """Send the request to ``child`` and its answer to the client. Raises ApiError (502) when
     the child cannot answer before the answer started. A whole answer (not an event stream) is
     read in full before it is sent, so a child dying mid-answer is a 502 too; a broken event
@@ -40,22 +41,22 @@ async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive
     gone = asyncio.create_task(_client_gone(receive, connection))
     try:
         try:
-            answer = await run_in_threadpool(
-                _open, connection, scope["method"], target.decode("latin-1"), body, headers
-            )
+            answer = await to_thread.run_sync(_open, connection, scope["method"],
+                                              target.decode("latin-1"), body, headers,
+                                              limiter=threads)  # fmt: skip
             events = (answer.getheader("content-type") or "").startswith("text/event-stream")
-            whole = b"" if events else await run_in_threadpool(answer.read)
+            whole = b"" if events else await to_thread.run_sync(answer.read, limiter=threads)
         except (OSError, http.client.HTTPException) as error:
             if gone.done():
                 return  # the client left (which broke the connection): no one to answer
-            raise ApiError(502, await _broken(child, error), param="model",
+            raise ApiError(502, await _broken(child, error, threads), param="model",
                            code="model_process_failed") from None  # fmt: skip
         await send({"type": "http.response.start", "status": answer.status,
                     "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
                                 for k, v in answer.getheaders()
                                 if k.lower() not in _DROPPED_ANSWER]})  # fmt: skip
         if events:
-            await _stream(child, scope["path"], answer, gone, send)
+            await _stream(child, scope["path"], answer, gone, send, threads)
         await send({"type": "http.response.body", "body": whole})
     finally:
         gone.cancel()
@@ -63,16 +64,18 @@ async def forward(child: ChildModel, scope: Scope, body: bytes, receive: Receive
 
 
 async def _stream(child: ChildModel, path: str, answer: http.client.HTTPResponse,
-                  gone: asyncio.Task[None], send: Send) -> None:  # fmt: skip
+                  gone: asyncio.Task[None], send: Send,
+                  threads: CapacityLimiter) -> None:  # fmt: skip
     """Pass an event stream on as it comes; when the child breaks it, end it with an error
     event (unless the client left, which broke it: then it just ends)."""
     while True:
         try:
-            chunk = await run_in_threadpool(answer.read1, _CHUNK)
+            chunk = await to_thread.run_sync(answer.read1, _CHUNK, limiter=threads)
         except (OSError, http.client.HTTPException) as error:
             if gone.done():
                 return
-            broken = ApiError(502, await _broken(child, error), code="model_process_failed")
+            why = await _broken(child, error, threads)
+            broken = ApiError(502, why, code="model_process_failed")
             chunk = _error_event(path, broken).encode()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             return
@@ -105,9 +108,9 @@ async def _client_gone(receive: Receive, connection: http.client.HTTPConnection)
             connection.sock.shutdown(socket.SHUT_RDWR)
 
 
-async def _broken(child: ChildModel, error: Exception) -> str:
+async def _broken(child: ChildModel, error: Exception, threads: CapacityLimiter) -> str:
     """Why the child's answer broke: how its process ended, if it did."""
     # The connection breaks first; the exit and ggml's last line come soon after.
-    if await run_in_threadpool(child.wait, 5):
+    if await to_thread.run_sync(child.wait, 5, limiter=threads):
         return f"model {child.name!r}: its process {child.ended()}"
     return f"model {child.name!r}: its process did not answer ({type(error).__name__}: {error})"

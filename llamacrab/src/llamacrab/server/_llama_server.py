@@ -148,13 +148,14 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
     build = _build_info()
     slot_files = asyncio.Lock()  # one save or restore at a time: a name is written whole
 
+    # ``model``: which model, where the server has several (as llama-server's router reads it).
     @app.get("/props", response_model=PropsResponse, responses=ERRORS)
-    async def props() -> Any:
-        return _props(state.ready(None), settings, build)
+    async def props(model: str | None = None) -> Any:
+        return _props(state.ready(model), settings, build, state.model_name(model))
 
     @app.post("/props", response_model=PropsUpdated, responses=_SLOT_ERRORS)
-    async def change_props(body: dict[str, Any] | None = None) -> Any:
-        state.ready(None)
+    async def change_props(body: dict[str, Any] | None = None, model: str | None = None) -> Any:
+        state.ready(model)
         if not settings.props:
             raise ApiError(403, "this server's properties are read-only: start it with --props "
                            "to allow POST /props", code="props_read_only")  # fmt: skip
@@ -165,8 +166,8 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
         return {"success": True}
 
     @app.get("/slots", response_model=list[SlotOut], responses=ERRORS)
-    async def slots(fail_on_no_slot: bool = False) -> Any:
-        llama = state.ready(None)
+    async def slots(fail_on_no_slot: bool = False, model: str | None = None) -> Any:
+        llama = state.ready(model)
         out = [_slot(llama, slot) for slot in llama.slots()]
         if fail_on_no_slot and all(slot["is_processing"] for slot in out):
             raise ApiError(503, "no slot available", code="no_slot_available")
@@ -175,9 +176,12 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/slots/{id_slot}", response_model=SlotSaved | SlotRestored | SlotErased,
               responses=_SLOT_ERRORS)  # fmt: skip
     async def slot_action(
-        id_slot: int, action: str | None = None, body: SlotActionRequest | None = None
+        id_slot: int,
+        action: str | None = None,
+        body: SlotActionRequest | None = None,
+        model: str | None = None,
     ) -> Any:
-        llama = state.generator(None)
+        llama = state.generator(model)
         if settings.slot_save_path is None:
             raise ApiError(501, "this server does not save slots: start it with "
                            "--slot-save-path DIR", code="not_supported")  # fmt: skip
@@ -211,7 +215,7 @@ def _build_info() -> str:
             f"{info.backend}")  # fmt: skip
 
 
-def _props(llama: Llama, settings: ServerSettings, build: str) -> dict[str, Any]:
+def _props(llama: Llama, settings: ServerSettings, build: str, alias: str) -> dict[str, Any]:
     projector = llama.projector
     vocab = llama.vocab
     props = {
@@ -219,7 +223,7 @@ def _props(llama: Llama, settings: ServerSettings, build: str) -> dict[str, Any]
             "n_ctx": llama.context.n_ctx_seq, "params": _default_params(llama, settings),
         },
         "total_slots": len(llama.slots()),
-        "model_alias": settings.alias,
+        "model_alias": alias,
         "model_path": str(llama.model.path),
         "modalities": {"vision": bool(projector and projector.vision),
                        "audio": bool(projector and projector.audio)},
@@ -334,9 +338,7 @@ def _add_transcriptions(app: FastAPI, state: ServerState) -> None:
         llama = state.generator(model)
         projector = llama.projector
         if projector is None or not projector.audio:
-            raise ApiError(400, "this server cannot transcribe: it has no audio projector "
-                           "(start it with --mmproj and a projector that takes audio)",
-                           code="audio_not_supported")  # fmt: skip
+            raise _no_audio(state, model)
         if response_format not in _TRANSCRIPT_FORMATS:
             raise ApiError(400, f"response_format {response_format!r} is not supported (json, "
                            "text)", param="response_format")  # fmt: skip
@@ -361,6 +363,16 @@ def _add_transcriptions(app: FastAPI, state: ServerState) -> None:
     app.add_api_route("/audio/transcriptions", transcriptions, methods=["POST"],
                       response_model=TranscriptionResponse, responses=ERRORS,
                       include_in_schema=False)  # fmt: skip
+
+
+def _no_audio(state: ServerState, model: str | None) -> ApiError:
+    """400 for a model without an audio projector, naming it where the server has several."""
+    if state.registry is None:
+        who, how = "this server", "start it with --mmproj and a projector that takes audio"
+    else:
+        who, how = f"model {state.model_name(model)!r}", "give its entry an mmproj that takes audio"
+    return ApiError(400, f"{who} cannot transcribe: it has no audio projector ({how})",
+                    code="audio_not_supported")  # fmt: skip
 
 
 def _transcription_messages(

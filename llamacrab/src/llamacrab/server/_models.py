@@ -7,14 +7,18 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
+from anyio import CapacityLimiter, to_thread
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from python_multipart import MultipartParser
+from python_multipart.multipart import parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,6 +26,7 @@ from llamacrab import (
     PRESETS,
     ConcurrentUseError,
     EntryStatus,
+    InvalidParameterError,
     Llama,
     ModelBudgetError,
     ModelEntry,
@@ -39,10 +44,16 @@ from llamacrab.server._metrics import escape_label
 from llamacrab.server._schemas import ModelOut
 from llamacrab.server._settings import ServerSettings
 
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
+
 # Routes that need a model of one kind; the others (tokenize, templates, ...) take any.
 _EMBEDDINGS = {"/v1/embeddings", "/embeddings", "/embedding"}
 _RERANK = {"/v1/rerank", "/v1/reranking", "/rerank", "/reranking"}
 _GENERATION_ENDINGS = ("completions", "/completion", "/infill", "/responses", "/v1/messages")
+# A model's requests waiting in threads at once: more than a child's slots and queue (64 by
+# default) hold; past it only that model's requests wait for a thread.
+_THREADS_PER_MODEL = 256
 # Routes about models themselves: no model is loaded for them.
 _MODEL_ROUTES = {
     "/v1/models",
@@ -87,9 +98,14 @@ def open_registry(settings: ServerSettings) -> ModelRegistry:
     limits = {k: v for k, v in limits.items() if v is not None}
     if settings.models is not None:
         parsed = ModelRegistry.from_toml(settings.models, **limits)
+        looked = f"--models {settings.models} names no model (no [models.NAME] table)"
     else:
         assert settings.models_dir is not None
         parsed = ModelRegistry.from_directory(settings.models_dir, **limits)
+        looked = (f"--models-dir {settings.models_dir} holds no model (it looks for *.gguf "
+                  "files in it and in its subfolders)")  # fmt: skip
+    if not parsed.names():  # served, it would answer 404 to every request
+        raise InvalidParameterError(f"{looked}: there is nothing to serve")
     written = {name: parsed.entry(name) for name in parsed.names()}
     entries = [_with_defaults(entry, settings) for entry in written.values()]
     limits = {"max_loaded": parsed.max_loaded, "memory_budget": parsed.memory_budget,
@@ -225,41 +241,118 @@ def add_model_routes(app: FastAPI, registry: ModelRegistry, created: int) -> Non
 
 
 def lease_error(error: Exception) -> ApiError:
-    """The answer for a model that cannot be had: unknown 404, no room 503 (500 if the model
-    alone exceeds the budget), failed 500."""
+    """The answer for a model that cannot be had: unknown 404, no room 503 (500 when no room
+    will come: the model alone exceeds the budget, or pinned models take it), failed 500."""
     if isinstance(error, UnknownModelError):
         return ApiError(404, str(error), param="model", code="model_not_found")
-    if isinstance(error, ModelBudgetError) and error.alone:  # a retry cannot help
-        return ApiError(500, str(error), param="model", code="model_too_large")
+    if isinstance(error, ModelBudgetError) and error.permanent:  # a retry cannot help
+        code = "model_too_large" if error.alone else "model_blocked_by_pinned"
+        return ApiError(500, str(error), param="model", code=code)
     if isinstance(error, ModelBudgetError):
         return ApiError(503, str(error), param="model", code="model_busy")
     return ApiError(500, str(error), param="model", code="model_load_failed")
 
 
 def _requested_model(scope: Scope, body: bytes) -> str | None:
-    """The ``model`` of a JSON body, else of the query string."""
-    if body:
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError):
-            data = None  # the route answers the malformed body (or one nested too deep)
-        if isinstance(data, dict) and isinstance(data.get("model"), str) and data["model"]:
-            return str(data["model"])
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-    # The last of repeated values, as the route reads it (the first leased one model while
-    # the route used another: a 500 for an isolated one).
-    return query["model"][-1] or None if query.get("model") else None
+    """The ``model`` of a JSON body, else of a form body (``/v1/audio/transcriptions``), else
+    of the query string."""
+    query = scope.get("query_string", b"")
+    return _json_model(body) or _form_model(scope, body) or _last_model(query)
+
+
+def _json_model(body: bytes) -> str | None:
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, RecursionError):
+        return None  # the route answers the malformed body (or one nested too deep)
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+def _last_model(query: bytes) -> str | None:
+    """The last ``model`` of a query string or an urlencoded form, as Starlette reads it for
+    the route (the first leased one model while the route used another: a 500 for an isolated
+    one)."""
+    values = parse_qs(query.decode("latin-1"), keep_blank_values=True).get("model")
+    return values[-1] or None if values else None
+
+
+def _form_model(scope: Scope, body: bytes) -> str | None:
+    """The ``model`` field of a form body, the one the route reads. A multipart body is parsed
+    in one linear pass that keeps that field alone: a file's bytes pass unread."""
+    content_type = next((v for k, v in scope.get("headers", ()) if k == b"content-type"), b"")
+    mime, options = parse_options_header(content_type)
+    if mime == b"application/x-www-form-urlencoded":
+        return _last_model(body)
+    if mime != b"multipart/form-data" or b"boundary" not in options:
+        return None
+    field = _ModelField()
+    try:
+        MultipartParser(options[b"boundary"], field.callbacks()).write(body)
+    except ValueError:  # python-multipart's FormParserError: the route answers the bad form
+        return None
+    return field.value or None
+
+
+class _ModelField:
+    """Multipart callbacks keeping the last ``model`` field that is not a file, decoded as
+    Starlette decodes it (UTF-8, else Latin-1)."""
+
+    def __init__(self) -> None:
+        self.value: str | None = None
+        self._name = self._text = self._disposition = b""
+        self._data: bytearray | None = None  # while in a ``model`` field: its bytes
+
+    def callbacks(self) -> MultipartCallbacks:
+        return {"on_header_field": self._header_name, "on_header_value": self._header_value,
+                "on_header_end": self._header_end, "on_headers_finished": self._part_start,
+                "on_part_data": self._part_data, "on_part_end": self._part_end}  # fmt: skip
+
+    def _header_name(self, data: bytes, start: int, end: int) -> None:
+        self._name += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._text += data[start:end]
+
+    def _header_end(self) -> None:
+        if self._name.lower() == b"content-disposition":
+            self._disposition = self._text
+        self._name = self._text = b""
+
+    def _part_start(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        wanted = options.get(b"name") == b"model" and b"filename" not in options
+        self._data = bytearray() if wanted else None
+        self._disposition = b""
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._data is not None:
+            self._data += data[start:end]
+
+    def _part_end(self) -> None:
+        if self._data is not None:
+            try:
+                self.value = self._data.decode()
+            except UnicodeDecodeError:
+                self.value = self._data.decode("latin-1")
 
 
 class ModelLeaseMiddleware:
-    """Loads the model a request names (body ``model`` or ``?model=``) before its route runs,
-    and holds it in use until the whole answer, streamed or not, is sent: it is never unloaded
-    under a request. An unknown name is 404; a model that cannot serve the route 400."""
+    """Loads the model a request names (``model`` of its JSON or form body, else ``?model=``)
+    before its route runs, and holds it in use until the whole answer, streamed or not, is
+    sent: it is never unloaded under a request. An unknown name is 404; a model that cannot
+    serve the route 400."""
 
     def __init__(self, app: ASGIApp, registry: ModelRegistry, timeout: float = 600.0) -> None:
         self.app = app
         self.registry = registry
         self.timeout = timeout  # seconds an isolated entry's process may keep a request silent
+        # Each model's own worker threads for what waits on it (its load, an isolated entry's
+        # answer), apart from anyio's 40 that every sync route shares: 40 long requests to
+        # one model took them all, and a request to another, loaded model waited for one.
+        self.threads: defaultdict[str, CapacityLimiter] = defaultdict(
+            partial(CapacityLimiter, _THREADS_PER_MODEL)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _about_models(scope["path"]):
@@ -292,6 +385,7 @@ class ModelLeaseMiddleware:
             await answer_early(scope, send, refusal(name, kind, wanted))
             return
         held: list[Loaded] = []  # set in the worker thread once the lease is taken
+        threads = self.threads[name]
 
         def take() -> None:
             held.append(self.registry.lease(name))
@@ -299,9 +393,9 @@ class ModelLeaseMiddleware:
         try:
             # A client gone while the model loads: the thread still finishes (and may take
             # the lease), then the cancellation arrives here; ``held`` says what to release.
-            await run_in_threadpool(take)
+            await to_thread.run_sync(take, limiter=threads)
             if isinstance(held[0], ChildModel):
-                await forward(held[0], scope, body, receive, send, self.timeout)
+                await forward(held[0], scope, body, receive, send, self.timeout, threads)
             else:
                 await self.app(scope, _replay(messages, receive), send)
         except ApiError as error:  # the isolated entry's process could not answer
