@@ -44,8 +44,9 @@ def status_of(server: LiveServer, name: str) -> dict[str, object]:
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[LiveServer]:
     config = tmp_path_factory.mktemp("isolated") / "models.toml"
     config.write_text(
-        f'[models.local]\nmodel = "{tiny_model_path}"\nn_ctx = 256\n'
-        f'[models.apart]\nmodel = "{tiny_model_path}"\nn_ctx = 256\nisolate = true\n'
+        f'[models.local]\nmodel = "{tiny_model_path}"\nn_ctx = 256\nchat_format = "chatml"\n'
+        f'[models.apart]\nmodel = "{tiny_model_path}"\nn_ctx = 256\nchat_format = "chatml"\n'
+        "isolate = true\n"
     )
     settings = ServerSettings(model="", models=str(config), api_keys=(KEY,), n_threads=1,
                               models_max=1)  # fmt: skip
@@ -538,3 +539,115 @@ def test_requests_waiting_on_one_model_never_hold_up_another(
         assert took < 5
     finally:
         server.close()
+
+
+def test_a_response_stored_by_an_isolated_model_is_read_and_deleted_without_naming_it(
+    server: LiveServer,
+) -> None:
+    # Found by review: a stored response's routes name no model, so the server answered them
+    # from its own store, which lacks what the child stored: client.responses.retrieve(id)
+    # got 404 for every response of an isolated model.
+    body = {
+        "model": "apart",
+        "max_output_tokens": 2,
+        "temperature": 0,
+        "input": [{"role": "user", "content": "first"}, {"role": "user", "content": "then"}],
+    }
+    created = httpx.post(server.url + "/v1/responses", json=body, headers=AUTH, timeout=120)
+    assert created.status_code == 200, created.text
+    url = f"{server.url}/v1/responses/{created.json()['id']}"
+    assert httpx.get(url, headers=AUTH).json() == created.json()
+    page = httpx.get(url + "/input_items", params={"order": "asc", "limit": 1}, headers=AUTH)
+    assert page.status_code == 200, page.text
+    assert page.json()["has_more"] and page.json()["data"][0]["content"][0]["text"] == "first"
+    deleted = httpx.delete(url, headers=AUTH)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    gone = httpx.get(url, headers=AUTH)
+    assert gone.status_code == 404 and "is not stored here" in gone.json()["error"]["message"]
+
+
+# A child that stores "resp_there" alone: it answers each request for it with what it got.
+_STORING_CHILD = """
+import http.server, json, os, sys
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def answer(self):
+        got = {"method": self.command, "path": self.path, "key": self.headers["authorization"]}
+        body = json.dumps(got).encode()
+        self.send_response(200 if "/resp_there" in self.path else 404)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_DELETE = answer
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler)
+os.write(1, b"listening\\n")
+server.serve_forever()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_stored_response_routes_ask_the_children_that_answer_and_skip_the_others(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from llamacrab import Llama
+    from llamacrab._ports import free_port
+    from llamacrab.server import _responses_children
+
+    monkeypatch.setattr(_responses_children, "_TIMEOUT", 0.3)
+    with socket.socket() as sock:  # a port nothing listens on: a child that died
+        sock.bind(("127.0.0.1", 0))
+        dead_port = sock.getsockname()[1]
+    hung = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
+    port = free_port()
+    storing = subprocess.Popen([sys.executable, "-c", _STORING_CHILD, str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert storing.stdout is not None and storing.stdout.readline() == b"listening\n"
+
+    def child(name: str, port: int) -> ChildModel:
+        idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                                stderr=subprocess.PIPE)  # fmt: skip
+        return ChildModel(name, idle, port, "key", lambda *_: None)
+
+    stubs = {"dead": child("dead", dead_port), "hung": child("hung", hung.getsockname()[1]),
+                "there": ChildModel("there", storing, port, "key", lambda *_: None)}  # fmt: skip
+
+    def load(entry: ModelEntry) -> Loaded:
+        if entry.name in stubs:
+            return stubs[entry.name]
+        return Llama(entry.model, n_ctx=256, n_threads=1, chat_format="chatml")
+
+    names = [*stubs, "local"]
+    registry = ModelRegistry([ModelEntry(n, str(tiny_model_path)) for n in names], loader=load)
+    for name in stubs:
+        registry.start(name)
+    live = LiveServer(ServerSettings(model=""), registry=registry)
+    try:
+        url = live.url + "/v1/responses/resp_there"
+        for method, path in [("GET", "/v1/responses/resp_there/input_items?limit=1&order=asc"),
+                             ("DELETE", "/v1/responses/resp_there"),
+                             ("POST", "/responses/resp_there/cancel")]:  # fmt: skip
+            answer = httpx.request(method, live.url + path, timeout=30)
+            assert answer.status_code == 200, answer.text  # the child's answer, unchanged
+            assert answer.json() == {"method": method, "path": path, "key": "Bearer key"}
+        assert httpx.get(url, timeout=30).json()["method"] == "GET"
+        missing = httpx.get(live.url + "/v1/responses/resp_nowhere", timeout=30)
+        assert missing.status_code == 404, missing.text  # not a 500 from the dead or hung
+        assert "'resp_nowhere' is not stored here" in missing.json()["error"]["message"]
+        # A follow-up naming another model is refused, naming the one that can continue it.
+        body = {"model": "local", "input": "hi", "previous_response_id": "resp_there"}
+        refused = httpx.post(live.url + "/v1/responses", json=body, timeout=30)
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["param"] == "previous_response_id"
+        assert "stored by model 'there'" in refused.json()["error"]["message"]
+    finally:
+        live.close()  # closes the registry, and the children with it
+        hung.close()

@@ -314,6 +314,13 @@ class ModelRegistry:
             slot = self._slot(name)
             return slot.llama if slot.status == "loaded" and isinstance(slot.llama, Llama) else None
 
+    def loaded_models(self) -> list[Loaded]:
+        """What the entries loaded now were loaded as, Llamas or not (never loads any): the
+        server asks its isolated entries' processes for what they keep."""
+        with self._mutex:
+            slots = self._slots.values()
+            return [s.llama for s in slots if s.status == "loaded" and s.llama is not None]
+
     def entries(self) -> list[EntryStatus]:
         """Every entry's status, in the order they were added."""
         with self._mutex:

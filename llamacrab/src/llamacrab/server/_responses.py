@@ -13,12 +13,14 @@ from typing import Annotated, Any, NamedTuple
 
 from fastapi import FastAPI, Query
 from starlette.requests import Request
+from starlette.responses import Response
 
 from llamacrab import Llama
 from llamacrab._types import ChatCompletionChunk
 from llamacrab.server import _responses_wire as wire
 from llamacrab.server._errors import ApiError
 from llamacrab.server._lora import request_lora
+from llamacrab.server._responses_children import child_answer, holder
 from llamacrab.server._responses_events import ResponseEvents, frame
 from llamacrab.server._responses_items import Order, check_includes, page, with_ids
 from llamacrab.server._responses_schemas import (
@@ -32,7 +34,7 @@ from llamacrab.server._responses_schemas import (
     ResponseObject,
     ResponseRequest,
 )
-from llamacrab.server._responses_store import ResponseStore, StoredResponse
+from llamacrab.server._responses_store import ResponseStore
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, complete, in_thread, sse_events
 from llamacrab.server._wire import chat_kwargs
@@ -52,24 +54,49 @@ class _ChatCall(NamedTuple):
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     """``POST /v1/responses`` (also ``/responses``), ``GET``/``DELETE`` of a stored one, ``GET``
     of its input items and ``POST`` of its cancel (refused), and ``POST
-    /v1/responses/input_tokens``."""
+    /v1/responses/input_tokens``. A stored response's routes name no model: what this store
+    lacks, they ask of the isolated models' processes, which keep their own."""
     settings = state.settings
     store = ResponseStore(settings.max_stored_responses, settings.stored_response_ttl,
                           settings.max_stored_response_bytes)  # fmt: skip
 
-    def chat_call(body: ResponseRequest) -> _ChatCall:
+    async def chat_call(body: ResponseRequest) -> _ChatCall:
         """What answers ``body``, once everything it asks for has been checked."""
         llama = state.generator(body.model)
         own = tuple(_referenced(store, item, i) for i, item in enumerate(body.input))
         wire.check_supported(body, settings, own)
-        previous = _history(store, body.previous_response_id)
+        previous = await earlier(body.previous_response_id)
         messages = wire.chat_messages(body.instructions, (*previous, *own))
         kwargs = chat_kwargs(wire.chat_request(body, messages), settings)
         kwargs.update(request_lora(body.lora, llama))
         return _ChatCall(llama, previous, own, messages, kwargs)
 
+    async def earlier(response_id: str | None) -> tuple[InputItem, ...]:
+        """The conversation ``response_id`` ended: a 404 where it is not kept here, naming the
+        isolated model whose process keeps it (a follow-up there can continue it)."""
+        if response_id is None:
+            return ()
+        stored = store.get(response_id)
+        if stored is not None:
+            return stored.history
+        model = await holder(state.registry, response_id)
+        if model is None:
+            raise _not_found(store, response_id, "previous_response_id")
+        raise ApiError(404, f"response {response_id!r} is stored by model {model!r}, which runs "
+                       "in a process of its own and keeps its responses there: send the "
+                       f"follow-up to model {model!r} to continue it",
+                       param="previous_response_id", code="response_not_found")  # fmt: skip
+
+    async def elsewhere(request: Request, response_id: str) -> Response:
+        """The answer of the isolated model's process that stores ``response_id`` (each keeps
+        its own), else this store's 404."""
+        answer = await child_answer(state.registry, request)
+        if answer is None:
+            raise _not_found(store, response_id, "response_id")
+        return answer
+
     async def create(body: ResponseRequest, client: Request) -> Any:
-        llama, previous, own, messages, kwargs = chat_call(body)
+        llama, previous, own, messages, kwargs = await chat_call(body)
         stored = body.store and store.size > 0
         draft = wire.draft(body, state.model_name(body.model), stored)
 
@@ -94,30 +121,33 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     async def count_input_tokens(body: ResponseRequest) -> Any:
         """The prompt tokens ``POST /v1/responses`` would take for ``body`` (nothing is
         generated; what it refuses is refused here)."""
-        call = chat_call(body)
+        call = await chat_call(body)
         count = await in_thread(partial(call.llama.count_chat_tokens, call.messages, **call.kwargs))
         return {"object": "response.input_tokens", "input_tokens": count}
 
-    async def retrieve(response_id: str, stream: bool = False) -> Any:
+    async def retrieve(response_id: str, request: Request, stream: bool = False) -> Any:
         if stream:  # the SDK would read this JSON as an empty event stream
             raise ApiError(400, "a stored response cannot be streamed again (OpenAI streams "
                            "background responses only, which are not supported)",
                            param="stream")  # fmt: skip
-        return _stored(store, response_id).response
+        stored = store.get(response_id)
+        return stored.response if stored is not None else await elsewhere(request, response_id)
 
-    async def cancel(response_id: str) -> Any:
-        _stored(store, response_id)  # an unknown one is the 404 retrieve answers
+    async def cancel(response_id: str, request: Request) -> Any:
+        if store.get(response_id) is None:  # an unknown one is the 404 retrieve answers
+            return await elsewhere(request, response_id)
         raise ApiError(400, "only background responses can be cancelled, and this server runs "
                        "none: this one was complete when it was answered",
                        param="response_id")  # fmt: skip
 
-    async def delete(response_id: str) -> Any:
+    async def delete(response_id: str, request: Request) -> Any:
         if not store.delete(response_id):
-            raise _not_found(store, response_id, "response_id")
+            return await elsewhere(request, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def input_items(
         response_id: str,
+        request: Request,
         after: str | None = None,
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
         order: Order = "desc",
@@ -126,7 +156,10 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         include_listed: Annotated[list[str] | None, Query(alias="include[]")] = None,
     ) -> Any:
         check_includes((*(include or ()), *(include_listed or ())))
-        return page(_stored(store, response_id).input_items, order, limit, after)
+        stored = store.get(response_id)
+        if stored is None:
+            return await elsewhere(request, response_id)
+        return page(stored.input_items, order, limit, after)
 
     for prefix, documented in (("/v1", True), ("", False)):
         app.add_api_route(f"{prefix}/responses", create, methods=["POST"],
@@ -179,19 +212,6 @@ def _referenced(store: ResponseStore, item: RequestItem, index: int) -> InputIte
                        f"{_kept(store)}", param=f"input[{index}].id",
                        code="item_not_found")  # fmt: skip
     return found
-
-
-def _history(store: ResponseStore, response_id: str | None) -> tuple[InputItem, ...]:
-    if response_id is None:
-        return ()
-    return _stored(store, response_id, "previous_response_id").history
-
-
-def _stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
-    stored = store.get(response_id)
-    if stored is None:
-        raise _not_found(store, response_id, param)
-    return stored
 
 
 def _not_found(store: ResponseStore, response_id: str, param: str) -> ApiError:
