@@ -6,12 +6,16 @@ regression fails the test instead of the test run."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
+from live_server import LiveServer
 from test_crash_proof import assert_clean_exit, run_child
 
-from llamacrab import InvalidParameterError, Llama
+from llamacrab import GrammarError, InvalidParameterError, Llama
+from llamacrab.server import ServerSettings
 
 # argv[1]: the tiny model. A context with logits for one output, and helpers the cases share.
 _PRELUDE = """
@@ -215,17 +219,68 @@ def test_accept_refuses_what_is_not_a_token_of_the_vocabulary(tiny_model_path: P
     runs_to_the_end(_ACCEPT_OUTSIDE_THE_VOCABULARY, str(tiny_model_path))
 
 
-def test_a_logit_bias_that_bans_every_token_is_refused(tiny_llama: Llama) -> None:
-    """The greedy pick found no finite logit and emitted token 0, banned like the rest."""
+# Each way a token is picked: the greedy pick in numpy, and llama.cpp's chains ending in dist
+# (the defaults: top_k 40, top_p, min_p; the whole vocabulary; mirostat), on the CPU and inside
+# the compute graph (where the graph runs them).
+_PICKS = [
+    {"temperature": 0},
+    {"temperature": 0.8},
+    {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0},
+    {"temperature": 0.8, "mirostat": 2},
+]
+
+
+@pytest.mark.parametrize("graph", ["off", "on"])
+@pytest.mark.parametrize("options", _PICKS, ids=["greedy", "defaults", "whole", "mirostat"])
+def test_a_logit_bias_that_bans_every_token_is_refused(
+    tiny_model_path: Path, graph: str, options: dict[str, float]
+) -> None:
+    """The greedy pick found no finite logit and emitted token 0, banned like the rest; at a
+    temperature, llama.cpp's dist sampler picked one of the -inf tokens, output as text."""
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, graph_sampling=graph, seed=1) as llama:
+        complete = partial(llama.create_completion, "the cat", max_tokens=3, **options)
+        n_vocab = llama.vocab.n_tokens
+        eos = llama.vocab.eog_tokens[0]
+        everything = dict.fromkeys(range(n_vocab), float("-inf"))
+        with pytest.raises(InvalidParameterError, match="no token left to pick: logit_bias"):
+            complete(logit_bias=everything)
+        with pytest.raises(InvalidParameterError, match="no token left"):  # min_tokens' ban too
+            complete(logit_bias={**everything, eos: 0.0}, min_tokens=1)
+        # One token left (a bias past float32's range bans too, as llama.cpp adds it): only it.
+        result = complete(logit_bias={**dict.fromkeys(range(n_vocab), -1e39), 100: 0.0})
+        assert result.choices[0].tokens == (100, 100, 100)
+
+
+def test_a_grammar_whose_every_token_is_banned_is_refused(tiny_llama: Llama) -> None:
+    # Every logit at -inf, dist fell back to the last candidate, token 270 ".", which the
+    # grammar took: generated at a temperature (at 0, the grammar refused token 0).
+    n_vocab = tiny_llama.vocab.n_tokens
+    for temperature in (0.0, 0.8):
+        with pytest.raises(GrammarError, match="allows no token"):
+            tiny_llama.create_completion(
+                "the cat", max_tokens=3, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                grammar='root ::= "."+', logit_bias=dict.fromkeys(range(n_vocab), float("-inf")),
+            )  # fmt: skip
+
+
+def test_the_server_answers_400_to_a_bias_that_bans_every_token(
+    tiny_llama: Llama, tiny_model_path: Path
+) -> None:
     n_vocab = tiny_llama.vocab.n_tokens
     eos = tiny_llama.vocab.eog_tokens[0]
-    everything = dict.fromkeys(range(n_vocab), float("-inf"))
-    all_but_eos = {**everything, eos: 0.0}
-    with pytest.raises(InvalidParameterError, match="no token left"):
-        tiny_llama.create_completion("the cat", max_tokens=2, temperature=0, logit_bias=everything)
-    with pytest.raises(InvalidParameterError, match="no token left"):  # min_tokens bans the end
-        tiny_llama.create_completion(
-            "the cat", max_tokens=2, temperature=0, logit_bias=all_but_eos, min_tokens=1
-        )
-    result = tiny_llama.create_completion("the cat", max_tokens=2, temperature=0)
-    assert result.usage.completion_tokens >= 1
+    body = {"prompt": "the cat", "temperature": 0.8, "max_tokens": 3}
+    server = LiveServer(ServerSettings(model=str(tiny_model_path)), tiny_llama)
+    try:
+        for path, extra in (
+            ("/completion", {"logit_bias": [[t, False] for t in range(n_vocab)]}),  # llama-server
+            ("/completion", {"logit_bias": [[t, False] for t in range(n_vocab) if t != eos],
+                             "ignore_eos": True}),
+            ("/v1/completions", {"logit_bias": dict.fromkeys(map(str, range(n_vocab)), -1e39)}),
+            ("/v1/completions", {"logit_bias": dict.fromkeys(map(str, range(n_vocab)), -1e39),
+                                 "stream": True}),
+        ):  # fmt: skip
+            answer = httpx.post(server.url + path, json={**body, **extra})
+            assert answer.status_code == 400, answer.text
+            assert "no token left to pick: logit_bias" in answer.text
+    finally:
+        server.close()

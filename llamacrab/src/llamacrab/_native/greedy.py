@@ -15,6 +15,25 @@ import numpy as np
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._native.call import ffi
 
+# What a pick raises when the caller's bans left it nothing (see SamplerChain.sample too).
+NO_TOKEN_LEFT = (
+    "no token left to pick: logit_bias (with min_tokens' ban of the end-of-generation tokens, "
+    "if any) sets every logit to -inf"
+)
+
+
+def float32_bias(bias: Mapping[int, float]) -> np.ndarray:
+    """``bias``'s values as the float32 llama.cpp adds: one past float32's range is -inf, a ban
+    (-1e39 too), without numpy's overflow warning."""
+    with np.errstate(over="ignore"):
+        return np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+
+
+def banned_tokens(bias: Mapping[int, float]) -> frozenset[int]:
+    """The tokens ``bias`` bans (-inf)."""
+    tokens = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+    return frozenset(tokens[np.isneginf(float32_bias(bias))].tolist())
+
 
 class BiasedArgmax:
     """The token llama.cpp's greedy sampler picks after its logit_bias sampler: the first
@@ -25,7 +44,7 @@ class BiasedArgmax:
     def __init__(self, n_vocab: int, bias: Mapping[int, float]) -> None:
         self.n_vocab = n_vocab
         self.tokens = np.fromiter(bias.keys(), dtype=np.intp, count=len(bias))
-        self.bias = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        self.bias = float32_bias(bias)
 
     def pick(self, logits_pointer: Any, banned: np.ndarray | None = None) -> int:
         """``logits_pointer``: a checked, non-NULL ``llama_get_logits_ith`` row; ``banned``:
@@ -46,8 +65,5 @@ class BiasedArgmax:
         # Every token at -inf: argmax fell back to token 0, banned like the rest. (A raw -inf,
         # the model's own, is left to the caller's check of the logits.)
         if ruled_out and np.isfinite(logits[best]):
-            raise InvalidParameterError(
-                "no token left to pick: logit_bias (with min_tokens' ban of the "
-                "end-of-generation tokens, if any) sets every logit to -inf"
-            )
+            raise InvalidParameterError(NO_TOKEN_LEFT)
         return best

@@ -23,7 +23,7 @@ from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
-from llamacrab._native.greedy import BiasedArgmax
+from llamacrab._native.greedy import NO_TOKEN_LEFT, BiasedArgmax, banned_tokens
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
@@ -171,6 +171,7 @@ class SamplerChain(NativeHandle):
             len(self._bridges) + bool(options.logit_bias) if options.grammar is not None else None
         )
         self._end_tokens = frozenset(model.vocab.eog_tokens)
+        self._bans = banned_tokens(options.logit_bias)  # the tokens a pick must never be
         self._vocab = model.vocab
         self.n_vocab = model.vocab.n_tokens
         # Why the grammar cannot go on, after llama.cpp threw in its accept (see _advance).
@@ -230,7 +231,7 @@ class SamplerChain(NativeHandle):
         """Pick a token from the logits of output ``index`` and accept it into the chain state
         (attached: read the token the graph sampled, and accept it). ``banned``: more tokens
         forbidden at this pick (int32, in the vocabulary), for a chain that ``takes_banned``
-        only."""
+        only. Raises when the bans leave no token (see ``_allowed``)."""
         if banned is not None and not self.takes_banned:
             raise InvalidParameterError(
                 "banned tokens need a greedy or top_k-first chain on the CPU"
@@ -260,13 +261,26 @@ class SamplerChain(NativeHandle):
                         "llamacrab_sample_top_k_first", lib.LLAMACRAB_UNKNOWN_EXCEPTION,
                         "the chain selected no token, or a C++ exception",
                     )  # fmt: skip
-                return _finite(logits, token, index)
+                return self._allowed(_finite(logits, token, index))
             token = int(self._advance("llama_sampler_sample", chain, ctx, index,
                                       dead_end=_NO_TOKEN_LEFT))  # fmt: skip
             if not self.in_graph:  # (the graph copies out no logits to look at)
                 _finite(logits, token, index)
         self._raise_python_error()
-        return token
+        return self._allowed(token)
+
+    def _allowed(self, token: int, end_banned: bool = False) -> int:
+        """``token``, unless it is banned (a -inf logit_bias; the end-of-generation tokens too
+        with ``end_banned``): llama.cpp's last sampler picks one only when every candidate was
+        at -inf, and then some token anyway. A set lookup: no pass over the vocabulary. The
+        infill sampler's end token stands: it puts it in itself when no text is likely enough."""
+        ends = token in self._end_tokens
+        banned = token in self._bans or (end_banned and ends)
+        if not banned or (self.options.infill and ends):
+            return token
+        if self._grammar_at is not None:  # as the grammar says it when its pick is refused
+            raise GrammarError(_NO_TOKEN_LEFT)
+        raise InvalidParameterError(NO_TOKEN_LEFT)
 
     def accept(self, token: int) -> None:
         """Record ``token`` as the one that came next (``sample`` accepts what it picks)."""
@@ -475,7 +489,9 @@ class Samplers:
             self.ban.active = not end_allowed
             if self.ban.active and self.main.takes_banned:
                 banned = self.ban.end_tokens
-        return self.main.sample(context, index, banned)
+        token = self.main.sample(context, index, banned)
+        # An end token picked while min_tokens bans it (-inf) means nothing else was left.
+        return self.main._allowed(token, end_banned=self.ban is not None and self.ban.active)
 
     def close(self) -> None:
         self.main.close()
