@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ from test_tool_calls import TEMPLATE, WEATHER
 
 from llamacrab import InvalidParameterError, Llama
 from llamacrab.cli import main as cli_main
-from llamacrab.server import ServerSettings, parse_settings
+from llamacrab.server import ServerSettings, add_arguments, parse_settings, settings_from_args
 from llamacrab.server._llama_kwargs import generation_kwargs
 
 from support import Gate, load_repo_module
@@ -578,6 +579,20 @@ def test_a_bad_environment_variable_is_named_when_its_flag_is_used(
         with pytest.raises(SystemExit) as shown:
             cli_main(["run", "--help"])
     assert shown.value.code == 0 and "--max-tokens" in capsys.readouterr().out
+
+
+def test_server_flags_on_a_parser_of_ones_own() -> None:
+    # add_arguments was public, but the namespace it fills could only become settings through
+    # a private function.
+    parser = argparse.ArgumentParser(prog="mine")
+    parser.add_argument("--verbose-mine", action="store_true")
+    add_arguments(parser, {"LLAMACRAB_PARALLEL": "3", "LLAMACRAB_PORT": "abc"})
+    args = parser.parse_args(["m.gguf", "--verbose-mine", "--port", "9001"])
+    settings = settings_from_args(args)
+    assert (settings.model, settings.parallel, settings.port) == ("m.gguf", 3, 9001)
+    assert args.verbose_mine
+    with pytest.raises(InvalidParameterError, match=r"^LLAMACRAB_PORT='abc': "):
+        settings_from_args(parser.parse_args(["m.gguf"]))
 
 
 @pytest.mark.parametrize("keys", [("",), ("sk-1", "  ")])

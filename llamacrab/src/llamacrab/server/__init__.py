@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING
 
 from llamacrab.server._extra import MissingExtraError
 from llamacrab.server._ray import ray_deployment, serve_ray
-from llamacrab.server._settings import ServerSettings, add_arguments, parse_settings
+from llamacrab.server._settings import (
+    ServerSettings,
+    add_arguments,
+    parse_settings,
+    settings_from_args,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -28,6 +33,7 @@ __all__ = [
     "ray_deployment",
     "serve",
     "serve_ray",
+    "settings_from_args",
 ]
 
 

@@ -453,6 +453,9 @@ def _from_env(name: str, raw: str | None, convert: Callable[[str], Any]) -> Any:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The settings of a namespace parsed with ``add_arguments``' flags; InvalidParameterError
+    for a missing model, or a ``LLAMACRAB_*`` value not of its flag's type that no flag
+    replaced (naming the variable)."""
     model = args.model_flag or args.model
     if not model and not (args.models or args.models_dir):
         raise InvalidParameterError(
