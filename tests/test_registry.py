@@ -685,3 +685,38 @@ def test_a_failed_load_says_it_once(models: Path, said: str) -> None:
                 "model 'apart' failed to load: its process exited with 1: no memory"
             )
         assert registry.status("apart").error == "its process exited with 1: no memory"
+
+
+def test_one_object_two_entries_share_is_closed_and_uncounted_once_per_entry(
+    models: Path,
+) -> None:
+    # Found by review: unloads were counted by id(), so the second of two entries sharing
+    # one object raised KeyError inside the close, leaving the rest unclosed and counted:
+    # close() never returned.
+    fakes = Fakes()
+    shared = Fake("shared", fakes)
+    registry = ModelRegistry(loader=lambda e: shared if e.name != "own" else fakes(e))
+    for name in ("p", "q", "own"):
+        registry.add(name, models / "alpha.gguf", **TINY)
+        registry.start(name)
+    closing = threading.Thread(target=registry.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive() and fakes.made["own"].closed and shared.closed
+    assert fakes.log.count("closed shared") == 2
+
+
+def test_a_model_evicted_that_fails_to_close_does_not_fail_the_load_it_made_room_for(
+    models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by review: alpha's close error was raised from loading beta, and beta stayed
+    # failed with alpha's reason until someone loaded it again.
+    fakes = Fakes(failing=("alpha",))
+    with ModelRegistry(max_loaded=1, loader=fakes) as registry:
+        registry.add("alpha", models / "alpha.gguf", **TINY)
+        registry.add("beta", models / "beta.gguf", **TINY)
+        registry.start("alpha")
+        with caplog.at_level(logging.WARNING, logger="llamacrab"):
+            registry.start("beta")
+        assert statuses(registry) == {"alpha": "unloaded", "beta": "loaded"}
+    assert "an unloaded model failed to close: RuntimeError: alpha would not close" in caplog.text

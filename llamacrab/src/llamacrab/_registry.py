@@ -179,6 +179,16 @@ class _Slot:
         return llama
 
 
+class _Detached:
+    """One unload of a model not closed yet, counted apart from any other (a loader may give
+    two entries the same object: each unload is closed and uncounted once)."""
+
+    __slots__ = ("llama",)
+
+    def __init__(self, llama: Loaded) -> None:
+        self.llama = llama
+
+
 class ModelRegistry:
     """Named models loaded on first use and shared.
 
@@ -194,7 +204,9 @@ class ModelRegistry:
     entry, else the registry's; None: never).
 
     Unloading closes the ``Llama``: handles close children first and wait for a native call in
-    flight, so a thread still holding the Llama gets ClosedHandleError, never a crash.
+    flight, so a thread still holding the Llama gets ClosedHandleError, never a crash. A
+    loaded object's ``close`` must not load from its own registry: a load that needs the room
+    it frees waits for it.
     """
 
     def __init__(
@@ -222,9 +234,9 @@ class ModelRegistry:
         self._lock = threading.Condition(self._mutex)
         reset_in_child(self._lock)
         self._slots: dict[str, _Slot] = {}
-        # Unloaded models whose close has not returned, by id(): each still holds its memory
-        # (an isolated entry's process serves on for up to 10 s), so each still counts.
-        self._closing: dict[int, MemoryEstimate | None] = {}
+        # Unloaded models whose close has not returned: each still holds its memory (an
+        # isolated entry's process serves on for up to 10 s), so each still counts.
+        self._closing: dict[_Detached, MemoryEstimate | None] = {}
         self._closed = False
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -401,8 +413,8 @@ class ModelRegistry:
                     f"model {name!r} is in use ({slot.in_use} leases"
                     f"{', generating' if slot.llama and slot.llama.busy else ''})"
                 )
-            llama = self._detach(slot)
-        self._close([llama], cancel=True)
+            detached = self._detach(slot)
+        self._close([detached], cancel=True)
         return True
 
     def close(self) -> None:
@@ -492,8 +504,8 @@ class ModelRegistry:
             self._lock.notify_all()
             if not self._closed:
                 return llama
-            self._detach(slot)
-        self._close([llama])
+            detached = self._detach(slot)
+        self._close([detached])
         raise ModelLoadError("the model registry is closed")
 
     def _load(self, slot: _Slot) -> Loaded:
@@ -505,9 +517,13 @@ class ModelRegistry:
                 victims = self._make_room(slot, estimate)
             if not victims:
                 return self._loader(entry)
-            self._close(victims)  # then their room is looked at again
+            try:
+                self._close(victims)  # then their room is looked at again
+            except Exception as error:  # theirs to report, not this load's: their room is free
+                log.warning("an unloaded model failed to close: %s: %s",
+                            type(error).__name__, error)  # fmt: skip
 
-    def _make_room(self, slot: _Slot, estimate: MemoryEstimate) -> list[Loaded]:
+    def _make_room(self, slot: _Slot, estimate: MemoryEstimate) -> list[_Detached]:
         """Nothing once ``slot`` fits beside the models loaded, loading and closing; else the
         least recently used idle models, unloaded, that the caller closes to make room (called
         locked). Waits for the models closing when their room is what it lacks."""
@@ -565,27 +581,27 @@ class ModelRegistry:
                                 f"{why}, and a pinned model is only unloaded on request",
                                 permanent=True)  # fmt: skip
 
-    def _detach(self, slot: _Slot) -> Loaded:
+    def _detach(self, slot: _Slot) -> _Detached:
         """Unload ``slot``'s model (called locked); it counts until ``_close`` closes it."""
-        llama = slot.take()
-        self._closing[id(llama)] = slot.estimate
-        return llama
+        detached = _Detached(slot.take())
+        self._closing[detached] = slot.estimate
+        return detached
 
-    def _close(self, llamas: list[Loaded], *, cancel: bool = False) -> None:
+    def _close(self, detached: list[_Detached], *, cancel: bool = False) -> None:
         """Close detached models outside the lock (a close waits for native calls in flight),
         every one even if one raises (the first error is raised after). Each stops counting
         as its close ends, raising or not: counted for ever, it would stall every load."""
         failure: BaseException | None = None
-        for llama in llamas:
+        for one in detached:
             try:
                 if cancel:
-                    llama.cancel()
-                llama.close()
+                    one.llama.cancel()
+                one.llama.close()
             except BaseException as error:
                 failure = failure or error
             finally:
                 with self._mutex:
-                    del self._closing[id(llama)]
+                    del self._closing[one]
                     self._lock.notify_all()
         if failure is not None:
             raise failure
@@ -619,7 +635,7 @@ class ModelRegistry:
     def _reap(self) -> None:
         while not self._stop.wait(self._reap_interval()):
             now = time.monotonic()
-            expired: list[Loaded] = []
+            expired: list[_Detached] = []
             with self._mutex:
                 for slot in self._slots.values():
                     entry = slot.entry

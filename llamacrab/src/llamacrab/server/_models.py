@@ -4,8 +4,8 @@ use until the answer ends, and the routes that list, load and unload models."""
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -44,6 +44,8 @@ from llamacrab.server._metrics import escape_label
 from llamacrab.server._schemas import ModelOut
 from llamacrab.server._settings import ServerSettings
 
+log = logging.getLogger("llamacrab.server")
+
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
 
@@ -54,6 +56,10 @@ _GENERATION_ENDINGS = ("completions", "/completion", "/infill", "/responses", "/
 # A model's requests waiting in threads at once: more than a child's slots and queue (64 by
 # default) hold; past it only that model's requests wait for a thread.
 _THREADS_PER_MODEL = 256
+# Past Starlette's limits for the route's own form (1000 fields and 1000 files, a field of
+# 1 MiB), which refuses it: the model named there is not read.
+_MAX_FORM_PARTS = 2000
+_MAX_FIELD_BYTES = 1 << 20
 # Routes about models themselves: no model is loaded for them.
 _MODEL_ROUTES = {
     "/v1/models",
@@ -164,13 +170,18 @@ def _under(preset: str | None, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_pinned(registry: ModelRegistry) -> None:
-    """Load the pinned entries in the background (a failure shows in their status)."""
+    """Load the pinned entries in the background (a failure shows in their status; no room,
+    which leaves an entry unloaded without an error, in the log)."""
 
     def load_all() -> None:
         for status in registry.entries():
             if status.pinned:
-                with contextlib.suppress(Exception):  # reported by /v1/models and /health
+                try:
                     registry.start(status.name)
+                except ModelBudgetError as error:
+                    log.warning("pinned model %r not loaded: %s", status.name, error)
+                except Exception:  # reported by /v1/models and /health
+                    pass
 
     threading.Thread(target=load_all, name="llamacrab-load-pinned", daemon=True).start()
 
@@ -269,11 +280,16 @@ def _json_model(body: bytes) -> str | None:
     return model if isinstance(model, str) and model else None
 
 
-def _last_model(query: bytes) -> str | None:
+def _last_model(query: bytes, max_fields: int | None = None) -> str | None:
     """The last ``model`` of a query string or an urlencoded form, as Starlette reads it for
     the route (the first leased one model while the route used another: a 500 for an isolated
-    one)."""
-    values = parse_qs(query.decode("latin-1"), keep_blank_values=True).get("model")
+    one). None past ``max_fields``."""
+    try:
+        parsed = parse_qs(query.decode("latin-1"), keep_blank_values=True,
+                          max_num_fields=max_fields)  # fmt: skip
+    except ValueError:  # counted before anything is parsed
+        return None
+    values = parsed.get("model")
     return values[-1] or None if values else None
 
 
@@ -283,7 +299,7 @@ def _form_model(scope: Scope, body: bytes) -> str | None:
     content_type = next((v for k, v in scope.get("headers", ()) if k == b"content-type"), b"")
     mime, options = parse_options_header(content_type)
     if mime == b"application/x-www-form-urlencoded":
-        return _last_model(body)
+        return _last_model(body, _MAX_FORM_PARTS)
     if mime != b"multipart/form-data" or b"boundary" not in options:
         return None
     field = _ModelField()
@@ -291,7 +307,14 @@ def _form_model(scope: Scope, body: bytes) -> str | None:
         MultipartParser(options[b"boundary"], field.callbacks()).write(body)
     except ValueError:  # python-multipart's FormParserError: the route answers the bad form
         return None
+    except _RefusedForm:
+        return None
     return field.value or None
+
+
+class _RefusedForm(Exception):
+    """A form the route refuses (more parts, or a longer field, than Starlette reads): reading
+    on would only cost (200k empty parts took 1.4 s of the event loop)."""
 
 
 class _ModelField:
@@ -302,11 +325,18 @@ class _ModelField:
         self.value: str | None = None
         self._name = self._text = self._disposition = b""
         self._data: bytearray | None = None  # while in a ``model`` field: its bytes
+        self._parts = 0
 
     def callbacks(self) -> MultipartCallbacks:
-        return {"on_header_field": self._header_name, "on_header_value": self._header_value,
+        return {"on_part_begin": self._counted,
+                "on_header_field": self._header_name, "on_header_value": self._header_value,
                 "on_header_end": self._header_end, "on_headers_finished": self._part_start,
                 "on_part_data": self._part_data, "on_part_end": self._part_end}  # fmt: skip
+
+    def _counted(self) -> None:
+        self._parts += 1
+        if self._parts > _MAX_FORM_PARTS:
+            raise _RefusedForm
 
     def _header_name(self, data: bytes, start: int, end: int) -> None:
         self._name += data[start:end]
@@ -328,6 +358,8 @@ class _ModelField:
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._data is not None:
             self._data += data[start:end]
+            if len(self._data) > _MAX_FIELD_BYTES:
+                raise _RefusedForm
 
     def _part_end(self) -> None:
         if self._data is not None:
