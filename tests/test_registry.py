@@ -720,3 +720,20 @@ def test_a_model_evicted_that_fails_to_close_does_not_fail_the_load_it_made_room
             registry.start("beta")
         assert statuses(registry) == {"alpha": "unloaded", "beta": "loaded"}
     assert "an unloaded model failed to close: RuntimeError: alpha would not close" in caplog.text
+
+
+def test_eviction_spares_the_models_the_room_does_not_need(models: Path) -> None:
+    # Found by review: least recently used first, a small model went too when the larger one
+    # after it made room alone.
+    small = estimate_memory(models / "alpha.gguf", **TINY).total
+    large = {**TINY, "n_ctx": 4096}
+    big = estimate_memory(models / "alpha.gguf", **large).total
+    fakes = Fakes()
+    with ModelRegistry(memory_budget=small + big + small // 2, loader=fakes) as registry:
+        registry.add("small", models / "alpha.gguf", **TINY)
+        registry.add("large", models / "alpha.gguf", **large)
+        registry.add("next", models / "beta.gguf", **large)  # room: large's, not small's
+        registry.start("small")  # the least recently used
+        registry.start("large")
+        registry.start("next")
+        assert statuses(registry) == {"small": "loaded", "large": "unloaded", "next": "loaded"}

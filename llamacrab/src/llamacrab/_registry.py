@@ -555,6 +555,11 @@ class ModelRegistry:
             victims: list[_Slot] = []
             while not self._fits([s.estimate for s in others if s not in victims], estimate):
                 victims.append(idle[len(victims)])
+            # The last, largest perhaps, may make room alone: spare those it does not need.
+            for spared in victims[-2::-1]:
+                kept = [s for s in victims if s is not spared]
+                if self._fits([s.estimate for s in others if s not in kept], estimate):
+                    victims = kept
             return [self._detach(victim) for victim in victims]
 
     def _fits(self, held: list[MemoryEstimate | None], estimate: MemoryEstimate) -> bool:
