@@ -566,7 +566,8 @@ def test_a_response_stored_by_an_isolated_model_is_read_and_deleted_without_nami
     assert gone.status_code == 404 and "is not stored here" in gone.json()["error"]["message"]
 
 
-# A child that stores "resp_there" alone: it answers each request for it with what it got.
+# A child that stores "resp_there" alone: it answers each request for it with what it got
+# (given "failing", a 500 to every request, as one shutting down).
 _STORING_CHILD = """
 import http.server, json, os, sys
 
@@ -574,7 +575,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def answer(self):
         got = {"method": self.command, "path": self.path, "key": self.headers["authorization"]}
         body = json.dumps(got).encode()
-        self.send_response(200 if "/resp_there" in self.path else 404)
+        stored = 200 if "/resp_there" in self.path else 404
+        self.send_response(500 if sys.argv[2:] == ["failing"] else stored)
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -607,10 +609,14 @@ def test_stored_response_routes_ask_the_children_that_answer_and_skip_the_others
         sock.bind(("127.0.0.1", 0))
         dead_port = sock.getsockname()[1]
     hung = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
-    port = free_port()
-    storing = subprocess.Popen([sys.executable, "-c", _STORING_CHILD, str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    assert storing.stdout is not None and storing.stdout.readline() == b"listening\n"
+
+    def storing(port: int, *how: str) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen([sys.executable, "-c", _STORING_CHILD, str(port), *how],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        assert process.stdout is not None and process.stdout.readline() == b"listening\n"
+        return process
+
+    port, failing_port = free_port(), free_port()
 
     def child(name: str, port: int) -> ChildModel:
         idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
@@ -618,7 +624,9 @@ def test_stored_response_routes_ask_the_children_that_answer_and_skip_the_others
         return ChildModel(name, idle, port, "key", lambda *_: None)
 
     stubs = {"dead": child("dead", dead_port), "hung": child("hung", hung.getsockname()[1]),
-                "there": ChildModel("there", storing, port, "key", lambda *_: None)}  # fmt: skip
+             "failing": ChildModel("failing", storing(failing_port, "failing"), failing_port,
+                                   "key", lambda *_: None),
+             "there": ChildModel("there", storing(port), port, "key", lambda *_: None)}  # fmt: skip
 
     def load(entry: ModelEntry) -> Loaded:
         if entry.name in stubs:
@@ -632,10 +640,13 @@ def test_stored_response_routes_ask_the_children_that_answer_and_skip_the_others
     live = LiveServer(ServerSettings(model=""), registry=registry)
     try:
         url = live.url + "/v1/responses/resp_there"
+        # A 500 (the failing child) is skipped, not passed on; ?model= stays here (the child
+        # serves its model under another name).
         for method, path in [("GET", "/v1/responses/resp_there/input_items?limit=1&order=asc"),
                              ("DELETE", "/v1/responses/resp_there"),
                              ("POST", "/responses/resp_there/cancel")]:  # fmt: skip
-            answer = httpx.request(method, live.url + path, timeout=30)
+            named = path + ("&" if "?" in path else "?") + "model=local"
+            answer = httpx.request(method, live.url + named, timeout=30)
             assert answer.status_code == 200, answer.text  # the child's answer, unchanged
             assert answer.json() == {"method": method, "path": path, "key": "Bearer key"}
         assert httpx.get(url, timeout=30).json()["method"] == "GET"

@@ -20,7 +20,7 @@ from llamacrab._types import ChatCompletionChunk
 from llamacrab.server import _responses_wire as wire
 from llamacrab.server._errors import ApiError
 from llamacrab.server._lora import request_lora
-from llamacrab.server._responses_children import child_answer, holder
+from llamacrab.server._responses_children import ChildLookups
 from llamacrab.server._responses_events import ResponseEvents, frame
 from llamacrab.server._responses_items import Order, check_includes, page, with_ids
 from llamacrab.server._responses_schemas import (
@@ -59,6 +59,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
     store = ResponseStore(settings.max_stored_responses, settings.stored_response_ttl,
                           settings.max_stored_response_bytes)  # fmt: skip
+    children = ChildLookups(state.registry)
 
     async def chat_call(body: ResponseRequest) -> _ChatCall:
         """What answers ``body``, once everything it asks for has been checked."""
@@ -79,7 +80,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         stored = store.get(response_id)
         if stored is not None:
             return stored.history
-        model = await holder(state.registry, response_id)
+        model = await children.holder(response_id)
         if model is None:
             raise _not_found(store, response_id, "previous_response_id")
         raise ApiError(404, f"response {response_id!r} is stored by model {model!r}, which runs "
@@ -90,7 +91,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     async def elsewhere(request: Request, response_id: str) -> Response:
         """The answer of the isolated model's process that stores ``response_id`` (each keeps
         its own), else this store's 404."""
-        answer = await child_answer(state.registry, request)
+        answer = await children.answer(request)
         if answer is None:
             raise _not_found(store, response_id, "response_id")
         return answer
