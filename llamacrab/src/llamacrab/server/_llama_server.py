@@ -335,6 +335,8 @@ def _add_transcriptions(app: FastAPI, state: ServerState) -> None:
         temperature: Annotated[float | None, Form(ge=0)] = None,
         stream: Annotated[bool, Form()] = False,
     ) -> Any:
+        # The form's model, else ?model= (the model the multi-model form leased for it).
+        model = model or client.query_params.get("model")
         llama = state.generator(model)
         projector = llama.projector
         if projector is None or not projector.audio:
