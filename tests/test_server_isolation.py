@@ -662,3 +662,41 @@ def test_stored_response_routes_ask_the_children_that_answer_and_skip_the_others
     finally:
         live.close()  # closes the registry, and the children with it
         hung.close()
+
+
+def test_cancelling_a_child_unloads_its_model_there_by_force() -> None:
+    # Found by an audit: a forced unload of an isolated model cancelled nothing (cancel was a
+    # no-op), and SIGTERM stops the child's server gracefully: the unload answered after its
+    # 86 requests had all run to the end, 12 s later.
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    received: list[tuple[str, str, bytes]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["content-length"]))
+            received.append((self.path, self.headers["authorization"], body))
+            self.send_response(200)
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                            stderr=subprocess.PIPE)  # fmt: skip
+    child = ChildModel("apart", idle, stub.server_address[1], "key", lambda *_: None)
+    try:
+        child.cancel()
+    finally:
+        child.close()
+        stub.shutdown()
+    assert received == [
+        ("/models/unload", "Bearer key", b'{"model": "apart", "force": true}')
+    ]  # fmt: skip
