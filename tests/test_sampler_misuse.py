@@ -6,6 +6,7 @@ regression fails the test instead of the test run."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from pathlib import Path
 
@@ -284,3 +285,81 @@ def test_the_server_answers_400_to_a_bias_that_bans_every_token(
             assert "no token left to pick: logit_bias" in answer.text
     finally:
         server.close()
+
+
+# Each overflowed float32 in llama.cpp's arithmetic: a logit of +inf (or NaN), NaN
+# probabilities, and the last sampler's fallback to its last candidate (token 270), generated.
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"logit_bias": {100: 1e39}}, r"logit_bias of token 100 is 1e\+39; a number up to 3\.4e38"),
+        ({"logit_bias": {100: math.inf}}, "logit_bias of token 100 is inf"),
+        ({"logit_bias": {100: 3e38}}, r"a logit_bias of 3e\+38, temperature 0\.8: a logit"),
+        ({"temperature": 1e-44}, "temperature 1e-44: .* at least 3e-31, or 0 for greedy"),
+        ({"temperature": math.inf}, "temperature is inf: it must be a finite number"),
+        ({"presence_penalty": -1e39}, r"presence_penalty is -1e\+39"),
+        ({"frequency_penalty": -1e39}, r"frequency_penalty is -1e\+39"),
+        ({"frequency_penalty": -1e37}, r"frequency_penalty -1e\+37, temperature 0\.8"),
+        ({"repeat_penalty": 1e39}, r"repeat_penalty is 1e\+39"),
+        ({"repeat_penalty": 0.0}, r"repeat_penalty must be > 0 \(1 disables it\), not 0\.0"),
+        ({"repeat_penalty": 1e-40}, "repeat_penalty 1e-40, temperature 0.8"),
+        ({"dry_multiplier": -1e39}, r"dry_multiplier is -1e\+39"),
+        ({"dry_multiplier": -0.5}, r"dry_multiplier must be >= 0 \(0 disables DRY\)"),
+        ({"dry_multiplier": 0.8, "dry_base": 1e39}, r"dry_base is 1e\+39"),
+        ({"dynatemp_range": 1e39}, r"dynatemp_range is 1e\+39"),
+        ({"dynatemp_range": 0.5, "dynatemp_exponent": 1e39}, r"dynatemp_exponent is 1e\+39"),
+        ({"top_n_sigma": 1e39}, r"top_n_sigma is 1e\+39"),
+        ({"xtc_probability": 1.0, "xtc_threshold": -1e39}, r"xtc_threshold is -1e\+39"),
+        ({"mirostat": 2, "mirostat_tau": 1e39}, r"mirostat_tau is 1e\+39"),
+        ({"mirostat": 1, "mirostat_eta": 1e39}, r"mirostat_eta is 1e\+39"),
+        ({"adaptive_p_target": 1e39}, r"adaptive_p_target is 1e\+39"),
+        ({"adaptive_p_target": 0.5, "adaptive_p_decay": -1e39}, r"adaptive_p_decay is -1e\+39"),
+    ],
+)
+def test_sampling_values_that_overflow_a_float32_are_refused(
+    tiny_llama: Llama, options: dict[str, object], match: str
+) -> None:
+    with pytest.raises(InvalidParameterError, match=match):
+        tiny_llama.create_completion("the cat", max_tokens=4, seed=1, **{**_WHOLE, **options})
+
+
+_WHOLE = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # every token a candidate
+
+
+@pytest.mark.parametrize("ban", [-math.inf, -1e39, -3e38])
+def test_a_bias_of_minus_infinity_or_past_float32_still_bans(tiny_llama: Llama, ban: float) -> None:
+    """-1e39 is -inf as a float32: a ban, as -inf is; -3e38 (finite) makes the token unlikely."""
+    complete = partial(tiny_llama.create_completion, "the cat", max_tokens=8, seed=1, **_WHOLE)
+    picked = set(complete().choices[0].tokens)
+    tokens = complete(logit_bias=dict.fromkeys(picked, ban)).choices[0].tokens
+    assert len(tokens) == 8 and not picked & set(tokens), (picked, tokens)
+
+
+def test_the_server_answers_400_to_a_sampling_value_past_float32(tiny_model_path: Path) -> None:
+    settings = ServerSettings(model=str(tiny_model_path), chat_template="chatml", n_ctx=128,
+                              n_threads=2)  # fmt: skip
+    server = LiveServer(settings)
+    server.wait_until_loaded()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    prompt = {"prompt": "the cat", "max_tokens": 3}
+    try:
+        for path, body, match in (
+            ("/v1/chat/completions", {**chat, "logit_bias": {"100": 1e39}}, "logit_bias"),
+            ("/v1/completions", {**prompt, "temperature": 1e-44}, "temperature 1e-44"),
+            ("/v1/completions", {**prompt, "stream": True, "repeat_penalty": 0}, "repeat_penalty"),
+            ("/completion", {**prompt, "logit_bias": [[100, 1e39]]}, "logit_bias"),
+            ("/completion", {**prompt, "presence_penalty": -1e39}, "presence_penalty"),
+            ("/completion", {**prompt, "dry_multiplier": -1e39}, "dry_multiplier"),
+        ):
+            answer = httpx.post(server.url + path, json=body)
+            assert answer.status_code == 400, (path, answer.text)
+            assert match in answer.text, (path, answer.text)
+    finally:
+        server.close()
+
+
+def test_a_temperature_at_the_bound_still_samples(tiny_llama: Llama) -> None:
+    """1e-30 divides a logit of up to 1e8 within float32: sampled, it is the greedy pick."""
+    complete = partial(tiny_llama.create_completion, "the cat", max_tokens=4, **_WHOLE)
+    greedy = complete(temperature=0).choices[0].tokens
+    assert complete(temperature=1e-30, seed=1).choices[0].tokens == greedy

@@ -6,13 +6,14 @@ import math
 import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from llamacrab._exceptions import DecodeError, GrammarError, InvalidParameterError, NativeError
 from llamacrab._field_types import (
+    FLOAT32_MAX,
     INT32_MAX,
     INT32_MIN,
     check_field_types,
@@ -42,6 +43,10 @@ MAX_TOP_K_FIRST = 4096
 MAX_BIAS_FIRST = 64
 # The most tokens a penalty looks back over: more than any context holds (-1: the context).
 MAX_PENALTY_WINDOW = 1 << 20
+# The largest logit a model is taken to compute when checking that the samplers' arithmetic
+# stays within float32 (see _check_logit_range): far above any model's, which stay within a
+# few hundred, yet it lets a temperature down to 3e-31 divide it.
+MODEL_LOGIT_BOUND = 1e8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,9 +93,23 @@ class SamplingOptions:
         for name in ("penalty_last_n", "dry_penalty_last_n"):
             # llama.cpp allocates (and zero-fills) a ring of this many tokens: 2^31 was 8 GB
             check_range(name, getattr(self, name), -1, MAX_PENALTY_WINDOW)
-        for name, value in vars(self).items():  # a NaN setting makes NaN probabilities
-            if isinstance(value, float) and math.isnan(value):
-                raise InvalidParameterError(f"{name} is NaN")
+        for name in _FLOAT_FIELDS:  # C takes a float32: a NaN or an infinite one, NaN logits
+            value = getattr(self, name)
+            if value is not None and not abs(value) <= FLOAT32_MAX:
+                shown = "NaN" if value != value else repr(value)
+                raise InvalidParameterError(
+                    f"{name} is {shown}: it must be a finite number within a 32-bit float's "
+                    "range (±3.4e38)"
+                )
+        # Below 0 the repeat penalty flips the logits' signs; at 0 it divides them by zero.
+        if self.repeat_penalty <= 0:
+            raise InvalidParameterError(
+                f"repeat_penalty must be > 0 (1 disables it), not {self.repeat_penalty!r}"
+            )
+        if self.dry_multiplier < 0:  # it would add to repeats, up to past float32's range
+            raise InvalidParameterError(
+                f"dry_multiplier must be >= 0 (0 disables DRY), not {self.dry_multiplier!r}"
+            )
         unknown = set(self.order) - set(DEFAULT_ORDER)
         if unknown:
             raise InvalidParameterError(f"unknown samplers in order: {sorted(unknown)}")
@@ -104,13 +123,15 @@ class SamplingOptions:
             # A token id given as text, or a NaN bias, would reach C as garbage (or a TypeError).
             if isinstance(token, bool) or not isinstance(token, int | np.integer):
                 raise InvalidParameterError(f"logit_bias keys are token ids, not {token!r}")
-            if not is_number(bias) or math.isnan(bias):
+            # +inf (a float32 past 3.4e38 is) makes the probabilities NaN; -inf bans.
+            if not is_number(bias) or not -math.inf <= bias <= FLOAT32_MAX:
                 raise InvalidParameterError(
-                    f"logit_bias of token {token} is {bias!r}; a number is needed "
-                    "(-inf bans the token)"
+                    f"logit_bias of token {token} is {bias!r}; a number up to 3.4e38 (a 32-bit "
+                    "float's largest) is needed (-inf bans the token)"
                 )
         if self.seed is not None and not 0 <= self.seed < 2**32:
             raise InvalidParameterError(f"seed must fit in 32 bits, not {self.seed}")
+        _check_logit_range(self)
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +152,45 @@ class SamplingOptions:
             return False
         before = self.order[: list(self.order).index("top_k")] if "top_k" in self.order else None
         return before is not None and not any(_active(self, name) for name in before)
+
+
+_FLOAT_FIELDS = tuple(f.name for f in fields(SamplingOptions) if f.type.startswith("float"))
+
+
+def _check_logit_range(o: SamplingOptions) -> None:
+    """Refuse settings whose arithmetic takes a logit past float32's range: at +inf the
+    probabilities are NaN, and llama.cpp's last sampler then picks its last candidate, output
+    as text. Bounds the largest logit from a model's (MODEL_LOGIT_BOUND), what adds to it (a
+    positive logit_bias, negative frequency and presence penalties) and what divides it (a
+    repeat_penalty below 1, then a temperature below 1), in whichever order they run."""
+    if o.greedy:  # the bias alone runs, and its float32 sum with a logit stays finite
+        return
+    window = MAX_PENALTY_WINDOW if o.penalty_last_n < 0 else o.penalty_last_n
+    penalties = not o.mirostat and "penalties" in o.order and _active(o, "penalties")
+    penalties = penalties and window > 0
+    bias = max([float(b) for b in o.logit_bias.values() if b > 0], default=0.0)
+    added: dict[str, float] = {}  # what a penalty adds to a logit, at most
+    if penalties:
+        added["frequency_penalty"] = -o.frequency_penalty * window
+        added["presence_penalty"] = -o.presence_penalty
+    divisors = {
+        "repeat_penalty": o.repeat_penalty if penalties else 1,
+        "temperature": o.temperature if o.mirostat or "temperature" in o.order else 1,
+    }
+    before = MODEL_LOGIT_BOUND + bias + sum(max(value, 0) for value in added.values())
+    before /= min(divisors["repeat_penalty"], 1)  # the largest logit before the temperature
+    if before / min(divisors["temperature"], 1) <= FLOAT32_MAX:
+        return
+    causes = [f"a logit_bias of {bias}"] if bias > 0 else []
+    causes += [f"{name} {getattr(o, name)}" for name, value in added.items() if value > 0]
+    causes += [f"{name} {value}" for name, value in divisors.items() if value < 1]
+    hint = "lower what adds to the logits or raise what divides them"
+    if before <= FLOAT32_MAX:  # the temperature alone is too small
+        hint = f"use a temperature of at least {before / FLOAT32_MAX * 1.01:.2g}, or 0 for greedy"
+    raise InvalidParameterError(
+        f"{', '.join(causes)}: a logit (a model's, taken as up to {MODEL_LOGIT_BOUND:g}) would "
+        f"pass a 32-bit float's range (3.4e38) and sampling pick an arbitrary token; {hint}"
+    )
 
 
 class SamplerChain(NativeHandle):
