@@ -351,3 +351,30 @@ def test_which_chains_start_with_top_k() -> None:
         {"order": ("top_p", "min_p")},
     ]:
         assert not SamplingOptions(**other).top_k_first, other
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [
+        {"presence_penalty": 50.0},
+        {"presence_penalty": 50.0, "penalty_last_n": -1},
+        {"repeat_penalty": 3.0},
+        {"dry_multiplier": 5.0},
+    ],
+    ids=["presence", "presence over the context", "repeat", "dry"],
+)
+def test_penalties_apply_to_a_greedy_pick_as_llama_cpp_applies_them(
+    gemma: Llama, penalty: dict[str, float]
+) -> None:
+    # Found by review: at temperature 0 only logit_bias ran before the pick (llama.cpp's chain,
+    # llama-server's and llama-cpp-python's run the penalties first), and a window of -1 (DRY's
+    # default) reached llama.cpp as 0, which turns the penalty off.
+    prompt = "one two three four one two three four one two three four one two three four one"
+
+    def text(**options: float) -> str:
+        return gemma.create_completion(prompt, max_tokens=10, **options).choices[0].text
+
+    plain = text(temperature=0)
+    greedy = text(temperature=0, **penalty)
+    assert greedy != plain  # the penalty changed the pick
+    assert greedy == text(temperature=0.7, top_k=1, seed=3, **penalty)  # as the full chain picks

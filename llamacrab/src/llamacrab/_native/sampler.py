@@ -70,7 +70,7 @@ class SamplingOptions:
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
+    dry_penalty_last_n: int = 64
     dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
     mirostat: int = 0
     mirostat_tau: float = 5.0
@@ -140,7 +140,9 @@ class SamplingOptions:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing but logit_bias before it: a pick numpy can make alone."""
-        return self.greedy and self.grammar is None and not self.custom_samplers
+        if not self.greedy or self.grammar is not None or self.custom_samplers:
+            return False
+        return not greedy_filters(self)
 
     @property
     def top_k_first(self) -> bool:
@@ -162,11 +164,11 @@ def _check_logit_range(o: SamplingOptions) -> None:
     probabilities are NaN, and llama.cpp's last sampler then picks its last candidate, output
     as text. Bounds the largest logit from a model's (MODEL_LOGIT_BOUND), what adds to it (a
     positive logit_bias, negative frequency and presence penalties) and what divides it (a
-    repeat_penalty below 1, then a temperature below 1), in whichever order they run."""
-    if o.greedy:  # the bias alone runs, and its float32 sum with a logit stays finite
-        return
+    repeat_penalty below 1, then a temperature below 1), in whichever order they run (greedy:
+    no temperature; its penalties run, see greedy_filters)."""
     window = MAX_PENALTY_WINDOW if o.penalty_last_n < 0 else o.penalty_last_n
-    penalties = not o.mirostat and "penalties" in o.order and _active(o, "penalties")
+    penalties = (o.greedy or not o.mirostat) and "penalties" in o.order
+    penalties = penalties and _active(o, "penalties")
     penalties = penalties and window > 0
     bias = max([float(b) for b in o.logit_bias.values() if b > 0], default=0.0)
     added: dict[str, float] = {}  # what a penalty adds to a logit, at most
@@ -175,7 +177,9 @@ def _check_logit_range(o: SamplingOptions) -> None:
         added["presence_penalty"] = -o.presence_penalty
     divisors = {
         "repeat_penalty": o.repeat_penalty if penalties else 1,
-        "temperature": o.temperature if o.mirostat or "temperature" in o.order else 1,
+        "temperature": 1
+        if o.greedy or not (o.mirostat or "temperature" in o.order)
+        else o.temperature,
     }
     before = MODEL_LOGIT_BOUND + bias + sum(max(value, 0) for value in added.values())
     before /= min(divisors["repeat_penalty"], 1)  # the largest logit before the temperature
@@ -567,9 +571,9 @@ def graph_fits(options: SamplingOptions, n_vocab: int) -> bool:
     o = options
     if o.custom_samplers or o.grammar is not None:
         return False
-    if o.greedy:
-        return True
     outside = ("dry", "top_n_sigma", "typical", "xtc")
+    if o.greedy:
+        return not any(name in outside for name in greedy_filters(o))
     if (
         o.mirostat
         or o.infill
@@ -578,6 +582,12 @@ def graph_fits(options: SamplingOptions, n_vocab: int) -> bool:
     ):
         return False
     return not ("top_k" in o.order and o.top_k > n_vocab)  # ggml's top_k asserts k <= n
+
+
+def _window(model: Model, last_n: int) -> int:
+    """A penalty's window: -1 is the model's training context (llama.cpp at the pin takes -1
+    as 0, which turns the penalty off: DRY did nothing at its default)."""
+    return min(model.n_ctx_train, MAX_PENALTY_WINDOW) if last_n < 0 else last_n
 
 
 def _checked(sampler: Any, what: str) -> Any:
@@ -631,6 +641,8 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
     if o.grammar is not None:
         yield _grammar(model, o)
     if o.greedy:
+        for name in greedy_filters(o):
+            yield _checked(_filter(model, o, name, seed), name)
         yield _checked(call("llama_sampler_init_greedy"), "greedy")
         return
     if o.mirostat:
@@ -655,6 +667,19 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
     yield _checked(final, "final")
 
 
+# The samplers that can change which token a greedy pick takes: penalties and DRY change
+# logits, typical and XTC may drop the most likely token. (top_k, top_p, min_p and top_n_sigma
+# keep it; a temperature of 0 keeps it alone.)
+_GREEDY_CHANGERS = ("penalties", "dry", "typical", "xtc")
+
+
+def greedy_filters(o: SamplingOptions) -> list[str]:
+    """The samplers of ``o.order`` that run before a greedy pick, as llama.cpp's chain runs
+    them before its temperature of 0 keeps the most likely token (a repeat penalty at
+    temperature 0 is llama-server's and llama-cpp-python's too)."""
+    return [name for name in o.order if name in _GREEDY_CHANGERS and _active(o, name)]
+
+
 def _active(o: SamplingOptions, name: str) -> bool:
     """Whether the sampler ``name`` of ``o.order`` has anything to do (a neutral one is left
     out of the chain)."""
@@ -670,12 +695,13 @@ def _active(o: SamplingOptions, name: str) -> bool:
 def _filter(model: Model, o: SamplingOptions, name: str, seed: int) -> Any:
     """The native sampler ``name`` of ``o.order``, which ``_active`` said has work to do."""
     if name == "penalties":
-        return call("llama_sampler_init_penalties", model.vocab.n_tokens, o.penalty_last_n,
-                    o.repeat_penalty, o.frequency_penalty, o.presence_penalty)  # fmt: skip
+        return call("llama_sampler_init_penalties", model.vocab.n_tokens,
+                    _window(model, o.penalty_last_n), o.repeat_penalty, o.frequency_penalty,
+                    o.presence_penalty)  # fmt: skip
     if name == "dry":
         breakers = [ffi.new("char[]", c_string(b, "dry breaker")) for b in o.dry_sequence_breakers]
         return call("llama_sampler_init_dry", model.vocab.pointer, o.dry_multiplier, o.dry_base,
-                    o.dry_allowed_length, o.dry_penalty_last_n,
+                    o.dry_allowed_length, _window(model, o.dry_penalty_last_n),
                     ffi.new("const char *[]", breakers), len(breakers))  # fmt: skip
     simple = {
         "top_n_sigma": lambda: call("llama_sampler_init_top_n_sigma", o.top_n_sigma),
