@@ -15,7 +15,7 @@ import pytest
 from live_server import LiveServer
 from test_crash_proof import assert_clean_exit, run_child
 
-from llamacrab import GrammarError, InvalidParameterError, Llama
+from llamacrab import GrammarError, InvalidParameterError, Llama, SamplingOptions
 from llamacrab.server import ServerSettings
 
 # argv[1]: the tiny model. A context with logits for one output, and helpers the cases share.
@@ -363,3 +363,11 @@ def test_a_temperature_at_the_bound_still_samples(tiny_llama: Llama) -> None:
     complete = partial(tiny_llama.create_completion, "the cat", max_tokens=4, **_WHOLE)
     greedy = complete(temperature=0).choices[0].tokens
     assert complete(temperature=1e-30, seed=1).choices[0].tokens == greedy
+
+
+def test_a_bias_of_an_integer_past_a_floats_range_is_refused_by_name() -> None:
+    # Found by review: -10**400 passed the check (an int compares with -inf) and the chain's
+    # build raised cffi's bare OverflowError.
+    for bias in (-(10**400), 10**400):
+        with pytest.raises(InvalidParameterError, match="logit_bias of token 1 is"):
+            SamplingOptions(logit_bias={1: bias})

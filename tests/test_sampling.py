@@ -378,3 +378,23 @@ def test_penalties_apply_to_a_greedy_pick_as_llama_cpp_applies_them(
     greedy = text(temperature=0, **penalty)
     assert greedy != plain  # the penalty changed the pick
     assert greedy == text(temperature=0.7, top_k=1, seed=3, **penalty)  # as the full chain picks
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"typical_p": 0.5}, {"xtc_probability": 1.0, "xtc_threshold": 0.1}],
+    ids=["typical", "xtc"],
+)
+def test_a_greedy_pick_sees_the_candidates_llama_cpp_leaves_it(
+    gemma: Llama, option: dict[str, float]
+) -> None:
+    # Found by review: typical and XTC ran alone before the pick, on every candidate, where
+    # llama.cpp's chain runs top_k, top_p and min_p first (the greedy pick differed from the
+    # chain's at a temperature that leaves it no choice).
+    prompt = "Write a short story about a cat who lives in a lighthouse."
+
+    def tokens(**options: float) -> list[int]:
+        completion = gemma.create_completion(prompt, max_tokens=24, seed=7, **options, **option)
+        return completion.choices[0].tokens
+
+    assert tokens(temperature=0) == tokens(temperature=1e-5)

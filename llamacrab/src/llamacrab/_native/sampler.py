@@ -124,7 +124,7 @@ class SamplingOptions:
             if isinstance(token, bool) or not isinstance(token, int | np.integer):
                 raise InvalidParameterError(f"logit_bias keys are token ids, not {token!r}")
             # +inf (a float32 past 3.4e38 is) makes the probabilities NaN; -inf bans.
-            if not is_number(bias) or not -math.inf <= bias <= FLOAT32_MAX:
+            if not is_number(bias) or not -math.inf <= _as_float(bias) <= FLOAT32_MAX:
                 raise InvalidParameterError(
                     f"logit_bias of token {token} is {bias!r}; a number up to 3.4e38 (a 32-bit "
                     "float's largest) is needed (-inf bans the token)"
@@ -154,6 +154,14 @@ class SamplingOptions:
             return False
         before = self.order[: list(self.order).index("top_k")] if "top_k" in self.order else None
         return before is not None and not any(_active(self, name) for name in before)
+
+
+def _as_float(value: Any) -> float:
+    """``value`` as the float C takes; NaN (refused) for an integer past a float's range."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.nan
 
 
 _FLOAT_FIELDS = tuple(f.name for f in fields(SamplingOptions) if f.type.startswith("float"))
@@ -573,7 +581,9 @@ def graph_fits(options: SamplingOptions, n_vocab: int) -> bool:
         return False
     outside = ("dry", "top_n_sigma", "typical", "xtc")
     if o.greedy:
-        return not any(name in outside for name in greedy_filters(o))
+        filters = greedy_filters(o)
+        too_many = "top_k" in filters and o.top_k > n_vocab  # ggml's top_k asserts k <= n
+        return not too_many and not any(name in outside for name in filters)
     if (
         o.mirostat
         or o.infill
@@ -669,15 +679,18 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
 
 # The samplers that can change which token a greedy pick takes: penalties and DRY change
 # logits, typical and XTC may drop the most likely token. (top_k, top_p, min_p and top_n_sigma
-# keep it; a temperature of 0 keeps it alone.)
+# keep it, though they change what typical and XTC see; a temperature of 0 keeps it alone.)
 _GREEDY_CHANGERS = ("penalties", "dry", "typical", "xtc")
 
 
 def greedy_filters(o: SamplingOptions) -> list[str]:
-    """The samplers of ``o.order`` that run before a greedy pick, as llama.cpp's chain runs
-    them before its temperature of 0 keeps the most likely token (a repeat penalty at
-    temperature 0 is llama-server's and llama-cpp-python's too)."""
-    return [name for name in o.order if name in _GREEDY_CHANGERS and _active(o, name)]
+    """The samplers that run before a greedy pick: where one of ``o.order`` before its
+    temperature can change the pick, every active one before the temperature, as llama.cpp's
+    chain runs them before its temperature of 0 keeps the most likely token (a repeat penalty
+    at temperature 0 is llama-server's and llama-cpp-python's too); else none."""
+    end = o.order.index("temperature") if "temperature" in o.order else len(o.order)
+    before = [name for name in o.order[:end] if _active(o, name)]
+    return before if any(name in _GREEDY_CHANGERS for name in before) else []
 
 
 def _active(o: SamplingOptions, name: str) -> bool:
