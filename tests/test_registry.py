@@ -545,7 +545,8 @@ class Fake:
         self.name, self.owner, self.closed = name, owner, False
 
     def cancel(self) -> None:
-        pass
+        if self.owner.log_cancels:
+            self.owner.log.append(f"cancel {self.name}")
 
     def close(self) -> None:
         if self.name in self.owner.slow:  # as a process of its own ends, up to 10 s later
@@ -559,10 +560,11 @@ class Fake:
 
 class Fakes:
     """A loader of Fakes, logging what happens to them: the ``slow`` ones' close waits for
-    ``gate``, the ``failing`` ones' raises."""
+    ``gate``, the ``failing`` ones' raises; their cancels too with ``log_cancels``."""
 
-    def __init__(self, slow: tuple[str, ...] = (), failing: tuple[str, ...] = ()) -> None:
-        self.slow, self.failing = slow, failing
+    def __init__(self, slow: tuple[str, ...] = (), failing: tuple[str, ...] = (),
+                 log_cancels: bool = False) -> None:  # fmt: skip
+        self.slow, self.failing, self.log_cancels = slow, failing, log_cancels
         self.gate = threading.Event()
         self.log: list[str] = []
         self.made: dict[str, Fake] = {}
@@ -737,3 +739,16 @@ def test_eviction_spares_the_models_the_room_does_not_need(models: Path) -> None
         registry.start("large")
         registry.start("next")
         assert statuses(registry) == {"small": "loaded", "large": "unloaded", "next": "loaded"}
+
+
+def test_closing_the_registry_cancels_every_model_before_closing_any(models: Path) -> None:
+    # Found by review: each model was cancelled as its turn to close came, so the last one's
+    # requests ran on while the others closed (an isolated entry's cancel waits for its
+    # process: 5 s for a hung one, one child after another).
+    fakes = Fakes(log_cancels=True)
+    registry = ModelRegistry(loader=fakes)
+    for name in ("alpha", "beta"):
+        registry.add(name, models / "alpha.gguf", **TINY)
+        registry.start(name)
+    registry.close()
+    assert fakes.log[2:] == ["cancel alpha", "cancel beta", "closed alpha", "closed beta"]

@@ -594,13 +594,18 @@ class ModelRegistry:
 
     def _close(self, detached: list[_Detached], *, cancel: bool = False) -> None:
         """Close detached models outside the lock (a close waits for native calls in flight),
-        every one even if one raises (the first error is raised after). Each stops counting
-        as its close ends, raising or not: counted for ever, it would stall every load."""
+        every one even if one raises (the first error is raised after); with ``cancel``, each
+        is cancelled before any closes (the last one's generations stop with the first's).
+        Each stops counting as its close ends, raising or not: counted for ever, it would
+        stall every load."""
         failure: BaseException | None = None
+        for one in detached if cancel else ():
+            try:
+                one.llama.cancel()
+            except BaseException as error:
+                failure = failure or error
         for one in detached:
             try:
-                if cancel:
-                    one.llama.cancel()
                 one.llama.close()
             except BaseException as error:
                 failure = failure or error

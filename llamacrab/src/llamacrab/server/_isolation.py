@@ -72,6 +72,7 @@ class ChildModel:
         self.key = key
         self._on_death = on_death
         self._closing = False
+        self._cancelling: threading.Thread | None = None  # the forced unload asked of it
         self.loading = False  # in _load: the server's shutdown ends it (stop_loading_children)
         self._stderr: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
         self._pump = threading.Thread(target=self._read_stderr, daemon=True,
@@ -192,14 +193,23 @@ class ChildModel:
         """Cancel what the child runs: its own forced unload, so its requests end as those of
         a model unloaded by force do (503 ``shutting_down``, an error event ending a stream).
         Its server, stopped by ``close``, would wait for each of them to finish (12 s for 86
-        requests): SIGTERM is a graceful stop. A child that cannot answer is closed as is."""
+        requests): SIGTERM is a graceful stop. Asked on a thread, which ``close`` waits for:
+        the children of a registry closing are asked all at once (a hung one cost 5 s each)."""
+        self._cancelling = threading.Thread(target=self._unload_there, daemon=True,
+                                            name=f"llamacrab-cancel-{self.name}")  # fmt: skip
+        self._cancelling.start()
+
+    def _unload_there(self) -> None:
         body = json.dumps({"model": self.name, "force": True}).encode()
-        with contextlib.suppress(OSError, http.client.HTTPException):
+        with contextlib.suppress(OSError, http.client.HTTPException):  # then closed as it is
             self.request("POST", "/models/unload", body, timeout=_CANCEL_SECONDS)
 
     def close(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s (requests in flight get a broken answer)."""
+        """SIGTERM, then SIGKILL after 10 s (requests in flight get a broken answer), once a
+        ``cancel`` has been answered (or timed out)."""
         self._closing = True
+        if self._cancelling is not None:
+            self._cancelling.join(_CANCEL_SECONDS + 1)
         _stop(self.process)
 
 
