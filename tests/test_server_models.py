@@ -557,7 +557,7 @@ def test_flags_naming_one_models_files_are_refused_with_many(flags: list[str], m
 
 def test_a_body_nested_past_the_recursion_limit_names_no_model() -> None:
     # Reading its model raised RecursionError: a 500 where the one-model server says 400.
-    from llamacrab.server._models import _requested_model
+    from llamacrab.server._requested_model import requested_model as _requested_model
 
     assert _requested_model({"query_string": b"model=m"}, b"[" * 200_000) == "m"
 
@@ -565,7 +565,7 @@ def test_a_body_nested_past_the_recursion_limit_names_no_model() -> None:
 def test_a_repeated_model_query_names_the_last_as_the_route_reads_it() -> None:
     # Found by an audit: the lease took the first, the route used the last (Starlette's), and
     # an isolated entry answered 500 ("not a Llama of this process").
-    from llamacrab.server._models import _requested_model
+    from llamacrab.server._requested_model import requested_model as _requested_model
 
     assert _requested_model({"query_string": b"model=local&model=iso"}, b"") == "iso"
 
@@ -691,7 +691,7 @@ def test_props_slots_and_transcriptions_serve_the_model_a_request_names(
 
 def test_a_form_names_its_model_in_its_field() -> None:
     # Found by an audit: a form's model (a transcription's) was not read, so not leased.
-    from llamacrab.server._models import _requested_model
+    from llamacrab.server._requested_model import requested_model as _requested_model
 
     def form(content_type: bytes, body: bytes, query: bytes = b"") -> str | None:
         scope = {"headers": [(b"content-type", content_type)], "query_string": query}

@@ -4,21 +4,17 @@ use until the answer ends, and the routes that list, load and unload models."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs
+from typing import Any
 
 from anyio import CapacityLimiter, to_thread
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from python_multipart import MultipartParser
-from python_multipart.multipart import parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -41,13 +37,11 @@ from llamacrab.server._guards import answer_early
 from llamacrab.server._isolation import ChildModel, runs_isolated
 from llamacrab.server._llama_kwargs import generation_kwargs, given, model_kwargs
 from llamacrab.server._metrics import escape_label
+from llamacrab.server._requested_model import requested_model
 from llamacrab.server._schemas import ModelOut
 from llamacrab.server._settings import ServerSettings
 
 log = logging.getLogger("llamacrab.server")
-
-if TYPE_CHECKING:
-    from python_multipart.multipart import MultipartCallbacks
 
 # Routes that need a model of one kind; the others (tokenize, templates, ...) take any.
 _EMBEDDINGS = {"/v1/embeddings", "/embeddings", "/embedding"}
@@ -56,10 +50,6 @@ _GENERATION_ENDINGS = ("completions", "/completion", "/infill", "/responses", "/
 # A model's requests waiting in threads at once: more than a child's slots and queue (64 by
 # default) hold; past it only that model's requests wait for a thread.
 _THREADS_PER_MODEL = 256
-# Past Starlette's limits for the route's own form (1000 fields and 1000 files, a field of
-# 1 MiB), which refuses it: the model named there is not read.
-_MAX_FORM_PARTS = 2000
-_MAX_FIELD_BYTES = 1 << 20
 # Routes about models themselves: no model is loaded for them.
 _MODEL_ROUTES = {
     "/v1/models",
@@ -264,111 +254,6 @@ def lease_error(error: Exception) -> ApiError:
     return ApiError(500, str(error), param="model", code="model_load_failed")
 
 
-def _requested_model(scope: Scope, body: bytes) -> str | None:
-    """The ``model`` of a JSON body, else of a form body (``/v1/audio/transcriptions``), else
-    of the query string."""
-    query = scope.get("query_string", b"")
-    return _json_model(body) or _form_model(scope, body) or _last_model(query)
-
-
-def _json_model(body: bytes) -> str | None:
-    try:
-        data = json.loads(body) if body else None
-    except (ValueError, RecursionError):
-        return None  # the route answers the malformed body (or one nested too deep)
-    model = data.get("model") if isinstance(data, dict) else None
-    return model if isinstance(model, str) and model else None
-
-
-def _last_model(query: bytes, max_fields: int | None = None) -> str | None:
-    """The last ``model`` of a query string or an urlencoded form, as Starlette reads it for
-    the route (the first leased one model while the route used another: a 500 for an isolated
-    one). None past ``max_fields``."""
-    try:
-        parsed = parse_qs(query.decode("latin-1"), keep_blank_values=True,
-                          max_num_fields=max_fields)  # fmt: skip
-    except ValueError:  # counted before anything is parsed
-        return None
-    values = parsed.get("model")
-    return values[-1] or None if values else None
-
-
-def _form_model(scope: Scope, body: bytes) -> str | None:
-    """The ``model`` field of a form body, the one the route reads. A multipart body is parsed
-    in one linear pass that keeps that field alone: a file's bytes pass unread."""
-    content_type = next((v for k, v in scope.get("headers", ()) if k == b"content-type"), b"")
-    mime, options = parse_options_header(content_type)
-    if mime == b"application/x-www-form-urlencoded":
-        return _last_model(body, _MAX_FORM_PARTS)
-    if mime != b"multipart/form-data" or b"boundary" not in options:
-        return None
-    field = _ModelField()
-    try:
-        MultipartParser(options[b"boundary"], field.callbacks()).write(body)
-    except ValueError:  # python-multipart's FormParserError: the route answers the bad form
-        return None
-    except _RefusedForm:
-        return None
-    return field.value or None
-
-
-class _RefusedForm(Exception):
-    """A form the route refuses (more parts, or a longer field, than Starlette reads): reading
-    on would only cost (200k empty parts took 1.4 s of the event loop)."""
-
-
-class _ModelField:
-    """Multipart callbacks keeping the last ``model`` field that is not a file, decoded as
-    Starlette decodes it (UTF-8, else Latin-1)."""
-
-    def __init__(self) -> None:
-        self.value: str | None = None
-        self._name = self._text = self._disposition = b""
-        self._data: bytearray | None = None  # while in a ``model`` field: its bytes
-        self._parts = 0
-
-    def callbacks(self) -> MultipartCallbacks:
-        return {"on_part_begin": self._counted,
-                "on_header_field": self._header_name, "on_header_value": self._header_value,
-                "on_header_end": self._header_end, "on_headers_finished": self._part_start,
-                "on_part_data": self._part_data, "on_part_end": self._part_end}  # fmt: skip
-
-    def _counted(self) -> None:
-        self._parts += 1
-        if self._parts > _MAX_FORM_PARTS:
-            raise _RefusedForm
-
-    def _header_name(self, data: bytes, start: int, end: int) -> None:
-        self._name += data[start:end]
-
-    def _header_value(self, data: bytes, start: int, end: int) -> None:
-        self._text += data[start:end]
-
-    def _header_end(self) -> None:
-        if self._name.lower() == b"content-disposition":
-            self._disposition = self._text
-        self._name = self._text = b""
-
-    def _part_start(self) -> None:
-        _, options = parse_options_header(self._disposition)
-        wanted = options.get(b"name") == b"model" and b"filename" not in options
-        self._data = bytearray() if wanted else None
-        self._disposition = b""
-
-    def _part_data(self, data: bytes, start: int, end: int) -> None:
-        if self._data is not None:
-            self._data += data[start:end]
-            if len(self._data) > _MAX_FIELD_BYTES:
-                raise _RefusedForm
-
-    def _part_end(self) -> None:
-        if self._data is not None:
-            try:
-                self.value = self._data.decode()
-            except UnicodeDecodeError:
-                self.value = self._data.decode("latin-1")
-
-
 class ModelLeaseMiddleware:
     """Loads the model a request names (``model`` of its JSON or form body, else ``?model=``)
     before its route runs, and holds it in use until the whole answer, streamed or not, is
@@ -399,7 +284,7 @@ class ModelLeaseMiddleware:
                 body += message.get("body", b"")
                 if message["type"] != "http.request" or not message.get("more_body"):
                     break
-        name = _requested_model(scope, body)
+        name = requested_model(scope, body)
         names = self.registry.names()
         if name is None and len(names) == 1:
             name = names[0]  # the only model serves requests that name none
