@@ -398,3 +398,16 @@ def test_a_greedy_pick_sees_the_candidates_llama_cpp_leaves_it(
         return completion.choices[0].tokens
 
     assert tokens(temperature=0) == tokens(temperature=1e-5)
+
+
+def test_mirostat_at_temperature_0_is_the_plain_argmax_as_in_llama_cpp(gemma: Llama) -> None:
+    # Found by review: the penalties ran before a greedy pick with mirostat set, where
+    # llama.cpp's mirostat chain is its temperature alone (at 0: the argmax).
+    prompt = "one two three four one two three four one two three four one"
+
+    def text(**options: float) -> str:
+        return (
+            gemma.create_completion(prompt, max_tokens=8, temperature=0, **options).choices[0].text
+        )
+
+    assert text(mirostat=2, presence_penalty=50.0) == text()

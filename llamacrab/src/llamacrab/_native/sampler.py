@@ -175,8 +175,10 @@ def _check_logit_range(o: SamplingOptions) -> None:
     repeat_penalty below 1, then a temperature below 1), in whichever order they run (greedy:
     no temperature; its penalties run, see greedy_filters)."""
     window = MAX_PENALTY_WINDOW if o.penalty_last_n < 0 else o.penalty_last_n
-    penalties = (o.greedy or not o.mirostat) and "penalties" in o.order
-    penalties = penalties and _active(o, "penalties")
+    if o.greedy:
+        penalties = "penalties" in greedy_filters(o)
+    else:
+        penalties = not o.mirostat and "penalties" in o.order and _active(o, "penalties")
     penalties = penalties and window > 0
     bias = max([float(b) for b in o.logit_bias.values() if b > 0], default=0.0)
     added: dict[str, float] = {}  # what a penalty adds to a logit, at most
@@ -687,7 +689,10 @@ def greedy_filters(o: SamplingOptions) -> list[str]:
     """The samplers that run before a greedy pick: where one of ``o.order`` before its
     temperature can change the pick, every active one before the temperature, as llama.cpp's
     chain runs them before its temperature of 0 keeps the most likely token (a repeat penalty
-    at temperature 0 is llama-server's and llama-cpp-python's too); else none."""
+    at temperature 0 is llama-server's and llama-cpp-python's too); else none. Mirostat: none
+    (llama.cpp's mirostat chain is its temperature alone)."""
+    if o.mirostat:
+        return []
     end = o.order.index("temperature") if "temperature" in o.order else len(o.order)
     before = [name for name in o.order[:end] if _active(o, name)]
     return before if any(name in _GREEDY_CHANGERS for name in before) else []
