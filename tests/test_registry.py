@@ -752,3 +752,19 @@ def test_closing_the_registry_cancels_every_model_before_closing_any(models: Pat
         registry.start(name)
     registry.close()
     assert fakes.log[2:] == ["cancel alpha", "cancel beta", "closed alpha", "closed beta"]
+
+
+def test_a_cancel_that_raises_still_closes_every_model(models: Path) -> None:
+    fakes = Fakes()
+    registry = ModelRegistry(loader=fakes)
+    for name in ("alpha", "beta"):
+        registry.add(name, models / "alpha.gguf", **TINY)
+        registry.start(name)
+
+    def refuse() -> None:
+        raise RuntimeError("alpha would not cancel")
+
+    fakes.made["alpha"].cancel = refuse  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="alpha would not cancel"):
+        registry.close()
+    assert fakes.made["alpha"].closed and fakes.made["beta"].closed

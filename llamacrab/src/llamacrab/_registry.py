@@ -599,20 +599,22 @@ class ModelRegistry:
         Each stops counting as its close ends, raising or not: counted for ever, it would
         stall every load."""
         failure: BaseException | None = None
-        for one in detached if cancel else ():
-            try:
-                one.llama.cancel()
-            except BaseException as error:
-                failure = failure or error
-        for one in detached:
-            try:
-                one.llama.close()
-            except BaseException as error:
-                failure = failure or error
-            finally:
-                with self._mutex:
-                    del self._closing[one]
-                    self._lock.notify_all()
+        try:
+            for one in detached if cancel else ():
+                try:
+                    one.llama.cancel()
+                except BaseException as error:
+                    failure = failure or error
+        finally:  # an interrupt between two cancels: every one is still closed and uncounted
+            for one in detached:
+                try:
+                    one.llama.close()
+                except BaseException as error:
+                    failure = failure or error
+                finally:
+                    with self._mutex:
+                        del self._closing[one]
+                        self._lock.notify_all()
         if failure is not None:
             raise failure
 

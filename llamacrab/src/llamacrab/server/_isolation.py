@@ -195,9 +195,12 @@ class ChildModel:
         Its server, stopped by ``close``, would wait for each of them to finish (12 s for 86
         requests): SIGTERM is a graceful stop. Asked on a thread, which ``close`` waits for:
         the children of a registry closing are asked all at once (a hung one cost 5 s each)."""
-        self._cancelling = threading.Thread(target=self._unload_there, daemon=True,
-                                            name=f"llamacrab-cancel-{self.name}")  # fmt: skip
-        self._cancelling.start()
+        if self._cancelling is not None and self._cancelling.is_alive():
+            return  # asked already
+        asking = threading.Thread(target=self._unload_there, daemon=True,
+                                  name=f"llamacrab-cancel-{self.name}")  # fmt: skip
+        asking.start()  # (one that cannot start is not waited for: close still stops it)
+        self._cancelling = asking
 
     def _unload_there(self) -> None:
         body = json.dumps({"model": self.name, "force": True}).encode()
