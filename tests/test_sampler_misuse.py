@@ -365,6 +365,32 @@ def test_a_temperature_at_the_bound_still_samples(tiny_llama: Llama) -> None:
     assert complete(temperature=1e-30, seed=1).choices[0].tokens == greedy
 
 
+@pytest.mark.real_model
+@pytest.mark.parametrize("graph_sampling", ["off", "on"])
+def test_a_dynamic_temperature_too_small_for_the_logits_is_greedy(
+    gemma_path: Path, graph_sampling: str
+) -> None:
+    """No setting is refused for it: with dynatemp_range >= temperature a peaked distribution
+    (one token biased by +100) gets a tiny dynamic temperature, which took the largest logit
+    past float32's range: NaN probabilities, and an arbitrary token ("atthaneDCTask" on the
+    CPU; in the graph, with an exponent of 10, the vocabulary's last token). Such a
+    temperature is now 0, greedy (llamacrab-sys patch llama-sampler-dynatemp-overflow)."""
+    with Llama(gemma_path, n_ctx=256, n_threads=2, graph_sampling=graph_sampling) as llm:
+        paris = llm.vocab.tokenize(" Paris", add_special=False)[-1]
+        prompt = partial(llm.create_completion, "The capital of France is", max_tokens=3)
+        peaked = partial(prompt, **{**_WHOLE, "logit_bias": {paris: 100.0}})
+        greedy = peaked(temperature=0).choices[0].tokens
+        assert greedy == (paris,) * 3
+        for exponent in (1.0, 10.0):
+            dynamic = peaked(seed=1, temperature=0.5, dynatemp_range=0.5,
+                             dynatemp_exponent=exponent)  # fmt: skip
+            assert dynamic.choices[0].tokens == greedy, exponent
+        # Where the temperature fits the logits it still samples.
+        unbiased = partial(prompt, **{**_WHOLE, "temperature": 1.5, "dynatemp_range": 0.5})
+        draws = {unbiased(seed=seed).choices[0].tokens for seed in range(3)}
+        assert draws - {prompt(temperature=0).choices[0].tokens}, draws
+
+
 def test_a_bias_of_an_integer_past_a_floats_range_is_refused_by_name() -> None:
     # Found by review: -10**400 passed the check (an int compares with -inf) and the chain's
     # build raised cffi's bare OverflowError.

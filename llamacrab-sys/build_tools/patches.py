@@ -112,6 +112,70 @@ PATCHES: tuple[SourcePatch, ...] = (
         ),
     ),
     SourcePatch(
+        name="llama-sampler-dynatemp-overflow",
+        path="src/llama-sampler.cpp",
+        edits=(
+            (
+                "static void llama_sampler_temp_ext_apply(",
+                "// llamacrab: whether the largest logit divided by a temperature stays below "
+                "FLT_MAX (a\n// temperature of 0, NaN or infinity never does): past it the "
+                "probabilities are NaN\n"
+                "static bool llamacrab_temp_fits(float max_logit, float temp) {\n"
+                "    return std::fabs(max_logit) / temp < FLT_MAX && temp < FLT_MAX;\n"
+                "}\n\n"
+                "static void llama_sampler_temp_ext_apply(",
+            ),
+            (
+                "        // Apply the dynamically calculated temperature scaling\n",
+                "        // llamacrab: a dyn_temp that the largest logit (data[0], sorted above) "
+                "does not fit\n"
+                "        // is 0: greedy, the rest -inf, and data[0]'s probability 1 below\n"
+                "        if (!llamacrab_temp_fits(cur_p->data[0].logit, dyn_temp)) {\n"
+                "            dyn_temp = 0.0f;\n"
+                "        }\n\n"
+                "        // Apply the dynamically calculated temperature scaling\n",
+            ),
+            (
+                "    data->logits = scaled_logits;\n",
+                "    // llamacrab: where llamacrab_temp_fits says no, the greedy logits instead, "
+                "as on the CPU\n"
+                "    // (the largest kept, the rest -inf): the row of [greedy, scaled] the check "
+                "selects\n"
+                "    struct ggml_tensor * max_idx   = ggml_argmax(ctx, logits);\n"
+                "    struct ggml_tensor * max_logit = ggml_get_rows(ctx, "
+                "ggml_reshape_2d(ctx, logits, 1, logits->ne[0]), max_idx);\n"
+                "    auto below_float_max = [ctx](struct ggml_tensor * x) {  "
+                "// 1 or 0 (+inf, NaN)\n"
+                "        return ggml_step(ctx, ggml_scale_bias(ctx, x, -1.0f, FLT_MAX));\n"
+                "    };\n"
+                "    struct ggml_tensor * fits      = ggml_mul(ctx,\n"
+                "        below_float_max(ggml_div(ctx, ggml_abs(ctx, max_logit), dyn_temp)), "
+                "below_float_max(dyn_temp));\n"
+                "    struct ggml_tensor * below_max = ggml_step(ctx, "
+                "ggml_scale(ctx, ggml_sub(ctx, logits, max_logit), -1.0f));\n"
+                "    struct ggml_tensor * greedy    = ggml_add(ctx, logits, "
+                "ggml_log(ctx, ggml_scale_bias(ctx, below_max, -1.0f, 1.0f)));\n"
+                "    struct ggml_tensor * rows      = ggml_concat(ctx, greedy, scaled_logits, 1);\n"
+                "    struct ggml_tensor * chosen    = ggml_get_rows(ctx, rows, "
+                "ggml_cast(ctx, fits, GGML_TYPE_I32));\n"
+                '    ggml_set_name(chosen, "temp_ext_fitting_logits");\n\n'
+                "    data->logits = ggml_reshape_1d(ctx, chosen, logits->ne[0]);\n",
+            ),
+        ),
+        why=(
+            "Dynamic temperature (temp-ext) divides the logits by min_temp + (max_temp - "
+            "min_temp) * normalized_entropy^exponent. With dynatemp_range >= temperature "
+            "(min_temp 0) and a peaked distribution that is a tiny positive number: the largest "
+            "logit divided by it was +inf, the probabilities NaN, and the last sampler picked an "
+            "arbitrary token, generated as garbage (Gemma 3 270M, a logit_bias of +100 on one "
+            "token, temperature 0.5, dynatemp_range 0.5; in the graph, any peaked distribution "
+            "with an exponent of 10). No setting can be refused for it: it depends on the "
+            "logits. A dyn_temp the largest logit does not fit is now 0, the greedy case "
+            "llama.cpp already has for temp <= 0, on the CPU and in the graph; every other "
+            "dyn_temp divides as before. Retired when upstream guards dyn_temp itself."
+        ),
+    ),
+    SourcePatch(
         name="mtmd-audio-length-bound",
         path="tools/mtmd/mtmd-helper.cpp",
         edits=(
