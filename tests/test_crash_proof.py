@@ -306,6 +306,40 @@ def test_interpreter_exit_while_a_thread_decodes(gemma_path: Path, daemon: bool)
     assert "main thread exits" in child.stdout
 
 
+EXIT_DURING_ASYNC_STREAM_CHILD = """
+    import asyncio, atexit, sys, threading
+    from llamacrab import Llama
+    llm = Llama(sys.argv[1], n_ctx=2048, n_threads=2)
+    chunks = []
+
+    async def consume():
+        try:
+            async for chunk in llm.stream_completion("Once upon a time", max_tokens=1000,
+                                                     min_tokens=1000, temperature=0.8):
+                chunks.append(chunk)
+        except Exception:
+            pass
+
+    threading.Thread(target=lambda: asyncio.run(consume()), daemon=True).start()
+    while len(chunks) < 3:
+        threading.Event().wait(0.05)
+    # Registered after llamacrab's exit hook, so it runs before it: what had been generated
+    # when the interpreter reached the atexit hooks.
+    atexit.register(lambda: print("chunks at exit:", len(chunks), flush=True))
+"""
+
+
+@pytest.mark.real_model
+def test_interpreter_exit_while_an_event_loop_iterates_a_stream(gemma_path: Path) -> None:
+    # The stream's worker was a thread of the loop's executor, which the interpreter joins at
+    # exit before running atexit hooks: the exit waited for all 1000 tokens.
+    child = run_child(EXIT_DURING_ASYNC_STREAM_CHILD, str(gemma_path))
+    assert_clean_exit(child)
+    counted = [line for line in child.stdout.splitlines() if line.startswith("chunks at exit:")]
+    assert counted, child.stdout
+    assert 3 <= int(counted[0].split(":")[1]) < 1000
+
+
 # -- schemas and patterns turned into grammars -------------------------------------------------
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
-from contextlib import contextmanager
-from typing import Generic, TypeVar
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from llamacrab._engine.generation import Session
 from llamacrab._exceptions import ConcurrentUseError
+
+if TYPE_CHECKING:
+    import asyncio
 
 _T = TypeVar("_T")
 _U = TypeVar("_U")
@@ -69,24 +72,43 @@ class Stream(Iterator[_T], Generic[_T]):
         return Stream(transform(self), self.session)
 
 
+def _settle(worker: asyncio.Future[None]) -> None:
+    if not worker.done():
+        worker.set_result(None)
+
+
 async def async_chunks(stream: Stream[_T]) -> AsyncGenerator[_T, None]:
     """Drive a stream from asyncio: one worker thread iterates it and hands each chunk to the
     event loop, which never waits on llama.cpp. Leaving early (or a cancelled task) cancels the
-    generation and waits for the worker, which ends within a step."""
+    generation and waits for the worker, which ends within a step.
+
+    The worker is a daemon thread of its own, not the loop's executor: the interpreter joins
+    executor threads at exit before any atexit hook runs, so an exit while the loop's thread
+    iterated waited for the whole generation; now llamacrab's exit hook cancels it."""
     import asyncio  # loaded already under a running event loop; not for synchronous users
 
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[tuple[bool, object]] = asyncio.Queue()
+    worker: asyncio.Future[None] = loop.create_future()
+
+    def hand_over(finished: bool, item: object) -> None:
+        try:
+            loop.call_soon_threadsafe(chunks.put_nowait, (finished, item))
+        except RuntimeError:  # the loop is closed: nobody is left to read
+            stream.cancel()
 
     def pump() -> None:
         try:
             for chunk in stream:
-                loop.call_soon_threadsafe(chunks.put_nowait, (False, chunk))
-            loop.call_soon_threadsafe(chunks.put_nowait, (True, None))
+                hand_over(False, chunk)
+            hand_over(True, None)
         except BaseException as error:  # handed to the consumer, raised there
-            loop.call_soon_threadsafe(chunks.put_nowait, (True, error))
+            hand_over(True, error)
+        finally:
+            with suppress(RuntimeError):  # the loop is closed: nobody waits for the worker
+                loop.call_soon_threadsafe(_settle, worker)
 
-    worker = loop.run_in_executor(None, pump)
+    threading.Thread(target=pump, name="llamacrab-stream", daemon=True).start()
     try:
         while True:
             finished, item = await chunks.get()
