@@ -456,6 +456,13 @@ def test_save_and_load_state_restore_memory_and_seed(llm: Llama, tiny_model_path
         other.load_state(state)
 
 
+@pytest.mark.parametrize("state", [object(), None, "a state"])
+def test_load_state_of_something_else_names_what_it_takes(llm: Llama, state: object) -> None:
+    with pytest.raises(InvalidParameterError, match="takes a LlamaState from save_state"):
+        llm.load_state(state)  # type: ignore[arg-type]
+    assert llm("Hello", max_tokens=1)["choices"]  # the Llama is still usable
+
+
 def test_set_cache_keeps_prompt_states_in_llamacrabs_caches(llm: Llama, tmp_path: Path) -> None:
     prompt = "A prompt worth caching: the planets of the solar system, in order, are"
     assert llm.cache is None

@@ -105,8 +105,6 @@ class LlamaState:
 
 def _tokenize(llm: llamacrab.Llama, text: bytes | str, add_bos: bool, special: bool) -> list[int]:
     """As llama-cpp-python: bytes as they are, UTF-8 or not (a piece cut mid-character)."""
-    if isinstance(text, bytearray):
-        text = bytes(text)
     return llm.tokenize(text, add_special=add_bos, parse_special=special)
 
 
@@ -586,7 +584,12 @@ class Llama:
     def load_state(self, state: LlamaState) -> None:
         """Restore a state from ``save_state`` of this model. A state from llama-cpp-python
         itself, another model or a smaller context raises ``llamacrab.StateError``."""
-        saved = SavedState.from_bytes(bytes(state.llama_state))
+        blob = getattr(state, "llama_state", None)
+        if not isinstance(blob, bytes | bytearray | memoryview):
+            raise InvalidParameterError(
+                f"load_state takes a LlamaState from save_state, not {type(state).__name__}"
+            )
+        saved = SavedState.from_bytes(bytes(blob))
         with self._turns.turn():
             self._llm.load_state(saved)
         self._seed = state.seed
