@@ -662,7 +662,9 @@ class Llama:
         later prompt that leaves this one at such a point (a new question after a shared
         document) resumes there from the memory or a prompt cache; the chat methods pass
         where the last message's content starts. Other keywords are SamplingOptions fields
-        (temperature, top_k, top_p, seed, grammar, logit_bias, ...).
+        (temperature, top_k, top_p, seed, grammar, logit_bias, ...); ``penalize_prompt=True``
+        has the penalties and DRY count the prompt's tokens too, as llama-server does (by
+        default they count the generated tokens alone, as llama-cpp-python's).
         """
         parts = completion_prompt(self.vocab, self._media, prompt, media)
         checkpoint_at = tuple(checkpoint_at)

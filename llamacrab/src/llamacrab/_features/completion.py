@@ -49,6 +49,10 @@ class Prompt:
     text: str
     chunks: Chunks | None = None
 
+    def text_tokens(self) -> list[int]:
+        """The tokens of its text, in order: a multimodal prompt's images and sounds have none."""
+        return self.tokens if self.chunks is None else self.chunks.text_tokens()
+
 
 def completion_prompt(
     vocab: Vocab, media: MediaInput, prompt: str | Sequence[int] | Chunks, items: Sequence[Media]
@@ -256,7 +260,8 @@ class Completer:
         cpu_only = request.logprobs is not None or prompt.chunks is not None or drafter is not None
         if cpu_only or request.max_tokens == 0:
             graph = "off"
-        samplers = Samplers(self.model, options, request.min_tokens, graph)
+        seen = prompt.text_tokens() if options.penalize_prompt else ()
+        samplers = Samplers(self.model, options, request.min_tokens, graph, seen)
         echo_text = prompt.text if echo else ""
         if self.scheduler is None:
             steps = self._one_slot_steps(request, samplers, session, drafter)

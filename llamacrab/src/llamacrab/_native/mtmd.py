@@ -302,6 +302,17 @@ class Chunks(NativeHandle):
         """Positions the prompt takes (differs from n_tokens with M-RoPE)."""
         return self.read(lib.mtmd_helper_get_n_pos)
 
+    def text_tokens(self) -> list[int]:
+        """The tokens of the text chunks, in order (an image or a sound has none)."""
+        text, size = lib.MTMD_INPUT_CHUNK_TYPE_TEXT, ffi.new("size_t *")
+        tokens: list[int] = []
+        with self.in_flight() as chunk_list:
+            for chunk in chunk_pointers(chunk_list):
+                if lib.mtmd_input_chunk_get_type(chunk) == text:
+                    data = lib.mtmd_input_chunk_get_tokens_text(chunk, size)
+                    tokens += ffi.unpack(data, size[0])
+        return tokens
+
     def media_tokens(self) -> np.ndarray:
         """Per chunk: 0 for text, else the embeddings an image or sound became."""
         with self.in_flight() as chunk_list:

@@ -85,6 +85,9 @@ class SamplingOptions:
     custom_samplers: tuple[CustomSampler, ...] = ()
     seed: int | None = None
     order: Sequence[str] = DEFAULT_ORDER
+    # The penalties and DRY count the prompt's tokens too (within their windows), as
+    # llama-server's do; False counts the generated tokens alone, as llama-cpp-python's.
+    penalize_prompt: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -175,11 +178,7 @@ def _check_logit_range(o: SamplingOptions) -> None:
     repeat_penalty below 1, then a temperature below 1), in whichever order they run (greedy:
     no temperature; its penalties run, see greedy_filters)."""
     window = MAX_PENALTY_WINDOW if o.penalty_last_n < 0 else o.penalty_last_n
-    if o.greedy:
-        penalties = "penalties" in greedy_filters(o)
-    else:
-        penalties = not o.mirostat and "penalties" in o.order and _active(o, "penalties")
-    penalties = penalties and window > 0
+    penalties = "penalties" in chain_filters(o) and window > 0
     bias = max([float(b) for b in o.logit_bias.values() if b > 0], default=0.0)
     added: dict[str, float] = {}  # what a penalty adds to a logit, at most
     if penalties:
@@ -246,6 +245,12 @@ class SamplerChain(NativeHandle):
         )
         self._end_tokens = frozenset(model.vocab.eog_tokens)
         self._bans = banned_tokens(options.logit_bias)  # the tokens a pick must never be
+        # How many of the last tokens accepted the penalties and DRY keep (in ring buffers).
+        windows = {"penalties": options.penalty_last_n, "dry": options.dry_penalty_last_n}
+        self._memory = max(
+            (_window(model, windows[name]) for name in chain_filters(options) if name in windows),
+            default=0,
+        )
         self._vocab = model.vocab
         self.n_vocab = model.vocab.n_tokens
         # Why the grammar cannot go on, after llama.cpp threw in its accept (see _advance).
@@ -372,6 +377,25 @@ class SamplerChain(NativeHandle):
                 f"token {token} completes",
             )
         self._raise_python_error()
+
+    def accept_prompt(self, tokens: Sequence[int]) -> None:
+        """Record a prompt's ``tokens`` as the ones before the first pick, as llama-server
+        accepts a prompt into every sampler but the grammar: the penalties and DRY count them
+        (the other native samplers ignore a token they did not pick). Only the last ones
+        within the penalties' and DRY's windows, which would push the rest out of their
+        rings anyway. The grammar and the Python samplers see picked tokens alone."""
+        if not self._memory or not len(tokens):
+            return
+        tail = self._vocab.check_tokens(list(tokens[-self._memory :])).tolist()
+        skipped = {*range(len(self._bridges)), self._grammar_at}
+        with self.in_flight() as chain:
+            for i in range(lib.llama_sampler_chain_n(chain)):
+                sampler = lib.llama_sampler_chain_get(chain, i)
+                # One without an accept keeps no state: nothing to call.
+                if i in skipped or sampler.iface.accept == ffi.NULL:
+                    continue
+                for token in tail:
+                    call("llama_sampler_accept", sampler, token)
 
     def _checked_token(self, token: int) -> int:
         """``token`` as an int of the vocabulary: llama.cpp's samplers take any int32 (a
@@ -507,18 +531,25 @@ class _EndBan(CustomSampler):
 class Samplers:
     """The chain one generation samples with, plus the min_tokens switch. ``graph`` "on"
     lets ``bind`` run the chain inside the compute graph when every sampler of it can run
-    there (see ``graph_fits``); "off" keeps it on the CPU."""
+    there (see ``graph_fits``); "off" keeps it on the CPU. With ``options.penalize_prompt``
+    the chain accepts ``prompt`` (its text tokens: an image or a sound is none) first."""
 
     def __init__(
-        self, model: Model, options: SamplingOptions, min_tokens: int = 0, graph: str = "off"
+        self,
+        model: Model,
+        options: SamplingOptions,
+        min_tokens: int = 0,
+        graph: str = "off",
+        prompt: Sequence[int] = (),
     ) -> None:
         self.model, self.options = model, options
+        self.prompt = prompt if options.penalize_prompt else ()
         self.ban = _EndBan(model.vocab.eog_tokens) if min_tokens > 0 else None
         # A plain greedy pick and a top_k-first chain ban the end tokens themselves (see
         # sample); any other chain runs the ban as its first, Python, sampler.
         bans_itself = options.plain_greedy or options.top_k_first
         first = (self.ban,) if self.ban is not None and not bans_itself else ()
-        self.main = SamplerChain(model, options, first=first)
+        self.main = self._chain(first)
         self.graph = (
             graph == "on" and self.ban is None and graph_fits(options, model.vocab.n_tokens)
         )
@@ -544,8 +575,17 @@ class Samplers:
             # Refused, or only part of it runs there: the CPU samples with a fresh chain.
             self.graph = False
             self.main.close()
-            self.main = SamplerChain(self.model, self.options)
+            self.main = self._chain(())
         context.set_graph_sampler(seq_id, None)
+
+    def _chain(self, first: Sequence[CustomSampler]) -> SamplerChain:
+        chain = SamplerChain(self.model, self.options, first=first)
+        try:
+            chain.accept_prompt(self.prompt)
+        except BaseException:
+            chain.close()
+            raise
+        return chain
 
     def unbind(self) -> None:
         """At the end of the generation (holding the same lock): the sequence's outputs have
@@ -667,9 +707,8 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
             miro = call("llama_sampler_init_mirostat_v2", seed, o.mirostat_tau, o.mirostat_eta)
         yield _checked(miro, "mirostat")
         return
-    for name in o.order:
-        if _active(o, name):
-            yield _checked(_filter(model, o, name, seed), name)
+    for name in chain_filters(o):
+        yield _checked(_filter(model, o, name, seed), name)
     if o.infill:
         yield _checked(call("llama_sampler_init_infill", model.vocab.pointer), "infill")
     if o.adaptive_p_target is not None:
@@ -696,6 +735,14 @@ def greedy_filters(o: SamplingOptions) -> list[str]:
     end = o.order.index("temperature") if "temperature" in o.order else len(o.order)
     before = [name for name in o.order[:end] if _active(o, name)]
     return before if any(name in _GREEDY_CHANGERS for name in before) else []
+
+
+def chain_filters(o: SamplingOptions) -> list[str]:
+    """The samplers of ``o.order`` that the chain holds: a greedy pick's filters, none beside
+    mirostat, else every active one."""
+    if o.greedy:
+        return greedy_filters(o)
+    return [] if o.mirostat else [name for name in o.order if _active(o, name)]
 
 
 def _active(o: SamplingOptions, name: str) -> bool:
