@@ -1,17 +1,22 @@
 """The penalties and DRY counting the prompt (``penalize_prompt``), as llama-server's do: the
-library keeps llama-cpp-python's default (generated tokens only)."""
+library keeps llama-cpp-python's default (generated tokens only), the server llama-server's."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
+from live_server import LiveServer
 
 from llamacrab import Image, Llama, RamCache, SamplerChain, SamplingOptions
 from llamacrab._native.call import ffi, lib
 from llamacrab._native.sampler import Samplers
+from llamacrab.server import ServerSettings
 
 from support import load_repo_module
 
@@ -142,6 +147,46 @@ def test_inside_the_graph_the_penalties_see_the_prompt_too(
     assert in_graph == [True, False] and graph == cpu
     assert gemma.create_completion(REPEAT, **GREEDY, repeat_penalty=1.3,
                                    penalize_prompt=True).choices[0].tokens == cpu  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(gemma_path: Path) -> Iterator[LiveServer]:
+    """``llamacrab serve`` as it runs by default: parallel slots."""
+    live = LiveServer(ServerSettings(model=str(gemma_path), model_alias="gemma", parallel=2,
+                                     n_ctx=2 * 512, n_threads=2))  # fmt: skip
+    try:
+        assert live.wait_until_loaded() == 200
+        yield live
+    finally:
+        live.close()
+
+
+def test_the_server_penalizes_the_prompt_as_llama_server(server: LiveServer, gemma: Llama) -> None:
+    # Checked by hand against llama-server at the pin (27 greedy /completion cases with
+    # repeat, presence, frequency penalties, DRY and a grammar): the same text. The library
+    # with penalize_prompt (one slot) answers what the server (two slots) does.
+    messages = [{"role": "user", "content": REPEAT}]
+    penalty = {"temperature": 0, "repeat_penalty": 1.3}
+    requests = {
+        "/v1/completions": {"prompt": REPEAT, "max_tokens": 16, **penalty},
+        "/completion": {"prompt": REPEAT, "n_predict": 16, **penalty},
+        "/v1/chat/completions": {"messages": messages, "max_tokens": 16, **penalty},
+    }
+
+    def post(path: str) -> dict[str, Any]:
+        return dict(httpx.post(server.url + path, json=requests[path], timeout=300).json())
+
+    with ThreadPoolExecutor(len(requests)) as pool:  # side by side on the two slots
+        answers = dict(zip(requests, pool.map(post, requests), strict=True))
+    text = _text(gemma, REPEAT, repeat_penalty=1.3, penalize_prompt=True)
+    assert answers["/v1/completions"]["choices"][0]["text"] == text
+    assert answers["/completion"]["content"] == text
+    chat = gemma.create_chat_completion(messages, max_tokens=16, temperature=0,
+                                        repeat_penalty=1.3, penalize_prompt=True)  # fmt: skip
+    said = answers["/v1/chat/completions"]["choices"][0]["message"]["content"]
+    assert said == chat.choices[0].message.content
+    unfed = gemma.create_chat_completion(messages, max_tokens=16, temperature=0, repeat_penalty=1.3)
+    assert said != unfed.choices[0].message.content
 
 
 def test_a_media_prompt_feeds_its_text_tokens(

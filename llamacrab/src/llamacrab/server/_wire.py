@@ -49,8 +49,10 @@ def generation_kwargs(
     max_tokens: int | None,
     default_max: int | None,
 ) -> dict[str, Any]:
-    """Keywords for the Python API, with the server's caps applied."""
+    """Keywords for the Python API, with the server's caps applied. The penalties and DRY
+    count the prompt's tokens, as llama-server's do."""
     kwargs: dict[str, Any] = {n: v for n in _SAMPLING if (v := getattr(body, n)) is not None}
+    kwargs["penalize_prompt"] = True
     seed = kwargs.get("seed")
     if seed == -1:  # llama-server's "a random seed", which clients send
         del kwargs["seed"]
