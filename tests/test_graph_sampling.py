@@ -15,7 +15,7 @@ from live_server import LiveServer
 from llamacrab import CustomSampler, InvalidParameterError, Llama, SamplingOptions
 from llamacrab._native.batch import Batch
 from llamacrab._native.devices import accelerator_present
-from llamacrab._native.sampler import Samplers, graph_fits
+from llamacrab._native.sampler import Samplers, graph_fits, greedy_filters
 from llamacrab.server import parse_settings
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -41,6 +41,14 @@ def test_which_chains_fit() -> None:
     assert fits(temperature=0) and fits(temperature=0, logit_bias={3: -5.0})
     assert fits(dynatemp_range=0.5) and fits(top_k=0) and fits(top_k=0, top_p=1.0, min_p=0.0)
     assert fits(repeat_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5)
+    # A greedy pick after the penalties: the filters after them keep the most likely token,
+    # so the chain holds none; top_k or top_p before them hand the pick no token ids.
+    assert fits(temperature=0, repeat_penalty=1.3)
+    assert greedy_filters(SamplingOptions(temperature=0, repeat_penalty=1.3)) == ["penalties"]
+    assert fits(temperature=0, repeat_penalty=1.3, order=("min_p", "penalties", "temperature"))
+    for first in ("top_k", "top_p"):
+        order = (first, "penalties", "temperature")
+        assert not fits(temperature=0, repeat_penalty=1.3, top_p=0.9, order=order), first
     for blocker in ({"grammar": "root ::= [a-z]+"}, {"mirostat": 2}, {"dry_multiplier": 0.8},
                     {"top_n_sigma": 1.0}, {"typical_p": 0.9}, {"xtc_probability": 0.5},
                     {"adaptive_p_target": 0.5}, {"infill": True}, {"top_k": 1001},
@@ -111,7 +119,7 @@ def test_penalties_in_the_graph_match_the_cpu_chain(
     tiny_model_path: Path, bound: list[bool]
 ) -> None:
     results = {}
-    # temperature 0 is the greedy sampler alone: top_k 1 after the penalties picks their argmax
+    # top_k 1 after the penalties picks their argmax (temperature 0: see the Gemma test below)
     options = {"repeat_penalty": 1.5, "frequency_penalty": 0.4, "presence_penalty": 0.3,
                "penalty_last_n": 8, "top_k": 1, "seed": 5}  # fmt: skip
     for mode in ("off", "on"):
@@ -141,6 +149,43 @@ def test_greedy_tokens_match_the_cpu_chain_gemma(gemma_path: Path, bound: list[b
         _texts(cpu, PROMPTS[:1], temperature=0.7, seed=11)
     assert bound[6:] == [False] * 6
     assert all(len(t) == 24 for t in in_graph + sampled)
+
+
+REPEAT = (
+    "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps "
+    "over the lazy dog."
+)
+# Each changes Gemma 3's greedy answer to REPEAT once the prompt's tokens count.
+PENALTIES = [{"repeat_penalty": 1.3}, {"frequency_penalty": 1.0}, {"presence_penalty": 2.0},
+             {"dry_multiplier": 0.8}]  # fmt: skip
+
+
+@pytest.mark.real_model
+def test_a_greedy_pick_after_penalties_matches_the_cpu_chain(
+    gemma_path: Path, bound: list[bool]
+) -> None:
+    # Found by a helper: at temperature 0 with a penalty, the graph generated token 0 every
+    # time. The chain was penalties, top_k, top_p, min_p, greedy, and llama.cpp's greedy in
+    # the graph returns the argmax's position among top_k's candidates (sorted: 0), not its
+    # token id. The filters after the penalties keep the most likely token and now stay out
+    # of a greedy chain; a greedy pick after top_k or top_p stays on the CPU.
+    picks = [{"temperature": 0}, {"temperature": 0.5, "top_k": 1, "seed": 3}]
+    cases = [{**pick, **penalty} for penalty in PENALTIES for pick in picks]
+    cases.append({"temperature": 0, "repeat_penalty": 1.3, "top_k": 2,
+                  "order": ("top_k", "penalties", "temperature")})  # fmt: skip
+    tokens = {}
+    for mode in ("on", "off"):
+        with Llama(gemma_path, n_ctx=256, n_threads=2, graph_sampling=mode) as llm:
+            tokens[mode] = [
+                llm.create_completion(REPEAT, max_tokens=10, penalize_prompt=True, **case)
+                .choices[0].tokens
+                for case in cases
+            ]  # fmt: skip
+            plain = llm.create_completion(REPEAT, max_tokens=10, temperature=0).choices[0].tokens
+    assert tokens["on"] == tokens["off"]
+    assert all(penalized != plain for penalized in tokens["off"])  # each penalty did something
+    in_graph = ["dry_multiplier" not in case and "order" not in case for case in cases]
+    assert bound == [*in_graph, True] + [False] * (len(cases) + 1)
 
 
 def _expected(logits: np.ndarray, top_k: int, top_p: float, min_p: float, temp: float) -> dict:

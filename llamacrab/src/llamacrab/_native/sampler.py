@@ -611,21 +611,27 @@ class Samplers:
         self.main.close()
 
 
+# At the pin llama.cpp's greedy pick in the graph is the argmax's position in the row it is
+# handed, never mapped back to a token id as its dist maps it: after top_k or top_p, which hand
+# on a row of their candidates, that position is no token id (top_p sorts its row by logit:
+# token 0 was generated every time).
+_GRAPH_GREEDY_BLOCKERS = ("top_k", "top_p")
+
+
 def graph_fits(options: SamplingOptions, n_vocab: int) -> bool:
     """Whether every sampler of ``options``' chain has an implementation inside llama.cpp's
     compute graph at the pin: logit_bias, then greedy, or penalties, top_k, top_p, min_p,
     temperature (dynatemp too) and dist. Not: Python samplers, grammar, DRY, top_n_sigma,
-    typical, XTC, mirostat, adaptive-p, infill. (llama.cpp runs penalties in the graph only
-    with one output per sequence and decode, its default; ``SamplerChain.attach`` checks what
-    it accepted.)"""
+    typical, XTC, mirostat, adaptive-p, infill, nor a greedy pick after top_k or top_p (see
+    _GRAPH_GREEDY_BLOCKERS). (llama.cpp runs penalties in the graph only with one output per
+    sequence and decode, its default; ``SamplerChain.attach`` checks what it accepted.)"""
     o = options
     if o.custom_samplers or o.grammar is not None:
         return False
     outside = ("dry", "top_n_sigma", "typical", "xtc")
     if o.greedy:
-        filters = greedy_filters(o)
-        too_many = "top_k" in filters and o.top_k > n_vocab  # ggml's top_k asserts k <= n
-        return not too_many and not any(name in outside for name in filters)
+        blockers = (*outside, *_GRAPH_GREEDY_BLOCKERS)
+        return not any(name in blockers for name in greedy_filters(o))
     if (
         o.mirostat
         or o.infill
@@ -720,21 +726,24 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
 
 # The samplers that can change which token a greedy pick takes: penalties and DRY change
 # logits, typical and XTC may drop the most likely token. (top_k, top_p, min_p and top_n_sigma
-# keep it, though they change what typical and XTC see; a temperature of 0 keeps it alone.)
+# keep it, though they change what the samplers after them see; a temperature of 0 keeps it
+# alone.)
 _GREEDY_CHANGERS = ("penalties", "dry", "typical", "xtc")
 
 
 def greedy_filters(o: SamplingOptions) -> list[str]:
-    """The samplers that run before a greedy pick: where one of ``o.order`` before its
-    temperature can change the pick, every active one before the temperature, as llama.cpp's
-    chain runs them before its temperature of 0 keeps the most likely token (a repeat penalty
-    at temperature 0 is llama-server's and llama-cpp-python's too); else none. Mirostat: none
-    (llama.cpp's mirostat chain is its temperature alone)."""
+    """The samplers that run before a greedy pick: the active ones of ``o.order`` before its
+    temperature, up to the last that can change the pick, as llama.cpp's chain runs them before
+    its temperature of 0 keeps the most likely token (a repeat penalty at temperature 0 is
+    llama-server's and llama-cpp-python's too); none where none can. Those after the last
+    (top_k, top_p, min_p, top_n_sigma) keep the most likely token: left out, the pick is the
+    same. Mirostat: none (llama.cpp's mirostat chain is its temperature alone)."""
     if o.mirostat:
         return []
     end = o.order.index("temperature") if "temperature" in o.order else len(o.order)
     before = [name for name in o.order[:end] if _active(o, name)]
-    return before if any(name in _GREEDY_CHANGERS for name in before) else []
+    changers = [i for i, name in enumerate(before) if name in _GREEDY_CHANGERS]
+    return before[: changers[-1] + 1] if changers else []
 
 
 def chain_filters(o: SamplingOptions) -> list[str]:
