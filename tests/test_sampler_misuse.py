@@ -264,6 +264,25 @@ def test_a_grammar_whose_every_token_is_banned_is_refused(tiny_llama: Llama) -> 
             )  # fmt: skip
 
 
+def test_a_very_wide_grammar_is_refused_naming_both_causes(tiny_llama: Llama) -> None:
+    # Found by review: a flat grammar of 20,000 alternatives, nothing recursive in it, holds
+    # one parse stack per alternative the first token fits (11,111 after "1") and was told
+    # it was "an ambiguous grammar: a rule that can start over inside itself".
+    wide = "root ::= " + " | ".join(f'"{i}"' for i in range(20_000))
+    with pytest.raises(GrammarError) as refused:
+        tiny_llama.create_completion("the cat", max_tokens=4, temperature=0, grammar=wide)
+    message = str(refused.value)
+    assert "parse stacks after a token; the limit is 1024" in message
+    assert "one way the grammar can read the text so far" in message
+    assert "a rule that can start over inside itself" in message
+    assert "a very wide alternation" in message and "ambiguous" not in message
+    tokens = tiny_llama.create_completion("the cat", max_tokens=3, temperature=0).choices[0].tokens
+    assert len(tokens) == 3  # the Llama goes on
+    narrow = 'root ::= "1" | "2"'
+    text = tiny_llama.create_completion("the cat", max_tokens=3, grammar=narrow).choices[0].text
+    assert text in ("1", "2")
+
+
 def test_the_server_answers_400_to_a_bias_that_bans_every_token(
     tiny_llama: Llama, tiny_model_path: Path
 ) -> None:

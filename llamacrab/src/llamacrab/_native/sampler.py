@@ -494,14 +494,20 @@ _NO_TOKEN_LEFT = (
 )
 
 
+# What the llama-grammar-stack-bound patch's count is, and both ways a grammar reaches it.
+_TOO_MANY_READINGS = (
+    " (a parse stack is one way the grammar can read the text so far, and it holds them all "
+    "at once: a rule that can start over inside itself multiplies them with every token, and "
+    "a very wide alternation keeps one for each of its choices that the text still fits)"
+)
+
+
 def _grammar_call(name: str, *args: Any, dead_end: str = _NO_TOKEN_LEFT) -> Any:
-    """``call`` for the sampling entry points, where an ambiguous grammar can hit the bound of
-    llamacrab-sys's llama-grammar-stack-bound patch, or every parse end (``dead_end`` says
-    how)."""
+    """``call`` for the sampling entry points, where a grammar can hit the bound of
+    llamacrab-sys's llama-grammar-stack-bound patch on the ways it reads the text at once,
+    or every parse end (``dead_end`` says how)."""
     try:
-        return call_bounded(name, *args, refusal=GrammarError, explain=(
-            " (an ambiguous grammar: a rule that can start over inside itself, so the ways to "
-            "read the text multiply)"))  # fmt: skip
+        return call_bounded(name, *args, refusal=GrammarError, explain=_TOO_MANY_READINGS)
     except NativeError as error:
         if not error.message.startswith(_DEAD_END):
             raise
