@@ -1,8 +1,9 @@
 """A SamplerChain misused through the public API: a Python sampler that rewrites token ids, a
-context of another model, tokens the vocabulary or the grammar refuse, a bias that bans every
-token. Each used to read or write outside a buffer or abort in llama.cpp; each now raises, and
-the chain (and the context) go on working. The cases that crashed run in a child process, so a
-regression fails the test instead of the test run."""
+context of another model, tokens the vocabulary or the grammar refuse, a bias (or a Python
+sampler) that leaves no token to pick. Each used to read or write outside a buffer, abort in
+llama.cpp or output an arbitrary token; each now raises, and the chain (and the context) go on
+working. The cases that crashed run in a child process, so a regression fails the test instead
+of the test run."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from live_server import LiveServer
 from test_crash_proof import assert_clean_exit, run_child
+from test_sampling import OnlyToken
 
-from llamacrab import GrammarError, InvalidParameterError, Llama, SamplingOptions
+from llamacrab import CustomSampler, GrammarError, InvalidParameterError, Llama, SamplingOptions
+from llamacrab.compat import Llama as CompatLlama
+from llamacrab.compat import LogitsProcessorList
 from llamacrab.server import ServerSettings
 
 # argv[1]: the tiny model. A context with logits for one output, and helpers the cases share.
@@ -281,6 +286,77 @@ def test_a_very_wide_grammar_is_refused_naming_both_causes(tiny_llama: Llama) ->
     narrow = 'root ::= "1" | "2"'
     text = tiny_llama.create_completion("the cat", max_tokens=3, grammar=narrow).choices[0].text
     assert text in ("1", "2")
+
+
+class _Unusable(CustomSampler):
+    """Sets every logit (or ``token``'s alone) to ``value``."""
+
+    name = "unusable"
+
+    def __init__(self, value: float, token: int | None = None) -> None:
+        self.value, self.token = value, token
+
+    def apply(self, candidates: np.ndarray) -> None:
+        candidates["logit"][slice(None) if self.token is None else self.token] = self.value
+
+
+class _Unnamed(_Unusable):
+    name = CustomSampler.name  # the default: errors name the class
+
+
+# What a Python sampler (or logits processor) may leave, and what the error then says.
+_UNUSABLE = [
+    (math.nan, None, "set the logit of token 0 to NaN"),
+    (-math.inf, None, "no token left to pick: the Python sampler '{}' set every logit to -inf"),
+    (math.inf, 5, r"set the logit of token 5 to \+inf"),
+]
+
+
+@pytest.mark.parametrize("options", _PICKS, ids=["greedy", "defaults", "whole", "mirostat"])
+def test_a_python_sampler_that_leaves_no_usable_logit_is_refused(
+    tiny_model_path: Path, options: dict[str, float]
+) -> None:
+    """Each chain picked some token anyway, output as text: token 0 greedy, 30 with the
+    defaults, 270 (the last) over the whole vocabulary, 158 with mirostat; a +inf on token 5
+    (softmax makes it NaN) gave 270, not 5. The Llama stays usable."""
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2) as llama:
+        complete = partial(llama.create_completion, "the cat", max_tokens=3, seed=1, **options)
+        expected = complete().choices[0].tokens
+        for value, token, words in _UNUSABLE:
+            with pytest.raises(InvalidParameterError, match=words.format("unusable")):
+                complete(custom_samplers=(_Unusable(value, token),))
+        with pytest.raises(InvalidParameterError, match="the Python sampler '_Unnamed'"):
+            complete(custom_samplers=(_Unnamed(-math.inf),))
+        # -inf bans: a sampler that leaves one token gets it.
+        assert complete(custom_samplers=(OnlyToken(100),)).choices[0].tokens == (100,) * 3
+        assert complete().choices[0].tokens == expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_logits_processor_that_leaves_no_usable_logit_is_refused(
+    tiny_model_path: Path, temperature: float
+) -> None:
+    """llama-cpp-python's form: the same tokens were output as text, with the model's
+    log-probabilities for them."""
+    llm = CompatLlama(str(tiny_model_path), n_ctx=128, n_threads=2, verbose=False)
+    try:
+        complete = partial(llm.create_completion, "the cat", max_tokens=3, logprobs=1,
+                           temperature=temperature, seed=1)  # fmt: skip
+        expected = complete()["choices"][0]["text"]
+        for value, token, words in _UNUSABLE:
+
+            def unusable(ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+                scores[slice(None) if token is None else token] = value  # noqa: B023
+                return scores
+
+            processors = LogitsProcessorList([unusable])
+            with pytest.raises(InvalidParameterError, match=words.format("logits_processor")):
+                complete(logits_processor=processors)
+            with pytest.raises(InvalidParameterError, match=words.format("logits_processor")):
+                list(complete(logits_processor=processors, stream=True))
+        assert complete()["choices"][0]["text"] == expected
+    finally:
+        llm.close()
 
 
 def test_the_server_answers_400_to_a_bias_that_bans_every_token(

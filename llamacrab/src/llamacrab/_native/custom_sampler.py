@@ -6,7 +6,9 @@ from typing import Any
 
 import numpy as np
 
+from llamacrab._exceptions import InvalidParameterError
 from llamacrab._native.call import ffi
+from llamacrab._native.greedy import NOTHING_TO_PICK
 
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
@@ -21,9 +23,11 @@ class CustomSampler:
 
     ``apply`` gets the candidates as a numpy structured array with fields ``id``, ``logit`` and
     ``p``: change ``logit`` in place (``-inf`` removes a candidate); the logits (not the ids
-    nor ``p``) are copied into llama.cpp's buffer when ``apply`` returns. The array is the
-    sampler's own, refilled for every token: one kept past the call stays valid memory but
-    holds later candidates.
+    nor ``p``) are copied into llama.cpp's buffer when ``apply`` returns. A NaN or +inf logit,
+    or none left above -inf, raises InvalidParameterError naming the sampler (its ``name``,
+    or its class while ``name`` is the default): the chain would pick an arbitrary token
+    from them. The array is the sampler's own, refilled for every token: one kept past the
+    call stays valid memory but holds later candidates.
     Custom samplers run first in the chain, once per generated token, so they see the whole
     vocabulary in token-id order (``candidates["logit"][token_id]``), like a logits processor.
     That is O(vocabulary) per token in numpy: prefer SamplingOptions fields where one exists,
@@ -41,6 +45,18 @@ class CustomSampler:
 
     def reset(self) -> None:
         """Called when the chain is reset."""
+
+
+def _defect(logits: np.ndarray) -> str | None:
+    """What leaves the chain no token to pick honestly: a "NaN" logit, a "+inf" one (softmax
+    makes it NaN), or every one at "-inf"; None if nothing. One pass over the logits: NaN
+    propagates through the maximum, and -inf is the maximum only when every logit is -inf."""
+    if not logits.size:
+        return None
+    top = logits.max()
+    if np.isfinite(top):
+        return None
+    return "NaN" if np.isnan(top) else "+inf" if top > 0 else "-inf"
 
 
 class _Bridge:
@@ -71,9 +87,31 @@ class _Bridge:
         except BaseException as error:
             self.error = error
             return
+        logits = self._copy["logit"]
+        defect = _defect(logits)
+        # One the logits had before the sampler ran (the model's NaN) is not its doing.
+        if defect is not None and defect != _defect(native["logit"]):
+            # llama.cpp picks from the logits it had, a token the error keeps from the output.
+            self.error = InvalidParameterError(self._unusable(defect, logits))
+            return
         # Only the logits go back: llama.cpp indexes the logits row with the ids (an id
         # rewritten to 2**30 was read far outside it), and computes ``p`` from the logits.
-        native["logit"] = self._copy["logit"]
+        native["logit"] = logits
+
+    def _unusable(self, defect: str, logits: np.ndarray) -> str:
+        """Why the logits the sampler left cannot be sampled from (``_defect`` says how)."""
+        own = self.name if self.name != CustomSampler.name else type(self.sampler).__name__
+        who = f"the Python sampler {own!r}"
+        if defect == "-inf":
+            return f"{NOTHING_TO_PICK}: {who} set every logit to -inf"
+        first = int(np.argmax(np.isnan(logits) if defect == "NaN" else logits == np.inf))
+        token = int(self._copy["id"][first])
+        if defect == "NaN":
+            return f"{who} set the logit of token {token} to NaN: a number is needed (-inf bans)"
+        return (
+            f"{who} set the logit of token {token} to +inf, which makes every probability NaN: "
+            "to force a token, set the other logits to -inf"
+        )
 
     def accept(self, token: int) -> None:
         if self.error is not None:

@@ -15,9 +15,11 @@ import numpy as np
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._native.call import ffi
 
-# What a pick raises when the caller's bans left it nothing (see SamplerChain.sample too).
+# What a pick raises when the caller's bans left it nothing (see SamplerChain.sample too);
+# NOTHING_TO_PICK opens it, and what a Python sampler that removed every token raises.
+NOTHING_TO_PICK = "no token left to pick"
 NO_TOKEN_LEFT = (
-    "no token left to pick: logit_bias (with min_tokens' ban of the end-of-generation tokens, "
+    f"{NOTHING_TO_PICK}: logit_bias (with min_tokens' ban of the end-of-generation tokens, "
     "if any) sets every logit to -inf"
 )
 

@@ -59,7 +59,7 @@ class Hooks(CustomSampler):
     engine ends the generation there (EndGeneration: the token is not emitted, finish_reason
     "stop"); an exception in either reaches the caller."""
 
-    name = "llama-cpp-python hooks"
+    name = "logits_processor"  # as errors about the logits it wrote name it
 
     def __init__(
         self,
