@@ -36,10 +36,11 @@ FIM_TOKENS = {
 }
 
 
-def vocabulary(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
+def vocabulary(fim: bool = False, rwkv: bool = False) -> tuple[list[str], list[float], list[int]]:
+    """``rwkv``: the bytes written as llama.cpp's RWKV tokenizer reads them (escapes)."""
     tokens = ["<unk>", "<s>", "</s>"]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\\x{b:02x}" if rwkv else f"<0x{b:02X}>" for b in range(256)]
     types += [gguf.TokenType.BYTE] * 256
     tokens += ["▁", *WORDS]
     types += [gguf.TokenType.NORMAL] * (len(WORDS) + 1)
@@ -51,8 +52,14 @@ def vocabulary(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def _metadata(writer: gguf.GGUFWriter, block_count: int, rms_eps: float, fim: bool = False) -> None:
-    tokens, scores, types = vocabulary(fim)
+def _metadata(
+    writer: gguf.GGUFWriter,
+    block_count: int,
+    rms_eps: float,
+    fim: bool = False,
+    no_end_tokens: bool = False,
+) -> None:
+    tokens, scores, types = vocabulary(fim, rwkv=no_end_tokens)
     writer.add_name("llamacrab-tiny-llama")
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
@@ -63,14 +70,16 @@ def _metadata(writer: gguf.GGUFWriter, block_count: int, rms_eps: float, fim: bo
     writer.add_rope_dimension_count(N_EMBD // N_HEAD)
     writer.add_layer_norm_rms_eps(rms_eps)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("llama")
+    # llama.cpp's RWKV tokenizer assigns no special tokens of its own, and none are named.
+    writer.add_tokenizer_model("rwkv" if no_end_tokens else "llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(True)
+    if not no_end_tokens:
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    writer.add_add_bos_token(not no_end_tokens)
     writer.add_add_eos_token(False)
     if fim:
         for token, key in FIM_TOKENS.items():
@@ -118,12 +127,14 @@ def write_tiny_llama(
     rms_eps: float = 1e-5,
     fim: bool = False,
     chat_templates: dict[str, str] | None = None,
+    no_end_tokens: bool = False,
 ) -> Path:
     """Write the model; ``block_count`` and ``rms_eps`` may be set to invalid values on purpose
     (tests of files tampered with); ``fim`` adds fill-in-the-middle tokens; ``chat_templates``
-    ({"": default, "name": variant}) become tokenizer.chat_template[.name]."""
+    ({"": default, "name": variant}) become tokenizer.chat_template[.name];
+    ``no_end_tokens`` leaves the vocabulary without EOS, EOT (and BOS) tokens."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    _metadata(writer, block_count, rms_eps, fim)
+    _metadata(writer, block_count, rms_eps, fim, no_end_tokens)
     for name, template in (chat_templates or {}).items():
         writer.add_string("tokenizer.chat_template" + (f".{name}" if name else ""), template)
     write_gguf(writer, _tensors(seed, len(vocabulary(fim)[0])))

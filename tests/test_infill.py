@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from test_crash_proof import assert_clean_exit, run_child
 
 from llamacrab import InfillLimits, InvalidParameterError, Llama
 
@@ -93,3 +95,49 @@ def test_limits_keep_the_text_nearest_the_gap(fim_llama: Llama) -> None:
     for bad in (-1, 1.5):
         with pytest.raises(InvalidParameterError, match=r"InfillLimits\.suffix"):
             InfillLimits(suffix=bad)  # type: ignore[arg-type]
+
+
+# argv[1]: a model with FIM tokens but neither an EOS nor an EOT token.
+_NO_END_TOKEN = """
+    import sys
+    from fastapi.testclient import TestClient
+    from llamacrab import InvalidParameterError, Llama
+    from llamacrab.server import ServerSettings
+    from llamacrab.server._app import create_app
+
+    llm = Llama(sys.argv[1], n_ctx=128, n_threads=2)
+    assert llm.vocab.eos is None and llm.vocab.eot is None
+    expected = llm.create_completion([5, 6, 7], max_tokens=4, seed=1).choices[0].tokens
+    for infill in (lambda: llm.create_completion([5, 6, 7], max_tokens=4, infill=True),
+                   lambda: list(llm.stream_infill("the", "cat", max_tokens=4, infill=True))):
+        try:
+            infill()
+        except InvalidParameterError as error:
+            print("refused:", error)
+    with TestClient(create_app(ServerSettings(model=sys.argv[1]), llm)) as client:
+        # llama-server's samplers: "infill" (or "i") adds the infill sampler to the chain.
+        for path, body in (("/completion", {"prompt": "the", "samplers": "kit"}),
+                           ("/infill", {"input_prefix": "the", "input_suffix": "cat",
+                                        "samplers": ["top_k", "infill", "temperature"]})):
+            answer = client.post(path, json={**body, "n_predict": 4})
+            print("served:", answer.status_code, answer.json()["error"]["message"])
+    assert llm.create_completion([5, 6, 7], max_tokens=4, seed=1).choices[0].tokens == expected
+    print("done")
+"""
+
+
+def test_infill_sampling_needs_an_end_token(tmp_path: Path) -> None:
+    """llama.cpp's infill sampler puts in EOT (or EOS) when no text token is likely enough,
+    and asserts the model has one: infill=True on a model without either aborted the process.
+    It is refused before llama.cpp runs, on the server's /completion and /infill too."""
+    path = tiny.write_tiny_llama(tmp_path / "no-end.gguf", fim=True, no_end_tokens=True)
+    child = run_child(_NO_END_TOKEN, str(path))
+    assert_clean_exit(child)
+    needs = (
+        "infill sampling needs an end-of-text (EOT) or end-of-sequence (EOS) token; this model "
+        "has neither"
+    )
+    lines = child.stdout.splitlines()
+    assert [line.startswith(f"refused: {needs}") for line in lines[:2]] == [True, True], lines
+    assert [line.startswith(f"served: 400 {needs}") for line in lines[2:4]] == [True] * 2, lines
+    assert lines[4:] == ["done"], lines
