@@ -1,14 +1,18 @@
-"""Server hardening: bounded stop lists, and /metrics labels clients cannot grow or forge."""
+"""Server hardening: bounded stop lists, /metrics labels clients cannot grow or forge, and one
+JSON spelling of every error."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import string
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from llamacrab import ModelEntry, ModelRegistry
 from llamacrab.server import ServerSettings
 from llamacrab.server._app import create_app
 from llamacrab.server._metrics import Metrics, escape_label
@@ -212,3 +216,36 @@ def test_null_for_a_field_with_a_default_is_the_default(client: TestClient) -> N
         ("/completion", {"prompt": None}),
     ):
         assert client.post(path, json=body).status_code == 400, path
+
+
+def _compact(answer: object) -> bytes:
+    return json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def test_every_error_is_written_in_one_json_spelling(tiny_model_path: Path) -> None:
+    # Found by fuzzing: the middlewares wrote their errors with spaces after the separators and
+    # non-ASCII escaped, the routes and handlers compact: two spellings of one error shape.
+    key = {"authorization": "Bearer k"}
+    one = TestClient(create_app(ServerSettings(model="absent.gguf", api_keys=("k",),
+                                               max_body_bytes=1000)))  # fmt: skip
+    registry = ModelRegistry([ModelEntry(name, str(tiny_model_path)) for name in ("gen", "other")])
+    several = TestClient(create_app(ServerSettings(model=""), registry=registry))
+    as_json = {**key, "content-type": "application/json"}
+    answers = {
+        "no key": one.get("/v1/models"),
+        "no key, Anthropic's": one.post("/v1/messages", json={}),
+        "too large": one.post("/v1/completions", content=b"x" * 2000, headers=key),
+        "not JSON": one.post("/v1/completions", content=b'{"prompt": NaN}', headers=as_json),
+        "invalid": one.post("/v1/completions", json={"n": "\u00e9"}, headers=key),
+        "invalid, Anthropic's": one.post("/v1/messages", json={"model": "m"}, headers=key),
+        "route": one.get("/v1/models/caf\u00e9", headers=key),
+        "unknown model": several.post("/v1/completions", json={"model": "caf\u00e9"}),
+        "incapable model": several.post("/v1/embeddings", json={"model": "gen", "input": "x"}),
+    }
+    for why, answer in answers.items():
+        assert answer.status_code >= 400, why
+        assert answer.content == _compact(answer.json()), why
+        assert answer.headers["content-type"] == "application/json", why
+    assert "caf\u00e9" in answers["unknown model"].text  # UTF-8, not escaped
+    assert answers["no key"].headers["www-authenticate"] == "Bearer"
+    assert answers["no key, Anthropic's"].json()["type"] == "error"

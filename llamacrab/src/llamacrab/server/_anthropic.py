@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 
@@ -28,8 +28,7 @@ from llamacrab.server._anthropic_schemas import (
 from llamacrab.server._errors import (
     ANTHROPIC_PATH,
     ApiError,
-    anthropic_body,
-    anthropic_status,
+    error_response,
     from_llama_error,
     invalid_body,
 )
@@ -53,10 +52,7 @@ class _AnthropicRoute(APIRoute):
             try:
                 return await handler(request)
             except (ApiError, LlamaError, RequestValidationError) as error:
-                api_error = _api_error(error)
-                status = anthropic_status(api_error)
-                return JSONResponse(anthropic_body(api_error), status_code=status,
-                                    headers=api_error.headers)  # fmt: skip
+                return error_response(ANTHROPIC_PATH, _api_error(error))
 
         return answer
 

@@ -26,7 +26,7 @@ from llamacrab.server import _legacy_functions as legacy_functions
 from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic import add_anthropic_routes
 from llamacrab.server._cors import CorsMiddleware
-from llamacrab.server._errors import ApiError, error_body, from_llama_error, invalid_body
+from llamacrab.server._errors import ApiError, error_response, from_llama_error, invalid_body
 from llamacrab.server._guards import (
     AuthMiddleware,
     BodyLimitMiddleware,
@@ -122,8 +122,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         # In the shape of the API the path belongs to: an unknown route under /v1/messages
         # (an Anthropic SDK's batches, say) answers as Anthropic does.
-        return JSONResponse(error_body(request.url.path, error), status_code=error.status,
-                            headers=error.headers)  # fmt: skip
+        return error_response(request.url.path, error)
 
     @app.exception_handler(LlamaError)
     async def llama_error(request: Request, error: LlamaError) -> JSONResponse:

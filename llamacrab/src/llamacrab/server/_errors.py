@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 from llamacrab._exceptions import (
     ClosedHandleError,
     ContextOverflowError,
@@ -47,8 +49,10 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         """``x-should-retry: false`` where asking again gets the same answer (a timeout, a bug, an
         unsupported call, a model that failed to load): the OpenAI and Anthropic SDKs retry
-        any other 5xx twice, holding a slot each time."""
+        any other 5xx twice, holding a slot each time. A 401 names the scheme it wants."""
         transient = self.status in (502, 503) and self.code != "load_failed"
+        if self.status == 401:
+            return {"www-authenticate": "Bearer"}
         return {"x-should-retry": "false"} if self.status >= 500 and not transient else {}
 
     def body(self) -> dict[str, Any]:
@@ -71,12 +75,14 @@ def anthropic_status(error: ApiError) -> int:
     return 529 if error.code == "server_busy" else error.status
 
 
-def error_body(path: str, error: ApiError) -> dict[str, Any]:
-    """``error`` in the shape of the API that ``path`` belongs to (for answers given before
-    any route runs, such as a missing API key)."""
+def error_response(path: str, error: ApiError) -> JSONResponse:
+    """The answer to ``error`` in the shape of the API that ``path`` belongs to (an unknown
+    route under /v1/messages answers as Anthropic does). Every error the server answers is
+    written here: one JSON spelling (compact, UTF-8), whether a route, a handler or a
+    middleware answers."""
     if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
-        return anthropic_body(error)
-    return error.body()
+        return JSONResponse(anthropic_body(error), anthropic_status(error), error.headers)
+    return JSONResponse(error.body(), error.status, error.headers)
 
 
 def invalid_body(problems: Sequence[Mapping[str, Any]]) -> ApiError:

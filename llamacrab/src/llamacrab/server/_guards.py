@@ -13,19 +13,16 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llamacrab.server._errors import ApiError, error_body
+from llamacrab.server._errors import ApiError, error_response
 from llamacrab.server._metrics import UNMATCHED_ROUTE, Metrics
 
 
 async def answer_early(scope: Scope, send: Send, error: ApiError) -> None:
     """Answer ``error`` from a middleware, before any route runs."""
-    body = json.dumps(error_body(scope["path"], error)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.encode(), v.encode()) for k, v in error.headers.items()]
-    if error.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    answer = error_response(scope["path"], error)
+    await send({"type": "http.response.start", "status": answer.status_code,
+                "headers": answer.raw_headers})  # fmt: skip
+    await send({"type": "http.response.body", "body": answer.body})
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
