@@ -1,5 +1,5 @@
-"""Server hardening: bounded stop lists, /metrics labels clients cannot grow or forge, and one
-JSON spelling of every error."""
+"""Server hardening: bounded stop lists, /metrics labels clients cannot grow or forge, no
+redirect of a path with a trailing slash, and one JSON spelling of every error."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import string
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from llamacrab import ModelEntry, ModelRegistry
@@ -216,6 +218,31 @@ def test_null_for_a_field_with_a_default_is_the_default(client: TestClient) -> N
         ("/completion", {"prompt": None}),
     ):
         assert client.post(path, json=body).status_code == 400, path
+
+
+def test_a_path_with_a_trailing_slash_is_a_404_naming_it_never_a_redirect(
+    client: TestClient,
+) -> None:
+    # Found by fuzzing: POST /v1/embeddings/ answered 307 to /v1/embeddings, which clients
+    # follow by sending the body again. llama-server matches paths exactly: its 404.
+    app: FastAPI = client.app  # type: ignore[assignment]
+    routes = [(r.path, method) for r in app.routes if isinstance(r, APIRoute)
+              and "{" not in r.path for method in r.methods]  # fmt: skip
+    assert ("/v1/embeddings", "POST") in routes and ("/health", "GET") in routes
+    for path, method in routes:
+        answer = client.request(method, path + "/", follow_redirects=False)
+        assert answer.status_code == 404, (method, path, answer.status_code)
+        error = answer.json()["error"]
+        if path == "/v1/models":  # /v1/models/{model_id}, of no id
+            assert error["code"] == "model_not_found"
+            continue
+        assert (error["code"], error["message"]) == (
+            "unknown_url", f"unknown request URL: {method} {path}/ (no route ends with a slash)"
+        )  # fmt: skip
+    anthropic = client.post("/v1/messages/", json={}, follow_redirects=False)
+    assert anthropic.status_code == 404 and anthropic.json()["error"]["type"] == "not_found_error"
+    unknown = client.get("/v1/nowhere").json()["error"]
+    assert unknown["message"] == "unknown request URL: GET /v1/nowhere"
 
 
 def _compact(answer: object) -> bytes:

@@ -21,12 +21,20 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 from live_server import LiveServer
 from test_tool_calls import TEMPLATE
 
-from llamacrab import InvalidParameterError, ModelBudgetError, estimate_memory
+from llamacrab import (
+    InvalidParameterError,
+    ModelBudgetError,
+    ModelEntry,
+    ModelRegistry,
+    estimate_memory,
+)
 from llamacrab._features.models_dir import scan_models_dir
 from llamacrab.server import ServerSettings, parse_settings
+from llamacrab.server._app import create_app
 from llamacrab.server._errors import ApiError
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import sse_events
@@ -598,7 +606,6 @@ def test_a_pinned_model_left_without_room_is_logged(
 ) -> None:
     # Found by review: no room leaves an entry unloaded without an error, and load_pinned
     # swallowed it: /health, /v1/models and the log were silent about a pinned model.
-    from llamacrab import ModelEntry, ModelRegistry
     from llamacrab.server._models import load_pinned
 
     options = {"n_ctx": 256}
@@ -725,3 +732,26 @@ def test_a_form_names_its_model_in_its_field() -> None:
 
     assert form(multipart, parts(1000)) == "x" and form(multipart, parts(3000)) is None
     assert form(multipart, part('name="model"', b"x" * (2 << 20)) + b"\r\n--b0--\r\n") is None
+
+
+def _stand_ins(tiny_model_path: Path, *names: str) -> tuple[ModelRegistry, TestClient]:
+    """A multi-model app (not started) over entries that load as Stands."""
+    entries = [ModelEntry(name, str(tiny_model_path)) for name in names]
+    registry = ModelRegistry(entries, loader=lambda entry: Stand())
+    return registry, TestClient(create_app(ServerSettings(model=""), registry=registry))
+
+
+def test_a_path_that_no_route_has_loads_no_model(tiny_model_path: Path) -> None:
+    # Found by fuzzing: POST /v1/embeddings/ loaded the generation model it named, then
+    # answered 307 to /v1/embeddings (where, sent again, the body met the kind check): a
+    # model loaded, maybe evicting another, for a request it could not serve.
+    registry, client = _stand_ins(tiny_model_path, "gen", "other")
+    for path in ("/v1/embeddings/", "/v1/completions/", "/models/load/", "/v1/nowhere"):
+        answer = client.post(path, json={"model": "gen", "input": "x"}, follow_redirects=False)
+        assert answer.status_code == 404, (path, answer.text)
+        assert answer.json()["error"]["code"] == "unknown_url"
+    assert client.get("/v1/embeddings", params={"model": "gen"}).status_code == 405
+    assert registry.status("gen").status == "unloaded"
+    refused = client.post("/v1/embeddings", json={"model": "gen", "input": "x"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_capable"
+    assert registry.status("gen").status == "unloaded"

@@ -26,7 +26,13 @@ from llamacrab.server import _legacy_functions as legacy_functions
 from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic import add_anthropic_routes
 from llamacrab.server._cors import CorsMiddleware
-from llamacrab.server._errors import ApiError, error_response, from_llama_error, invalid_body
+from llamacrab.server._errors import (
+    ApiError,
+    error_response,
+    from_llama_error,
+    invalid_body,
+    unknown_url,
+)
 from llamacrab.server._guards import (
     AuthMiddleware,
     BodyLimitMiddleware,
@@ -91,11 +97,15 @@ def create_app(
         yield
         state.close_models()
 
+    # No redirect of /v1/embeddings/ to /v1/embeddings: a 404, as llama-server's exact paths
+    # answer (a 307 re-sends a POST; answered after the model middleware, it also loaded the
+    # model it named).
     app = FastAPI(title="llamacrab", version=__version__, lifespan=lifespan,
-                  description="An OpenAI-compatible server over llama.cpp")  # fmt: skip
+                  description="An OpenAI-compatible server over llama.cpp",
+                  redirect_slashes=False)  # fmt: skip
     app.state.llamacrab = state
     if state.registry is not None:  # innermost: after the key and body-size checks
-        app.add_middleware(ModelLeaseMiddleware, registry=state.registry,
+        app.add_middleware(ModelLeaseMiddleware, registry=state.registry, router=app.router,
                            timeout=settings.timeout)  # fmt: skip
         add_model_routes(app, state.registry, state.created)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
@@ -137,6 +147,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        if error.status_code == 404 and "route" not in request.scope:  # the router's own
+            return await api_error(request, unknown_url(request.method, request.url.path))
         detail = str(error.detail)
         if isinstance(error.__cause__, RecursionError):  # FastAPI's "error parsing the body"
             detail = ("the body's JSON nests deeper than this server reads (Python's parser "

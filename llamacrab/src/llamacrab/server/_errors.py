@@ -102,6 +102,12 @@ def invalid_body(problems: Sequence[Mapping[str, Any]]) -> ApiError:
     return ApiError(400, "; ".join(described), param=next((f for f in fields if f), None))
 
 
+def unknown_url(method: str, path: str) -> ApiError:
+    """404 for a path no route has (OpenAI's code for it: ``unknown_url``)."""
+    hint = " (no route ends with a slash)" if path.endswith("/") and path != "/" else ""
+    return ApiError(404, f"unknown request URL: {method} {path}{hint}", code="unknown_url")
+
+
 def model_closed() -> ApiError:
     """A request whose model closed (or cancelled it) under it: the server stops, or (several
     models) a forced unload."""

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
+from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llamacrab import (
@@ -258,11 +259,14 @@ class ModelLeaseMiddleware:
     """Loads the model a request names (``model`` of its JSON or form body, else ``?model=``)
     before its route runs, and holds it in use until the whole answer, streamed or not, is
     sent: it is never unloaded under a request. An unknown name is 404; a model that cannot
-    serve the route 400."""
+    serve the route 400. Routes about models lease none, nor does a request that no route
+    answers."""
 
-    def __init__(self, app: ASGIApp, registry: ModelRegistry, timeout: float = 600.0) -> None:
+    def __init__(self, app: ASGIApp, registry: ModelRegistry, router: Router,
+                 timeout: float = 600.0) -> None:  # fmt: skip
         self.app = app
         self.registry = registry
+        self.router = router  # the app's: a request that no route answers leases no model
         self.timeout = timeout  # seconds an isolated entry's process may keep a request silent
         # Each model's own worker threads for what waits on it (its load, an isolated entry's
         # answer), apart from anyio's 40 that every sync route shares: 40 long requests to
@@ -272,7 +276,7 @@ class ModelLeaseMiddleware:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _about_models(scope["path"]):
+        if scope["type"] != "http" or _about_models(scope["path"]) or not self._routed(scope):
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
@@ -324,6 +328,12 @@ class ModelLeaseMiddleware:
         finally:
             if held:
                 self.registry.release(name)
+
+    def _routed(self, scope: Scope) -> bool:
+        """Whether a route answers ``scope`` (else the router does: 404, 405), so that a path
+        no route has loads no model: ``/v1/embeddings/`` loaded a generation model to answer
+        a redirect, skipping the route's kind check."""
+        return any(route.matches(scope)[0] is Match.FULL for route in self.router.routes)
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
