@@ -641,7 +641,8 @@ def test_stored_response_routes_ask_the_children_that_answer_and_skip_the_others
     try:
         url = live.url + "/v1/responses/resp_there"
         # A 500 (the failing child) is skipped, not passed on; ?model= stays here (the child
-        # serves its model under another name).
+        # serves its model under another name), and loads no model (found by fuzzing: it
+        # loaded "local" to look there).
         for method, path in [("GET", "/v1/responses/resp_there/input_items?limit=1&order=asc"),
                              ("DELETE", "/v1/responses/resp_there"),
                              ("POST", "/responses/resp_there/cancel")]:  # fmt: skip
@@ -650,6 +651,7 @@ def test_stored_response_routes_ask_the_children_that_answer_and_skip_the_others
             assert answer.status_code == 200, answer.text  # the child's answer, unchanged
             assert answer.json() == {"method": method, "path": path, "key": "Bearer key"}
         assert httpx.get(url, timeout=30).json()["method"] == "GET"
+        assert registry.status("local").status == "unloaded"
         missing = httpx.get(live.url + "/v1/responses/resp_nowhere", timeout=30)
         assert missing.status_code == 404, missing.text  # not a 500 from the dead or hung
         assert "'resp_nowhere' is not stored here" in missing.json()["error"]["message"]

@@ -755,3 +755,22 @@ def test_a_path_that_no_route_has_loads_no_model(tiny_model_path: Path) -> None:
     refused = client.post("/v1/embeddings", json={"model": "gen", "input": "x"})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_capable"
     assert registry.status("gen").status == "unloaded"
+
+
+def test_a_stored_response_lookup_loads_no_model(tiny_model_path: Path) -> None:
+    # Found by fuzzing: ?model= on a stored response's routes leased that model, loading it
+    # (an isolated one: a process started) just to answer 404; so did the only model of a
+    # registry for every lookup. The loaded models alone are asked (test_server_isolation.py).
+    lookups = [("GET", "/v1/responses/resp_x"), ("DELETE", "/v1/responses/resp_x"),
+               ("GET", "/v1/responses/resp_x/input_items"), ("POST", "/responses/resp_x/cancel"),
+               ("GET", "/v1/responses/input_tokens")]  # fmt: skip
+    for names, query in ((("alpha", "beta"), "?model=alpha"), (("alpha",), "")):
+        registry, client = _stand_ins(tiny_model_path, *names)
+        for method, path in lookups:
+            answer = client.request(method, path + query)
+            assert answer.status_code == 404, (method, path, answer.text)
+            assert answer.json()["error"]["code"] == "response_not_found"
+        assert registry.status("alpha").status == "unloaded", names
+    # Counting a request's input tokens needs its model.
+    client.post("/v1/responses/input_tokens", json={"model": "alpha", "input": "hi"})
+    assert registry.status("alpha").status == "loaded"

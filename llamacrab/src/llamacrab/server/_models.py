@@ -5,6 +5,7 @@ use until the answer ends, and the routes that list, load and unload models."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -63,8 +64,19 @@ _MODEL_ROUTES = {
 }
 
 
-def _about_models(path: str) -> bool:
-    return path in _MODEL_ROUTES or path.startswith("/v1/models/")  # one model's card
+# A stored response's routes: GET and DELETE of one, its input_items, its cancel (POST), not
+# POST .../input_tokens. They name no model: server/_responses_children.py asks the loaded ones.
+_STORED_RESPONSE = re.compile(r"(?:/v1)?/responses/[^/]+(?:/input_items|/cancel)?")
+
+
+def _leases_no_model(scope: Scope) -> bool:
+    """Whether ``scope``'s route needs no model: one about models, or a stored response's (a
+    lookup never loads a model: ``?model=`` loaded one not loaded just to answer 404)."""
+    path = scope["path"]
+    if path in _MODEL_ROUTES or path.startswith("/v1/models/"):  # one model's card
+        return True
+    stored = _STORED_RESPONSE.fullmatch(path) is not None
+    return stored and (scope.get("method") != "POST" or path.endswith("/cancel"))
 
 
 def required_kind(path: str) -> str | None:
@@ -259,8 +271,8 @@ class ModelLeaseMiddleware:
     """Loads the model a request names (``model`` of its JSON or form body, else ``?model=``)
     before its route runs, and holds it in use until the whole answer, streamed or not, is
     sent: it is never unloaded under a request. An unknown name is 404; a model that cannot
-    serve the route 400. Routes about models lease none, nor does a request that no route
-    answers."""
+    serve the route 400. Routes about models and a stored response's lease none, nor does a
+    request that no route answers."""
 
     def __init__(self, app: ASGIApp, registry: ModelRegistry, router: Router,
                  timeout: float = 600.0) -> None:  # fmt: skip
@@ -276,7 +288,7 @@ class ModelLeaseMiddleware:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _about_models(scope["path"]) or not self._routed(scope):
+        if scope["type"] != "http" or _leases_no_model(scope) or not self._routed(scope):
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
