@@ -80,7 +80,9 @@ class _Bridge:
         # ``self.last = candidates``), would read and write freed memory after the generation.
         if self._copy.size != size:
             self._copy = np.empty(size, dtype=TOKEN_DATA)
-        self._copy[...] = native
+        # As bytes: numpy copies a structured array field by field, four times slower (1 ms
+        # against 0.23 ms at Gemma's 262k tokens).
+        self._copy.view(np.uint8)[...] = native.view(np.uint8)
         candidates.sorted = False  # logits may change: later samplers must not trust order
         try:
             self.sampler.apply(self._copy)
