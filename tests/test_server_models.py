@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from live_server import LiveServer
 from test_tool_calls import TEMPLATE
@@ -774,3 +775,36 @@ def test_a_stored_response_lookup_loads_no_model(tiny_model_path: Path) -> None:
     # Counting a request's input tokens needs its model.
     client.post("/v1/responses/input_tokens", json={"model": "alpha", "input": "hi"})
     assert registry.status("alpha").status == "loaded"
+
+
+@pytest.mark.timeout(120)
+def test_load_and_unload_never_wait_for_the_threads_every_sync_route_shares(
+    tiny_model_path: Path,
+) -> None:
+    # Found by fuzzing: /models/load and /models/unload waited on anyio's 40 threads, which
+    # every sync route shares: with those taken, a load waited until one came free.
+    from anyio import to_thread
+
+    registry, client = _stand_ins(tiny_model_path, "alpha", "beta")
+    app: FastAPI = client.app  # type: ignore[assignment]
+    holding, release = threading.Semaphore(0), threading.Event()
+
+    @app.get("/hold")
+    def hold() -> None:  # sync: FastAPI runs it on anyio's shared threads
+        holding.release()
+        release.wait(60)
+
+    with client:  # one event loop, one pool of shared threads for every request
+        shared = client.portal.call(to_thread.current_default_thread_limiter).total_tokens
+        with ThreadPoolExecutor(shared + 1) as pool:
+            held = [pool.submit(client.get, "/hold") for _ in range(shared)]
+            try:
+                assert all(holding.acquire(timeout=30) for _ in range(shared))
+                loaded = pool.submit(client.post, "/models/load", json={"model": "alpha"})
+                assert loaded.result(timeout=10).json()["status"]["value"] == "loaded"
+                unloaded = pool.submit(client.post, "/models/unload", json={"model": "alpha"})
+                assert unloaded.result(timeout=10).json()["unloaded"] is True
+            finally:
+                release.set()
+            assert [f.result().status_code for f in held] == [200] * shared
+    assert registry.status("alpha").status == "unloaded"

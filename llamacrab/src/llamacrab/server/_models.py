@@ -16,7 +16,6 @@ from anyio import CapacityLimiter, to_thread
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -52,6 +51,9 @@ _GENERATION_ENDINGS = ("completions", "/completion", "/infill", "/responses", "/
 # A model's requests waiting in threads at once: more than a child's slots and queue (64 by
 # default) hold; past it only that model's requests wait for a thread.
 _THREADS_PER_MODEL = 256
+# A model's /models/load and /models/unload waiting at once: they wait for one load, and
+# apart from its requests (a forced unload must not queue behind those it cancels).
+_CONTROL_THREADS_PER_MODEL = 16
 # Routes about models themselves: no model is loaded for them.
 _MODEL_ROUTES = {
     "/v1/models",
@@ -224,18 +226,28 @@ def render_metrics(registry: ModelRegistry) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _per_model_threads(count: int) -> defaultdict[str, CapacityLimiter]:
+    """Worker threads of each model's own, ``count`` each, apart from anyio's 40 that every
+    sync route shares: 40 long requests to one model took them all, and a request to another,
+    loaded model (or a /models/load) waited for one."""
+    return defaultdict(partial(CapacityLimiter, count))
+
+
 class ModelBody(BaseModel):
     model: str
     force: bool = False  # unload: cancel its running requests
 
 
 def add_model_routes(app: FastAPI, registry: ModelRegistry, created: int) -> None:
-    """``/models/load`` and ``/models/unload`` (llama-server's router routes)."""
+    """``/models/load`` and ``/models/unload`` (llama-server's router routes), each waiting on
+    threads of its model's own."""
+    threads = _per_model_threads(_CONTROL_THREADS_PER_MODEL)
 
     @app.post("/models/load")
     async def load(body: ModelBody) -> JSONResponse:
         try:
-            await run_in_threadpool(registry.start, body.model)
+            registry.entry(body.model)  # an unknown name is refused before it has threads
+            await to_thread.run_sync(registry.start, body.model, limiter=threads[body.model])
         except (UnknownModelError, ModelBudgetError, ModelLoadError) as error:
             raise lease_error(error) from None
         return JSONResponse({"success": True, **model_json(registry.status(body.model), created)})
@@ -243,8 +255,10 @@ def add_model_routes(app: FastAPI, registry: ModelRegistry, created: int) -> Non
     @app.post("/models/unload")
     async def unload(body: ModelBody) -> JSONResponse:
         try:
-            unloaded = await run_in_threadpool(partial(registry.unload, body.model,
-                                                       force=body.force))  # fmt: skip
+            registry.entry(body.model)
+            unloaded = await to_thread.run_sync(partial(registry.unload, body.model,
+                                                        force=body.force),
+                                                limiter=threads[body.model])  # fmt: skip
         except UnknownModelError as error:
             raise lease_error(error) from None
         except ConcurrentUseError as error:
@@ -280,12 +294,8 @@ class ModelLeaseMiddleware:
         self.registry = registry
         self.router = router  # the app's: a request that no route answers leases no model
         self.timeout = timeout  # seconds an isolated entry's process may keep a request silent
-        # Each model's own worker threads for what waits on it (its load, an isolated entry's
-        # answer), apart from anyio's 40 that every sync route shares: 40 long requests to
-        # one model took them all, and a request to another, loaded model waited for one.
-        self.threads: defaultdict[str, CapacityLimiter] = defaultdict(
-            partial(CapacityLimiter, _THREADS_PER_MODEL)
-        )
+        # For what waits on a model: its load, an isolated entry's answer.
+        self.threads = _per_model_threads(_THREADS_PER_MODEL)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _leases_no_model(scope) or not self._routed(scope):
