@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 from test_crash_proof import assert_clean_exit, run_child
 
-from llamacrab import InfillLimits, InvalidParameterError, Llama
+from llamacrab import (
+    InfillLimits,
+    InvalidParameterError,
+    Llama,
+    SamplerChain,
+    SamplingOptions,
+)
 
 from support import load_repo_module
 
@@ -141,3 +147,12 @@ def test_infill_sampling_needs_an_end_token(tmp_path: Path) -> None:
     assert [line.startswith(f"refused: {needs}") for line in lines[:2]] == [True, True], lines
     assert [line.startswith(f"served: 400 {needs}") for line in lines[2:4]] == [True] * 2, lines
     assert lines[4:] == ["done"], lines
+
+
+def test_an_infill_chain_built_directly_needs_an_end_token(tmp_path: Path) -> None:
+    """The public SamplerChain, without the completion's check: its pick would abort."""
+    path = tiny.write_tiny_llama(tmp_path / "no-end.gguf", fim=True, no_end_tokens=True)
+    with Llama(path, n_ctx=128, n_threads=2) as llm:
+        with pytest.raises(InvalidParameterError, match="infill sampling needs an end-of-text"):
+            SamplerChain(llm.model, SamplingOptions(infill=True, temperature=0.8))
+        SamplerChain(llm.model, SamplingOptions(temperature=0.8)).close()  # still usable

@@ -332,6 +332,37 @@ def test_a_python_sampler_that_leaves_no_usable_logit_is_refused(
         assert complete().choices[0].tokens == expected
 
 
+class _Bans(CustomSampler):
+    """Bans (-inf) the tokens of range ``banned``."""
+
+    def __init__(self, banned: range) -> None:
+        self.banned = banned
+
+    def apply(self, candidates: np.ndarray) -> None:
+        candidates["logit"][self.banned.start : self.banned.stop] = -math.inf
+
+
+@pytest.mark.parametrize("python_bans_low", [True, False], ids=["python-low", "python-high"])
+@pytest.mark.parametrize("options", _PICKS, ids=["greedy", "defaults", "whole", "mirostat"])
+def test_bans_split_between_a_python_sampler_and_logit_bias_leave_no_token(
+    tiny_llama: Llama, options: dict[str, float], python_bans_low: bool
+) -> None:
+    """Each bans half the vocabulary, together all of it: the chain picked a token anyway
+    when the Python sampler had banned it (token 0 greedy, 30 with the defaults), since
+    only logit_bias's bans were known."""
+    n_vocab = tiny_llama.vocab.n_tokens
+    low, high = range(n_vocab // 2), range(n_vocab // 2, n_vocab)
+    python, biased = (low, high) if python_bans_low else (high, low)
+    bias = dict.fromkeys(biased, -math.inf)
+    complete = partial(tiny_llama.create_completion, "the cat", seed=1,
+                       custom_samplers=(_Bans(python),), **options)  # fmt: skip
+    with pytest.raises(InvalidParameterError, match="no token left to pick"):
+        complete(max_tokens=3, logit_bias=bias)
+    # One token left by both is picked.
+    del bias[biased[0]]
+    assert complete(max_tokens=2, logit_bias=bias).choices[0].tokens == (biased[0],) * 2
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_logits_processor_that_leaves_no_usable_logit_is_refused(
     tiny_model_path: Path, temperature: float

@@ -100,6 +100,14 @@ class _Bridge:
         # rewritten to 2**30 was read far outside it), and computes ``p`` from the logits.
         native["logit"] = logits
 
+    def left_out(self, token: int) -> bool:
+        """Whether this sampler's last ``apply`` set ``token``'s logit to -inf. Python samplers
+        run first, on the candidates in token-id order: one lookup."""
+        copy = self._copy
+        return bool(
+            token < copy.size and copy["id"][token] == token and copy["logit"][token] == -np.inf
+        )
+
     def _unusable(self, defect: str, logits: np.ndarray) -> str:
         """Why the logits the sampler left cannot be sampled from (``_defect`` says how)."""
         own = self.name if self.name != CustomSampler.name else type(self.sampler).__name__

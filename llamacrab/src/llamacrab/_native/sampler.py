@@ -26,6 +26,7 @@ from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
 from llamacrab._native.greedy import NO_TOKEN_LEFT, BiasedArgmax, banned_tokens
 from llamacrab._native.handle import NativeHandle
+from llamacrab._native.infill_end import check_infill_end
 from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
 from llamacrab._native.signals import held_signals
@@ -355,6 +356,8 @@ class SamplerChain(NativeHandle):
         infill sampler's end token stands: it puts it in itself when no text is likely enough."""
         ends = token in self._end_tokens
         banned = token in self._bans or (end_banned and ends)
+        # A Python sampler's -inf bans too: with the bias's, they could leave no token.
+        banned = banned or any(bridge.left_out(token) for bridge in self._bridges)
         if not banned or (self.options.infill and ends):
             return token
         if self._grammar_at is not None:  # as the grammar says it when its pick is refused
@@ -722,6 +725,7 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
     for name in chain_filters(o):
         yield _checked(_filter(model, o, name, seed), name)
     if o.infill:
+        check_infill_end(model.vocab)  # a chain built without the feature layer's check too
         yield _checked(call("llama_sampler_init_infill", model.vocab.pointer), "infill")
     if o.adaptive_p_target is not None:
         final = call("llama_sampler_init_adaptive_p", o.adaptive_p_target, o.adaptive_p_decay, seed)
