@@ -87,7 +87,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Each streaming client holds a worker thread while it waits for a token.
+        # Each whole answer (a completion, embeddings) holds a worker thread while it waits for
+        # the engine; a stream has a thread of its own (async_chunks).
         workers = max(32, 4 * settings.parallel + 8)
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(workers))
         if state.registry is not None:
