@@ -77,6 +77,14 @@ class Served:
         return self.process.communicate()[0]
 
 
+def wait_for_tokens(lines: list[str], server: Served) -> None:
+    """Until ``lines`` has a few (tokens flowing), at most a minute."""
+    deadline = time.monotonic() + 60
+    while len(lines) < 5:
+        assert time.monotonic() < deadline, (lines, server.output())
+        time.sleep(0.05)
+
+
 def ended_by_shutdown(lines: list[str]) -> bool:
     """A stream that answered 200, sent tokens, and ended with the shutting_down event."""
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
@@ -92,8 +100,7 @@ def test_sigterm_gives_requests_their_time_then_ends_them(gemma_path: Path) -> N
     server = Served(gemma_path, "--shutdown-timeout", "1")
     generating: list[str] = []
     reader = server.stream(generating)
-    while len(generating) < 5:  # tokens flowing
-        time.sleep(0.05)
+    wait_for_tokens(generating, server)
     seconds = server.stop(signal.SIGTERM)
     reader.join(timeout=30)
     output = server.output()
@@ -107,9 +114,12 @@ def test_a_second_ctrl_c_ends_requests_at_once(gemma_path: Path) -> None:
     server = Served(gemma_path)  # the default 5 s grace, cut short by the second Ctrl-C
     first: list[str] = []
     queued: list[str] = []
-    readers = [server.stream(first), server.stream(queued)]  # one slot: the second waits
-    while len(first) < 5:
-        time.sleep(0.05)
+    # One slot: the second request waits. Started once the first generates, so which one
+    # holds the slot is not a race (the test waited for ever when the second won it).
+    readers = [server.stream(first)]
+    wait_for_tokens(first, server)
+    readers.append(server.stream(queued))
+    time.sleep(1)  # its request sent and queued
     seconds = server.stop(signal.SIGINT, signal.SIGINT)
     for reader in readers:
         reader.join(timeout=30)
