@@ -157,8 +157,8 @@ def test_unknown_and_incapable_models_are_refused_in_openai_shape(mixed: LiveSer
         hello = [{"role": "user", "content": "hi"}]
         sdk(mixed).chat.completions.create(model="minilm", max_tokens=1, messages=hello)
     assert refused.value.code == "model_not_capable"
-    assert "embeddings model" in refused.value.message and "generate text" in refused.value.message
-    with pytest.raises(openai.BadRequestError, match="generation model"):
+    assert "'minilm' is for embeddings: it cannot generate text" in refused.value.message
+    with pytest.raises(openai.BadRequestError, match="is for generation: it cannot compute"):
         sdk(mixed).embeddings.create(model="alpha", input="hi")
     assert statuses(mixed)["alpha"]["value"] == "unloaded"  # refused before loading
 

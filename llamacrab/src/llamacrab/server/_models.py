@@ -94,8 +94,8 @@ def refusal(name: str, kind: str, wanted: str) -> ApiError:
     """400 for a model that cannot serve a route, naming why."""
     what = {"generation": "generate text", "embeddings": "compute embeddings",
             "rerank": "rerank documents"}  # fmt: skip
-    return ApiError(400, f"model {name!r} is a {kind} model: it cannot {what[wanted]} (this "
-                    f"route needs a {wanted} model)", param="model",
+    return ApiError(400, f"model {name!r} is for {kind}: it cannot {what[wanted]} (this route "
+                    f"needs a model for {wanted})", param="model",
                     code="model_not_capable")  # fmt: skip
 
 
