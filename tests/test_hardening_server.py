@@ -232,6 +232,8 @@ def test_a_path_with_a_trailing_slash_is_a_404_naming_it_never_a_redirect(
     for path, method in routes:
         answer = client.request(method, path + "/", follow_redirects=False)
         assert answer.status_code == 404, (method, path, answer.status_code)
+        if method == "HEAD":  # an answer without a body
+            continue
         error = answer.json()["error"]
         if path == "/v1/models":  # /v1/models/{model_id}, of no id
             assert error["code"] == "model_not_found"
@@ -243,6 +245,17 @@ def test_a_path_with_a_trailing_slash_is_a_404_naming_it_never_a_redirect(
     assert anthropic.status_code == 404 and anthropic.json()["error"]["type"] == "not_found_error"
     unknown = client.get("/v1/nowhere").json()["error"]
     assert unknown["message"] == "unknown request URL: GET /v1/nowhere"
+
+
+def test_a_wrong_method_names_the_allowed_ones_and_health_answers_head(
+    client: TestClient,
+) -> None:
+    # A 405 must carry Allow (RFC 9110); the error handler rebuilt it without its headers.
+    # llama-server answers HEAD on its GET routes: a `curl -I` health check got 405 here.
+    wrong = client.post("/health")
+    assert wrong.status_code == 405 and "GET" in wrong.headers["allow"]
+    for path in ("/health", "/v1/health"):
+        assert client.head(path).status_code == client.get(path).status_code != 405
 
 
 def _compact(answer: object) -> bytes:

@@ -758,6 +758,16 @@ def test_a_path_that_no_route_has_loads_no_model(tiny_model_path: Path) -> None:
     assert registry.status("gen").status == "unloaded"
 
 
+def test_the_api_docs_load_no_model(tiny_model_path: Path) -> None:
+    # Found by review: FastAPI's pages are routes too, and opening /docs loaded the only model
+    # (an isolated one: a process started; a broken one: a 500 instead of the page).
+    registry, client = _stand_ins(tiny_model_path, "alpha")
+    for method, path in (("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/redoc"),
+                         ("HEAD", "/docs"), ("GET", "/docs/oauth2-redirect")):  # fmt: skip
+        assert client.request(method, path).status_code == 200, path
+    assert registry.status("alpha").status == "unloaded"
+
+
 def test_a_stored_response_lookup_loads_no_model(tiny_model_path: Path) -> None:
     # Found by fuzzing: ?model= on a stored response's routes leased that model, loading it
     # (an isolated one: a process started) just to answer 404; so did the only model of a

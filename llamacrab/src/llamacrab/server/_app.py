@@ -107,7 +107,7 @@ def create_app(
     app.state.llamacrab = state
     if state.registry is not None:  # innermost: after the key and body-size checks
         app.add_middleware(ModelLeaseMiddleware, registry=state.registry, router=app.router,
-                           timeout=settings.timeout)  # fmt: skip
+                           timeout=settings.timeout, free_paths=_docs_paths(app))  # fmt: skip
         add_model_routes(app, state.registry, state.created)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
@@ -154,7 +154,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         if isinstance(error.__cause__, RecursionError):  # FastAPI's "error parsing the body"
             detail = ("the body's JSON nests deeper than this server reads (Python's parser "
                       "stops near 1,000 levels)")  # fmt: skip
-        return await api_error(request, ApiError(error.status_code, detail))
+        answer = await api_error(request, ApiError(error.status_code, detail))
+        answer.headers.update(error.headers or {})  # a 405's Allow, which it must carry
+        return answer
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
@@ -164,6 +166,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         answer = await api_error(request, internal)
         answer.headers.update(id_headers(request.scope))
         return answer
+
+
+def _docs_paths(app: FastAPI) -> frozenset[str]:
+    """The paths of FastAPI's own pages (the OpenAPI schema, Swagger UI, ReDoc)."""
+    paths = (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
+    return frozenset(path for path in paths if path)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -301,6 +309,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                           responses=ERRORS, include_in_schema=False)  # fmt: skip
     # The other names llama-server answers on.
     app.add_api_route("/v1/health", health, methods=["GET"], include_in_schema=False)
+    # HEAD too, as llama-server answers it on its GET routes (a `curl -I` health check).
+    for path in ("/health", "/v1/health"):
+        app.add_api_route(path, health, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/models", models, methods=["GET"], response_model=ModelList,
                       include_in_schema=False)  # fmt: skip
     app.add_api_route("/chat/completions", chat_completions, methods=["POST"],

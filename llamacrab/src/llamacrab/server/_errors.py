@@ -77,9 +77,9 @@ def anthropic_status(error: ApiError) -> int:
 
 def error_response(path: str, error: ApiError) -> JSONResponse:
     """The answer to ``error`` in the shape of the API that ``path`` belongs to (an unknown
-    route under /v1/messages answers as Anthropic does). Every error the server answers is
-    written here: one JSON spelling (compact, UTF-8), whether a route, a handler or a
-    middleware answers."""
+    route under /v1/messages answers as Anthropic does). Every error answer is written here:
+    one JSON spelling (compact, UTF-8), whether a route, a handler or a middleware answers
+    (an error event inside a stream is written as the stream's other events are)."""
     if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
         return JSONResponse(anthropic_body(error), anthropic_status(error), error.headers)
     return JSONResponse(error.body(), error.status, error.headers)

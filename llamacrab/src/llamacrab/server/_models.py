@@ -288,17 +288,29 @@ class ModelLeaseMiddleware:
     serve the route 400. Routes about models and a stored response's lease none, nor does a
     request that no route answers."""
 
-    def __init__(self, app: ASGIApp, registry: ModelRegistry, router: Router,
-                 timeout: float = 600.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: ASGIApp,
+        registry: ModelRegistry,
+        router: Router,
+        timeout: float = 600.0,
+        free_paths: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
         self.registry = registry
         self.router = router  # the app's: a request that no route answers leases no model
+        self.free_paths = free_paths  # more routes that need no model (the API's docs)
         self.timeout = timeout  # seconds an isolated entry's process may keep a request silent
         # For what waits on a model: its load, an isolated entry's answer.
         self.threads = _per_model_threads(_THREADS_PER_MODEL)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _leases_no_model(scope) or not self._routed(scope):
+        if (
+            scope["type"] != "http"
+            or _leases_no_model(scope)
+            or scope["path"] in self.free_paths
+            or not self._routed(scope)
+        ):
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
