@@ -24,6 +24,7 @@ from llamacrab.compat import (
     LlamaGrammar,
     LlamaPromptLookupDecoding,
     LlamaRAMCache,
+    LlamaState,
     LogitsProcessorList,
     MinTokensLogitsProcessor,
     StoppingCriteriaList,
@@ -461,6 +462,17 @@ def test_load_state_of_something_else_names_what_it_takes(llm: Llama, state: obj
     with pytest.raises(InvalidParameterError, match="takes a LlamaState from save_state"):
         llm.load_state(state)  # type: ignore[arg-type]
     assert llm("Hello", max_tokens=1)["choices"]  # the Llama is still usable
+
+
+def test_load_state_without_a_seed_changes_nothing(llm: Llama) -> None:
+    llm("Hello there", max_tokens=1)
+    state = llm.save_state()
+    seedless = LlamaState(state.input_ids, state.scores, state.n_tokens, state.llama_state,
+                          state.llama_state_size, seed=None)  # type: ignore[arg-type]  # fmt: skip
+    llm.reset()
+    with pytest.raises(InvalidParameterError, match="seed is an int, not None"):
+        llm.load_state(seedless)
+    assert llm.n_tokens == 0  # the memory was not restored before the refusal
 
 
 def test_set_cache_keeps_prompt_states_in_llamacrabs_caches(llm: Llama, tmp_path: Path) -> None:

@@ -363,6 +363,26 @@ def test_bans_split_between_a_python_sampler_and_logit_bias_leave_no_token(
     assert complete(max_tokens=2, logit_bias=bias).choices[0].tokens == (biased[0],) * 2
 
 
+class _BansRewritingIds(_Bans):
+    """As _Bans, and writes the ids backwards (they are not copied back)."""
+
+    name = "rewriter"
+
+    def apply(self, candidates: np.ndarray) -> None:
+        super().apply(candidates)
+        candidates["id"] = candidates["id"][::-1].copy()
+
+
+def test_split_bans_are_found_whatever_ids_the_python_sampler_wrote(tiny_llama: Llama) -> None:
+    """Its bans were looked up through the ids it left: rewritten, they were missed."""
+    n_vocab = tiny_llama.vocab.n_tokens
+    bias = dict.fromkeys(range(n_vocab // 2, n_vocab), -math.inf)
+    sampler = _BansRewritingIds(range(n_vocab // 2))
+    with pytest.raises(InvalidParameterError, match="logit_bias and the Python sampler 'rewriter'"):
+        tiny_llama.create_completion("the cat", max_tokens=3, temperature=0, logit_bias=bias,
+                                     custom_samplers=(sampler,))  # fmt: skip
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_logits_processor_that_leaves_no_usable_logit_is_refused(
     tiny_model_path: Path, temperature: float

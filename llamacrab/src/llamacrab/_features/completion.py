@@ -23,7 +23,6 @@ from llamacrab._features.media import MediaInput
 from llamacrab._field_types import UINT32_MAX, check_range
 from llamacrab._native.context import Context
 from llamacrab._native.fork import reset_in_child
-from llamacrab._native.infill_end import check_infill_end
 from llamacrab._native.media import Media
 from llamacrab._native.model import Model
 from llamacrab._native.mtmd import Chunks
@@ -249,8 +248,6 @@ class Completer:
                 "with parallel=None (a server with --parallel 1)"
             )
         request.check(self.kv.context.n_ctx_seq)
-        if options.infill:  # before llama.cpp's infill sampler can assert
-            check_infill_end(self.model.vocab)
         speculative = speculative if speculative is not None else default
         if speculative is not None:
             check_speculation(self.model)

@@ -102,20 +102,23 @@ class _Bridge:
 
     def left_out(self, token: int) -> bool:
         """Whether this sampler's last ``apply`` set ``token``'s logit to -inf. Python samplers
-        run first, on the candidates in token-id order: one lookup."""
-        copy = self._copy
-        return bool(
-            token < copy.size and copy["id"][token] == token and copy["logit"][token] == -np.inf
-        )
+        run first, on the candidates in token-id order: position ``token`` is that token's,
+        whatever the sampler wrote into ``id`` (which is not copied back)."""
+        return bool(token < self._copy.size and self._copy["logit"][token] == -np.inf)
+
+    @property
+    def shown_name(self) -> str:
+        """The sampler's ``name``, or its class while ``name`` is the default."""
+        own = self.name if self.name != CustomSampler.name else type(self.sampler).__name__
+        return f"the Python sampler {own!r}"
 
     def _unusable(self, defect: str, logits: np.ndarray) -> str:
         """Why the logits the sampler left cannot be sampled from (``_defect`` says how)."""
-        own = self.name if self.name != CustomSampler.name else type(self.sampler).__name__
-        who = f"the Python sampler {own!r}"
+        who = self.shown_name
         if defect == "-inf":
             return f"{NOTHING_TO_PICK}: {who} set every logit to -inf"
-        first = int(np.argmax(np.isnan(logits) if defect == "NaN" else logits == np.inf))
-        token = int(self._copy["id"][first])
+        # The position is the token (id order), whatever the sampler wrote into ``id``.
+        token = int(np.argmax(np.isnan(logits) if defect == "NaN" else logits == np.inf))
         if defect == "NaN":
             return f"{who} set the logit of token {token} to NaN: a number is needed (-inf bans)"
         return (

@@ -310,7 +310,8 @@ class Chunks(NativeHandle):
             for chunk in chunk_pointers(chunk_list):
                 if lib.mtmd_input_chunk_get_type(chunk) == text:
                     data = lib.mtmd_input_chunk_get_tokens_text(chunk, size)
-                    tokens += ffi.unpack(data, size[0])
+                    if size[0]:  # (ffi.unpack refuses a NULL even of no items)
+                        tokens += ffi.unpack(data, size[0])
         return tokens
 
     def media_tokens(self) -> np.ndarray:

@@ -24,7 +24,7 @@ from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
-from llamacrab._native.greedy import NO_TOKEN_LEFT, BiasedArgmax, banned_tokens
+from llamacrab._native.greedy import NO_TOKEN_LEFT, NOTHING_TO_PICK, BiasedArgmax, banned_tokens
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.infill_end import check_infill_end
 from llamacrab._native.logging import log_lines
@@ -357,11 +357,15 @@ class SamplerChain(NativeHandle):
         ends = token in self._end_tokens
         banned = token in self._bans or (end_banned and ends)
         # A Python sampler's -inf bans too: with the bias's, they could leave no token.
-        banned = banned or any(bridge.left_out(token) for bridge in self._bridges)
-        if not banned or (self.options.infill and ends):
+        banner = None if banned else next((b for b in self._bridges if b.left_out(token)), None)
+        if not (banned or banner) or (self.options.infill and ends):
             return token
         if self._grammar_at is not None:  # as the grammar says it when its pick is refused
             raise GrammarError(_NO_TOKEN_LEFT)
+        if banner is not None:
+            raise InvalidParameterError(
+                f"{NOTHING_TO_PICK}: logit_bias and {banner.shown_name} together ban every token"
+            )
         raise InvalidParameterError(NO_TOKEN_LEFT)
 
     def accept(self, token: int) -> None:

@@ -589,10 +589,13 @@ class Llama:
             raise InvalidParameterError(
                 f"load_state takes a LlamaState from save_state, not {type(state).__name__}"
             )
+        seed = getattr(state, "seed", None)
+        if not isinstance(seed, int):  # checked before the memory changes
+            raise InvalidParameterError(f"a LlamaState's seed is an int, not {seed!r}")
         saved = SavedState.from_bytes(bytes(blob))
         with self._turns.turn():
             self._llm.load_state(saved)
-        self._seed = state.seed
+        self._seed = seed
 
     # -- embeddings ---------------------------------------------------------------------------
 
