@@ -46,3 +46,19 @@ def gemma(gemma_path: Path) -> Iterator[Llama]:
 def tiny_llama(tiny_model_path: Path) -> Iterator[Llama]:
     with Llama(tiny_model_path, n_ctx=128, n_batch=32, n_threads=2, **CPU_SAMPLING) as llm:
         yield llm
+
+
+@pytest.fixture
+def bound(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each generation's samplers ran inside the graph, in order."""
+    from llamacrab._native.sampler import Samplers
+
+    seen: list[bool] = []
+    bind = Samplers.bind
+
+    def spy(self: Samplers, *args: object) -> None:
+        bind(self, *args)  # type: ignore[arg-type]
+        seen.append(self.in_graph)
+
+    monkeypatch.setattr(Samplers, "bind", spy)
+    return seen

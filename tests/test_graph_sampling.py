@@ -21,20 +21,6 @@ from llamacrab.server import parse_settings
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
-@pytest.fixture
-def bound(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each generation's samplers ran inside the graph, in order."""
-    seen: list[bool] = []
-    bind = Samplers.bind
-
-    def spy(self: Samplers, *args: object) -> None:
-        bind(self, *args)  # type: ignore[arg-type]
-        seen.append(self.in_graph)
-
-    monkeypatch.setattr(Samplers, "bind", spy)
-    return seen
-
-
 def test_which_chains_fit() -> None:
     fits = lambda **kw: graph_fits(SamplingOptions(**kw), 1000)  # noqa: E731
     assert fits()  # llama.cpp's defaults: top_k 40, top_p, min_p, temperature, dist

@@ -514,7 +514,7 @@ def test_a_temperature_at_the_bound_still_samples(tiny_llama: Llama) -> None:
 @pytest.mark.real_model
 @pytest.mark.parametrize("graph_sampling", ["off", "on"])
 def test_a_dynamic_temperature_too_small_for_the_logits_is_greedy(
-    gemma_path: Path, graph_sampling: str
+    gemma_path: Path, graph_sampling: str, bound: list[bool]
 ) -> None:
     """No setting is refused for it: with dynatemp_range >= temperature a peaked distribution
     (one token biased by +100) gets a tiny dynamic temperature, which took the largest logit
@@ -528,9 +528,11 @@ def test_a_dynamic_temperature_too_small_for_the_logits_is_greedy(
         greedy = peaked(temperature=0).choices[0].tokens
         assert greedy == (paris,) * 3
         for exponent in (1.0, 10.0):
+            del bound[:]
             dynamic = peaked(seed=1, temperature=0.5, dynatemp_range=0.5,
                              dynatemp_exponent=exponent)  # fmt: skip
             assert dynamic.choices[0].tokens == greedy, exponent
+            assert bound == [graph_sampling == "on"]  # the patch's graph half, there
         # Where the temperature fits the logits it still samples.
         unbiased = partial(prompt, **{**_WHOLE, "temperature": 1.5, "dynatemp_range": 0.5})
         draws = {unbiased(seed=seed).choices[0].tokens for seed in range(3)}
