@@ -2,7 +2,9 @@
 # Assemble a CUDA toolkit prefix that CMake's FindCUDAToolkit accepts on a machine whose CUDA
 # install has nvcc and cudart but no cuBLAS.
 #   - cuBLAS comes from the PyPI wheel nvidia-cublas, pinned to the toolkit's major.minor
-#     (override with CUBLAS_SPEC, e.g. CUBLAS_SPEC='nvidia-cublas==13.0.2.14');
+#     (override with CUBLAS_SPEC, e.g. CUBLAS_SPEC='nvidia-cublas==13.0.2.14'), or an installed
+#     one named by CUBLAS_DIR (its include/ and lib/, e.g. PyTorch's site-packages/nvidia/cu13:
+#     nothing downloaded, for a machine without a package index);
 #   - the prefix is a directory of symlinks: bin/nvvm from ${CUDA_HOME:-/usr/local/cuda},
 #     include/ and lib/ merging the toolkit's and the wheel's, lib64 -> lib, targets/<arch>/
 #     pointing back at them, and unversioned libcublas.so / libcublasLt.so links.
@@ -22,7 +24,9 @@ prefix="$out/prefix"   # the merged toolkit
 
 # 1. cuBLAS wheel, matching the toolkit release (nvcc: "release 13.0, V13.0.88").
 find_cublas_h() { find "$wheel" -name cublas_v2.h -path '*/include/*' 2>/dev/null | head -n1; }
-if [ -z "$(find_cublas_h)" ]; then
+if [ -n "${CUBLAS_DIR:-}" ]; then
+    wheel=$(realpath "$CUBLAS_DIR")
+elif [ -z "$(find_cublas_h)" ]; then
     release=$("$cuda/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
     spec=${CUBLAS_SPEC:-nvidia-cublas==${release}.*}
     echo "installing $spec into $wheel" >&2
