@@ -48,6 +48,14 @@ def tiny_llama(tiny_model_path: Path) -> Iterator[Llama]:
         yield llm
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that takes Gemma is a real-model test whether it is marked so or not:
+    ``-m "not real_model"`` (scripts/gpu_check.sh) must leave out every one."""
+    for item in items:
+        if {"gemma", "gemma_path"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+
+
 @pytest.fixture
 def bound(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Whether each generation's samplers ran inside the graph, in order."""
