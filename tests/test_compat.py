@@ -730,6 +730,7 @@ def test_values_of_another_type_are_refused_by_keyword(tiny_model_path: Path) ->
             ("logit_bias must be a mapping", {"logit_bias": True}),
             ("logit_bias maps token ids to numbers", {"logit_bias": {2: [1]}}),
             ("logit_bias maps token ids to numbers", {"logit_bias": {"two": 1.0}}),
+            ("logit_bias maps token ids to numbers", {"logit_bias": {"²": 1.0}}),  # not int()
             ("stop must be", {"stop": 5}),
         ]
         for message, keywords in refused:

@@ -160,3 +160,9 @@ def test_schemas_that_grew_the_converter_without_bound_are_quick() -> None:
         deep = [deep]
     with pytest.raises(GrammarError, match="not JSON"):
         schema_to_grammar({"const": deep})
+
+
+def test_a_pattern_repetition_of_other_digits_is_refused() -> None:
+    # str.isdigit is true of "²": the repetition went on into the grammar as "{²}".
+    with pytest.raises(GrammarError):
+        schema_to_grammar({"type": "string", "pattern": "^a{²}$"})

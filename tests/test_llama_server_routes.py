@@ -227,6 +227,19 @@ def test_completion_matches_the_python_api(
         assert bias_token not in banned["tokens"], banned
 
 
+def test_a_logit_bias_key_of_other_digits_is_text_as_in_llama_server(
+    fim_server: LiveServer,
+) -> None:
+    # Found by fuzzing: "²" passed str.isdigit and int() refused it, a 500 with a traceback;
+    # "٣" was read as token 3. llama-server reads a key with strtol: such text is text.
+    body = {"prompt": "the cat", "n_predict": 2, "temperature": 0}
+    for key in ("²", "-²", "٣"):
+        for bias in ({key: 1}, [[key, False]]):
+            answer = httpx.post(fim_server.url + "/completion", headers=KEY,
+                                json={**body, "logit_bias": bias})  # fmt: skip
+            assert answer.status_code == 200, (key, answer.text)
+
+
 def test_completion_answers_several_prompts_in_order(fim_server: LiveServer) -> None:
     url, body = fim_server.url, {"n_predict": 4, "temperature": 0, "return_tokens": True}
 

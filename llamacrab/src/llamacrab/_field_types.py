@@ -57,6 +57,13 @@ def file_path(what: str, path: object) -> Path:
     return Path(text)
 
 
+def decimal(text: str, signed: bool = False) -> int | None:
+    """The integer ``text`` spells in ASCII digits (a leading "-" with ``signed``), else None.
+    ``str.isdigit`` is also true of "²" and "٣", which ``int`` refuses or reads as 3."""
+    body = text[1:] if signed and text.startswith("-") else text
+    return int(text) if body.isascii() and body.isdigit() else None
+
+
 def is_number(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
     """A real number as C takes one: Python's or numpy's, but not a bool."""
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)

@@ -45,6 +45,7 @@ from jinja2.runtime import ChainableUndefined, Context, Undefined
 from jinja2.sandbox import SandboxedEnvironment, modifies_known_mutable
 
 from llamacrab._exceptions import TemplateError
+from llamacrab._field_types import decimal
 
 MAX_OUTPUT_CHARS = 1_000_000
 MAX_SECONDS = 2.0
@@ -181,8 +182,8 @@ def _check_percent(template: str, args: Any) -> None:
     for width, precision in fields:
         for number in (width, precision):
             star = star or number == "*"
-            if number.isdigit():
-                _refuse_size(int(number), "a formatted field")
+            if (size := decimal(number)) is not None:
+                _refuse_size(size, "a formatted field")
     values = list(args.values()) if isinstance(args, Mapping) else args
     values = values if isinstance(values, (tuple, list)) else [values]
     if star:

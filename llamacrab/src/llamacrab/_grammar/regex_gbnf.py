@@ -12,6 +12,7 @@ JSON string must escape (``"``, ``\\``, control characters) cannot be matched. A
 from __future__ import annotations
 
 from llamacrab._exceptions import GrammarError
+from llamacrab._field_types import decimal
 
 _ANY = r'[^"\\\x00-\x1f]'
 _CLASSES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " "}  # a tab would need escaping in JSON
@@ -142,7 +143,9 @@ class _Parser:
         elif char == "{":
             end = self.text.find("}", self.i)
             counts = self.text[self.i + 1 : end].split(",") if end > 0 else []
-            if not 1 <= len(counts) <= 2 or not all(c.strip().isdigit() or c == "" for c in counts):
+            if not 1 <= len(counts) <= 2 or not all(
+                decimal(c.strip()) is not None or c == "" for c in counts
+            ):
                 raise self.fail("this repetition")
             self.i = end + 1
             suffix = "{" + ",".join(c.strip() for c in counts) + "}"

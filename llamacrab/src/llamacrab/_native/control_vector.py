@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError
-from llamacrab._field_types import file_path, is_number
+from llamacrab._field_types import decimal, file_path, is_number
 from llamacrab._native.gguf_check import LLAMA_MAX_LAYERS, read_gguf_tensors
 
 _F32 = 0  # GGML_TYPE_F32
@@ -138,7 +138,8 @@ def _directions(path: Path) -> tuple[str | None, list[tuple[int, np.ndarray]]]:
     for name, dims, ggml_type, offset in tensors:
         prefix, _, index = name.partition(".")
         # Bounded like a model's layers: the directions become one row per layer up to it.
-        if prefix != "direction" or not index.isdigit() or not 1 <= int(index) <= LLAMA_MAX_LAYERS:
+        layer = decimal(index)
+        if prefix != "direction" or layer is None or not 1 <= layer <= LLAMA_MAX_LAYERS:
             raise InvalidModelError(
                 f"{path}: tensor {name!r} is not a direction.<layer> tensor (layer "
                 f"1..{LLAMA_MAX_LAYERS})"

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from llamacrab import InvalidParameterError
-from llamacrab._field_types import is_number
+from llamacrab._field_types import decimal, is_number
 from llamacrab.compat._errors import UnsupportedParameterError
 from llamacrab.compat.llama_grammar import LlamaGrammar
 
@@ -74,7 +74,7 @@ def _logit_bias(bias: Mapping[int | str, float]) -> dict[int, float]:
     """llama-cpp-python's logit_bias (token ids, as integers or their text) as llamacrab's."""
     converted = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        token = decimal(key, signed=True) if isinstance(key, str) else key
         if isinstance(token, bool) or not isinstance(token, int) or not is_number(value):
             raise InvalidParameterError(
                 f"logit_bias maps token ids to numbers, not {key!r} to {value!r}"

@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from llamacrab import InfillLimits, Vocab, schema_to_grammar
 from llamacrab._exceptions import LlamaError
+from llamacrab._field_types import decimal
 from llamacrab._llama import Llama
 from llamacrab._types import CompletionChunk, Logprobs, Usage
 from llamacrab.server._errors import ApiError
@@ -202,8 +203,10 @@ def _logit_bias(
     out: dict[int, float] = {}
     for key, value in pairs:
         amount = -math.inf if value is False else float(value)
-        if isinstance(key, int) or (isinstance(key, str) and key.lstrip("-").isdigit()):
-            out[int(key)] = amount
+        if isinstance(key, int):
+            out[key] = amount
+        elif (token := decimal(key, signed=True)) is not None:
+            out[token] = amount
         else:
             for token in llama.tokenize(key, add_special=False):
                 out[token] = amount
