@@ -501,6 +501,23 @@ def test_saving_a_state_to_a_full_disk_leaves_the_old_file_and_no_partial_one(
     assert target.read_bytes() == before
 
 
+def test_saving_never_writes_through_a_planted_partial_link(
+    tmp_path: Path, tiny_llama: Llama
+) -> None:
+    # Found by fuzzing the slot routes: the partial copy was NAME.partial, opened following
+    # links; one planted in a shared --slot-save-path had the state written over its target.
+    tiny_llama.create_completion("the cat sat on the mat", max_tokens=0)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    (slots / "x.partial").symlink_to(victim)
+    tiny_llama.save_state().save(slots / "x")
+    assert victim.read_text() == "untouched"
+    assert (slots / "x").is_file() and not (slots / "x").is_symlink()
+    assert sorted(p.name for p in slots.iterdir()) == ["x", "x.partial"]  # the link, left be
+
+
 def test_a_disk_cache_on_a_full_disk_is_refused_clearly(small_disk: Path) -> None:
     _fill(small_disk, 0)
     # sqlite3.OperationalError ("database or disk is full") escaped before.

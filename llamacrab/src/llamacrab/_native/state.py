@@ -17,8 +17,10 @@ import mmap
 import os
 import stat
 import struct
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -181,14 +183,20 @@ class SavedState:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write to ``path`` atomically (a crash never leaves half a file behind, and a failed
-        write, a full disk, leaves neither half a file nor its partial copy)."""
+        write, a full disk, leaves neither half a file nor its partial copy). The partial copy
+        is a new file of a name of its own (mode 0600): a fixed ``NAME.partial`` planted as a
+        link in the folder was followed, and the state written over the file it named."""
         target = file_path("the state path", path)
-        partial = target.with_name(target.name + ".partial")
+        descriptor, name = tempfile.mkstemp(
+            prefix=target.name + ".", suffix=".partial", dir=target.parent
+        )
         try:
-            partial.write_bytes(self.to_bytes())
-            partial.replace(target)
+            with os.fdopen(descriptor, "wb") as file:
+                for part in self.blob_parts():
+                    file.write(part)
+            os.replace(name, target)
         except BaseException:
-            partial.unlink(missing_ok=True)
+            Path(name).unlink(missing_ok=True)
             raise
 
     @classmethod

@@ -53,7 +53,7 @@ _SAMPLER_NAMES = {"typical": "typ_p"}
 _RANDOM_SEED = 0xFFFFFFFF  # llama-server's LLAMA_DEFAULT_SEED: a random seed per request
 # Slot files: a plain name in --slot-save-path, never a path.
 _SLOT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_PARTIAL = ".partial"  # SavedState.save writes NAME.partial, then renames it
+_PARTIAL = ".partial"  # SavedState.save writes NAME.<random>.partial, then renames it
 _ASR_PROMPT = "Transcribe audio to text"  # llama-server's instruction
 _TRANSCRIPT_FORMATS = ("json", "text")
 _SLOT_ERRORS: dict[int | str, dict[str, Any]] = {
