@@ -118,7 +118,8 @@ OPTIONAL_GROUPS = (
         mtmd_helper_bitmap_init_from_buf
         mtmd_helper_eval_chunks mtmd_helper_get_n_pos mtmd_helper_get_n_tokens
         mtmd_helper_init_opt_default mtmd_helper_log_set mtmd_init_from_file
-        mtmd_input_chunk_get_n_tokens mtmd_input_chunk_get_type mtmd_input_chunks_free
+        mtmd_input_chunk_get_n_tokens mtmd_input_chunk_get_tokens_text mtmd_input_chunk_get_type
+        mtmd_input_chunks_free
         mtmd_input_chunks_get mtmd_input_chunks_init mtmd_input_chunks_size mtmd_support_audio
         mtmd_support_vision mtmd_tokenize
         """)
