@@ -11,6 +11,7 @@ import struct
 import time
 import tracemalloc
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -153,19 +154,25 @@ def _head(n_tokens: int, *, version: int = 1, scope: int = 0) -> bytes:
 
 
 GOOD = SavedState((1, 2, 3), b"payload", b"m" * 32, 512)
+FINGERPRINT = b"f" * 32
+
+
+def _v2_body(version: int = 2) -> bytes:
+    """A format-2 (or 3) state of three tokens up to its payload: checkpoints follow."""
+    tokens = struct.pack("<3i", 1, 2, 3)
+    return _head(3, version=version) + tokens + struct.pack("<Q", 7) + b"payload"
 
 
 def _v3_body() -> bytes:
-    """GOOD as the present format writes it, checksum included."""
-    blob = GOOD.to_bytes()
-    assert struct.unpack_from("<I", blob, 8)[0] == 3
+    """GOOD as format 3 wrote it, checksum included."""
+    return _sealed(_v2_body(3) + struct.pack("<I", 0))
+
+
+def _v4_body() -> bytes:
+    """GOOD with a KV fingerprint, as the present format writes it, checksum included."""
+    blob = replace(GOOD, kv_fingerprint=FINGERPRINT).to_bytes()
+    assert struct.unpack_from("<I", blob, 8)[0] == 4
     return blob
-
-
-def _v2_body() -> bytes:
-    """A format-2 state of three tokens up to its payload: checkpoints follow."""
-    tokens = struct.pack("<3i", 1, 2, 3)
-    return _head(3, version=2) + tokens + struct.pack("<Q", 7) + b"payload"
 
 
 @pytest.mark.parametrize(
@@ -192,6 +199,9 @@ def _v2_body() -> bytes:
         _v3_body()[:-1],
         _sealed(_v3_body()[:-16].replace(struct.pack("<Q", 7), struct.pack("<Q", 8))),
         _sealed(state.MAGIC + struct.pack("<I", 3)),  # a header cut after the version
+        # Format 4 adds a KV fingerprint after the head: cut inside it, tokens past the end.
+        _sealed(_head(0, version=4) + b"f" * 31),
+        _sealed(_head(3, version=4) + FINGERPRINT + struct.pack("<3i", 1, 2, 3)),
         b"",
         "a string, not bytes",
         np.zeros(40, dtype=np.int64)[::2],  # bytes-like but not contiguous
@@ -213,9 +223,18 @@ def test_states_still_round_trip(tmp_path: object) -> None:
                         checkpoints=(state.StateCheckpoint(2, b"cells"),))  # fmt: skip
     assert SavedState.from_bytes(marked.to_bytes()) == marked
     assert SavedState.from_bytes(_sealed(_v2_body() + struct.pack("<I", 0))) == GOOD
-    # Format 3 is format 2 with another checksum.
-    assert blob == _sealed(_v2_body().replace(struct.pack("<I", 2), struct.pack("<I", 3), 1)
-                           + struct.pack("<I", 0))  # fmt: skip
+    # Format 3 is format 2 with another checksum; neither records a KV fingerprint.
+    assert SavedState.from_bytes(_v3_body()) == GOOD and GOOD.kv_fingerprint is None
+    # Format 4 is format 3 with the fingerprint after the head (zeros: none recorded).
+    fingerprinted = SavedState.from_bytes(_v4_body())
+    assert fingerprinted == replace(GOOD, kv_fingerprint=FINGERPRINT) != GOOD
+    v3, at = _v3_body()[:-16], state._HEAD.size
+    v4_head = v3[:8] + struct.pack("<I", 4) + v3[12:at]
+    assert _v4_body() == _sealed(v4_head + FINGERPRINT + v3[at:])
+    assert blob == _sealed(v4_head + bytes(32) + v3[at:])
+    for wrong in (b"short", bytes(32)):
+        with pytest.raises(StateError, match="KV fingerprint"):
+            replace(GOOD, kv_fingerprint=wrong)
 
 
 # -- chat templates --------------------------------------------------------------------------

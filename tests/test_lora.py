@@ -16,6 +16,7 @@ from llamacrab import (
     Llama,
     LoraAdapter,
     RamCache,
+    SavedState,
 )
 
 from support import load_repo_module
@@ -200,3 +201,96 @@ def test_an_adapter_closed_while_a_request_applies_it_is_never_decoded_with(
     assert "llama_decode" not in calls[calls.index("llama_set_adapters_lora") :]
     monkeypatch.undo()
     assert tiny_llama.create_completion(PROMPT, max_tokens=2).text  # still usable
+
+
+# -- saved states ------------------------------------------------------------------------------
+
+
+def test_a_loaded_state_is_reused_only_with_the_adapters_it_was_computed_with(
+    tiny_model_path: Path, lora_path: Path
+) -> None:
+    # A state recorded nothing of its adapters: loaded, it counted as computed with the
+    # default set, so one computed without the adapter answered the next default prompt.
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2, graph_sampling="off",
+               lora=[(lora_path, 1.0)]) as llm:  # fmt: skip
+        (adapter,) = llm.adapters
+        reusable = len(llm.tokenize(PROMPT)) - 1  # the last token is decoded for its logits
+        off = {adapter: 0.0}
+
+        def run(lora: dict[LoraAdapter, float] | None = None) -> tuple[int, np.ndarray]:
+            cached = llm.create_completion(PROMPT, max_tokens=0, lora=lora).usage.cached_tokens
+            return cached, llm.context.logits()
+
+        def saved(lora: dict[LoraAdapter, float] | None = None) -> SavedState:
+            llm.reset()
+            run(lora)
+            return llm.save_state()
+
+        def restored(state: SavedState, lora: dict[LoraAdapter, float] | None = None) -> int:
+            llm.reset()
+            llm.load_state(state)
+            return run(lora)[0]
+
+        fresh = saved()
+        without = saved(off)  # one request's own set: the adapter off
+        default_logits, off_logits = run()[1], run(off)[1]  # each decoded afresh
+        assert not np.allclose(default_logits, off_logits)
+        assert restored(without) == 0  # the default set: decoded again, as if fresh
+        assert np.array_equal(llm.context.logits(), default_logits)
+        assert restored(without, off) == reusable  # its own set reuses it
+        assert np.allclose(llm.context.logits(), off_logits, atol=1e-5)
+        assert restored(fresh) == reusable and restored(without, {}) == reusable
+        # Saved under the default set, loaded after the defaults changed.
+        llm.set_lora_adapters({adapter: 0.5})
+        assert restored(fresh) == 0
+        answered = llm.context.logits()
+        llm.reset()
+        assert np.array_equal(answered, run()[1])  # as a fresh prompt under scale 0.5
+        # A default scale of 0 is the base model, whichever way it is asked for (before, the
+        # loaded state carried the zero-scale entry and no prompt's set ever matched it).
+        llm.set_lora_adapters({adapter: 0.0})
+        assert restored(fresh) == 0
+        at_zero = saved()
+        assert restored(at_zero) == reusable and restored(without) == reusable
+        assert restored(at_zero, {}) == reusable and restored(at_zero, {adapter: 1.0}) == 0
+
+
+def test_a_slot_saved_after_the_adapters_changed_records_the_ones_it_was_computed_with(
+    tiny_model_path: Path, lora_path: Path
+) -> None:
+    with Llama(tiny_model_path, n_ctx=256, n_threads=2, parallel=2,
+               lora=[(lora_path, 1.0)]) as llm:  # fmt: skip
+        (adapter,) = llm.adapters
+        reusable = len(llm.tokenize(PROMPT)) - 1
+        llm.create_completion(PROMPT, max_tokens=0)
+        (slot,) = [s.id for s in llm.slots() if s.n_tokens]
+        llm.set_lora_adapters({adapter: 0.5})
+        stale = llm.save_state(slot=slot)  # the memory of scale 1, saved under 0.5
+
+        def restored() -> int:
+            llm.reset()
+            llm.load_state(stale, slot=0)
+            return llm.create_completion(PROMPT, max_tokens=0).usage.cached_tokens
+
+        assert restored() == 0
+        llm.set_lora_adapters({adapter: 1.0})
+        assert restored() == reusable
+
+
+def test_a_loaded_state_is_not_reused_under_another_control_vector(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    vector = tiny.write_tiny_control_vector(tmp_path / "cvec.gguf")
+    with Llama(tiny_model_path, n_ctx=128, n_threads=2) as llm:
+        reusable = len(llm.tokenize(PROMPT)) - 1
+        llm.create_completion(PROMPT, max_tokens=0)
+        plain = llm.save_state()
+
+        def restored() -> int:
+            llm.load_state(plain)
+            return llm.create_completion(PROMPT, max_tokens=0).usage.cached_tokens
+
+        llm.set_control_vector([vector])
+        assert restored() == 0
+        llm.set_control_vector(None)
+        assert restored() == reusable

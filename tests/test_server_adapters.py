@@ -227,6 +227,59 @@ def test_post_lora_adapters_sets_the_default_scales(
         httpx.post(url + "/lora-adapters", json=[{"id": 0, "scale": 1.0}])
 
 
+def test_a_restored_slot_is_reused_only_with_the_adapters_it_was_computed_with(
+    tiny_model_path: Path, files: dict[str, Path], tmp_path: Path
+) -> None:
+    # A slot file recorded nothing of its adapters: one request's KV without the adapter,
+    # saved and restored, answered the next request with the default set (the adapter on).
+    settings = ServerSettings(model=str(tiny_model_path), n_ctx=2 * 256, n_threads=2, parallel=2,
+                              lora=(str(files["lora"]),), slot_save_path=str(tmp_path))  # fmt: skip
+    off = {"lora": [{"id": 0, "scale": 0.0}]}
+
+    def run(url: str, extra: dict[str, Any]) -> tuple[list[int], int, int]:
+        body = {"prompt": PROMPT, "n_predict": 10, "temperature": 0.0, "return_tokens": True}
+        answer = httpx.post(url + "/completion", json={**body, **extra}, timeout=60).json()
+        return answer["tokens"], answer["tokens_cached"], answer["tokens_evaluated"] - 1
+
+    def erase_all(url: str) -> None:
+        for slot in (0, 1):
+            assert httpx.post(url + f"/slots/{slot}?action=erase").status_code == 200
+
+    def restored(url: str, name: str, extra: dict[str, Any]) -> tuple[list[int], int, int]:
+        erase_all(url)
+        answer = httpx.post(url + "/slots/0?action=restore", json={"filename": name})
+        assert answer.status_code == 200, answer.text
+        return run(url, extra)
+
+    def saved(url: str, name: str, extra: dict[str, Any]) -> list[int]:
+        erase_all(url)
+        tokens = run(url, extra)[0]
+        (holder,) = [s["id"] for s in httpx.get(url + "/slots").json() if s["n_prompt_tokens"]]
+        answer = httpx.post(url + f"/slots/{holder}?action=save", json={"filename": name})
+        assert answer.status_code == 200, answer.text
+        return tokens
+
+    for server in _running(settings):
+        url = server.url
+        adapted, without = saved(url, "adapted", {}), saved(url, "without", off)
+        assert adapted != without
+        tokens, cached, reusable = restored(url, "without", {})
+        assert (tokens, cached) == (adapted, 0)  # decoded again, with the adapter
+        assert restored(url, "without", off) == (without, reusable, reusable)
+        assert restored(url, "adapted", {}) == (adapted, reusable, reusable)
+        # Saved under the default set, restored after the defaults changed.
+        assert httpx.post(url + "/lora-adapters", json=[{"id": 0, "scale": 0.5}]).is_success
+        half = saved(url, "half", {})
+        assert restored(url, "adapted", {})[:2] == (half, 0)
+        assert restored(url, "adapted", {"lora": [{"id": 0, "scale": 1.0}]})[1] == reusable
+    # After a restart without the adapter: the KV of the base model is the one to reuse.
+    plain = ServerSettings(model=str(tiny_model_path), n_ctx=2 * 256, n_threads=2, parallel=2,
+                           slot_save_path=str(tmp_path))  # fmt: skip
+    for server in _running(plain):
+        assert restored(server.url, "without", {}) == (without, reusable, reusable)
+        assert restored(server.url, "adapted", {})[:2] == (without, 0)
+
+
 def test_control_vector_layers_outside_the_model_fail_the_load_clearly(
     tiny_model_path: Path, files: dict[str, Path]
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -145,7 +146,7 @@ def test_state_files_and_every_kind_of_bad_state(tmp_path: Path, tiny_llama: Lla
     with pytest.raises(StateError, match="magic"):
         SavedState.from_bytes(b"definitely not a state" * 4)
     # A well-formed header around a payload llama.cpp cannot read: refused, context still usable.
-    bogus = SavedState(state.tokens, b"\x00garbage" * 16, state.model_id, state.n_ctx)
+    bogus = dataclasses.replace(state, payload=b"\x00garbage" * 16)
     with pytest.raises(StateError, match="rejected"):
         tiny_llama.load_state(bogus)
     # min_tokens: the random tiny model may sample its end token first.
@@ -162,8 +163,7 @@ def test_checkpoints_travel_with_a_state_and_older_states_still_load(
     state = tiny_llama.save_state()
     n = len(state.tokens)
     marks = (StateCheckpoint(2, b"early"), StateCheckpoint(n, b"at the end"))
-    with_marks = SavedState(state.tokens, state.payload, state.model_id, state.n_ctx,
-                            checkpoints=marks)  # fmt: skip
+    with_marks = dataclasses.replace(state, checkpoints=marks)
     again = SavedState.from_bytes(with_marks.to_bytes())
     assert again == with_marks and again.checkpoints == marks and again != state
     assert with_marks.size_bytes == state.size_bytes + len(b"early") + len(b"at the end")
@@ -171,7 +171,16 @@ def test_checkpoints_travel_with_a_state_and_older_states_still_load(
     head = struct.pack("<8sIII32sI", b"LCRBSTAT", 1, 0, state.n_ctx, state.model_id, n)
     body = head + np.asarray(state.tokens, "<i4").tobytes()
     body += struct.pack("<Q", len(state.payload)) + bytes(state.payload)
-    assert SavedState.from_bytes(body + hashlib.sha256(body).digest()) == state
+    old = SavedState.from_bytes(body + hashlib.sha256(body).digest())
+    assert old == dataclasses.replace(state, kv_fingerprint=None)
+    # ... but not into a Llama: it does not say what its memory was computed with. A prompt
+    # cache finds its states by that fingerprint: an older one there is still reused.
+    with pytest.raises(StateError, match="does not record the adapters"):
+        tiny_llama.load_state(old)
+    cache = RamCache(capacity_bytes=64 << 20)
+    with Llama(tiny_llama.model.path, n_ctx=128, cache=cache) as cached:
+        cache.store(old, cached.context.kv_fingerprint)
+        assert cached.create_completion(PROMPT, max_tokens=1).usage.cached_tokens == n - 1
     for bad in ((StateCheckpoint(n + 1, b"x"),), (StateCheckpoint(0, b"x"),), marks[::-1]):
         with pytest.raises(StateError, match="checkpoint"):
             SavedState(state.tokens, state.payload, state.model_id, state.n_ctx, checkpoints=bad)

@@ -287,8 +287,10 @@ class Llama:
     @checked
     def load_state(self, state: SavedState, *, slot: int | None = None) -> None:
         """Restore a state saved from this model; the next prompt sharing its tokens reuses it
-        (with parallel slots, one goes to the slot holding the longest shared prefix).
-        A state from another model, too long for the slot, or a corrupt blob raises StateError.
+        (with parallel slots, one goes to the slot holding the longest shared prefix) if it
+        is computed with the LoRA adapters and scales, control vector and KV settings the
+        state was (``SavedState.kv_fingerprint``). A state from another model, too long for
+        the slot, a corrupt blob, or one that records no fingerprint raises StateError.
         ``slot=i`` loads into slot i, as ``save_state`` saves it: ConcurrentUseError while it
         generates. A state saved from any slot loads into any slot; between a one-slot Llama
         and parallel slots only with ``kv_unified=True`` (one KV stream for all slots, as a

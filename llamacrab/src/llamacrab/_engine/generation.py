@@ -131,6 +131,10 @@ class KvState:
         self.tokens: list[int] = []
         self.weights = context.weights_generation  # the adapters ``tokens`` were computed with
         self.plan = LoraPlan(dict(context.lora_adapters))  # ... and which, by position
+        # ... and all the memory depends on besides the tokens (Context.fingerprint); for a
+        # loaded state, until a prompt finds the plan it stands for, the only thing known.
+        self.computed_as = context.fingerprint(self.plan.adapters)
+        self.plan_known = True
         self.checkpoints: list[StateCheckpoint] = []  # by n_tokens, each within ``tokens``
         self.batch = Batch(context.n_batch, seq_id + 1)
         # The generation these tokens belong to: only it may change the memory. A newer one
@@ -148,10 +152,26 @@ class KvState:
         payload = self.context.state_view(self.seq_id if scope == "sequence" else None)
         model_id, n_ctx = self.context.model.identity, self.context.n_ctx
         checkpoints = tuple(self.checkpoints) if scope == "sequence" else ()
-        return SavedState(tuple(self.tokens), payload, model_id, n_ctx, scope, checkpoints)
+        return SavedState(
+            tuple(self.tokens), payload, model_id, n_ctx, scope, checkpoints, self.computed_as
+        )
 
     def restore(self, state: SavedState) -> None:
-        """Load a saved state (checked against this model and context)."""
+        """Load a saved state (checked against this model and context). Its memory is reused
+        only by prompts computed with what it was computed with: the same adapters and
+        scales (or, for an aLoRA prompt, none up to its invocation), control vector and KV
+        settings, which the state records."""
+        if state.kv_fingerprint is None:
+            raise StateError(
+                "this state does not record the adapters and settings its memory was computed "
+                "with (saved by an older llamacrab, format 3 or before): save it again"
+            )
+        self._load(state)
+        self.computed_as = state.kv_fingerprint
+        self.plan_known = False
+
+    def _load(self, state: SavedState) -> None:
+        """Put the state into the memory; what it was computed with is the caller's to say."""
         if state.model_id != self.context.model.identity:
             raise StateError("this state was saved from a different model")
         # One sequence holds n_ctx_seq tokens (all of n_ctx but with parallel slots).
@@ -174,9 +194,24 @@ class KvState:
             raise
         self.checkpoints = list(state.checkpoints)
         self.tokens.extend(state.tokens)
-        # Counts as computed with the present adapters: caches keep states per kv_fingerprint.
         self.weights = self.context.weights_generation
-        self.plan = LoraPlan(dict(self.context.lora_adapters))
+
+    def _computed_with(self, plan: LoraPlan) -> None:
+        """The memory counts as computed with ``plan`` (and the present control vector)."""
+        self.plan = plan
+        self.computed_as = self.context.fingerprint(plan.adapters, plan.start)
+        self.plan_known = True
+
+    def _match_loaded(self, plan: LoraPlan) -> None:
+        """A loaded state's memory stands for ``plan`` if it was computed with it, for the
+        base model if without adapters (an aLoRA prompt reuses that up to its invocation);
+        else nothing of it is reusable."""
+        for candidate in (plan, LoraPlan()):
+            if self.context.fingerprint(candidate.adapters, candidate.start) == self.computed_as:
+                self._computed_with(candidate)
+                return
+        self._truncate(0)  # (prepare removes it from the memory)
+        self._computed_with(plan)
 
     def _restore_from_cache(self, prompt: Sequence[int], plan: LoraPlan) -> None:
         if self.cache is None:
@@ -195,11 +230,11 @@ class KvState:
             if found is None or min(found[0], candidate.reusable(plan)) <= usable:
                 continue
             try:
-                self.restore(found[1])
+                self._load(found[1])  # computed with ``candidate``: found by its fingerprint
             except StateError as error:  # e.g. a shared cache with states too long for it
                 warnings.warn(f"prompt cache entry not used: {error}", stacklevel=4)
                 continue
-            self.plan = candidate
+            self._computed_with(candidate)
             return
 
     def remember(self) -> None:
@@ -213,9 +248,8 @@ class KvState:
             and MEDIA_TOKEN not in self.tokens
             and self.weights == self.context.weights_generation
         ):
-            fingerprint = self.context.fingerprint(self.plan.adapters, self.plan.start)
             try:
-                self.cache.store(self.snapshot(), fingerprint)
+                self.cache.store(self.snapshot(), self.computed_as)
             except Exception:
                 log.warning("prompt cache save failed; skipped", exc_info=True)
 
@@ -231,6 +265,8 @@ class KvState:
         if self.weights != self.context.weights_generation:
             self.forget()  # computed with adapters since replaced: none of it is reusable
         plan = lora_plan(self.context.lora_adapters if lora is None else lora, prompt)
+        if not self.plan_known:
+            self._match_loaded(plan)
         if reuse:
             self._restore_from_cache(prompt, plan)
         keep = common_prefix(self.tokens, prompt) if reuse else 0
@@ -242,7 +278,7 @@ class KvState:
         held = self.context.positions(self.seq_id)
         end = 0 if held is None else held[1] + 1
         keep = min(keep, end)
-        self.plan = plan
+        self._computed_with(plan)
         if keep < end and not self.context.remove(self.seq_id, keep, -1):
             keep = self._rewind(keep)
         self._truncate(keep)
@@ -373,7 +409,7 @@ class KvState:
         with ``lora`` (None: the default adapters; an aLoRA adapter is not invoked);
         ``stopped`` as ``Projector.evaluate`` takes it."""
         self.forget()
-        self.plan = lora_plan(self.context.lora_adapters if lora is None else lora, ())
+        self._computed_with(lora_plan(self.context.lora_adapters if lora is None else lora, ()))
         self.context.use_lora(self.plan.adapters)
         try:
             n_past = chunks.projector.evaluate(self.context, chunks, 0, self.seq_id, stopped)

@@ -2,11 +2,13 @@
 
 Layout (little-endian): magic ``LCRBSTAT``, format version (u32), scope (u32: 0 sequence 0,
 1 whole context), n_ctx (u32), model identity
-(32-byte sha256), token count (u32) and tokens (i32 each), payload length (u64) and llama.cpp's
+(32-byte sha256), token count (u32); from version 4 the KV fingerprint (32 bytes, zeros: not
+recorded); tokens (i32 each), payload length (u64) and llama.cpp's
 own state bytes; from version 2 a checkpoint count (u32) and per checkpoint its token count
 (u32), payload length (u64) and payload; then a checksum of everything before it: from version 3
 the 16-byte XXH3-128, before it a sha256. A truncated or altered blob fails the checksum before
-llama.cpp reads a byte of it. Versions 1 (no checkpoints) and 2 are still read.
+llama.cpp reads a byte of it. Versions 1 (no checkpoints), 2 and 3 (no KV fingerprint) are
+still read.
 """
 
 from __future__ import annotations
@@ -40,15 +42,17 @@ class _Checksum(Protocol):
 
 
 MAGIC = b"LCRBSTAT"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 _HEAD = struct.Struct("<8sIII32sI")
+_FINGERPRINT = struct.Struct("32s")  # after the head, from version 4
+_UNRECORDED = bytes(_FINGERPRINT.size)
 _CHECKPOINT_HEAD = struct.Struct("<IQ")
 _SCOPES = ("sequence", "context")
 # The checksum guards against damage, not against a writer (anyone can compute one; every
 # length is checked on its own). XXH3-128 checks a 29 MB state in ~3 ms where sha256 took
 # ~27 ms: a prompt cache on disk pays it on every restore.
 _CHECKSUMS: dict[int, Callable[..., _Checksum]] = {
-    1: hashlib.sha256, 2: hashlib.sha256, 3: xxhash.xxh3_128
+    1: hashlib.sha256, 2: hashlib.sha256, 3: xxhash.xxh3_128, 4: xxhash.xxh3_128
 }  # fmt: skip
 
 
@@ -74,7 +78,9 @@ class StateCheckpoint:
 class SavedState:
     """KV memory for ``tokens`` from a model identified by ``model_id``: of sequence 0
     (``scope="sequence"``) or of the whole context (``"context"``: all sequences and the
-    outputs of the last decode)."""
+    outputs of the last decode). ``kv_fingerprint``: what, besides the tokens, the memory was
+    computed with (``Context.fingerprint``: the model, KV settings, control vector, LoRA
+    files and scales); None where not recorded (formats before 4)."""
 
     tokens: tuple[int, ...]
     payload: bytes | memoryview  # a view into the blob it was read from: states are large
@@ -82,8 +88,13 @@ class SavedState:
     n_ctx: int
     scope: str = "sequence"
     checkpoints: tuple[StateCheckpoint, ...] = ()  # by n_tokens, each within ``tokens``
+    kv_fingerprint: bytes | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_fingerprint is not None and (
+            len(self.kv_fingerprint) != _FINGERPRINT.size or self.kv_fingerprint == _UNRECORDED
+        ):
+            raise StateError(f"a KV fingerprint is {_FINGERPRINT.size} bytes, not all zero")
         previous = 0
         for checkpoint in self.checkpoints:
             if not previous < checkpoint.n_tokens <= len(self.tokens):
@@ -112,7 +123,8 @@ class SavedState:
             len(self.tokens),
         )  # fmt: skip
         parts: list[bytes | memoryview] = [
-            head, np.asarray(self.tokens, dtype="<i4").tobytes(),
+            head, self.kv_fingerprint or _UNRECORDED,
+            np.asarray(self.tokens, dtype="<i4").tobytes(),
             struct.pack("<Q", len(self.payload)), self.payload,
             struct.pack("<I", len(self.checkpoints)),
         ]  # fmt: skip
@@ -152,12 +164,18 @@ class SavedState:
         _, _, scope, n_ctx, model_id, n_tokens = _HEAD.unpack_from(body)
         if scope >= len(_SCOPES):
             raise StateError(f"unknown state scope {scope}")
-        offset = _HEAD.size + 4 * n_tokens
+        offset, fingerprint = _HEAD.size, None
+        if version >= 4:
+            if offset + _FINGERPRINT.size > len(body):
+                raise StateError("the state ends inside its KV fingerprint")
+            (fingerprint,) = _FINGERPRINT.unpack_from(body, offset)
+            offset += _FINGERPRINT.size
+        tokens_at, offset = offset, offset + 4 * n_tokens
         if offset + 8 > len(body):
             raise StateError(
                 f"the state header says {n_tokens} tokens, more than its {len(body)} bytes hold"
             )
-        tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=_HEAD.size)
+        tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=tokens_at)
         (size,) = struct.unpack_from("<Q", body, offset)
         offset += 8
         rest = len(body) - offset
@@ -166,8 +184,9 @@ class SavedState:
         payload = body[offset : offset + size]  # still a view
         checkpoints = () if version == 1 else _read_checkpoints(body, offset + size)
         return cls(
-            tuple(int(t) for t in tokens), payload, model_id, n_ctx, _SCOPES[scope], checkpoints
-        )
+            tuple(int(t) for t in tokens), payload, model_id, n_ctx, _SCOPES[scope], checkpoints,
+            None if fingerprint == _UNRECORDED else fingerprint,
+        )  # fmt: skip
 
     def __reduce__(self) -> tuple[Any, ...]:
         # As its checked blob: the payloads are views (of a mapped file, of the buffer
@@ -177,8 +196,10 @@ class SavedState:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SavedState):
             return NotImplemented
-        return (self.tokens, self.model_id, self.n_ctx, self.scope, self.checkpoints) == (
-            other.tokens, other.model_id, other.n_ctx, other.scope, other.checkpoints
+        return (self.tokens, self.model_id, self.n_ctx, self.scope, self.checkpoints,
+                self.kv_fingerprint) == (
+            other.tokens, other.model_id, other.n_ctx, other.scope, other.checkpoints,
+            other.kv_fingerprint,
         ) and self.payload == other.payload  # fmt: skip
 
     def save(self, path: str | os.PathLike[str]) -> None:
