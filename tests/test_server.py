@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ import pytest
 from live_server import LiveServer
 from test_tool_calls import TEMPLATE, WEATHER
 
-from llamacrab import InvalidParameterError, Llama
+from llamacrab import CustomSampler, InvalidParameterError, Llama
 from llamacrab.cli import main as cli_main
 from llamacrab.server import ServerSettings, add_arguments, parse_settings, settings_from_args
 from llamacrab.server._llama_kwargs import generation_kwargs
@@ -389,8 +390,113 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10) -> None:
         time.sleep(0.01)
 
 
+def _sent(url: str, path: str, body: dict[str, object]) -> socket.socket:
+    """A request sent on a raw connection, which the test closes without reading an answer."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    connection = socket.create_connection((host, int(port)))
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+                       f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+    return connection
+
+
+_SAID = [{"role": "user", "content": "hello there"}]
+STREAMS = {  # every route that streams, each asked for a stream
+    "/completion": {"prompt": "hello there", "n_predict": 4},
+    "/v1/completions": {"prompt": "hello there", "max_tokens": 4},
+    "/v1/chat/completions": {"messages": _SAID, "max_tokens": 4},
+    "/v1/messages": {"model": "m", "messages": _SAID, "max_tokens": 4},
+    "/v1/responses": {"input": "hello there", "max_output_tokens": 4},
+}
+
+
+def test_a_stream_whose_client_leaves_while_queued_never_takes_a_slot(tiny_path: Path) -> None:
+    # Found by an audit: a dropped stream waited for a slot all the same, then decoded its
+    # prompt and sampled (a whole answer was cancelled at once); the first chunk was awaited
+    # before anything watched the client.
+    gate = Gate()
+    llama = Llama(tiny_path, n_ctx=256, parallel=1)
+    scheduler = llama.scheduler
+    assert scheduler is not None
+    try:
+        for server in _running(ServerSettings(model=str(tiny_path)), llama):
+            holder = threading.Thread(target=lambda: llama.create_completion(
+                "x", max_tokens=2, custom_samplers=(gate,)))  # fmt: skip
+            holder.start()
+            wait_for(lambda: scheduler.busy_slots == 1)  # it holds the only slot
+            for path, body in STREAMS.items():
+                connection = _sent(server.url, path, {**body, "stream": True})
+                wait_for(lambda: scheduler.queue_depth == 1)
+                connection.close()
+                wait_for(lambda: scheduler.queue_depth == 0)  # out of the queue, never decoded
+                assert scheduler.busy_slots == 1 and not gate.open.is_set(), path
+            assert "llamacpp:requests_deferred 0" in httpx.get(server.url + "/metrics").text
+            gate.open.set()
+            holder.join(timeout=30)
+    finally:
+        gate.open.set()
+        llama.close()
+
+
+class Turnstile(CustomSampler):
+    """A sampler that holds the engine thread at each token until the test lets one step
+    through (``permits.release()``); ``arrivals`` counts the tokens it was asked for."""
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+        self.arrivals = 0
+
+    def apply(self, candidates: np.ndarray) -> None:
+        self.arrivals += 1
+        assert self.permits.acquire(timeout=30)
+
+
+def test_a_stream_whose_client_leaves_during_its_prompt_stops_decoding_it(tiny_path: Path) -> None:
+    # A first slot's generation, one token per step, paces the engine; a second slot's prompt
+    # is decoded a batch at a time beside it.
+    turnstile = Turnstile()
+    llama = Llama(tiny_path, n_ctx=1024, parallel=2, n_batch=16, n_ubatch=16)
+    scheduler = llama.scheduler
+    assert scheduler is not None
+    prompt = " ".join(["hello there"] * 25)
+    length = len(llama.tokenize(prompt))
+    assert 160 < length < 500  # ten steps and more, in a slot's 512
+
+    def prompt_slot() -> dict[str, int]:
+        held = [s for s in httpx.get(server.url + "/slots").json() if s["n_prompt_tokens"] > 12]
+        assert len(held) == 1  # the pacing slot holds 3 + 8 tokens at most
+        return held[0]  # type: ignore[no-any-return]
+
+    try:
+        for server in _running(ServerSettings(model=str(tiny_path)), llama):
+            pacer = threading.Thread(target=lambda: llama.create_completion(
+                "x", max_tokens=8, min_tokens=8, custom_samplers=(turnstile,)))  # fmt: skip
+            pacer.start()
+            wait_for(lambda: turnstile.arrivals == 1)
+            body = {"prompt": prompt, "n_predict": 4, "stream": True}
+            connection = _sent(server.url, "/completion", body)
+            wait_for(lambda: scheduler.queue_depth == 1)
+            for step in (2, 3):  # two batches of its prompt decoded
+                turnstile.permits.release()
+                wait_for(lambda at=step: turnstile.arrivals == at)  # type: ignore[misc]
+            decoded = prompt_slot()["n_prompt_tokens"]
+            assert 0 < decoded < length
+            connection.close()
+            # The server notices while the engine waits between two steps; the next step ends it.
+            wait_for(lambda: any(s.job is not None and s.job.session.stopped()
+                                 for s in scheduler.slots))  # fmt: skip
+            turnstile.permits.release(100)
+            pacer.join(timeout=30)
+            wait_for(lambda: scheduler.busy_slots == 0)
+            assert prompt_slot()["n_prompt_tokens"] <= decoded + 16  # a batch more at most
+    finally:
+        turnstile.permits.release(100)
+        llama.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])  # a stream too: it has sent nothing yet
 def test_a_full_queue_answers_503_and_a_request_past_its_timeout_504_not_retried(
-    tiny_path: Path,
+    tiny_path: Path, stream: bool
 ) -> None:
     gate = Gate()
     llama = Llama(tiny_path, n_ctx=256, parallel=1, max_queue=1)
@@ -403,8 +509,9 @@ def test_a_full_queue_answers_503_and_a_request_past_its_timeout_504_not_retried
             holder.start()
             wait_for(lambda: scheduler.busy_slots == 1)  # it holds the only slot (and the engine)
             with ThreadPoolExecutor(1) as pool:
-                queued = pool.submit(httpx.post, server.url + "/v1/completions",
-                                     json={"prompt": "hi"}, timeout=30)  # fmt: skip
+                asked = {"prompt": "hi", "stream": stream}
+                queued = pool.submit(httpx.post, server.url + "/v1/completions", json=asked,
+                                     timeout=30)  # fmt: skip
                 wait_for(lambda: scheduler.queue_depth == 1)  # waiting in the queue, now full
                 queued_by = time.monotonic()  # its 0.5 s started before this
                 busy = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})

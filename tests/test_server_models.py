@@ -359,6 +359,9 @@ def test_a_stream_cancelled_before_its_deadline_ends_with_shutting_down_not_time
         class Chunks:  # a Stream's chunks, with the deadline its session was given
             session = SimpleNamespace(deadline=time.monotonic() + timeout)
 
+            def cancel(self) -> None:  # what a client that leaves before the first chunk does
+                raise AssertionError("the client is still there")
+
             async def __aiter__(self) -> AsyncIterator[SimpleNamespace]:
                 yield SimpleNamespace(finish_reason=None, usage=None)
                 await asyncio.sleep(0.05)
@@ -371,7 +374,8 @@ def test_a_stream_cancelled_before_its_deadline_ends_with_shutting_down_not_time
             except ApiError as error:
                 yield f"{error.status} {error.code}"
 
-        answer = await sse_events(state, Chunks(), write)  # type: ignore[arg-type]
+        client = SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
+        answer = await sse_events(state, client, Chunks(), write)  # type: ignore[arg-type]
         return [text async for text in answer.body_iterator]  # type: ignore[misc]
 
     assert asyncio.run(ending(600)) == ["chunk", "503 shutting_down"]

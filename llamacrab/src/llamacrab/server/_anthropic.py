@@ -81,7 +81,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         stream, create = _generation(llama, chat, prompt, options, kwargs)
         if body.stream:  # a stream opens with the prompt's length
             length = await _input_tokens(llama, chat, prompt, options)
-            return await _streamed(state, stream, reply, length)
+            return await _streamed(state, client, stream, reply, length)
         return wire.message(await complete(state, client, create), reply)
 
     @router.post(ANTHROPIC_PATH + "/count_tokens", response_model=CountTokensResponse)
@@ -134,7 +134,11 @@ def _generation(
 
 
 async def _streamed(
-    state: ServerState, stream: Callable[[], Stream[Any]], reply: wire.Reply, input_tokens: int
+    state: ServerState,
+    client: Request,
+    stream: Callable[[], Stream[Any]],
+    reply: wire.Reply,
+    input_tokens: int,
 ) -> StreamingResponse:
     opened = await in_thread(stream)
 
@@ -152,4 +156,4 @@ async def _streamed(
         except ApiError as error:
             yield wire.error_event(error)
 
-    return await sse_events(state, opened, write)
+    return await sse_events(state, client, opened, write)

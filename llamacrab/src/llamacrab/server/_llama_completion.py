@@ -120,7 +120,7 @@ async def _answer(state: ServerState, client: Request, body: NativeGeneration, l
     answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab)
     if body.stream:
         chunks = await in_thread(partial(llama.stream_completion, **kwargs))
-        return await sse_events(state, chunks, partial(native_events, answering))
+        return await sse_events(state, client, chunks, partial(native_events, answering))
     result = await complete(state, client, partial(llama.create_completion, **kwargs))
     choice = result.choices[0]
     tokens = choice.tokens if body.return_tokens else ()

@@ -354,7 +354,7 @@ def _add_transcriptions(app: FastAPI, state: ServerState) -> None:
         kwargs = chat_kwargs(request, settings)
         if stream:
             chunks = await in_thread(partial(llama.stream_chat_completion, messages, **kwargs))
-            return await sse_events(state, chunks, _transcript_events)
+            return await sse_events(state, client, chunks, _transcript_events)
         generation = partial(llama.create_chat_completion, messages, **kwargs)
         result = await complete(state, client, generation)
         text = result.choices[0].message.content or ""

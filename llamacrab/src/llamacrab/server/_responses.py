@@ -112,7 +112,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             chunks = await in_thread(partial(llama.stream_chat_completion, messages, **kwargs))
             write = partial(_events, ResponseEvents(draft, body.parallel_tool_calls), remember)
-            return await sse_events(state, chunks, write)
+            return await sse_events(state, client, chunks, write)
         generation = partial(llama.create_chat_completion, messages, **kwargs)
         result = await complete(state, client, generation)
         response = wire.response(draft, result, body.parallel_tool_calls)

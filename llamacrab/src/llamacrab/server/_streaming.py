@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -24,6 +24,8 @@ from llamacrab.server._state import ServerState
 
 _Chunk = TypeVar("_Chunk", CompletionChunk, ChatCompletionChunk)
 _Result = TypeVar("_Result", Completion, ChatCompletion)
+_T = TypeVar("_T")
+_DISCONNECT_POLL_SECONDS = 0.25  # how soon a client that left is noticed while nothing is sent
 # The error answers every generating route documents in its OpenAPI entry.
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503, 504)
@@ -43,6 +45,7 @@ def event(payload: object) -> str:
 
 async def sse(
     state: ServerState,
+    client: Request,
     stream: Stream[_Chunk],
     encode: Callable[[_Chunk], dict[str, Any] | list[dict[str, Any]]],
     include_usage: bool,
@@ -67,31 +70,40 @@ async def sse(
             yield event(error.body())
         yield "data: [DONE]\n\n"
 
-    return await sse_events(state, stream, write)
+    return await sse_events(state, client, stream, write)
 
 
 async def sse_events(
     state: ServerState,
+    client: Request,
     stream: Stream[_Chunk],
     write: Callable[[AsyncIterator[_Chunk]], AsyncIterator[str]],
 ) -> StreamingResponse:
     """Server-sent events that ``write`` makes of a stream's chunks (each API has its own event
     types). The first chunk is awaited before answering, so an error there (a full queue, a bad
-    grammar) gets its proper status. Later, a library error or a run past the timeout reaches
-    ``write`` as an ApiError raised by the chunks it iterates. Tokens are counted, and the stream
-    is closed (its slot freed) when the client goes away."""
+    grammar, the timeout) gets its proper status; a client that leaves meanwhile (its request
+    queued, or its prompt decoding) cancels the stream. Later, a library error or a run past the
+    timeout reaches ``write`` as an ApiError raised by the chunks it iterates. Tokens are
+    counted, and the stream is closed (its slot freed) when the client goes away."""
     deadline = stream.session.deadline  # set when the stream was made, with the timeout
+
+    def cancelled_error() -> ApiError:
+        return cancelled(state, deadline is not None and time.monotonic() >= deadline)
+
     chunks = aiter(stream)
     try:
-        first = await anext(chunks)
+        first = await until_disconnected(client, anext(chunks), stream.cancel)
     except LlamaError as error:
         raise from_llama_error(error) from error
+    if first.finish_reason == "cancelled":  # nothing was sent yet: a status, not an event
+        await chunks.aclose()
+        raise cancelled_error()
 
     async def checked() -> AsyncIterator[_Chunk]:
         chunk = first
         while True:
             if chunk.finish_reason == "cancelled":
-                raise cancelled(state, deadline is not None and time.monotonic() >= deadline)
+                raise cancelled_error()
             if chunk.finish_reason is not None and chunk.usage is not None:
                 used = chunk.usage
                 state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
@@ -138,7 +150,7 @@ async def generate(
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         chunks = await in_thread(stream)
-        return await sse(state, chunks, lambda chunk: chunk_json(chunk, alias), include)
+        return await sse(state, client, chunks, lambda chunk: chunk_json(chunk, alias), include)
     return result_json(await complete(state, client, create), alias)
 
 
@@ -146,7 +158,8 @@ async def complete(state: ServerState, client: Request, create: Callable[..., _R
     """A whole completion (``create`` takes ``cancel=``): 504 past the timeout, tokens counted,
     stopped early if the client goes away."""
     started = time.monotonic()
-    result = await until_disconnected(client, create)
+    cancel = threading.Event()
+    result = await until_disconnected(client, in_thread(create, cancel=cancel), cancel.set)
     if any(choice.finish_reason == "cancelled" for choice in result.choices):
         # The generation's deadline began after ``started``: past it, this is past too.
         raise cancelled(state, time.monotonic() - started >= state.settings.timeout)
@@ -155,13 +168,18 @@ async def complete(state: ServerState, client: Request, create: Callable[..., _R
     return cast(_Result, result)
 
 
-async def until_disconnected(
-    client: Request, create: Callable[..., Completion | ChatCompletion]
-) -> Completion | ChatCompletion:
-    """A whole completion, stopped early (and its slot freed) if the client goes away."""
-    cancel = threading.Event()
-    task = asyncio.ensure_future(in_thread(create, cancel=cancel))
-    while not (await asyncio.wait([task], timeout=0.25))[0]:
-        if not cancel.is_set() and await client.is_disconnected():
-            cancel.set()  # the generation ends "cancelled" within a step
-    return task.result()  # type: ignore[no-any-return]
+async def until_disconnected(client: Request, work: Awaitable[_T], stop: Callable[[], None]) -> _T:
+    """What ``work`` gives; ``stop`` is called once if the client goes away meanwhile (or this
+    wait is cancelled), and must make ``work`` end soon (a generation ends "cancelled" within
+    a step, and its slot is freed)."""
+    task = asyncio.ensure_future(work)
+    stopped = False
+    try:
+        while not (await asyncio.wait([task], timeout=_DISCONNECT_POLL_SECONDS))[0]:
+            if not stopped and await client.is_disconnected():
+                stop()
+                stopped = True
+    except asyncio.CancelledError:
+        stop()
+        raise
+    return task.result()
