@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import math
@@ -728,3 +729,33 @@ def test_settings_come_from_flags_and_environment() -> None:
         parse_settings(["m.gguf", "--pooling", "avg"], {})
     with pytest.raises(InvalidParameterError, match="no model"):
         parse_settings([], {})
+
+
+def test_a_failing_disconnect_watch_still_stops_the_work() -> None:
+    # Found by review: only a cancellation stopped the work; the watch raising otherwise left a
+    # generation running with nobody to read it.
+    from llamacrab.server._streaming import until_disconnected
+
+    stopped: list[bool] = []
+
+    class Client:
+        async def is_disconnected(self) -> bool:
+            raise RuntimeError("the watch failed")
+
+    async def main() -> None:
+        release = asyncio.Event()
+
+        async def work() -> None:
+            await release.wait()  # a generation, until it is stopped
+            raise ValueError("ended by the stop")
+
+        def stop() -> None:
+            stopped.append(True)
+            release.set()
+
+        with pytest.raises(RuntimeError, match="the watch failed"):
+            await until_disconnected(Client(), work(), stop)  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)  # the work ends; what it raised is nobody's
+
+    asyncio.run(main())
+    assert stopped == [True]

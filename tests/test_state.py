@@ -175,7 +175,7 @@ def test_checkpoints_travel_with_a_state_and_older_states_still_load(
     assert old == dataclasses.replace(state, kv_fingerprint=None)
     # ... but not into a Llama: it does not say what its memory was computed with. A prompt
     # cache finds its states by that fingerprint: an older one there is still reused.
-    with pytest.raises(StateError, match="does not record the adapters"):
+    with pytest.raises(StateError, match="records no KV fingerprint"):
         tiny_llama.load_state(old)
     cache = RamCache(capacity_bytes=64 << 20)
     with Llama(tiny_llama.model.path, n_ctx=128, cache=cache) as cached:

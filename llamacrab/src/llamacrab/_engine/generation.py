@@ -163,8 +163,9 @@ class KvState:
         settings, which the state records."""
         if state.kv_fingerprint is None:
             raise StateError(
-                "this state does not record the adapters and settings its memory was computed "
-                "with (saved by an older llamacrab, format 3 or before): save it again"
+                "this state records no KV fingerprint (the adapters and settings its memory was "
+                "computed with): saved by a llamacrab before state format 4, or built without "
+                "one; save it again"
             )
         self._load(state)
         self.computed_as = state.kv_fingerprint

@@ -179,7 +179,10 @@ async def until_disconnected(client: Request, work: Awaitable[_T], stop: Callabl
             if not stopped and await client.is_disconnected():
                 stop()
                 stopped = True
-    except asyncio.CancelledError:
-        stop()
+    except BaseException:  # cancelled, or the watch itself failed: nobody waits for ``work``
+        if not task.done():
+            stop()
+            # What it ends with is nobody's to raise (asyncio would log it as never retrieved).
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())
         raise
     return task.result()
