@@ -227,6 +227,32 @@ def test_post_lora_adapters_sets_the_default_scales(
         httpx.post(url + "/lora-adapters", json=[{"id": 0, "scale": 1.0}])
 
 
+def _generate(url: str, extra: dict[str, Any]) -> tuple[list[int], int, int]:
+    """A greedy /completion's tokens, how many were cached, and how many could have been."""
+    body = {"prompt": PROMPT, "n_predict": 10, "temperature": 0.0, "return_tokens": True}
+    answer = httpx.post(url + "/completion", json={**body, **extra}, timeout=60).json()
+    return answer["tokens"], answer["tokens_cached"], answer["tokens_evaluated"] - 1
+
+
+def _erase_all(url: str) -> None:
+    for slot in (0, 1):
+        assert httpx.post(url + f"/slots/{slot}?action=erase").status_code == 200
+
+
+def _saved(url: str, name: str, extra: dict[str, Any]) -> list[int]:
+    """Generate with ``extra`` and save the slot that did as ``name``; the tokens."""
+    _erase_all(url)
+    tokens = _generate(url, extra)[0]
+    (holder,) = [s["id"] for s in httpx.get(url + "/slots").json() if s["n_prompt_tokens"]]
+    answer = httpx.post(url + f"/slots/{holder}?action=save", json={"filename": name})
+    assert answer.status_code == 200, answer.text
+    return tokens
+
+
+def _restore(url: str, name: str, slot: int = 0) -> httpx.Response:
+    return httpx.post(url + f"/slots/{slot}?action=restore", json={"filename": name})
+
+
 def test_a_restored_slot_is_reused_only_with_the_adapters_it_was_computed_with(
     tiny_model_path: Path, files: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -236,32 +262,15 @@ def test_a_restored_slot_is_reused_only_with_the_adapters_it_was_computed_with(
                               lora=(str(files["lora"]),), slot_save_path=str(tmp_path))  # fmt: skip
     off = {"lora": [{"id": 0, "scale": 0.0}]}
 
-    def run(url: str, extra: dict[str, Any]) -> tuple[list[int], int, int]:
-        body = {"prompt": PROMPT, "n_predict": 10, "temperature": 0.0, "return_tokens": True}
-        answer = httpx.post(url + "/completion", json={**body, **extra}, timeout=60).json()
-        return answer["tokens"], answer["tokens_cached"], answer["tokens_evaluated"] - 1
-
-    def erase_all(url: str) -> None:
-        for slot in (0, 1):
-            assert httpx.post(url + f"/slots/{slot}?action=erase").status_code == 200
-
     def restored(url: str, name: str, extra: dict[str, Any]) -> tuple[list[int], int, int]:
-        erase_all(url)
-        answer = httpx.post(url + "/slots/0?action=restore", json={"filename": name})
+        _erase_all(url)
+        answer = _restore(url, name)
         assert answer.status_code == 200, answer.text
-        return run(url, extra)
-
-    def saved(url: str, name: str, extra: dict[str, Any]) -> list[int]:
-        erase_all(url)
-        tokens = run(url, extra)[0]
-        (holder,) = [s["id"] for s in httpx.get(url + "/slots").json() if s["n_prompt_tokens"]]
-        answer = httpx.post(url + f"/slots/{holder}?action=save", json={"filename": name})
-        assert answer.status_code == 200, answer.text
-        return tokens
+        return _generate(url, extra)
 
     for server in _running(settings):
         url = server.url
-        adapted, without = saved(url, "adapted", {}), saved(url, "without", off)
+        adapted, without = _saved(url, "adapted", {}), _saved(url, "without", off)
         assert adapted != without
         tokens, cached, reusable = restored(url, "without", {})
         assert (tokens, cached) == (adapted, 0)  # decoded again, with the adapter
@@ -269,7 +278,7 @@ def test_a_restored_slot_is_reused_only_with_the_adapters_it_was_computed_with(
         assert restored(url, "adapted", {}) == (adapted, reusable, reusable)
         # Saved under the default set, restored after the defaults changed.
         assert httpx.post(url + "/lora-adapters", json=[{"id": 0, "scale": 0.5}]).is_success
-        half = saved(url, "half", {})
+        half = _saved(url, "half", {})
         assert restored(url, "adapted", {})[:2] == (half, 0)
         assert restored(url, "adapted", {"lora": [{"id": 0, "scale": 1.0}]})[1] == reusable
     # After a restart without the adapter: the KV of the base model is the one to reuse.
@@ -277,7 +286,64 @@ def test_a_restored_slot_is_reused_only_with_the_adapters_it_was_computed_with(
                            slot_save_path=str(tmp_path))  # fmt: skip
     for server in _running(plain):
         assert restored(server.url, "without", {}) == (without, reusable, reusable)
-        assert restored(server.url, "adapted", {})[:2] == (without, 0)
+
+
+def test_a_slot_state_no_request_here_can_reuse_is_refused_naming_why(
+    tiny_model_path: Path, files: dict[str, Path], tmp_path: Path
+) -> None:
+    # Restored, such a state answered n_restored and was dropped by the next prompt.
+    lora, copied = files["lora"], tmp_path / "copied.gguf"
+    copied.write_bytes(lora.read_bytes())  # the same bytes elsewhere: another file
+    base = {"model": str(tiny_model_path), "n_ctx": 2 * 256, "n_threads": 2, "parallel": 2,
+            "slot_save_path": str(tmp_path)}  # fmt: skip
+    for server in _running(ServerSettings(**base, lora=(str(lora),))):
+        _saved(server.url, "adapted", {})
+        _saved(server.url, "half", {"lora": [{"id": 0, "scale": 0.5}]})
+        _saved(server.url, "none", {"lora": [{"id": 0, "scale": 0.0}]})
+    others = {
+        "LoRA adapter files (--lora": {"lora": (str(copied),)},
+        "control vectors (--control-vector": {"lora_scaled": (f"{lora}:0",),
+                                              "control_vectors": (str(files["cvec"]),)},
+        "KV settings (--flash-attn": {"lora": (str(lora),), "rope_freq_scale": 0.5},
+    }  # fmt: skip
+    for named, flags in others.items():
+        for server in _running(ServerSettings(**base, **flags)):
+            url = server.url
+            _erase_all(url)
+            held, _, reusable = _generate(url, {})
+            (holder,) = [s["id"] for s in httpx.get(url + "/slots").json() if s["n_prompt_tokens"]]
+            answer = _restore(url, "adapted", holder)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "slot_state_mismatch" and error["param"] == "filename"
+            assert named in error["message"] and "'adapted'" in error["message"]
+            assert _generate(url, {}) == (held, reusable, reusable)  # the slot as it was
+            # Computed without adapters: reusable with other LoRA files, not the rest.
+            assert _restore(url, "none").status_code == (200 if "LoRA" in named else 400)
+    # A per-request scale is not a mismatch: a request may ask for it again.
+    for server in _running(ServerSettings(**base, lora_scaled=(f"{lora}:0.25",))):
+        _erase_all(server.url)
+        assert _restore(server.url, "half").status_code == 200
+        _, cached, reusable = _generate(server.url, {"lora": [{"id": 0, "scale": 0.5}]})
+        assert cached == reusable > 0
+
+
+def test_unmatchable_tells_lora_files_apart_from_scales(
+    tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    # What the restore check above relies on, with several adapters: a memory computed with
+    # some of a context's LoRA files, at any scales, can be matched; one with another not.
+    lora = [(str(files[name]), 0.0) for name in ("lora", "lora2", "alora")]
+    with Llama(tiny_model_path, n_ctx=256, n_threads=2, lora=lora) as llm:
+        one, two, three = llm.adapters
+        context = llm.context
+        both = context.fingerprint({one: 0.3, two: -2.0, three: 0.0})
+        assert context.unmatchable(both, [one, two, three]) == []
+        assert context.unmatchable(both, [two, one]) == []
+        assert context.unmatchable(both, [one, three]) == ["LoRA files"]
+        assert context.unmatchable(both, []) == ["LoRA files"]
+        assert context.unmatchable(context.fingerprint({}), []) == []
+        assert context.unmatchable(context.fingerprint({three: 1.0}, 4), [three]) == []
 
 
 def test_control_vector_layers_outside_the_model_fail_the_load_clearly(

@@ -6,7 +6,7 @@ import hashlib
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -593,20 +593,43 @@ class Context(NativeHandle):
 
     def fingerprint(self, lora: Mapping[LoraAdapter, float], lora_start: int = 0) -> bytes:
         """What, besides the tokens, decides the KV memory computed with the adapters ``lora``
-        (from position ``lora_start`` on; before it without adapters)."""
-        digest = hashlib.sha256(self.model.identity)
-        for name in KV_SETTINGS:
-            digest.update(f"{name}={getattr(self.params, name)!r}\n".encode())
+        (from position ``lora_start`` on; before it without adapters). Its parts tell what a
+        fingerprint that matches none differs in (``unmatchable``): 4 bytes of the KV
+        settings, 4 of the control vector, 8 of the LoRA files (by identity, without scales),
+        then 16 of all of it with the model and the scales."""
+        settings = "".join(f"{name}={getattr(self.params, name)!r}\n" for name in KV_SETTINGS)
+        cvec = "cvec=none\n"
         if self._cvec is not None:
             vector, start, end = self._cvec
-            digest.update(f"cvec={vector.identity}@{start}..{end}\n".encode())
+            cvec = f"cvec={vector.identity}@{start}..{end}\n"
         # llama.cpp skips a zero scale; its order of application is its own, not ours.
         adapters = sorted((a.identity, float(s)) for a, s in lora.items() if s != 0)
-        for identity, scale in adapters:
-            digest.update(f"lora={identity}@{scale!r}\n".encode())
+        scales = "".join(f"lora={identity}@{scale!r}\n" for identity, scale in adapters)
         if adapters and lora_start:
-            digest.update(f"lora_start={lora_start}\n".encode())
-        return digest.digest()
+            scales += f"lora_start={lora_start}\n"
+        whole = hashlib.sha256(self.model.identity + (settings + cvec + scales).encode())
+        return b"".join((
+            _digest(settings, 4), _digest(cvec, 4),
+            _lora_files(identity for identity, _ in adapters).to_bytes(8, "little"),
+            whole.digest()[:16],
+        ))  # fmt: skip
+
+    def unmatchable(self, fingerprint: bytes, adapters: Iterable[LoraAdapter]) -> list[str]:
+        """What in ``fingerprint`` (a memory's, as ``fingerprint`` makes them) no memory
+        computed on this context can match, whatever the scales of ``adapters`` (the LoRA
+        files a prompt may use): "KV settings" (rope, KV types, flash attention, swa_full),
+        "control vector", "LoRA files" (one it was computed with is not among ``adapters``:
+        another file, or the same moved or changed). Empty where some memory can match."""
+        mine = self.fingerprint({})
+        differs = []
+        if fingerprint[:4] != mine[:4]:
+            differs.append("KV settings")
+        if fingerprint[4:8] != mine[4:8]:
+            differs.append("control vector")
+        recorded = int.from_bytes(fingerprint[8:16], "little")
+        if not _in_xor_span(recorded, [_lora_files([a.identity]) for a in adapters]):
+            differs.append("LoRA files")
+        return differs
 
     def remove_lora_adapter(self, adapter: LoraAdapter) -> None:
         if self.closed or (adapter not in self._adapters and adapter not in self._applied):
@@ -858,3 +881,30 @@ def _graph_sampling_pays(model: Model) -> bool:
 
 def _scope(seq_id: int | None) -> str:
     return "whole context" if seq_id is None else f"sequence {seq_id}"
+
+
+def _digest(text: str, size: int) -> bytes:
+    return hashlib.sha256(text.encode()).digest()[:size]
+
+
+def _lora_files(identities: Iterable[str]) -> int:
+    """The LoRA files a memory was computed with, as 64 bits: the XOR of each file's (so that
+    whether a recorded set is made of some of a context's files can be told, _in_xor_span)."""
+    combined = 0
+    for identity in identities:
+        combined ^= int.from_bytes(_digest(f"lora={identity}", 8), "little")
+    return combined
+
+
+def _in_xor_span(value: int, vectors: Iterable[int]) -> bool:
+    """Whether ``value`` is the XOR of some of ``vectors`` (none: 0). Gaussian elimination
+    over bits: a basis whose members each lead with a bit of their own, largest first."""
+    basis: list[int] = []
+    for vector in vectors:
+        for member in basis:
+            vector = min(vector, vector ^ member)  # clears ``member``'s leading bit if set
+        if vector:
+            basis = sorted([*basis, vector], reverse=True)
+    for member in basis:
+        value = min(value, value ^ member)
+    return value == 0

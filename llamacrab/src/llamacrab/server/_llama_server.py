@@ -56,6 +56,12 @@ _SLOT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _PARTIAL = ".partial"  # SavedState.save writes NAME.<random>.partial, then renames it
 _ASR_PROMPT = "Transcribe audio to text"  # llama-server's instruction
 _TRANSCRIPT_FORMATS = ("json", "text")
+# What Context.unmatchable names, with the flags that set it.
+_RESTORE_MISMATCH = {
+    "KV settings": "KV settings (--flash-attn, --cache-type-k/-v, --rope-*, --yarn-*)",
+    "control vector": "control vectors (--control-vector*)",
+    "LoRA files": "LoRA adapter files (--lora: one is not loaded here, moved or changed)",
+}
 _SLOT_ERRORS: dict[int | str, dict[str, Any]] = {
     **ERRORS, **{status: {"model": ErrorResponse} for status in (403, 409, 500, 501)}
 }  # fmt: skip
@@ -311,10 +317,27 @@ async def _restore(llama: Llama, id_slot: int, path: Path) -> dict[str, Any]:
         saved: SavedState = await in_thread(SavedState.load, path)
     except OSError as error:
         raise ApiError(500, f"could not read {path.name}: {error.strerror}") from error
+    _check_reusable(llama, saved, path.name)
     await in_thread(partial(llama.load_state, saved, slot=id_slot))
     return {"id_slot": id_slot, "filename": path.name, "n_restored": len(saved.tokens),
             "n_read": read,
             "timings": {"restore_ms": (time.perf_counter() - started) * 1000}}  # fmt: skip
+
+
+def _check_reusable(llama: Llama, saved: SavedState, name: str) -> None:
+    """400 for a state whose memory no request here can reuse (computed with KV settings, a
+    control vector or LoRA files this server does not have): restored, it was dropped by the
+    next prompt. Per-request LoRA scales are not a reason: a request may ask for them again.
+    A state of another model, or one that records no fingerprint, is ``load_state``'s to
+    refuse."""
+    if saved.kv_fingerprint is None or saved.model_id != llama.model.identity:
+        return
+    differs = llama.context.unmatchable(saved.kv_fingerprint, llama.adapters)
+    if differs:
+        other = " and ".join(_RESTORE_MISMATCH[what] for what in differs)
+        raise ApiError(400, f"the state in {name!r} was computed with other {other} than this "
+                       "server's: no request here could reuse it", param="filename",
+                       code="slot_state_mismatch")  # fmt: skip
 
 
 # -- transcriptions ------------------------------------------------------------------------------
