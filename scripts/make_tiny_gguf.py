@@ -37,8 +37,9 @@ FIM_TOKENS = {
 
 
 def vocabulary(fim: bool = False, rwkv: bool = False) -> tuple[list[str], list[float], list[int]]:
-    """``rwkv``: the bytes written as llama.cpp's RWKV tokenizer reads them (escapes)."""
-    tokens = ["<unk>", "<s>", "</s>"]
+    """``rwkv``: the bytes written as llama.cpp's RWKV tokenizer reads them (escapes), and
+    token 2 not spelt "</s>", which llama.cpp takes for an end-of-generation token by its text."""
+    tokens = ["<unk>", "<s>", "<pad>" if rwkv else "</s>"]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     tokens += [f"\\x{b:02x}" if rwkv else f"<0x{b:02X}>" for b in range(256)]
     types += [gguf.TokenType.BYTE] * 256
@@ -132,7 +133,8 @@ def write_tiny_llama(
     """Write the model; ``block_count`` and ``rms_eps`` may be set to invalid values on purpose
     (tests of files tampered with); ``fim`` adds fill-in-the-middle tokens; ``chat_templates``
     ({"": default, "name": variant}) become tokenizer.chat_template[.name];
-    ``no_end_tokens`` leaves the vocabulary without EOS, EOT (and BOS) tokens."""
+    ``no_end_tokens`` leaves the vocabulary without EOS, EOT (and BOS) tokens, and without
+    end-of-generation tokens but fim's pad, repo and file-separator tokens (llama.cpp's)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     _metadata(writer, block_count, rms_eps, fim, no_end_tokens)
     for name, template in (chat_templates or {}).items():

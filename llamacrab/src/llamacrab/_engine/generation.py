@@ -32,6 +32,7 @@ from llamacrab._native.batch import Batch
 from llamacrab._native.claims import Flag
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import EndGeneration
+from llamacrab._native.grammar_sampler import GrammarComplete
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
 from llamacrab._native.state import SavedState, StateCheckpoint
@@ -587,7 +588,8 @@ class Emitter:
 
     def sample(self, context: Context, samplers: Samplers, index: int, produced: int) -> Step:
         """Sample from output ``index``; an end-of-generation token ends with "eos" (it is not
-        output), a stop string or a Python sampler's EndGeneration with "stop"."""
+        output), as a complete grammar does on a vocabulary without one; a stop string or a
+        Python sampler's EndGeneration with "stop"."""
         request = self.request
         try:
             token = samplers.sample(
@@ -595,6 +597,8 @@ class Emitter:
             )
         except EndGeneration:  # a Python sampler's stop rule: this token is not output
             return Step(self.rest(), None, "stop")
+        except GrammarComplete:  # where an end token, had the vocabulary one, would be picked
+            return Step(self.rest(), None, "eos")
         logprob, top = None, None
         top_ids: tuple[int, ...] = ()
         top_bytes: tuple[bytes, ...] = ()

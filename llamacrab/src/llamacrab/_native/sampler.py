@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -20,14 +19,23 @@ from llamacrab._field_types import (
     check_range,
     is_number,
 )
-from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
+from llamacrab._native.call import c_string, call, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
+from llamacrab._native.grammar_sampler import (
+    COMPLETE,
+    NOTHING_ALLOWED,
+    GrammarComplete,
+    GrammarDeadEnd,
+    GrammarEnd,
+    grammar_call,
+    grammar_sampler,
+    refused,
+)
 from llamacrab._native.greedy import NO_TOKEN_LEFT, NOTHING_TO_PICK, BiasedArgmax, banned_tokens
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.infill_end import check_infill_end
-from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model
 from llamacrab._native.signals import held_signals
 from llamacrab_sys import python_sampler
@@ -245,6 +253,13 @@ class SamplerChain(NativeHandle):
             len(self._bridges) + bool(options.logit_bias) if options.grammar is not None else None
         )
         self._end_tokens = frozenset(model.vocab.eog_tokens)
+        # Without an end token to allow, a grammar at its end allows nothing (GrammarEnd).
+        self._grammar_end = (
+            GrammarEnd(model.vocab, options.grammar, options.grammar_root,
+                       options.grammar_trigger_words)
+            if options.grammar is not None and not self._end_tokens
+            else None
+        )  # fmt: skip
         self._bans = banned_tokens(options.logit_bias)  # the tokens a pick must never be
         # How many of the last tokens accepted the penalties and DRY keep (in ring buffers).
         windows = {"penalties": options.penalty_last_n, "dry": options.dry_penalty_last_n}
@@ -311,7 +326,24 @@ class SamplerChain(NativeHandle):
         """Pick a token from the logits of output ``index`` and accept it into the chain state
         (attached: read the token the graph sampled, and accept it). ``banned``: more tokens
         forbidden at this pick (int32, in the vocabulary), for a chain that ``takes_banned``
-        only. Raises when the bans leave no token (see ``_allowed``)."""
+        only. Raises when the bans leave no token (see ``_allowed``); GrammarComplete (a
+        GrammarError) where an end-of-generation token would be the only pick and the
+        vocabulary has none: the grammar's text is complete."""
+        try:
+            token = self._sample(context, index, banned)
+        except GrammarDeadEnd as dead_end:
+            if self._grammar_end is None:
+                raise
+            with self.in_flight():  # the model's vocabulary stays
+                if not self._grammar_end.may_end():
+                    raise
+            self._dead_end = COMPLETE  # its state may hold a token refused after its pick
+            raise GrammarComplete(COMPLETE) from dead_end
+        if self._grammar_end is not None:
+            self._grammar_end.tokens.append(token)
+        return token
+
+    def _sample(self, context: Context, index: int, banned: np.ndarray | None) -> int:
         if banned is not None and not self.takes_banned:
             raise InvalidParameterError(
                 "banned tokens need a greedy or top_k-first chain on the CPU"
@@ -343,7 +375,7 @@ class SamplerChain(NativeHandle):
                     )  # fmt: skip
                 return self._allowed(_finite(logits, token, index))
             token = int(self._advance("llama_sampler_sample", chain, ctx, index,
-                                      dead_end=_NO_TOKEN_LEFT))  # fmt: skip
+                                      dead_end=NOTHING_ALLOWED))  # fmt: skip
             if not self.in_graph:  # (the graph copies out no logits to look at)
                 _finite(logits, token, index)
         self._raise_python_error()
@@ -361,7 +393,7 @@ class SamplerChain(NativeHandle):
         if not (banned or banner) or (self.options.infill and ends):
             return token
         if self._grammar_at is not None:  # as the grammar says it when its pick is refused
-            raise GrammarError(_NO_TOKEN_LEFT)
+            raise GrammarDeadEnd(NOTHING_ALLOWED)
         if banner is not None:
             raise InvalidParameterError(
                 f"{NOTHING_TO_PICK}: logit_bias and {banner.shown_name} together ban every token"
@@ -383,6 +415,8 @@ class SamplerChain(NativeHandle):
                 dead_end=f"the grammar does not allow the text from the trigger word that "
                 f"token {token} completes",
             )
+        if self._grammar_end is not None:
+            self._grammar_end.tokens.append(token)
         self._raise_python_error()
 
     def accept_prompt(self, tokens: Sequence[int]) -> None:
@@ -433,7 +467,7 @@ class SamplerChain(NativeHandle):
         stacks, and the grammar's next use would abort on them: the chain refuses until
         ``reset``."""
         try:
-            return _grammar_call(name, *args, dead_end=dead_end)
+            return grammar_call(name, *args, dead_end=dead_end)
         except GrammarError as error:
             self._dead_end = str(error)
             raise
@@ -443,8 +477,6 @@ class SamplerChain(NativeHandle):
         does not fit, and aborts the process for an end-of-generation token that comes before
         the grammar is complete. Its apply is the same test without either: it sets the
         token's logit to -inf unless the grammar allows it here (or a lazy grammar waits)."""
-        candidate = ffi.new("llama_token_data[1]", [(token, 0.0, 0.0)])
-        candidates = ffi.new("llama_token_data_array *", (candidate, 1, -1, False))
         grammar = lib.llama_sampler_chain_get(chain, self._grammar_at)
         if grammar == ffi.NULL:
             raise NativeError(
@@ -452,8 +484,7 @@ class SamplerChain(NativeHandle):
                 lib.LLAMACRAB_UNKNOWN_EXCEPTION,
                 "the chain has no sampler where its grammar was put",
             )
-        _grammar_call("llama_sampler_apply", grammar, candidates)
-        if candidates.data[0].logit != -math.inf:
+        if not refused(grammar, np.array([token], dtype=np.int32))[0]:
             return
         if token in self._end_tokens:
             raise GrammarError(
@@ -470,6 +501,8 @@ class SamplerChain(NativeHandle):
         with self.in_flight() as chain:
             call("llama_sampler_reset", chain)
         self._dead_end = None  # the grammar starts over from its root
+        if self._grammar_end is not None:
+            self._grammar_end.tokens.clear()
         self._raise_python_error()
 
     def _raise_python_error(self) -> None:
@@ -489,36 +522,6 @@ def _finite(logits: Any, token: int, index: int) -> int:
             status=0,
         )
     return token
-
-
-# What llama.cpp throws when a token accepted ends every parse: sampled, the grammar allowed
-# no candidate at all (its tokens all banned, or none in the vocabulary spells what it needs);
-# accepted by the caller, the token was one the grammar does not allow.
-_DEAD_END = "Unexpected empty grammar stack"
-_NO_TOKEN_LEFT = (
-    "the grammar allows no token here: every token it could take was ruled out (by logit_bias "
-    "or a ban) or no token of the vocabulary spells what it needs"
-)
-
-
-# What the llama-grammar-stack-bound patch's count is, and both ways a grammar reaches it.
-_TOO_MANY_READINGS = (
-    " (a parse stack is one way the grammar can read the text so far, and it holds them all "
-    "at once: a rule that can start over inside itself multiplies them with every token, and "
-    "a very wide alternation keeps one for each of its choices that the text still fits)"
-)
-
-
-def _grammar_call(name: str, *args: Any, dead_end: str = _NO_TOKEN_LEFT) -> Any:
-    """``call`` for the sampling entry points, where a grammar can hit the bound of
-    llamacrab-sys's llama-grammar-stack-bound patch on the ways it reads the text at once,
-    or every parse end (``dead_end`` says how)."""
-    try:
-        return call_bounded(name, *args, refusal=GrammarError, explain=_TOO_MANY_READINGS)
-    except NativeError as error:
-        if not error.message.startswith(_DEAD_END):
-            raise
-        raise GrammarError(f"{dead_end} (llama.cpp: {error.message})") from error
 
 
 class _EndBan(CustomSampler):
@@ -616,7 +619,12 @@ class Samplers:
             self.ban.active = not end_allowed
             if self.ban.active and self.main.takes_banned:
                 banned = self.ban.end_tokens
-        token = self.main.sample(context, index, banned)
+        try:
+            token = self.main.sample(context, index, banned)
+        except GrammarComplete as complete:
+            if end_allowed:
+                raise
+            raise GrammarError(f"{complete}, before min_tokens were generated") from complete
         # An end token picked while min_tokens bans it (-inf) means nothing else was left.
         return self.main._allowed(token, end_banned=self.ban is not None and self.ban.active)
 
@@ -667,32 +675,6 @@ def _checked(sampler: Any, what: str) -> Any:
     return sampler
 
 
-_REGEX_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}]")
-
-
-def _grammar(model: Model, options: SamplingOptions) -> Any:
-    assert options.grammar is not None
-    check_grammar(options.grammar)
-    check_trigger_words(options.grammar_trigger_words)
-    vocab = model.vocab.pointer
-    grammar = c_string(options.grammar, "grammar")
-    root = c_string(options.grammar_root, "grammar_root")
-    log_lines.take_errors()
-    if options.grammar_trigger_words:
-        # llama.cpp takes regular expressions: a trigger word must match only itself.
-        patterns = [_REGEX_SPECIAL.sub(r"\\\g<0>", w) for w in options.grammar_trigger_words]
-        words = [ffi.new("char[]", c_string(p, "trigger word")) for p in patterns]
-        c_words = ffi.new("const char *[]", words)
-        sampler = call("llama_sampler_init_grammar_lazy_patterns", vocab, grammar, root,
-                       c_words, len(words), ffi.NULL, 0)  # fmt: skip
-    else:
-        sampler = call("llama_sampler_init_grammar", vocab, grammar, root)
-    if sampler == ffi.NULL:
-        reason = log_lines.take_errors() or "see the llamacrab logger"
-        raise GrammarError(f"invalid grammar: {reason}")
-    return sampler
-
-
 def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> Iterator[Any]:
     """The samplers of the chain, in order; the last one picks the token. Each is handed to the
     chain as soon as it exists, so an error part-way leaks nothing."""
@@ -710,7 +692,9 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
             call("llama_sampler_init_logit_bias", n_vocab, len(bias), bias), "logit_bias"
         )
     if o.grammar is not None:
-        yield _grammar(model, o)
+        check_grammar(o.grammar)
+        check_trigger_words(o.grammar_trigger_words)
+        yield grammar_sampler(model.vocab, o.grammar, o.grammar_root, o.grammar_trigger_words)
     if o.greedy:
         for name in greedy_filters(o):
             yield _checked(_filter(model, o, name, seed), name)

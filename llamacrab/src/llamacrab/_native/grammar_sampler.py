@@ -1,0 +1,146 @@
+"""llama.cpp's grammar sampler: made from GBNF, called with its errors translated, and asked
+where its text may end when the vocabulary has no end-of-generation token to end it with."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from llamacrab._exceptions import GrammarError, NativeError
+from llamacrab._native.call import c_string, call, call_bounded, ffi, lib
+from llamacrab._native.custom_sampler import TOKEN_DATA
+from llamacrab._native.logging import log_lines
+from llamacrab._native.signals import held_signals
+from llamacrab._native.vocab import Vocab
+
+T = TypeVar("T")
+
+_REGEX_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}]")
+
+
+def grammar_sampler(vocab: Vocab, grammar: str, root: str, trigger_words: Sequence[str]) -> Any:
+    """A new grammar sampler, for the caller to hand to a chain or free; lazy (waiting for
+    one of ``trigger_words``) when there are any."""
+    grammar_text = c_string(grammar, "grammar")
+    root_name = c_string(root, "grammar_root")
+    log_lines.take_errors()
+    if trigger_words:
+        # llama.cpp takes regular expressions: a trigger word must match only itself.
+        patterns = [_REGEX_SPECIAL.sub(r"\\\g<0>", w) for w in trigger_words]
+        words = [ffi.new("char[]", c_string(p, "trigger word")) for p in patterns]
+        c_words = ffi.new("const char *[]", words)
+        sampler = call("llama_sampler_init_grammar_lazy_patterns", vocab.pointer, grammar_text,
+                       root_name, c_words, len(words), ffi.NULL, 0)  # fmt: skip
+    else:
+        sampler = call("llama_sampler_init_grammar", vocab.pointer, grammar_text, root_name)
+    if sampler == ffi.NULL:
+        reason = log_lines.take_errors() or "see the llamacrab logger"
+        raise GrammarError(f"invalid grammar: {reason}")
+    return sampler
+
+
+class GrammarDeadEnd(GrammarError):
+    """The grammar allows no token the chain could pick."""
+
+
+class GrammarComplete(GrammarDeadEnd):
+    """The grammar's text is complete and nothing may follow it, on a vocabulary without an
+    end-of-generation token: one would be the only pick. A generation ends here, as it does
+    at an end token."""
+
+
+# What llama.cpp throws when a token accepted ends every parse: sampled, the grammar allowed
+# no candidate at all (its tokens all banned, or none in the vocabulary spells what it needs);
+# accepted by the caller, the token was one the grammar does not allow.
+_DEAD_END = "Unexpected empty grammar stack"
+NOTHING_ALLOWED = (
+    "the grammar allows no token here: every token it could take was ruled out (by logit_bias "
+    "or a ban) or no token of the vocabulary spells what it needs"
+)
+COMPLETE = (
+    "the grammar is complete: nothing may follow the text it accepted, and the model's "
+    "vocabulary has no end-of-generation token to end with"
+)
+
+# What the llama-grammar-stack-bound patch's count is, and both ways a grammar reaches it.
+_TOO_MANY_READINGS = (
+    " (a parse stack is one way the grammar can read the text so far, and it holds them all "
+    "at once: a rule that can start over inside itself multiplies them with every token, and "
+    "a very wide alternation keeps one for each of its choices that the text still fits)"
+)
+
+
+def grammar_call(name: str, *args: Any, dead_end: str = NOTHING_ALLOWED) -> Any:
+    """``call`` for the sampling entry points, where a grammar can hit the bound of
+    llamacrab-sys's llama-grammar-stack-bound patch on the ways it reads the text at once,
+    or every parse end (``dead_end`` says how)."""
+    try:
+        return call_bounded(name, *args, refusal=GrammarError, explain=_TOO_MANY_READINGS)
+    except NativeError as error:
+        if not error.message.startswith(_DEAD_END):
+            raise
+        raise GrammarDeadEnd(f"{dead_end} (llama.cpp: {error.message})") from error
+
+
+def refused(grammar: Any, tokens: np.ndarray) -> np.ndarray:
+    """Which of ``tokens`` (int32 ids) ``grammar`` does not allow next: its apply sets their
+    logits to -inf (a lazy grammar waiting for its trigger allows every token)."""
+    candidates = np.zeros(len(tokens), dtype=TOKEN_DATA)
+    candidates["id"] = tokens
+    data = ffi.from_buffer("llama_token_data[]", candidates)
+    array = ffi.new("llama_token_data_array *", (data, len(tokens), -1, False))
+    grammar_call("llama_sampler_apply", grammar, array)
+    refusals: np.ndarray = candidates["logit"] == -np.inf
+    return refusals
+
+
+class GrammarEnd:
+    """Whether a grammar that allows no token may end there, for a vocabulary with no
+    end-of-generation token. llama.cpp's grammar allows an end token exactly where its text
+    may end; with none in the vocabulary, a complete text leaves it nothing to allow, as a dead
+    end does. Asked there, this replays the tokens the grammar accepted into a copy of it, to
+    find a token T it does not allow next, and into the grammar followed by T's text: that
+    one allows T exactly where the grammar's text may end (the grammar cannot take T, nor a
+    part of it with all of T's text still to follow)."""
+
+    def __init__(self, vocab: Vocab, grammar: str, root: str, trigger_words: Sequence[str]):
+        self.vocab, self.grammar, self.root = vocab, grammar, root
+        self.trigger_words = trigger_words
+        self.tokens: list[int] = []  # accepted by the grammar since it started (or a reset)
+
+    def may_end(self) -> bool:
+        everything = np.arange(self.vocab.n_tokens, dtype=np.int32)
+        not_next = self._replayed(self.grammar, self.root, lambda g: refused(g, everything))
+        found = next(filter(None, map(self._text, everything[not_next].tolist())), None)
+        if found is None:  # it allows every token that has a text: not at its end
+            return False
+        token, text = found
+        rule = "llamacrab-end-probe"
+        while rule in self.grammar:
+            rule += "-"
+        literal = "".join(f"\\U{ord(char):08X}" for char in text)
+        probe = f'{self.grammar}\n{rule} ::= {self.root} "{literal}"\n'
+        alone = np.array([token], dtype=np.int32)
+        return not self._replayed(probe, rule, lambda g: refused(g, alone))[0]
+
+    def _text(self, token: int) -> tuple[int, str] | None:
+        """``token`` and its text as the grammar reads it, if it reads one (a NUL ends it)."""
+        try:
+            text = self.vocab.token_to_bytes(token, special=True).decode("utf-8")
+        except UnicodeDecodeError:  # part of a character
+            return None
+        return (token, text) if text and "\0" not in text else None
+
+    def _replayed(self, grammar: str, root: str, use: Callable[[Any], T]) -> T:
+        """``use`` of a new sampler of ``grammar`` that accepted the tokens, then freed."""
+        with held_signals():  # nothing lands between the sampler and its free
+            sampler = grammar_sampler(self.vocab, grammar, root, self.trigger_words)
+            try:
+                for token in self.tokens:
+                    grammar_call("llama_sampler_accept", sampler, token)
+                return use(sampler)
+            finally:
+                lib.llama_sampler_free(sampler)

@@ -1,0 +1,123 @@
+"""A grammar's end on a model whose vocabulary has no end-of-generation token: llama.cpp's
+grammar allows only an end token where its text is complete, so there it allowed no token at
+all, and generation raised GrammarError where a model with one ends (finish_reason "eos",
+"stop" through the OpenAI-style APIs). A grammar at a real dead end still raises."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamacrab import (
+    Batch,
+    Context,
+    ContextParams,
+    GrammarError,
+    Llama,
+    SamplerChain,
+    SamplingOptions,
+)
+from llamacrab.compat import Llama as CompatLlama
+from llamacrab.compat import LlamaGrammar
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+
+CAT = 'root ::= " cat"'  # complete after " cat": nothing may follow
+CAT_DOG = 'root ::= "cat" " dog"?'  # may end after "cat", or go on with " dog"
+TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def endless_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("endless") / "no-end.gguf"
+    return Path(tiny.write_tiny_llama(path, no_end_tokens=True, chat_templates={"": TEMPLATE}))
+
+
+@pytest.fixture(scope="module")
+def endless(endless_path: Path) -> Iterator[Llama]:
+    with Llama(endless_path, n_ctx=128, n_threads=2) as llm:
+        assert llm.vocab.eog_tokens == ()  # nothing for the grammar to allow at its end
+        yield llm
+
+
+def space_banned(llm: Llama) -> dict[int, float]:
+    return dict.fromkeys(llm.vocab.tokenize(" ", add_special=False), float("-inf"))
+
+
+def test_a_complete_grammar_ends_the_generation(endless: Llama) -> None:
+    result = endless.create_completion("the", grammar=CAT, max_tokens=16, temperature=0)
+    assert (result.text, result.choices[0].finish_reason) == (" cat", "eos")
+    sampled = endless.create_completion("the", grammar=CAT, max_tokens=16, seed=3)
+    assert (sampled.text, sampled.choices[0].finish_reason) == (" cat", "eos")
+    chunks = list(endless.stream_completion("the", grammar=CAT, max_tokens=16, temperature=0))
+    assert "".join(chunk.text for chunk in chunks) == " cat"
+    assert chunks[-1].finish_reason == "eos"
+    chat = endless.create_chat_completion(
+        [{"role": "user", "content": "the"}], grammar=CAT, max_tokens=16, temperature=0
+    )
+    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (" cat", "eos")
+    # One that may go on does, until nothing may follow.
+    longer = endless.create_completion("the", grammar=CAT_DOG, max_tokens=32, temperature=0)
+    assert (longer.text, longer.choices[0].finish_reason) == ("cat dog", "eos")
+
+
+def test_the_compat_api_finishes_with_stop(endless_path: Path) -> None:
+    with CompatLlama(str(endless_path), n_ctx=128, n_threads=2, verbose=False) as llm:
+        grammar = LlamaGrammar.from_string(CAT, verbose=False)
+        whole = llm.create_completion("the", grammar=grammar, max_tokens=16, temperature=0)
+        assert whole["choices"][0]["text"] == " cat"
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        streamed = list(
+            llm.create_completion("the", grammar=grammar, max_tokens=16, temperature=0, stream=True)
+        )
+        assert "".join(chunk["choices"][0]["text"] for chunk in streamed) == " cat"
+        assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_grammar_that_may_end_ends_where_its_continuation_is_banned(endless: Llama) -> None:
+    """With an end token the grammar would allow it after "cat": the end, not an error."""
+    result = endless.create_completion(
+        "the", grammar=CAT_DOG, logit_bias=space_banned(endless), max_tokens=16, temperature=0
+    )
+    assert (result.text, result.choices[0].finish_reason) == ("cat", "eos")
+
+
+def test_a_dead_end_is_still_an_error(endless: Llama) -> None:
+    with pytest.raises(GrammarError, match="allows no token here"):
+        endless.create_completion(
+            "the", grammar=CAT, logit_bias=space_banned(endless), max_tokens=16, temperature=0
+        )
+    with pytest.raises(GrammarError, match="before min_tokens"):
+        endless.create_completion("the", grammar=CAT, min_tokens=8, max_tokens=16)
+    # The model goes on working.
+    assert endless.create_completion("the", grammar=CAT, max_tokens=16).text == " cat"
+
+
+def test_a_chain_at_a_complete_grammar_refuses_until_reset(endless_path: Path) -> None:
+    """SamplerChain used directly: the same end, as a GrammarError; a lazy grammar too, which
+    starts at its trigger word."""
+    llm = Llama(endless_path, n_ctx=64, n_threads=2)
+    model = llm.model
+    with Context(model, ContextParams(n_ctx=64)) as context, Batch(8) as batch:
+        batch.set(np.array(model.vocab.tokenize("the", add_special=False), np.int32), 0)
+        context.decode(batch)
+        chain = SamplerChain(
+            model,
+            SamplingOptions(grammar='root ::= "cat."', grammar_trigger_words=("cat",), seed=1),
+        )
+        for _ in range(2):
+            for token in model.vocab.tokenize("a cat.", add_special=False):
+                chain.accept(token)
+            with pytest.raises(GrammarError, match="the grammar is complete"):
+                chain.sample(context)
+            with pytest.raises(GrammarError, match=r"reset\(\)"):
+                chain.sample(context)
+            chain.reset()
+        assert 0 <= chain.sample(context) < model.vocab.n_tokens  # waiting for "cat" again
+        chain.close()
+    llm.close()
