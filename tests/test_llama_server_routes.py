@@ -736,6 +736,23 @@ def test_slot_actions_name_a_slot_and_an_action(slots_server: LiveServer) -> Non
         assert answer.status_code == 400, (bad, answer.text)
 
 
+def test_a_slot_file_name_held_by_a_directory_is_a_400(
+    slots_server: LiveServer, slot_dir: Path
+) -> None:
+    # Restoring from it, or saving over it, was a 500 (IsADirectoryError).
+    url = slots_server.url
+    name = f"d-{uuid.uuid4().hex}.bin"
+    (slot_dir / name).mkdir()
+    for action in ("restore", "save"):
+        answer = httpx.post(url + f"/slots/0?action={action}", json={"filename": name})
+        assert answer.status_code == 400, (action, answer.text)
+        error = answer.json()["error"]
+        assert error["param"] == "filename" and error["code"] == "invalid_filename"
+        assert "is a directory" in error["message"]
+    assert (slot_dir / name).is_dir() and not any((slot_dir / name).iterdir())
+    assert not [p for p in slot_dir.iterdir() if p.name.startswith(name + ".")]  # no partial
+
+
 @pytest.mark.real_model
 def test_a_restored_slot_reuses_its_prompt(one_slot_server: LiveServer, slot_dir: Path) -> None:
     url = one_slot_server.url

@@ -288,10 +288,23 @@ def _slot_file(directory: str, filename: str | None) -> Path:
                        "'_' or '-', starting with a letter or digit, without '..' or a path",
                        param="filename", code="invalid_filename")  # fmt: skip
     path = Path(directory) / filename
-    if path.is_symlink():
-        raise ApiError(400, f"{filename} is a symbolic link; slot files are plain files",
+    kind = _not_plain(path)
+    if kind is not None:
+        raise ApiError(400, f"{filename} is {kind}; slot files are plain files",
                        param="filename", code="invalid_filename")  # fmt: skip
     return path
+
+
+def _not_plain(path: Path) -> str | None:
+    """What ``path`` is where it is there but not a plain file: a save over a directory
+    failed as a 500, a restore from it was a 404, one from a FIFO would hang."""
+    if path.is_symlink():
+        return "a symbolic link"
+    if path.is_dir():
+        return "a directory"
+    if path.exists() and not path.is_file():
+        return "a special file"
+    return None
 
 
 async def _save(llama: Llama, id_slot: int, path: Path) -> dict[str, Any]:
