@@ -171,6 +171,28 @@ def test_every_answer_names_its_request_where_the_sdks_read_it() -> None:
     assert claude.models.with_raw_response.list().request_id.startswith("req_")
 
 
+def test_a_bugs_500_carries_the_cors_headers_of_the_other_answers() -> None:
+    # Starlette answers it outside every middleware: a browser saw a CORS failure, not the 500.
+    browser = {"Origin": ORIGIN}
+    for origins, regex in (((ORIGIN,), None), (("*",), None), ((), r"https://app\.example")):
+        app = create_app(ServerSettings(model="absent.gguf", cors_origins=origins,
+                                        cors_origin_regex=regex))  # fmt: skip
+        app.add_api_route("/boom", _boom)
+        client = TestClient(app, raise_server_exceptions=False)
+        crashed = client.get("/boom", headers=browser)
+        assert crashed.status_code == 500 and "a bug" in crashed.json()["error"]["message"]
+        assert crashed.headers["access-control-allow-origin"] in (ORIGIN, "*"), origins
+        assert "Origin" in crashed.headers["vary"]
+        assert _cors_headers(client.get("/boom")) == set()  # no Origin: no CORS headers
+        if origins != ("*",):
+            other = client.get("/boom", headers={"Origin": "https://evil.example"})
+            assert other.status_code == 500 and _cors_headers(other) == set()
+    off = create_app(ServerSettings(model="absent.gguf"))
+    off.add_api_route("/boom", _boom)
+    crashed = TestClient(off, raise_server_exceptions=False).get("/boom", headers=browser)
+    assert crashed.status_code == 500 and _cors_headers(crashed) == set()
+
+
 def test_errors_that_would_repeat_tell_the_sdks_not_to_retry() -> None:
     client = _app()  # nothing loads: the generating routes answer 503 "still loading"
     loading = client.post("/v1/completions", json={"prompt": "hi"})

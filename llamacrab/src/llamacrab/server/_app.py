@@ -25,7 +25,7 @@ from llamacrab._types import ChatCompletion, ChatCompletionChunk
 from llamacrab.server import _legacy_functions as legacy_functions
 from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic import add_anthropic_routes
-from llamacrab.server._cors import CorsMiddleware
+from llamacrab.server._cors import CorsMiddleware, cors_headers
 from llamacrab.server._errors import (
     ApiError,
     error_response,
@@ -164,7 +164,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         # goes to the log: Starlette raises the error again once this has answered).
         internal = ApiError(500, f"internal server error: {type(error).__name__}: {error}")
         answer = await api_error(request, internal)
-        answer.headers.update(id_headers(request.scope))
+        answer.headers.update({**id_headers(request.scope), **cors_headers(request.scope)})
         return answer
 
 
