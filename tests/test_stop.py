@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
-from llamacrab import Llama
+from llamacrab import InvalidParameterError, Llama
 from llamacrab._engine.stop import StopMatcher
+from llamacrab.compat import Llama as CompatLlama
+from llamacrab.server import ServerSettings
+from llamacrab.server._app import create_app
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:
@@ -96,3 +102,66 @@ def test_a_chat_completion_names_the_stop_string_that_ended_it(tiny_llama: Llama
     chunks = list(tiny_llama.stream_chat_completion(messages, stop=[later, first], **greedy))
     assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_sequence == first
     assert all(c.stop_sequence is None for c in chunks[:-1])
+
+
+EMPTY, SURROGATE = "empty stop string", "which UTF-8 cannot encode"
+UNMATCHABLE = [("", EMPTY), (["x", ""], EMPTY), ("\ud800", SURROGATE), (["a\udc00b"], SURROGATE)]
+
+
+def _drained(chunks: AsyncIterator[Any]) -> Callable[[], object]:
+    async def drain() -> list[Any]:
+        return [chunk async for chunk in chunks]
+
+    return lambda: asyncio.run(drain())
+
+
+@pytest.mark.parametrize(("stop", "why"), UNMATCHABLE)
+def test_a_stop_string_that_cannot_match_is_refused(
+    tiny_llama: Llama, tiny_model_path: Path, stop: str | list[str], why: str
+) -> None:
+    """An empty one was dropped (llamacrab.compat refused it), one with an unpaired surrogate
+    accepted though no UTF-8 text holds one: both are refused wherever ``stop`` is taken."""
+    messages = [{"role": "user", "content": "the cat"}]
+    options: dict[str, Any] = {"stop": stop, "max_tokens": 2}
+    chat = {**options, "chat_format": "chatml"}
+    calls: dict[str, Callable[[], object]] = {
+        "completion": lambda: tiny_llama.create_completion("the cat", **options),
+        "stream": lambda: list(tiny_llama.stream_completion("the cat", **options)),
+        "async": lambda: _drained(tiny_llama.astream_completion("the cat", **options))(),
+        "chat": lambda: tiny_llama.create_chat_completion(messages, **chat),
+        "chat stream": lambda: list(tiny_llama.stream_chat_completion(messages, **chat)),
+        "async chat": lambda: _drained(tiny_llama.astream_chat_completion(messages, **chat))(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidParameterError, match=why):
+            call()
+            pytest.fail(f"{name} took stop={stop!r}")
+    with CompatLlama(str(tiny_model_path), n_ctx=64, chat_format="chatml", verbose=False) as compat:
+        for call in (
+            lambda: compat("the cat", **options),
+            lambda: list(compat("the cat", stream=True, **options)),
+            lambda: compat.create_chat_completion(messages, **options),
+        ):
+            with pytest.raises(InvalidParameterError, match=rf"stop=.*{why}"):
+                call()
+    assert tiny_llama.create_completion("the cat", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_server_refuses_an_empty_stop_string(tiny_model_path: Path) -> None:
+    """(An unpaired surrogate does not get through its JSON parsing.)"""
+    settings = ServerSettings(model=str(tiny_model_path))
+    chat = {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2}
+    requests = [
+        ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "stop": ["x", ""]}),
+        ("/v1/chat/completions", {**chat, "stop": ""}),
+        ("/completion", {"prompt": "the cat", "n_predict": 2, "stop": [""]}),
+        ("/v1/messages", {**chat, "model": "tiny", "stop_sequences": [""]}),
+    ]
+    with (
+        Llama(tiny_model_path, n_ctx=64, n_threads=2, chat_format="chatml") as llm,
+        TestClient(create_app(settings, llm)) as client,
+    ):
+        for path, body in requests:
+            answer = client.post(path, json=body)
+            assert answer.status_code == 400, (path, answer.text)
+            assert EMPTY in answer.text, (path, answer.text)

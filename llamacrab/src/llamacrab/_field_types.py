@@ -25,7 +25,7 @@ from typing import Any, TypeGuard, TypeVar, cast
 
 import numpy as np
 
-from llamacrab._exceptions import InvalidParameterError
+from llamacrab._exceptions import InvalidParameterError, LlamaError
 
 INT32_MIN, INT32_MAX, UINT32_MAX = -(2**31), 2**31 - 1, 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # past it a C float is infinite
@@ -44,6 +44,41 @@ def check_range(name: str, value: int | None, low: int, high: int) -> None:
         or not low <= value <= high
     ):
         raise InvalidParameterError(f"{name} must be an integer in {low}..{high}, not {value!r}")
+
+
+def utf8(text: str, what: str, error: type[LlamaError] = InvalidParameterError) -> bytes:
+    """``text`` in UTF-8, or ``error`` naming ``what``: a str can hold a lone surrogate (JSON's
+    "\\ud800", a file name decoded with surrogateescape), which has no UTF-8."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(
+            f"{what} is not valid Unicode: an unpaired surrogate {text[exc.start]!r} at "
+            f"character {exc.start}"
+        ) from None
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``stop`` (one string, several, or None for none) as a tuple of strings that can end a
+    generation. Refused: an empty one, which would match before any text, and one holding an
+    unpaired surrogate, which no generated text can (it is decoded from UTF-8, which cannot
+    encode one)."""
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    for text in stops:
+        if not isinstance(text, str):
+            raise InvalidParameterError(f"stop strings are text, not {_shown(text)}")
+        if not text:
+            raise InvalidParameterError(
+                "an empty stop string would match before any text: a stop string needs at "
+                "least one character"
+            )
+        try:
+            utf8(text, f"the stop string {text!r}")
+        except InvalidParameterError as error:
+            raise InvalidParameterError(
+                f"{error}, which UTF-8 cannot encode: no generated text can match it"
+            ) from None
+    return stops
 
 
 def file_path(what: str, path: object) -> Path:

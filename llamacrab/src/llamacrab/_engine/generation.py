@@ -26,7 +26,7 @@ from llamacrab._exceptions import (
     LlamaError,
     StateError,
 )
-from llamacrab._field_types import check_field_types
+from llamacrab._field_types import check_field_types, stop_strings
 from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.claims import Flag
@@ -90,6 +90,7 @@ class Request:
 
     def check(self, n_ctx: int) -> None:
         check_field_types(self, skip={"prompt"})  # (tokens checked against the vocabulary)
+        stop_strings(self.stop)
         if not self.prompt:
             raise InvalidParameterError("the prompt is empty (no tokens to decode)")
         if len(self.prompt) >= n_ctx:

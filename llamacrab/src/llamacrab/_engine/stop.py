@@ -9,7 +9,7 @@ class StopMatcher:
     """Feed text as it is generated; get back what is safe to emit now."""
 
     def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = [s for s in stops if s]
+        self._stops = list(stops)  # none empty (stop_strings)
         self._pending = ""
         self.stopped = False
         self.remainder = ""  # the text from the stop string on, once stopped

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from llamacrab._exceptions import InvalidParameterError, LlamaError, NativeError
+from llamacrab._field_types import utf8
 from llamacrab_sys import ffi, lib
 
 _local = threading.local()
@@ -42,18 +43,6 @@ def call_bounded(name: str, *args: Any, refusal: type[LlamaError], explain: str 
         if not error.message.startswith(PATCH_REFUSAL):
             raise
         raise refusal(error.message.removeprefix(PATCH_REFUSAL) + explain) from error
-
-
-def utf8(text: str, what: str, error: type[LlamaError] = InvalidParameterError) -> bytes:
-    """``text`` in UTF-8, or ``error`` naming ``what``: a str can hold a lone surrogate (JSON's
-    "\\ud800", a file name decoded with surrogateescape), which has no UTF-8."""
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise error(
-            f"{what} is not valid Unicode: an unpaired surrogate {text[exc.start]!r} at "
-            f"character {exc.start}"
-        ) from None
 
 
 def c_string(text: str, what: str) -> bytes:

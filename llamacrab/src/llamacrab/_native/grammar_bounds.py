@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llamacrab._exceptions import GrammarError
-from llamacrab._native.call import utf8
+from llamacrab._field_types import utf8
 from llamacrab._native.gbnf_structure import skip_quoted
 from llamacrab._native.grammar_fanout import check_grammar_fanout
 

@@ -11,7 +11,8 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, TokenizeError
-from llamacrab._native.call import call, ffi, lib, utf8
+from llamacrab._field_types import utf8
+from llamacrab._native.call import call, ffi, lib
 from llamacrab._native.handle import NativeHandle
 
 _PIECE_BUFFER = 64

@@ -34,7 +34,7 @@ from llamacrab import (
     Stream,
     ToolCall,
 )
-from llamacrab._field_types import checked
+from llamacrab._field_types import checked, stop_strings
 from llamacrab._types import common_prefix
 from llamacrab.compat import _convert as convert
 from llamacrab.compat._chat_inputs import (
@@ -1148,14 +1148,12 @@ def _max_tokens(max_tokens: int | None) -> int | None:
 
 
 def _stops(stop: str | Sequence[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if "" in stops:
-        # llama-cpp-python finds an empty stop string before the first token and returns no
-        # text; dropping it instead would change the answer silently.
-        raise UnsupportedParameterError([f"stop={stop!r} (an empty stop string)"])
-    return stops
+    try:
+        return list(stop_strings(stop))
+    except InvalidParameterError as error:
+        # An empty one, where llama-cpp-python ends before the first token with no text, or
+        # one no text can match: llamacrab refuses both (and honours neither here).
+        raise UnsupportedParameterError([f"stop={stop!r} ({error})"]) from None
 
 
 def _tool_choice(
