@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 
 from llamacrab import Batch, ContextOverflowError, InvalidParameterError, Llama
+from llamacrab.compat import Llama as CompatLlama
+from llamacrab.server import ServerSettings
+from llamacrab.server._app import create_app
 
 from support import REPO, load_repo_module
 
@@ -98,6 +104,53 @@ def test_long_prompt_on_a_non_causal_model_is_split_not_aborted(minilm: Llama) -
     assert not minilm.model.causal
     with pytest.raises(ContextOverflowError):
         minilm.context.decode(_full_batch(600))
+
+
+NO_HEAD = r"is an embedding model \(bert: an encoder without a language-model head\)"
+
+
+def test_an_embedding_model_refuses_to_generate(minilm: Llama, minilm_path: Path) -> None:
+    """MiniLM (BERT) has no language-model head: llama.cpp leaves its logits at zero, and a
+    completion answered "" (greedy) or [unusedNN] tokens (sampled)."""
+    chat = [{"role": "user", "content": "hi"}]
+
+    async def drained(stream: Any) -> list[Any]:
+        return [chunk async for chunk in stream]
+
+    calls: dict[str, Callable[[], object]] = {
+        "greedy": lambda: minilm.create_completion("hello", max_tokens=4, temperature=0),
+        "sampled": lambda: minilm.create_completion("hello", max_tokens=4, seed=1),
+        "stream": lambda: list(minilm.stream_completion("hello", max_tokens=4)),
+        "async": lambda: asyncio.run(drained(minilm.astream_completion("hello"))),
+        "chat": lambda: minilm.create_chat_completion(chat, chat_format="chatml"),
+        "chat stream": lambda: list(minilm.stream_chat_completion(chat, chat_format="chatml")),
+        "infill": lambda: minilm.create_infill("def f(", "):"),
+        "infill stream": lambda: list(minilm.stream_infill("def f(", "):")),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidParameterError, match=NO_HEAD):
+            call()
+            pytest.fail(f"{name} generated")
+    with CompatLlama(str(minilm_path), embedding=True, chat_format="chatml",
+                     verbose=False) as compat:  # fmt: skip
+        with pytest.raises(InvalidParameterError, match=NO_HEAD):
+            compat("hello", max_tokens=4)
+        with pytest.raises(InvalidParameterError, match=NO_HEAD):
+            compat.create_chat_completion(chat)
+        assert len(compat.embed("hello")) == 384
+    # A server started without --embeddings hands the request to the model.
+    with TestClient(create_app(ServerSettings(model=str(minilm_path)), minilm)) as client:
+        refused = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        assert refused.status_code == 400
+        assert "is an embedding model (bert" in refused.json()["error"]["message"]
+    assert minilm.embed("hello").shape == (1, 384)
+
+
+def test_a_decoder_with_embeddings_on_still_generates(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, embeddings=True, n_ctx=64, n_threads=2) as llm:
+        result = llm.create_completion("the cat", max_tokens=3, min_tokens=3, temperature=0)
+        assert result.usage.completion_tokens == 3
+        assert llm.embed("the cat", pooling="mean").shape == (1, llm.model.n_embd_out)
 
 
 def _full_batch(n: int) -> Batch:

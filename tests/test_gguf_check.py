@@ -798,8 +798,9 @@ def test_a_model_saying_it_is_an_adapter_is_still_checked(tmp_path: Path) -> Non
 
 CHILD = textwrap.dedent("""
     import sys
+    import numpy as np
     import llamacrab._native.model
-    from llamacrab import Llama, LlamaError
+    from llamacrab import Batch, Llama, LlamaError
     from llamacrab._native.gguf_check import _read_file
     from llamacrab._native.vocab import Vocab
     if sys.argv[2] == "unchecked":  # the header read, nothing checked
@@ -807,7 +808,12 @@ CHILD = textwrap.dedent("""
         Vocab.check_usable = lambda self: None
     try:
         with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:
-            llm.create_completion("the cat", max_tokens=1)
+            if llm.model.computes_logits:
+                llm.create_completion("the cat", max_tokens=1)
+            else:  # an embedding model: no generation, its decode alone
+                with Batch(64) as batch:
+                    batch.set(np.array(llm.tokenize("the cat"), np.int32), 0)
+                    llm.context.decode(batch)
         print("loaded")
     except LlamaError as error:
         print(type(error).__name__, error)

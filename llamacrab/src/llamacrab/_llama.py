@@ -21,7 +21,12 @@ from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._features.chat import chat_completion, chat_request
 from llamacrab._features.checkpoint_hints import last_sentence_start
-from llamacrab._features.completion import Completer, check_speculation, completion_prompt
+from llamacrab._features.completion import (
+    Completer,
+    check_generates,
+    check_speculation,
+    completion_prompt,
+)
 from llamacrab._features.embeddings import DEFAULT_PACK_TOKENS, Embeddings
 from llamacrab._features.hub import HubOptions, ResolvedModel
 from llamacrab._features.hub import resolve as resolve_model
@@ -462,6 +467,7 @@ class Llama:
         limits: InfillLimits | None = None,
     ) -> list[int]:
         """The tokens ``create_infill`` decodes for these arguments (the model's FIM layout)."""
+        check_generates(self.model)  # before its FIM tokens are looked for
         return infill_tokens(self.vocab, prefix, suffix, spm=spm, repo=repo, files=files,
                              file_name=file_name, limits=limits or InfillLimits())  # fmt: skip
 

@@ -10,6 +10,7 @@ from llamacrab._chat.media_parts import extract_media, has_media
 from llamacrab._chat.options import ChatOptions
 from llamacrab._chat.prompt import chat_prompt, presents_tools, template_source
 from llamacrab._features.checkpoint_hints import suffix_start
+from llamacrab._features.completion import check_generates
 from llamacrab._features.media import MediaInput
 from llamacrab._native.media import Media
 from llamacrab._native.model import Model
@@ -27,6 +28,7 @@ def chat_request(
 ) -> tuple[list[int] | Chunks, dict[str, Any]]:
     """The prompt (tokens, or chunks with media) and the completion keywords. Tools the
     template cannot present go in llama.cpp's generic format (none for tool_choice "none")."""
+    check_generates(model)  # before the template: an embedding model rarely has one
     source = template_source(model, chat_format)
     tools = options.tools
     if tools and not presents_tools(source):

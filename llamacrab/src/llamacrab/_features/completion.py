@@ -72,6 +72,17 @@ def completion_prompt(
     return Prompt(tokens, vocab.detokenize(tokens))
 
 
+def check_generates(model: Model) -> None:
+    """Refuse to generate from a model that computes no logits: llama.cpp leaves them at
+    zero, and a generation of an embedding model answered "" (greedy) or [unusedNN] tokens."""
+    if not model.computes_logits:
+        raise InvalidParameterError(
+            f"{model.path.name} is an embedding model ({model.arch}: an encoder without a "
+            "language-model head), which cannot generate text: use embed() (or rerank() for "
+            "a reranker) with it, and a text-generation model for completions and chat"
+        )
+
+
 def check_speculation(model: Model) -> None:
     """Speculative decoding drops rejected drafts from the memory: before any decode, refuse a
     model whose memory cannot (it used to fail at the first rejected draft, mid-answer)."""
@@ -230,6 +241,7 @@ class Completer:
         suffix: str,
     ) -> Stream[CompletionChunk]:
         """``speculation``: the call's own choice and the Llama's default."""
+        check_generates(self.model)
         if self.kv.context.held_here():
             # On the engine thread it would wait for itself; on one slot, supersede the
             # generation it is called from.

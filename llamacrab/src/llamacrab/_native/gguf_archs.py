@@ -175,3 +175,12 @@ GLM_DSA_FULL_INDEXER_TENSORS = ("indexer.attn_q_b", "indexer.attn_k", "indexer.p
 # (glm4.cpp / glm4-moe.cpp: rope.dimension_sections[0] and [1] > 0, hparams.use_mrope()).
 TOKENS_ONLY = frozenset({"graniteswitch"})
 EMBEDDINGS_NEED_MROPE = frozenset({"glm4", "glm4moe"})
+
+# Graphs that compute no logits, only the embeddings (an encoder without a language-model
+# head): llama.cpp leaves a decode's logits unwritten, and a "generation" samples from zeros.
+# src/models/<arch>.cpp without res->t_logits, with the graphs others use: bert's (jina-bert-v2
+# and -v3, nomic-bert and -moe), llama's graph<true> (llama-embed), t5's graph<true> (t5encoder).
+NO_LOGITS = frozenset({
+    "bert", "eurobert", "gemma-embedding", "jina-bert-v2", "jina-bert-v3", "llama-embed",
+    "modern-bert", "neo-bert", "nomic-bert", "nomic-bert-moe", "t5encoder", "wavtokenizer-dec",
+})  # fmt: skip

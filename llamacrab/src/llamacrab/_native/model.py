@@ -22,6 +22,7 @@ from llamacrab._field_types import (
     is_number,
 )
 from llamacrab._native import backend as _backend
+from llamacrab._native import gguf_archs as archs
 from llamacrab._native.call import c_path, c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import accelerator_present, warn_if_no_gpu
 from llamacrab._native.gguf_check import split_parts, validate_gguf
@@ -337,6 +338,17 @@ class Model(NativeHandle):
         """False for encoder-style models (BERT): they attend both ways within a sequence."""
         arch = self.metadata.get("general.architecture", "")
         return self.metadata.get(f"{arch}.attention.causal", "true") != "false"
+
+    @property
+    def arch(self) -> str:
+        """The architecture's name (``general.architecture``: "llama", "gemma3", "bert", ...)."""
+        return self.metadata.get("general.architecture", "")
+
+    @property
+    def computes_logits(self) -> bool:
+        """False for an embedding model whose graph ends without a language-model head (BERT,
+        gemma-embedding, ...): it has nothing to generate from (gguf_archs.NO_LOGITS)."""
+        return self.arch not in archs.NO_LOGITS
 
     @functools.cached_property
     def identity(self) -> bytes:
