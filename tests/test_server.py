@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -437,6 +440,77 @@ def test_a_stream_whose_client_leaves_while_queued_never_takes_a_slot(tiny_path:
     finally:
         gate.open.set()
         llama.close()
+
+
+def test_a_client_that_leaves_is_counted_as_closed_not_as_a_server_error(tiny_path: Path) -> None:
+    # Its stopped generation answered 503 shutting_down (to nobody), and /metrics counted a
+    # server error for every client that gave up.
+    gate = Gate()
+    llama = Llama(tiny_path, n_ctx=256, parallel=1)
+    scheduler = llama.scheduler
+    assert scheduler is not None
+
+    def answered(path: str) -> dict[str, int]:
+        metrics = httpx.get(server.url + "/metrics").text
+        found = re.findall(rf'llamacrab_requests_total{{route="{path}",status="(\d+)"}} (\d+)',
+                           metrics)  # fmt: skip
+        return {status: int(count) for status, count in found}
+
+    try:
+        for server in _running(ServerSettings(model=str(tiny_path)), llama):
+            holder = threading.Thread(target=lambda: llama.create_completion(
+                "x", max_tokens=2, custom_samplers=(gate,)))  # fmt: skip
+            holder.start()
+            wait_for(lambda: scheduler.busy_slots == 1)  # it holds the only slot
+            for path, body in STREAMS.items():  # a stream leaves the queue at once
+                connection = _sent(server.url, path, {**body, "stream": True})
+                wait_for(lambda: scheduler.queue_depth == 1)
+                connection.close()
+                wait_for(lambda at=path: answered(at) != {})  # type: ignore[misc]
+            # A whole answer is dropped from the queue when the engine next looks.
+            connections = [_sent(server.url, path, body) for path, body in STREAMS.items()]
+            wait_for(lambda: scheduler.queue_depth == len(STREAMS))
+            for connection in connections:
+                connection.close()
+            wait_for(lambda: all(job.session.stopped() for job in scheduler.waiting))
+            gate.open.set()
+            holder.join(timeout=30)
+            for path in STREAMS:
+                wait_for(lambda at=path: sum(answered(at).values()) == 2)  # type: ignore[misc]
+                assert answered(path) == {"499": 2}, path
+    finally:
+        gate.open.set()
+        llama.close()
+
+
+def test_a_request_left_unanswered_after_its_client_left_counts_as_closed() -> None:
+    # A request forwarded to an isolated model's process ends so: it was counted as a 500.
+    from llamacrab.server._guards import MetricsMiddleware
+    from llamacrab.server._metrics import Metrics
+
+    async def leaves(scope: Any, receive: Any, send: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def fails(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("a bug")
+
+    async def main(app: Any) -> None:
+        messages = iter([{"type": "http.request", "body": b""}, {"type": "http.disconnect"}])
+
+        async def receive() -> dict[str, Any]:
+            return next(messages)
+
+        async def send(message: Any) -> None:
+            raise AssertionError("nothing is sent")
+
+        with contextlib.suppress(RuntimeError):
+            await MetricsMiddleware(app, metrics)({"type": "http", "path": "/x"}, receive, send)
+
+    metrics = Metrics()
+    asyncio.run(main(leaves))
+    asyncio.run(main(fails))
+    assert dict(metrics.requests) == {("unmatched", 499): 1, ("unmatched", 500): 1}
 
 
 class Turnstile(CustomSampler):

@@ -115,6 +115,17 @@ def model_closed() -> ApiError:
                     "shutting down or the model was unloaded", code="shutting_down")  # fmt: skip
 
 
+# nginx's status for a request whose client closed the connection before the answer: it is
+# never sent (no one reads it), but counted, and a 5xx would blame the server.
+CLIENT_CLOSED = 499
+
+
+def client_closed() -> ApiError:
+    """A request whose client left before its answer (its generation was stopped)."""
+    return ApiError(CLIENT_CLOSED, "the client closed the connection before the answer",
+                    code="client_closed")  # fmt: skip
+
+
 def from_llama_error(error: LlamaError) -> ApiError:
     """The status a library error deserves: bad input 400, busy 503, the rest 500."""
     if isinstance(error, ContextOverflowError):

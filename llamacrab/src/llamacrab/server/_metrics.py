@@ -3,7 +3,8 @@
 Requests are counted by route *template* (the matched route's path, e.g.
 ``/v1/chat/completions``; ``unmatched`` for a path no route serves), never by the raw request
 path: a client must not be able to grow the label set or write into the exposition text.
-Label values are escaped as the text format requires all the same.
+Label values are escaped as the text format requires all the same. A request whose client left
+before its answer counts with status 499 (nginx's "client closed request"), not as a 5xx.
 
 Beside llamacrab's own ``llamacrab_*`` metrics, the ones of llama-server's that llamacrab can
 count are offered under llama-server's names (``llamacpp:prompt_tokens_total`` and the rest,

@@ -17,7 +17,7 @@ from llamacrab import Stream
 from llamacrab._exceptions import LlamaError
 from llamacrab._types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from llamacrab.server import _wire as wire
-from llamacrab.server._errors import ApiError, from_llama_error, model_closed
+from llamacrab.server._errors import ApiError, client_closed, from_llama_error, model_closed
 from llamacrab.server._schemas import ErrorResponse, GenerationFields
 from llamacrab.server._sse import sse_json
 from llamacrab.server._state import ServerState
@@ -95,6 +95,9 @@ async def sse_events(
         first = await until_disconnected(client, anext(chunks), stream.cancel)
     except LlamaError as error:
         raise from_llama_error(error) from error
+    except ApiError:  # the client left
+        await chunks.aclose()
+        raise
     if first.finish_reason == "cancelled":  # nothing was sent yet: a status, not an event
         await chunks.aclose()
         raise cancelled_error()
@@ -171,7 +174,8 @@ async def complete(state: ServerState, client: Request, create: Callable[..., _R
 async def until_disconnected(client: Request, work: Awaitable[_T], stop: Callable[[], None]) -> _T:
     """What ``work`` gives; ``stop`` is called once if the client goes away meanwhile (or this
     wait is cancelled), and must make ``work`` end soon (a generation ends "cancelled" within
-    a step, and its slot is freed)."""
+    a step, and its slot is freed). A client that went away gets ``client_closed`` (499)
+    once ``work`` ended, not what it ended with."""
     task = asyncio.ensure_future(work)
     stopped = False
     try:
@@ -182,7 +186,15 @@ async def until_disconnected(client: Request, work: Awaitable[_T], stop: Callabl
     except BaseException:  # cancelled, or the watch itself failed: nobody waits for ``work``
         if not task.done():
             stop()
-            # What it ends with is nobody's to raise (asyncio would log it as never retrieved).
-            task.add_done_callback(lambda done: done.cancelled() or done.exception())
+            task.add_done_callback(_unread)
         raise
+    if stopped:
+        _unread(task)
+        raise client_closed()
     return task.result()
+
+
+def _unread(task: asyncio.Future[Any]) -> None:
+    """What ``task`` ended with is nobody's to raise (asyncio would log it as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
