@@ -210,6 +210,40 @@ def test_a_request_naming_an_unknown_adapter_is_a_400(lora_server: LiveServer) -
     assert response.status_code == 400
 
 
+def test_a_lora_scale_that_overflows_the_logits_is_a_400_naming_it(
+    lora_server: LiveServer, tiny_model_path: Path, files: dict[str, Path]
+) -> None:
+    # The logits came out NaN (the library's DecodeError) and every route answered 500.
+    url, huge = lora_server.url, [{"id": 0, "scale": 1e30}]
+    said = [{"role": "user", "content": PROMPT}]
+    requests = [
+        ("/completion", {"prompt": PROMPT, "n_predict": 4}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": said, "max_tokens": 4}),
+        ("/v1/responses", {"input": PROMPT, "max_output_tokens": 4}),
+    ]
+    for path, body in requests:
+        for stream in (False, True):
+            answer = httpx.post(url + path, json={**body, "lora": huge, "stream": stream},
+                                timeout=60)  # fmt: skip
+            assert answer.status_code == 400, (path, stream, answer.text)
+            error = answer.json()["error"]
+            assert error["param"] == "lora" and error["code"] == "lora_scale_overflow"
+            assert "adapter 0 at scale 1e+30" in error["message"], error
+    claude = httpx.post(url + "/v1/messages", json={"model": "tiny", "messages": said,
+                                                    "max_tokens": 4, "lora": huge})  # fmt: skip
+    assert claude.status_code == 400 and "scale 1e+30" in claude.json()["error"]["message"]
+    # Not a number at all: refused before anything runs.
+    for scale in (b"NaN", b"Infinity", b"1e999"):
+        body = b'{"prompt": "hi", "lora": [{"id": 0, "scale": %s}]}' % scale
+        answer = httpx.post(url + "/v1/completions", content=body,
+                            headers={"content-type": "application/json"})  # fmt: skip
+        assert answer.status_code == 400, (scale, answer.text)
+    # The slots serve on, from memory computed with the scales asked for.
+    text = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=60)
+    assert text.json()["choices"][0]["text"] == _reference(tiny_model_path, files)["default"]
+
+
 def test_post_lora_adapters_sets_the_default_scales(
     lora_server: LiveServer, tiny_model_path: Path, files: dict[str, Path]
 ) -> None:

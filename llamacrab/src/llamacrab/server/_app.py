@@ -51,6 +51,7 @@ from llamacrab.server._models import (
     status_json,
 )
 from llamacrab.server._request_id import RequestIdMiddleware, id_headers
+from llamacrab.server._requested_lora import RequestedLoraMiddleware
 from llamacrab.server._responses import add_responses_routes
 from llamacrab.server._schemas import (
     ChatCompletionRequest,
@@ -109,6 +110,7 @@ def create_app(
         app.add_middleware(ModelLeaseMiddleware, registry=state.registry, router=app.router,
                            timeout=settings.timeout, free_paths=_docs_paths(app))  # fmt: skip
         add_model_routes(app, state.registry, state.created)
+    app.add_middleware(RequestedLoraMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if settings.api_keys:

@@ -12,9 +12,11 @@ from starlette.responses import JSONResponse
 from llamacrab._exceptions import (
     ClosedHandleError,
     ContextOverflowError,
+    DecodeError,
     LlamaError,
     QueueFullError,
 )
+from llamacrab.server._requested_lora import requested_scales
 
 # 409: a slot busy generating; llama-server calls a resource busy for now "unavailable".
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -127,7 +129,8 @@ def client_closed() -> ApiError:
 
 
 def from_llama_error(error: LlamaError) -> ApiError:
-    """The status a library error deserves: bad input 400, busy 503, the rest 500."""
+    """The status a library error deserves: bad input 400 (logits that overflowed under the
+    request's own LoRA scales too), busy 503, the rest 500."""
     if isinstance(error, ContextOverflowError):
         sizes = {"n_prompt_tokens": error.n_prompt_tokens, "n_ctx": error.n_ctx}
         details = {k: v for k, v in sizes.items() if v is not None}
@@ -136,6 +139,12 @@ def from_llama_error(error: LlamaError) -> ApiError:
         return ApiError(503, str(error), code="server_busy")
     if isinstance(error, ClosedHandleError):
         return model_closed()
+    if isinstance(error, DecodeError) and error.status == 0 and requested_scales():
+        scales = ", ".join(f"adapter {index} at scale {scale:g}"
+                           for index, scale in requested_scales())  # fmt: skip
+        return ApiError(400, f"the model's logits overflowed (NaN) with the LoRA scales this "
+                        f"request asked for ({scales}): ask for smaller ones", param="lora",
+                        code="lora_scale_overflow")  # fmt: skip
     if isinstance(error, ValueError):  # InvalidParameterError, GrammarError, TemplateError, ...
         return ApiError(400, str(error))
     return ApiError(500, f"{type(error).__name__}: {error}")

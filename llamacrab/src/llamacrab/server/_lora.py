@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from llamacrab import ConcurrentUseError
 from llamacrab._llama import Llama
 from llamacrab.server._errors import ApiError
+from llamacrab.server._requested_lora import ask_for
 from llamacrab.server._schemas import LoraEntry
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, in_thread
@@ -22,7 +23,9 @@ def request_lora(entries: list[LoraEntry] | None, llama: Llama) -> dict[str, Any
     the others off. Absent or empty: the default scales (nothing to pass)."""
     if not entries:
         return {}
-    return {"lora": _scales(entries, llama)}
+    scales = _scales(entries, llama)
+    ask_for({entry.id: entry.scale for entry in entries})  # an overflow is then the client's
+    return {"lora": scales}
 
 
 def _scales(entries: list[LoraEntry], llama: Llama) -> dict[Any, float]:
