@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -98,9 +99,79 @@ def test_messages_are_checked(templated: Llama) -> None:
     assert templated.chat_prompt(parts) == "<s><user>Hi!</s><assistant>"
     # An assistant's refusal part (OpenAI's SDK types it) is what it said.
     refused = [*parts, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}]
-    assert templated.chat_prompt(refused).startswith("<s><user>Hi!</s><assistant>No.</s>")
+    closed = templated.chat_prompt(refused, prefill_assistant=False)
+    assert closed.startswith("<s><user>Hi!</s><assistant>No.</s>")
+    assert templated.chat_prompt(refused) == "<s><user>Hi!</s><assistant>No."  # continued
     with pytest.raises(InvalidParameterError, match="'refusal'"):
         templated.chat_prompt([{"role": "user", "content": [{"type": "refusal"}]}])
+
+
+OPENED = [*HELLO, {"role": "assistant", "content": "Hello, I"}]
+PREFILLED = "<s><system>Be brief.</s><user>Hi!</s><assistant>Hello, I"
+
+
+def test_a_last_assistant_message_is_continued(templated: Llama) -> None:
+    """As llama-server continues it (an assistant "prefill"): the turns before it with the
+    generation prompt, then its text, no end of turn; the answer is what follows that text.
+    The chat closed that turn and opened a new one (the model said it again)."""
+    assert templated.chat_prompt(OPENED) == PREFILLED
+    assert templated.chat_prompt(OPENED, prefill_assistant=False) == PREFILLED + "</s><assistant>"
+    tokens = templated.tokenize(PREFILLED, add_special=False, parse_special=True)
+    assert chat_tokens(templated.model, templated._media, OPENED, None) == tokens
+    templated.reset()
+    expected = templated.create_completion(tokens, max_tokens=4, temperature=0)
+    templated.reset()
+    answer = templated.create_chat_completion(OPENED, max_tokens=4, temperature=0)
+    assert answer.text == expected.text and answer.usage.prompt_tokens == len(tokens)
+    assert templated.count_chat_tokens(OPENED) == len(tokens)
+    templated.reset()
+    streamed = templated.stream_chat_completion(OPENED, max_tokens=4, temperature=0)
+    assert "".join(chunk.delta.content for chunk in streamed) == expected.text
+    closed = templated.tokenize(PREFILLED + "</s><assistant>", add_special=False,
+                                parse_special=True)  # fmt: skip
+    assert templated.count_chat_tokens(OPENED, prefill_assistant=False) == len(closed)
+    # An empty one continues nothing: the prompt is the one without it.
+    empty = [*HELLO, {"role": "assistant", "content": ""}]
+    assert templated.chat_prompt(empty) == templated.chat_prompt(HELLO)
+    # An assistant message alone is a turn, as before.
+    alone = [{"role": "assistant", "content": "Hello"}]
+    assert templated.chat_prompt(alone) == "<s><assistant>Hello</s><assistant>"
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "options", "words"),
+    [
+        ([*OPENED, OPENED[-1]], {}, "two assistant messages"),
+        ([*HELLO, {"role": "assistant", "tool_calls": [{"id": "1"}]}], {}, "tool calls"),
+        ([*HELLO, {"role": "assistant", "content": [{"type": "image_url"}]}], {}, "text only"),
+        # A grammar for the whole answer would have to take the prefill in.
+        (OPENED, {"response_format": {"type": "json_object"}}, "response_format"),
+        (OPENED, {"tools": [TOOL]}, "cannot present"),  # the generic format: JSON answers
+    ],
+)
+def test_what_cannot_be_continued_is_refused(
+    templated: Llama, messages: list[dict[str, Any]], options: dict[str, Any], words: str
+) -> None:
+    for call in (templated.count_chat_tokens, templated.create_chat_completion):
+        with pytest.raises(InvalidParameterError, match=words):
+            call(messages, max_tokens=1, **options)
+    if options:  # closed, as before, it is a turn like any other
+        templated.count_chat_tokens(messages, prefill_assistant=False, **options)
+
+
+def test_continued_formats_that_leave_the_prefill_free(templated: Llama) -> None:
+    # Tools left out ("none"); an empty prefill, which a format may shape from its start.
+    hidden = templated.create_chat_completion(OPENED, tools=[TOOL], tool_choice="none",
+                                              max_tokens=2, temperature=0)  # fmt: skip
+    assert hidden.usage.prompt_tokens == templated.count_chat_tokens(OPENED)
+    empty = [*HELLO, {"role": "assistant", "content": ""}]
+    shaped = templated.create_chat_completion(
+        empty, response_format={"type": "json_object"}, max_tokens=1
+    )
+    assert shaped.text.startswith("{")
 
 
 def test_chat_template_kwargs_are_template_variables(tiny_llama: Llama) -> None:

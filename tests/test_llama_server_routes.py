@@ -503,6 +503,29 @@ def test_apply_template_is_the_chat_prompt(gemma_server: LiveServer, gemma: Llam
         assert bad.status_code == 400 and "assistant" in bad.json()["error"]["message"]
 
 
+@pytest.mark.real_model
+def test_chat_continues_a_last_assistant_message(gemma_server: LiveServer) -> None:
+    """As llama-server does (its default --prefill-assistant), on the prompt /apply-template
+    shows: the answer goes on from the message's text. The route closed that turn and opened
+    a new one (26 prompt tokens, and the model said the text again)."""
+    url = gemma_server.url
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]  # fmt: skip
+    prompt = httpx.post(url + "/apply-template", json={"messages": messages}).json()["prompt"]
+    expected = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": 2,
+                                                     "temperature": 0}).json()  # fmt: skip
+    body = {"messages": messages, "max_tokens": 2, "temperature": 0}
+    answer = httpx.post(url + "/v1/chat/completions", json=body).json()
+    assert answer["usage"]["prompt_tokens"] == expected["tokens_evaluated"] == 21  # as native's
+    assert answer["choices"][0]["message"]["content"] == expected["content"] == " Paris."
+    streamed = events(httpx.post(url + "/v1/chat/completions", json={**body, "stream": True}).text)
+    deltas = [e["choices"][0]["delta"].get("content") or "" for e in streamed if e["choices"]]
+    assert "".join(deltas) == " Paris."
+    shaped = httpx.post(url + "/v1/chat/completions",
+                        json={**body, "response_format": {"type": "json_object"}})  # fmt: skip
+    assert shaped.status_code == 400 and "prefill" in shaped.json()["error"]["message"]
+
+
 # A template that reads llama-server's usual chat_template_kwargs, as Qwen 3's and gpt-oss's do.
 THINKING = (
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"

@@ -12,7 +12,7 @@ import numpy as np
 
 from llamacrab._chat.media_parts import MediaPolicy
 from llamacrab._chat.options import ChatOptions
-from llamacrab._chat.prompt import chat_prompt, template_kwargs
+from llamacrab._chat.prompt import answer_prompt, assistant_prefill, template_kwargs
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.generation import Request, Session
 from llamacrab._engine.scheduler import Scheduler
@@ -327,11 +327,14 @@ class Llama:
         chat_format: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        prefill_assistant: bool = True,
     ) -> str:
         """The prompt text a chat completion would send for ``messages`` (and ``tools``, and
-        ``chat_template_kwargs``)."""
-        return chat_prompt(self.model, messages, chat_format or self.chat_format, tools=tools,
-                           **template_kwargs(chat_template_kwargs))  # fmt: skip
+        ``chat_template_kwargs``): a last assistant message is continued, as there."""
+        prefill = assistant_prefill(messages) if prefill_assistant else None
+        return answer_prompt(self.model, messages, chat_format or self.chat_format, prefill,
+                             tools, template_kwargs(chat_template_kwargs))  # fmt: skip
 
     @checked
     def create_chat_completion(
@@ -345,6 +348,7 @@ class Llama:
         tool_choice: str | Mapping[str, Any] = "auto",
         check_tool_arguments: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        prefill_assistant: bool = True,
         **kwargs: Any,
     ) -> ChatCompletion:
         """Answer ``messages`` (OpenAI-shaped dicts: role, content) with the model's chat
@@ -365,9 +369,16 @@ class Llama:
         generic format does: a system message describing them, and a grammar for a JSON
         ``tool_call`` (or, with "auto", a ``response``), parsed back into ``tool_calls``.
         Tools are never executed. ``chat_template_kwargs`` are more variables for a Jinja
-        template (llama-server's: ``{"enable_thinking": False}`` for Qwen 3, ...)."""
+        template (llama-server's: ``{"enable_thinking": False}`` for Qwen 3, ...).
+
+        A last assistant message after other turns is continued, as llama-server does (an
+        assistant "prefill"): the prompt is the turns before it with the generation prompt,
+        then its text, and the answer is what follows that text. It may hold text only, and
+        cannot be combined with a response_format, a forced tool_choice or tools the template
+        cannot present (InvalidParameterError). ``prefill_assistant=False`` closes that turn
+        and opens a new one instead (llama-server's ``--no-prefill-assistant``)."""
         options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments,
-                              chat_template_kwargs)  # fmt: skip
+                              chat_template_kwargs, prefill_assistant)  # fmt: skip
         tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)
         return chat_completion(self.create_completion(tokens, max_tokens=max_tokens, **kwargs),
                                options)  # fmt: skip
@@ -384,13 +395,15 @@ class Llama:
         tool_choice: str | Mapping[str, Any] = "auto",
         check_tool_arguments: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        prefill_assistant: bool = True,
         **kwargs: Any,
     ) -> Stream[ChatCompletionChunk]:
         """``create_chat_completion`` as a stream of deltas (the first carries the role).
         With ``tools``, text from a tool-call opener on is held back; the last delta carries
-        the parsed ``tool_calls`` (finish_reason "tool_calls"), or the text if none parsed."""
+        the parsed ``tool_calls`` (finish_reason "tool_calls"), or the text if none parsed.
+        A continued assistant message (a prefill) is not repeated: the deltas follow it."""
         options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments,
-                              chat_template_kwargs)  # fmt: skip
+                              chat_template_kwargs, prefill_assistant)  # fmt: skip
         tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)
         stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
         return stream.then(options.chunks)
@@ -405,6 +418,7 @@ class Llama:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] = "auto",
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        prefill_assistant: bool = True,
         **kwargs: Any,
     ) -> int:
         """How many prompt tokens ``create_chat_completion`` with the same arguments would
@@ -412,7 +426,8 @@ class Llama:
         takes), found without generating. The messages, tools, tool_choice and response_format
         are checked as it checks them; keywords that shape only the answer (max_tokens,
         sampling) are taken and change nothing."""
-        options = ChatOptions(tools, tool_choice, response_format, False, chat_template_kwargs)
+        options = ChatOptions(tools, tool_choice, response_format, False, chat_template_kwargs,
+                              prefill_assistant)  # fmt: skip
         tokens, _ = self._chat_request(messages, chat_format, options, kwargs)
         return len(tokens) if isinstance(tokens, list) else tokens.n_pos
 

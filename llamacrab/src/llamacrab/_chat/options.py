@@ -42,7 +42,8 @@ from llamacrab._types import (
 class ChatOptions:
     """The chat-only options of one request (validated when created). ``generic_tools`` is
     set when the prompt is built: the template cannot present the tools, so they are
-    presented, constrained and parsed in llama.cpp's generic format."""
+    presented, constrained and parsed in llama.cpp's generic format. ``prefill_assistant``:
+    a last assistant message is continued (``_chat.prompt.assistant_prefill``)."""
 
     tools: Sequence[Mapping[str, Any]] | None = None
     tool_choice: str | Mapping[str, Any] = "auto"
@@ -50,6 +51,7 @@ class ChatOptions:
     check_tool_arguments: bool = False
     # More variables for a Jinja chat template (llama-server's chat_template_kwargs).
     template_kwargs: Mapping[str, Any] | None = None
+    prefill_assistant: bool = True
     generic_tools: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +67,21 @@ class ChatOptions:
     @property
     def parses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    def check_continuable(self) -> None:
+        """A continued assistant message (a prefill) is free text: a response_format, a forced
+        tool call or the generic tool format shape the whole answer with a grammar, which
+        would have to take the prefill in too (llama-server feeds it to the grammar; llamacrab's
+        grammars start with the answer)."""
+        shaped = _response_schema(self.response_format) is not None or (
+            self.parses_tools and (self.generic_tools or self.tool_choice != "auto")
+        )
+        if shaped:
+            raise InvalidParameterError(
+                "the last message is an assistant's, which is continued (a prefill), and a "
+                "response_format, a forced tool_choice or tools this chat template cannot "
+                "present shape the whole answer: drop the prefill or end with a user message"
+            )
 
     def completion_kwargs(self, kwargs: dict[str, Any], template: str | None) -> dict[str, Any]:
         """Completion keywords plus the grammar the response format or tool choice needs;

@@ -114,6 +114,54 @@ def render_template(
                   **template_variables)  # fmt: skip
 
 
+def assistant_prefill(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """The text of a last assistant message after other turns, which a chat answer continues
+    (a "prefill", as llama-server's ``--prefill-assistant`` does by default) instead of
+    closing that turn and opening a new one. None where the chat ends with another role, or
+    is that message alone (a turn, rendered as one)."""
+    if len(messages) < 2 or not all(isinstance(m, Mapping) for m in messages[-2:]):
+        return None  # rendering names what is wrong with them
+    before, last = messages[-2:]
+    if last.get("role") != "assistant":
+        return None
+    if before.get("role") == "assistant":
+        raise InvalidParameterError(
+            "two assistant messages end the chat: the last one would be continued (a prefill) "
+            "after another assistant turn; merge them"
+        )
+    if last.get("tool_calls"):
+        raise InvalidParameterError(
+            "the last message is an assistant's with tool calls: a last assistant message is "
+            "continued (a prefill), and one with tool calls cannot be; add their tool results"
+        )
+    content = last.get("content")
+    if isinstance(content, list) and not all(
+        isinstance(part, Mapping) and part.get("type") in ("text", "refusal") for part in content
+    ):
+        raise InvalidParameterError(
+            "the last message is an assistant's, which is continued (a prefill): it may hold "
+            "text only"
+        )
+    return str(normalize_messages([last])[0]["content"] or "")
+
+
+def answer_prompt(
+    model: Model,
+    messages: Sequence[Mapping[str, Any]],
+    chat_format: str | None,
+    prefill: str | None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    variables: Mapping[str, Any] | None = None,
+) -> str:
+    """The prompt a chat answer is generated from; with ``prefill`` (``assistant_prefill``'s),
+    the turns before the last message with the generation prompt, then that text. No chat
+    template leaves a turn open, so a prefill cannot be rendered by the template itself."""
+    turns = messages if prefill is None else messages[:-1]
+    return chat_prompt(model, turns, chat_format, tools=tools, **(variables or {})) + (
+        prefill or ""
+    )
+
+
 def presents_tools(source: str | None) -> bool:
     """Whether the template ``source`` (None: a built-in format) renders ``tools`` itself."""
     return source is not None and template_caps(source).tools

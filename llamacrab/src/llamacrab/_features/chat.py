@@ -8,7 +8,12 @@ from typing import Any
 
 from llamacrab._chat.media_parts import extract_media, has_media
 from llamacrab._chat.options import ChatOptions
-from llamacrab._chat.prompt import chat_prompt, presents_tools, template_source
+from llamacrab._chat.prompt import (
+    answer_prompt,
+    assistant_prefill,
+    presents_tools,
+    template_source,
+)
 from llamacrab._features.checkpoint_hints import suffix_start
 from llamacrab._features.completion import check_generates
 from llamacrab._features.media import MediaInput
@@ -27,7 +32,9 @@ def chat_request(
     kwargs: dict[str, Any],
 ) -> tuple[list[int] | Chunks, dict[str, Any]]:
     """The prompt (tokens, or chunks with media) and the completion keywords. Tools the
-    template cannot present go in llama.cpp's generic format (none for tool_choice "none")."""
+    template cannot present go in llama.cpp's generic format (none for tool_choice "none").
+    A last assistant message is continued (``assistant_prefill``) unless the options say
+    otherwise."""
     check_generates(model)  # before the template: an embedding model rarely has one
     source = template_source(model, chat_format)
     tools = options.tools
@@ -36,8 +43,11 @@ def chat_request(
             options.generic_tools = True
         else:
             tools = None
+    prefill = assistant_prefill(messages) if options.prefill_assistant else None
+    if prefill:
+        options.check_continuable()
     prompt, tokens = _prompt_and_tokens(
-        model, media, messages, chat_format, tools, options.template_kwargs
+        model, media, messages, chat_format, prefill, tools, options.template_kwargs
     )
     completion = options.completion_kwargs(kwargs, source)
     if isinstance(tokens, list) and model.needs_checkpoints:
@@ -54,7 +64,8 @@ def chat_tokens(
     chat_format: str | None,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int] | Chunks:
-    return _prompt_and_tokens(model, media, messages, chat_format, tools)[1]
+    prefill = assistant_prefill(messages)
+    return _prompt_and_tokens(model, media, messages, chat_format, prefill, tools)[1]
 
 
 def _prompt_and_tokens(
@@ -62,14 +73,16 @@ def _prompt_and_tokens(
     media: MediaInput,
     messages: Sequence[Mapping[str, Any]],
     chat_format: str | None,
+    prefill: str | None,
     tools: Sequence[Mapping[str, Any]] | None,
     variables: Mapping[str, Any] | None = None,
 ) -> tuple[str, list[int] | Chunks]:
-    """``variables``: checked chat_template_kwargs."""
+    """``prefill``: the last message's text, continued; ``variables``: checked
+    chat_template_kwargs."""
     items: list[Media] = []
     if has_media(messages):
         messages, items = extract_media(messages, media.projector.marker, media.policy)
-    prompt = chat_prompt(model, messages, chat_format, tools=tools, **(variables or {}))
+    prompt = answer_prompt(model, messages, chat_format, prefill, tools, variables)
     if items:
         add_special = _adds_bos(model, prompt)
         return prompt, media.tokenize(prompt, items, add_special=add_special, parse_special=True)

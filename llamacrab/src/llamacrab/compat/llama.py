@@ -926,6 +926,8 @@ class Llama:
             "tools": tools or None,
             "tool_choice": _tool_choice(tool_choice, tools),
             "logprobs": _chat_logprobs(logprobs, top_logprobs),
+            # llama-cpp-python closes a last assistant turn and opens a new one.
+            "prefill_assistant": False,
         }
         chat_format = native_chat_format(self.chat_format)
         turns = current_messages(messages)  # legacy function messages as tool messages
@@ -957,7 +959,7 @@ class Llama:
         tools: Sequence[Mapping[str, Any]] | None,
     ) -> list[int]:
         """The prompt tokens a chat request decodes (for logits processors' input_ids)."""
-        text = self._llm.chat_prompt(messages, chat_format, tools=tools)
+        text = self._llm.chat_prompt(messages, chat_format, tools=tools, prefill_assistant=False)
         vocab = self._llm.vocab
         has_bos = vocab.bos is not None and text.startswith(vocab.token_to_piece(vocab.bos, True))
         return self._llm.tokenize(text, add_special=not has_bos, parse_special=True)

@@ -85,12 +85,9 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
         llama = state.ready(body.model)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        prefill = _prefill(messages)
-        if prefill is not None:
-            messages.pop()
         variables = template_variables(body.chat_template_kwargs, body.reasoning_effort)
-        prompt = await in_thread(llama.chat_prompt, messages, None, tools, variables)
-        return {"prompt": prompt + (prefill or "")}
+        # A last assistant message is continued there, as llama-server does (a prefill).
+        return {"prompt": await in_thread(llama.chat_prompt, messages, None, tools, variables)}
 
     @app.post("/tokenize", response_model=LlamaTokenizeResponse, responses=ERRORS)
     async def tokenize(body: LlamaTokenizeRequest) -> Any:
@@ -105,27 +102,6 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: LlamaDetokenizeRequest) -> Any:
         llama = state.ready(body.model)
         return {"content": await in_thread(_joined_pieces, llama, body.tokens)}
-
-
-def _prefill(messages: list[dict[str, Any]]) -> str | None:
-    """The text of a last assistant message, which llama-server continues (a prefill) after
-    the turns before it, instead of opening a new turn after it (alone, it is a turn)."""
-    if len(messages) < 2 or messages[-1]["role"] != "assistant":
-        return None
-    last = messages[-1]
-    if len(messages) > 1 and messages[-2]["role"] == "assistant":
-        raise ApiError(400, "cannot have two assistant messages at the end of the list",
-                       param="messages")  # fmt: skip
-    if last.get("tool_calls"):
-        raise ApiError(400, "cannot continue an assistant message that holds tool calls",
-                       param="messages")  # fmt: skip
-    content = last.get("content") or ""
-    if isinstance(content, str):
-        return content
-    if any(part.get("type") != "text" for part in content):
-        raise ApiError(400, "a last assistant message is continued and may hold text only",
-                       param="messages")  # fmt: skip
-    return "".join(str(part.get("text", "")) for part in content)
 
 
 def _joined_pieces(llama: Llama, tokens: list[int]) -> str:
