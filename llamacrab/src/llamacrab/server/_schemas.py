@@ -49,7 +49,7 @@ class GenerationFields(Lenient):
     """Fields shared by completions and chat completions (llama.cpp's samplers included)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=-1)  # -1: no limit but the server's (llama-server's)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
@@ -144,7 +144,7 @@ class ResponseFormat(Lenient):
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=-1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None

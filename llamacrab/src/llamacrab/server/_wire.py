@@ -74,7 +74,8 @@ def generation_kwargs(
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     limit = settings.max_tokens_limit
-    wanted = default_max if max_tokens is None else max_tokens
+    # llama-server's -1, no limit: the server's, as for a request that names none
+    wanted = default_max if max_tokens is None else None if max_tokens == -1 else max_tokens
     if wanted is not None and wanted > limit:
         raise ApiError(400, f"max_tokens {wanted} exceeds this server's limit of {limit}",
                        param="max_tokens")  # fmt: skip
