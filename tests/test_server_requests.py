@@ -1,4 +1,5 @@
-"""What a request can say, as llama-server's clients say it: -1 for no token limit."""
+"""What a request can say, as llama-server's clients say it: -1 for no token limit, and
+max_completion_tokens before max_tokens."""
 
 from __future__ import annotations
 
@@ -88,3 +89,10 @@ def test_minus_one_means_no_limit_but_the_servers(server: LiveServer, route: str
     for name in names:
         assert generated(server, route, {name: -1}) == LIMIT, name
         assert refused(server, route, {**FIRST[route], name: -2})["param"] == name
+
+
+def test_max_completion_tokens_wins_over_max_tokens(server: LiveServer) -> None:
+    # OpenAI deprecates max_tokens for it; llama-server reads it first too.
+    route = "/v1/chat/completions"
+    assert generated(server, route, {"max_tokens": 3, "max_completion_tokens": 5}) == 5
+    assert generated(server, route, {"max_tokens": 5, "max_completion_tokens": 3}) == 3

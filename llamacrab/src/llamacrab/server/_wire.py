@@ -136,7 +136,9 @@ def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[s
         raise ApiError(400, "web search is not supported", param="web_search_options")
     if body.verbosity not in (None, "medium"):  # as /v1/responses refuses text.verbosity
         raise ApiError(400, f"verbosity {body.verbosity!r} is not supported", param="verbosity")
-    max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    # OpenAI deprecates max_tokens for max_completion_tokens, which wins (llama-server's too)
+    given = body.max_completion_tokens
+    max_tokens = body.max_tokens if given is None else given
     kwargs = generation_kwargs(body, settings, max_tokens, None)
     if body.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
