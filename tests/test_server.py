@@ -722,6 +722,35 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(
     assert httpx.get(url + "/nowhere", headers=auth).json()["error"]["type"] == "not_found_error"
 
 
+def test_a_context_overflow_is_answered_as_llama_server_does(guarded_server: LiveServer) -> None:
+    """llama-server's type and wording beside OpenAI's code (clients match on any of them), on
+    every route that generates, streamed or not. It was invalid_request_error, "the prompt has
+    N tokens; the context holds M"."""
+    url, auth = guarded_server.url, {"Authorization": "Bearer sesame"}
+    long = "a b c " * 200
+    asked = [{"role": "user", "content": long}]
+    bodies = [("/v1/completions", {"prompt": [5] * 300}),
+              ("/completion", {"prompt": [5] * 300, "stream": True}),
+              ("/v1/chat/completions", {"messages": asked}),
+              ("/v1/chat/completions", {"messages": asked, "stream": True}),
+              ("/v1/responses", {"input": long})]  # fmt: skip
+    for route, body in bodies:
+        answer = httpx.post(url + route, json=body, headers=auth)
+        assert answer.status_code == 400, (route, answer.text)
+        error = answer.json()["error"]
+        assert (error["type"], error["code"]) == ("exceed_context_size_error",
+                                                  "context_length_exceeded")  # fmt: skip
+        n = error["n_prompt_tokens"]
+        assert n >= error["n_ctx"] == 256, (route, error)
+        native = f"request ({n} tokens) exceeds the available context size (256 tokens), try"
+        assert error["message"].startswith(native), (route, error)
+    # Anthropic's shape keeps its own type; the wording is llama-server's there too.
+    body = {"model": "m", "max_tokens": 4, "messages": asked}
+    anthropic = httpx.post(url + "/v1/messages", json=body, headers=auth)
+    assert anthropic.status_code == 400
+    assert "exceeds the available context size" in anthropic.json()["error"]["message"]
+
+
 def test_health_reports_loading_failures(tmp_path: Path) -> None:
     server = LiveServer(ServerSettings(model=str(tmp_path / "missing.gguf")))
     try:

@@ -32,7 +32,8 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 class ApiError(Exception):
     """An error answered with ``status`` and OpenAI's error body (plus ``details``: fields
-    llama-server adds, such as ``n_prompt_tokens`` and ``n_ctx`` for a context overflow)."""
+    llama-server adds, such as ``n_prompt_tokens`` and ``n_ctx`` for a context overflow).
+    ``kind``: the body's ``type`` where the status's usual one is not it."""
 
     def __init__(
         self,
@@ -42,10 +43,11 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         details: dict[str, Any] | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.details = details or {}
+        self.details, self.kind = details or {}, kind
 
     @property
     def headers(self) -> dict[str, str]:
@@ -58,7 +60,9 @@ class ApiError(Exception):
         return {"x-should-retry": "false"} if self.status >= 500 and not transient else {}
 
     def body(self) -> dict[str, Any]:
-        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else _TYPES[400])
+        kind = self.kind or _TYPES.get(
+            self.status, "server_error" if self.status >= 500 else _TYPES[400]
+        )
         error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         return {"error": {**error, **self.details}}
 
@@ -128,13 +132,26 @@ def client_closed() -> ApiError:
                     code="client_closed")  # fmt: skip
 
 
+def _context_overflow(error: ContextOverflowError) -> ApiError:
+    """llama-server's answer to a request too long for the context: its type, its message
+    (clients match either) with the reason after it, ``n_prompt_tokens`` and ``n_ctx``; and
+    OpenAI's code."""
+    n, n_ctx = error.n_prompt_tokens, error.n_ctx
+    message = str(error)
+    if n is not None and n_ctx is not None:
+        message = (f"request ({n} tokens) exceeds the available context size ({n_ctx} tokens), "
+                   f"try increasing it ({message})")  # fmt: skip
+    sizes = {"n_prompt_tokens": n, "n_ctx": n_ctx}
+    return ApiError(400, message, code="context_length_exceeded",
+                    details={k: v for k, v in sizes.items() if v is not None},
+                    kind="exceed_context_size_error")  # fmt: skip
+
+
 def from_llama_error(error: LlamaError) -> ApiError:
     """The status a library error deserves: bad input 400 (logits that overflowed under the
     request's own LoRA scales too), busy 503, the rest 500."""
     if isinstance(error, ContextOverflowError):
-        sizes = {"n_prompt_tokens": error.n_prompt_tokens, "n_ctx": error.n_ctx}
-        details = {k: v for k, v in sizes.items() if v is not None}
-        return ApiError(400, str(error), code="context_length_exceeded", details=details)
+        return _context_overflow(error)
     if isinstance(error, QueueFullError):
         return ApiError(503, str(error), code="server_busy")
     if isinstance(error, ClosedHandleError):
