@@ -255,6 +255,30 @@ def test_a_loaded_state_is_reused_only_with_the_adapters_it_was_computed_with(
         assert restored(at_zero, {}) == reusable and restored(at_zero, {adapter: 1.0}) == 0
 
 
+def test_a_request_goes_to_the_slot_whose_memory_it_can_reuse(
+    tiny_model_path: Path, lora_path: Path
+) -> None:
+    # Slots were picked by shared tokens alone: a longer prefix computed without the adapter
+    # won over a shorter one computed with it, and the request reused nothing.
+    short = "the cat sat on the mat"
+    long = short + " and the dog sat on the cat"
+    with Llama(tiny_model_path, n_ctx=512, parallel=2, n_threads=2,
+               lora=[(str(lora_path), 1.0)]) as llm:  # fmt: skip
+        (adapter,) = llm.adapters
+        assert llm.tokenize(long)[: len(llm.tokenize(short))] == llm.tokenize(short)
+        llm.create_completion(short, max_tokens=1, temperature=0.0)  # with the adapter
+        (holder,) = [slot.id for slot in llm.slots() if slot.n_tokens]
+        moved = llm.save_state(slot=holder)
+        llm.reset(slot=holder)
+        llm.load_state(moved, slot=1 - holder)
+        # Without the adapter, the longer prompt: into the empty slot, not over the other.
+        llm.create_completion(long, lora={adapter: 0.0}, max_tokens=1, temperature=0.0)
+        assert [slot.n_tokens > 0 for slot in llm.slots()] == [True, True]
+        # With it again: the slot computed with it, though the other shares more tokens.
+        again = llm.create_completion(long, max_tokens=1, temperature=0.0)
+        assert again.usage.cached_tokens == len(llm.tokenize(short)) > 1
+
+
 def test_a_slot_saved_after_the_adapters_changed_records_the_ones_it_was_computed_with(
     tiny_model_path: Path, lora_path: Path
 ) -> None:

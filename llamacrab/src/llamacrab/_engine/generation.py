@@ -206,15 +206,36 @@ class KvState:
         self.plan_known = True
 
     def _match_loaded(self, plan: LoraPlan) -> None:
-        """A loaded state's memory stands for ``plan`` if it was computed with it, for the
-        base model if without adapters (an aLoRA prompt reuses that up to its invocation);
+        """A loaded state's memory stands for ``plan`` or the base model (``_loaded_plan``);
         else nothing of it is reusable."""
+        found = self._loaded_plan(plan)
+        if found is None:
+            self._truncate(0)  # (prepare removes it from the memory)
+        self._computed_with(plan if found is None else found)
+
+    def _loaded_plan(self, plan: LoraPlan) -> LoraPlan | None:
+        """What a loaded state's memory was computed with: ``plan``, or the base model (an
+        aLoRA prompt reuses that up to its invocation); None: neither."""
         for candidate in (plan, LoraPlan()):
             if self.context.fingerprint(candidate.adapters, candidate.start) == self.computed_as:
-                self._computed_with(candidate)
-                return
-        self._truncate(0)  # (prepare removes it from the memory)
-        self._computed_with(plan)
+                return candidate
+        return None
+
+    def reusable(self, prompt: Sequence[int], lora: Mapping[LoraAdapter, float] | None) -> int:
+        """How many leading tokens of ``prompt`` this memory holds computed as the prompt
+        would be with ``lora`` (None: the default set), as ``prepare`` counts them before a
+        prompt cache is asked: a slot holding a longer prefix under other adapters keeps
+        none of it."""
+        if self.weights != self.context.weights_generation:
+            return 0
+        try:
+            plan = lora_plan(self.context.lora_adapters if lora is None else lora, prompt)
+        except InvalidParameterError:  # prepare refuses the request
+            return 0
+        held = self.plan if self.plan_known else self._loaded_plan(plan)
+        if held is None:
+            return 0
+        return int(min(common_prefix(self.tokens, prompt), held.reusable(plan)))
 
     def _restore_from_cache(self, prompt: Sequence[int], plan: LoraPlan) -> None:
         if self.cache is None:

@@ -33,7 +33,6 @@ from llamacrab._native.context import Context
 from llamacrab._native.fork import reset_in_child
 from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
-from llamacrab._types import common_prefix
 
 # How long an idle engine waits for the next request of a burst, and for the whole burst.
 GATHER_SECONDS = 0.003
@@ -266,14 +265,15 @@ class Scheduler:
                 return  # none came within the window (a wake-up without one ends it too)
 
     def _admit(self) -> bool:
-        """Move waiting jobs into free slots (the one holding the longest shared prefix of its
-        prompt first); end cancelled waiting jobs. True when a slot has work."""
+        """Move waiting jobs into free slots (the one holding the longest prefix of its prompt
+        that it can reuse first: computed with its adapters); end cancelled waiting jobs.
+        True when a slot has work."""
         self._drop_stopped_waiting()
         free = [slot for slot in self.slots if slot.job is None]
         while self.waiting and free:
             job = self.waiting.popleft()
-            prompt = job.request.prompt
-            slot = max(free, key=lambda s: common_prefix(s.kv.tokens, prompt))
+            prompt, lora = job.request.prompt, job.request.lora
+            slot = max(free, key=lambda s: s.kv.reusable(prompt, lora))
             free.remove(slot)
             slot.job = job
         return len(free) < len(self.slots)
