@@ -1,5 +1,5 @@
-"""What a request can say, as llama-server's clients say it: -1 for no token limit, and
-max_completion_tokens before max_tokens."""
+"""What a request can say, as llama-server's clients say it: the token limit's names and -1,
+and llama-server's own fields on the OpenAI routes (logit_bias in its forms too)."""
 
 from __future__ import annotations
 
@@ -96,3 +96,77 @@ def test_max_completion_tokens_wins_over_max_tokens(server: LiveServer) -> None:
     route = "/v1/chat/completions"
     assert generated(server, route, {"max_tokens": 3, "max_completion_tokens": 5}) == 5
     assert generated(server, route, {"max_tokens": 5, "max_completion_tokens": 3}) == 3
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_route_reads_llama_servers_token_limits(server: LiveServer, route: str) -> None:
+    # ignore_eos: the answers run to their limit (it is read on every route too).
+    count = lambda **body: generated(server, route, {"ignore_eos": True, **body})  # noqa: E731
+    for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+        assert count(**{name: -1}) == LIMIT, name
+        error = refused(server, route, {**FIRST[route], name: LIMIT + 1})
+        assert error["param"] == name and f"limit of {LIMIT}" in error["message"], name
+    # llama-server's order: n_predict, then max_completion_tokens, then max_tokens.
+    assert count(max_tokens=3, max_completion_tokens=5) == 5
+    assert count(max_tokens=5, max_completion_tokens=3) == 3
+    assert count(max_tokens=5, max_completion_tokens=6, n_predict=2) == 2
+
+
+# -- llama-server's fields on the OpenAI routes --------------------------------------------------
+
+
+def test_json_schema_constrains_the_openai_routes(server: LiveServer) -> None:
+    schema = {"json_schema": {"enum": ["yes", "no"]}, "max_tokens": LIMIT}
+    text = post(server, "/v1/completions", {"prompt": "the cat", **schema})
+    assert text["choices"][0]["text"] in ('"yes"', '"no"'), text
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, **schema})
+    assert chat["choices"][0]["message"]["content"] in ('"yes"', '"no"'), chat
+    # {} is any object, as llama-server reads it; a response_format schema of its own wins.
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, "json_schema": {}})
+    assert chat["choices"][0]["message"]["content"].startswith("{")
+    own = {"type": "json_schema", "json_schema": {"schema": {"enum": ["maybe"]}}}
+    chat = post(server, "/v1/chat/completions",
+                {"messages": CHAT, **schema, "response_format": own})  # fmt: skip
+    assert chat["choices"][0]["message"]["content"] == '"maybe"'
+    # As llama-server's chat: a grammar beside it is refused; on completions the grammar wins.
+    grammar = {"grammar": 'root ::= "x"'}
+    assert refused(server, "/v1/chat/completions",
+                   {"messages": CHAT, **schema, **grammar})["param"] == "json_schema"  # fmt: skip
+    text = post(server, "/v1/completions", {"prompt": "the cat", **schema, **grammar})
+    assert text["choices"][0]["text"] == "x"
+    bad = refused(server, "/v1/completions", {"prompt": "the cat", "json_schema": {"type": 7}})
+    assert bad["param"] == "json_schema"
+
+
+def test_n_probs_and_ignore_eos_on_the_openai_routes(server: LiveServer, llama: Llama) -> None:
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, "n_probs": 2, "max_tokens": 3})
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(e["top_logprobs"]) == 2 for e in content), chat
+    text = post(server, "/v1/completions", {"prompt": "the cat", "n_probs": 2, "max_tokens": 3})
+    logprobs = text["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 3 and all(len(t) == 2 for t in logprobs["top_logprobs"])
+    # As on /completion: the probabilities are before sampling, so post-sampling ones are refused.
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        body = {**FIRST[route], "n_probs": 2, "post_sampling_probs": True}
+        assert refused(server, route, body)["param"] == "post_sampling_probs"
+    # A bias that makes the end of generation certain ends at once; ignore_eos bans it anyway.
+    (end,) = llama.vocab.eog_tokens
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        assert generated(server, route, {"logit_bias": {str(end): 100}, "max_tokens": 5}) == 0
+        assert generated(server, route, {"logit_bias": {str(end): 100}, "max_tokens": 5,
+                                         "ignore_eos": True}) == 5  # fmt: skip
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_logit_bias_in_llama_servers_forms(server: LiveServer, llama: Llama, route: str) -> None:
+    def text(bias: object) -> str:
+        answer = post(server, route, {**FIRST[route], "max_tokens": 1, "logit_bias": bias})
+        choice = answer["choices"][0]
+        return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+    greedy = text(None)
+    token = llama.tokenize(greedy, add_special=False)[-1]  # after the vocabulary's space mark
+    # [[id, false]] bans, [[id, bias]], [[text, false]] (its tokens), {"text": bias}
+    for bias in ([[token, False]], [[token, -100]], [[greedy, False]], {greedy: -100},
+                 {str(token): False}):  # fmt: skip
+        assert text(bias) != greedy, bias

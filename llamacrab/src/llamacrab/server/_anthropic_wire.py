@@ -229,7 +229,7 @@ def generation_kwargs(body: MessagesRequest, settings: ServerSettings) -> dict[s
         body.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "stream"})
         | {"stop": body.stop_sequences}
     )
-    return wire.generation_kwargs(fields, settings, body.max_tokens, None)
+    return wire.generation_kwargs(fields, settings)
 
 
 def prompt(

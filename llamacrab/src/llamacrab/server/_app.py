@@ -39,6 +39,7 @@ from llamacrab.server._guards import (
     MetricsMiddleware,
     content_type_problem,
 )
+from llamacrab.server._llama_fields import completion_fields, token_kwargs
 from llamacrab.server._llama_kwargs import llama_kwargs
 from llamacrab.server._llama_server import add_llama_server_routes
 from llamacrab.server._lora import add_lora_routes, request_lora
@@ -217,6 +218,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         prompt, kwargs = wire.completion_prompt(body), wire.completion_kwargs(body, settings)
+        kwargs.update(await in_thread(completion_fields, body, llama))
         kwargs.update(request_lora(body.lora, llama))
         suffix = wire.insertion(body, prompt)
         if suffix is None:
@@ -233,6 +235,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         kwargs = wire.chat_kwargs(body, settings)
+        kwargs.update(await in_thread(token_kwargs, body, llama))
         kwargs.update(request_lora(body.lora, llama))
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         messages = legacy_functions.messages_of(messages)

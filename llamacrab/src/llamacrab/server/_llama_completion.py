@@ -5,7 +5,6 @@ as ``data:`` events with ``stop: false`` and a last one with ``stop: true`` (no 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import Any, cast
@@ -14,12 +13,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
-from llamacrab import InfillLimits, Vocab, schema_to_grammar
-from llamacrab._exceptions import LlamaError
-from llamacrab._field_types import decimal
+from llamacrab import InfillLimits, Vocab
 from llamacrab._llama import Llama
 from llamacrab._types import CompletionChunk, Logprobs, Usage
 from llamacrab.server._errors import ApiError
+from llamacrab.server._generation_settings import used_settings
+from llamacrab.server._llama_fields import completion_fields
 from llamacrab.server._llama_server_schemas import (
     InfillRequest,
     LlamaCompletionRequest,
@@ -30,7 +29,7 @@ from llamacrab.server._lora import request_lora
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
-from llamacrab.server._wire import generation_kwargs, timings
+from llamacrab.server._wire import generation_kwargs, logprobs_kwargs, timings
 
 # llama-server's repository-level FIM layout names the repository and the current file so.
 _FIM_REPO, _FIM_FILE = "myproject", "filename"
@@ -49,10 +48,7 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         if len(prompts) > 1 and body.stream:
             raise ApiError(400, "several prompts are answered together, not streamed: stream "
                            "one prompt per request", param="prompt")  # fmt: skip
-        bias = await in_thread(_logit_bias, llama, body.logit_bias)
-        plain = body.model_copy(update={"logit_bias": None})
-        kwargs = await in_thread(native_kwargs, plain, llama, settings)
-        kwargs["logit_bias"] = {**bias, **kwargs.get("logit_bias", {})}
+        kwargs = await in_thread(native_kwargs, body, llama, settings)
         answers = []
         for index, prompt in enumerate(prompts):
             kwargs["prompt"] = await in_thread(mixed_tokens, llama, prompt, True, True)
@@ -111,13 +107,17 @@ class _Answering:
     alias: str
     n_ctx_seq: int  # a sequence's share of the context: a generation that fills it was cut
     vocab: Vocab | None  # with n_probs: to describe each token and its alternatives
+    settings: dict[str, Any]  # the sampling it runs with, as llama-server lists it
+    prompt: str  # its prompt's text, as llama-server shows it
 
 
 async def _answer(state: ServerState, client: Request, body: NativeGeneration, llama: Llama,
                   kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """The completion of ``kwargs`` (its prompt as tokens), streamed or whole."""
     vocab = llama.vocab if kwargs.get("logprobs") is not None else None
-    answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab)
+    used = used_settings(llama, state.settings, kwargs, body.stream, body.ignore_eos)
+    prompt = await in_thread(_prompt_text, llama, kwargs["prompt"])
+    answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab, used, prompt)
     if body.stream:
         chunks = await in_thread(partial(llama.stream_completion, **kwargs))
         return await sse_events(state, client, chunks, partial(native_events, answering))
@@ -125,41 +125,25 @@ async def _answer(state: ServerState, client: Request, body: NativeGeneration, l
     choice = result.choices[0]
     tokens = choice.tokens if body.return_tokens else ()
     answer = native_answer(choice.text, tokens, choice.finish_reason, result.usage,
-                           choice.stop_sequence, answering)  # fmt: skip
+                           choice.stop_sequence, choice.slot, answering)  # fmt: skip
     if vocab is not None and choice.logprobs is not None:
         answer["completion_probabilities"] = probabilities(vocab, choice.tokens, choice.logprobs)
     return answer
 
 
 def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings) -> dict[str, Any]:
-    """The Python API's keywords: ``n_predict`` (else ``max_tokens``; -1 means the server's
-    limit), ``ignore_eos`` (every end-of-generation token banned), ``json_schema`` as a
-    grammar, ``lora``. Run off the event loop: a schema's conversion takes time."""
+    """The Python API's keywords: the fields every generation route takes (``n_predict``, else
+    ``max_tokens``: -1 means the server's limit; ``logit_bias``, ``ignore_eos``,
+    ``json_schema``), ``lora``, and ``n_probs`` (or ``logprobs``). Run off the event loop: a
+    schema's conversion takes time."""
     if body.n != 1:
         raise ApiError(400, "llama-server's routes return one completion: n must be 1",
                        param="n")  # fmt: skip
-    wanted = body.n_predict if body.n_predict is not None and body.n_predict >= 0 else None
-    if wanted is not None and wanted > settings.max_tokens_limit:
-        raise ApiError(400, f"n_predict {wanted} exceeds this server's limit of "
-                       f"{settings.max_tokens_limit}", param="n_predict")  # fmt: skip
-    max_tokens = body.max_tokens if wanted is None else wanted
-    kwargs = generation_kwargs(body, settings, max_tokens, None)
-    if body.ignore_eos:
-        banned = dict.fromkeys(llama.vocab.eog_tokens, -math.inf)
-        kwargs["logit_bias"] = {**kwargs.get("logit_bias", {}), **banned}
-    if body.json_schema is not None and body.grammar is None:
-        try:
-            kwargs["grammar"] = schema_to_grammar(body.json_schema or {"type": "object"})
-        except LlamaError as error:
-            raise ApiError(400, f"json_schema: {error}", param="json_schema") from error
+    kwargs = generation_kwargs(body, settings)
+    kwargs.update(completion_fields(body, llama))
     kwargs.update(request_lora(body.lora, llama))
-    n_probs = body.n_probs if body.n_probs is not None else body.logprobs
-    if body.post_sampling_probs and n_probs:
-        raise ApiError(400, "post_sampling_probs is not supported: the probabilities given "
-                       "are those before sampling (leave it false)",
-                       param="post_sampling_probs")  # fmt: skip
-    if n_probs:
-        kwargs["logprobs"] = n_probs
+    count = body.n_probs if body.n_probs is not None else body.logprobs
+    kwargs.update(logprobs_kwargs(body, count or None))
     return kwargs
 
 
@@ -194,31 +178,13 @@ def mixed_tokens(
     return tokens
 
 
-def _logit_bias(
-    llama: Llama, bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None
-) -> dict[int, float]:
-    """llama-server's forms: ``{"id": bias}`` or ``[[id or text, bias]]``; ``false`` bans the
-    token; text stands for each of its tokens."""
-    pairs = list(bias.items()) if isinstance(bias, dict) else bias or []
-    out: dict[int, float] = {}
-    for key, value in pairs:
-        amount = -math.inf if value is False else float(value)
-        if isinstance(key, int):
-            out[key] = amount
-        elif (token := decimal(key, signed=True)) is not None:
-            out[token] = amount
-        else:
-            for token in llama.tokenize(key, add_special=False):
-                out[token] = amount
-    return out
-
-
 def native_answer(
     text: str,
     tokens: Sequence[int],
     reason: str | None,
     usage: Usage | None,
     stop: str | None,
+    slot: int | None,
     answering: _Answering,
 ) -> dict[str, Any]:
     """llama-server's last ``/completion`` answer (``stop: true``); ``truncated`` when the
@@ -226,14 +192,34 @@ def native_answer(
     usage = usage or Usage(0, 0)
     held = usage.prompt_tokens + usage.completion_tokens
     return {
-        "index": 0, "content": text, "tokens": list(tokens), "id_slot": -1, "stop": True,
-        "model": answering.alias, "tokens_predicted": usage.completion_tokens,
-        "tokens_evaluated": usage.prompt_tokens, "tokens_cached": usage.cached_tokens,
-        "has_new_line": "\n" in text,
+        "index": 0, "content": text, "tokens": list(tokens), "id_slot": _slot_id(slot),
+        "stop": True, "model": answering.alias, "tokens_predicted": usage.completion_tokens,
+        "tokens_evaluated": usage.prompt_tokens, "generation_settings": answering.settings,
+        "prompt": answering.prompt, "has_new_line": "\n" in text,
         "truncated": reason == "length" and held + 1 >= answering.n_ctx_seq,
         "stop_type": _STOP_TYPES.get(reason or "", "none"), "stopping_word": stop or "",
-        "timings": timings(usage),
+        "tokens_cached": _slot_tokens(usage, reason), "timings": timings(usage),
     }  # fmt: skip
+
+
+def _slot_id(slot: int | None) -> int:
+    return -1 if slot is None else slot  # -1: llama-server's "no slot" (none took it yet)
+
+
+def _slot_tokens(usage: Usage, reason: str | None) -> int:
+    """llama-server's ``tokens_cached``: the tokens the slot's memory holds after the
+    generation, which a next prompt can reuse (its timings' ``cache_n`` counts what this one
+    reused): the prompt and every token sampled but the last, which is never decoded; an end
+    token is sampled though not counted."""
+    sampled = usage.completion_tokens + (reason == "eos")
+    return usage.prompt_tokens + max(sampled - 1, 0)
+
+
+def _prompt_text(llama: Llama, prompt: list[int] | Chunks) -> str:
+    """The prompt as llama-server shows it: its tokens as text, special ones spelled out
+    (``<bos>``); images and sounds left out."""
+    tokens = prompt.text_tokens() if isinstance(prompt, Chunks) else prompt
+    return llama.detokenize(tokens, special=True)
 
 
 async def native_events(
@@ -249,7 +235,8 @@ async def native_events(
             predicted += len(chunk.tokens)
             if chunk.text or chunk.tokens:
                 payload = {"index": 0, "content": chunk.text, "tokens": list(chunk.tokens),
-                           "stop": False, "id_slot": -1, "tokens_predicted": predicted}  # fmt: skip
+                           "stop": False, "id_slot": _slot_id(chunk.slot),
+                           "tokens_predicted": predicted}  # fmt: skip
                 if answering.vocab is not None and chunk.logprobs is not None:
                     payload["completion_probabilities"] = probabilities(
                         answering.vocab, chunk.tokens, chunk.logprobs
@@ -257,7 +244,7 @@ async def native_events(
                 yield event(payload)
             if chunk.finish_reason is not None:
                 yield event(native_answer("", (), chunk.finish_reason, chunk.usage,
-                                          chunk.stop_sequence, answering))  # fmt: skip
+                                          chunk.stop_sequence, chunk.slot, answering))  # fmt: skip
     except ApiError as error:
         yield event(error.body())
 

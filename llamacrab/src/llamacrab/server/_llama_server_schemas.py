@@ -29,21 +29,14 @@ class InfillChunk(Lenient):
 
 
 class NativeGeneration(GenerationFields):
-    """The options of llama-server's own generation routes (``/completion``, ``/infill``):
-    ``n_predict`` or ``max_tokens``, ``ignore_eos``; ``cache_prompt`` is accepted (llamacrab
-    always reuses a cached prefix)."""
+    """The options of llama-server's own generation routes (``/completion``, ``/infill``)
+    beyond those every generation route takes: ``return_tokens``, ``logprobs`` (``n_probs``'s
+    other name); ``cache_prompt`` is accepted (llamacrab always reuses a cached prefix)."""
 
-    n_predict: int | None = Field(None, ge=-1)  # -1: the server's limit
     seed: int | None = Field(None, ge=-1, lt=2**32)  # -1: random, as llama-server
     return_tokens: bool = False
-    ignore_eos: bool = False
     cache_prompt: bool = True
-    # Generation constrained to a JSON Schema ({} is any object); a grammar given too wins.
-    json_schema: dict[str, Any] | None = None
-    # The likeliest tokens at each step, before sampling ("logprobs" is its other name)
-    n_probs: int | None = Field(None, ge=0, le=20)
     logprobs: int | None = Field(None, ge=0, le=20)
-    post_sampling_probs: bool = False
 
 
 class InfillRequest(NativeGeneration):
@@ -63,11 +56,9 @@ Prompts = str | list[str | int] | list[str | list[str | int]]
 class LlamaCompletionRequest(NativeGeneration):
     """llama-server's ``/completion``: ``prompt`` is text, token ids, or both mixed (special
     tokens parsed in its text, as llama-server does), or a list of such prompts (a list with
-    no token id in it: each string is a prompt, each answered in turn); ``logit_bias`` also in
-    llama-server's forms, ``[[token id or text, bias or false], ...]`` (false bans the token)."""
+    no token id in it: each string is a prompt, each answered in turn)."""
 
     prompt: Prompts
-    logit_bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None = None  # type: ignore[assignment]
 
 
 class LlamaEmbeddingRequest(Lenient):
@@ -152,7 +143,9 @@ class LlamaCompletionResponse(BaseModel):
     model: str
     tokens_predicted: int
     tokens_evaluated: int
-    tokens_cached: int
+    generation_settings: dict[str, Any]  # the sampling it ran with, as /props lists defaults
+    prompt: str  # the prompt's tokens as text, special ones spelled out
+    tokens_cached: int  # tokens the slot's memory holds after it (timings.cache_n: reused)
     has_new_line: bool
     truncated: bool = False
     stop_type: Literal["eos", "limit", "word", "none"]

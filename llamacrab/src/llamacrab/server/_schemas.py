@@ -49,7 +49,11 @@ class GenerationFields(Lenient):
     """Fields shared by completions and chat completions (llama.cpp's samplers included)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=-1)  # -1: no limit but the server's (llama-server's)
+    # The most tokens to generate; -1: no limit but the server's (as llama-server reads it).
+    # Of several given, n_predict wins, then max_completion_tokens (OpenAI's newer name).
+    max_tokens: int | None = Field(None, ge=-1)
+    max_completion_tokens: int | None = Field(None, ge=-1)
+    n_predict: int | None = Field(None, ge=-1)  # llama-server's name
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
@@ -61,7 +65,9 @@ class GenerationFields(Lenient):
     mirostat: Literal[0, 1, 2] | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
+    # {"id": bias}, or llama-server's [[id or text, bias]]; text stands for its tokens, and a
+    # bias of false bans them.
+    logit_bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None = None
     lora: list[LoraEntry] | None = None  # this request's adapter scales (others: 0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # OpenAI's: an int64
     stop: str | list[str] | None = None
@@ -84,6 +90,12 @@ class GenerationFields(Lenient):
     dry_sequence_breakers: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     # The chain's samplers in order: names (["top_k", "top_p", "infill"]) or one char each
     samplers: list[Annotated[str, Field(max_length=32)]] | str | None = Field(None, max_length=32)
+    ignore_eos: bool = False  # every end-of-generation token banned
+    # Generation constrained to a JSON Schema ({} is any object); a grammar given too wins.
+    json_schema: dict[str, Any] | None = None
+    # The likeliest tokens at each step, before sampling (OpenAI's logprobs, by another name)
+    n_probs: int | None = Field(None, ge=0, le=20)
+    post_sampling_probs: bool = False  # refused with n_probs: the probabilities are before
 
     @field_validator("stop")
     @classmethod
@@ -144,7 +156,6 @@ class ResponseFormat(Lenient):
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=-1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None

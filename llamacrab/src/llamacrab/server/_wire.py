@@ -36,6 +36,7 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_pena
              "seed", "grammar", "min_tokens", "dynatemp_range", "dynatemp_exponent",
              "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
              "dry_allowed_length", "dry_penalty_last_n")  # fmt: skip
+_MAX_TOKENS_FIELDS = ("n_predict", "max_completion_tokens", "max_tokens")  # the first given wins
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -44,13 +45,12 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def generation_kwargs(
-    body: GenerationFields,
-    settings: ServerSettings,
-    max_tokens: int | None,
-    default_max: int | None,
+    body: GenerationFields, settings: ServerSettings, default_max: int | None = None
 ) -> dict[str, Any]:
-    """Keywords for the Python API, with the server's caps applied. The penalties and DRY
-    count the prompt's tokens, as llama-server's do."""
+    """Keywords for the Python API, with the server's caps applied (``default_max``: the
+    tokens a request that names none gets; None: the server's limit). The penalties and DRY
+    count the prompt's tokens, as llama-server's do. ``logit_bias``, ``ignore_eos`` and
+    ``json_schema`` need the model or take time: ``_llama_fields`` reads them."""
     kwargs: dict[str, Any] = {n: v for n in _SAMPLING if (v := getattr(body, n)) is not None}
     kwargs["penalize_prompt"] = True
     seed = kwargs.get("seed")
@@ -66,20 +66,9 @@ def generation_kwargs(
         kwargs["dry_sequence_breakers"] = tuple(body.dry_sequence_breakers)
     if body.samplers is not None:
         kwargs.update(sampler_order(body.samplers))
-    if body.logit_bias:
-        try:
-            kwargs["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
-        except ValueError:
-            raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from None
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
-    limit = settings.max_tokens_limit
-    # llama-server's -1, no limit: the server's, as for a request that names none
-    wanted = default_max if max_tokens is None else None if max_tokens == -1 else max_tokens
-    if wanted is not None and wanted > limit:
-        raise ApiError(400, f"max_tokens {wanted} exceeds this server's limit of {limit}",
-                       param="max_tokens")  # fmt: skip
-    kwargs["max_tokens"] = limit if wanted is None else wanted
+    kwargs["max_tokens"] = _max_tokens(body, settings.max_tokens_limit, default_max)
     if body.n > settings.max_n:
         raise ApiError(400, f"n {body.n} exceeds this server's limit of {settings.max_n}",
                        param="n")  # fmt: skip
@@ -89,12 +78,45 @@ def generation_kwargs(
     return kwargs
 
 
+def _max_tokens(body: GenerationFields, limit: int, default: int | None) -> int:
+    """The tokens a request may generate: the first of n_predict, max_completion_tokens and
+    max_tokens it gives (llama-server's order; OpenAI deprecates max_tokens), -1 meaning no
+    limit but the server's; none given, ``default``."""
+    for name in _MAX_TOKENS_FIELDS:
+        wanted = getattr(body, name)
+        if wanted is not None:
+            break
+    else:
+        name, wanted = "max_tokens", default
+    if wanted is None or wanted == -1:
+        return limit
+    if wanted > limit:
+        raise ApiError(400, f"{name} {wanted} exceeds this server's limit of {limit}",
+                       param=name)  # fmt: skip
+    return int(wanted)
+
+
+def logprobs_kwargs(body: GenerationFields, count: int | None) -> dict[str, Any]:
+    """``logprobs``: each token's log-probability and its ``count`` likeliest alternatives
+    (None: none asked for). llama-server's ``post_sampling_probs`` is refused with them: the
+    probabilities given are those before sampling."""
+    if count is None:
+        return {}
+    if body.post_sampling_probs:
+        raise ApiError(400, "post_sampling_probs is not supported: the probabilities given "
+                       "are those before sampling (leave it false)",
+                       param="post_sampling_probs")  # fmt: skip
+    return {"logprobs": count}
+
+
 def completion_kwargs(body: CompletionRequest, settings: ServerSettings) -> dict[str, Any]:
-    kwargs = generation_kwargs(body, settings, body.max_tokens, 16)
+    kwargs = generation_kwargs(body, settings, 16)
     if body.best_of is not None and body.best_of > settings.max_n:
         raise ApiError(400, f"best_of exceeds this server's limit of {settings.max_n}",
                        param="best_of")  # fmt: skip
-    kwargs.update(echo=body.echo, logprobs=body.logprobs)
+    # llama-server's n_probs, where given, instead of OpenAI's logprobs (0: none)
+    count = body.logprobs if body.n_probs is None else body.n_probs or None
+    kwargs.update(echo=body.echo, **logprobs_kwargs(body, count))
     if not body.stream:
         kwargs.update(n=body.n, best_of=body.best_of)
     elif body.best_of not in (None, 1):
@@ -136,10 +158,7 @@ def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[s
         raise ApiError(400, "web search is not supported", param="web_search_options")
     if body.verbosity not in (None, "medium"):  # as /v1/responses refuses text.verbosity
         raise ApiError(400, f"verbosity {body.verbosity!r} is not supported", param="verbosity")
-    # OpenAI deprecates max_tokens for max_completion_tokens, which wins (llama-server's too)
-    given = body.max_completion_tokens
-    max_tokens = body.max_tokens if given is None else given
-    kwargs = generation_kwargs(body, settings, max_tokens, None)
+    kwargs = generation_kwargs(body, settings)
     if body.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     if body.tool_choice is not None:
@@ -149,18 +168,32 @@ def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[s
         kwargs["tools"] = legacy_functions.tools_of(functions, body.tools)
     if body.function_call is not None:
         kwargs["tool_choice"] = legacy_functions.tool_choice_of(body.function_call)
-    if body.response_format is not None:
-        kwargs["response_format"] = body.response_format.model_dump(
-            by_alias=True, exclude_none=True
-        )
-    if body.logprobs:
-        kwargs["logprobs"] = body.top_logprobs or 0
+    response_format = _response_format(body)
+    if response_format is not None:
+        kwargs["response_format"] = response_format
+    # llama-server's n_probs where logprobs is not asked for (0: none)
+    count = (body.top_logprobs or 0) if body.logprobs else body.n_probs or None
+    kwargs.update(logprobs_kwargs(body, count))
     if not body.stream:
         kwargs["n"] = body.n
     variables = template_variables(body.chat_template_kwargs, body.reasoning_effort)
     if variables:
         kwargs["chat_template_kwargs"] = variables
     return kwargs
+
+
+def _response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """OpenAI's ``response_format``, or llama-server's ``json_schema`` as one where the format
+    asks for no schema of its own ({} is any object)."""
+    given = body.response_format
+    if body.json_schema is None:
+        return None if given is None else given.model_dump(by_alias=True, exclude_none=True)
+    if body.grammar is not None:
+        raise ApiError(400, "json_schema and grammar cannot be used together",
+                       param="json_schema")  # fmt: skip
+    if given is not None and (given.type == "json_schema" or given.schema_ is not None):
+        return given.model_dump(by_alias=True, exclude_none=True)
+    return {"type": "json_object", "schema": body.json_schema or {"type": "object"}}
 
 
 def template_variables(
