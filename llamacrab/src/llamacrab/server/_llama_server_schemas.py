@@ -143,9 +143,7 @@ class LlamaCompletionResponse(BaseModel):
     model: str
     tokens_predicted: int
     tokens_evaluated: int
-    generation_settings: dict[str, Any]  # the sampling it ran with, as /props lists defaults
-    prompt: str  # the prompt's tokens as text, special ones spelled out
-    tokens_cached: int  # tokens the slot's memory holds after it (timings.cache_n: reused)
+    tokens_cached: int
     has_new_line: bool
     truncated: bool = False
     stop_type: Literal["eos", "limit", "word", "none"]
