@@ -262,10 +262,11 @@ def test_post_lora_adapters_sets_the_default_scales(
 
 
 def _generate(url: str, extra: dict[str, Any]) -> tuple[list[int], int, int]:
-    """A greedy /completion's tokens, how many were cached, and how many could have been."""
+    """A greedy /completion's tokens, how many of its prompt's were reused, and how many could
+    have been."""
     body = {"prompt": PROMPT, "n_predict": 10, "temperature": 0.0, "return_tokens": True}
     answer = httpx.post(url + "/completion", json={**body, **extra}, timeout=60).json()
-    return answer["tokens"], answer["tokens_cached"], answer["tokens_evaluated"] - 1
+    return answer["tokens"], answer["timings"]["cache_n"], answer["tokens_evaluated"] - 1
 
 
 def _erase_all(url: str) -> None:
