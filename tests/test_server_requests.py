@@ -1,5 +1,6 @@
 """What a request can say, as llama-server's clients say it: the token limit's names and -1,
-and llama-server's own fields on the OpenAI routes (logit_bias in its forms too)."""
+llama-server's own fields on the OpenAI routes (logit_bias in its forms too), and several
+prompts in one /v1/completions request."""
 
 from __future__ import annotations
 
@@ -170,3 +171,30 @@ def test_logit_bias_in_llama_servers_forms(server: LiveServer, llama: Llama, rou
     for bias in ([[token, False]], [[token, -100]], [[greedy, False]], {greedy: -100},
                  {str(token): False}):  # fmt: skip
         assert text(bias) != greedy, bias
+
+
+# -- several prompts in one /v1/completions request ----------------------------------------------
+
+
+def test_several_prompts_get_one_choice_each(server: LiveServer, llama: Llama) -> None:
+    prompts = ["the cat", "a dog"]
+    body = {"max_tokens": 3, "n": 2}
+    one = [post(server, "/v1/completions", {"prompt": p, **body}) for p in prompts]
+    ids = [llama.tokenize(p) for p in prompts]
+    for batch in (prompts, ids, [prompts[0], ids[1]]):
+        both = post(server, "/v1/completions", {"prompt": batch, **body})
+        # OpenAI's order: each prompt's n choices together, indexed across the request.
+        assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3], batch
+        expected = [c["text"] for answer in one for c in answer["choices"]]
+        assert [c["text"] for c in both["choices"]] == expected, batch
+        for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert both["usage"][field] == sum(a["usage"][field] for a in one), field
+    refusals = {
+        "streamed": {"prompt": prompts, "stream": True},
+        "more than --max-n": {"prompt": prompts * 3},
+        "an empty one": {"prompt": ["the cat", []]},
+        "an empty text": {"prompt": ["the cat", ""]},
+        "ids with suffix": {"prompt": ["the cat", [1, 2]], "suffix": "end"},
+    }
+    for why, extra in refusals.items():
+        assert refused(server, "/v1/completions", extra)["param"] in ("prompt", "suffix"), why

@@ -74,7 +74,7 @@ from llamacrab.server._schemas import (
 )
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import ServerState
-from llamacrab.server._streaming import ERRORS, generate, in_thread
+from llamacrab.server._streaming import ERRORS, complete, generate, in_thread
 
 
 def create_app(
@@ -217,18 +217,24 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
-        prompt, kwargs = wire.completion_prompt(body), wire.completion_kwargs(body, settings)
+        prompts = wire.completion_prompts(body, settings)
+        kwargs = wire.completion_kwargs(body, settings)
         kwargs.update(await in_thread(completion_fields, body, llama))
         kwargs.update(request_lora(body.lora, llama))
-        suffix = wire.insertion(body, prompt)
+        suffix = wire.insertion(body, prompts)
         if suffix is None:
             stream, create = llama.stream_completion, llama.create_completion
         else:  # the model's FIM tokens put the answer between the prompt and the suffix
             stream = partial(llama.stream_infill, suffix=suffix)
             create = partial(llama.create_infill, suffix=suffix)
+        if len(prompts) > 1:  # answered in turn, each prompt's choices side by side
+            results = [await complete(state, client, partial(create, p, **kwargs))
+                       for p in prompts]  # fmt: skip
+            alias = state.model_name(body.model)
+            return wire.completion(wire.joined_completions(results, body.n), alias)
         return await generate(
-            state, client, body, partial(stream, prompt, **kwargs),
-            partial(create, prompt, **kwargs), wire.completion_chunk, wire.completion,
+            state, client, body, partial(stream, prompts[0], **kwargs),
+            partial(create, prompts[0], **kwargs), wire.completion_chunk, wire.completion,
         )  # fmt: skip
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)

@@ -113,7 +113,7 @@ class GenerationFields(Lenient):
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str | list[int]]  # one prompt, or several (OpenAI's batch)
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -4,9 +4,10 @@ results to OpenAI JSON."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -124,28 +125,45 @@ def completion_kwargs(body: CompletionRequest, settings: ServerSettings) -> dict
     return kwargs
 
 
-def insertion(body: CompletionRequest, prompt: str | list[int]) -> str | None:
-    """The text the answer goes before (OpenAI's ``suffix``): filled in the middle with the
+def insertion(body: CompletionRequest, prompts: Sequence[str | list[int]]) -> str | None:
+    """The text each answer goes before (OpenAI's ``suffix``): filled in the middle with the
     model's FIM tokens, as OpenAI inserts; None for a plain completion."""
     if not body.suffix:
         return None
-    if not isinstance(prompt, str):
+    if not all(isinstance(prompt, str) for prompt in prompts):
         raise ApiError(400, "suffix needs a text prompt, not token ids", param="suffix")
     if body.echo:
         raise ApiError(400, "echo cannot be used with suffix", param="echo")
     return body.suffix
 
 
-def completion_prompt(body: CompletionRequest) -> str | list[int]:
+def completion_prompts(body: CompletionRequest, settings: ServerSettings) -> list[str | list[int]]:
+    """The prompts of a request: text, token ids, or a list of such prompts (each answered
+    with ``n`` choices; up to ``--max-n`` of them, not streamed). An empty one is refused."""
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise ApiError(400, "one prompt per request (a list of several is not supported)",
-                           param="prompt")  # fmt: skip
-        return str(prompt[0])
-    if not prompt:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    return prompt  # type: ignore[return-value]
+    single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+    prompts = cast("list[str | list[int]]", [prompt] if single or not prompt else prompt)
+    for i, one in enumerate(prompts):
+        if not one:
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+            raise ApiError(400, f"{which} is empty", param="prompt")
+    if len(prompts) > settings.max_n:
+        raise ApiError(400, f"{len(prompts)} prompts exceed this server's limit of "
+                       f"{settings.max_n} a request", param="prompt")  # fmt: skip
+    if len(prompts) > 1 and body.stream:
+        raise ApiError(400, "several prompts are answered together, not streamed: stream "
+                       "one prompt per request", param="prompt")  # fmt: skip
+    return prompts
+
+
+def joined_completions(results: Sequence[Completion], n: int) -> Completion:
+    """The completions of several prompts as one answer, as OpenAI gives it: prompt i's ``n``
+    choices at indexes i * n to i * n + n - 1, the usage summed."""
+    choices = tuple(dataclasses.replace(choice, index=i * n + choice.index)
+                    for i, result in enumerate(results) for choice in result.choices)  # fmt: skip
+    used = [result.usage for result in results]
+    usage = Usage(*(sum(getattr(u, f.name) for u in used) for f in dataclasses.fields(Usage)))
+    return dataclasses.replace(results[0], choices=choices, usage=usage)
 
 
 def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[str, Any]:
