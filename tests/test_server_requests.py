@@ -1,9 +1,10 @@
 """What a request can say, as llama-server's clients say it: the token limit's names and -1,
-llama-server's own fields on the OpenAI routes (logit_bias in its forms too), and several
-prompts in one /v1/completions request."""
+llama-server's own fields on the OpenAI routes, logit_bias in its forms, several prompts in one
+/v1/completions request, and /completion's prompt object (with images)."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,14 +12,16 @@ from typing import Any
 import httpx
 import pytest
 from live_server import LiveServer
+from test_multimodal import IMAGE_TOKENS, PIXELS, encoded, tone, wav_bytes
 from test_tool_calls import TEMPLATE
 
-from llamacrab import Llama
+from llamacrab import Image, Llama
 from llamacrab.server import ServerSettings
 
 from support import load_repo_module
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
+mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
 LIMIT = 20  # the server's --max-tokens-limit (above /v1/completions' default of 16)
 CHAT = [{"role": "user", "content": "the cat"}]
 GREEDY = {"temperature": 0}
@@ -198,3 +201,75 @@ def test_several_prompts_get_one_choice_each(server: LiveServer, llama: Llama) -
     }
     for why, extra in refusals.items():
         assert refused(server, "/v1/completions", extra)["param"] in ("prompt", "suffix"), why
+
+
+# -- /completion's prompt object -----------------------------------------------------------------
+
+
+def test_a_prompt_object_is_its_prompt_string(server: LiveServer, llama: Llama) -> None:
+    body = {"n_predict": 3, "return_tokens": True}
+    plain = post(server, "/completion", {"prompt": "the cat", **body})
+    mixed = [llama.vocab.bos, "the cat"]  # BOS as an id, then the text
+    assert post(server, "/completion", {"prompt": mixed, **body})["tokens"] == plain["tokens"]
+    for prompt in ({"prompt_string": "the cat"}, {"prompt_string": mixed}):
+        answer = post(server, "/completion", {"prompt": prompt, **body})
+        assert answer["tokens"] == plain["tokens"], prompt
+    several = post(server, "/completion",
+                   {"prompt": [{"prompt_string": "the cat"}, "a dog"], **body})  # fmt: skip
+    assert [a["index"] for a in several] == [0, 1] and several[0]["tokens"] == plain["tokens"]
+    # Without a projector, images are refused as on every route.
+    png = base64.b64encode(encoded(PIXELS, "PNG")).decode()
+    media = {"prompt_string": "see <__media__>", "multimodal_data": [png]}
+    error = refused(server, "/completion", {"prompt": media})
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}}
+    chat = refused(server, "/v1/chat/completions",
+                   {"messages": [{"role": "user", "content": [image]}]})  # fmt: skip
+    assert error["message"] == chat["message"] and "projector" in error["message"]
+
+
+@pytest.fixture(scope="module")
+def vision_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path: Path = mmproj.write_tiny_vision_mmproj(tmp_path_factory.mktemp("seeing") / "v.gguf")
+    return path
+
+
+@pytest.fixture(scope="module")
+def seeing(tiny_path: Path, vision_path: Path) -> Iterator[LiveServer]:
+    settings = ServerSettings(model=str(tiny_path), mmproj=str(vision_path), n_ctx=1024,
+                              max_media=2)  # fmt: skip
+    yield from _running(settings)
+
+
+def test_a_prompt_objects_images_with_a_projector(
+    seeing: LiveServer, tiny_path: Path, vision_path: Path
+) -> None:
+    png = encoded(PIXELS, "PNG")
+    body = {"n_predict": 3, "return_tokens": True}
+    prompt = {"prompt_string": "see <__media__> now",
+              "multimodal_data": [base64.b64encode(png).decode()]}  # fmt: skip
+    answer = post(seeing, "/completion", {"prompt": prompt, **body})
+    assert answer["tokens_evaluated"] > IMAGE_TOKENS
+    with Llama(tiny_path, n_ctx=1024, n_threads=2, mmproj=vision_path) as llama:
+        chunks = llama.tokenize_media("see <__media__> now", [Image(data=png)], True, True)
+        expected = llama.create_completion(chunks, max_tokens=3, temperature=0)
+    assert answer["tokens"] == list(expected.choices[0].tokens)
+    wav = base64.b64encode(wav_bytes(tone(16000), 16000)).decode()
+    for media, words in (
+        ([prompt["multimodal_data"][0]] * 2, "media markers"),  # two images, one marker
+        (["!!"], "base64"),
+        ([wav], "no audio encoder"),  # a sound, known by its signature
+    ):
+        error = refused(seeing, "/completion", {"prompt": {**prompt, "multimodal_data": media}})
+        assert words in error["message"], (words, error)
+    ids = {"prompt_string": [1, "see <__media__>"], "multimodal_data": prompt["multimodal_data"]}
+    assert "prompt_string is text" in refused(seeing, "/completion", {"prompt": ids})["message"]
+
+
+def test_embeddings_take_a_prompt_object_without_media(tiny_path: Path) -> None:
+    for server in _running(ServerSettings(model=str(tiny_path), n_ctx=256, embeddings=True)):
+        for route in ("/embedding", "/embeddings"):
+            plain = post(server, route, {"content": "the cat"})
+            same = post(server, route, {"content": {"prompt_string": "the cat"}})
+            assert same == plain, route
+            media = {"prompt_string": "the cat <__media__>", "multimodal_data": ["AAAA"]}
+            assert refused(server, route, {"content": media})["param"] == "content"

@@ -460,11 +460,12 @@ class Llama:
     def tokenize_media(
         self,
         text: str,
-        media: Sequence[Media],
+        media: Sequence[Media | bytes],
         add_special: bool = True,
         parse_special: bool = False,
     ) -> Chunks:
-        """A multimodal prompt: ``text`` with one ``media_marker`` per item of ``media``."""
+        """A multimodal prompt: ``text`` with one ``media_marker`` per item of ``media``
+        (Image, Audio, or an encoded file's bytes: the image or sound its signature says)."""
         return self._media.tokenize(text, media, add_special, parse_special)
 
     # -- fill in the middle --------------------------------------------------------------------

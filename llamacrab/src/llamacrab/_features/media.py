@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from llamacrab._chat.media_parts import MediaPolicy
 from llamacrab._exceptions import InvalidParameterError, MediaError
-from llamacrab._native.media import Media
+from llamacrab._native.media import Media, encoded_media
 from llamacrab._native.mtmd import Chunks, Projector
 
 
@@ -37,13 +37,15 @@ class MediaInput:
             )
 
     def tokenize(
-        self, text: str, media: Sequence[Media], add_special: bool, parse_special: bool
+        self, text: str, media: Sequence[Media | bytes], add_special: bool, parse_special: bool
     ) -> Chunks:
-        """``text`` with one marker per item of ``media``, as chunks."""
+        """``text`` with one marker per item of ``media`` (bytes: an encoded image or sound
+        file), as chunks."""
         projector = self.projector
         if len(media) > self.policy.max_media:
             raise MediaError(f"more than {self.policy.max_media} images/sounds at once")
-        bitmaps = [projector.bitmap(item) for item in media]
+        items = [encoded_media(item) if isinstance(item, bytes) else item for item in media]
+        bitmaps = [projector.bitmap(item) for item in items]
         try:
             return projector.tokenize(text, bitmaps, add_special, parse_special)
         finally:

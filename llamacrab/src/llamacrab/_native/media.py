@@ -67,6 +67,11 @@ class Audio:
 Media = Image | Audio
 
 
+def encoded_media(data: bytes) -> Media:
+    """An encoded file's bytes as the image or the sound its signature says they hold."""
+    return Audio(data=data) if sniff(data) == "audio" else Image(data=data)
+
+
 def _one_source(data: bytes | None, array: np.ndarray | None, name: str) -> None:
     if (data is None) == (array is None):
         raise MediaError(f"give either data (encoded bytes) or {name}, not both or neither")

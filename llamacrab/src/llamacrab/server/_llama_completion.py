@@ -4,6 +4,8 @@ as ``data:`` events with ``stop: false`` and a last one with ``stop: true`` (no 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
@@ -13,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
-from llamacrab import InfillLimits, Vocab
+from llamacrab import Chunks, InfillLimits, Vocab
 from llamacrab._llama import Llama
 from llamacrab._types import CompletionChunk, Logprobs, Usage
 from llamacrab.server._errors import ApiError
@@ -23,6 +25,9 @@ from llamacrab.server._llama_server_schemas import (
     LlamaCompletionRequest,
     LlamaCompletionResponse,
     NativeGeneration,
+    Prompt,
+    PromptObject,
+    Prompts,
 )
 from llamacrab.server._lora import request_lora
 from llamacrab.server._settings import ServerSettings
@@ -50,7 +55,7 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         kwargs = await in_thread(native_kwargs, body, llama, settings)
         answers = []
         for index, prompt in enumerate(prompts):
-            kwargs["prompt"] = await in_thread(mixed_tokens, llama, prompt, True, True)
+            kwargs["prompt"] = await in_thread(prompt_input, llama, prompt)
             answers.append(await _answer(state, client, body, llama, kwargs))
             if not body.stream:
                 answers[-1]["index"] = index
@@ -142,18 +147,45 @@ def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings
     return kwargs
 
 
-def split_prompts(
-    prompt: str | list[str | int] | list[str | list[str | int]], field: str = "prompt"
-) -> list[str | list[str | int]]:
+def split_prompts(prompt: Prompts, field: str = "prompt") -> list[Prompt]:
     """The prompts of a request's ``field``, as llama-server reads them: a list holding a token
     id is one prompt (text and ids mixed); any other list is several. An empty one is refused."""
-    if isinstance(prompt, str):
+    if isinstance(prompt, str | PromptObject):
         return [prompt]
     several = [] if any(isinstance(p, int) for p in prompt) else list(prompt)
-    prompts = cast("list[str | list[str | int]]", several or [prompt])
+    prompts = cast("list[Prompt]", several or [prompt])
     if any(p == [] for p in prompts):
         raise ApiError(400, f"the {field} is empty", param=field)
     return prompts
+
+
+def prompt_tokens(llama: Llama, prompt: Prompt) -> list[int]:
+    """A prompt's tokens, as llama-server reads them: special tokens parsed, BOS before text
+    that comes first (an object's ``multimodal_data`` aside)."""
+    text = prompt.prompt_string if isinstance(prompt, PromptObject) else prompt
+    return mixed_tokens(llama, text, True, True)
+
+
+def prompt_input(llama: Llama, prompt: Prompt) -> list[int] | Chunks:
+    """``prompt_tokens``, or for an object with ``multimodal_data`` chunks with its images and
+    sounds, as llama-server makes them; on a model without a projector, the error every media
+    request gets."""
+    if not isinstance(prompt, PromptObject) or prompt.multimodal_data is None:
+        return prompt_tokens(llama, prompt)
+    marker = llama.media_marker  # no projector: refused before any media is decoded
+    if not isinstance(prompt.prompt_string, str):
+        raise ApiError(400, f"with multimodal_data, prompt_string is text (with {marker} for "
+                       "each image or sound), not token ids", param="prompt")  # fmt: skip
+    media = [_decoded(data, i) for i, data in enumerate(prompt.multimodal_data)]
+    return llama.tokenize_media(prompt.prompt_string, media, True, True)
+
+
+def _decoded(data: str, index: int) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error:
+        raise ApiError(400, f"multimodal_data item {index} is not valid base64",
+                       param="prompt") from None  # fmt: skip
 
 
 def mixed_tokens(

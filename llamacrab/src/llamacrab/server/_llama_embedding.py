@@ -12,8 +12,8 @@ from fastapi import FastAPI
 
 from llamacrab._llama import Llama
 from llamacrab.server._errors import ApiError
-from llamacrab.server._llama_completion import mixed_tokens, split_prompts
-from llamacrab.server._llama_server_schemas import LlamaEmbeddingRequest
+from llamacrab.server._llama_completion import prompt_tokens, split_prompts
+from llamacrab.server._llama_server_schemas import LlamaEmbeddingRequest, Prompt, PromptObject
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, in_thread
 
@@ -26,6 +26,9 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
         if content is None:
             raise ApiError(400, '"input" or "content" must be provided', param="content")
         prompts = split_prompts(content, field)
+        if any(isinstance(p, PromptObject) and p.multimodal_data is not None for p in prompts):
+            raise ApiError(400, "embeddings take text and token ids, not multimodal_data",
+                           param=field)  # fmt: skip
         with state.metrics.working_on():
             tokens, vectors = await in_thread(_embed, llama, prompts, body.embd_normalize)
         state.metrics.tokens(sum(map(len, tokens)), 0)
@@ -36,9 +39,9 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _embed(
-    llama: Llama, prompts: list[str | list[str | int]], norm: int
+    llama: Llama, prompts: list[Prompt], norm: int
 ) -> tuple[list[list[int]], list[list[list[float]]]]:
-    tokens = [mixed_tokens(llama, p, True, True) for p in prompts]
+    tokens = [prompt_tokens(llama, p) for p in prompts]
     if any(not t for t in tokens):  # a vocabulary that adds no BOS, and an empty text
         raise ApiError(400, "an input is empty", param="content")
     if llama.context.pooling == "none":

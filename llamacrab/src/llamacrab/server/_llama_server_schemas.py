@@ -49,14 +49,25 @@ class InfillRequest(NativeGeneration):
     prompt: str = ""  # text that continues the prefix (where llama-server's code puts it)
 
 
-# llama-server's prompt shapes: text, token ids and text mixed, or a list of such prompts.
-Prompts = str | list[str | int] | list[str | list[str | int]]
+class PromptObject(Lenient):
+    """llama-server's prompt as an object: ``prompt_string`` (text, or text and token ids
+    mixed) and, for a model with a projector, ``multimodal_data``: images or sounds in base64,
+    one media marker each in the text."""
+
+    prompt_string: str | list[str | int]
+    multimodal_data: list[str] | None = None
+
+
+# llama-server's prompt shapes: text, token ids and text mixed, an object, or a list of such
+# prompts.
+Prompt = str | list[str | int] | PromptObject
+Prompts = str | list[str | int] | PromptObject | list[str | list[str | int] | PromptObject]
 
 
 class LlamaCompletionRequest(NativeGeneration):
     """llama-server's ``/completion``: ``prompt`` is text, token ids, or both mixed (special
-    tokens parsed in its text, as llama-server does), or a list of such prompts (a list with
-    no token id in it: each string is a prompt, each answered in turn)."""
+    tokens parsed in its text, as llama-server does), a ``PromptObject``, or a list of such
+    prompts (a list with no token id in it: each item is a prompt, each answered in turn)."""
 
     prompt: Prompts
 
