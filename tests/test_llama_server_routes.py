@@ -630,12 +630,42 @@ def test_props_describe_the_server(gemma_server: LiveServer, gemma_path: Path) -
     assert settings["params"]["top_k"] == 40 and "typ_p" in settings["params"]["samplers"]
     assert props["total_slots"] == 2
     assert props["model_path"] == str(gemma_path) and props["model_alias"] == "gemma"
-    assert props["modalities"] == {"vision": False, "audio": False}
+    assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert props["build_info"].startswith("llamacrab-")
-    assert isinstance(props["chat_template"], str)
     assert props["bos_token"] == "<bos>" and props["endpoint_props"] is False
+    # The template in use (it said ""): Gemma's GGUF has none, and the built-in format is
+    # named, as llama-server names one given by --chat-template. Its weights' type too.
+    assert props["chat_template"] == "gemma" and props["model_ftype"] == "Q4_K - Medium"
+    assert props["chat_template_caps"] == {
+        "supports_system_role": True, "supports_tools": False, "supports_tool_calls": False,
+        "supports_object_arguments": False,
+    }  # fmt: skip
     refused = httpx.post(gemma_server.url + "/props", json={})
     assert refused.status_code == 403 and "--props" in refused.text
+
+
+def test_props_show_a_models_own_template(tmp_path: Path, fim_server: LiveServer) -> None:
+    path = tiny.write_tiny_llama(tmp_path / "tools.gguf", chat_templates={"": TEMPLATE})
+    for server in _running(ServerSettings(model=str(path), n_ctx=256)):
+        props = httpx.get(server.url + "/props").json()
+        assert props["chat_template"] == TEMPLATE
+        caps = props["chat_template_caps"]
+        assert caps["supports_tools"] is True and caps["supports_tool_calls"] is False
+    # A model that cannot chat (no template, not a Gemma) shows none.
+    props = httpx.get(fim_server.url + "/props", headers=KEY).json()
+    assert props["chat_template"] == "" and "chat_template_caps" not in props
+
+
+@pytest.mark.real_model
+def test_models_list_what_llama_server_lists(gemma_server: LiveServer) -> None:
+    """Its ``meta`` (tools size prompts by ``n_ctx`` and ``n_ctx_train``) and ``aliases``."""
+    for path in ("/v1/models", "/models", "/v1/models/gemma"):
+        answer = httpx.get(gemma_server.url + path).json()
+        card = answer["data"][0] if "data" in answer else answer
+        assert card["id"] == "gemma" and card["aliases"] == ["gemma"]
+        assert card["meta"] == {"vocab_type": 1, "n_vocab": 262144, "n_ctx": 512,
+                                "n_ctx_train": 32768, "n_embd": 640, "n_params": 268098176,
+                                "size": 246587904, "ftype": "Q4_K - Medium"}  # fmt: skip
 
 
 @pytest.mark.real_model

@@ -146,6 +146,10 @@ def test_models_are_listed_with_their_status_and_load_on_demand(mixed: LiveServe
     now = statuses(mixed)
     assert {now[n]["value"] for n in ("gemma", "minilm", "ranker")} == {"loaded"}
     assert now["alpha"]["value"] == "unloaded" and now["gemma"]["estimated_bytes"] > 2**20
+    # llama-server's meta where the model is loaded (its n_ctx, ...); none where it is not.
+    cards = {m.id: m.model_extra or {} for m in sdk(mixed).models.list()}
+    assert cards["gemma"]["meta"]["n_vocab"] == 262144 and cards["minilm"]["meta"]["n_embd"] == 384
+    assert "meta" not in cards["alpha"] and cards["alpha"]["aliases"] == ["alpha"]
 
 
 @pytest.mark.real_model

@@ -14,7 +14,7 @@ from typing import Any
 
 from llamacrab._chat.adapt import adapt_messages
 from llamacrab._chat.builtin import apply_builtin, builtin_names
-from llamacrab._chat.caps import BUILTIN_CAPS, template_caps
+from llamacrab._chat.caps import BUILTIN_CAPS, TemplateCaps, template_caps
 from llamacrab._exceptions import InvalidParameterError, TemplateError
 from llamacrab._native.model import Model
 
@@ -189,6 +189,19 @@ def template_source(model: Model, chat_format: str | None) -> str | None:
     if chat_format not in builtin_names():
         raise TemplateError(f"no chat format {chat_format!r}; known: {', '.join(builtin_names())}")
     return None
+
+
+def template_in_use(model: Model, chat_format: str | None) -> tuple[str, TemplateCaps] | None:
+    """The template ``chat_prompt`` renders with, and what it can present: its Jinja source,
+    or a built-in format's name (llama.cpp's are C++ code, not text). None where the model
+    has none to chat with."""
+    try:
+        source = template_source(model, chat_format)
+    except TemplateError:
+        return None
+    if source is None:
+        return chat_format or "gemma", BUILTIN_CAPS
+    return source, template_caps(source)
 
 
 def _token_text(model: Model, token: int | None) -> str:

@@ -297,6 +297,12 @@ class Model(NativeHandle):
         return self.read(lib.llama_model_n_ctx_train)
 
     @property
+    def ftype(self) -> str:
+        """The weights' type as llama.cpp names it ("Q4_K - Medium", "F16", ...)."""
+        name = lib.llama_ftype_name(self.read(lib.llama_model_ftype))
+        return str(ffi.string(name).decode("utf-8", "replace"))
+
+    @property
     def n_swa(self) -> int:
         """The sliding-window size of its windowed attention layers (0: none)."""
         return self.read(lib.llama_model_n_swa)

@@ -56,6 +56,11 @@ class Vocab:
     def n_tokens(self) -> int:
         return self._n_tokens
 
+    @property
+    def kind(self) -> int:
+        """llama.cpp's ``llama_vocab_type``: 1 SPM, 2 BPE, 3 WPM, 4 UGM, 5 RWKV, 6 PLaMo 2."""
+        return int(self._get(lib.llama_vocab_type))
+
     def _special(self, getter: Any) -> int | None:
         token = int(self._get(getter))
         return None if token < 0 else token

@@ -47,6 +47,7 @@ from llamacrab.server._models import (
     ModelLeaseMiddleware,
     add_model_routes,
     load_pinned,
+    model_card,
     model_json,
     render_metrics,
     status_json,
@@ -191,10 +192,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> Any:
-        if state.registry is not None:  # every entry, with its status (llama-server's router)
-            data = [model_json(s, state.created) for s in state.registry.entries()]
+        registry = state.registry
+        if registry is not None:  # every entry, with its status (llama-server's router)
+            data = [model_json(s, state.created, registry.loaded(s.name))
+                    for s in registry.entries()]  # fmt: skip
             return JSONResponse(model_list(data))
-        return model_list([ModelOut.of(settings.alias, state.created).model_dump()])
+        return JSONResponse(model_list([model_card(settings.alias, state.created, state.llama)]))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelOut, responses=ERRORS)
     async def model(model_id: str) -> Any:
@@ -203,11 +206,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             if model_id not in state.registry:
                 raise ApiError(404, f"no model {model_id!r}: GET /v1/models lists them",
                                code="model_not_found")  # fmt: skip
-            return JSONResponse(model_json(state.registry.status(model_id), state.created))
+            loaded = state.registry.loaded(model_id)
+            return JSONResponse(model_json(state.registry.status(model_id), state.created, loaded))
         if model_id != settings.alias:
             raise ApiError(404, f"no model {model_id!r}: this server lists one, "
                            f"{settings.alias!r}", code="model_not_found")  # fmt: skip
-        return ModelOut.of(settings.alias, state.created)
+        return JSONResponse(model_card(settings.alias, state.created, state.llama))
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:

@@ -20,10 +20,12 @@ from fastapi import FastAPI, File, Form, UploadFile
 from fastapi.responses import PlainTextResponse
 from starlette.requests import Request
 
-from llamacrab import ConcurrentUseError, SamplingOptions, SavedState, SlotInfo, build_info
+from llamacrab import ConcurrentUseError, SavedState, SlotInfo, build_info
+from llamacrab._chat.prompt import template_in_use
 from llamacrab._llama import Llama
 from llamacrab._types import ChatCompletionChunk, Usage
 from llamacrab.server._errors import ApiError
+from llamacrab.server._generation_settings import default_settings
 from llamacrab.server._llama_completion import add_completion_routes, mixed_tokens
 from llamacrab.server._llama_embedding import add_embedding_routes
 from llamacrab.server._llama_server_schemas import (
@@ -48,9 +50,6 @@ from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
 from llamacrab.server._wire import chat_kwargs, template_variables
 
-# llama-server's sampler names where ours differ.
-_SAMPLER_NAMES = {"typical": "typ_p"}
-_RANDOM_SEED = 0xFFFFFFFF  # llama-server's LLAMA_DEFAULT_SEED: a random seed per request
 # Slot files: a plain name in --slot-save-path, never a path.
 _SLOT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _PARTIAL = ".partial"  # SavedState.save writes NAME.<random>.partial, then renames it
@@ -133,7 +132,9 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
     # ``model``: which model, where the server has several (as llama-server's router reads it).
     @app.get("/props", response_model=PropsResponse, responses=ERRORS)
     async def props(model: str | None = None) -> Any:
-        return _props(state.ready(model), settings, build, state.model_name(model))
+        # A template's capabilities are found by rendering it (once): not on the event loop.
+        return await in_thread(_props, state.ready(model), settings, build,
+                               state.model_name(model))  # fmt: skip
 
     @app.post("/props", response_model=PropsUpdated, responses=_SLOT_ERRORS)
     async def change_props(body: dict[str, Any] | None = None, model: str | None = None) -> Any:
@@ -202,14 +203,15 @@ def _props(llama: Llama, settings: ServerSettings, build: str, alias: str) -> di
     vocab = llama.vocab
     props = {
         "default_generation_settings": {
-            "n_ctx": llama.context.n_ctx_seq, "params": _default_params(llama, settings),
+            "n_ctx": llama.context.n_ctx_seq, "params": default_settings(llama, settings),
         },
         "total_slots": len(llama.slots()),
         "model_alias": alias,
         "model_path": str(llama.model.path),
-        "modalities": {"vision": bool(projector and projector.vision),
+        "model_ftype": llama.model.ftype,
+        "modalities": {"vision": bool(projector and projector.vision), "video": False,
                        "audio": bool(projector and projector.audio)},
-        "chat_template": llama.chat_format or llama.model.chat_template() or "",
+        **_chat_template(llama),
         "bos_token": "" if vocab.bos is None else vocab.token_to_piece(vocab.bos, True),
         "eos_token": "" if vocab.eos is None else vocab.token_to_piece(vocab.eos, True),
         "build_info": build,
@@ -223,27 +225,17 @@ def _props(llama: Llama, settings: ServerSettings, build: str, alias: str) -> di
     return props
 
 
-def _default_params(llama: Llama, settings: ServerSettings) -> dict[str, Any]:
-    """The sampling a request gets when it names none, with llama-server's field names."""
-    d = SamplingOptions()
-    limit = settings.max_tokens_limit
-    return {
-        "n_predict": limit, "max_tokens": limit,
-        "seed": _RANDOM_SEED if llama.seed is None else llama.seed,
-        "temperature": d.temperature, "dynatemp_range": d.dynatemp_range,
-        "dynatemp_exponent": d.dynatemp_exponent, "top_k": d.top_k, "top_p": d.top_p,
-        "min_p": d.min_p, "top_n_sigma": d.top_n_sigma, "xtc_probability": d.xtc_probability,
-        "xtc_threshold": d.xtc_threshold, "typical_p": d.typical_p,
-        "repeat_last_n": d.penalty_last_n, "repeat_penalty": d.repeat_penalty,
-        "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
-        "dry_multiplier": d.dry_multiplier, "dry_base": d.dry_base,
-        "dry_allowed_length": d.dry_allowed_length, "dry_penalty_last_n": d.dry_penalty_last_n,
-        "dry_sequence_breakers": list(d.dry_sequence_breakers), "mirostat": d.mirostat,
-        "mirostat_tau": d.mirostat_tau, "mirostat_eta": d.mirostat_eta, "stop": [],
-        "n_keep": 0, "ignore_eos": False, "stream": False, "n_probs": 0, "min_keep": 0,
-        "grammar": "", "samplers": [_SAMPLER_NAMES.get(name, name) for name in d.order],
-        "timings_per_token": False,
-    }  # fmt: skip
+def _chat_template(llama: Llama) -> dict[str, Any]:
+    """The chat template in use (a built-in format by its name, as llama-server shows one
+    named by --chat-template) and, in llama-server's names, what we find it can present."""
+    found = template_in_use(llama.model, llama.chat_format)
+    if found is None:
+        return {"chat_template": ""}
+    template, caps = found
+    return {"chat_template": template, "chat_template_caps": {
+        "supports_system_role": caps.system_role, "supports_tools": caps.tools,
+        "supports_tool_calls": caps.tool_calls, "supports_object_arguments": caps.object_arguments,
+    }}  # fmt: skip
 
 
 def _slot(llama: Llama, slot: SlotInfo) -> dict[str, Any]:

@@ -4,6 +4,7 @@ use until the answer ends, and the routes that list, load and unload models."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -21,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llamacrab import (
     PRESETS,
+    ClosedHandleError,
     ConcurrentUseError,
     EntryStatus,
     InvalidParameterError,
@@ -201,9 +203,29 @@ def status_json(status: EntryStatus) -> dict[str, Any]:
     return out
 
 
-def model_json(status: EntryStatus, created: int) -> dict[str, Any]:
-    card = ModelOut.of(status.name, created).model_dump()
+def model_json(status: EntryStatus, created: int, llama: Llama | None = None) -> dict[str, Any]:
+    """An entry's card; with ``meta`` where ``llama`` is it, loaded in this process."""
+    card = model_card(status.name, created, llama)
     return {**card, "kind": status.kind, "pinned": status.pinned, "status": status_json(status)}
+
+
+def model_card(name: str, created: int, llama: Llama | None) -> dict[str, Any]:
+    """A model as ``/v1/models`` lists it (``ModelOut``), with llama-server's ``aliases`` (the
+    names it answers to) and, for a loaded model, its ``meta``: vocabulary, a slot's context
+    and the training one, width, parameters, bytes and weights' type."""
+    card = {**ModelOut.of(name, created).model_dump(), "aliases": [name]}
+    if llama is not None:
+        with contextlib.suppress(ClosedHandleError):  # unloaded meanwhile: as not loaded
+            card["meta"] = _meta(llama)
+    return card
+
+
+def _meta(llama: Llama) -> dict[str, Any]:
+    model, vocab = llama.model, llama.vocab
+    return {"vocab_type": vocab.kind, "n_vocab": vocab.n_tokens,
+            "n_ctx": llama.context.n_ctx_seq, "n_ctx_train": model.n_ctx_train,
+            "n_embd": model.n_embd, "n_params": model.n_params, "size": model.size,
+            "ftype": model.ftype}  # fmt: skip
 
 
 def render_metrics(registry: ModelRegistry) -> str:
