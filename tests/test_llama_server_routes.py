@@ -191,8 +191,10 @@ def test_infill_streams_llama_server_events(fim_server: LiveServer) -> None:
     # As llama-server: the last event has the counts and no text (clients read the text from
     # the events before it).
     assert stream[-1]["content"] == "" and stream[-1]["tokens"] == []
-    # The same prompt again: its tokens but the last come from the slot's memory.
-    assert stream[-1]["tokens_cached"] == whole["tokens_evaluated"] - 1
+    # The same prompt again: its tokens but the last come from the slot's memory; after it,
+    # the slot holds it and the answer but the last token (never decoded).
+    assert stream[-1]["timings"]["cache_n"] == whole["tokens_evaluated"] - 1
+    assert stream[-1]["tokens_cached"] == whole["tokens_evaluated"] + 6 - 1
 
 
 # -- /completion ---------------------------------------------------------------------------------
@@ -225,6 +227,56 @@ def test_completion_matches_the_python_api(
         banned = httpx.post(fim_server.url + path, headers=KEY,
                             json={**body, "logit_bias": bias}).json()  # fmt: skip
         assert bias_token not in banned["tokens"], banned
+
+
+@pytest.mark.real_model
+def test_completion_says_its_slot_settings_prompt_and_what_the_slot_holds(
+    one_slot_server: LiveServer,
+) -> None:
+    """As llama-server's answer (and its stream's last event) does: ``id_slot`` the slot that
+    ran it (it was -1), ``tokens_cached`` the tokens that slot holds after it (it was the
+    count reused, which ``timings.cache_n`` keeps), the sampling it ran with and its prompt's
+    text (both were missing)."""
+    url = one_slot_server.url
+    defaults = httpx.get(url + "/props").json()["default_generation_settings"]["params"]
+    body = {"prompt": "The capital of France is", "n_predict": 4, "temperature": 0,
+            "top_k": 7, "stop": ["zzz"], "repeat_last_n": 16, "samplers": ["top_k", "temp"],
+            "logit_bias": [[506, False], [999, 2]]}  # fmt: skip
+    cases = [(body, "limit"), ({**body, "grammar": 'root ::= " Paris"'}, "eos")]
+    for asked, stop_type in cases:
+        for streamed in (False, True):
+            answer = httpx.post(url + "/completion", json={**asked, "stream": streamed})
+            last = events(answer.text)[-1] if streamed else answer.json()
+            assert last["stop_type"] == stop_type, last
+            held = httpx.get(url + "/slots").json()[0]["n_prompt_tokens"]
+            assert last["tokens_cached"] == held, (last, held)
+            assert last["id_slot"] == 0 and last["prompt"] == "<bos>The capital of France is"
+            used = last["generation_settings"]
+            assert set(defaults) <= set(used), set(defaults) - set(used)
+            assert (used["n_predict"], used["temperature"], used["top_k"]) == (4, 0, 7)
+            assert (used["stop"], used["repeat_last_n"], used["stream"]) == (["zzz"], 16, streamed)
+            assert used["samplers"] == ["top_k", "temperature"]
+            assert used["logit_bias"] == [{"bias": None, "token": 506}, {"bias": 2, "token": 999}]
+            assert used["grammar"] == asked.get("grammar", "")
+            if streamed:
+                assert all(e["id_slot"] == 0 for e in events(answer.text)), answer.text
+    limited = httpx.post(url + "/completion", json=body).json()
+    assert limited["tokens_cached"] == limited["tokens_evaluated"] + 4 - 1  # as llama-server's
+    assert limited["timings"]["cache_n"] > 0  # the prompt, reused from the requests before
+
+
+@pytest.mark.real_model
+def test_each_answer_names_the_slot_that_ran_it(gemma_server: LiveServer) -> None:
+    """Two requests at once run on the two slots: each answer names its own (both said -1)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(prompt: str) -> int:
+        body = {"prompt": prompt, "n_predict": 24, "temperature": 0}
+        return int(httpx.post(gemma_server.url + "/completion", json=body).json()["id_slot"])
+
+    with ThreadPoolExecutor(2) as pool:
+        slots = list(pool.map(ask, ["The capital of France is", "Once upon a time"]))
+    assert sorted(slots) == [0, 1]
 
 
 def test_a_logit_bias_key_of_other_digits_is_text_as_in_llama_server(

@@ -57,6 +57,20 @@ def test_concurrent_greedy_outputs_equal_sequential_ones(gemma: Llama, gemma_slo
 
 
 @pytest.mark.real_model
+def test_each_answer_names_its_slot(gemma: Llama, gemma_slots: Llama) -> None:
+    """A completion's choice and every chunk of a stream say which slot ran them (the
+    server's id_slot was always -1); without parallel slots, the one sequence, 0."""
+    options = {"max_tokens": 12, "temperature": 0}
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: gemma_slots.create_completion(p, **options),
+                                PROMPTS[:4]))  # fmt: skip
+    assert sorted(r.choices[0].slot for r in results) == [0, 1, 2, 3]
+    chunks = list(gemma_slots.stream_completion(PROMPTS[0], **options))
+    assert {c.slot for c in chunks} == {chunks[0].slot} and chunks[0].slot is not None
+    assert gemma.create_completion(PROMPTS[0], **options).choices[0].slot == 0
+
+
+@pytest.mark.real_model
 def test_a_slot_reuses_the_prefix_it_holds(gemma_slots: Llama) -> None:
     prompt = "The history of the printing press began"
     gemma_slots.create_completion(prompt, max_tokens=4, temperature=0)

@@ -146,6 +146,7 @@ class CompletionChoice:
     tokens: tuple[int, ...]
     logprobs: Logprobs | None = None
     stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
+    slot: int | None = None  # the parallel slot (context sequence) that generated it
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,8 @@ class CompletionChunk:
     tokens: tuple[int, ...] = ()
     logprobs: Logprobs | None = None
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended it
+    # The parallel slot (context sequence) generating it; None before one took it.
+    slot: int | None = None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

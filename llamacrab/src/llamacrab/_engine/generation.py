@@ -488,6 +488,7 @@ class Session:
         self.cancelled = Flag()
         self.wake: Callable[[], None] | None = None  # tells a scheduler to look at it now
         self.reused = 0  # prompt tokens found in memory instead of decoded
+        self.slot: int | None = None  # the sequence (parallel slot) that runs it, once one does
         self.prompt_started: float | None = None  # time.monotonic() when its prompt was begun
         # With Request.prompt_logprobs: (logprob, top alternatives) of prompt tokens 1, 2, ...
         self.prompt_logprobs: list[tuple[float, dict[str, float]]] = []
@@ -546,6 +547,7 @@ def _start(kv: KvState, request: Request, session: Session, samplers: Samplers) 
     The samplers go into the compute graph (or out of it) before the prompt's last decode."""
     if session.stopped():
         return False
+    session.slot = kv.seq_id
     samplers.bind(kv.context, kv.seq_id)
     return _start_prompt(kv, request, session)
 

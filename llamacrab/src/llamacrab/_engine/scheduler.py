@@ -276,6 +276,7 @@ class Scheduler:
             slot = max(free, key=lambda s: s.kv.reusable(prompt, lora))
             free.remove(slot)
             slot.job = job
+            job.session.slot = slot.kv.seq_id
         return len(free) < len(self.slots)
 
     def _step(self) -> None:

@@ -406,7 +406,8 @@ class Completer:
                 logprobs = _step_logprobs(self.model.vocab, step, offset)
                 offset += len(text)
                 yield CompletionChunk(chunk_id, created, name, 0, text, step.finish_reason,
-                                      usage, tokens, logprobs, step.stop)  # fmt: skip
+                                      usage, tokens, logprobs, step.stop,
+                                      session.slot)  # fmt: skip
         finally:
             session.cancel()  # a consumer that left early stops the generation at once
             if samplers is not None:
@@ -468,5 +469,6 @@ def _choice(
         tuple(t for c in chunks for t in c.tokens),
         logprobs if keep_logprobs else None,
         last.stop_sequence,
+        last.slot,
     )
     return choice, logprobs.token_logprobs if logprobs else (), last.usage

@@ -1,9 +1,11 @@
 """A generation's sampling as llama-server describes it, with its field names: the defaults
-(``/props``' ``default_generation_settings.params``)."""
+(``/props``' ``default_generation_settings.params``) and what one request ran with (the
+``generation_settings`` of a ``/completion`` answer)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llamacrab import SamplingOptions
@@ -13,6 +15,8 @@ from llamacrab.server._settings import ServerSettings
 # llama-server's sampler names where ours differ.
 _SAMPLER_NAMES = {"typical": "typ_p"}
 _RANDOM_SEED = 0xFFFFFFFF  # llama-server's LLAMA_DEFAULT_SEED: a random seed per request
+# The Python API's keywords whose llama-server name differs.
+_NATIVE_NAMES = {"penalty_last_n": "repeat_last_n", "logprobs": "n_probs"}
 
 
 def default_settings(llama: Llama, settings: ServerSettings) -> dict[str, Any]:
@@ -35,6 +39,32 @@ def default_settings(llama: Llama, settings: ServerSettings) -> dict[str, Any]:
         "n_keep": 0, "ignore_eos": False, "stream": False, "n_probs": 0, "min_keep": 0,
         "grammar": "", "samplers": _sampler_names(d.order), "timings_per_token": False,
     }  # fmt: skip
+
+
+def used_settings(
+    llama: Llama,
+    settings: ServerSettings,
+    kwargs: Mapping[str, Any],
+    stream: bool,
+    ignore_eos: bool,
+) -> dict[str, Any]:
+    """The sampling a request ran with: the defaults, with what its keywords for the Python
+    API (``kwargs``) set, and ``logit_bias`` as llama-server lists it (a ban's bias is null:
+    JSON has no infinity, and llama-server's JSON writes it so)."""
+    used = default_settings(llama, settings)
+    for key, value in kwargs.items():
+        name = _NATIVE_NAMES.get(key, key)
+        if name in used:
+            used[name] = list(value) if isinstance(value, tuple | list) else value
+    if "max_tokens" in kwargs:
+        used["n_predict"] = kwargs["max_tokens"]
+    if "order" in kwargs:
+        used["samplers"] = _sampler_names(kwargs["order"])
+    bias = kwargs.get("logit_bias") or {}
+    used["logit_bias"] = [{"bias": b if math.isfinite(b) else None, "token": token}
+                          for token, b in bias.items()]  # fmt: skip
+    used.update(stream=stream, ignore_eos=ignore_eos)
+    return used
 
 
 def _sampler_names(order: Sequence[str]) -> list[str]:

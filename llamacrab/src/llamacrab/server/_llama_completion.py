@@ -19,6 +19,7 @@ from llamacrab import Chunks, InfillLimits, Vocab
 from llamacrab._llama import Llama
 from llamacrab._types import CompletionChunk, Logprobs, Usage
 from llamacrab.server._errors import ApiError
+from llamacrab.server._generation_settings import used_settings
 from llamacrab.server._llama_fields import completion_fields
 from llamacrab.server._llama_server_schemas import (
     InfillRequest,
@@ -111,13 +112,17 @@ class _Answering:
     alias: str
     n_ctx_seq: int  # a sequence's share of the context: a generation that fills it was cut
     vocab: Vocab | None  # with n_probs: to describe each token and its alternatives
+    settings: dict[str, Any]  # the sampling it runs with, as llama-server lists it
+    prompt: str  # its prompt's text, as llama-server shows it
 
 
 async def _answer(state: ServerState, client: Request, body: NativeGeneration, llama: Llama,
                   kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """The completion of ``kwargs`` (its prompt as tokens), streamed or whole."""
     vocab = llama.vocab if kwargs.get("logprobs") is not None else None
-    answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab)
+    used = used_settings(llama, state.settings, kwargs, body.stream, body.ignore_eos)
+    prompt = await in_thread(_prompt_text, llama, kwargs["prompt"])
+    answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab, used, prompt)
     if body.stream:
         chunks = await in_thread(partial(llama.stream_completion, **kwargs))
         return await sse_events(state, client, chunks, partial(native_events, answering))
@@ -125,7 +130,7 @@ async def _answer(state: ServerState, client: Request, body: NativeGeneration, l
     choice = result.choices[0]
     tokens = choice.tokens if body.return_tokens else ()
     answer = native_answer(choice.text, tokens, choice.finish_reason, result.usage,
-                           choice.stop_sequence, answering)  # fmt: skip
+                           choice.stop_sequence, choice.slot, answering)  # fmt: skip
     if vocab is not None and choice.logprobs is not None:
         answer["completion_probabilities"] = probabilities(vocab, choice.tokens, choice.logprobs)
     return answer
@@ -211,6 +216,7 @@ def native_answer(
     reason: str | None,
     usage: Usage | None,
     stop: str | None,
+    slot: int | None,
     answering: _Answering,
 ) -> dict[str, Any]:
     """llama-server's last ``/completion`` answer (``stop: true``); ``truncated`` when the
@@ -218,14 +224,34 @@ def native_answer(
     usage = usage or Usage(0, 0)
     held = usage.prompt_tokens + usage.completion_tokens
     return {
-        "index": 0, "content": text, "tokens": list(tokens), "id_slot": -1, "stop": True,
-        "model": answering.alias, "tokens_predicted": usage.completion_tokens,
-        "tokens_evaluated": usage.prompt_tokens, "tokens_cached": usage.cached_tokens,
-        "has_new_line": "\n" in text,
+        "index": 0, "content": text, "tokens": list(tokens), "id_slot": _slot_id(slot),
+        "stop": True, "model": answering.alias, "tokens_predicted": usage.completion_tokens,
+        "tokens_evaluated": usage.prompt_tokens, "generation_settings": answering.settings,
+        "prompt": answering.prompt, "has_new_line": "\n" in text,
         "truncated": reason == "length" and held + 1 >= answering.n_ctx_seq,
         "stop_type": _STOP_TYPES.get(reason or "", "none"), "stopping_word": stop or "",
-        "timings": timings(usage),
+        "tokens_cached": _slot_tokens(usage, reason), "timings": timings(usage),
     }  # fmt: skip
+
+
+def _slot_id(slot: int | None) -> int:
+    return -1 if slot is None else slot  # -1: llama-server's "no slot" (none took it yet)
+
+
+def _slot_tokens(usage: Usage, reason: str | None) -> int:
+    """llama-server's ``tokens_cached``: the tokens the slot's memory holds after the
+    generation, which a next prompt can reuse (its timings' ``cache_n`` counts what this one
+    reused): the prompt and every token sampled but the last, which is never decoded; an end
+    token is sampled though not counted."""
+    sampled = usage.completion_tokens + (reason == "eos")
+    return usage.prompt_tokens + max(sampled - 1, 0)
+
+
+def _prompt_text(llama: Llama, prompt: list[int] | Chunks) -> str:
+    """The prompt as llama-server shows it: its tokens as text, special ones spelled out
+    (``<bos>``); images and sounds left out."""
+    tokens = prompt.text_tokens() if isinstance(prompt, Chunks) else prompt
+    return llama.detokenize(tokens, special=True)
 
 
 async def native_events(
@@ -241,7 +267,8 @@ async def native_events(
             predicted += len(chunk.tokens)
             if chunk.text or chunk.tokens:
                 payload = {"index": 0, "content": chunk.text, "tokens": list(chunk.tokens),
-                           "stop": False, "id_slot": -1, "tokens_predicted": predicted}  # fmt: skip
+                           "stop": False, "id_slot": _slot_id(chunk.slot),
+                           "tokens_predicted": predicted}  # fmt: skip
                 if answering.vocab is not None and chunk.logprobs is not None:
                     payload["completion_probabilities"] = probabilities(
                         answering.vocab, chunk.tokens, chunk.logprobs
@@ -249,7 +276,7 @@ async def native_events(
                 yield event(payload)
             if chunk.finish_reason is not None:
                 yield event(native_answer("", (), chunk.finish_reason, chunk.usage,
-                                          chunk.stop_sequence, answering))  # fmt: skip
+                                          chunk.stop_sequence, chunk.slot, answering))  # fmt: skip
     except ApiError as error:
         yield event(error.body())
 

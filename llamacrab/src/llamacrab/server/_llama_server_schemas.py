@@ -154,7 +154,9 @@ class LlamaCompletionResponse(BaseModel):
     model: str
     tokens_predicted: int
     tokens_evaluated: int
-    tokens_cached: int
+    generation_settings: dict[str, Any]  # the sampling it ran with, as /props lists defaults
+    prompt: str  # the prompt's tokens as text, special ones spelled out
+    tokens_cached: int  # tokens the slot's memory holds after it (timings.cache_n: reused)
     has_new_line: bool
     truncated: bool = False
     stop_type: Literal["eos", "limit", "word", "none"]
