@@ -1,6 +1,7 @@
 """What a request can say, as llama-server's clients say it: the token limit's names and -1,
 llama-server's own fields on the OpenAI routes, logit_bias in its forms, several prompts in one
-/v1/completions request, and /completion's prompt object (with images)."""
+/v1/completions request, /completion's prompt object (with images), and /apply-template's
+add_generation_prompt."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import httpx
 import pytest
 from live_server import LiveServer
 from test_multimodal import IMAGE_TOKENS, PIXELS, encoded, tone, wav_bytes
-from test_tool_calls import TEMPLATE
 
 from llamacrab import Image, Llama
 from llamacrab.server import ServerSettings
@@ -25,6 +25,11 @@ mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
 LIMIT = 20  # the server's --max-tokens-limit (above /v1/completions' default of 16)
 CHAT = [{"role": "user", "content": "the cat"}]
 GREEDY = {"temperature": 0}
+# The tests' chat template, which opens the answer's turn only when asked
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 FIRST: dict[str, dict[str, Any]] = {  # what each route needs besides the fields tested
     "/v1/completions": {"prompt": "the cat"},
     "/v1/chat/completions": {"messages": CHAT},
@@ -273,3 +278,20 @@ def test_embeddings_take_a_prompt_object_without_media(tiny_path: Path) -> None:
             assert same == plain, route
             media = {"prompt_string": "the cat <__media__>", "multimodal_data": ["AAAA"]}
             assert refused(server, route, {"content": media})["param"] == "content"
+
+
+# -- /apply-template -----------------------------------------------------------------------------
+
+
+def test_apply_template_can_leave_out_the_generation_prompt(
+    server: LiveServer, llama: Llama
+) -> None:
+    def applied(messages: list[dict[str, str]], **extra: Any) -> str:
+        return str(post(server, "/apply-template", {"messages": messages, **extra})["prompt"])
+
+    assert applied(CHAT) == "<user>the cat<assistant>" == llama.chat_prompt(CHAT)
+    closed = applied(CHAT, add_generation_prompt=False)
+    assert closed == "<user>the cat" == llama.chat_prompt(CHAT, add_generation_prompt=False)
+    # A last assistant message is continued in the answer's turn all the same (llama-server).
+    prefill = [*CHAT, {"role": "assistant", "content": "It"}]
+    assert applied(prefill, add_generation_prompt=False) == "<user>the cat<assistant>It"

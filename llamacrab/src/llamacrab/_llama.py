@@ -329,12 +329,16 @@ class Llama:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         *,
         prefill_assistant: bool = True,
+        add_generation_prompt: bool = True,
     ) -> str:
         """The prompt text a chat completion would send for ``messages`` (and ``tools``, and
-        ``chat_template_kwargs``): a last assistant message is continued, as there."""
+        ``chat_template_kwargs``): a last assistant message is continued, as there.
+        ``add_generation_prompt=False`` leaves out the opening of the answer's turn (not for a
+        continued message, which is in that turn)."""
         prefill = assistant_prefill(messages) if prefill_assistant else None
         return answer_prompt(self.model, messages, chat_format or self.chat_format, prefill,
-                             tools, template_kwargs(chat_template_kwargs))  # fmt: skip
+                             tools, template_kwargs(chat_template_kwargs),
+                             add_generation_prompt)  # fmt: skip
 
     @checked
     def create_chat_completion(

@@ -152,12 +152,16 @@ def answer_prompt(
     prefill: str | None,
     tools: Sequence[Mapping[str, Any]] | None = None,
     variables: Mapping[str, Any] | None = None,
+    add_generation_prompt: bool = True,
 ) -> str:
     """The prompt a chat answer is generated from; with ``prefill`` (``assistant_prefill``'s),
     the turns before the last message with the generation prompt, then that text. No chat
-    template leaves a turn open, so a prefill cannot be rendered by the template itself."""
+    template leaves a turn open, so a prefill cannot be rendered by the template itself.
+    ``add_generation_prompt=False`` leaves out the opening of the answer's turn, but for a
+    prefill, which continues that turn (as llama-server renders one)."""
     turns = messages if prefill is None else messages[:-1]
-    return chat_prompt(model, turns, chat_format, tools=tools, **(variables or {})) + (
+    opened = add_generation_prompt or prefill is not None
+    return chat_prompt(model, turns, chat_format, opened, tools=tools, **(variables or {})) + (
         prefill or ""
     )
 

@@ -86,7 +86,9 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         variables = template_variables(body.chat_template_kwargs, body.reasoning_effort)
         # A last assistant message is continued there, as llama-server does (a prefill).
-        return {"prompt": await in_thread(llama.chat_prompt, messages, None, tools, variables)}
+        prompt = partial(llama.chat_prompt, messages, None, tools, variables,
+                         add_generation_prompt=body.add_generation_prompt)  # fmt: skip
+        return {"prompt": await in_thread(prompt)}
 
     @app.post("/tokenize", response_model=LlamaTokenizeResponse, responses=ERRORS)
     async def tokenize(body: LlamaTokenizeRequest) -> Any:

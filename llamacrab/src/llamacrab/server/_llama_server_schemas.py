@@ -89,6 +89,7 @@ class ApplyTemplateRequest(Lenient):
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    add_generation_prompt: bool = True  # false: no opening of the answer's turn
 
 
 class LlamaTokenizeRequest(Lenient):
