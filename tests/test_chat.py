@@ -133,9 +133,17 @@ def test_a_last_assistant_message_is_continued(templated: Llama) -> None:
     # An empty one continues nothing: the prompt is the one without it.
     empty = [*HELLO, {"role": "assistant", "content": ""}]
     assert templated.chat_prompt(empty) == templated.chat_prompt(HELLO)
-    # An assistant message alone is a turn, as before.
+    # An assistant message alone is a turn, as before; so is one of tool calls (no text to go
+    # on from; llama-server refuses it, and a Responses input may end with a call).
     alone = [{"role": "assistant", "content": "Hello"}]
     assert templated.chat_prompt(alone) == "<s><assistant>Hello</s><assistant>"
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = [*HELLO, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert templated.chat_prompt(called) == templated.chat_prompt(called, prefill_assistant=False)
+    # The last of two is continued after the other (llama-server refuses two).
+    twice = [*HELLO, {"role": "assistant", "content": "Hi."}, OPENED[-1]]
+    assert templated.chat_prompt(twice) == PREFILLED.replace("<assistant>", "<assistant>Hi.</s>"
+                                                             "<assistant>")  # fmt: skip
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -144,8 +152,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize(
     ("messages", "options", "words"),
     [
-        ([*OPENED, OPENED[-1]], {}, "two assistant messages"),
-        ([*HELLO, {"role": "assistant", "tool_calls": [{"id": "1"}]}], {}, "tool calls"),
         ([*HELLO, {"role": "assistant", "content": [{"type": "image_url"}]}], {}, "text only"),
         # A grammar for the whole answer would have to take the prefill in.
         (OPENED, {"response_format": {"type": "json_object"}}, "response_format"),

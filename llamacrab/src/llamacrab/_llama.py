@@ -379,8 +379,9 @@ class Llama:
         assistant "prefill"): the prompt is the turns before it with the generation prompt,
         then its text, and the answer is what follows that text. It may hold text only, and
         cannot be combined with a response_format, a forced tool_choice or tools the template
-        cannot present (InvalidParameterError). ``prefill_assistant=False`` closes that turn
-        and opens a new one instead (llama-server's ``--no-prefill-assistant``)."""
+        cannot present (InvalidParameterError); one of tool calls is a finished turn.
+        ``prefill_assistant=False`` closes that turn and opens a new one instead
+        (llama-server's ``--no-prefill-assistant``)."""
         options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments,
                               chat_template_kwargs, prefill_assistant)  # fmt: skip
         tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)

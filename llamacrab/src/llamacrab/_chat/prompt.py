@@ -117,23 +117,13 @@ def render_template(
 def assistant_prefill(messages: Sequence[Mapping[str, Any]]) -> str | None:
     """The text of a last assistant message after other turns, which a chat answer continues
     (a "prefill", as llama-server's ``--prefill-assistant`` does by default) instead of
-    closing that turn and opening a new one. None where the chat ends with another role, or
-    is that message alone (a turn, rendered as one)."""
-    if len(messages) < 2 or not all(isinstance(m, Mapping) for m in messages[-2:]):
-        return None  # rendering names what is wrong with them
-    before, last = messages[-2:]
-    if last.get("role") != "assistant":
-        return None
-    if before.get("role") == "assistant":
-        raise InvalidParameterError(
-            "two assistant messages end the chat: the last one would be continued (a prefill) "
-            "after another assistant turn; merge them"
-        )
-    if last.get("tool_calls"):
-        raise InvalidParameterError(
-            "the last message is an assistant's with tool calls: a last assistant message is "
-            "continued (a prefill), and one with tool calls cannot be; add their tool results"
-        )
+    closing that turn and opening a new one. None where the chat ends with another role, with
+    a message of tool calls (a finished turn: there is no text to go on from), or is that
+    message alone (a turn, rendered as one). llama-server refuses tool calls there, and two
+    assistant messages at the end; here the last of two is continued after the other."""
+    last = messages[-1] if len(messages) > 1 else None
+    if not isinstance(last, Mapping) or last.get("role") != "assistant" or last.get("tool_calls"):
+        return None  # (rendering names what is wrong with a message that is no mapping)
     content = last.get("content")
     if isinstance(content, list) and not all(
         isinstance(part, Mapping) and part.get("type") in ("text", "refusal") for part in content
