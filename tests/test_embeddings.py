@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from llamacrab import Batch, ContextOverflowError, InvalidParameterError, Llama
+from llamacrab import Batch, ContextOverflowError, InvalidParameterError, Llama, Model, ModelParams
 from llamacrab.compat import Llama as CompatLlama
 from llamacrab.server import ServerSettings
 from llamacrab.server._app import create_app
@@ -106,7 +106,7 @@ def test_long_prompt_on_a_non_causal_model_is_split_not_aborted(minilm: Llama) -
         minilm.context.decode(_full_batch(600))
 
 
-NO_HEAD = r"is an embedding model \(bert: an encoder without a language-model head\)"
+NO_HEAD = r"\(bert\) computes no logits \(no language-model head\)"
 
 
 def test_an_embedding_model_refuses_to_generate(minilm: Llama, minilm_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_an_embedding_model_refuses_to_generate(minilm: Llama, minilm_path: Path
     with TestClient(create_app(ServerSettings(model=str(minilm_path)), minilm)) as client:
         refused = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
         assert refused.status_code == 400
-        assert "is an embedding model (bert" in refused.json()["error"]["message"]
+        assert "(bert) computes no logits" in refused.json()["error"]["message"]
     assert minilm.embed("hello").shape == (1, 384)
 
 
@@ -151,6 +151,48 @@ def test_a_decoder_with_embeddings_on_still_generates(tiny_model_path: Path) -> 
         result = llm.create_completion("the cat", max_tokens=3, min_tokens=3, temperature=0)
         assert result.usage.completion_tokens == 3
         assert llm.embed("the cat", pooling="mean").shape == (1, llm.model.n_embd_out)
+
+
+@pytest.mark.parametrize(
+    ("arch", "without_embeddings", "with_embeddings"),
+    [
+        ("llama", True, True),
+        ("lfm2", True, False),  # lfm2.cpp: its head only `if (!cparams.embeddings)`
+        ("lfm2moe", True, False),  # LFM2's graph
+        ("bert", False, False),
+        ("wavtokenizer-dec", False, False),
+    ],
+)
+def test_which_models_compute_logits(
+    tiny_model_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    without_embeddings: bool,
+    with_embeddings: bool,
+) -> None:
+    monkeypatch.setattr(Model, "arch", property(lambda self: arch))
+    with Model.load(tiny_model_path, ModelParams(vocab_only=True)) as model:
+        assert model.computes_logits(embeddings=False) is without_embeddings
+        assert model.computes_logits(embeddings=True) is with_embeddings
+
+
+def test_a_decoder_without_its_head_under_embeddings_refuses_to_generate_there(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LFM2's graph computes its language-model head only in a context without embeddings:
+    with them on, a generation sampled from logits never written."""
+    monkeypatch.setattr(Model, "arch", property(lambda self: "lfm2"))
+    refusal = r"\(lfm2\) computes no logits in a context with embeddings on"
+    with Llama(tiny_model_path, embeddings=True, n_ctx=64, n_threads=2) as llm:
+        with pytest.raises(InvalidParameterError, match=refusal):
+            llm.create_completion("the cat", max_tokens=3, temperature=0)
+        chat = [{"role": "user", "content": "hi"}]
+        with pytest.raises(InvalidParameterError, match=refusal):
+            list(llm.stream_chat_completion(chat, chat_format="chatml", max_tokens=3))
+        assert llm.embed("the cat", pooling="mean").shape == (1, llm.model.n_embd_out)
+    with Llama(tiny_model_path, n_ctx=64, n_threads=2) as llm:
+        result = llm.create_completion("the cat", max_tokens=3, min_tokens=3, temperature=0)
+        assert result.usage.completion_tokens == 3
 
 
 def _full_batch(n: int) -> Batch:

@@ -808,7 +808,7 @@ CHILD = textwrap.dedent("""
         Vocab.check_usable = lambda self: None
     try:
         with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:
-            if llm.model.computes_logits:
+            if llm.model.computes_logits(embeddings=False):
                 llm.create_completion("the cat", max_tokens=1)
             else:  # an embedding model: no generation, its decode alone
                 with Batch(64) as batch:

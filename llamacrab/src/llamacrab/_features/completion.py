@@ -72,14 +72,22 @@ def completion_prompt(
     return Prompt(tokens, vocab.detokenize(tokens))
 
 
-def check_generates(model: Model) -> None:
-    """Refuse to generate from a model that computes no logits: llama.cpp leaves them at
-    zero, and a generation of an embedding model answered "" (greedy) or [unusedNN] tokens."""
-    if not model.computes_logits:
+def check_generates(model: Model, embeddings: bool = False) -> None:
+    """Refuse to generate from a model that computes no logits in a context with
+    ``embeddings`` on or off: llama.cpp leaves them unwritten, and a generation of an
+    embedding model answered "" (greedy) or [unusedNN] tokens. The checks made before the
+    context is used (ahead of a template's or FIM tokens' lookup) leave ``embeddings`` off."""
+    if not model.computes_logits(embeddings=False):
         raise InvalidParameterError(
-            f"{model.path.name} is an embedding model ({model.arch}: an encoder without a "
-            "language-model head), which cannot generate text: use embed() (or rerank() for "
-            "a reranker) with it, and a text-generation model for completions and chat"
+            f"{model.path.name} ({model.arch}) computes no logits (no language-model head), so "
+            "it cannot generate text: use embed() (or rerank() for a reranker) with it, and a "
+            "text-generation model for completions and chat"
+        )
+    if not model.computes_logits(embeddings):
+        raise InvalidParameterError(
+            f"{model.path.name} ({model.arch}) computes no logits in a context with embeddings "
+            "on: llama.cpp skips its language-model head there. Generate with a Llama created "
+            "without embeddings=True (a server without --embeddings)"
         )
 
 
@@ -241,7 +249,7 @@ class Completer:
         suffix: str,
     ) -> Stream[CompletionChunk]:
         """``speculation``: the call's own choice and the Llama's default."""
-        check_generates(self.model)
+        check_generates(self.model, self.kv.context.params.embeddings)
         if self.kv.context.held_here():
             # On the engine thread it would wait for itself; on one slot, supersede the
             # generation it is called from.

@@ -184,3 +184,6 @@ NO_LOGITS = frozenset({
     "bert", "eurobert", "gemma-embedding", "jina-bert-v2", "jina-bert-v3", "llama-embed",
     "modern-bert", "neo-bert", "nomic-bert", "nomic-bert-moe", "t5encoder", "wavtokenizer-dec",
 })  # fmt: skip
+# Graphs that skip their language-model head in a context with embeddings on (lfm2.cpp: res->
+# t_logits under `if (!cparams.embeddings)`; lfm2moe uses its graph): no logits there either.
+NO_LOGITS_WITH_EMBEDDINGS = frozenset({"lfm2", "lfm2moe"})

@@ -350,10 +350,13 @@ class Model(NativeHandle):
         """The architecture's name (``general.architecture``: "llama", "gemma3", "bert", ...)."""
         return self.metadata.get("general.architecture", "")
 
-    @property
-    def computes_logits(self) -> bool:
-        """False for an embedding model whose graph ends without a language-model head (BERT,
-        gemma-embedding, ...): it has nothing to generate from (gguf_archs.NO_LOGITS)."""
+    def computes_logits(self, embeddings: bool) -> bool:
+        """Whether a decode in a context with ``embeddings`` on or off writes logits to generate
+        from: never for an embedding model whose graph ends without a language-model head (BERT,
+        gemma-embedding, ...: gguf_archs.NO_LOGITS), and not with embeddings on for the graphs
+        that skip their head there (LFM2: gguf_archs.NO_LOGITS_WITH_EMBEDDINGS)."""
+        if embeddings and self.arch in archs.NO_LOGITS_WITH_EMBEDDINGS:
+            return False
         return self.arch not in archs.NO_LOGITS
 
     @functools.cached_property
