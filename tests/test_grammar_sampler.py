@@ -77,6 +77,10 @@ def test_the_compat_api_finishes_with_stop(endless_path: Path) -> None:
         )
         assert "".join(chunk["choices"][0]["text"] for chunk in streamed) == " cat"
         assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
+        # generate() ends after the text: no end token to yield (token_eos() is -1 here).
+        prompt = llm.tokenize(b"the", add_bos=False)
+        tokens = list(llm.generate(prompt, temp=0, grammar=grammar))
+        assert tokens == llm.tokenize(b" cat", add_bos=False)
 
 
 def test_a_grammar_that_may_end_ends_where_its_continuation_is_banned(endless: Llama) -> None:

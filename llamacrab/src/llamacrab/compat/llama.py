@@ -819,8 +819,9 @@ class Llama:
         grammar: LlamaGrammar | str | None = None,
     ) -> Generator[int, Sequence[int] | None, None]:
         """The sampled tokens of ``tokens``' continuation, one by one, as llamacrab's engine
-        produces them; an end-of-generation token is yielded last, and the generator ends
-        there or at the end of the context (a stopping criterion ends it silently).
+        produces them; at an end of the generation the vocabulary's end-of-sequence token is
+        yielded last (where it has one), and the generator ends there or at the end of the
+        context (a stopping criterion ends it silently).
         ``reset=False`` continues the sequence the context holds (``input_ids``): ``tokens``
         follow it, as in llama-cpp-python, and only they are decoded (none given: the last
         held token again, for its logits)."""
@@ -848,8 +849,8 @@ class Llama:
                                 "own: draft_model=)"
                             ]
                         )
-                if chunk.finish_reason == "eos":
-                    yield self.token_eos()
+                if chunk.finish_reason == "eos" and self._llm.vocab.eos is not None:
+                    yield self._llm.vocab.eos  # none: nothing to yield (not -1)
         finally:
             engine.close()
             self._turns.release(ticket)
