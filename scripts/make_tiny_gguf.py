@@ -36,12 +36,16 @@ FIM_TOKENS = {
 }
 
 
-def vocabulary(fim: bool = False, rwkv: bool = False) -> tuple[list[str], list[float], list[int]]:
-    """``rwkv``: the bytes written as llama.cpp's RWKV tokenizer reads them (escapes), and
-    token 2 not spelt "</s>", which llama.cpp takes for an end-of-generation token by its text."""
-    tokens = ["<unk>", "<s>", "<pad>" if rwkv else "</s>"]
+def vocabulary(
+    fim: bool = False, no_end_tokens: bool = False
+) -> tuple[list[str], list[float], list[int]]:
+    """``no_end_tokens``: the vocabulary of a model without end-of-generation tokens, which is
+    read by llama.cpp's RWKV tokenizer (it names no special tokens): the bytes written as that
+    tokenizer reads them (escapes), and token 2 spelt "<pad>", not "</s>", which llama.cpp
+    takes for an end-of-generation token by its text."""
+    tokens = ["<unk>", "<s>", "<pad>" if no_end_tokens else "</s>"]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    tokens += [f"\\x{b:02x}" if rwkv else f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\\x{b:02x}" if no_end_tokens else f"<0x{b:02X}>" for b in range(256)]
     types += [gguf.TokenType.BYTE] * 256
     tokens += ["▁", *WORDS]
     types += [gguf.TokenType.NORMAL] * (len(WORDS) + 1)
@@ -60,7 +64,7 @@ def _metadata(
     fim: bool = False,
     no_end_tokens: bool = False,
 ) -> None:
-    tokens, scores, types = vocabulary(fim, rwkv=no_end_tokens)
+    tokens, scores, types = vocabulary(fim, no_end_tokens)
     writer.add_name("llamacrab-tiny-llama")
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
