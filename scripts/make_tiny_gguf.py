@@ -10,7 +10,7 @@ through llama.cpp's real code paths. Its outputs are noise: it tests mechanics, 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import gguf
@@ -37,12 +37,15 @@ FIM_TOKENS = {
 
 
 def vocabulary(
-    fim: bool = False, no_end_tokens: bool = False
+    fim: bool = False,
+    no_end_tokens: bool = False,
+    extra_tokens: Sequence[tuple[str, int]] = (),
 ) -> tuple[list[str], list[float], list[int]]:
-    """``no_end_tokens``: the vocabulary of a model without end-of-generation tokens, which is
-    read by llama.cpp's RWKV tokenizer (it names no special tokens): the bytes written as that
-    tokenizer reads them (escapes), and token 2 spelt "<pad>", not "</s>", which llama.cpp
-    takes for an end-of-generation token by its text."""
+    """``extra_tokens``: (text, gguf.TokenType) pairs appended last. ``no_end_tokens``: the
+    vocabulary of a model without end-of-generation tokens, which is read by llama.cpp's RWKV
+    tokenizer (it names no special tokens): the bytes written as that tokenizer reads them
+    (escapes), and token 2 spelt "<pad>", not "</s>", which llama.cpp takes for an
+    end-of-generation token by its text."""
     tokens = ["<unk>", "<s>", "<pad>" if no_end_tokens else "</s>"]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     tokens += [f"\\x{b:02x}" if no_end_tokens else f"<0x{b:02X}>" for b in range(256)]
@@ -54,6 +57,9 @@ def vocabulary(
         tokens += list(FIM_TOKENS)
         types += [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
         scores += [0.0] * len(FIM_TOKENS)
+    tokens += [text for text, _ in extra_tokens]
+    types += [kind for _, kind in extra_tokens]
+    scores += [0.0] * len(extra_tokens)
     return tokens, scores, [int(t) for t in types]
 
 
@@ -63,9 +69,11 @@ def _metadata(
     rms_eps: float,
     fim: bool = False,
     no_end_tokens: bool = False,
+    extra_tokens: Sequence[tuple[str, int]] = (),
+    name: str = "llamacrab-tiny-llama",
 ) -> None:
-    tokens, scores, types = vocabulary(fim, no_end_tokens)
-    writer.add_name("llamacrab-tiny-llama")
+    tokens, scores, types = vocabulary(fim, no_end_tokens, extra_tokens)
+    writer.add_name(name)
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(block_count)
@@ -133,17 +141,21 @@ def write_tiny_llama(
     fim: bool = False,
     chat_templates: dict[str, str] | None = None,
     no_end_tokens: bool = False,
+    extra_tokens: Sequence[tuple[str, int]] = (),
+    name: str = "llamacrab-tiny-llama",
 ) -> Path:
     """Write the model; ``block_count`` and ``rms_eps`` may be set to invalid values on purpose
     (tests of files tampered with); ``fim`` adds fill-in-the-middle tokens; ``chat_templates``
     ({"": default, "name": variant}) become tokenizer.chat_template[.name];
     ``no_end_tokens`` leaves the vocabulary without EOS, EOT (and BOS) tokens, and without
-    end-of-generation tokens but fim's pad, repo and file-separator tokens (llama.cpp's)."""
+    end-of-generation tokens but fim's pad, repo and file-separator tokens (llama.cpp's);
+    ``extra_tokens`` ((text, gguf.TokenType) pairs) end the vocabulary; ``name`` is
+    general.name, which llama.cpp reads for a few models' tokenizer quirks ("phi3")."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    _metadata(writer, block_count, rms_eps, fim, no_end_tokens)
-    for name, template in (chat_templates or {}).items():
-        writer.add_string("tokenizer.chat_template" + (f".{name}" if name else ""), template)
-    write_gguf(writer, _tensors(seed, len(vocabulary(fim)[0])))
+    _metadata(writer, block_count, rms_eps, fim, no_end_tokens, extra_tokens, name)
+    for variant, template in (chat_templates or {}).items():
+        writer.add_string("tokenizer.chat_template" + (f".{variant}" if variant else ""), template)
+    write_gguf(writer, _tensors(seed, len(vocabulary(fim, extra_tokens=extra_tokens)[0])))
     return path
 
 

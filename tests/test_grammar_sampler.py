@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
@@ -17,9 +18,12 @@ from llamacrab import (
     ContextParams,
     GrammarError,
     Llama,
+    Model,
+    ModelParams,
     SamplerChain,
     SamplingOptions,
 )
+from llamacrab._native.grammar_sampler import GrammarEnd, has_border
 from llamacrab.compat import Llama as CompatLlama
 from llamacrab.compat import LlamaGrammar
 
@@ -125,3 +129,23 @@ def test_a_chain_at_a_complete_grammar_refuses_until_reset(endless_path: Path) -
         assert 0 <= chain.sample(context) < model.vocab.n_tokens  # waiting for "cat" again
         chain.close()
     llm.close()
+
+
+def test_a_token_with_a_border_does_not_probe_the_end(tmp_path: Path) -> None:
+    """At the start of "a" | [^a] .* every token with a text but "aa" is allowed, and the
+    grammar followed by "aa" takes "a" then "aa": "aa" itself, though the grammar is not at
+    its end. Tokens whose text ends with its own start cannot tell, and are passed over."""
+    path = tiny.write_tiny_llama(
+        tmp_path / "aa.gguf", no_end_tokens=True, extra_tokens=[("aa", gguf.TokenType.NORMAL)]
+    )
+    grammar = 'root ::= "a" | [^a] .*'
+    with Model.load(path, ModelParams(vocab_only=True)) as model:
+        end = GrammarEnd(model.vocab, grammar, "root", ())
+        assert not end.may_end()  # nothing read yet
+        end.tokens = model.vocab.tokenize("a", add_special=False)
+        assert end.may_end()  # "a": complete
+
+
+def test_borders() -> None:
+    assert [has_border(text) for text in ("aa", "abab", "abcab", "<s><s")] == [True] * 4
+    assert [has_border(text) for text in ("a", "ab", "aab", "<s>", "日本")] == [False] * 5

@@ -97,6 +97,11 @@ def refused(grammar: Any, tokens: np.ndarray) -> np.ndarray:
     return refusals
 
 
+def has_border(text: str) -> bool:
+    """Whether a proper suffix of ``text`` is also its prefix ("aa", "abab", "<s><s")."""
+    return any(text.endswith(text[:n]) for n in range(1, len(text)))
+
+
 class GrammarEnd:
     """Whether a grammar that allows no token may end there, for a vocabulary with no
     end-of-generation token. llama.cpp's grammar allows an end token exactly where its text
@@ -104,7 +109,8 @@ class GrammarEnd:
     end does. Asked there, this replays the tokens the grammar accepted into a copy of it, to
     find a token T it does not allow next, and into the grammar followed by T's text: that
     one allows T exactly where the grammar's text may end (the grammar cannot take T, nor a
-    part of it with all of T's text still to follow)."""
+    part of it with all of T's text still to follow, which T's text would have to start and
+    end with: T is one whose text has no border, as "aa" or "abab" have)."""
 
     def __init__(self, vocab: Vocab, grammar: str, root: str, trigger_words: Sequence[str]):
         self.vocab, self.grammar, self.root = vocab, grammar, root
@@ -114,8 +120,8 @@ class GrammarEnd:
     def may_end(self) -> bool:
         everything = np.arange(self.vocab.n_tokens, dtype=np.int32)
         not_next = self._replayed(self.grammar, self.root, lambda g: refused(g, everything))
-        found = next(filter(None, map(self._text, everything[not_next].tolist())), None)
-        if found is None:  # it allows every token that has a text: not at its end
+        found = next(filter(None, map(self._probe, everything[not_next].tolist())), None)
+        if found is None:  # it allows every token that could probe: not at its end
             return False
         token, text = found
         rule = "llamacrab-end-probe"
@@ -126,13 +132,14 @@ class GrammarEnd:
         alone = np.array([token], dtype=np.int32)
         return not self._replayed(probe, rule, lambda g: refused(g, alone))[0]
 
-    def _text(self, token: int) -> tuple[int, str] | None:
-        """``token`` and its text as the grammar reads it, if it reads one (a NUL ends it)."""
+    def _probe(self, token: int) -> tuple[int, str] | None:
+        """``token`` and its text as the grammar reads it, if it reads one (a NUL ends it)
+        without a border."""
         try:
             text = self.vocab.token_to_bytes(token, special=True).decode("utf-8")
         except UnicodeDecodeError:  # part of a character
             return None
-        return (token, text) if text and "\0" not in text else None
+        return (token, text) if text and "\0" not in text and not has_border(text) else None
 
     def _replayed(self, grammar: str, root: str, use: Callable[[Any], T]) -> T:
         """``use`` of a new sampler of ``grammar`` that accepted the tokens, then freed."""
