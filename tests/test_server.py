@@ -614,6 +614,34 @@ def test_a_full_queue_answers_503_and_a_request_past_its_timeout_504_not_retried
         llama.close()
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/completion"])
+def test_the_prompts_of_one_request_share_its_timeout(
+    tiny_path: Path, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llama = Llama(tiny_path, n_ctx=256)
+    create = llama.create_completion
+    given: list[float] = []
+
+    def slow(*args: Any, **kwargs: Any) -> Any:  # each prompt takes 0.4 s of the request's 1 s
+        given.append(kwargs["timeout"])
+        time.sleep(0.4)
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "create_completion", slow)
+    try:
+        for server in _running(ServerSettings(model=str(tiny_path), timeout=1.0), llama):
+            body = {"prompt": ["a", "b", "c", "d"], "max_tokens": 2}
+            late = httpx.post(server.url + path, json=body, timeout=30)
+            # Each prompt had a fresh second: four took 1.6 s and answered 200.
+            assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
+            assert len(given) == 3 and given[0] <= 1.0 and given[2] <= 0.2  # the 4th: none
+            given.clear()
+            body["prompt"] = ["a", "b"]
+            assert httpx.post(server.url + path, json=body, timeout=30).status_code == 200
+    finally:
+        llama.close()
+
+
 # -- security and bad input ----------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -231,8 +232,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         else:  # the model's FIM tokens put the answer between the prompt and the suffix
             stream = partial(llama.stream_infill, suffix=suffix)
             create = partial(llama.create_infill, suffix=suffix)
-        if len(prompts) > 1:  # answered in turn, each prompt's choices side by side
-            results = [await complete(state, client, partial(create, p, **kwargs))
+        if len(prompts) > 1:  # answered in turn within one --timeout, choices side by side
+            deadline = time.monotonic() + settings.timeout
+            results = [await complete(state, client, partial(create, p, **kwargs), deadline)
                        for p in prompts]  # fmt: skip
             alias = state.model_name(body.model)
             return wire.completion(wire.joined_completions(results, body.n), alias)

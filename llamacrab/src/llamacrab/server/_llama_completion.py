@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import Any, cast
@@ -54,10 +55,11 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
             raise ApiError(400, "several prompts are answered together, not streamed: stream "
                            "one prompt per request", param="prompt")  # fmt: skip
         kwargs = await in_thread(native_kwargs, body, llama, settings)
+        deadline = time.monotonic() + settings.timeout  # one for all its prompts
         answers = []
         for index, prompt in enumerate(prompts):
             kwargs["prompt"] = await in_thread(prompt_input, llama, prompt)
-            answers.append(await _answer(state, client, body, llama, kwargs))
+            answers.append(await _answer(state, client, body, llama, kwargs, deadline))
             if not body.stream:
                 answers[-1]["index"] = index
         # As llama-server: one prompt, one object; several, a list in their order.
@@ -117,8 +119,9 @@ class _Answering:
 
 
 async def _answer(state: ServerState, client: Request, body: NativeGeneration, llama: Llama,
-                  kwargs: dict[str, Any]) -> Any:  # fmt: skip
-    """The completion of ``kwargs`` (its prompt as tokens), streamed or whole."""
+                  kwargs: dict[str, Any], deadline: float | None = None) -> Any:  # fmt: skip
+    """The completion of ``kwargs`` (its prompt as tokens), streamed or whole (by
+    ``deadline``: see ``complete``)."""
     vocab = llama.vocab if kwargs.get("logprobs") is not None else None
     used = used_settings(llama, state.settings, kwargs, body.stream, body.ignore_eos)
     prompt = await in_thread(_prompt_text, llama, kwargs["prompt"])
@@ -126,7 +129,7 @@ async def _answer(state: ServerState, client: Request, body: NativeGeneration, l
     if body.stream:
         chunks = await in_thread(partial(llama.stream_completion, **kwargs))
         return await sse_events(state, client, chunks, partial(native_events, answering))
-    result = await complete(state, client, partial(llama.create_completion, **kwargs))
+    result = await complete(state, client, partial(llama.create_completion, **kwargs), deadline)
     choice = result.choices[0]
     tokens = choice.tokens if body.return_tokens else ()
     answer = native_answer(choice.text, tokens, choice.finish_reason, result.usage,

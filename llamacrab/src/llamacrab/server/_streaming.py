@@ -157,15 +157,28 @@ async def generate(
     return result_json(await complete(state, client, create), alias)
 
 
-async def complete(state: ServerState, client: Request, create: Callable[..., _Result]) -> _Result:
-    """A whole completion (``create`` takes ``cancel=``): 504 past the timeout, tokens counted,
-    stopped early if the client goes away."""
-    started = time.monotonic()
+async def complete(
+    state: ServerState,
+    client: Request,
+    create: Callable[..., _Result],
+    deadline: float | None = None,
+) -> _Result:
+    """A whole completion (``create`` takes ``cancel=`` and ``timeout=``): 504 past the
+    request's ``deadline`` (``time.monotonic()``; None: ``--timeout`` from now), tokens counted,
+    stopped early if the client goes away. A request that answers several prompts in turn
+    passes one deadline to each: they share its ``--timeout``."""
+    if deadline is None:
+        deadline = time.monotonic() + state.settings.timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise cancelled(state, past_deadline=True)
     cancel = threading.Event()
-    result = await until_disconnected(client, in_thread(create, cancel=cancel), cancel.set)
+    work = in_thread(create, cancel=cancel, timeout=left)
+    result = await until_disconnected(client, work, cancel.set)
     if any(choice.finish_reason == "cancelled" for choice in result.choices):
-        # The generation's deadline began after ``started``: past it, this is past too.
-        raise cancelled(state, time.monotonic() - started >= state.settings.timeout)
+        # The generation's deadline is ``left`` from a moment after ``deadline`` was read:
+        # past it, this is past too.
+        raise cancelled(state, time.monotonic() >= deadline)
     used = result.usage
     state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
     return cast(_Result, result)
