@@ -206,6 +206,9 @@ def test_several_prompts_get_one_choice_each(server: LiveServer, llama: Llama) -
     }
     for why, extra in refusals.items():
         assert refused(server, "/v1/completions", extra)["param"] in ("prompt", "suffix"), why
+    for why in ("streamed", "more than --max-n"):  # /completion's prompt list: the same rule
+        native = refused(server, "/completion", refusals[why])
+        assert native == refused(server, "/v1/completions", refusals[why]), why
 
 
 # -- /completion's prompt object -----------------------------------------------------------------

@@ -35,7 +35,7 @@ from llamacrab.server._lora import request_lora
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
-from llamacrab.server._wire import generation_kwargs, logprobs_kwargs, timings
+from llamacrab.server._wire import check_prompt_count, generation_kwargs, logprobs_kwargs, timings
 
 # llama-server's repository-level FIM layout names the repository and the current file so.
 _FIM_REPO, _FIM_FILE = "myproject", "filename"
@@ -48,12 +48,7 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
     async def completion(body: LlamaCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         prompts = split_prompts(body.prompt)
-        if len(prompts) > settings.max_n:
-            raise ApiError(400, f"{len(prompts)} prompts exceed this server's limit of "
-                           f"{settings.max_n} a request", param="prompt")  # fmt: skip
-        if len(prompts) > 1 and body.stream:
-            raise ApiError(400, "several prompts are answered together, not streamed: stream "
-                           "one prompt per request", param="prompt")  # fmt: skip
+        check_prompt_count(len(prompts), body.stream, settings)
         kwargs = await in_thread(native_kwargs, body, llama, settings)
         deadline = time.monotonic() + settings.timeout  # one for all its prompts
         answers = []

@@ -147,13 +147,18 @@ def completion_prompts(body: CompletionRequest, settings: ServerSettings) -> lis
         if not one:
             which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
             raise ApiError(400, f"{which} is empty", param="prompt")
-    if len(prompts) > settings.max_n:
-        raise ApiError(400, f"{len(prompts)} prompts exceed this server's limit of "
-                       f"{settings.max_n} a request", param="prompt")  # fmt: skip
-    if len(prompts) > 1 and body.stream:
+    check_prompt_count(len(prompts), body.stream, settings)
+    return prompts
+
+
+def check_prompt_count(count: int, stream: bool, settings: ServerSettings) -> None:
+    """A request may give up to ``--max-n`` prompts, answered together: one when streamed."""
+    if count > settings.max_n:
+        raise ApiError(400, f"{count} prompts exceed this server's limit of {settings.max_n} "
+                       "a request", param="prompt")  # fmt: skip
+    if count > 1 and stream:
         raise ApiError(400, "several prompts are answered together, not streamed: stream "
                        "one prompt per request", param="prompt")  # fmt: skip
-    return prompts
 
 
 def joined_completions(results: Sequence[Completion], n: int) -> Completion:
