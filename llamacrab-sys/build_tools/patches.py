@@ -381,7 +381,12 @@ PATCHES: tuple[SourcePatch, ...] = (
             "through it before inserting its pieces. Each of the vocabulary's special tokens "
             "(6,414 in Gemma 3) also passed over every fragment: one with a pair of bytes the "
             "text lacks cannot match and is skipped. The fragments, and so the tokens, are the "
-            "same for every text. Retired when upstream stops walking the list per match."
+            "same for every text. The early erase destroys the node that the loop's `auto & "
+            "fragment` names: safe only because the loop reads nothing through `fragment` after "
+            "it, and `raw_text` (`const auto & raw_text = fragment.raw_text`) binds the string "
+            "that the fragment's `const std::string & raw_text` member refers to, the caller's "
+            "text, not the node; a fragment that owned its text would leave it dangling. "
+            "Retired when upstream stops walking the list per match."
         ),
     ),
     SourcePatch(
