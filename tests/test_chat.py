@@ -202,6 +202,18 @@ def test_chat_template_kwargs_are_template_variables(tiny_llama: Llama) -> None:
             tiny_llama.create_chat_completion(hello, chat_format=template, chat_template_kwargs=bad)
 
 
+def test_chat_template_kwargs_may_have_the_names_of_llamacrabs_own_parameters(
+    tiny_llama: Llama,
+) -> None:
+    """A template variable named like a parameter of the functions rendering the prompt
+    (``model``, ``chat_format``, ``source``) was a TypeError, a 500 on the server."""
+    template = "{{ messages[0].content }}:{{ model }}{{ chat_format }}{{ source }}"
+    hello = [{"role": "user", "content": "Hi"}]
+    for name in ("model", "chat_format", "source"):
+        kwargs = {name: "X"}
+        assert tiny_llama.chat_prompt(hello, template, chat_template_kwargs=kwargs) == "Hi:X"
+
+
 @pytest.mark.real_model
 def test_gemma_without_a_template_gets_the_gemma_format(gemma: Llama) -> None:
     question = [{"role": "user", "content": "What is the capital of France?"}]

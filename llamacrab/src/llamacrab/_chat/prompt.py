@@ -75,10 +75,12 @@ def chat_prompt(
     messages: Sequence[Mapping[str, Any]],
     chat_format: str | None = None,
     add_generation_prompt: bool = True,
+    /,
     **template_variables: Any,
 ) -> str:
     """The prompt text for ``messages``: ``chat_format`` may name a built-in format, a GGUF
-    template variant (``tokenizer.chat_template.NAME``), or be a Jinja template itself."""
+    template variant (``tokenizer.chat_template.NAME``), or be a Jinja template itself.
+    Positional-only, so that a template variable may have any of these names."""
     source = template_source(model, chat_format)
     if source is None:
         adapted = adapt_messages(
@@ -99,6 +101,7 @@ def chat_prompt(
 def render_template(
     source: str,
     messages: Sequence[Mapping[str, Any]],
+    /,
     add_generation_prompt: bool = True,
     **template_variables: Any,
 ) -> str:
@@ -167,7 +170,7 @@ def template_source(model: Model, chat_format: str | None) -> str | None:
         template = model.chat_template()
         if template is not None:
             return template
-        if model.metadata.get("general.architecture", "").startswith("gemma"):
+        if model.arch.startswith("gemma"):
             return None
         raise TemplateError(
             f"{model.path.name} has no chat template: pass chat_format= (one of "

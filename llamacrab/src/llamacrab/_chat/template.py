@@ -458,6 +458,7 @@ class _Deadline:
 def render(
     source: str,
     messages: Sequence[Mapping[str, Any]],
+    /,
     *,
     add_generation_prompt: bool = True,
     bos_token: str = "",
