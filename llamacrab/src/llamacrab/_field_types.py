@@ -52,10 +52,11 @@ def utf8(text: str, what: str, error: type[LlamaError] = InvalidParameterError) 
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise error(
-            f"{what} is not valid Unicode: an unpaired surrogate {text[exc.start]!r} at "
-            f"character {exc.start}"
-        ) from None
+        raise error(f"{what} is not valid Unicode: {_surrogate(text, exc)}") from None
+
+
+def _surrogate(text: str, exc: UnicodeEncodeError) -> str:
+    return f"an unpaired surrogate {text[exc.start]!r} at character {exc.start}"
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -73,10 +74,11 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
                 "least one character"
             )
         try:
-            utf8(text, f"the stop string {text!r}")
-        except InvalidParameterError as error:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
             raise InvalidParameterError(
-                f"{error}, which UTF-8 cannot encode: no generated text can match it"
+                f"the stop string {text!r} holds {_surrogate(text, exc)}, which UTF-8 cannot "
+                "encode: no generated text can match it"
             ) from None
     return stops
 

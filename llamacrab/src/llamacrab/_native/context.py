@@ -562,8 +562,7 @@ class Context(NativeHandle):
         n_layer = model.n_layer
         start, end = layers if layers is not None else (1, n_layer)
         if vector is not None:
-            arch = model.metadata.get("general.architecture", "")
-            vector.check(arch, model.n_embd, n_layer, start, end)
+            vector.check(model.arch, model.n_embd, n_layer, start, end)
             data = np.ascontiguousarray(vector.directions, dtype=np.float32)
         with self._guarded_change():
             with self.exclusive() as ctx:
@@ -856,8 +855,7 @@ def _check_rope_freq_base(model: Model, params: ContextParams) -> None:
     """deepseek2-ocr's graph asserts (an abort) that the context's rope base, as a float, is
     10000: a user rope_freq_base must be 10000 too (0 keeps the file's value, or its
     kv_overrides value, both of which validate_gguf checked)."""
-    arch = model.metadata.get("general.architecture")
-    base = params.rope_freq_base
+    arch, base = model.arch, params.rope_freq_base
     if arch != "deepseek2-ocr" or base == 0:
         return
     # As a C float (the assert's operand): only 10000.0f itself is within 1e-4 of 10000.

@@ -342,8 +342,7 @@ class Model(NativeHandle):
     @functools.cached_property
     def causal(self) -> bool:
         """False for encoder-style models (BERT): they attend both ways within a sequence."""
-        arch = self.metadata.get("general.architecture", "")
-        return self.metadata.get(f"{arch}.attention.causal", "true") != "false"
+        return self.metadata.get(f"{self.arch}.attention.causal", "true") != "false"
 
     @property
     def arch(self) -> str:

@@ -83,7 +83,7 @@ class Projector(NativeHandle):
         file = file_path("the projector path", path)
         with model.in_flight() as model_pointer:
             rope_type = int(lib.llama_model_rope_type(model_pointer))
-        refusal = embeddings_refusal(model.metadata.get("general.architecture", ""), rope_type)
+        refusal = embeddings_refusal(model.arch, rope_type)
         if refusal is not None:
             raise MediaError(f"{model.path.name} cannot take images or audio: {refusal}")
         validate_gguf(file, kind="projector")
