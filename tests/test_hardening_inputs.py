@@ -168,10 +168,10 @@ def _v3_body() -> bytes:
     return _sealed(_v2_body(3) + struct.pack("<I", 0))
 
 
-def _v4_body() -> bytes:
+def _v5_body() -> bytes:
     """GOOD with a KV fingerprint, as the present format writes it, checksum included."""
     blob = replace(GOOD, kv_fingerprint=FINGERPRINT).to_bytes()
-    assert struct.unpack_from("<I", blob, 8)[0] == 4
+    assert struct.unpack_from("<I", blob, 8)[0] == 5
     return blob
 
 
@@ -202,6 +202,7 @@ def _v4_body() -> bytes:
         # Format 4 adds a KV fingerprint after the head: cut inside it, tokens past the end.
         _sealed(_head(0, version=4) + b"f" * 31),
         _sealed(_head(3, version=4) + FINGERPRINT + struct.pack("<3i", 1, 2, 3)),
+        _sealed(_head(0, version=5) + b"f" * 31),
         b"",
         "a string, not bytes",
         np.zeros(40, dtype=np.int64)[::2],  # bytes-like but not contiguous
@@ -225,13 +226,16 @@ def test_states_still_round_trip(tmp_path: object) -> None:
     assert SavedState.from_bytes(_sealed(_v2_body() + struct.pack("<I", 0))) == GOOD
     # Format 3 is format 2 with another checksum; neither records a KV fingerprint.
     assert SavedState.from_bytes(_v3_body()) == GOOD and GOOD.kv_fingerprint is None
-    # Format 4 is format 3 with the fingerprint after the head (zeros: none recorded).
-    fingerprinted = SavedState.from_bytes(_v4_body())
+    # Format 5 is format 3 with the fingerprint after the head (zeros: none recorded).
+    fingerprinted = SavedState.from_bytes(_v5_body())
     assert fingerprinted == replace(GOOD, kv_fingerprint=FINGERPRINT) != GOOD
     v3, at = _v3_body()[:-16], state._HEAD.size
+    v5_head = v3[:8] + struct.pack("<I", 5) + v3[12:at]
+    assert _v5_body() == _sealed(v5_head + FINGERPRINT + v3[at:])
+    assert blob == _sealed(v5_head + bytes(32) + v3[at:])
+    # Format 4 has the same layout, its fingerprint of an earlier form: read as none.
     v4_head = v3[:8] + struct.pack("<I", 4) + v3[12:at]
-    assert _v4_body() == _sealed(v4_head + FINGERPRINT + v3[at:])
-    assert blob == _sealed(v4_head + bytes(32) + v3[at:])
+    assert SavedState.from_bytes(_sealed(v4_head + FINGERPRINT + v3[at:])) == GOOD
     for wrong in (b"short", bytes(32)):
         with pytest.raises(StateError, match="KV fingerprint"):
             replace(GOOD, kv_fingerprint=wrong)

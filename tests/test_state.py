@@ -177,6 +177,14 @@ def test_checkpoints_travel_with_a_state_and_older_states_still_load(
     # cache finds its states by that fingerprint: an older one there is still reused.
     with pytest.raises(StateError, match="records no KV fingerprint"):
         tiny_llama.load_state(old)
+    # Format 4 recorded a fingerprint of an earlier layout, which no prompt matches now: it
+    # loaded and the first prompt dropped it. It is refused as one of before format 5.
+    blob = bytearray(state.to_bytes()[:-16])
+    blob[8:12] = struct.pack("<I", 4)
+    format_4 = SavedState.from_bytes(bytes(blob) + xxhash.xxh3_128(blob).digest())
+    assert format_4 == dataclasses.replace(state, kv_fingerprint=None)
+    with pytest.raises(StateError, match="before state format 5"):
+        tiny_llama.load_state(format_4)
     cache = RamCache(capacity_bytes=64 << 20)
     with Llama(tiny_llama.model.path, n_ctx=128, cache=cache) as cached:
         cache.store(old, cached.context.kv_fingerprint)

@@ -116,7 +116,7 @@ class HubError(LlamaError):
 
 class StateError(LlamaError, ValueError):
     """A saved state that is corrupt, truncated, from another model or context size, or from
-    a llamacrab before state format 4 (it records no KV fingerprint: save it again)."""
+    a llamacrab before state format 5 (it records no KV fingerprint: save it again)."""
 
 
 class TemplateError(LlamaError, ValueError):

@@ -3,8 +3,9 @@
 ``RamCache`` keeps them in memory (LRU, bounded by bytes); ``DiskCache`` in a directory through
 the ``diskcache`` package (bounded, survives restarts). A completion whose prompt shares a prefix
 with a cached state restores it and decodes only the rest. States live in namespaces: Llama
-uses its context's ``kv_fingerprint`` (model, LoRA adapters and scales, rope and KV settings),
-so a state computed under other weights or settings is never found.
+uses the fingerprint of what their memory was computed with (``Context.fingerprint``: model,
+LoRA adapters and scales, rope and KV settings), so a state computed under other weights or
+settings is never found.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ class KvState:
         if state.kv_fingerprint is None:
             raise StateError(
                 "this state records no KV fingerprint (the adapters and settings its memory was "
-                "computed with): saved by a llamacrab before state format 4, or built without "
+                "computed with): saved by a llamacrab before state format 5, or built without "
                 "one; save it again"
             )
         self._load(state)

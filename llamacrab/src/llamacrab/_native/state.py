@@ -3,12 +3,13 @@
 Layout (little-endian): magic ``LCRBSTAT``, format version (u32), scope (u32: 0 sequence 0,
 1 whole context), n_ctx (u32), model identity
 (32-byte sha256), token count (u32); from version 4 the KV fingerprint (32 bytes, zeros: not
+recorded; version 4's is of an earlier layout, which no context makes now: read as not
 recorded); tokens (i32 each), payload length (u64) and llama.cpp's
 own state bytes; from version 2 a checkpoint count (u32) and per checkpoint its token count
 (u32), payload length (u64) and payload; then a checksum of everything before it: from version 3
 the 16-byte XXH3-128, before it a sha256. A truncated or altered blob fails the checksum before
-llama.cpp reads a byte of it. Versions 1 (no checkpoints), 2 and 3 (no KV fingerprint) are
-still read.
+llama.cpp reads a byte of it. Versions 1 (no checkpoints), 2, 3 and 4 are still read, without
+a KV fingerprint: a state of them does not say what its memory was computed with.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class _Checksum(Protocol):
 
 
 MAGIC = b"LCRBSTAT"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 _HEAD = struct.Struct("<8sIII32sI")
-_FINGERPRINT = struct.Struct("32s")  # after the head, from version 4
+_FINGERPRINT = struct.Struct("32s")  # after the head, from version 4 (4's: an earlier layout)
 _UNRECORDED = bytes(_FINGERPRINT.size)
 _CHECKPOINT_HEAD = struct.Struct("<IQ")
 _SCOPES = ("sequence", "context")
@@ -52,7 +53,8 @@ _SCOPES = ("sequence", "context")
 # length is checked on its own). XXH3-128 checks a 29 MB state in ~3 ms where sha256 took
 # ~27 ms: a prompt cache on disk pays it on every restore.
 _CHECKSUMS: dict[int, Callable[..., _Checksum]] = {
-    1: hashlib.sha256, 2: hashlib.sha256, 3: xxhash.xxh3_128, 4: xxhash.xxh3_128
+    1: hashlib.sha256, 2: hashlib.sha256, 3: xxhash.xxh3_128, 4: xxhash.xxh3_128,
+    5: xxhash.xxh3_128,
 }  # fmt: skip
 
 
@@ -80,7 +82,7 @@ class SavedState:
     (``scope="sequence"``) or of the whole context (``"context"``: all sequences and the
     outputs of the last decode). ``kv_fingerprint``: what, besides the tokens, the memory was
     computed with (``Context.fingerprint``: the model, KV settings, control vector, LoRA
-    files and scales); None where not recorded (formats before 4)."""
+    files and scales); None where not recorded (formats before 5)."""
 
     tokens: tuple[int, ...]
     payload: bytes | memoryview  # a view into the blob it was read from: states are large
@@ -183,9 +185,11 @@ class SavedState:
             raise StateError(f"the state payload has {rest} bytes, its header says {size}")
         payload = body[offset : offset + size]  # still a view
         checkpoints = () if version == 1 else _read_checkpoints(body, offset + size)
+        if version < FORMAT_VERSION or fingerprint == _UNRECORDED:
+            fingerprint = None
         return cls(
             tuple(int(t) for t in tokens), payload, model_id, n_ctx, _SCOPES[scope], checkpoints,
-            None if fingerprint == _UNRECORDED else fingerprint,
+            fingerprint,
         )  # fmt: skip
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -584,7 +584,7 @@ class Llama:
     def load_state(self, state: LlamaState) -> None:
         """Restore a state from ``save_state`` of this model. A state from llama-cpp-python
         itself, another model or a smaller context, or one an earlier llamacrab saved (before
-        state format 4), raises ``llamacrab.StateError``."""
+        state format 5), raises ``llamacrab.StateError``."""
         blob = getattr(state, "llama_state", None)
         if not isinstance(blob, bytes | bytearray | memoryview):
             raise InvalidParameterError(
