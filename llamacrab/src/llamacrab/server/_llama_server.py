@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, File, Form, UploadFile
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.requests import Request
 
 from llamacrab import ConcurrentUseError, SavedState, SlotInfo, build_info
@@ -95,9 +95,11 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
         llama = state.ready(body.model)
         tokens = await in_thread(mixed_tokens, llama, body.content, body.add_special,
                                  body.parse_special)  # fmt: skip
+        # Built and encoded in a worker thread: an 8 MiB body is millions of tokens, which
+        # took the event loop (every other request) for a minute and a half.
         if not body.with_pieces:
-            return {"tokens": tokens}
-        return {"tokens": [{"id": t, "piece": _piece(llama, t)} for t in tokens]}
+            return await in_thread(JSONResponse, {"tokens": tokens})
+        return await in_thread(_tokens_with_pieces, llama, tokens)
 
     @app.post("/detokenize", response_model=LlamaDetokenizeResponse, responses=ERRORS)
     async def detokenize(body: LlamaDetokenizeRequest) -> Any:
@@ -112,6 +114,18 @@ def _joined_pieces(llama: Llama, tokens: list[int]) -> str:
     vocab.check_tokens(tokens)
     raw = b"".join(vocab.token_to_bytes(t, special=True) for t in tokens)
     return raw.decode("utf-8", "replace")
+
+
+def _tokens_with_pieces(llama: Llama, tokens: list[int]) -> JSONResponse:
+    """/tokenize's answer with each token's piece, looked up once per distinct token."""
+    pieces: dict[int, str | list[int]] = {}
+    listed = []
+    for token in tokens:
+        piece = pieces.get(token)
+        if piece is None:
+            piece = pieces[token] = _piece(llama, token)
+        listed.append({"id": token, "piece": piece})
+    return JSONResponse({"tokens": listed})
 
 
 def _piece(llama: Llama, token: int) -> str | list[int]:
