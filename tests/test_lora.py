@@ -18,6 +18,8 @@ from llamacrab import (
     RamCache,
     SavedState,
 )
+from llamacrab._engine import generation
+from llamacrab._engine.lora import LoraPlan
 
 from support import load_repo_module
 
@@ -277,6 +279,28 @@ def test_a_request_goes_to_the_slot_whose_memory_it_can_reuse(
         # With it again: the slot computed with it, though the other shares more tokens.
         again = llm.create_completion(long, max_tokens=1, temperature=0.0)
         assert again.usage.cached_tokens == len(llm.tokenize(short)) > 1
+
+
+def test_a_requests_adapter_plan_is_made_once_not_per_free_slot(
+    tiny_model_path: Path, lora_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine thread made it for every free slot it weighed, then again to prepare one:
+    # for an aLoRA adapter a search of the prompt each time.
+    made: list[int] = []
+    plan = generation.lora_plan
+
+    def counted(*args: object) -> LoraPlan:
+        made.append(1)
+        return plan(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(generation, "lora_plan", counted)
+    with Llama(tiny_model_path, n_ctx=512, parallel=4, n_threads=2,
+               lora=[(str(lora_path), 1.0)]) as llm:  # fmt: skip
+        (adapter,) = llm.adapters
+        made.clear()
+        for lora in (None, {adapter: 0.5}):
+            llm.create_completion("the cat sat", lora=lora, max_tokens=1, temperature=0.0)
+        assert len(made) == 2
 
 
 def test_a_slot_saved_after_the_adapters_changed_records_the_ones_it_was_computed_with(

@@ -221,16 +221,18 @@ class KvState:
                 return candidate
         return None
 
-    def reusable(self, prompt: Sequence[int], lora: Mapping[LoraAdapter, float] | None) -> int:
+    def plan_for(self, prompt: Sequence[int], lora: Mapping[LoraAdapter, float] | None) -> LoraPlan:
+        """The adapters ``prompt`` is computed with, by position, with ``lora`` (None: the
+        context's default set, which every sequence shares); InvalidParameterError for
+        several aLoRA adapters. For an aLoRA adapter it searches the prompt: make it once
+        per prompt."""
+        return lora_plan(self.context.lora_adapters if lora is None else lora, prompt)
+
+    def reusable(self, prompt: Sequence[int], plan: LoraPlan) -> int:
         """How many leading tokens of ``prompt`` this memory holds computed as the prompt
-        would be with ``lora`` (None: the default set), as ``prepare`` counts them before a
-        prompt cache is asked: a slot holding a longer prefix under other adapters keeps
-        none of it."""
+        would be with ``plan`` (``plan_for``'s), as ``prepare`` counts them before a prompt
+        cache is asked: a slot holding a longer prefix under other adapters keeps none of it."""
         if self.weights != self.context.weights_generation:
-            return 0
-        try:
-            plan = lora_plan(self.context.lora_adapters if lora is None else lora, prompt)
-        except InvalidParameterError:  # prepare refuses the request
             return 0
         held = self.plan if self.plan_known else self._loaded_plan(plan)
         if held is None:
@@ -277,18 +279,12 @@ class KvState:
             except Exception:
                 log.warning("prompt cache save failed; skipped", exc_info=True)
 
-    def prepare(
-        self,
-        prompt: Sequence[int],
-        lora: Mapping[LoraAdapter, float] | None = None,
-        reuse: bool = True,
-    ) -> int:
+    def prepare(self, prompt: Sequence[int], plan: LoraPlan, reuse: bool = True) -> int:
         """Drop what the new prompt does not share (tokens, and the adapters they were
-        computed with: ``lora``, None for the context's default set); return how many prompt
-        tokens to keep (none without ``reuse``: every prompt token is decoded again)."""
+        computed with: ``plan``, ``plan_for``'s); return how many prompt tokens to keep (none
+        without ``reuse``: every prompt token is decoded again)."""
         if self.weights != self.context.weights_generation:
             self.forget()  # computed with adapters since replaced: none of it is reusable
-        plan = lora_plan(self.context.lora_adapters if lora is None else lora, prompt)
         if not self.plan_known:
             self._match_loaded(plan)
         if reuse:
@@ -566,7 +562,8 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
             if request.prompt_logprobs:
                 scores = PromptLogprobs(request.prompt, request.logprobs or 0, kv.context.n_vocab)
                 session.prompt_logprobs = scores.values
-            session.reused = kv.prepare(request.prompt, request.lora, reuse=scores is None)
+            plan = kv.plan_for(request.prompt, request.lora)
+            session.reused = kv.prepare(request.prompt, plan, reuse=scores is None)
             checkpoints = kv.checkpoint_positions(request)
             if not kv.decode_prompt(
                 request.prompt, session.reused, session.stopped, scores, checkpoints

@@ -17,6 +17,7 @@ import numpy as np
 
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.generation import Emitter, KvState, Request, Session, Step
+from llamacrab._engine.lora import LoraPlan
 from llamacrab._exceptions import (
     ClosedHandleError,
     ConcurrentUseError,
@@ -52,6 +53,9 @@ class _Job:
     todo: list[int] | None = None  # tokens to decode next; None until its slot is prepared
     index: int | None = None  # where the last batch holds its logits
     checkpoints: tuple[int, ...] = ()  # positions its prompt stops at for checkpoints
+    # Its prompt's adapters by position, made once when it is admitted (the adapters cannot
+    # change while it waits or runs); None: the request is refused when its slot prepares.
+    plan: LoraPlan | None = None
     produced: int = 0
 
     def finish(self, last: Step | BaseException) -> None:
@@ -272,8 +276,11 @@ class Scheduler:
         free = [slot for slot in self.slots if slot.job is None]
         while self.waiting and free:
             job = self.waiting.popleft()
-            prompt, lora = job.request.prompt, job.request.lora
-            slot = max(free, key=lambda s: s.kv.reusable(prompt, lora))
+            prompt = job.request.prompt
+            with contextlib.suppress(InvalidParameterError):  # raised again by _step's plan
+                job.plan = free[0].kv.plan_for(prompt, job.request.lora)
+            plan = job.plan
+            slot = free[0] if plan is None else max(free, key=lambda s: s.kv.reusable(prompt, plan))
             free.remove(slot)
             slot.job = job
             job.session.slot = slot.kv.seq_id
@@ -293,7 +300,10 @@ class Scheduler:
                 job.session.prompt_started = time.monotonic()
                 try:  # a failure here (a cache failure is a miss already) is this slot's alone
                     job.samplers.bind(self.context, slot.kv.seq_id)
-                    keep = slot.kv.prepare(job.request.prompt, job.request.lora)
+                    plan = job.plan
+                    if plan is None:  # refused: this raises why
+                        plan = slot.kv.plan_for(job.request.prompt, job.request.lora)
+                    keep = slot.kv.prepare(job.request.prompt, plan)
                 except Exception as error:
                     self._fail([slot], error)
                     continue
