@@ -2,18 +2,22 @@
 
 The parser recurses once per nested group, and its left-recursion check once per rule in a
 chain of leading references: a deep enough grammar overflows the C stack (SIGSEGV, which no
-handler can catch). Trigger words become ``std::regex`` patterns, whose compiler and matcher
+handler can catch). Its repetitions copy what they repeat: the elements they build are counted
+(``grammar_expansion``). Trigger words become ``std::regex`` patterns, whose compiler and matcher
 also recurse per character. So the text is scanned here, in one linear pass that never
 recurses, and anything past a limit raises GrammarError naming it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._field_types import utf8
 from llamacrab._native.gbnf_structure import skip_quoted
+from llamacrab._native.grammar_expansion import MAX_REPETITION as MAX_REPETITION  # re-exported
+from llamacrab._native.grammar_expansion import Expansion, class_elements, literal_elements
 from llamacrab._native.grammar_fanout import check_grammar_fanout
 
 MAX_GRAMMAR_BYTES = 256 * 1024
@@ -21,9 +25,8 @@ MAX_GRAMMAR_NESTING = 128  # nested ( ) groups
 MAX_GRAMMAR_RULES = 8192  # named rules plus the rules groups and repetitions generate
 MAX_TRIGGER_WORDS = 64
 MAX_TRIGGER_WORD_CHARS = 256
-# llama.cpp's MAX_REPETITION_THRESHOLD: a larger minimum count fails its parser (a vague
-# "failed to parse grammar"), a larger maximum means no maximum.
-MAX_REPETITION = 2000
+_NAME = re.compile(r"[A-Za-z0-9-]+")
+_REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 
 
 def check_grammar(text: str) -> None:
@@ -32,6 +35,7 @@ def check_grammar(text: str) -> None:
     if size > MAX_GRAMMAR_BYTES:
         raise GrammarError(f"the grammar is {size} bytes; the limit is {MAX_GRAMMAR_BYTES}")
     depth = max_depth = rules = 0
+    expansion = Expansion(text)
     i, n = 0, len(text)
     while i < n:
         char = text[i]
@@ -39,17 +43,40 @@ def check_grammar(text: str) -> None:
             end = text.find("\n", i)
             i = n if end < 0 else end
         elif char in '"[':  # a literal or a character class: skip it, escapes included
-            i = skip_quoted(text, i, '"' if char == '"' else "]")
+            end = skip_quoted(text, i, '"' if char == '"' else "]")
+            count = literal_elements if char == '"' else class_elements
+            expansion.item(count(text[i + 1 : end]))
+            i = end
+        elif name := _NAME.match(text, i):  # a rule's name
+            i = name.end() - 1
+            expansion.item(1)
+        elif char == "<":  # a token: <id> or <piece>
+            end = text.find(">", i)
+            i = n if end < 0 else end
+            expansion.item(1)
+        elif char == ".":
+            expansion.item(1)
+        elif char == "|":
+            expansion.alternative()
         elif char == "(":
             depth += 1
             rules += 1
             max_depth = max(max_depth, depth)
+            expansion.open_group()
         elif char == ")":
             depth = max(0, depth - 1)
+            expansion.close_group()
         elif char in "*+?{" or text.startswith("::=", i):
             rules += 1
             if char == "{":
-                _check_repetition(text, i)
+                low, high, end = _check_repetition(text, i)
+                if low is not None:
+                    expansion.repeat(low, high, i, end)
+                i = end - 1
+            elif char == ":":
+                expansion.rule()
+            else:
+                expansion.repeat(*_REPEATS[char], i, i + 1)
         i += 1
     if max_depth > MAX_GRAMMAR_NESTING:
         raise GrammarError(
@@ -74,8 +101,9 @@ def check_trigger_words(words: Sequence[str]) -> None:
             )
 
 
-def _check_repetition(text: str, start: int) -> None:
-    """``{m,n}`` with n < m: llama.cpp computes n - m unsigned and adds rules until memory
+def _check_repetition(text: str, start: int) -> tuple[int | None, int | None, int]:
+    """The counts of the repetition ``{m,n}`` at ``start`` (None where absent) and the index
+    past it. n < m is refused: llama.cpp computes n - m unsigned and adds rules until memory
     runs out (a bad_alloc after gigabytes and seconds, or the process killed first)."""
     numbers: list[int | None] = []
     i = start + 1
@@ -98,6 +126,7 @@ def _check_repetition(text: str, start: int) -> None:
         raise GrammarError(
             f"a repetition of at least {low} times; the limit is {MAX_REPETITION} (llama.cpp's)"
         )
+    return low, high, i + 1 if text.startswith("}", i) else i
 
 
 def _skip_space(text: str, i: int) -> int:
