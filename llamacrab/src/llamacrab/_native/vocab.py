@@ -6,16 +6,19 @@ import codecs
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeGuard
 
 import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, TokenizeError
 from llamacrab._field_types import utf8
-from llamacrab._native.call import call, ffi, lib
+from llamacrab._native.call import call, ffi, lib, read_string
 from llamacrab._native.handle import NativeHandle
+from llamacrab._native.pretokenizer import may_recurse_per_char, run_bounded
 
 _PIECE_BUFFER = 64
+_PRE_KEY = b"tokenizer.ggml.pre"
 
 
 @dataclass
@@ -24,6 +27,7 @@ class VocabFacts:
     and hands them to each Vocab it makes."""
 
     eog: tuple[int, ...] | None = None
+    regex_may_recurse: bool | None = None
 
 
 class Vocab:
@@ -51,6 +55,17 @@ class Vocab:
     def _get(self, getter: Any, *args: Any) -> Any:
         with self.in_flight() as vocab:
             return getter(vocab, *args)
+
+    @property
+    def _regex_may_recurse(self) -> bool:
+        """Whether llama.cpp may split text with std::regex, whose stack grows with the text
+        (``pretokenizer``): BPE vocabularies without a custom splitter for every regex."""
+        if self._facts.regex_may_recurse is None:
+            with self._model.in_flight() as model:  # "" when the key is missing
+                pre = read_string(lambda b, n: lib.llama_model_meta_val_str(model, _PRE_KEY, b, n))
+            bpe = self._get(lib.llama_vocab_type) == lib.LLAMA_VOCAB_TYPE_BPE
+            self._facts.regex_may_recurse = bpe and may_recurse_per_char(pre)
+        return self._facts.regex_may_recurse
 
     @property
     def n_tokens(self) -> int:
@@ -202,15 +217,25 @@ class Vocab:
         capacity = len(data) + 8
         for _ in range(2):  # the first call tells the size needed when it is too small
             out = ffi.new("llama_token[]", capacity)
-            with self.in_flight() as vocab:
-                n = call("llama_tokenize", vocab, data, len(data), out, capacity, add_special,
-                         parse_special)  # fmt: skip
+            fill = partial(self._tokenize_into, data, out, capacity, add_special, parse_special)
+            if self._regex_may_recurse:
+                # characters, at most: bytes that are not UTF-8 count one each
+                n = run_bounded(len(text) if isinstance(text, str) else len(data), fill)
+            else:
+                n = fill()
             if n >= 0:
                 return list(ffi.unpack(out, n))
             if n == -(2**31):
                 raise TokenizeError(f"text of {len(data)} bytes is too long to tokenize")
             capacity = -n
         raise TokenizeError(f"llama_tokenize kept asking for more room for {text[:40]!r}")
+
+    def _tokenize_into(
+        self, data: bytes, out: Any, capacity: int, add_special: bool, parse_special: bool
+    ) -> int:
+        with self.in_flight() as vocab:
+            return int(call("llama_tokenize", vocab, data, len(data), out, capacity, add_special,
+                            parse_special))  # fmt: skip
 
     def token_to_bytes(self, token: int, special: bool = False) -> bytes:
         """The raw bytes of one token (may be part of a multi-byte character)."""
