@@ -154,6 +154,13 @@ def test_n_probs_and_ignore_eos_on_the_openai_routes(server: LiveServer, llama: 
     text = post(server, "/v1/completions", {"prompt": "the cat", "n_probs": 2, "max_tokens": 3})
     logprobs = text["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == 3 and all(len(t) == 2 for t in logprobs["top_logprobs"])
+    # n_probs counts only where over 0 (as llama-server reads it): 0 leaves logprobs in charge.
+    text = post(server, "/v1/completions",
+                {"prompt": "the cat", "n_probs": 0, "logprobs": 3, "max_tokens": 2})  # fmt: skip
+    assert [len(t) for t in text["choices"][0]["logprobs"]["top_logprobs"]] == [3, 3], text
+    native = post(server, "/completion",
+                  {"prompt": "the cat", "n_probs": 0, "logprobs": 3, "n_predict": 2})  # fmt: skip
+    assert [len(p["top_logprobs"]) for p in native["completion_probabilities"]] == [3, 3]
     # As on /completion: the probabilities are before sampling, so post-sampling ones are refused.
     for route in ("/v1/chat/completions", "/v1/completions"):
         body = {**FIRST[route], "n_probs": 2, "post_sampling_probs": True}
@@ -164,6 +171,17 @@ def test_n_probs_and_ignore_eos_on_the_openai_routes(server: LiveServer, llama: 
         assert generated(server, route, {"logit_bias": {str(end): 100}, "max_tokens": 5}) == 0
         assert generated(server, route, {"logit_bias": {str(end): 100}, "max_tokens": 5,
                                          "ignore_eos": True}) == 5  # fmt: skip
+    # With a grammar the answer must end where its text is complete, which ignore_eos bans:
+    # refused up front (the whole answer was generated, then a 400 or an error event).
+    for route, constraint in [("/v1/completions", "json_schema"), ("/completion", "grammar"),
+                              ("/v1/chat/completions", "json_schema"),
+                              ("/v1/chat/completions", "response_format")]:  # fmt: skip
+        given = {"type": "json_object"} if constraint == "response_format" else {}
+        given = given if constraint != "grammar" else 'root ::= "x"'
+        for stream in (False, True):
+            body = {**FIRST[route], constraint: given, "ignore_eos": True, "stream": stream}
+            error = refused(server, route, body)
+            assert error["param"] == "ignore_eos" and constraint in error["message"], error
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
@@ -177,8 +195,13 @@ def test_logit_bias_in_llama_servers_forms(server: LiveServer, llama: Llama, rou
     token = llama.tokenize(greedy, add_special=False)[-1]  # after the vocabulary's space mark
     # [[id, false]] bans, [[id, bias]], [[text, false]] (its tokens), {"text": bias}
     for bias in ([[token, False]], [[token, -100]], [[greedy, False]], {greedy: -100},
-                 {str(token): False}):  # fmt: skip
+                 {str(token): False}, {f" +{token}": False}):  # fmt: skip
         assert text(bias) != greedy, bias
+    # A key as strtol reads it: leading space and a sign, then digits (" 15" is id 15, not
+    # text); a list's key is an id or a text, not true (read as id 1) nor 1.0.
+    for key in (True, 1.0, None):
+        error = refused(server, route, {**FIRST[route], "logit_bias": [[key, 5]]})
+        assert error["param"].startswith("logit_bias"), key
 
 
 # -- several prompts in one /v1/completions request ----------------------------------------------

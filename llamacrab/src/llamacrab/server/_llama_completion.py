@@ -35,7 +35,13 @@ from llamacrab.server._lora import request_lora
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import ERRORS, complete, event, in_thread, sse_events
-from llamacrab.server._wire import check_prompt_count, generation_kwargs, logprobs_kwargs, timings
+from llamacrab.server._wire import (
+    check_prompt_count,
+    generation_kwargs,
+    logprobs_kwargs,
+    probability_count,
+    timings,
+)
 
 # llama-server's repository-level FIM layout names the repository and the current file so.
 _FIM_REPO, _FIM_FILE = "myproject", "filename"
@@ -145,8 +151,7 @@ def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings
     kwargs = generation_kwargs(body, settings)
     kwargs.update(completion_fields(body, llama))
     kwargs.update(request_lora(body.lora, llama))
-    count = body.n_probs if body.n_probs is not None else body.logprobs
-    kwargs.update(logprobs_kwargs(body, count or None))
+    kwargs.update(logprobs_kwargs(body, probability_count(body, body.logprobs) or None))
     return kwargs
 
 

@@ -14,6 +14,8 @@ from llamacrab._llama import Llama
 from llamacrab.server._errors import ApiError
 from llamacrab.server._schemas import GenerationFields
 
+_C_WHITESPACE = " \t\n\v\f\r"  # C's isspace, which strtol skips
+
 
 def completion_fields(body: GenerationFields, llama: Llama) -> dict[str, Any]:
     """The keywords of these fields on a completion route (a chat reads ``json_schema`` as a
@@ -42,7 +44,7 @@ def logit_bias(
         amount = -math.inf if value is False else float(value)
         if isinstance(key, int):
             out[key] = amount
-        elif (token := decimal(key, signed=True)) is not None:
+        elif (token := _token_id(key)) is not None:
             out[token] = amount
         else:
             for token in llama.tokenize(key, add_special=False):
@@ -52,6 +54,16 @@ def logit_bias(
     except LlamaError as error:
         raise ApiError(400, f"logit_bias: {error}", param="logit_bias") from error
     return out
+
+
+def _token_id(key: str) -> int | None:
+    """The token id a text key spells as llama-server's ``strtol`` reads it: leading C
+    whitespace, a sign, then ASCII digits to the end (" 15" and "+15" are 15, "15 " is text);
+    None for text."""
+    number = key.lstrip(_C_WHITESPACE)
+    sign = number[:1] if number[:1] in ("+", "-") else ""
+    digits = decimal(number[len(sign) :])
+    return None if digits is None else -digits if sign == "-" else digits
 
 
 def schema_kwargs(body: GenerationFields) -> dict[str, Any]:

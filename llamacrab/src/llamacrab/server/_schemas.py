@@ -7,7 +7,15 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 # Stop strings are matched against every generated piece of text: bound how many and how long.
 MAX_STOP_STRINGS = 16
@@ -66,8 +74,10 @@ class GenerationFields(Lenient):
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
     # {"id": bias}, or llama-server's [[id or text, bias]]; text stands for its tokens, and a
-    # bias of false bans them.
-    logit_bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None = None
+    # bias of false bans them. A list's key is strictly one or the other (true is not id 1).
+    logit_bias: (
+        dict[str, float | bool] | list[tuple[StrictInt | StrictStr, float | bool]] | None
+    ) = None
     lora: list[LoraEntry] | None = None  # this request's adapter scales (others: 0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # OpenAI's: an int64
     stop: str | list[str] | None = None

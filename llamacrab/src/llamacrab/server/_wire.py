@@ -75,8 +75,27 @@ def generation_kwargs(
                        param="n")  # fmt: skip
     if body.stream and body.n > 1:
         raise ApiError(400, "streaming returns one choice: n must be 1", param="n")
+    constraint = next((n for n in ("grammar", "json_schema") if getattr(body, n) is not None), None)
+    _refuse_endless(body, constraint)
     kwargs["timeout"] = settings.timeout
     return kwargs
+
+
+def _refuse_endless(body: GenerationFields, constraint: str | None) -> None:
+    """``ignore_eos`` with a grammar (the field ``constraint`` makes one) is refused up front:
+    once the grammar's text is complete it allows only an end token, which ``ignore_eos``
+    bans, and the generation would fail there, its answer made."""
+    if body.ignore_eos and constraint is not None:
+        raise ApiError(400, f"ignore_eos cannot be used with {constraint}: once the text "
+                       f"{constraint} asks for is complete only the end of generation may "
+                       "follow, which ignore_eos bans", param="ignore_eos")  # fmt: skip
+
+
+def probability_count(body: GenerationFields, otherwise: int | None) -> int | None:
+    """How many alternatives of each token are asked for: llama-server's ``n_probs`` where it
+    is over 0 (as llama-server reads it on every route), else ``otherwise`` (the route's own
+    field's)."""
+    return body.n_probs if body.n_probs else otherwise
 
 
 def _max_tokens(body: GenerationFields, limit: int, default: int | None) -> int:
@@ -115,8 +134,7 @@ def completion_kwargs(body: CompletionRequest, settings: ServerSettings) -> dict
     if body.best_of is not None and body.best_of > settings.max_n:
         raise ApiError(400, f"best_of exceeds this server's limit of {settings.max_n}",
                        param="best_of")  # fmt: skip
-    # llama-server's n_probs, where given, instead of OpenAI's logprobs (0: none)
-    count = body.logprobs if body.n_probs is None else body.n_probs or None
+    count = probability_count(body, body.logprobs)
     kwargs.update(echo=body.echo, **logprobs_kwargs(body, count))
     if not body.stream:
         kwargs.update(n=body.n, best_of=body.best_of)
@@ -193,9 +211,10 @@ def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[s
         kwargs["tool_choice"] = legacy_functions.tool_choice_of(body.function_call)
     response_format = _response_format(body)
     if response_format is not None:
+        if response_format["type"] != "text":
+            _refuse_endless(body, "response_format")
         kwargs["response_format"] = response_format
-    # llama-server's n_probs where logprobs is not asked for (0: none)
-    count = (body.top_logprobs or 0) if body.logprobs else body.n_probs or None
+    count = (body.top_logprobs or 0) if body.logprobs else probability_count(body, None)
     kwargs.update(logprobs_kwargs(body, count))
     if not body.stream:
         kwargs["n"] = body.n
