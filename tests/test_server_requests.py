@@ -15,7 +15,7 @@ import pytest
 from live_server import LiveServer
 from test_multimodal import IMAGE_TOKENS, PIXELS, encoded, tone, wav_bytes
 
-from llamacrab import Image, Llama
+from llamacrab import Image, Llama, MediaPolicy
 from llamacrab.server import ServerSettings
 
 from support import load_repo_module
@@ -245,6 +245,8 @@ def test_a_prompt_object_is_its_prompt_string(server: LiveServer, llama: Llama) 
     for prompt in ({"prompt_string": "the cat"}, {"prompt_string": mixed}):
         answer = post(server, "/completion", {"prompt": prompt, **body})
         assert answer["tokens"] == plain["tokens"], prompt
+    for empty in ({"prompt_string": []}, [{"prompt_string": []}, "a dog"], []):
+        assert refused(server, "/completion", {"prompt": empty})["param"] == "prompt", empty
     several = post(server, "/completion",
                    {"prompt": [{"prompt_string": "the cat"}, "a dog"], **body})  # fmt: skip
     assert [a["index"] for a in several] == [0, 1] and several[0]["tokens"] == plain["tokens"]
@@ -294,6 +296,28 @@ def test_a_prompt_objects_images_with_a_projector(
         assert words in error["message"], (words, error)
     ids = {"prompt_string": [1, "see <__media__>"], "multimodal_data": prompt["multimodal_data"]}
     assert "prompt_string is text" in refused(seeing, "/completion", {"prompt": ids})["message"]
+
+
+def test_a_prompt_objects_media_obey_the_size_cap_a_chats_do(
+    tiny_path: Path, vision_path: Path
+) -> None:
+    png = encoded(PIXELS, "PNG")
+    data = base64.b64encode(png).decode()
+    prompt = {"prompt_string": "see <__media__> now", "multimodal_data": [data]}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}
+    chat = {"messages": [{"role": "user", "content": [image]}], "max_tokens": 1}
+    policy = MediaPolicy(local_files=False, max_bytes=len(png) - 1)
+    settings = ServerSettings(model=str(tiny_path), mmproj=str(vision_path), n_ctx=1024)
+    llama = Llama(tiny_path, n_ctx=1024, mmproj=vision_path, media_policy=policy)
+    server = LiveServer(settings, llama)
+    try:
+        assert server.wait_until_loaded() == 200
+        # The chat's image was refused and the prompt object's decoded and encoded.
+        for route, body in (("/v1/chat/completions", chat), ("/completion", {"prompt": prompt})):
+            assert f"exceeds {len(png) - 1} bytes" in refused(server, route, body)["message"]
+    finally:
+        server.close()
+        llama.close()
 
 
 def test_embeddings_take_a_prompt_object_without_media(tiny_path: Path) -> None:

@@ -79,10 +79,12 @@ def _audio(part: Mapping[str, Any], policy: MediaPolicy) -> Audio:
         raise MediaError('an input_audio part needs {"input_audio": {"data": BASE64, "format"}}')
     if spec.get("format", "wav") not in ("wav", "mp3", "flac"):
         raise MediaError(f"audio format {spec.get('format')!r} is not supported (wav, mp3, flac)")
-    return Audio(data=_base64(spec["data"], policy))
+    return Audio(data=base64_media(spec["data"], policy))
 
 
-def _base64(text: str, policy: MediaPolicy) -> bytes:
+def base64_media(text: str, policy: MediaPolicy) -> bytes:
+    """A media item's bytes from base64, refused (MediaError) before decoding when they would
+    exceed ``policy.max_bytes``."""
     if len(text) * 3 // 4 > policy.max_bytes:
         raise MediaError(f"a media item exceeds {policy.max_bytes} bytes")
     try:
@@ -97,7 +99,7 @@ def _fetch(url: str, policy: MediaPolicy) -> bytes:
         header, _, payload = url.partition(",")
         if not header.endswith(";base64"):
             raise MediaError("data: URLs must be base64-encoded (data:image/png;base64,...)")
-        return _base64(payload, policy)
+        return base64_media(payload, policy)
     if scheme in ("http", "https"):
         if not policy.remote:
             raise MediaError("remote media URLs are disabled (allow them with MediaPolicy)")

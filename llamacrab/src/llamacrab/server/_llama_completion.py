@@ -4,8 +4,6 @@ as ``data:`` events with ``stop: false`` and a last one with ``stop: true`` (no 
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -17,6 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from llamacrab import Chunks, InfillLimits, Vocab
+from llamacrab._chat.media_parts import MediaPolicy, base64_media
+from llamacrab._exceptions import MediaError
 from llamacrab._llama import Llama
 from llamacrab._types import CompletionChunk, Logprobs, Usage
 from llamacrab.server._errors import ApiError
@@ -159,10 +159,11 @@ def split_prompts(prompt: Prompts, field: str = "prompt") -> list[Prompt]:
     """The prompts of a request's ``field``, as llama-server reads them: a list holding a token
     id is one prompt (text and ids mixed); any other list is several. An empty one is refused."""
     if isinstance(prompt, str | PromptObject):
-        return [prompt]
-    several = [] if any(isinstance(p, int) for p in prompt) else list(prompt)
-    prompts = cast("list[Prompt]", several or [prompt])
-    if any(p == [] for p in prompts):
+        prompts: list[Prompt] = [prompt]
+    else:
+        several = [] if any(isinstance(p, int) for p in prompt) else list(prompt)
+        prompts = cast("list[Prompt]", several or [prompt])
+    if any((p.prompt_string if isinstance(p, PromptObject) else p) == [] for p in prompts):
         raise ApiError(400, f"the {field} is empty", param=field)
     return prompts
 
@@ -184,16 +185,16 @@ def prompt_input(llama: Llama, prompt: Prompt) -> list[int] | Chunks:
     if not isinstance(prompt.prompt_string, str):
         raise ApiError(400, f"with multimodal_data, prompt_string is text (with {marker} for "
                        "each image or sound), not token ids", param="prompt")  # fmt: skip
-    media = [_decoded(data, i) for i, data in enumerate(prompt.multimodal_data)]
+    media = [_decoded(data, i, llama.media_policy) for i, data in enumerate(prompt.multimodal_data)]
     return llama.tokenize_media(prompt.prompt_string, media, True, True)
 
 
-def _decoded(data: str, index: int) -> bytes:
+def _decoded(data: str, index: int, policy: MediaPolicy) -> bytes:
+    """An item's bytes, within the size each medium may have (as a chat's media)."""
     try:
-        return base64.b64decode(data, validate=True)
-    except binascii.Error:
-        raise ApiError(400, f"multimodal_data item {index} is not valid base64",
-                       param="prompt") from None  # fmt: skip
+        return base64_media(data, policy)
+    except MediaError as error:
+        raise ApiError(400, f"multimodal_data item {index}: {error}", param="prompt") from None
 
 
 def mixed_tokens(
