@@ -15,11 +15,25 @@ import pytest
 
 from llamacrab._native.pretokenizer import MAX_CHARS
 
+from support import load_repo_module
+
 REPO = Path(__file__).resolve().parents[1]
 PIN = json.loads((REPO / "llamacrab-sys/pin.json").read_text())["llama_cpp_commit"]
 # The pinned llama.cpp tree scripts/setup.sh unpacks holds llama.cpp's vocabulary-only test files.
 CACHE = Path(os.environ.get("LLAMACRAB_CACHE_DIR", "~/.cache/llamacrab")).expanduser()
 VOCABS = CACHE / "src" / PIN / "models"
+
+
+def run(code: str, *args: object) -> dict[str, object]:
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+    )  # fmt: skip
+    assert child.returncode == 0, f"exit {child.returncode}\n{child.stderr[-3000:]}"
+    result: dict[str, object] = json.loads(child.stdout)
+    return result
+
 
 CHILD = """
     import json, sys
@@ -43,15 +57,44 @@ CHILD = """
      ("gpt-neox", "1"), ("aquila", "1")],
 )  # fmt: skip
 def test_a_long_run_tokenizes_and_a_longer_one_is_refused(vocab: str, char: str) -> None:
-    path = VOCABS / f"ggml-vocab-{vocab}.gguf"
-    child = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD), str(path), char, str(MAX_CHARS)],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "GGML_NO_BACKTRACE": "1"},
-    )  # fmt: skip
-    assert child.returncode == 0, f"exit {child.returncode}\n{child.stderr[-3000:]}"
-    result = json.loads(child.stdout)
+    result = run(CHILD, VOCABS / f"ggml-vocab-{vocab}.gguf", char, MAX_CHARS)
     # 1,200 divides into the runs these vocabularies cut (16 marks, 8 letters, 3 digits...)
-    assert result["long"] == result["short"] * 50
-    assert result["refusal"] is not None
-    assert f"at most {MAX_CHARS}" in result["refusal"]
+    assert result["long"] == result["short"] * 50  # type: ignore[operator]
+    assert f"at most {MAX_CHARS}" in str(result["refusal"])
+
+
+MEDIA_CHILD = """
+    import json, sys
+    import numpy as np
+    from llamacrab import Image, Llama, TokenizeError
+    text, vision, max_chars = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with Llama(text, n_ctx=512, n_threads=1, mmproj=vision, mmproj_probe=False) as llm:
+        projector = llm.projector
+        bitmap = projector.bitmap(Image(pixels=np.full((8, 8, 3), 128, np.uint8)))
+        def text_tokens(n):
+            chunks = projector.tokenize(projector.marker + "a" * n, [bitmap], add_special=False)
+            try:
+                return chunks.text_tokens()
+            finally:
+                chunks.close()
+        short, long = text_tokens(1200), text_tokens(60_000)
+        try:
+            text_tokens(max_chars + 1)
+            refusal = None
+        except TokenizeError as error:
+            refusal = str(error)
+    print(json.dumps({"short": short, "long": long, "refusal": refusal}))
+"""
+
+
+def test_libmtmd_tokenizes_a_long_run_beside_an_image_too(tmp_path: Path) -> None:
+    # libmtmd tokenizes a multimodal prompt's text with the same llama.cpp tokenizer.
+    text = load_repo_module("scripts/make_tiny_gguf.py").write_tiny_draft(
+        tmp_path / "text.gguf", VOCABS / "ggml-vocab-deepseek-llm.gguf"
+    )
+    vision = load_repo_module("scripts/make_tiny_mmproj.py").write_tiny_vision_mmproj(
+        tmp_path / "vision.gguf"
+    )
+    result = run(MEDIA_CHILD, text, vision, MAX_CHARS)
+    assert result["long"] == result["short"] * 50  # type: ignore[operator]
+    assert f"at most {MAX_CHARS}" in str(result["refusal"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from llamacrab._exceptions import (
     InvalidParameterError,
     MediaError,
     ModelLoadError,
+    TokenizeError,
 )
 from llamacrab._field_types import file_path
 from llamacrab._native import gguf_archs as archs
@@ -37,6 +39,7 @@ from llamacrab._native.media import (
     sniff,
 )
 from llamacrab._native.model import Model
+from llamacrab._native.pretokenizer import run_bounded
 from llamacrab._native.signals import held_signals
 
 # llamacrab's libmtmd polls an abort callback while it encodes (llamacrab-sys's patches); a
@@ -177,16 +180,12 @@ class Projector(NativeHandle):
         struct.text, struct.text_len = text_buffer, len(encoded)
         struct.add_special, struct.parse_special = add_special, parse_special
         chunks = Chunks(self)
-        # Everything it reads stays open until it returns: closing the model from another
-        # thread (the projector and its bitmaps first) waits for this call.
-        with ExitStack() as pinned:
-            projector = pinned.enter_context(self.in_flight())
-            chunk_list = pinned.enter_context(chunks.in_flight())
-            bitmap_pointers = [pinned.enter_context(b.in_flight()) for b in bitmaps]
-            pointers = ffi.new("mtmd_bitmap *[]", bitmap_pointers or [ffi.NULL])
-            log_lines.take_errors()
-            status = call("mtmd_tokenize", projector, chunk_list, struct, pointers,
-                          len(bitmaps))  # fmt: skip
+        fill = partial(self._tokenize_into, chunks, struct, bitmaps)
+        try:  # libmtmd tokenizes the text with llama.cpp's tokenizer (pretokenizer.py)
+            status = run_bounded(len(text), fill) if self.model.vocab.regex_may_recurse else fill()
+        except TokenizeError:
+            chunks.close()
+            raise
         if status != 0:
             chunks.close()
             reason = log_lines.take_errors() or f"status {status}"
@@ -196,6 +195,18 @@ class Projector(NativeHandle):
             chunks.close()
             raise MediaError("end the prompt with text after the last image or sound")
         return chunks
+
+    def _tokenize_into(self, chunks: Chunks, text: Any, bitmaps: Sequence[Bitmap]) -> int:
+        # Everything it reads stays open until it returns: closing the model from another
+        # thread (the projector and its bitmaps first) waits for this call.
+        with ExitStack() as pinned:
+            projector = pinned.enter_context(self.in_flight())
+            chunk_list = pinned.enter_context(chunks.in_flight())
+            bitmap_pointers = [pinned.enter_context(b.in_flight()) for b in bitmaps]
+            pointers = ffi.new("mtmd_bitmap *[]", bitmap_pointers or [ffi.NULL])
+            log_lines.take_errors()
+            return int(call("mtmd_tokenize", projector, chunk_list, text, pointers,
+                            len(bitmaps)))  # fmt: skip
 
     def evaluate(
         self,

@@ -57,7 +57,7 @@ class Vocab:
             return getter(vocab, *args)
 
     @property
-    def _regex_may_recurse(self) -> bool:
+    def regex_may_recurse(self) -> bool:
         """Whether llama.cpp may split text with std::regex, whose stack grows with the text
         (``pretokenizer``): BPE vocabularies without a custom splitter for every regex."""
         if self._facts.regex_may_recurse is None:
@@ -218,7 +218,7 @@ class Vocab:
         for _ in range(2):  # the first call tells the size needed when it is too small
             out = ffi.new("llama_token[]", capacity)
             fill = partial(self._tokenize_into, data, out, capacity, add_special, parse_special)
-            if self._regex_may_recurse:
+            if self.regex_may_recurse:
                 # characters, at most: bytes that are not UTF-8 count one each
                 n = run_bounded(len(text) if isinstance(text, str) else len(data), fill)
             else:
