@@ -242,6 +242,18 @@ def test_a_lora_scale_that_overflows_the_logits_is_a_400_naming_it(
     # The slots serve on, from memory computed with the scales asked for.
     text = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=60)
     assert text.json()["choices"][0]["text"] == _reference(tiny_model_path, files)["default"]
+    # Scales the server set itself: its error, not the client's, though a request names them.
+    defaults = [
+        {"id": a["id"], "scale": a["scale"]} for a in httpx.get(url + "/lora-adapters").json()
+    ]
+    assert httpx.post(url + "/lora-adapters", json=huge).status_code == 200
+    try:
+        for lora in (huge, None):
+            body = {"prompt": PROMPT, "max_tokens": 4, "lora": lora}
+            answer = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 500, (lora, answer.text)
+    finally:
+        assert httpx.post(url + "/lora-adapters", json=defaults).status_code == 200
 
 
 def test_post_lora_adapters_sets_the_default_scales(

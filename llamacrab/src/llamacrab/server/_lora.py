@@ -24,7 +24,9 @@ def request_lora(entries: list[LoraEntry] | None, llama: Llama) -> dict[str, Any
     if not entries:
         return {}
     scales = _scales(entries, llama)
-    ask_for({entry.id: entry.scale for entry in entries})  # an overflow is then the client's
+    defaults = llama.lora_adapters
+    if any(scale != defaults.get(adapter, 0.0) for adapter, scale in scales.items()):
+        ask_for({entry.id: entry.scale for entry in entries})  # an overflow is then the client's
     return {"lora": scales}
 
 

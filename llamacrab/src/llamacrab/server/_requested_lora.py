@@ -1,6 +1,7 @@
-"""The LoRA scales the request being answered asked for (its ``lora`` field): logits that
-overflow under them (NaN, the library's DecodeError of status 0) come from the client's input,
-a 400 naming them, where the same error under the server's own scales is a 500. Recorded where
+"""The LoRA scales the request being answered asked for (its ``lora`` field, where they differ
+from the server's default scales): logits that overflow under them (NaN, the library's
+DecodeError of status 0) come from the client's input, a 400 naming them, where the same error
+under the server's own scales is a 500. Recorded where
 a route reads the field (``_lora.request_lora``, on the request's task or a worker thread of
 it), read where a library error becomes an answer (``_errors.from_llama_error``), without
 threading the field through every route."""
@@ -28,7 +29,8 @@ class RequestedLoraMiddleware:
 
 
 def ask_for(scales: dict[int, float]) -> None:
-    """The request being answered asked for these scales, by adapter id."""
+    """The request being answered asked for these scales, by adapter id (other than the
+    server's defaults)."""
     asked = _ASKED.get()
     if asked is not None:
         asked[:] = [(index, scale) for index, scale in scales.items() if scale != 0]
