@@ -30,7 +30,7 @@ from llamacrab.cli import main as cli_main
 from llamacrab.server import ServerSettings, add_arguments, parse_settings, settings_from_args
 from llamacrab.server._llama_kwargs import generation_kwargs
 
-from support import Gate, load_repo_module
+from support import Gate, Slow, load_repo_module
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
 PROMPTS = [f"Tell me a fact about the number {i}." for i in range(8)]
@@ -480,6 +480,69 @@ def test_a_client_that_leaves_is_counted_as_closed_not_as_a_server_error(tiny_pa
                 assert answered(path) == {"499": 2}, path
     finally:
         gate.open.set()
+        llama.close()
+
+
+_CLOSED = 'llamacrab_requests_total{route="/v1/completions",status="499"}'
+
+
+def _metric(server: LiveServer, name: str) -> float:
+    """A value /metrics shows (0 where it shows none yet)."""
+    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
+    return 0 if found is None else float(found.group(1))
+
+
+def test_the_tokens_of_a_whole_answer_whose_client_left_still_count(
+    tiny_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The 499 was raised before the tokens computed were counted: /metrics lost them.
+    llama = Llama(tiny_path, n_ctx=256)
+    create, computed = llama.create_completion, threading.Event()
+
+    def held(*args: Any, cancel: threading.Event, **kwargs: Any) -> Any:
+        result = create(*args, cancel=cancel, **kwargs)
+        computed.set()
+        assert cancel.wait(30)  # the server saw its client leave
+        return result
+
+    monkeypatch.setattr(llama, "create_completion", held)
+    try:
+        for server in _running(ServerSettings(model=str(tiny_path)), llama):
+            body = {"prompt": "hello there", "max_tokens": 3, "min_tokens": 3}
+            connection = _sent(server.url, "/v1/completions", body)
+            assert computed.wait(30)
+            connection.close()
+            wait_for(lambda at=server: _metric(at, _CLOSED) == 1)  # type: ignore[misc]
+            assert _metric(server, "llamacpp:tokens_predicted_total") == 3
+            prompt = len(llama.tokenize("hello there"))
+            assert _metric(server, "llamacpp:prompt_tokens_total") == prompt
+    finally:
+        llama.close()
+
+
+def test_a_whole_answer_whose_model_closes_while_it_generates_is_a_503(
+    tiny_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As at shutdown: its tokens are counted now, and it is still answered 503 shutting_down.
+    llama = Llama(tiny_path, n_ctx=256)
+    create, slow = llama.create_completion, Slow(delay=0.05)
+
+    def slowed(*args: Any, **kwargs: Any) -> Any:
+        return create(*args, custom_samplers=(slow,), **kwargs)
+
+    monkeypatch.setattr(llama, "create_completion", slowed)
+    try:
+        for server in _running(ServerSettings(model=str(tiny_path)), llama):
+            with ThreadPoolExecutor(1) as pool:
+                body = {"prompt": "hi", "max_tokens": 200, "min_tokens": 200}
+                answer = pool.submit(httpx.post, server.url + "/v1/completions", json=body,
+                                     timeout=60)  # fmt: skip
+                wait_for(lambda: slow.calls > 2)
+                llama.close()
+                closed = answer.result()
+            assert closed.status_code == 503, closed.text
+            assert closed.json()["error"]["code"] == "shutting_down"
+    finally:
         llama.close()
 
 

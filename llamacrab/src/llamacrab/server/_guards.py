@@ -182,7 +182,8 @@ class MetricsMiddleware:
     """Counts each answered request by route template and status, with its duration. One left
     unanswered counts as CLIENT_CLOSED where its client was seen leaving (a request forwarded
     to an isolated model then ends without an answer), else as 500 (a bug: Starlette answers
-    it outside)."""
+    it outside). An unhandled error raised after its client left counts as CLIENT_CLOSED too:
+    nothing here tells it from a request that ended because its client left."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics

@@ -164,31 +164,42 @@ async def complete(
     deadline: float | None = None,
 ) -> _Result:
     """A whole completion (``create`` takes ``cancel=`` and ``timeout=``): 504 past the
-    request's ``deadline`` (``time.monotonic()``; None: ``--timeout`` from now), tokens counted,
-    stopped early if the client goes away. A request that answers several prompts in turn
-    passes one deadline to each: they share its ``--timeout``."""
+    request's ``deadline`` (``time.monotonic()``; None: ``--timeout`` from now), stopped early
+    if the client goes away, its tokens counted whichever way it ended. A request that
+    answers several prompts in turn passes one deadline to each: they share its
+    ``--timeout``."""
     if deadline is None:
         deadline = time.monotonic() + state.settings.timeout
     left = deadline - time.monotonic()
     if left <= 0:
         raise cancelled(state, past_deadline=True)
     cancel = threading.Event()
+
+    def count(result: _Result) -> None:  # computed, though its client may have left
+        used = result.usage
+        state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
+
     work = in_thread(create, cancel=cancel, timeout=left)
-    result = await until_disconnected(client, work, cancel.set)
+    result = await until_disconnected(client, work, cancel.set, count)
+    count(result)
     if any(choice.finish_reason == "cancelled" for choice in result.choices):
         # The generation's deadline is ``left`` from a moment after ``deadline`` was read:
         # past it, this is past too.
         raise cancelled(state, time.monotonic() >= deadline)
-    used = result.usage
-    state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
     return cast(_Result, result)
 
 
-async def until_disconnected(client: Request, work: Awaitable[_T], stop: Callable[[], None]) -> _T:
+async def until_disconnected(
+    client: Request,
+    work: Awaitable[_T],
+    stop: Callable[[], None],
+    left_behind: Callable[[_T], None] | None = None,
+) -> _T:
     """What ``work`` gives; ``stop`` is called once if the client goes away meanwhile (or this
     wait is cancelled), and must make ``work`` end soon (a generation ends "cancelled" within
     a step, and its slot is freed). A client that went away gets ``client_closed`` (499)
-    once ``work`` ended, not what it ended with."""
+    once ``work`` ended, not what it ended with; ``left_behind`` gets what it gave (its
+    tokens still count)."""
     task = asyncio.ensure_future(work)
     stopped = False
     try:
@@ -203,6 +214,8 @@ async def until_disconnected(client: Request, work: Awaitable[_T], stop: Callabl
         raise
     if stopped:
         _unread(task)
+        if left_behind is not None and not task.cancelled() and task.exception() is None:
+            left_behind(task.result())
         raise client_closed()
     return task.result()
 
