@@ -171,17 +171,20 @@ def test_n_probs_and_ignore_eos_on_the_openai_routes(server: LiveServer, llama: 
         assert generated(server, route, {"logit_bias": {str(end): 100}, "max_tokens": 5}) == 0
         assert generated(server, route, {"logit_bias": {str(end): 100}, "max_tokens": 5,
                                          "ignore_eos": True}) == 5  # fmt: skip
-    # With a grammar the answer must end where its text is complete, which ignore_eos bans:
-    # refused up front (the whole answer was generated, then a 400 or an error event).
-    for route, constraint in [("/v1/completions", "json_schema"), ("/completion", "grammar"),
+    # A JSON answer must end where its text is complete, which ignore_eos bans: refused up
+    # front (the whole answer was generated, then a 400 or an error event).
+    for route, constraint in [("/v1/completions", "json_schema"), ("/completion", "json_schema"),
                               ("/v1/chat/completions", "json_schema"),
                               ("/v1/chat/completions", "response_format")]:  # fmt: skip
         given = {"type": "json_object"} if constraint == "response_format" else {}
-        given = given if constraint != "grammar" else 'root ::= "x"'
         for stream in (False, True):
             body = {**FIRST[route], constraint: given, "ignore_eos": True, "stream": stream}
             error = refused(server, route, body)
             assert error["param"] == "ignore_eos" and constraint in error["message"], error
+    # A grammar of the client's own may never have to end: it runs to the limit.
+    for route in ("/completion", "/v1/completions"):
+        endless = {"grammar": "root ::= [a-z]+", "ignore_eos": True, "max_tokens": 3}
+        assert generated(server, route, endless) == 3
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
@@ -202,6 +205,8 @@ def test_logit_bias_in_llama_servers_forms(server: LiveServer, llama: Llama, rou
     for key in (True, 1.0, None):
         error = refused(server, route, {**FIRST[route], "logit_bias": [[key, 5]]})
         assert error["param"].startswith("logit_bias"), key
+    # A list's text is text even where it spells an id, as llama-server tokenizes it.
+    assert text([[str(token), False]]) == greedy
 
 
 # -- several prompts in one /v1/completions request ----------------------------------------------

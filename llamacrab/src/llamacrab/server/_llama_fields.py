@@ -36,15 +36,17 @@ def logit_bias(
     llama: Llama, bias: dict[str, float | bool] | list[tuple[str | int, float | bool]] | None
 ) -> dict[int, float]:
     """llama-server's forms: ``{"id": bias}`` or ``[[id or text, bias]]``; ``false`` bans the
-    token; text stands for each of its tokens. An id outside the vocabulary is refused (where
-    llama-server drops it)."""
+    token; text stands for each of its tokens (``[["15", 1]]`` is the text "15", as there).
+    An id outside the vocabulary is refused (where llama-server drops it)."""
+    # An object's keys are ids where strtol reads one, a list's texts are always text.
+    keyed = isinstance(bias, dict)
     pairs = list(bias.items()) if isinstance(bias, dict) else bias or []
     out: dict[int, float] = {}
     for key, value in pairs:
         amount = -math.inf if value is False else float(value)
         if isinstance(key, int):
             out[key] = amount
-        elif (token := _token_id(key)) is not None:
+        elif keyed and (token := _token_id(key)) is not None:
             out[token] = amount
         else:
             for token in llama.tokenize(key, add_special=False):

@@ -75,17 +75,18 @@ def generation_kwargs(
                        param="n")  # fmt: skip
     if body.stream and body.n > 1:
         raise ApiError(400, "streaming returns one choice: n must be 1", param="n")
-    constraint = next((n for n in ("grammar", "json_schema") if getattr(body, n) is not None), None)
-    _refuse_endless(body, constraint)
+    if body.json_schema is not None and body.grammar is None:  # a grammar given too wins
+        _refuse_endless(body, "json_schema")
     kwargs["timeout"] = settings.timeout
     return kwargs
 
 
-def _refuse_endless(body: GenerationFields, constraint: str | None) -> None:
-    """``ignore_eos`` with a grammar (the field ``constraint`` makes one) is refused up front:
-    once the grammar's text is complete it allows only an end token, which ``ignore_eos``
-    bans, and the generation would fail there, its answer made."""
-    if body.ignore_eos and constraint is not None:
+def _refuse_endless(body: GenerationFields, constraint: str) -> None:
+    """``ignore_eos`` with a JSON answer (the field ``constraint`` asks for one) is refused up
+    front: once the JSON is complete its grammar allows only an end token, which
+    ``ignore_eos`` bans, and the generation would fail there, its answer made. A ``grammar``
+    of the client's own may never have to end (``[a-z]+``), so it is left to run."""
+    if body.ignore_eos:
         raise ApiError(400, f"ignore_eos cannot be used with {constraint}: once the text "
                        f"{constraint} asks for is complete only the end of generation may "
                        "follow, which ignore_eos bans", param="ignore_eos")  # fmt: skip
