@@ -98,3 +98,28 @@ def test_libmtmd_tokenizes_a_long_run_beside_an_image_too(tmp_path: Path) -> Non
     result = run(MEDIA_CHILD, text, vision, MAX_CHARS)
     assert result["long"] == result["short"] * 50  # type: ignore[operator]
     assert f"at most {MAX_CHARS}" in str(result["refusal"])
+
+
+GRAMMAR_CHILD = """
+    import json, sys
+    from llamacrab import GrammarError, Model, ModelParams
+    from llamacrab._native.grammar_bounds import check_grammar
+    from llamacrab._native.grammar_sampler import grammar_sampler
+    with Model.load(sys.argv[1], ModelParams(vocab_only=True)) as model:
+        grammar = "root ::= <" + "a" * 60_000 + ">"
+        try:
+            check_grammar(grammar)
+            grammar_sampler(model.vocab, grammar, "root", [])
+            refusal = None
+        except GrammarError as error:
+            refusal = str(error)
+    print(json.dumps({"refusal": refusal}))
+"""
+
+
+def test_a_long_token_reference_in_a_grammar_is_refused() -> None:
+    # llama.cpp's grammar parser tokenizes each <piece> with the vocabulary, on the caller's
+    # thread: 60,000 letters were a SIGSEGV.
+    result = run(GRAMMAR_CHILD, VOCABS / "ggml-vocab-deepseek-llm.gguf")
+    assert "the token reference <aaaa" in str(result["refusal"])
+    assert "is 60000 characters; the limit is 256" in str(result["refusal"])

@@ -25,6 +25,9 @@ MAX_GRAMMAR_NESTING = 128  # nested ( ) groups
 MAX_GRAMMAR_RULES = 8192  # named rules plus the rules groups and repetitions generate
 MAX_TRIGGER_WORDS = 64
 MAX_TRIGGER_WORD_CHARS = 256
+# llama.cpp tokenizes a <piece> token reference on the caller's thread, unbounded
+# (pretokenizer.py); it must be one token anyway.
+MAX_TOKEN_REFERENCE_CHARS = 256
 _NAME = re.compile(r"[A-Za-z0-9-]+")
 _REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 
@@ -51,8 +54,7 @@ def check_grammar(text: str) -> None:
             i = name.end() - 1
             expansion.item(1)
         elif char == "<":  # a token: <id> or <piece>
-            end = text.find(">", i)
-            i = n if end < 0 else end
+            i = _token_reference_end(text, i)
             expansion.item(1)
         elif char == ".":
             expansion.item(1)
@@ -99,6 +101,17 @@ def check_trigger_words(words: Sequence[str]) -> None:
                 f"a grammar trigger word must have 1 to {MAX_TRIGGER_WORD_CHARS} characters, "
                 f"not {len(word)}"
             )
+
+
+def _token_reference_end(text: str, start: int) -> int:
+    end = text.find(">", start)
+    end = len(text) if end < 0 else end
+    if end - start - 1 > MAX_TOKEN_REFERENCE_CHARS:
+        raise GrammarError(
+            f"the token reference {text[start : start + 20]}... is {end - start - 1} "
+            f"characters; the limit is {MAX_TOKEN_REFERENCE_CHARS} (it must be one token)"
+        )
+    return end
 
 
 def _check_repetition(text: str, start: int) -> tuple[int | None, int | None, int]:
