@@ -10,9 +10,15 @@ from typing import Any
 
 import numpy as np
 
+from llamacrab._chat.caps import TemplateCaps
 from llamacrab._chat.media_parts import MediaPolicy
 from llamacrab._chat.options import ChatOptions
-from llamacrab._chat.prompt import answer_prompt, assistant_prefill, template_kwargs
+from llamacrab._chat.prompt import (
+    answer_prompt,
+    assistant_prefill,
+    template_in_use,
+    template_kwargs,
+)
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.generation import Request, Session
 from llamacrab._engine.scheduler import Scheduler
@@ -339,6 +345,12 @@ class Llama:
         return answer_prompt(self.model, messages, chat_format or self.chat_format, prefill,
                              tools, template_kwargs(chat_template_kwargs),
                              add_generation_prompt)  # fmt: skip
+
+    @checked
+    def chat_template_in_use(self) -> tuple[str, TemplateCaps] | None:
+        """The template chat completions render with, and what it can present: its Jinja
+        source, or a built-in format's name. None where the model has none to chat with."""
+        return template_in_use(self.model, self.chat_format)
 
     @checked
     def create_chat_completion(

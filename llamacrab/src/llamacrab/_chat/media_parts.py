@@ -30,6 +30,16 @@ class MediaPolicy:
     max_bytes: int = 20 * 1024 * 1024
     timeout: float = 10.0
 
+    def decoded(self, text: str) -> bytes:
+        """A media item's bytes from base64, refused (MediaError) before decoding when they
+        would exceed ``max_bytes``."""
+        if len(text) * 3 // 4 > self.max_bytes:
+            raise MediaError(f"a media item exceeds {self.max_bytes} bytes")
+        try:
+            return base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise MediaError("media data is not valid base64") from None
+
 
 def has_media(messages: Sequence[Mapping[str, Any]]) -> bool:
     return any(
@@ -79,18 +89,7 @@ def _audio(part: Mapping[str, Any], policy: MediaPolicy) -> Audio:
         raise MediaError('an input_audio part needs {"input_audio": {"data": BASE64, "format"}}')
     if spec.get("format", "wav") not in ("wav", "mp3", "flac"):
         raise MediaError(f"audio format {spec.get('format')!r} is not supported (wav, mp3, flac)")
-    return Audio(data=base64_media(spec["data"], policy))
-
-
-def base64_media(text: str, policy: MediaPolicy) -> bytes:
-    """A media item's bytes from base64, refused (MediaError) before decoding when they would
-    exceed ``policy.max_bytes``."""
-    if len(text) * 3 // 4 > policy.max_bytes:
-        raise MediaError(f"a media item exceeds {policy.max_bytes} bytes")
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise MediaError("media data is not valid base64") from None
+    return Audio(data=policy.decoded(spec["data"]))
 
 
 def _fetch(url: str, policy: MediaPolicy) -> bytes:
@@ -99,7 +98,7 @@ def _fetch(url: str, policy: MediaPolicy) -> bytes:
         header, _, payload = url.partition(",")
         if not header.endswith(";base64"):
             raise MediaError("data: URLs must be base64-encoded (data:image/png;base64,...)")
-        return base64_media(payload, policy)
+        return policy.decoded(payload)
     if scheme in ("http", "https"):
         if not policy.remote:
             raise MediaError("remote media URLs are disabled (allow them with MediaPolicy)")

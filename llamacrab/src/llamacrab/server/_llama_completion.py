@@ -14,8 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
-from llamacrab import Chunks, InfillLimits, Vocab
-from llamacrab._chat.media_parts import MediaPolicy, base64_media
+from llamacrab import Chunks, InfillLimits, MediaPolicy, Vocab
 from llamacrab._exceptions import MediaError
 from llamacrab._llama import Llama
 from llamacrab._types import CompletionChunk, Logprobs, Usage
@@ -192,7 +191,7 @@ def prompt_input(llama: Llama, prompt: Prompt) -> list[int] | Chunks:
 def _decoded(data: str, index: int, policy: MediaPolicy) -> bytes:
     """An item's bytes, within the size each medium may have (as a chat's media)."""
     try:
-        return base64_media(data, policy)
+        return policy.decoded(data)
     except MediaError as error:
         raise ApiError(400, f"multimodal_data item {index}: {error}", param="prompt") from None
 

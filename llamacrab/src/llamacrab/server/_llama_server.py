@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.requests import Request
 
 from llamacrab import ConcurrentUseError, SavedState, SlotInfo, build_info
-from llamacrab._chat.prompt import template_in_use
 from llamacrab._llama import Llama
 from llamacrab._types import ChatCompletionChunk, Usage
 from llamacrab.server._errors import ApiError
@@ -244,7 +243,7 @@ def _props(llama: Llama, settings: ServerSettings, build: str, alias: str) -> di
 def _chat_template(llama: Llama) -> dict[str, Any]:
     """The chat template in use (a built-in format by its name, as llama-server shows one
     named by --chat-template) and, in llama-server's names, what we find it can present."""
-    found = template_in_use(llama.model, llama.chat_format)
+    found = llama.chat_template_in_use()
     if found is None:
         return {"chat_template": ""}
     template, caps = found
