@@ -123,3 +123,47 @@ def test_a_long_token_reference_in_a_grammar_is_refused() -> None:
     result = run(GRAMMAR_CHILD, VOCABS / "ggml-vocab-deepseek-llm.gguf")
     assert "the token reference <aaaa" in str(result["refusal"])
     assert "is 60000 characters; the limit is 256" in str(result["refusal"])
+
+
+INTERRUPTED_CHILD = """
+    import gc, json, sys
+    import numpy as np
+    from llamacrab import Image, Llama
+    from llamacrab._native import mtmd
+    from llamacrab._native.call import ffi
+    text, vision = sys.argv[1], sys.argv[2]
+    with Llama(text, n_ctx=512, n_threads=1, mmproj=vision, mmproj_probe=False) as llm:
+        projector = llm.projector
+        bitmap = projector.bitmap(Image(pixels=np.full((8, 8, 3), 128, np.uint8)))
+        prompt = projector.marker + "a" * 200_000
+        expected = projector.tokenize(prompt, [bitmap], add_special=False).text_tokens()
+        left_running, run_bounded = [], mtmd.run_bounded
+        def interrupted(_, work):  # a Ctrl-C ends the wait while the thread reads on
+            left_running.append(work)
+            raise KeyboardInterrupt
+        mtmd.run_bounded = interrupted
+        try:
+            projector.tokenize(prompt, [bitmap], add_special=False)
+        except KeyboardInterrupt:
+            pass
+        gc.collect()
+        reused = [ffi.new("char[]", b"b" * len(prompt)) for _ in range(8)]
+        # the thread, after the caller's frame is gone
+        status = run_bounded(len(prompt), left_running[0])
+        tokens = left_running[0].args[0].text_tokens()
+    print(json.dumps({"status": status, "same": tokens == expected}))
+"""
+
+
+def test_a_multimodal_tokenization_left_running_by_ctrl_c_reads_its_own_text(
+    tmp_path: Path,
+) -> None:
+    # The prompt's C copy was held by the caller's frame only: unwound by a Ctrl-C, it was
+    # freed while the big-stack thread still read it.
+    text = load_repo_module("scripts/make_tiny_gguf.py").write_tiny_draft(
+        tmp_path / "text.gguf", VOCABS / "ggml-vocab-deepseek-llm.gguf"
+    )
+    vision = load_repo_module("scripts/make_tiny_mmproj.py").write_tiny_vision_mmproj(
+        tmp_path / "vision.gguf"
+    )
+    assert run(INTERRUPTED_CHILD, text, vision) == {"status": 0, "same": True}

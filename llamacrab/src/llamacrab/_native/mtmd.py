@@ -175,12 +175,10 @@ class Projector(NativeHandle):
                 "images/sounds: they must match one to one"
             )
         encoded = c_string(text, "prompt")
-        text_buffer = ffi.new("char[]", encoded)
-        struct = ffi.new("mtmd_input_text *")
-        struct.text, struct.text_len = text_buffer, len(encoded)
-        struct.add_special, struct.parse_special = add_special, parse_special
         chunks = Chunks(self)
-        fill = partial(self._tokenize_into, chunks, struct, bitmaps)
+        # The text's C copy is made by the call itself, where it lives as long as the call: a
+        # Ctrl-C that ends run_bounded's wait unwinds this frame while its thread reads on.
+        fill = partial(self._tokenize_into, chunks, encoded, add_special, parse_special, bitmaps)
         try:  # libmtmd tokenizes the text with llama.cpp's tokenizer (pretokenizer.py)
             status = run_bounded(len(text), fill) if self.model.vocab.regex_may_recurse else fill()
         except TokenizeError:
@@ -196,7 +194,18 @@ class Projector(NativeHandle):
             raise MediaError("end the prompt with text after the last image or sound")
         return chunks
 
-    def _tokenize_into(self, chunks: Chunks, text: Any, bitmaps: Sequence[Bitmap]) -> int:
+    def _tokenize_into(
+        self,
+        chunks: Chunks,
+        encoded: bytes,
+        add_special: bool,
+        parse_special: bool,
+        bitmaps: Sequence[Bitmap],
+    ) -> int:
+        text_buffer = ffi.new("char[]", encoded)
+        text = ffi.new("mtmd_input_text *")
+        text.text, text.text_len = text_buffer, len(encoded)
+        text.add_special, text.parse_special = add_special, parse_special
         # Everything it reads stays open until it returns: closing the model from another
         # thread (the projector and its bitmaps first) waits for this call.
         with ExitStack() as pinned:
