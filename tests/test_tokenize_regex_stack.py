@@ -149,7 +149,7 @@ INTERRUPTED_CHILD = """
         gc.collect()
         reused = [ffi.new("char[]", b"b" * len(prompt)) for _ in range(8)]
         # the thread, after the caller's frame is gone
-        status = run_bounded(len(prompt), left_running[0])
+        status = run_bounded(prompt, left_running[0])
         tokens = left_running[0].args[0].text_tokens()
     print(json.dumps({"status": status, "same": tokens == expected}))
 """
@@ -167,3 +167,21 @@ def test_a_multimodal_tokenization_left_running_by_ctrl_c_reads_its_own_text(
         tmp_path / "vision.gguf"
     )
     assert run(INTERRUPTED_CHILD, text, vision) == {"status": 0, "same": True}
+
+
+PROSE_CHILD = """
+    import json, sys
+    from llamacrab import Model, ModelParams
+    path, max_chars = sys.argv[1], int(sys.argv[2])
+    prose = "a few short words,\\nand lines. " * (max_chars // 30 + 1)
+    with Model.load(path, ModelParams(vocab_only=True)) as model:
+        tokens = model.vocab.tokenize(prose, add_special=False)
+    print(json.dumps({"chars": len(prose), "tokens": len(tokens)}))
+"""
+
+
+def test_long_prose_past_the_bound_tokenizes() -> None:
+    # Only one match's length bounds the recursion: a book past MAX_CHARS was refused.
+    result = run(PROSE_CHILD, VOCABS / "ggml-vocab-deepseek-llm.gguf", MAX_CHARS)
+    assert result["chars"] > MAX_CHARS  # type: ignore[operator]
+    assert result["tokens"] > MAX_CHARS // 5  # type: ignore[operator]

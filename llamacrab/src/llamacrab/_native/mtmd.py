@@ -180,7 +180,7 @@ class Projector(NativeHandle):
         # Ctrl-C that ends run_bounded's wait unwinds this frame while its thread reads on.
         fill = partial(self._tokenize_into, chunks, encoded, add_special, parse_special, bitmaps)
         try:  # libmtmd tokenizes the text with llama.cpp's tokenizer (pretokenizer.py)
-            status = run_bounded(len(text), fill) if self.model.vocab.regex_may_recurse else fill()
+            status = run_bounded(text, fill) if self.model.vocab.regex_may_recurse else fill()
         except TokenizeError:
             chunks.close()
             raise

@@ -4,7 +4,9 @@ a SIGSEGV, which no handler can turn into an error, so it is prevented before th
 
 from __future__ import annotations
 
+import re
 import threading
+from _thread import start_new_thread
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -38,7 +40,16 @@ TOKENIZER_STACK_BYTES = 1 << 30
 # What that stack holds, with a 2x margin for other libstdc++ builds and the frames around.
 MAX_CHARS = TOKENIZER_STACK_BYTES // STACK_BYTES_PER_CHAR // 2
 
+# One fallback match lies within a run of whitespace, the run of other characters after it and
+# the whitespace after that: its length, so the recursion's depth, is at most this many runs.
+# Only ASCII whitespace splits runs here, whatever else llama.cpp counts as whitespace.
+RUNS_PER_MATCH = 3
+_RUN = re.compile(r"[\t-\r ]+|[^\t-\r ]+")
+_RUN_BYTES = re.compile(rb"[\t-\r ]+|[^\t-\r ]+")
+
 _stack_size_lock = threading.Lock()
+# Each thread may touch ~518 MiB of its stack at the bound: a few at a time, the others wait.
+_big_stacks = threading.BoundedSemaphore(2)
 
 
 def may_recurse_per_char(pre: str) -> bool:
@@ -47,46 +58,65 @@ def may_recurse_per_char(pre: str) -> bool:
     return pre not in CUSTOM_SPLIT_PRE
 
 
-def run_bounded(n_chars: int, work: Callable[[], T]) -> T:
-    """``work()``, tokenizing at most ``n_chars`` characters through the fallback: on this thread
-    when short, else on a thread with a stack deep enough, which this one waits for."""
-    if n_chars <= ON_CALLER_MAX_CHARS:
+def longest_match_bound(text: str | bytes) -> int:
+    """The most characters (bytes for bytes) one fallback match of ``text`` can span."""
+    runs = _RUN.finditer(text) if isinstance(text, str) else _RUN_BYTES.finditer(text)
+    return RUNS_PER_MATCH * max((run.end() - run.start() for run in runs), default=0)
+
+
+def run_bounded(text: str | bytes, work: Callable[[], T]) -> T:
+    """``work()``, tokenizing ``text`` through the fallback: on this thread when short, else on
+    a thread with a stack deep enough, which this one waits for. Bytes that are not UTF-8
+    count one character each."""
+    if len(text) <= ON_CALLER_MAX_CHARS:
         return work()
-    if n_chars > MAX_CHARS:
+    if len(text) > MAX_CHARS and (bound := longest_match_bound(text)) > MAX_CHARS:
         raise TokenizeError(
-            f"text of {n_chars} characters is too long to tokenize with this model's "
-            f"pre-tokenizer (at most {MAX_CHARS}): llama.cpp's regex splitter for it would "
-            "overflow the stack"
+            f"text of {len(text)} characters is too long to tokenize with this model's "
+            f"pre-tokenizer: a run of characters without whitespace may make one match of up "
+            f"to {bound} characters (at most {MAX_CHARS}), and llama.cpp's regex splitter "
+            "would overflow the stack"
         )
     outcome: list[T] = []
     failure: list[BaseException] = []
+    done = threading.Event()
 
     def target() -> None:
         try:
             outcome.append(work())
         except BaseException as error:  # re-raised on the caller's thread
             failure.append(error)
+        finally:
+            _big_stacks.release()
+            done.set()
 
     # ``work`` holds its vocabulary in flight itself: a Ctrl-C that ends this wait early
     # leaves the thread's call running, and closing the model waits for it.
-    _start_with_stack(target).join()
+    _big_stacks.acquire()
+    try:
+        _start_with_stack(target)
+    except TokenizeError:
+        _big_stacks.release()
+        raise
+    done.wait()
     if failure:
         raise failure[0]
     return outcome[0]
 
 
-def _start_with_stack(target: Callable[[], None]) -> threading.Thread:
+def _start_with_stack(target: Callable[[], None]) -> None:
+    # The stack size is process-wide: restored as soon as the thread exists (threading.Thread
+    # would wait for it to run first, and threads started meanwhile would get this stack).
     with _stack_size_lock:
-        previous = threading.stack_size(TOKENIZER_STACK_BYTES)
+        previous = None
         try:
-            worker = threading.Thread(target=target, name="llamacrab-tokenize", daemon=True)
-            try:
-                worker.start()
-            except RuntimeError as error:
-                raise TokenizeError(
-                    f"could not start a tokenizer thread with a {TOKENIZER_STACK_BYTES >> 20} MiB "
-                    f"stack: {error}"
-                ) from error
+            previous = threading.stack_size(TOKENIZER_STACK_BYTES)
+            start_new_thread(target, ())
+        except (RuntimeError, ValueError) as error:
+            raise TokenizeError(
+                f"could not start a tokenizer thread with a {TOKENIZER_STACK_BYTES >> 20} MiB "
+                f"stack: {error}"
+            ) from error
         finally:
-            threading.stack_size(previous)
-    return worker
+            if previous is not None:
+                threading.stack_size(previous)

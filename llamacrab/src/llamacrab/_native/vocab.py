@@ -215,14 +215,14 @@ class Vocab:
         else:
             data = utf8(text, "the text to tokenize", TokenizeError)
         capacity = len(data) + 8
+        guarded = self.regex_may_recurse
         for _ in range(2):  # the first call tells the size needed when it is too small
             out = ffi.new("llama_token[]", capacity)
-            fill = partial(self._tokenize_into, data, out, capacity, add_special, parse_special)
-            if self.regex_may_recurse:
-                # characters, at most: bytes that are not UTF-8 count one each
-                n = run_bounded(len(text) if isinstance(text, str) else len(data), fill)
+            if guarded:
+                fill = partial(self._tokenize_into, data, out, capacity, add_special, parse_special)
+                n = run_bounded(text if isinstance(text, str) else data, fill)
             else:
-                n = fill()
+                n = self._tokenize_into(data, out, capacity, add_special, parse_special)
             if n >= 0:
                 return list(ffi.unpack(out, n))
             if n == -(2**31):
