@@ -35,20 +35,29 @@ def run(code: str, *args: object) -> dict[str, object]:
     return result
 
 
-CHILD = """
+# Each child prints the tokens of 1,200 and 60,000 characters and the refusal past the bound.
+RUNS = """
     import json, sys
-    from llamacrab import Model, ModelParams, TokenizeError
-    path, char, max_chars = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    with Model.load(path, ModelParams(vocab_only=True)) as model:
-        tokenize = lambda n: model.vocab.tokenize(char * n, add_special=False)
-        short, long = tokenize(1200), tokenize(60_000)
+    from llamacrab import TokenizeError
+    def print_runs(tokenize, max_chars):
         try:
             tokenize(max_chars + 1)
             refusal = None
         except TokenizeError as error:
             refusal = str(error)
-    print(json.dumps({"short": short, "long": long, "refusal": refusal}))
+        short, long = tokenize(1200), tokenize(60_000)
+        print(json.dumps({"short": short, "long": long, "refusal": refusal}))
 """
+
+CHILD = (
+    RUNS
+    + """
+    from llamacrab import Model, ModelParams
+    path, char, max_chars = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with Model.load(path, ModelParams(vocab_only=True)) as model:
+        print_runs(lambda n: model.vocab.tokenize(char * n, add_special=False), max_chars)
+"""
+)
 
 
 @pytest.mark.parametrize(
@@ -63,10 +72,11 @@ def test_a_long_run_tokenizes_and_a_longer_one_is_refused(vocab: str, char: str)
     assert f"at most {MAX_CHARS}" in str(result["refusal"])
 
 
-MEDIA_CHILD = """
-    import json, sys
+MEDIA_CHILD = (
+    RUNS
+    + """
     import numpy as np
-    from llamacrab import Image, Llama, TokenizeError
+    from llamacrab import Image, Llama
     text, vision, max_chars = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with Llama(text, n_ctx=512, n_threads=1, mmproj=vision, mmproj_probe=False) as llm:
         projector = llm.projector
@@ -77,25 +87,28 @@ MEDIA_CHILD = """
                 return chunks.text_tokens()
             finally:
                 chunks.close()
-        short, long = text_tokens(1200), text_tokens(60_000)
-        try:
-            text_tokens(max_chars + 1)
-            refusal = None
-        except TokenizeError as error:
-            refusal = str(error)
-    print(json.dumps({"short": short, "long": long, "refusal": refusal}))
+        print_runs(text_tokens, max_chars)
 """
+)
 
 
-def test_libmtmd_tokenizes_a_long_run_beside_an_image_too(tmp_path: Path) -> None:
-    # libmtmd tokenizes a multimodal prompt's text with the same llama.cpp tokenizer.
+@pytest.fixture
+def text_and_vision(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny text model on the DeepSeek-LLM vocabulary and a vision projector for it."""
     text = load_repo_module("scripts/make_tiny_gguf.py").write_tiny_draft(
         tmp_path / "text.gguf", VOCABS / "ggml-vocab-deepseek-llm.gguf"
     )
     vision = load_repo_module("scripts/make_tiny_mmproj.py").write_tiny_vision_mmproj(
         tmp_path / "vision.gguf"
     )
-    result = run(MEDIA_CHILD, text, vision, MAX_CHARS)
+    return text, vision
+
+
+def test_libmtmd_tokenizes_a_long_run_beside_an_image_too(
+    text_and_vision: tuple[Path, Path],
+) -> None:
+    # libmtmd tokenizes a multimodal prompt's text with the same llama.cpp tokenizer.
+    result = run(MEDIA_CHILD, *text_and_vision, MAX_CHARS)
     assert result["long"] == result["short"] * 50  # type: ignore[operator]
     assert f"at most {MAX_CHARS}" in str(result["refusal"])
 
@@ -156,17 +169,11 @@ INTERRUPTED_CHILD = """
 
 
 def test_a_multimodal_tokenization_left_running_by_ctrl_c_reads_its_own_text(
-    tmp_path: Path,
+    text_and_vision: tuple[Path, Path],
 ) -> None:
     # The prompt's C copy was held by the caller's frame only: unwound by a Ctrl-C, it was
     # freed while the big-stack thread still read it.
-    text = load_repo_module("scripts/make_tiny_gguf.py").write_tiny_draft(
-        tmp_path / "text.gguf", VOCABS / "ggml-vocab-deepseek-llm.gguf"
-    )
-    vision = load_repo_module("scripts/make_tiny_mmproj.py").write_tiny_vision_mmproj(
-        tmp_path / "vision.gguf"
-    )
-    assert run(INTERRUPTED_CHILD, text, vision) == {"status": 0, "same": True}
+    assert run(INTERRUPTED_CHILD, *text_and_vision) == {"status": 0, "same": True}
 
 
 PROSE_CHILD = """
