@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import uvicorn
@@ -43,3 +44,14 @@ class LiveServer:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def running(settings: ServerSettings) -> Iterator[LiveServer]:
+    """A LiveServer of ``settings`` whose model has loaded, closed when the generator is (a
+    fixture's body: ``yield from running(settings)``)."""
+    server = LiveServer(settings)
+    try:
+        assert server.wait_until_loaded() == 200, httpx.get(server.url + "/health").text
+        yield server
+    finally:
+        server.close()

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, running
 from openai.types.responses import (
     Response,
     ResponseFunctionToolCallItem,
@@ -67,22 +67,13 @@ GEMMA_WITH_TOOLS = (
 )
 
 
-def _running(settings: ServerSettings) -> Iterator[LiveServer]:
-    server = LiveServer(settings)
-    try:
-        assert server.wait_until_loaded() == 200
-        yield server
-    finally:
-        server.close()
-
-
 @pytest.fixture(scope="module")
 def gemma_server(gemma_path: Path) -> Iterator[LiveServer]:
     """Gemma with its own chat format, behind an API key."""
     settings = ServerSettings(model=str(gemma_path), model_alias="gemma", parallel=2,
                               n_ctx=2 * 1024, n_threads=2, api_keys=(KEY,),
                               max_tokens_limit=256)  # fmt: skip
-    yield from _running(settings)
+    yield from running(settings)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +81,7 @@ def tools_server(gemma_path: Path) -> Iterator[LiveServer]:
     """Gemma with a chat template that presents tools."""
     settings = ServerSettings(model=str(gemma_path), model_alias="gemma", n_ctx=1024,
                               n_threads=2, chat_template=GEMMA_WITH_TOOLS)  # fmt: skip
-    yield from _running(settings)
+    yield from running(settings)
 
 
 def sdk(server: LiveServer) -> openai.OpenAI:

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from live_server import LiveServer
+from live_server import LiveServer, running
 
 from llamacrab import Llama
 from llamacrab.server import ServerSettings, parse_settings
@@ -39,26 +39,17 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _running(settings: ServerSettings) -> Iterator[LiveServer]:
-    live = LiveServer(settings)
-    try:
-        assert live.wait_until_loaded() == 200
-        yield live
-    finally:
-        live.close()
-
-
 @pytest.fixture(scope="module")
 def server(tiny_path: Path) -> Iterator[LiveServer]:
     """Chat through chatml, and a 4 KiB body limit."""
-    yield from _running(ServerSettings(model=str(tiny_path), chat_template="chatml", n_ctx=2048,
+    yield from running(ServerSettings(model=str(tiny_path), chat_template="chatml", n_ctx=2048,
                                        n_threads=1, max_body_bytes=4096))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def hasty_server(tiny_path: Path) -> Iterator[LiveServer]:
     """A timeout (50 ms) that no long generation meets."""
-    yield from _running(ServerSettings(model=str(tiny_path), chat_template="chatml", n_ctx=2048,
+    yield from running(ServerSettings(model=str(tiny_path), chat_template="chatml", n_ctx=2048,
                                        n_threads=1, timeout=0.05))  # fmt: skip
 
 

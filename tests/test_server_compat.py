@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, running
 from test_tool_calls import WEATHER
 
 from llamacrab import InvalidParameterError, Llama
@@ -37,15 +37,6 @@ tiny = load_repo_module("scripts/make_tiny_gguf.py")
 bert = load_repo_module("scripts/convert_bert.py")
 
 
-def _running(settings: ServerSettings) -> Iterator[LiveServer]:
-    server = LiveServer(settings)
-    try:
-        assert server.wait_until_loaded() == 200, httpx.get(server.url + "/health").text
-        yield server
-    finally:
-        server.close()
-
-
 def _events(response: httpx.Response) -> list[dict[str, Any]]:
     lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
     assert lines[-1] == "[DONE]"
@@ -62,14 +53,14 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gemma_server(gemma_path: Path) -> Iterator[LiveServer]:
     settings = ServerSettings(model=str(gemma_path), model_alias="gemma", parallel=2,
                               n_ctx=2 * 2048, n_threads=2)  # fmt: skip
-    yield from _running(settings)
+    yield from running(settings)
 
 
 # -- model names ---------------------------------------------------------------------------------
 
 
 def test_a_server_of_one_model_answers_for_any_model_name(tiny_path: Path) -> None:
-    for server in _running(ServerSettings(model=str(tiny_path), n_ctx=256)):
+    for server in running(ServerSettings(model=str(tiny_path), n_ctx=256)):
         for name in ("gpt-3.5-turbo", "tiny.gguf", "anything/at-all"):
             answer = httpx.post(server.url + "/v1/completions",
                                 json={"model": name, "prompt": "hi", "max_tokens": 2})  # fmt: skip
@@ -199,7 +190,7 @@ def test_the_per_slot_context_is_checked_against_the_training_length(
 ) -> None:
     # The tiny model was trained for 2048 tokens: two slots of 2048 are within it.
     settings = ServerSettings(model=str(tiny_path), n_ctx=4096, parallel=2, n_threads=2)
-    for server in _running(settings):
+    for server in running(settings):
         answer = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert answer.status_code == 200
     # One sequence of 4096 goes past it: llama.cpp warns, and so nothing refuses it.
@@ -226,7 +217,7 @@ def test_cors_preflights_need_no_key_and_other_origins_get_no_cors_headers(
     settings = ServerSettings(model=str(tiny_path), n_ctx=256, api_keys=("k",),
                               cors_origins=("https://app.example",),
                               cors_origin_regex=r"http://localhost(:\d+)?")  # fmt: skip
-    for server in _running(settings):
+    for server in running(settings):
         for origin in ("https://app.example", "http://localhost:5173", "http://localhost"):
             allowed = _preflight(server.url, origin)
             assert allowed.status_code == 200
@@ -245,7 +236,7 @@ def test_cors_preflights_need_no_key_and_other_origins_get_no_cors_headers(
         assert refused.status_code == 401
         assert refused.headers["access-control-allow-origin"] == "https://app.example"
     # CORS off, an API key set: a preflight is answered, without CORS headers, not with 401.
-    for server in _running(ServerSettings(model=str(tiny_path), n_ctx=256, api_keys=("k",))):
+    for server in running(ServerSettings(model=str(tiny_path), n_ctx=256, api_keys=("k",))):
         off = _preflight(server.url, "https://app.example")
         assert off.status_code == 204 and "access-control-allow-origin" not in off.headers
     with pytest.raises(InvalidParameterError, match="does not compile"):
@@ -261,7 +252,7 @@ def test_embeddings_inputs_and_a_model_that_does_not_pool() -> None:
     with Llama(path, embeddings=True, n_threads=2) as reference:
         expected = reference.embed(texts)
         ids = [reference.tokenize(t) for t in texts]
-    for server in _running(ServerSettings(model=str(path), embeddings=True, n_threads=2)):
+    for server in running(ServerSettings(model=str(path), embeddings=True, n_threads=2)):
         url = server.url + "/v1/embeddings"
         for given, rows in ((ids, [0, 1]), (ids[1], [1])):
             body = {"model": "text-embedding-3-small", "input": given}
@@ -280,7 +271,7 @@ def test_embeddings_inputs_and_a_model_that_does_not_pool() -> None:
         assert f"llamacrab_prompt_tokens_total {n_tokens}" in metrics
         assert f"llamacpp:prompt_tokens_total {n_tokens}" in metrics
     unpooled = ServerSettings(model=str(path), embeddings=True, pooling="none", n_threads=2)
-    for server in _running(unpooled):
+    for server in running(unpooled):
         answer = httpx.post(server.url + "/v1/embeddings", json={"input": texts})
         assert answer.status_code == 400 and "pooling" in answer.json()["error"]["message"]
 
@@ -290,7 +281,7 @@ def test_rerank_refuses_no_documents_and_takes_tei_bodies(tmp_path: Path) -> Non
     documents = ["alpha beta", "gamma", "beta beta alpha"]
     with Llama(path, embeddings=True, n_threads=2) as reference:
         expected = reference.rerank("alpha", documents)
-    for server in _running(ServerSettings(model=str(path), reranking=True, n_threads=2)):
+    for server in running(ServerSettings(model=str(path), reranking=True, n_threads=2)):
         empty = httpx.post(server.url + "/v1/rerank", json={"query": "alpha", "documents": []})
         assert empty.status_code == 400 and "documents" in empty.json()["error"]["message"]
         body = {"query": "alpha", "texts": documents, "return_text": True}

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, running
 from test_multimodal import IMAGE_TOKENS, PIXELS, encoded, tone, wav_bytes
 
 from llamacrab import Image, Llama, MediaPolicy
@@ -37,15 +37,6 @@ FIRST: dict[str, dict[str, Any]] = {  # what each route needs besides the fields
 }
 
 
-def _running(settings: ServerSettings) -> Iterator[LiveServer]:
-    server = LiveServer(settings)
-    try:
-        assert server.wait_until_loaded() == 200
-        yield server
-    finally:
-        server.close()
-
-
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("requests") / "tiny.gguf"
@@ -56,7 +47,7 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_path: Path) -> Iterator[LiveServer]:
     settings = ServerSettings(model=str(tiny_path), n_ctx=512, max_tokens_limit=LIMIT, max_n=4)
-    yield from _running(settings)
+    yield from running(settings)
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +266,7 @@ def vision_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def seeing(tiny_path: Path, vision_path: Path) -> Iterator[LiveServer]:
     settings = ServerSettings(model=str(tiny_path), mmproj=str(vision_path), n_ctx=1024,
                               max_media=2)  # fmt: skip
-    yield from _running(settings)
+    yield from running(settings)
 
 
 def test_a_prompt_objects_images_with_a_projector(
@@ -326,7 +317,7 @@ def test_a_prompt_objects_media_obey_the_size_cap_a_chats_do(
 
 
 def test_embeddings_take_a_prompt_object_without_media(tiny_path: Path) -> None:
-    for server in _running(ServerSettings(model=str(tiny_path), n_ctx=256, embeddings=True)):
+    for server in running(ServerSettings(model=str(tiny_path), n_ctx=256, embeddings=True)):
         for route in ("/embedding", "/embeddings"):
             plain = post(server, route, {"content": "the cat"})
             same = post(server, route, {"content": {"prompt_string": "the cat"}})
