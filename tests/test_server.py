@@ -26,6 +26,7 @@ from live_server import LiveServer
 from test_tool_calls import TEMPLATE, WEATHER
 
 from llamacrab import CustomSampler, InvalidParameterError, Llama
+from llamacrab._engine.scheduler import Scheduler
 from llamacrab.cli import main as cli_main
 from llamacrab.server import ServerSettings, add_arguments, parse_settings, settings_from_args
 from llamacrab.server._llama_kwargs import generation_kwargs
@@ -414,73 +415,75 @@ STREAMS = {  # every route that streams, each asked for a stream
 }
 
 
-def test_a_stream_whose_client_leaves_while_queued_never_takes_a_slot(tiny_path: Path) -> None:
-    # Found by an audit: a dropped stream waited for a slot all the same, then decoded its
-    # prompt and sampled (a whole answer was cancelled at once); the first chunk was awaited
-    # before anything watched the client.
+@contextlib.contextmanager
+def _one_slot_held(
+    tiny_path: Path,
+) -> Iterator[tuple[LiveServer, Scheduler, Gate, Callable[[], None]]]:
+    """A server on a one-slot Llama whose slot a completion holds behind ``gate`` until the
+    function given with it (which waits for that completion) is called; called on leaving
+    in any case."""
     gate = Gate()
     llama = Llama(tiny_path, n_ctx=256, parallel=1)
     scheduler = llama.scheduler
     assert scheduler is not None
+    holder = threading.Thread(target=lambda: llama.create_completion(
+        "x", max_tokens=2, custom_samplers=(gate,)))  # fmt: skip
+
+    def release() -> None:
+        gate.open.set()
+        if holder.is_alive():
+            holder.join(timeout=30)
+
     try:
         for server in _running(ServerSettings(model=str(tiny_path)), llama):
-            holder = threading.Thread(target=lambda: llama.create_completion(
-                "x", max_tokens=2, custom_samplers=(gate,)))  # fmt: skip
             holder.start()
             wait_for(lambda: scheduler.busy_slots == 1)  # it holds the only slot
-            for path, body in STREAMS.items():
-                connection = _sent(server.url, path, {**body, "stream": True})
-                wait_for(lambda: scheduler.queue_depth == 1)
-                connection.close()
-                wait_for(lambda: scheduler.queue_depth == 0)  # out of the queue, never decoded
-                assert scheduler.busy_slots == 1 and not gate.open.is_set(), path
-            assert "llamacpp:requests_deferred 0" in httpx.get(server.url + "/metrics").text
-            gate.open.set()
-            holder.join(timeout=30)
+            yield server, scheduler, gate, release
+            release()
     finally:
-        gate.open.set()
+        release()
         llama.close()
+
+
+def test_a_stream_whose_client_leaves_while_queued_never_takes_a_slot(tiny_path: Path) -> None:
+    # Found by an audit: a dropped stream waited for a slot all the same, then decoded its
+    # prompt and sampled (a whole answer was cancelled at once); the first chunk was awaited
+    # before anything watched the client.
+    with _one_slot_held(tiny_path) as (server, scheduler, gate, _):
+        for path, body in STREAMS.items():
+            connection = _sent(server.url, path, {**body, "stream": True})
+            wait_for(lambda: scheduler.queue_depth == 1)
+            connection.close()
+            wait_for(lambda: scheduler.queue_depth == 0)  # out of the queue, never decoded
+            assert scheduler.busy_slots == 1 and not gate.open.is_set(), path
+        assert "llamacpp:requests_deferred 0" in httpx.get(server.url + "/metrics").text
 
 
 def test_a_client_that_leaves_is_counted_as_closed_not_as_a_server_error(tiny_path: Path) -> None:
     # Its stopped generation answered 503 shutting_down (to nobody), and /metrics counted a
     # server error for every client that gave up.
-    gate = Gate()
-    llama = Llama(tiny_path, n_ctx=256, parallel=1)
-    scheduler = llama.scheduler
-    assert scheduler is not None
-
     def answered(path: str) -> dict[str, int]:
         metrics = httpx.get(server.url + "/metrics").text
         found = re.findall(rf'llamacrab_requests_total{{route="{path}",status="(\d+)"}} (\d+)',
                            metrics)  # fmt: skip
         return {status: int(count) for status, count in found}
 
-    try:
-        for server in _running(ServerSettings(model=str(tiny_path)), llama):
-            holder = threading.Thread(target=lambda: llama.create_completion(
-                "x", max_tokens=2, custom_samplers=(gate,)))  # fmt: skip
-            holder.start()
-            wait_for(lambda: scheduler.busy_slots == 1)  # it holds the only slot
-            for path, body in STREAMS.items():  # a stream leaves the queue at once
-                connection = _sent(server.url, path, {**body, "stream": True})
-                wait_for(lambda: scheduler.queue_depth == 1)
-                connection.close()
-                wait_for(lambda at=path: answered(at) != {})  # type: ignore[misc]
-            # A whole answer is dropped from the queue when the engine next looks.
-            connections = [_sent(server.url, path, body) for path, body in STREAMS.items()]
-            wait_for(lambda: scheduler.queue_depth == len(STREAMS))
-            for connection in connections:
-                connection.close()
-            wait_for(lambda: all(job.session.stopped() for job in scheduler.waiting))
-            gate.open.set()
-            holder.join(timeout=30)
-            for path in STREAMS:
-                wait_for(lambda at=path: sum(answered(at).values()) == 2)  # type: ignore[misc]
-                assert answered(path) == {"499": 2}, path
-    finally:
-        gate.open.set()
-        llama.close()
+    with _one_slot_held(tiny_path) as (server, scheduler, _, release):
+        for path, body in STREAMS.items():  # a stream leaves the queue at once
+            connection = _sent(server.url, path, {**body, "stream": True})
+            wait_for(lambda: scheduler.queue_depth == 1)
+            connection.close()
+            wait_for(lambda at=path: answered(at) != {})  # type: ignore[misc]
+        # A whole answer is dropped from the queue when the engine next looks.
+        connections = [_sent(server.url, path, body) for path, body in STREAMS.items()]
+        wait_for(lambda: scheduler.queue_depth == len(STREAMS))
+        for connection in connections:
+            connection.close()
+        wait_for(lambda: all(job.session.stopped() for job in scheduler.waiting))
+        release()
+        for path in STREAMS:
+            wait_for(lambda at=path: sum(answered(at).values()) == 2)  # type: ignore[misc]
+            assert answered(path) == {"499": 2}, path
 
 
 _CLOSED = 'llamacrab_requests_total{route="/v1/completions",status="499"}'
