@@ -13,8 +13,9 @@ import openai
 import pytest
 from live_server import LiveServer
 
-from llamacrab import InvalidParameterError, Llama
+from llamacrab import DecodeError, InvalidParameterError, Llama
 from llamacrab.server import ServerSettings, parse_settings
+from llamacrab.server._errors import from_llama_error
 from llamacrab.server._llama_kwargs import llama_kwargs
 
 from support import load_repo_module
@@ -242,18 +243,21 @@ def test_a_lora_scale_that_overflows_the_logits_is_a_400_naming_it(
     # The slots serve on, from memory computed with the scales asked for.
     text = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=60)
     assert text.json()["choices"][0]["text"] == _reference(tiny_model_path, files)["default"]
-    # Scales the server set itself: its error, not the client's, though a request names them.
-    defaults = [
-        {"id": a["id"], "scale": a["scale"]} for a in httpx.get(url + "/lora-adapters").json()
-    ]
-    assert httpx.post(url + "/lora-adapters", json=huge).status_code == 200
-    try:
-        for lora in (huge, None):
-            body = {"prompt": PROMPT, "max_tokens": 4, "lora": lora}
-            answer = httpx.post(url + "/v1/completions", json=body, timeout=60)
-            assert answer.status_code == 500, (lora, answer.text)
-    finally:
-        assert httpx.post(url + "/lora-adapters", json=defaults).status_code == 200
+    # The same scales as the defaults: refused alike (POST answered 200 and every later request
+    # 500), the defaults kept.
+    before = httpx.get(url + "/lora-adapters").json()
+    answer = httpx.post(url + "/lora-adapters", json=huge, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == "lora_scale_overflow"
+    assert httpx.get(url + "/lora-adapters").json() == before
+    text = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=60)
+    assert text.json()["choices"][0]["text"] == _reference(tiny_model_path, files)["default"]
+
+
+def test_logits_that_overflow_under_the_servers_own_scales_are_its_error() -> None:
+    # Scales from --lora-scaled: no request asked for them.
+    error = from_llama_error(DecodeError("NaN logits", status=0))
+    assert error.status == 500
 
 
 def test_post_lora_adapters_sets_the_default_scales(

@@ -1,7 +1,8 @@
 """LoRA adapters over HTTP, as llama-server has them: ``GET /lora-adapters`` lists the adapters
 loaded at start (``--lora``, ``--lora-scaled``; ids in that order) with their default scales,
 ``POST /lora-adapters`` sets the default scales (``[{"id": 0, "scale": 0.5}]``; an adapter
-left out gets 0), and a request's ``lora`` field does the same for that request alone."""
+left out gets 0; scales under which the logits overflow are refused, the old ones kept), and a
+request's ``lora`` field does the same for that request alone."""
 
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def _scales(entries: list[LoraEntry], llama: Llama) -> dict[Any, float]:
     return scales
 
 
+def _try_out(llama: Llama, scales: dict[Any, float]) -> None:
+    """Sample one token under ``scales`` (as one request's, the defaults untouched): logits
+    that overflow raise the DecodeError a request's own scales would, before every later
+    request fails under them."""
+    llama.create_completion(llama.tokenize("Hello"), max_tokens=1, lora=scales, temperature=0.0)
+
+
 def describe(llama: Llama) -> list[dict[str, Any]]:
     """llama-server's fields for each adapter."""
     defaults = llama.lora_adapters
@@ -69,6 +77,9 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
     async def set_lora_adapters(body: list[LoraEntry], model: str | None = None) -> dict[str, Any]:
         llama = state.generator(model)
         scales = _scales(body, llama)
+        if any(scales.values()):
+            ask_for({entry.id: entry.scale for entry in body})  # an overflow is the client's
+            await in_thread(_try_out, llama, scales)
         try:
             await in_thread(llama.set_lora_adapters, scales)
         except ApiError as error:
