@@ -76,6 +76,37 @@ def test_recursion_after_a_character_passes(grammar: str) -> None:
     check_grammar_fanout(grammar)
 
 
+def _alternation(rule: str, count: int) -> str:
+    return f"{rule} ::= " + " | ".join(f'"w{i}"' for i in range(count))
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        _alternation("root", 1025),  # a stack per literal: 20,000 took 77 s to be refused
+        'root ::= "a"\n' + _alternation("start", 2000),  # grammar_root may pick another rule
+    ],
+)
+def test_a_start_rule_of_more_ways_to_begin_than_the_stack_bound_is_refused(
+    grammar: str,
+) -> None:
+    with pytest.raises(GrammarError, match="can begin more than 1024 ways"):
+        check_grammar_fanout(grammar)
+
+
+def test_an_enum_of_a_thousand_literals_at_the_start_passes() -> None:
+    check_grammar_fanout(_alternation("root", 1000))
+
+
+def test_an_alternation_of_twenty_thousand_literals_is_refused_before_llama_cpp_starts_it(
+    tiny_llama: Llama,
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(GrammarError, match="rule 'root' can begin more than 1024 ways"):
+        tiny_llama.create_completion("the cat", max_tokens=1, grammar=_alternation("root", 20000))
+    assert time.monotonic() - started < 5
+
+
 def _example_grammars() -> list[Path]:
     sys_dir = str(Path(__file__).resolve().parents[1] / "llamacrab-sys")
     if sys_dir not in sys.path:

@@ -19,6 +19,10 @@ Measured on Gemma 3's 262k vocabulary, two tokens (0.2-0.3 s without a grammar):
 The count assumes every character matches, so it can refuse a grammar whose real tokens never
 split that way (``("ab"?){24}``); the JSON Schemas we generate stay far below both bounds.
 
+The start rule's own entry is no item of a sequence: its ways to begin are bounded apart, by
+the stacks llamacrab-sys lets a token leave (MAX_START_STACKS), which llama.cpp would only
+apply after comparing every stack with every other (``root ::= "w0" | … | "w19999"``).
+
 Left recursion is refused too: a rule that can come back to itself before matching a character.
 llama.cpp refuses it only where the way back is a rule with an empty alternative of its own;
 through a rule that matches nothing by referring to such a rule (``r0 ::= ("" | "")``) it goes
@@ -46,6 +50,12 @@ from llamacrab._native.gbnf_structure import (
 # Stacks one position may open. Our JSON Schemas open ~11, plus ~2 per optional property (an
 # object of 40 optional properties: ~90; llama.cpp's parser refuses 60 of them anyway).
 MAX_GRAMMAR_FANOUT = 256
+# Stacks the start rule may open (its entry is no item of a sequence, so the bound above misses
+# it): llamacrab-sys's bound on the stacks a token leaves (patch llama-grammar-stack-bound),
+# which the first token would meet anyway. llama.cpp's start compares each new stack with every
+# one before it, and each token's check walks them all: an alternation of 20,000 literals took
+# 77 s to be refused by that bound (one of 2,000: 7 s); an enum of 1,000 is a legitimate use.
+MAX_START_STACKS = 1024
 # Ways a token may split among a run's optional items: ~1 s for two tokens of Gemma 3 at the
 # bound (see above). An object's optional properties split a token one way each: ~90 at most.
 MAX_GRAMMAR_SPLITS = 50_000
@@ -54,7 +64,7 @@ LONGEST_TOKEN = 10  # characters: most tokens of large vocabularies are shorter
 
 def check_grammar_fanout(text: str) -> None:
     """Raise GrammarError if ``text``'s grammar is left-recursive or exceeds
-    MAX_GRAMMAR_FANOUT or MAX_GRAMMAR_SPLITS; syntax is left to llama.cpp."""
+    MAX_GRAMMAR_FANOUT, MAX_START_STACKS or MAX_GRAMMAR_SPLITS; syntax is left to llama.cpp."""
     problem = _problem(text)
     if problem is not None:
         raise GrammarError(problem)
@@ -89,6 +99,21 @@ def _problem(text: str) -> str | None:
             f"{splits} ways, each checked for every token; the limit is {MAX_GRAMMAR_SPLITS} "
             "(bound the repetition of one item instead, e.g. [a-z]{0,24})"
         )
+    return _start_problem(parser, reach)
+
+
+def _start_problem(parser: Parser, reach: list[int]) -> str | None:
+    """Whether a rule the grammar may start from opens more than MAX_START_STACKS stacks. The
+    caller's ``grammar_root`` picks it ("root" unless told), which this check does not see; a
+    rule that another refers to is held to MAX_GRAMMAR_FANOUT already, so every named rule is
+    checked: past the bound only where none refers to it."""
+    for name, index in parser.names.items():
+        if reach[index] > MAX_START_STACKS:
+            return (
+                f"the grammar's rule {name!r} can begin more than {MAX_START_STACKS} ways (an "
+                f"alternation of that many items, say), a parse stack each where the grammar "
+                f"starts from it; the limit is {MAX_START_STACKS}, the stacks a token may leave"
+            )
     return None
 
 
@@ -184,7 +209,7 @@ def _entry_reach(parser: Parser, known: Facts) -> list[int] | str:
                 total += _item_reach(item, known, reach)
                 if not item_nullable(item, known.nullable):
                     break
-        reach[index] = min(total, MAX_GRAMMAR_FANOUT + 1)  # past the limit, the size is moot
+        reach[index] = min(total, MAX_START_STACKS + 1)  # past the limits, the size is moot
         for user in users[index]:
             waiting_on[user] -= 1
             if waiting_on[user] == 0:
