@@ -1,7 +1,9 @@
 """A grammar's end on a model whose vocabulary has no end-of-generation token: llama.cpp's
 grammar allows only an end token where its text is complete, so there it allowed no token at
 all, and generation raised GrammarError where a model with one ends (finish_reason "eos",
-"stop" through the OpenAI-style APIs). A grammar at a real dead end still raises."""
+"stop" through the OpenAI-style APIs). With every end token banned (llama-server's
+ignore_eos) a complete grammar ends it too, with "stop". A grammar at a real dead end still
+raises."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from llamacrab import (
     SamplerChain,
     SamplingOptions,
 )
-from llamacrab._native.grammar_sampler import GrammarEnd, has_border
+from llamacrab._native.call import lib
+from llamacrab._native.grammar_sampler import GrammarEnd, grammar_sampler, has_border, refused
 from llamacrab.compat import Llama as CompatLlama
 from llamacrab.compat import LlamaGrammar
 
@@ -104,6 +107,56 @@ def test_a_dead_end_is_still_an_error(endless: Llama) -> None:
         endless.create_completion("the", grammar=CAT, min_tokens=8, max_tokens=16)
     # The model goes on working.
     assert endless.create_completion("the", grammar=CAT, max_tokens=16).text == " cat"
+
+
+def every_end_banned(llm: Llama) -> dict[int, float]:
+    """llama-server's ignore_eos: a -inf bias on each end-of-generation token."""
+    return dict.fromkeys(llm.vocab.eog_tokens, float("-inf"))
+
+
+def test_a_complete_grammar_with_every_end_banned_ends_with_stop(gemma: Llama) -> None:
+    """Gemma has end tokens; banned (ignore_eos), the complete grammar allowed no token and the
+    generation raised GrammarError, where a vocabulary without any ends it. It ends there now,
+    with "stop": no end token ended it."""
+    banned = every_end_banned(gemma)
+    result = gemma.create_completion(
+        "The", grammar=CAT, logit_bias=banned, max_tokens=8, temperature=0
+    )
+    assert (result.text, result.choices[0].finish_reason) == (" cat", "stop")
+    sampled = gemma.create_completion("The", grammar=CAT, logit_bias=banned, max_tokens=8, seed=3)
+    assert (sampled.text, sampled.choices[0].finish_reason) == (" cat", "stop")
+    chunks = list(gemma.stream_completion("The", grammar=CAT, logit_bias=banned, max_tokens=8))
+    assert ("".join(chunk.text for chunk in chunks), chunks[-1].finish_reason) == (" cat", "stop")
+    # Where the grammar may end or go on, the ban makes it go on, to its end.
+    longer = gemma.create_completion(
+        "The", grammar=CAT_DOG, logit_bias=banned, max_tokens=8, temperature=0
+    )
+    assert (longer.text, longer.choices[0].finish_reason) == ("cat dog", "stop")
+    # One end token left allowed ends it as the model's end does.
+    one_left = every_end_banned(gemma)
+    del one_left[gemma.vocab.eos]
+    at_eos = gemma.create_completion(
+        "The", grammar=CAT, logit_bias=one_left, max_tokens=8, temperature=0
+    )
+    assert (at_eos.text, at_eos.choices[0].finish_reason) == (" cat", "eos")
+
+
+def test_with_every_end_banned_a_dead_end_is_still_an_error(gemma: Llama) -> None:
+    # Every token that spells a digit (its own, and a byte token's), as the grammar finds them.
+    sampler = grammar_sampler(gemma.vocab, "root ::= [0-9]", "root", ())
+    everything = np.arange(gemma.vocab.n_tokens, dtype=np.int32)
+    digit_tokens = np.flatnonzero(~refused(sampler, everything)).tolist()
+    lib.llama_sampler_free(sampler)
+    assert len(digit_tokens) == 20
+    digits = {**every_end_banned(gemma), **dict.fromkeys(digit_tokens, float("-inf"))}
+    with pytest.raises(GrammarError, match="allows no token here"):
+        gemma.create_completion(
+            "The", grammar="root ::= [0-9]", logit_bias=digits, max_tokens=8, temperature=0
+        )
+    with pytest.raises(GrammarError, match="logit_bias bans every one, before min_tokens"):
+        gemma.create_completion(
+            "The", grammar=CAT, logit_bias=every_end_banned(gemma), min_tokens=4, max_tokens=8
+        )
 
 
 def test_a_chain_at_a_complete_grammar_refuses_until_reset(endless_path: Path) -> None:

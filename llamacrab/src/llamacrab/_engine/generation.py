@@ -609,8 +609,9 @@ class Emitter:
 
     def sample(self, context: Context, samplers: Samplers, index: int, produced: int) -> Step:
         """Sample from output ``index``; an end-of-generation token ends with "eos" (it is not
-        output), as a complete grammar does on a vocabulary without one; a stop string or a
-        Python sampler's EndGeneration with "stop"."""
+        output), as a complete grammar does on a vocabulary without one; a stop string, a
+        Python sampler's EndGeneration, or a complete grammar where logit_bias bans every end
+        token (llama-server's ignore_eos) with "stop"."""
         request = self.request
         try:
             token = samplers.sample(
@@ -618,8 +619,9 @@ class Emitter:
             )
         except EndGeneration:  # a Python sampler's stop rule: this token is not output
             return Step(self.rest(), None, "stop")
-        except GrammarComplete:  # where an end token, had the vocabulary one, would be picked
-            return Step(self.rest(), None, "eos")
+        except GrammarComplete as complete:  # where an end token would be the only pick:
+            # with none in the vocabulary "eos"; with every one banned none may end it, "stop".
+            return Step(self.rest(), None, "stop" if complete.end_banned else "eos")
         logprob, top = None, None
         top_ids: tuple[int, ...] = ()
         top_bytes: tuple[bytes, ...] = ()

@@ -48,8 +48,12 @@ class GrammarDeadEnd(GrammarError):
 
 class GrammarComplete(GrammarDeadEnd):
     """The grammar's text is complete and nothing may follow it, on a vocabulary without an
-    end-of-generation token: one would be the only pick. A generation ends here, as it does
-    at an end token."""
+    end-of-generation token, or with every one banned (``end_banned``): one would be the only
+    pick. A generation ends here, as it does at an end token."""
+
+    def __init__(self, end_banned: bool) -> None:
+        super().__init__(COMPLETE_END_BANNED if end_banned else COMPLETE)
+        self.end_banned = end_banned
 
 
 # What llama.cpp throws when a token accepted ends every parse: sampled, the grammar allowed
@@ -63,6 +67,10 @@ NOTHING_ALLOWED = (
 COMPLETE = (
     "the grammar is complete: nothing may follow the text it accepted, and the model's "
     "vocabulary has no end-of-generation token to end with"
+)
+COMPLETE_END_BANNED = (
+    "the grammar is complete: nothing may follow the text it accepted but an "
+    "end-of-generation token, and logit_bias bans every one"
 )
 
 # What the llama-grammar-stack-bound patch's count is, and both ways a grammar reaches it.
@@ -104,13 +112,15 @@ def has_border(text: str) -> bool:
 
 class GrammarEnd:
     """Whether a grammar that allows no token may end there, for a vocabulary with no
-    end-of-generation token. llama.cpp's grammar allows an end token exactly where its text
-    may end; with none in the vocabulary, a complete text leaves it nothing to allow, as a dead
-    end does. Asked there, this replays the tokens the grammar accepted into a copy of it, to
-    find a token T it does not allow next, and into the grammar followed by T's text: that
-    one allows T exactly where the grammar's text may end (the grammar cannot take T, nor a
-    part of it with all of T's text still to follow, which T's text would have to start and
-    end with: T is one whose text has no border, as "aa" or "abab" have)."""
+    end-of-generation token, or whose every one a logit_bias bans. llama.cpp's grammar allows
+    an end token exactly where its text may end; banned, or with none in the vocabulary, a
+    complete text leaves it nothing to allow, as a dead end does. Asked there, this replays the
+    tokens the grammar accepted into a copy of it, which allows the banned end tokens or not.
+    With none, it finds a token T that copy does not allow next, and replays into the grammar
+    followed by T's text: that one allows T exactly where the grammar's text may end (the
+    grammar cannot take T, nor a part of it with all of T's text still to follow, which T's
+    text would have to start and end with: T is one whose text has no border, as "aa" or
+    "abab" have)."""
 
     def __init__(self, vocab: Vocab, grammar: str, root: str, trigger_words: Sequence[str]):
         self.vocab, self.grammar, self.root = vocab, grammar, root
@@ -118,6 +128,9 @@ class GrammarEnd:
         self.tokens: list[int] = []  # accepted by the grammar since it started (or a reset)
 
     def may_end(self) -> bool:
+        ends = np.array(self.vocab.eog_tokens, dtype=np.int32)
+        if ends.size:
+            return not self._replayed(self.grammar, self.root, lambda g: refused(g, ends)).all()
         everything = np.arange(self.vocab.n_tokens, dtype=np.int32)
         not_next = self._replayed(self.grammar, self.root, lambda g: refused(g, everything))
         found = next(filter(None, map(self._probe, everything[not_next].tolist())), None)

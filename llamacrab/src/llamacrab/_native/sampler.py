@@ -24,7 +24,6 @@ from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
 from llamacrab._native.grammar_sampler import (
-    COMPLETE,
     NOTHING_ALLOWED,
     GrammarComplete,
     GrammarDeadEnd,
@@ -253,14 +252,16 @@ class SamplerChain(NativeHandle):
             len(self._bridges) + bool(options.logit_bias) if options.grammar is not None else None
         )
         self._end_tokens = frozenset(model.vocab.eog_tokens)
-        # Without an end token to allow, a grammar at its end allows nothing (GrammarEnd).
+        self._bans = banned_tokens(options.logit_bias)  # the tokens a pick must never be
+        # Every end token banned (llama-server's ignore_eos), as none in the vocabulary
+        # leaves a grammar at its end nothing to allow (GrammarEnd).
+        self._end_banned = bool(self._end_tokens) and self._end_tokens <= self._bans
         self._grammar_end = (
             GrammarEnd(model.vocab, options.grammar, options.grammar_root,
                        options.grammar_trigger_words)
-            if options.grammar is not None and not self._end_tokens
+            if options.grammar is not None and (self._end_banned or not self._end_tokens)
             else None
         )  # fmt: skip
-        self._bans = banned_tokens(options.logit_bias)  # the tokens a pick must never be
         # How many of the last tokens accepted the penalties and DRY keep (in ring buffers).
         windows = {"penalties": options.penalty_last_n, "dry": options.dry_penalty_last_n}
         self._memory = max(
@@ -328,7 +329,7 @@ class SamplerChain(NativeHandle):
         forbidden at this pick (int32, in the vocabulary), for a chain that ``takes_banned``
         only. Raises when the bans leave no token (see ``_allowed``); GrammarComplete (a
         GrammarError) where an end-of-generation token would be the only pick and the
-        vocabulary has none: the grammar's text is complete."""
+        vocabulary has none, or logit_bias bans every one: the grammar's text is complete."""
         try:
             token = self._sample(context, index, banned)
         except GrammarDeadEnd as dead_end:
@@ -337,8 +338,9 @@ class SamplerChain(NativeHandle):
             with self.in_flight():  # the model's vocabulary stays
                 if not self._grammar_end.may_end():
                     raise
-            self._dead_end = COMPLETE  # its state may hold a token refused after its pick
-            raise GrammarComplete(COMPLETE) from dead_end
+            complete = GrammarComplete(self._end_banned)
+            self._dead_end = str(complete)  # its state may hold a token refused after its pick
+            raise complete from dead_end
         if self._grammar_end is not None:
             self._grammar_end.tokens.append(token)
         return token
