@@ -72,6 +72,41 @@ def test_a_long_run_tokenizes_and_a_longer_one_is_refused(vocab: str, char: str)
     assert f"at most {MAX_CHARS}" in str(result["refusal"])
 
 
+ONE_CHAR_CHILD = """
+    import json, sys, threading
+    from llamacrab import Model, ModelParams, TokenizeError
+    path, char, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    result = {}
+    def tokenize():
+        with Model.load(path, ModelParams(vocab_only=True)) as model:
+            result["guarded"] = model.vocab.regex_may_recurse
+            result["short"] = model.vocab.tokenize(char * 1200, add_special=False)
+            try:
+                result["long"] = model.vocab.tokenize(char * n, add_special=False)
+            except TokenizeError as error:
+                result["long"] = str(error)
+    threading.stack_size(8 << 20)  # a main thread's usual stack: 26,000 characters of recursion
+    thread = threading.Thread(target=tokenize)
+    thread.start()
+    thread.join()
+    print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize(
+    ("vocab", "char"), [("starcoder", "1"), ("command-r", "1"), ("refact", "1"), ("starcoder", "a")]
+)  # fmt: skip
+def test_a_one_character_regex_tokenizes_any_run_on_an_ordinary_stack(
+    vocab: str, char: str
+) -> None:
+    # These pre-tokenizers' only std::regex is \p{N}, one digit per match, at a constant depth:
+    # they were guarded, so a run past MAX_CHARS was refused, and took the 1 GiB-stack thread.
+    n = 1200 * (MAX_CHARS // 1200 + 1)
+    result = run(ONE_CHAR_CHILD, VOCABS / f"ggml-vocab-{vocab}.gguf", char, n)
+    assert result["guarded"] is False
+    assert result["long"] == result["short"] * (n // 1200)  # type: ignore[operator]
+
+
 MEDIA_CHILD = (
     RUNS
     + """

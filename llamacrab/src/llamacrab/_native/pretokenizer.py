@@ -14,19 +14,20 @@ from llamacrab._exceptions import TokenizeError
 
 T = TypeVar("T")
 
-# tokenizer.ggml.pre names whose every regex unicode_regex_split_custom (src/unicode.cpp) splits
-# without std::regex. Any other BPE vocabulary (a missing or "default" name included) may reach
-# the fallback. Re-derive at a pin bump: in llm_tokenizer_bpe's constructor (src/llama-vocab.cpp)
-# keep the pre types whose regex_exprs all equal a string unicode_regex_split_custom compares
-# against, then the tokenizer_pre names load() maps to them.
-CUSTOM_SPLIT_PRE = frozenset({
-    "a.x-4.0", "chatglm-bpe", "dbrx", "deepseek-r1-qwen", "exaone4", "f2llmv2", "falcon-h1",
-    "falcon3", "gemma4", "gigachat", "glm4", "glm5", "gpt-2", "granite-docling",
-    "granite-embed-multi-311m", "grok-2", "hunyuan", "jais", "jina-de", "jina-es", "jina-v1-en",
-    "jina-v2-code", "jina-v2-de", "jina-v2-es", "jina-v5-nano", "kimi-k2", "kormo", "laguna",
-    "lfm2", "llama-bpe", "llama-v3", "llama3", "megrez", "mellum", "midm-2.0", "modern-bert",
-    "mpt", "olmo", "phi-2", "pixtral", "qwen2", "qwen35", "roberta-bpe", "sarvam-moe",
-    "smaug-bpe", "solar-open", "stablelm2", "trillion",
+# tokenizer.ggml.pre names whose every regex llama.cpp splits without recursing once per
+# character: unicode_regex_split_custom (src/unicode.cpp) splits it by hand, or each match is one
+# character (a lone class such as \p{N}), which std::regex matches at a constant depth however
+# long the run. Any other BPE vocabulary (a missing or "default" name included) may recurse.
+# tests/test_pretokenizer_table.py derives this from the pinned source and names what to change.
+SHALLOW_SPLIT_PRE = frozenset({
+    "a.x-4.0", "chatglm-bpe", "codeshell", "command-r", "dbrx", "deepseek-r1-qwen", "exaone",
+    "exaone4", "f2llmv2", "falcon-h1", "falcon3", "gemma4", "gigachat", "glm4", "glm5", "gpt-2",
+    "granite-docling", "granite-embed-multi-311m", "grok-2", "hunyuan", "jais", "jina-de",
+    "jina-es", "jina-v1-en", "jina-v2-code", "jina-v2-de", "jina-v2-es", "jina-v5-nano",
+    "kimi-k2", "kormo", "laguna", "lfm2", "llama-bpe", "llama-v3", "llama3", "megrez", "mellum",
+    "mellum2", "midm-2.0", "minerva-7b", "modern-bert", "mpt", "olmo", "phi-2", "pixtral",
+    "qwen2", "qwen35", "refact", "roberta-bpe", "sarvam-moe", "smaug-bpe", "smollm",
+    "solar-open", "stablelm2", "starcoder", "trillion",
 })  # fmt: skip
 
 # Stack the fallback uses per character (code point) of one match: a run of letters, digits,
@@ -53,9 +54,9 @@ _big_stacks = threading.BoundedSemaphore(2)
 
 
 def may_recurse_per_char(pre: str) -> bool:
-    """Whether a BPE vocabulary with tokenizer.ggml.pre ``pre`` ("" if missing) may reach the
-    std::regex fallback."""
-    return pre not in CUSTOM_SPLIT_PRE
+    """Whether a BPE vocabulary with tokenizer.ggml.pre ``pre`` ("" if missing) may reach a
+    std::regex fallback that recurses once per character of a match."""
+    return pre not in SHALLOW_SPLIT_PRE
 
 
 def longest_match_bound(text: str | bytes) -> int:
