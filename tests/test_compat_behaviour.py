@@ -49,6 +49,26 @@ def test_generate_without_reset_continues_the_sequence_the_context_holds(llm: Ll
     assert llm.detokenize(whole).startswith(b" 4, 5,")
 
 
+def test_generate_yields_the_end_token_it_sampled(llm: Llama) -> None:
+    """As llama-cpp-python's generate() yields every token it samples: Gemma's chat turns end
+    with <end_of_turn>, which was yielded as the vocabulary's <eos>."""
+    end_of_turn = llm.tokenize(b"<end_of_turn>", add_bos=False, special=True)
+    assert len(end_of_turn) == 1 and end_of_turn[0] != llm.token_eos()
+    prompt = llm.tokenize(b"Count: 1, 2, 3,")
+
+    def ended_with(end: int) -> list[int]:
+        def end_after_two(input_ids: Any, scores: Any) -> Any:
+            if len(input_ids) >= len(prompt) + 2:
+                scores[end] = scores.max() + 10  # the greedy pick from the third token on
+            return scores
+
+        return list(llm.generate(prompt, temp=0, logits_processor=end_after_two))
+
+    at_end_of_turn = ended_with(end_of_turn[0])
+    assert len(at_end_of_turn) == 3 and at_end_of_turn[-1] == end_of_turn[0]
+    assert ended_with(llm.token_eos()) == [*at_end_of_turn[:2], llm.token_eos()]
+
+
 def test_the_context_tokens_are_read_only_attributes(llm: Llama) -> None:
     # They were missing (AttributeError): n_tokens, input_ids, scores, eval_tokens, ...
     prompt = llm.tokenize(b"Count: 1, 2, 3,")

@@ -54,6 +54,7 @@ class Step:
     stop: str | None = None  # the stop string that ended it (finish_reason "stop")
     top_ids: tuple[int, ...] = ()  # the ids of top_logprobs' tokens, in their order
     top_bytes: tuple[bytes, ...] = ()  # and their bytes
+    end_token: int | None = None  # the end-of-generation token that ended it ("eos")
 
 
 # Stands for a position filled by an image or sound: never equal to a real token.
@@ -488,6 +489,8 @@ class Session:
         self.prompt_started: float | None = None  # time.monotonic() when its prompt was begun
         # With Request.prompt_logprobs: (logprob, top alternatives) of prompt tokens 1, 2, ...
         self.prompt_logprobs: list[tuple[float, dict[str, float]]] = []
+        # The end-of-generation token it ended on (of several, <end_of_turn> or <eos>), if any.
+        self.end_token: int | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -630,7 +633,7 @@ class Emitter:
                 context, token, request.logprobs, index
             )
         if self.vocab.is_eog(token):
-            return Step(self.rest(), None, "eos")
+            return Step(self.rest(), None, "eos", end_token=token)
         text = self.stops.push(self.decoder.feed([token]))
         step = Step(text, token, None, logprob, top, top_ids=top_ids, top_bytes=top_bytes)
         if self.stops.stopped:

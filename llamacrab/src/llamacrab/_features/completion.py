@@ -402,6 +402,8 @@ class Completer:
                 now = time.monotonic()
                 first_at = first_at or now
                 produced += step.token is not None
+                if step.end_token is not None:
+                    session.end_token = step.end_token
                 text = step.text
                 if step.finish_reason not in (None, "cancelled"):
                     text += suffix

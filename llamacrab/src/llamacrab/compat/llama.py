@@ -819,9 +819,9 @@ class Llama:
         grammar: LlamaGrammar | str | None = None,
     ) -> Generator[int, Sequence[int] | None, None]:
         """The sampled tokens of ``tokens``' continuation, one by one, as llamacrab's engine
-        produces them; at an end of the generation the vocabulary's end-of-sequence token is
-        yielded last (where it has one), and the generator ends there or at the end of the
-        context (a stopping criterion ends it silently).
+        produces them; at an end of the generation the end-of-generation token sampled is
+        yielded last, and the generator ends there or at the end of the context (a stopping
+        criterion ends it silently).
         ``reset=False`` continues the sequence the context holds (``input_ids``): ``tokens``
         follow it, as in llama-cpp-python, and only they are decoded (none given: the last
         held token again, for its logits)."""
@@ -849,8 +849,10 @@ class Llama:
                                 "own: draft_model=)"
                             ]
                         )
-                if chunk.finish_reason == "eos" and self._llm.vocab.eos is not None:
-                    yield self._llm.vocab.eos  # none: nothing to yield (not -1)
+                # The end token sampled, as llama-cpp-python yields it (<end_of_turn>, not
+                # <eos>); none where a complete grammar ended a vocabulary without one.
+                if chunk.finish_reason == "eos" and engine.session.end_token is not None:
+                    yield engine.session.end_token
         finally:
             engine.close()
             self._turns.release(ticket)
