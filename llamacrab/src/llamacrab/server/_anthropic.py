@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from fastapi.routing import APIRoute
 from starlette.requests import Request
 
 from llamacrab import Chunks, Stream
@@ -32,6 +31,7 @@ from llamacrab.server._errors import (
     from_llama_error,
     invalid_body,
 )
+from llamacrab.server._json_body import JsonBodyRoute
 from llamacrab.server._lora import request_lora
 from llamacrab.server._state import ServerState
 from llamacrab.server._streaming import complete, in_thread, sse_events
@@ -41,7 +41,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-class _AnthropicRoute(APIRoute):
+class _AnthropicRoute(JsonBodyRoute):
     """A route whose errors are answered in Anthropic's shape (the app's handlers answer in
     OpenAI's)."""
 

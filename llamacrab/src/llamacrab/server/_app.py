@@ -40,6 +40,7 @@ from llamacrab.server._guards import (
     MetricsMiddleware,
     content_type_problem,
 )
+from llamacrab.server._json_body import JsonBodyRoute
 from llamacrab.server._llama_fields import completion_fields, token_kwargs
 from llamacrab.server._llama_kwargs import llama_kwargs
 from llamacrab.server._llama_server import add_llama_server_routes
@@ -108,6 +109,7 @@ def create_app(
     app = FastAPI(title="llamacrab", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible server over llama.cpp",
                   redirect_slashes=False)  # fmt: skip
+    app.router.route_class = JsonBodyRoute  # every route added below
     app.state.llamacrab = state
     if state.registry is not None:  # innermost: after the key and body-size checks
         app.add_middleware(ModelLeaseMiddleware, registry=state.registry, router=app.router,

@@ -14,6 +14,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llamacrab.server._errors import CLIENT_CLOSED, ApiError, error_response
+from llamacrab.server._json_body import loads, read_off_loop
 from llamacrab.server._metrics import UNMATCHED_ROUTE, Metrics
 
 
@@ -95,7 +96,8 @@ class BodyLimitMiddleware:
                 return
             if not message.get("more_body"):
                 break
-        if _is_json(scope) and (problem := json_problem(b"".join(parts))):
+        body = b"".join(parts)
+        if _is_json(scope) and (problem := await read_off_loop(body, lambda: json_problem(body))):
             await answer_early(
                 scope, send, ApiError(400, f"the request body is not valid JSON: {problem}")
             )
@@ -106,7 +108,7 @@ class BodyLimitMiddleware:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later: the disconnect a streaming response listens for
 
         await self.app(scope, replay, send)
@@ -121,6 +123,17 @@ def _is_json(scope: Scope) -> bool:
 # What could make Python's json module accept a body that JSON (RFC 8259) does not: a surrogate
 # escape, NaN / Infinity, a three-digit exponent. Only a body holding one is parsed here.
 _SUSPECT = re.compile(rb"\\u[dD][89a-fA-F]|NaN|Infinity|[eE][+-]?[0-9]{3}")
+# Searched 64 KiB at a time (overlapping by the longest match): the search holds the GIL, and a
+# 20 MB body in one search held every thread for most of a second.
+_SEARCHED = 64 << 10
+_LONGEST_SUSPECT = len(b"Infinity")
+
+
+def _suspect(body: bytes) -> bool:
+    return any(
+        _SUSPECT.search(body, start, start + _SEARCHED + _LONGEST_SUSPECT)
+        for start in range(0, len(body), _SEARCHED)
+    )
 
 
 class _NotJson(ValueError):
@@ -143,10 +156,10 @@ def json_problem(body: bytes) -> str | None:
     Infinity, a number past a double (parsed as inf), a string with an unpaired surrogate
     escape (no UTF-8 can carry it, so it fails later, wherever it is encoded). None when the
     body is fine, or malformed in a way the route's own parse reports."""
-    if not _SUSPECT.search(body):
+    if not _suspect(body):
         return None
     try:
-        parsed = json.loads(body, parse_constant=_no_constant, parse_float=_finite)
+        parsed = loads(body, parse_constant=_no_constant, parse_float=_finite)
         json.dumps(parsed, ensure_ascii=False).encode("utf-8")
     except _NotJson as error:
         return str(error)

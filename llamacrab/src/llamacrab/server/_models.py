@@ -38,6 +38,7 @@ from llamacrab.server._errors import ApiError
 from llamacrab.server._forward import forward
 from llamacrab.server._guards import answer_early
 from llamacrab.server._isolation import ChildModel, runs_isolated
+from llamacrab.server._json_body import read_off_loop
 from llamacrab.server._llama_kwargs import generation_kwargs, given, model_kwargs
 from llamacrab.server._metrics import escape_label
 from llamacrab.server._requested_model import requested_model
@@ -336,15 +337,14 @@ class ModelLeaseMiddleware:
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
-        body = b""
         if scope.get("method") == "POST":
             while True:  # the body limit is checked outside this middleware
                 message = await receive()
                 messages.append(message)
-                body += message.get("body", b"")
                 if message["type"] != "http.request" or not message.get("more_body"):
                     break
-        name = requested_model(scope, body)
+        body = b"".join(message.get("body", b"") for message in messages)
+        name = await read_off_loop(body, lambda: requested_model(scope, body))
         names = self.registry.names()
         if name is None and len(names) == 1:
             name = names[0]  # the only model serves requests that name none

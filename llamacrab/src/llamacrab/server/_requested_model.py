@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 from python_multipart import MultipartParser
 from python_multipart.multipart import parse_options_header
 from starlette.types import Scope
+
+from llamacrab.server._json_body import loads
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
@@ -30,7 +31,7 @@ def requested_model(scope: Scope, body: bytes) -> str | None:
 
 def _json_model(body: bytes) -> str | None:
     try:
-        data = json.loads(body) if body else None
+        data = loads(body) if body else None
     except (ValueError, RecursionError):
         return None  # the route answers the malformed body (or one nested too deep)
     model = data.get("model") if isinstance(data, dict) else None
