@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from llamacrab._exceptions import InvalidParameterError, LlamaError, NativeError
@@ -27,6 +28,16 @@ def call(name: str, *args: Any) -> Any:
     if err.code != 0:
         raise NativeError(name, err.code, ffi.string(err.message).decode("utf-8", "replace"))
     return result
+
+
+def call_each(name: str, first: Any, items: Iterable[Any]) -> None:
+    """``call(name, first, item)`` for each of ``items``, its shim and error slot looked up
+    once: for thousands of calls (a prompt's tokens) those lookups cost more than the calls."""
+    shim, err = getattr(lib, "safe_" + name), _error_slot()
+    for item in items:
+        shim(first, item, err)
+        if err.code != 0:
+            raise NativeError(name, err.code, ffi.string(err.message).decode("utf-8", "replace"))
 
 
 # How the C++ exceptions thrown by llamacrab-sys's patches to llama.cpp begin

@@ -19,7 +19,7 @@ from llamacrab._field_types import (
     check_range,
     is_number,
 )
-from llamacrab._native.call import c_string, call, ffi, lib
+from llamacrab._native.call import c_string, call, call_each, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
@@ -426,19 +426,19 @@ class SamplerChain(NativeHandle):
         accepts a prompt into every sampler but the grammar: the penalties and DRY count them
         (the other native samplers ignore a token they did not pick). Only the last ones
         within the penalties' and DRY's windows, which would push the rest out of their
-        rings anyway. The grammar and the Python samplers see picked tokens alone."""
+        rings anyway. The grammar and the Python samplers see picked tokens alone, and the last
+        sampler, which picks (dist counts its draws in the graph, none made yet), none."""
         if not self._memory or not len(tokens):
             return
         tail = self._vocab.check_tokens(list(tokens[-self._memory :])).tolist()
         skipped = {*range(len(self._bridges)), self._grammar_at}
         with self.in_flight() as chain:
-            for i in range(lib.llama_sampler_chain_n(chain)):
+            for i in range(lib.llama_sampler_chain_n(chain) - 1):
                 sampler = lib.llama_sampler_chain_get(chain, i)
                 # One without an accept keeps no state: nothing to call.
                 if i in skipped or sampler.iface.accept == ffi.NULL:
                     continue
-                for token in tail:
-                    call("llama_sampler_accept", sampler, token)
+                call_each("llama_sampler_accept", sampler, tail)
 
     def _checked_token(self, token: int) -> int:
         """``token`` as an int of the vocabulary: llama.cpp's samplers take any int32 (a
