@@ -322,6 +322,48 @@ def test_completion_answers_several_prompts_in_order(fim_server: LiveServer) -> 
         assert answer.json()["error"]["param"] == "prompt", why
 
 
+def test_completion_answers_only_the_response_fields_asked_for(fim_server: LiveServer) -> None:
+    # They were dropped: the whole answer came back.
+    url, body = fim_server.url, {"prompt": "the cat", "n_predict": 4, "temperature": 0}
+    fields = ["content", "generation_settings/n_predict", "timings/predicted_n", "nothing/here"]
+    whole = httpx.post(url + "/completion", headers=KEY, json=body).json()
+    cut = httpx.post(url + "/completion", headers=KEY, json={**body, "response_fields": fields})
+    assert cut.status_code == 200, cut.text
+    assert cut.json() == {"content": whole["content"], "generation_settings/n_predict": 4,
+                          "timings/predicted_n": whole["timings"]["predicted_n"]}  # fmt: skip
+    several = httpx.post(
+        url + "/completion",
+        headers=KEY,
+        json={**body, "prompt": ["the cat", "a dog"], "response_fields": ["index"]},
+    )
+    assert several.json() == [{"index": 0}, {"index": 1}]
+    streamed = httpx.post(
+        url + "/completion",
+        headers=KEY,
+        json={**body, "stream": True, "response_fields": ["stop", "stop_type"]},
+    )
+    *pieces, last = events(streamed.text)
+    assert "".join(p["content"] for p in pieces) == whole["content"]  # the pieces as they were
+    assert last == {"stop": True, "stop_type": whole["stop_type"]}
+    infill = httpx.post(url + "/infill", headers=KEY, json={**INFILL, "response_fields": ["model"]})
+    assert infill.json() == {"model": "fim"}
+
+
+def test_min_keep_is_refused_naming_it(fim_server: LiveServer) -> None:
+    # It was dropped: the samplers ran as if it were 0.
+    url = fim_server.url
+    for path, body in (
+        ("/completion", {"prompt": "the cat"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        answer = httpx.post(url + path, headers=KEY, json={**body, "n_predict": 2, "min_keep": 5})
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "min_keep"
+    kept = httpx.post(url + "/completion", headers=KEY,
+                      json={"prompt": "the cat", "n_predict": 2, "min_keep": 0})  # fmt: skip
+    assert kept.status_code == 200
+
+
 def test_completion_takes_a_json_schema_and_lora(fim_server: LiveServer) -> None:
     url, body = fim_server.url, {"prompt": "the cat", "n_predict": 24, "temperature": 0}
 

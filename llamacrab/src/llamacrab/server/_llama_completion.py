@@ -59,11 +59,11 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         answers = []
         for index, prompt in enumerate(prompts):
             kwargs["prompt"] = await in_thread(prompt_input, llama, prompt)
-            answers.append(await _answer(state, client, body, llama, kwargs, deadline))
-            if not body.stream:
-                answers[-1]["index"] = index
+            answers.append(await _answer(state, client, body, llama, kwargs, deadline, index))
         # As llama-server: one prompt, one object; several, a list in their order.
-        return answers[0] if len(answers) == 1 else JSONResponse(answers)
+        if len(answers) == 1:
+            return _unchecked(answers[0], body)
+        return JSONResponse(answers)
 
     answer_model = LlamaCompletionResponse | list[LlamaCompletionResponse]
     for path in ("/completion", "/completions"):  # llama-server: "legacy" and current names
@@ -81,7 +81,12 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
                            "this one has none", param="input_extra")  # fmt: skip
         kwargs = await in_thread(native_kwargs, body, llama, settings)
         kwargs["prompt"] = await in_thread(_infill_prompt, llama, body)
-        return await _answer(state, client, body, llama, kwargs)
+        return _unchecked(await _answer(state, client, body, llama, kwargs), body)
+
+
+def _unchecked(answer: Any, body: NativeGeneration) -> Any:
+    """An answer cut to ``response_fields`` as it is: the response model would drop its keys."""
+    return JSONResponse(answer) if body.response_fields and not body.stream else answer
 
 
 def _infill_prompt(llama: Llama, body: InfillRequest) -> list[int]:
@@ -116,16 +121,37 @@ class _Answering:
     vocab: Vocab | None  # with n_probs: to describe each token and its alternatives
     settings: dict[str, Any]  # the sampling it runs with, as llama-server lists it
     prompt: str  # its prompt's text, as llama-server shows it
+    fields: Sequence[str]  # response_fields: the last answer's values at these paths alone
+
+
+def only_fields(answer: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
+    """llama-server's ``response_fields``: the answer's values at these paths (keys joined by
+    "/", e.g. ``generation_settings/n_predict``), each under its path; a path that leads
+    nowhere is left out. None listed: the whole answer."""
+    if not fields:
+        return answer
+    chosen = {}
+    for path in fields:
+        value: Any = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            chosen[path] = value
+    return chosen
 
 
 async def _answer(state: ServerState, client: Request, body: NativeGeneration, llama: Llama,
-                  kwargs: dict[str, Any], deadline: float | None = None) -> Any:  # fmt: skip
-    """The completion of ``kwargs`` (its prompt as tokens), streamed or whole (by
-    ``deadline``: see ``complete``)."""
+                  kwargs: dict[str, Any], deadline: float | None = None,
+                  index: int = 0) -> Any:  # fmt: skip
+    """The completion of ``kwargs`` (its prompt as tokens, the request's ``index``-th),
+    streamed or whole (by ``deadline``: see ``complete``)."""
     vocab = llama.vocab if kwargs.get("logprobs") is not None else None
     used = used_settings(llama, state.settings, kwargs, body.stream, body.ignore_eos)
     prompt = await in_thread(_prompt_text, llama, kwargs["prompt"])
-    answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab, used, prompt)
+    answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab, used, prompt,
+                           body.response_fields)  # fmt: skip
     if body.stream:
         chunks = await in_thread(partial(llama.stream_completion, **kwargs))
         return await sse_events(state, client, chunks, partial(native_events, answering))
@@ -134,9 +160,10 @@ async def _answer(state: ServerState, client: Request, body: NativeGeneration, l
     tokens = choice.tokens if body.return_tokens else ()
     answer = native_answer(choice.text, tokens, choice.finish_reason, result.usage,
                            choice.stop_sequence, choice.slot, answering)  # fmt: skip
+    answer["index"] = index
     if vocab is not None and choice.logprobs is not None:
         answer["completion_probabilities"] = probabilities(vocab, choice.tokens, choice.logprobs)
-    return answer
+    return only_fields(answer, answering.fields)
 
 
 def native_kwargs(body: NativeGeneration, llama: Llama, settings: ServerSettings) -> dict[str, Any]:
@@ -278,8 +305,9 @@ async def native_events(
                     )
                 yield event(payload)
             if chunk.finish_reason is not None:
-                yield event(native_answer("", (), chunk.finish_reason, chunk.usage,
-                                          chunk.stop_sequence, chunk.slot, answering))  # fmt: skip
+                last = native_answer("", (), chunk.finish_reason, chunk.usage,
+                                     chunk.stop_sequence, chunk.slot, answering)  # fmt: skip
+                yield event(only_fields(last, answering.fields))
     except ApiError as error:
         yield event(error.body())
 

@@ -31,10 +31,13 @@ class InfillChunk(Lenient):
 class NativeGeneration(GenerationFields):
     """The options of llama-server's own generation routes (``/completion``, ``/infill``)
     beyond those every generation route takes: ``return_tokens``, ``logprobs`` (``n_probs``'s
-    other name); ``cache_prompt`` is accepted (llamacrab always reuses a cached prefix)."""
+    other name), ``response_fields`` (paths such as ``generation_settings/n_predict``: the last
+    answer holds their values alone); ``cache_prompt`` is accepted (llamacrab always reuses a
+    cached prefix)."""
 
     seed: int | None = Field(None, ge=-1, lt=2**32)  # -1: random, as llama-server
     return_tokens: bool = False
+    response_fields: list[str] = Field(default_factory=list)
     cache_prompt: bool = True
     logprobs: int | None = Field(None, ge=0, le=20)
 

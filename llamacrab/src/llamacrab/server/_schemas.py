@@ -106,6 +106,7 @@ class GenerationFields(Lenient):
     # The likeliest tokens at each step, before sampling (OpenAI's logprobs, by another name)
     n_probs: int | None = Field(None, ge=0, le=20)
     post_sampling_probs: bool = False  # refused with n_probs: the probabilities are before
+    min_keep: int = Field(0, ge=0)  # llama-server's; refused past 0 (no sampler here keeps any)
 
     @field_validator("stop")
     @classmethod

@@ -70,6 +70,9 @@ def generation_kwargs(
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     kwargs["max_tokens"] = _max_tokens(body, settings.max_tokens_limit, default_max)
+    if body.min_keep:
+        raise ApiError(400, "min_keep is not supported: the samplers here keep no minimum of "
+                       "candidates (send 0, or leave it out)", param="min_keep")  # fmt: skip
     if body.n > settings.max_n:
         raise ApiError(400, f"n {body.n} exceeds this server's limit of {settings.max_n}",
                        param="n")  # fmt: skip
