@@ -22,7 +22,8 @@ PARAM_FIELDS = {
 def estimate_llama(model: str | os.PathLike[str], options: Mapping[str, Any]) -> MemoryEstimate:
     """The memory of ``Llama(model, **options)`` (a preset already applied): weights (with a
     projector), KV memory for its context and slots, compute buffers."""
-    _, context, hub = split_params({k: v for k, v in options.items() if k in PARAM_FIELDS})
+    params, context, hub = split_params({k: v for k, v in options.items() if k in PARAM_FIELDS})
     slots = with_slots(context, options.get("parallel"), options.get("max_queue", 64), None)
     files = resolve_model(model, hub)
-    return estimate_memory(files.path, slots, options.get("mmproj") or files.mmproj)
+    projector = options.get("mmproj") or files.mmproj
+    return estimate_memory(files.path, slots, projector, params.kv_overrides)

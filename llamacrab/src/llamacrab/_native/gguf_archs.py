@@ -187,3 +187,29 @@ NO_LOGITS = frozenset({
 # Graphs that skip their language-model head in a context with embeddings on (lfm2.cpp: res->
 # t_logits under `if (!cparams.embeddings)`; lfm2moe uses its graph): no logits there either.
 NO_LOGITS_WITH_EMBEDDINGS = frozenset({"lfm2", "lfm2moe"})
+
+# Keys llama.cpp reads only where the file has them ("%s": the architecture): its loader's
+# get_key_or_arr, get_arr and get_arr_n, and the vocabulary's and precision policy's direct
+# gguf reads, look the key up in the file before any override, so a kv_override of one the file
+# lacks is ignored. (Some archs read sliding_window_pattern with get_key, others with get_arr.)
+# tests/test_kv_overrides.py derives this from the pinned source.
+READ_ONLY_FROM_FILE = frozenset({
+    "%s.adapters.token_ids_activate", "%s.adapters.token_ids_substitute",
+    "%s.attention.compress_ratios", "%s.attention.head_count", "%s.attention.head_count_kv",
+    "%s.attention.indexer.types", "%s.attention.recurrent_layers", "%s.attention.rope_pattern",
+    "%s.attention.sliding_window_pattern", "%s.classifier.output_labels",
+    "%s.deepstack_mapping", "%s.expert_feed_forward_length", "%s.expert_used_count",
+    "%s.feed_forward_length", "%s.ple.head_offsets", "%s.ple.head_vocab_sizes",
+    "%s.ple.layer_multipliers", "%s.ple.layers", "%s.rope.dimension_sections",
+    "%s.swiglu_clamp_exp", "%s.swiglu_clamp_shexp", "%s.target_layers",
+    "general.tensor_extra.name", "general.tensor_extra.prec_a4", "tokenizer.ggml.merges",
+    "tokenizer.ggml.precompiled_charsmap", "tokenizer.ggml.scores",
+    "tokenizer.ggml.suppress_tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.tokens",
+    "xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps",
+})  # fmt: skip
+
+
+def read_only_from_file(key: str, arch: str) -> bool:
+    """Whether llama.cpp reads ``key`` of an ``arch`` model only where the file has it."""
+    generic = "%s" + key[len(arch) :] if key.startswith(f"{arch}.") else key
+    return generic in READ_ONLY_FROM_FILE

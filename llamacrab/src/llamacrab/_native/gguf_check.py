@@ -1140,14 +1140,28 @@ def _overridden(
 ) -> tuple[_Reader, dict[str, Any]]:
     """The header as llama.cpp's loader reads it with ``overrides``: an override instead of a
     scalar key (or one the file lacks), read by any getter of its kind (an integer one by any
-    integer type), never instead of an array. An override of another kind than the file's value
-    is refused: llama.cpp would ignore it (and warn) where its getter reads the file's kind."""
+    integer type), never instead of an array. Refused where llama.cpp would ignore it, and these
+    checks would pass a header it never reads: an override of another kind than the file's value
+    (its getter reads the file's kind, and warns), or of a key the file lacks that llama.cpp
+    reads only from the file (``gguf_archs.READ_ONLY_FROM_FILE``). The split.* keys, which tell
+    llama.cpp the files to load, are never overridden: it would load parts never checked."""
     seen, merged = copy.copy(reader), dict(metadata)
     seen.types = dict(reader.types)
     seen.failing = f"{reader.path.name} with kv_overrides {dict(overrides)} would not load safely"
+    arch = str(overrides.get("general.architecture", metadata.get("general.architecture")))
     for key, value in overrides.items():
+        if key.startswith("split."):
+            raise InvalidParameterError(
+                f"kv_overrides[{key!r}]: the split.* keys say which files make up the model "
+                "(llama.cpp would load parts that were never checked)"
+            )
         if isinstance(metadata.get(key), GgufArray):
             continue
+        if key not in metadata and archs.read_only_from_file(key, arch):
+            raise InvalidParameterError(
+                f"kv_overrides[{key!r}]: {reader.path.name} has no {key}, and llama.cpp reads "
+                "that key only from the file (it would ignore the override)"
+            )
         kind = next(kind for type_, kind in _OVERRIDE_KINDS if isinstance(value, type_))
         if key in reader.types and _stored_kind(reader.types[key]) != kind:
             raise InvalidParameterError(
@@ -1158,6 +1172,27 @@ def _overridden(
         merged[key] = value
         seen.types[key] = {"bool": _BOOL, "int": _INT32, "float": _FLOAT32, "str": _STRING}[kind]
     return seen, merged
+
+
+def applied_overrides(
+    metadata: Mapping[str, Any], overrides: Mapping[str, int | float | str]
+) -> dict[str, str]:
+    """The ``overrides`` llama.cpp applies to a model whose header validate_gguf returned as
+    ``metadata`` (all of them but those of arrays), each as llama_model_meta_val_str renders a
+    value of its kind. That getter shows the file's values: guards of a loaded model read these
+    over them."""
+    return {
+        key: meta_string(value)
+        for key, value in overrides.items()
+        if not isinstance(metadata.get(key), GgufArray)
+    }
+
+
+def meta_string(value: int | float | str) -> str:
+    """A scalar as llama.cpp renders metadata (gguf_kv_to_str: std::to_string, true/false)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"{value:f}" if isinstance(value, float) else str(value)
 
 
 _OVERRIDE_KINDS = ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"))

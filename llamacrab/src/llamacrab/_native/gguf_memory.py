@@ -15,13 +15,14 @@ and with a checkpoint's size.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llamacrab._native.call import lib
 from llamacrab._native.context import KV_TYPES, ContextParams
-from llamacrab._native.gguf_check import GgufArray, _read_file, _uint, split_parts
+from llamacrab._native.gguf_check import GgufArray, _overridden, _read_file, _uint, split_parts
 from llamacrab._native.kv_layout import kv_layout, pad_cells
 
 _FLOAT = 4
@@ -98,13 +99,19 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 
 def estimate_memory(
-    path: str | Path, params: ContextParams | None = None, projector: str | Path | None = None
+    path: str | Path,
+    params: ContextParams | None = None,
+    projector: str | Path | None = None,
+    overrides: Mapping[str, int | float | str] | None = None,
 ) -> MemoryEstimate:
     """The memory ``path`` (the first part of a split model) and a context with ``params``
-    will take, in bytes; ``projector`` (a multimodal projector) adds its weights. Raises what
+    will take, in bytes; ``projector`` (a multimodal projector) adds its weights; ``overrides``
+    (``kv_overrides``) change the header as they change what llama.cpp reads. Raises what
     validation raises for a file llama.cpp could not load."""
     params = params or ContextParams()
     reader, metadata, tensors = _file_header(Path(path))
+    if overrides:
+        reader, metadata = _overridden(reader, metadata, overrides)
     arch = str(metadata.get("general.architecture", ""))
     weights = _tensor_bytes(tensors)
     if projector is not None:

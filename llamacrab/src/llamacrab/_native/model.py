@@ -25,7 +25,7 @@ from llamacrab._native import backend as _backend
 from llamacrab._native import gguf_archs as archs
 from llamacrab._native.call import c_path, c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import accelerator_present, warn_if_no_gpu
-from llamacrab._native.gguf_check import split_parts, validate_gguf
+from llamacrab._native.gguf_check import applied_overrides, split_parts, validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.host_limits import host_memory_left
 from llamacrab._native.kv_layout import KvLayout, kv_layout
@@ -187,10 +187,14 @@ class Model(NativeHandle):
     kind = "model"
 
     def __init__(self, pointer: Any, path: Path, params: ModelParams, kv_layout: KvLayout,
-                 weights: bytes = b"", position_rows: int | None = None) -> None:  # fmt: skip
+                 weights: bytes = b"", position_rows: int | None = None,
+                 overridden: Mapping[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(pointer, lib.llama_model_free, None)
         self.path = path
         self.params = params
+        # The kv_overrides llama.cpp applied, rendered as it renders metadata: its getters
+        # (``metadata``) show the file's values, which the checks of this model must not trust.
+        self._overridden = dict(overridden or {})
         self._weights_sample = weights  # weights_sample.py: part of the identity
         # A learned position table's rows (BERT, GPT-2): the positions a sequence may take.
         self.position_rows = position_rows
@@ -212,7 +216,8 @@ class Model(NativeHandle):
         """The model's tokenizer (the same object while anything holds it)."""
         vocab = None if self._vocab is None else self._vocab()
         if vocab is None:
-            vocab = Vocab(self, self._vocab_facts)
+            pre = self._loaded_metadata.get("tokenizer.ggml.pre", "")
+            vocab = Vocab(self, self._vocab_facts, pre)
             self._vocab = weakref.ref(vocab)
         return vocab
 
@@ -264,7 +269,9 @@ class Model(NativeHandle):
         try:
             with held_signals() as hold:  # nothing lands between the load and the handle
                 pointer = _load_weights(file, c_params, _Progress(progress, hold))
-                model = cls(pointer, file, params, layout, weights, reader.position_rows)
+                overridden = applied_overrides(metadata, params.kv_overrides or {})
+                model = cls(pointer, file, params, layout, weights, reader.position_rows,
+                            overridden)  # fmt: skip
             model.vocab.check_usable()
         except BaseException as error:
             if model is None:
@@ -342,12 +349,14 @@ class Model(NativeHandle):
     @functools.cached_property
     def causal(self) -> bool:
         """False for encoder-style models (BERT): they attend both ways within a sequence."""
-        return self.metadata.get(f"{self.arch}.attention.causal", "true") != "false"
+        return self._loaded_metadata.get(f"{self.arch}.attention.causal", "true") != "false"
 
     @property
     def arch(self) -> str:
-        """The architecture's name (``general.architecture``: "llama", "gemma3", "bert", ...)."""
-        return self.metadata.get("general.architecture", "")
+        """The architecture's name (``general.architecture``: "llama", "gemma3", "bert", ...),
+        as llama.cpp read it (a kv_override of it included)."""
+        self.pointer  # noqa: B018 - raises ClosedHandleError once the model is closed
+        return self._loaded_metadata.get("general.architecture", "")
 
     def computes_logits(self, embeddings: bool) -> bool:
         """Whether a decode in a context with ``embeddings`` on or off writes logits to generate
@@ -360,11 +369,12 @@ class Model(NativeHandle):
 
     @functools.cached_property
     def identity(self) -> bytes:
-        """A digest of the metadata, the weights' layout and a sample of the files' bytes
-        (read at load): saved states carry it, so one is never loaded into a different model,
-        a fine-tune of the same base included."""
+        """A digest of the metadata (its kv_overrides applied), the weights' layout and a
+        sample of the files' bytes (read at load): saved states carry it, so one is never
+        loaded into a different model, a fine-tune of the same base included."""
+        self.pointer  # noqa: B018 - raises ClosedHandleError once the model is closed
         digest = hashlib.sha256()
-        for key, value in sorted(self.metadata.items()):
+        for key, value in sorted(self._loaded_metadata.items()):
             digest.update(f"{key}={value}\n".encode())
         digest.update(f"{self.n_params}:{self.size}:{self.vocab.n_tokens}".encode())
         digest.update(self._weights_sample)
@@ -375,6 +385,11 @@ class Model(NativeHandle):
         """Every GGUF metadata key with its value as llama.cpp renders it (a copy)."""
         self.pointer  # noqa: B018 - raises ClosedHandleError once the model is closed
         return dict(self._metadata)
+
+    @functools.cached_property
+    def _loaded_metadata(self) -> dict[str, str]:
+        """``metadata`` as llama.cpp read it at load: with the kv_overrides it applied."""
+        return self._metadata | self._overridden
 
     @functools.cached_property
     def _metadata(self) -> dict[str, str]:

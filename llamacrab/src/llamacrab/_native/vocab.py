@@ -13,12 +13,11 @@ import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, TokenizeError
 from llamacrab._field_types import utf8
-from llamacrab._native.call import call, ffi, lib, read_string
+from llamacrab._native.call import call, ffi, lib
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.pretokenizer import may_recurse_per_char, run_bounded
 
 _PIECE_BUFFER = 64
-_PRE_KEY = b"tokenizer.ggml.pre"
 
 
 @dataclass
@@ -33,10 +32,13 @@ class VocabFacts:
 class Vocab:
     """The tokenizer of a model. Valid while its model is open; holding it keeps the model."""
 
-    def __init__(self, model: NativeHandle, facts: VocabFacts) -> None:
+    def __init__(self, model: NativeHandle, facts: VocabFacts, pre_tokenizer: str) -> None:
         # The model handle is passed in (not imported): the vocabulary lives and dies with it.
         self._model = model
         self._facts = facts
+        # tokenizer.ggml.pre as llama.cpp read it ("" if missing): its kv_override, if any,
+        # which llama_model_meta_val_str would not show.
+        self._pre_tokenizer = pre_tokenizer
         self._pointer = lib.llama_model_get_vocab(model.pointer)
         self._n_tokens = int(lib.llama_vocab_n_tokens(self._pointer))
 
@@ -61,10 +63,8 @@ class Vocab:
         """Whether llama.cpp may split text with std::regex, whose stack grows with the text
         (``pretokenizer``): BPE vocabularies without a custom splitter for every regex."""
         if self._facts.regex_may_recurse is None:
-            with self._model.in_flight() as model:  # "" when the key is missing
-                pre = read_string(lambda b, n: lib.llama_model_meta_val_str(model, _PRE_KEY, b, n))
             bpe = self._get(lib.llama_vocab_type) == lib.LLAMA_VOCAB_TYPE_BPE
-            self._facts.regex_may_recurse = bpe and may_recurse_per_char(pre)
+            self._facts.regex_may_recurse = bpe and may_recurse_per_char(self._pre_tokenizer)
         return self._facts.regex_may_recurse
 
     @property
