@@ -84,6 +84,30 @@ def test_an_override_llama_cpp_ignores_is_refused(tiny_model_path: Path) -> None
         pass
 
 
+ARRAY_CHILD = """
+    import sys
+    from llamacrab import InvalidModelError, Model, ModelParams
+    try:
+        Model.load(sys.argv[1], ModelParams(kv_overrides={"llama.expert_count": 4}))
+    except InvalidModelError as error:
+        print(error)
+"""
+
+
+def test_an_override_of_an_array_read_as_a_key_is_checked(tmp_path: Path) -> None:
+    # llama.cpp reads expert_count with get_key, whose override comes before the type check:
+    # 4 experts replaced the file's array, none used (SIGABRT); the check kept the array.
+    tiny = load_repo_module("scripts/make_tiny_gguf.py")
+    path = tmp_path / "array.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    tiny._metadata(writer, tiny.N_LAYER, 1e-5)
+    writer.add_array("llama.expert_count", [4, 4])
+    tiny.write_gguf(writer, tiny._tensors(0, len(tiny.vocabulary()[0])))
+    child = run_child(ARRAY_CHILD, path)
+    assert child.returncode == 0, f"exit {child.returncode}\n{child.stderr[-3000:]}"
+    assert "expert_count = 4 needs llama.expert_used_count > 0" in child.stdout
+
+
 def write_two_archs(path: Path) -> Path:
     """The tiny llama, whose header also holds every key a llama-embed model needs."""
     tiny = load_repo_module("scripts/make_tiny_gguf.py")

@@ -1138,13 +1138,15 @@ def validate_gguf(
 def _overridden(
     reader: _Reader, metadata: dict[str, Any], overrides: Mapping[str, int | float | str]
 ) -> tuple[_Reader, dict[str, Any]]:
-    """The header as llama.cpp's loader reads it with ``overrides``: an override instead of a
-    scalar key (or one the file lacks), read by any getter of its kind (an integer one by any
-    integer type), never instead of an array. Refused where llama.cpp would ignore it, and these
-    checks would pass a header it never reads: an override of another kind than the file's value
-    (its getter reads the file's kind, and warns), or of a key the file lacks that llama.cpp
-    reads only from the file (``gguf_archs.READ_ONLY_FROM_FILE``). The split.* keys, which tell
-    llama.cpp the files to load, are never overridden: it would load parts never checked."""
+    """The header as llama.cpp's loader reads it with ``overrides``: an override instead of the
+    file's value (or where it has none), read by any getter of its kind (an integer one by any
+    integer type); an array too, where llama.cpp reads the key with get_key (the override comes
+    before the type check), not where it reads the file's array (``gguf_archs.
+    READ_ONLY_FROM_FILE``). Refused where llama.cpp would ignore it, and these checks would pass
+    a header it never reads: an override of another kind than the file's value (its getter
+    reads the file's kind, and warns), or of a key the file lacks that llama.cpp reads only from
+    the file. The split.* keys, which tell llama.cpp the files to load, are never overridden:
+    it would load parts never checked."""
     seen, merged = copy.copy(reader), dict(metadata)
     seen.types = dict(reader.types)
     seen.failing = f"{reader.path.name} with kv_overrides {dict(overrides)} would not load safely"
@@ -1155,15 +1157,17 @@ def _overridden(
                 f"kv_overrides[{key!r}]: the split.* keys say which files make up the model "
                 "(llama.cpp would load parts that were never checked)"
             )
-        if isinstance(metadata.get(key), GgufArray):
-            continue
-        if key not in metadata and archs.read_only_from_file(key, arch):
-            raise InvalidParameterError(
-                f"kv_overrides[{key!r}]: {reader.path.name} has no {key}, and llama.cpp reads "
-                "that key only from the file (it would ignore the override)"
-            )
+        array = isinstance(metadata.get(key), GgufArray)
+        if archs.read_only_from_file(key, arch):
+            if array:
+                continue  # llama.cpp reads the array
+            if key not in metadata:
+                raise InvalidParameterError(
+                    f"kv_overrides[{key!r}]: {reader.path.name} has no {key}, and llama.cpp "
+                    "reads that key only from the file (it would ignore the override)"
+                )
         kind = next(kind for type_, kind in _OVERRIDE_KINDS if isinstance(value, type_))
-        if key in reader.types and _stored_kind(reader.types[key]) != kind:
+        if key in reader.types and not array and _stored_kind(reader.types[key]) != kind:
             raise InvalidParameterError(
                 f"kv_overrides[{key!r}] = {value!r} is {_KIND_NAMES[kind]}; {reader.path.name} "
                 f"stores {_KIND_NAMES[_stored_kind(reader.types[key])]} there (llama.cpp would "
@@ -1178,9 +1182,9 @@ def applied_overrides(
     metadata: Mapping[str, Any], overrides: Mapping[str, int | float | str]
 ) -> dict[str, str]:
     """The ``overrides`` llama.cpp applies to a model whose header validate_gguf returned as
-    ``metadata`` (all of them but those of arrays), each as llama_model_meta_val_str renders a
-    value of its kind. That getter shows the file's values: guards of a loaded model read these
-    over them."""
+    ``metadata`` (all but those of arrays it reads as such), each as llama_model_meta_val_str
+    renders a value of its kind. That getter shows the file's values: guards of a loaded model
+    read these over them."""
     return {
         key: meta_string(value)
         for key, value in overrides.items()
