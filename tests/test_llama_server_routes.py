@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -621,6 +622,45 @@ def test_chat_continues_a_last_assistant_message(gemma_server: LiveServer) -> No
     shaped = httpx.post(url + "/v1/chat/completions",
                         json={**body, "response_format": {"type": "json_object"}})  # fmt: skip
     assert shaped.status_code == 400 and "prefill" in shaped.json()["error"]["message"]
+
+
+@pytest.mark.real_model
+def test_chat_leaves_the_answers_turn_unopened_when_asked(gemma_server: LiveServer) -> None:
+    """llama-server reads ``add_generation_prompt`` from the body: false renders the chat
+    without the opening of the answer's turn, the prompt /apply-template shows for it. The
+    route ignored it and opened the turn."""
+    url, post = gemma_server.url, partial(httpx.post, timeout=120)  # a loaded machine is slow
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    unopened = {"messages": messages, "add_generation_prompt": False}
+    prompt = post(url + "/apply-template", json=unopened).json()["prompt"]
+    assert prompt.endswith("<end_of_turn>\n")
+    native = {"prompt": prompt, "n_predict": 4, "temperature": 0}
+    expected = post(url + "/completion", json=native).json()
+    body = {**unopened, "max_tokens": 4, "temperature": 0}
+    answer = post(url + "/v1/chat/completions", json=body).json()
+    assert answer["usage"]["prompt_tokens"] == expected["tokens_evaluated"]
+    message = answer["choices"][0]["message"]
+    assert (message["role"], message["content"]) == ("assistant", expected["content"])
+    opened = post(url + "/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert opened.json()["usage"]["prompt_tokens"] > expected["tokens_evaluated"]
+    streamed = events(post(url + "/v1/chat/completions", json={**body, "stream": True}).text)
+    deltas = [e["choices"][0]["delta"] for e in streamed if e["choices"]]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content") or "" for d in deltas) == expected["content"]
+    # A last assistant message is continued all the same (it opens no turn either).
+    said = [*messages, {"role": "assistant", "content": "The capital of France is"}]
+    continued = [
+        post(
+            url + "/v1/chat/completions",
+            json={**body, "messages": said, "add_generation_prompt": flag},
+        ).json()["choices"]
+        for flag in (False, True)
+    ]
+    assert continued[0] == continued[1]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    refused = post(url + "/v1/chat/completions", json={**body, "tools": [tool]})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "add_generation_prompt"
 
 
 # A template that reads llama-server's usual chat_template_kwargs, as Qwen 3's and gpt-oss's do.

@@ -177,6 +177,7 @@ class ChatCompletionRequest(GenerationFields):
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # llama-server's: template variables
+    add_generation_prompt: bool = True  # llama-server's; false: the answer's turn is not opened
     # Refused unless unset: outputs this server cannot make (audio, web searches, verbosity).
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
