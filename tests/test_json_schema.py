@@ -166,3 +166,43 @@ def test_a_pattern_repetition_of_other_digits_is_refused() -> None:
     # str.isdigit is true of "²": the repetition went on into the grammar as "{²}".
     with pytest.raises(GrammarError):
         schema_to_grammar({"type": "string", "pattern": "^a{²}$"})
+
+
+def _required_strings(count: int, **lengths: int) -> dict[str, Any]:
+    properties = {f"p{i}": {"type": "string", **lengths} for i in range(count)}
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+@pytest.mark.parametrize(
+    ("schema", "repetition"),
+    [
+        # Each property repeated a copy of its own: 3.2M elements, past the expansion bound.
+        (_required_strings(400, maxLength=2000), "{0,2000}"),
+        # A repetition of a group past 1000: "failed to parse grammar" in llama.cpp.
+        ({"type": "string", "maxLength": 2000}, "{0,2000}"),
+        (_required_strings(3, minLength=1500), "{1500,}"),
+    ],
+    ids=["400-properties", "maxLength-2000", "minLength-1500"],
+)
+def test_long_strings_are_one_repetition_llama_cpp_accepts(
+    tiny_llama: Llama, schema: dict[str, Any], repetition: str
+) -> None:
+    grammar = schema_to_grammar(schema)
+    SamplerChain(tiny_llama.model, SamplingOptions(grammar=grammar)).close()
+    assert grammar.count(repetition) == 1  # one rule per string shape, shared
+
+
+def test_strings_of_other_shapes_keep_their_own_bounds(tiny_llama: Llama) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 2}, "b": {"const": "b"},
+                       "c": {"type": "string", "minLength": 3, "maxLength": 4}},
+        "required": ["a", "b", "c"],
+    }  # fmt: skip
+    for seed in range(4):
+        result = tiny_llama.create_completion("x", max_tokens=300, temperature=1.0, seed=seed,
+                                              grammar=schema_to_grammar(schema))  # fmt: skip
+        assert result.choices[0].finish_reason == "eos", result.text
+        value = json.loads(result.text)
+        assert len(value["a"].replace("\ufffd", "")) <= 2
+        assert 3 <= len(value["c"].replace("\ufffd", "")) <= 4

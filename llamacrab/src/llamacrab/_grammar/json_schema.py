@@ -301,20 +301,31 @@ class _Converter:
         return self.add(hint, bounded(low, high, fraction))
 
     def string(self, schema: Mapping[str, Any], hint: str) -> str:
+        """A rule named after the string's shape, not its place: llama.cpp expands a bounded
+        repetition where a rule defines it, so properties of one shape share one expansion
+        (400 strings of maxLength 2000 each with its own copy: 3.2M elements, refused)."""
         if "pattern" in schema:
             if {"format", "minLength", "maxLength"} & set(schema):
                 raise GrammarError(f"{hint}: pattern with format or lengths is not supported")
-            return self.add(hint, f'"\\"" ( {pattern_to_gbnf(schema["pattern"])} ) "\\""')
+            pattern = pattern_to_gbnf(schema["pattern"])
+            return self.add("string-pattern", f'"\\"" ( {pattern} ) "\\""')
         if "format" in schema:
             if schema["format"] not in _FORMATS:
                 raise GrammarError(f"string format {schema['format']!r} at {hint} is not supported")
-            return self.add(hint, f'"\\"" {_FORMATS[schema["format"]]} "\\""')
+            return self.add(
+                f"string-{schema['format']}", f'"\\"" {_FORMATS[schema["format"]]} "\\""'
+            )
         low, high = schema.get("minLength"), schema.get("maxLength")
         if low is None and high is None:
             return "json-string"
-        char = r'( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )'
-        count = f"{{{int(low or 0)},{'' if high is None else int(high)}}}"
-        return self.add(hint, f'"\\"" {char}{count} "\\""')
+        # A rule, not a group: llama.cpp refuses a repetition past 2000 of all the rules it
+        # repeats (this group's two), so a group allowed maxLength 1000 at most.
+        char = self.add(
+            "string-char", r'[^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )'
+        )
+        fewest, most = int(low or 0), "" if high is None else str(int(high))
+        return self.add(f"string-{fewest}-{most or 'more'}",
+                        f'"\\"" {char}{{{fewest},{most}}} "\\""')  # fmt: skip
 
 
 def _check_keyword_types(schema: Mapping[str, Any], hint: str) -> None:
