@@ -270,17 +270,27 @@ def test_a_grammar_whose_every_token_is_banned_is_refused(tiny_llama: Llama) -> 
 
 
 def test_a_very_wide_grammar_is_refused_naming_both_causes(tiny_llama: Llama) -> None:
-    # Found by review: a flat grammar of 20,000 alternatives, nothing recursive in it, holds
-    # one parse stack per alternative the first token fits (11,111 after "1") and was told
-    # it was "an ambiguous grammar: a rule that can start over inside itself".
-    wide = "root ::= " + " | ".join(f'"{i}"' for i in range(20_000))
+    # Found by review: a grammar holding one parse stack per way it reads the text, nothing
+    # recursive in it, was told it was "an ambiguous grammar: a rule that can start over inside
+    # itself". A flat alternation of 20,000 is refused before llama.cpp starts it; here each of
+    # 100 ways past a "1" opens a 100-way choice of its own: 10,000 stacks after that token.
+    ways = " | ".join('"1" choice "."' for _ in range(100))
+    choices = " | ".join(f'"z{i}"' for i in range(100))
+    nested = f"root ::= {ways}\nchoice ::= {choices}"
+    one = tiny_llama.tokenize("1", add_special=False)[-1]
     with pytest.raises(GrammarError) as refused:
-        tiny_llama.create_completion("the cat", max_tokens=4, temperature=0, grammar=wide)
+        tiny_llama.create_completion(
+            "the cat", max_tokens=4, temperature=0, grammar=nested, logit_bias={one: 50}
+        )
     message = str(refused.value)
-    assert "parse stacks after a token; the limit is 1024" in message
+    assert "the grammar holds 10000 parse stacks after a token; the limit is 1024" in message
     assert "one way the grammar can read the text so far" in message
     assert "a rule that can start over inside itself" in message
     assert "a very wide alternation" in message and "ambiguous" not in message
+    flat = "root ::= " + " | ".join(f'"{i}"' for i in range(20_000))
+    with pytest.raises(GrammarError, match="can begin more than 1024 ways") as refused:
+        tiny_llama.create_completion("the cat", max_tokens=4, temperature=0, grammar=flat)
+    assert "ambiguous" not in str(refused.value)
     tokens = tiny_llama.create_completion("the cat", max_tokens=3, temperature=0).choices[0].tokens
     assert len(tokens) == 3  # the Llama goes on
     narrow = 'root ::= "1" | "2"'

@@ -112,6 +112,100 @@ PATCHES: tuple[SourcePatch, ...] = (
         ),
     ),
     SourcePatch(
+        name="llama-grammar-work-budget",
+        path="src/llama-grammar.cpp",
+        edits=(
+            (
+                "// transforms a grammar pushdown stack into N possible stacks",
+                "// llamacrab: the steps one apply or accept of a token may take past the first "
+                "character\n"
+                "// (candidate tokens looked at again, parse stacks expanded or compared): an "
+                "ambiguous\n"
+                "// grammar can need millions of times more than a plain one, in a call nothing "
+                "interrupts.\n"
+                "// The first character's pass, stacks times candidates, is the stack bound's.\n"
+                "#define LLAMACRAB_GRAMMAR_MAX_WORK 67108864ULL\n"
+                "static thread_local uint64_t llamacrab_grammar_work = 0;\n"
+                "static thread_local uint64_t llamacrab_grammar_limit = UINT64_MAX;\n"
+                "static thread_local bool llamacrab_grammar_nested = false;\n\n"
+                "static void llamacrab_grammar_start(uint64_t limit) {\n"
+                "    llamacrab_grammar_work = 0;\n"
+                "    llamacrab_grammar_limit = limit;\n"
+                "    llamacrab_grammar_nested = false;\n"
+                "}\n\n"
+                "static void llamacrab_grammar_spend(uint64_t steps) {\n"
+                "    llamacrab_grammar_work += steps;\n"
+                "    if (llamacrab_grammar_work > llamacrab_grammar_limit) {\n"
+                '        throw std::runtime_error("llamacrab: the grammar needed more than " +\n'
+                '            std::to_string(LLAMACRAB_GRAMMAR_MAX_WORK) + " steps to check one '
+                'token, the limit");\n'
+                "    }\n"
+                "}\n\n"
+                "// transforms a grammar pushdown stack into N possible stacks",
+            ),
+            (
+                "        auto [curr_stack_it, inserted] = "
+                "seen.insert(std::move(curr_stack_candidate));\n",
+                "        llamacrab_grammar_spend(8 + 4 * new_stacks.size());  // and the duplicate "
+                "search\n"
+                "        auto [curr_stack_it, inserted] = "
+                "seen.insert(std::move(curr_stack_candidate));\n",
+            ),
+            (
+                "    llama_grammar_candidates rejects;\n    rejects.reserve(candidates.size());\n",
+                "    llamacrab_grammar_spend(1 + (llamacrab_grammar_nested ? candidates.size() "
+                ": 0));\n"
+                "    llama_grammar_candidates rejects;\n    rejects.reserve(candidates.size());\n",
+            ),
+            (
+                "    auto next_rejects = llama_grammar_reject_candidates(rules, next_stacks, "
+                "next_candidates);\n",
+                "    const bool nested = llamacrab_grammar_nested;\n"
+                "    llamacrab_grammar_nested = true;\n"
+                "    auto next_rejects = llama_grammar_reject_candidates(rules, next_stacks, "
+                "next_candidates);\n"
+                "    llamacrab_grammar_nested = nested;\n",
+            ),
+            (  # a grammar's start is bounded by its size
+                "        size_t start_rule_index) {\n",
+                "        size_t start_rule_index) {\n    llamacrab_grammar_start(UINT64_MAX);\n",
+            ),
+            (
+                "                            size_t num_trigger_tokens) {\n",
+                "                            size_t num_trigger_tokens) {\n"
+                "    llamacrab_grammar_start(UINT64_MAX);\n",
+            ),
+            (
+                "void llama_grammar_apply_impl(const struct llama_grammar & grammar, "
+                "llama_token_data_array * cur_p) {\n",
+                "void llama_grammar_apply_impl(const struct llama_grammar & grammar, "
+                "llama_token_data_array * cur_p) {\n"
+                "    llamacrab_grammar_start(LLAMACRAB_GRAMMAR_MAX_WORK);\n",
+            ),
+            (
+                "void llama_grammar_accept_impl(struct llama_grammar & grammar, llama_token "
+                "token) {\n",
+                "void llama_grammar_accept_impl(struct llama_grammar & grammar, llama_token "
+                "token) {\n"
+                "    llamacrab_grammar_start(LLAMACRAB_GRAMMAR_MAX_WORK);\n",
+            ),
+        ),
+        why=(
+            "The stack bound counts the ways a grammar reads the text after a token, not the "
+            "work of reading one: an ambiguous grammar (`root ::= x root x | x` with a few "
+            "one-character choices for x) tries every split of each token among its nesting "
+            "levels while it filters the candidates (30 s for one token of Gemma 3's 262k "
+            "vocabulary with 3 choices, hours with 5), and a 128- to 256-way repeated "
+            "alternation of any character re-expands and deduplicates its stacks cubically "
+            "(6 to 30 s a token), both inside one sampling call no timeout, cancel or close() "
+            "interrupts, with few stacks left after it. Past 2^26 steps one apply or accept "
+            "throws (a candidate token looked at past its first character, a parse stack "
+            "expanded, four per stack it is compared with); llamacrab reports a GrammarError. "
+            "A JSON Schema's string takes ~2^22, the first character's pass over every stack "
+            "is not counted (the stack bound's)."
+        ),
+    ),
+    SourcePatch(
         name="llama-sampler-dynatemp-overflow",
         path="src/llama-sampler.cpp",
         edits=(

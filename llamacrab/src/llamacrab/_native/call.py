@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from llamacrab._exceptions import InvalidParameterError, LlamaError, NativeError
@@ -45,15 +45,20 @@ def call_each(name: str, first: Any, items: Iterable[Any]) -> None:
 PATCH_REFUSAL = "llamacrab: "
 
 
-def call_bounded(name: str, *args: Any, refusal: type[LlamaError], explain: str = "") -> Any:
-    """``call`` for an entry point a patch bounds: the patch's refusal becomes ``refusal``
-    (its message, then ``explain``); any other C++ error stays a NativeError."""
+def call_bounded(
+    name: str, *args: Any, refusal: type[LlamaError], explain: Mapping[str, str] | None = None
+) -> Any:
+    """``call`` for an entry point patches bound: a patch's refusal becomes ``refusal`` (its
+    message, then the ``explain`` value whose key it contains: entry points that several
+    patches bound tell their refusals apart); any other C++ error stays a NativeError."""
     try:
         return call(name, *args)
     except NativeError as error:
         if not error.message.startswith(PATCH_REFUSAL):
             raise
-        raise refusal(error.message.removeprefix(PATCH_REFUSAL) + explain) from error
+        message = error.message.removeprefix(PATCH_REFUSAL)
+        why = next((why for key, why in (explain or {}).items() if key in message), "")
+        raise refusal(message + why) from error
 
 
 def c_string(text: str, what: str) -> bytes:

@@ -73,20 +73,31 @@ COMPLETE_END_BANNED = (
     "end-of-generation token, and logit_bias bans every one"
 )
 
-# What the llama-grammar-stack-bound patch's count is, and both ways a grammar reaches it.
-_TOO_MANY_READINGS = (
-    " (a parse stack is one way the grammar can read the text so far, and it holds them all "
-    "at once: a rule that can start over inside itself multiplies them with every token, and "
-    "a very wide alternation keeps one for each of its choices that the text still fits)"
-)
+# What the llama-grammar-stack-bound patch's count is, and both ways a grammar reaches it;
+# what the llama-grammar-work-budget patch's steps are, and what takes so many.
+_EXPLANATIONS = {
+    "parse stacks": (
+        " (a parse stack is one way the grammar can read the text so far, and it holds them "
+        "all at once: a rule that can start over inside itself multiplies them with every "
+        "token, and a very wide alternation keeps one for each of its choices that the text "
+        "still fits)"
+    ),
+    "steps to check one token": (
+        " (llama.cpp follows every way the grammar can read a candidate token before it "
+        "refuses it: where rules can split a text among them many ways, an ambiguous grammar, "
+        "or many alternatives accept the same characters, that grows exponentially with the "
+        "token's length)"
+    ),
+}
 
 
 def grammar_call(name: str, *args: Any, dead_end: str = NOTHING_ALLOWED) -> Any:
     """``call`` for the sampling entry points, where a grammar can hit the bound of
     llamacrab-sys's llama-grammar-stack-bound patch on the ways it reads the text at once,
-    or every parse end (``dead_end`` says how)."""
+    its llama-grammar-work-budget patch on the steps one token's check takes, or every parse
+    end (``dead_end`` says how)."""
     try:
-        return call_bounded(name, *args, refusal=GrammarError, explain=_TOO_MANY_READINGS)
+        return call_bounded(name, *args, refusal=GrammarError, explain=_EXPLANATIONS)
     except NativeError as error:
         if not error.message.startswith(_DEAD_END):
             raise
