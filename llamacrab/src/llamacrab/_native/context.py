@@ -213,6 +213,7 @@ class Context(NativeHandle):
         # Closing the model from another thread waits for the creation, then closes this too;
         # signals wait for the handle (signals.py).
         with held_signals(), model.in_flight() as model_pointer:
+            _check_decoder_only(model, model_pointer)
             c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
             _check_host_memory(model, params, c_params)
             pointer = call("llama_init_from_model", model_pointer, c_params)
@@ -803,6 +804,17 @@ class Context(NativeHandle):
 
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"
+
+
+def _check_decoder_only(model: Model, pointer: Any) -> None:
+    """An encoder-decoder model (T5) decodes against what llama_encode computed for the input,
+    and llamacrab never calls it: llama.cpp asserts (an abort) at the first decode, of a
+    completion or an embedding alike. An encoder alone (t5encoder) or a decoder alone runs."""
+    if lib.llama_model_has_encoder(pointer) and lib.llama_model_has_decoder(pointer):
+        raise ContextError(
+            f"{model!r} ({model.arch}) is an encoder-decoder model: encoder-decoder generation "
+            "is not supported (llamacrab runs decoder-only models and encoders alone)"
+        )
 
 
 def _check_host_memory(model: Model, params: ContextParams, c_params: Any) -> None:

@@ -1,0 +1,152 @@
+"""Context parameters and memory operations llama.cpp would abort on, or get wrong, refused or
+done right: encoder-decoder models, an n_ctx that wraps, separate KV streams, huge micro-batches
+of recurrent models, keep with a stream per sequence, shifts past int32."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from llamacrab import (
+    Batch,
+    Context,
+    Llama,
+    Model,
+)
+from llamacrab._native import context as context_module
+from llamacrab._native.host_limits import Limit
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+MAX_N_CTX = 2**32 - 256 * 256  # 256 cells of padding for each of up to 256 streams
+
+
+def write_tiny_t5(path: Path, decoder: bool = True) -> Path:
+    """A one-layer T5 (arch ``t5``, encoder and decoder) or, without ``decoder``, its encoder
+    alone (``t5encoder``), random weights over the tiny vocabulary."""
+    writer = gguf.GGUFWriter(str(path), "t5" if decoder else "t5encoder")
+    tokens, scores, types = tiny.vocabulary(False, False, ())
+    embd, heads, n_ff, buckets = 64, 4, 128, 32
+    writer.add_context_length(512)
+    writer.add_embedding_length(embd)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_relative_attn_buckets_count(buckets)
+    if decoder:
+        writer.add_decoder_start_token_id(0)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(True)
+    rng = np.random.default_rng(0)
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    ones = np.ones(embd, np.float32)
+    tensors = {"token_embd.weight": weight(len(tokens), embd), "enc.output_norm.weight": ones}
+    blocks = [("enc", "attn"), ("dec", "attn"), ("dec", "cross_attn")] if decoder else [
+        ("enc", "attn")
+    ]  # fmt: skip
+    for part, attn in blocks:
+        tensors[f"{part}.blk.0.{attn}_norm.weight"] = ones
+        for name in ("q", "k", "v", "o"):
+            tensors[f"{part}.blk.0.{attn}_{name}.weight"] = weight(embd, embd)
+        tensors[f"{part}.blk.0.{attn}_rel_b.weight"] = weight(buckets, heads)
+    for part in ("enc", "dec") if decoder else ("enc",):
+        tensors[f"{part}.blk.0.ffn_norm.weight"] = ones
+        tensors[f"{part}.blk.0.ffn_up.weight"] = weight(n_ff, embd)
+        tensors[f"{part}.blk.0.ffn_down.weight"] = weight(embd, n_ff)
+    if decoder:
+        tensors["dec.output_norm.weight"] = ones
+        tensors["output.weight"] = weight(len(tokens), embd)
+    tiny.write_gguf(writer, tensors)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("context-guards")
+    return {
+        "llama": tiny.write_tiny_llama(folder / "tiny.gguf"),
+        "mamba": tiny.write_tiny_mamba(folder / "tiny-mamba.gguf"),
+        "jamba": tiny.write_tiny_jamba(folder / "tiny-jamba.gguf"),
+        "t5": write_tiny_t5(folder / "tiny-t5.gguf"),
+        "t5encoder": write_tiny_t5(folder / "tiny-t5encoder.gguf", decoder=False),
+    }
+
+
+@pytest.fixture
+def loaded(models: dict[str, Path], request: pytest.FixtureRequest) -> Iterator[Model]:
+    with Model.load(models[request.param]) as model:
+        yield model
+
+
+def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+
+
+def decode(ctx: Context, tokens: list[int], seq_id: int = 0) -> None:
+    with Batch(len(tokens), ctx.params.n_seq_max) as batch:
+        batch.set(np.asarray(tokens, dtype=np.int32), 0, seq_id)
+        ctx.decode(batch)
+
+
+def only_memory_left(monkeypatch: pytest.MonkeyPatch, amount: int) -> None:
+    limit = Limit(amount, "the test leaves")
+    monkeypatch.setattr(context_module, "host_memory_left", lambda: limit)
+
+
+# -- encoder-decoder models ---------------------------------------------------------------------
+
+ENCODER_DECODER_CHILD = """
+    import sys
+    from llamacrab import Llama, LlamaError
+    for embeddings in (False, True):
+        try:
+            with Llama(sys.argv[1], n_ctx=256, n_threads=1, embeddings=embeddings) as llm:
+                if embeddings:
+                    llm.embed("the cat")
+                else:
+                    llm.create_completion("the cat", max_tokens=3)
+        except LlamaError as error:
+            print(type(error).__name__, error)
+"""
+
+
+def test_an_encoder_decoder_model_is_refused_not_an_abort(models: dict[str, Path]) -> None:
+    child = run_child(ENCODER_DECODER_CHILD, str(models["t5"]))
+    assert child.returncode == 0, f"exit {child.returncode}\n{child.stderr[-3000:]}"
+    refusals = child.stdout.splitlines()
+    assert len(refusals) == 2
+    for refusal in refusals:
+        assert refusal.startswith("ContextError")
+        assert (
+            "tiny-t5.gguf" in refusal and "encoder-decoder generation is not supported" in refusal
+        )
+    # An encoder alone still embeds.
+    with Llama(models["t5encoder"], n_ctx=256, n_threads=1, embeddings=True) as encoder:
+        vector = np.asarray(encoder.embed("the cat"))
+    assert vector.shape[-1] == 64 and np.isfinite(vector).all()
