@@ -18,6 +18,8 @@ import pytest
 from llamacrab import (
     Batch,
     Context,
+    ContextParams,
+    InvalidParameterError,
     Llama,
     Model,
 )
@@ -150,3 +152,22 @@ def test_an_encoder_decoder_model_is_refused_not_an_abort(models: dict[str, Path
     with Llama(models["t5encoder"], n_ctx=256, n_threads=1, embeddings=True) as encoder:
         vector = np.asarray(encoder.embed("the cat"))
     assert vector.shape[-1] == 64 and np.isfinite(vector).all()
+
+
+# -- n_ctx near 2^32 ----------------------------------------------------------------------------
+
+
+def test_an_n_ctx_that_llama_cpp_s_padding_would_wrap_is_refused(models: dict[str, Path]) -> None:
+    for n_ctx in (2**32 - 1, 2**32 - 256, MAX_N_CTX + 1):
+        with pytest.raises(InvalidParameterError, match="n_ctx"):
+            ContextParams(n_ctx=n_ctx)
+    # The largest n_ctx left wraps neither with one stream nor with a stream per sequence.
+    with Model.load(models["mamba"]) as mamba:
+        for unified, n_seq_max in ((True, 1), (False, 256), (False, 7)):
+            params = ContextParams(
+                n_ctx=MAX_N_CTX, kv_unified=unified, n_seq_max=n_seq_max, n_threads=1
+            )
+            with Context(mamba, params) as ctx:
+                assert 0 < ctx.n_ctx <= 2**32 - 256
+                decode(ctx, [5, 6, 7])
+                assert ctx.positions(0) == (2, 2)

@@ -40,13 +40,18 @@ from llamacrab._native.devices import accelerator_present
 from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.host_limits import default_threads, host_memory_left
-from llamacrab._native.kv_layout import pad_cells
+from llamacrab._native.kv_layout import CELL_PAD, pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
 from llamacrab._native.signals import arm_sigint, held_signals
 
 GGML_MAX_N_THREADS = 512  # ggml.h
 KV_CELL_BYTES = 48  # llama_kv_cells: pos, shift and ext (x, y) int32s, a std::bitset<256>
+# llama.cpp pads n_ctx to a multiple of 256 in uint32 (n_ctx 2^32 - 1 became 0 and asserted),
+# then, with a KV stream per sequence, gives each stream n_ctx / n_seq_max padded to 256 again
+# and makes n_ctx that times n_seq_max: at most 255 cells more per stream. Below this bound
+# neither step wraps for any n_seq_max llama.cpp allows.
+MAX_N_CTX = UINT32_MAX + 1 - CELL_PAD * lib.llama_max_parallel_sequences()
 
 FLASH_ATTN = {
     "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -133,8 +138,9 @@ class ContextParams:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
+        for name in ("n_batch", "n_ubatch", "n_seq_max"):
             check_range(name, getattr(self, name), 1, UINT32_MAX)
+        check_range("n_ctx", self.n_ctx, 1, MAX_N_CTX)
         if self.n_seq_max > lib.llama_max_parallel_sequences():
             raise InvalidParameterError(
                 f"n_seq_max {self.n_seq_max} exceeds {lib.llama_max_parallel_sequences()}"
