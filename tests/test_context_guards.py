@@ -18,6 +18,7 @@ import pytest
 from llamacrab import (
     Batch,
     Context,
+    ContextError,
     ContextParams,
     InvalidParameterError,
     Llama,
@@ -171,3 +172,34 @@ def test_an_n_ctx_that_llama_cpp_s_padding_would_wrap_is_refused(models: dict[st
                 assert 0 < ctx.n_ctx <= 2**32 - 256
                 decode(ctx, [5, 6, 7])
                 assert ctx.positions(0) == (2, 2)
+
+
+# -- host memory --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loaded", ["llama"], indirect=True)
+def test_separate_streams_count_every_stream_s_cells(
+    loaded: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    per_cell = loaded.kv_layout.bytes(1, 1, 1, 1) + context_module.KV_CELL_BYTES  # f16 K and V
+    only_memory_left(monkeypatch, per_cell * 256 * 16 + 2**20)  # 16 streams of 256 and a MiB
+    with Context(loaded, ContextParams(n_ctx=1024, n_seq_max=4, n_threads=1)) as ctx:
+        assert ctx.n_ctx == 1024
+    # 64 streams of 256 cells each (llama.cpp pads every stream), not 256 cells in all.
+    with pytest.raises(ContextError, match=r"64 stream\(s\) of 256 cells"):
+        Context(loaded, ContextParams(n_ctx=256, n_seq_max=64, n_threads=1))
+    with Context(loaded, ContextParams(n_ctx=256, n_seq_max=64, kv_unified=True, n_threads=1)):
+        pass  # one stream of 256 cells
+
+
+@pytest.mark.parametrize("loaded", ["mamba"], indirect=True)
+def test_a_recurrent_model_s_micro_batch_counts(
+    loaded: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    only_memory_left(monkeypatch, 50 * 2**20)
+    n = 2**21  # 2^21 tokens of 33 bytes: 66 MiB zero-filled by ubatch_reserve
+    with pytest.raises(ContextError, match="reserved micro-batch of 2097152 tokens"):
+        Context(loaded, ContextParams(n_ctx=n, n_batch=n, n_ubatch=n, n_threads=1))
+    # The micro-batch is cut to n_ctx first, as llama.cpp cuts it.
+    with Context(loaded, ContextParams(n_ctx=512, n_batch=n, n_ubatch=n, n_threads=1)):
+        pass

@@ -47,6 +47,10 @@ from llamacrab._native.signals import arm_sigint, held_signals
 
 GGML_MAX_N_THREADS = 512  # ggml.h
 KV_CELL_BYTES = 48  # llama_kv_cells: pos, shift and ext (x, y) int32s, a std::bitset<256>
+# llama_batch_allocr::ubatch_reserve zero-fills, per token of the micro-batch it reserves the
+# graph with, a token, up to 4 positions (M-RoPE), a sequence count, a sequence pointer and an
+# output flag: 33 bytes, in host memory for every model (a recurrent one counts nothing else).
+UBATCH_TOKEN_BYTES = 33
 # llama.cpp pads n_ctx to a multiple of 256 in uint32 (n_ctx 2^32 - 1 became 0 and asserted),
 # then, with a KV stream per sequence, gives each stream n_ctx / n_seq_max padded to 256 again
 # and makes n_ctx that times n_seq_max: at most 255 cells more per stream. Below this bound
@@ -828,30 +832,46 @@ def _check_host_memory(model: Model, params: ContextParams, c_params: Any) -> No
     cleanly: 48 bytes of host bookkeeping per cell (a position, a shift, an M-RoPE position, a
     256-bit set of sequences), then the keys and values of every layer, in host memory for the
     layers it does not offload; only then the compute buffers, whose attention mask (a host
-    input, f16 at least) has a column per cell for each token of a micro-batch. n_ctx 2^31
-    took 8 GB and 15 s here before std::bad_alloc; n_ctx 2^26 of the tiny model 19 GiB and
-    60 s of cells and cache before its 64 GiB mask failed (the OOM killer on a smaller
-    machine). Refuse a context whose host part exceeds what the machine has available, or what
+    input, f16 at least) has a column per cell of a stream for each token of a micro-batch, and
+    the worst-case micro-batch it reserves them with (UBATCH_TOKEN_BYTES a token, every model).
+    n_ctx 2^31 took 8 GB and 15 s here before std::bad_alloc; n_ctx 2^26 of the tiny model
+    19 GiB and 60 s of cells and cache before its 64 GiB mask failed (the OOM killer on a
+    smaller machine); n_ubatch 2^32 - 256 of a Mamba model 22.7 GB of micro-batch before the OOM
+    killer. Refuse a context whose host part exceeds what the machine has available, or what
     the process's cgroup limit leaves where that is less (a container's: its OOM killer
-    strikes first), counting what the process holds already (another context, say). A recurrent
-    model's memory has a cell per sequence, not per position."""
+    strikes first), counting what the process holds already (another context, say). Without
+    ``kv_unified`` each of the n_seq_max sequences has a stream of its own, of n_ctx / n_seq_max
+    cells padded to 256 (n_ctx 256 for 256 sequences: 65,536 cells). A recurrent model's memory
+    has a cell per sequence, not per position."""
     n_ctx = pad_cells(c_params.n_ctx or model.n_ctx_train)
-    layout = model.kv_layout
-    cells = 0 if lib.llama_model_is_recurrent(model.pointer) else n_ctx * KV_CELL_BYTES
-    sliding = layout.sliding_cells(n_ctx, c_params.n_seq_max, c_params.n_ubatch, params.swa_full)
-    kv = layout.bytes(
-        n_ctx, sliding, c_params.type_k, c_params.type_v, n_layers=_host_layers(model, params)
-    )
     streams = 1 if params.kv_unified else c_params.n_seq_max
-    mask = n_ctx * c_params.n_ubatch * 2 // streams if layout.attends else 0
+    stream_cells = pad_cells(n_ctx // streams)  # llama.cpp's n_ctx_seq
+    layout = model.kv_layout
+    recurrent = lib.llama_model_is_recurrent(model.pointer)
+    cells = 0 if recurrent else streams * stream_cells * KV_CELL_BYTES
+    # A sliding-window stream keeps a window per sequence it holds (all of them when unified).
+    sharing = c_params.n_seq_max if params.kv_unified else 1
+    sliding = layout.sliding_cells(stream_cells, sharing, c_params.n_ubatch, params.swa_full)
+    host_layers = _host_layers(model, params)
+    kv = streams * layout.bytes(
+        stream_cells, sliding, c_params.type_k, c_params.type_v, n_layers=host_layers
+    )
+    # The micro-batch's tokens are split among the streams, each masked against its own cells.
+    mask = stream_cells * c_params.n_ubatch * 2 if layout.attends else 0
+    # A causal model's (one with KV or recurrent memory) n_ubatch is cut to the asked n_ctx.
+    causal = layout.attends or recurrent
+    ubatch_tokens = min(c_params.n_ubatch, c_params.n_ctx) if causal else c_params.n_ubatch
+    ubatch = ubatch_tokens * UBATCH_TOKEN_BYTES
+    needed = cells + kv + mask + ubatch
     left = host_memory_left()
-    if cells + kv + mask > left.amount:
+    if needed > left.amount:
         raise ContextError(
-            f"n_ctx {n_ctx} needs {(cells + kv + mask) / 2**30:.1f} GiB of host memory before "
-            f"its first token: {cells / 2**30:.1f} GiB for its KV cells' bookkeeping, "
-            f"{kv / 2**30:.1f} GiB for keys and values ({params.type_k}/{params.type_v}), "
-            f"{mask / 2**30:.1f} GiB for the attention mask of a {c_params.n_ubatch}-token "
-            f"micro-batch; {left.source} {left.amount / 2**30:.1f} GiB"
+            f"n_ctx {streams * stream_cells} needs {needed / 2**30:.1f} GiB of host memory "
+            f"before its first token: {cells / 2**30:.1f} GiB for its KV cells' bookkeeping "
+            f"({streams} stream(s) of {stream_cells} cells), {kv / 2**30:.1f} GiB for keys and "
+            f"values ({params.type_k}/{params.type_v}), {mask / 2**30:.1f} GiB for the attention "
+            f"mask and {ubatch / 2**30:.1f} GiB for the reserved micro-batch of "
+            f"{ubatch_tokens} tokens; {left.source} {left.amount / 2**30:.1f} GiB"
         )
 
 
