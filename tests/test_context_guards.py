@@ -203,3 +203,26 @@ def test_a_recurrent_model_s_micro_batch_counts(
     # The micro-batch is cut to n_ctx first, as llama.cpp cuts it.
     with Context(loaded, ContextParams(n_ctx=512, n_batch=n, n_ubatch=n, n_threads=1)):
         pass
+
+
+# -- keep ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loaded", ["llama", "jamba"], indirect=True)
+def test_keep_drops_every_other_sequence(loaded: Model) -> None:
+    for unified in (False, True):  # a stream per sequence (llama.cpp kept the others), one
+        _keep_and_start_again(loaded, ContextParams(n_ctx=768, n_seq_max=3, kv_unified=unified))
+
+
+def _keep_and_start_again(loaded: Model, params: ContextParams) -> None:
+    with Context(loaded, params) as ctx:
+        for seq_id in range(3):
+            decode(ctx, [5, 6, 7], seq_id)
+        ctx.keep(2)
+        assert ctx.positions(0) is None and ctx.positions(1) is None
+        assert ctx.positions(2) == (0 if loaded.arch == "llama" else 2, 2)  # Jamba: its state's
+        decode(ctx, [9, 10, 11], 1)  # a dropped sequence starts again at 0
+        again = ctx.logits(-1).copy()
+    with Context(loaded, params) as fresh:
+        decode(fresh, [9, 10, 11], 1)
+        np.testing.assert_allclose(again, fresh.logits(-1), atol=1e-4)

@@ -710,7 +710,15 @@ class Context(NativeHandle):
         """Drop every sequence but ``seq_id``."""
         self._check_sequence(seq_id)
         with self.exclusive() as ctx:
-            call("llama_memory_seq_keep", lib.llama_get_memory(ctx), seq_id)
+            memory = lib.llama_get_memory(ctx)
+            if self.params.kv_unified or self.params.n_seq_max == 1:
+                call("llama_memory_seq_keep", memory, seq_id)
+                return
+            # With a stream per sequence llama.cpp's keep walks only seq_id's own stream:
+            # the others' cells stayed. Each of them is removed instead.
+            for other in range(self.params.n_seq_max):
+                if other != seq_id:
+                    call("llama_memory_seq_rm", memory, other, -1, -1)
 
     def shift(self, seq_id: int, delta: int, p0: int = 0, p1: int = -1) -> None:
         """Add ``delta`` to the positions [p0, p1) of a sequence (context shifting)."""
