@@ -226,3 +226,36 @@ def _keep_and_start_again(loaded: Model, params: ContextParams) -> None:
     with Context(loaded, params) as fresh:
         decode(fresh, [9, 10, 11], 1)
         np.testing.assert_allclose(again, fresh.logits(-1), atol=1e-4)
+
+
+# -- shift --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loaded", ["llama", "mamba", "jamba"], indirect=True)
+def test_a_shift_past_int32_is_refused(loaded: Model) -> None:
+    with Context(loaded, ContextParams(n_ctx=256, n_threads=1)) as ctx:
+        decode(ctx, [5, 6, 7, 8, 9])  # positions 0..4
+        with pytest.raises(InvalidParameterError, match="past 2147483647"):
+            ctx.shift(0, 2**31 - 4)  # 4 to INT32_MAX + 1
+        with pytest.raises(InvalidParameterError, match="past 2147483647"):
+            ctx.shift(0, 2**31 - 3, p0=2, p1=4)  # position 3 is the highest it moves
+        assert ctx.positions(0) == (0 if loaded.arch == "llama" else 4, 4)
+        ctx.shift(0, 2**31 - 5 - 1, p0=3)  # 4 lands on INT32_MAX - 1: allowed
+        assert ctx.positions(0) is not None
+        assert ctx.positions(0)[1] == 2**31 - 2  # type: ignore[index]
+    if loaded.arch == "llama":  # KV cells shifted below 0 are dropped, as llama.cpp does
+        with Context(loaded, ContextParams(n_ctx=256, n_threads=1)) as ctx:
+            decode(ctx, [5, 6, 7, 8, 9])
+            ctx.shift(0, -3)
+            assert ctx.positions(0) == (0, 1)
+
+
+@pytest.mark.parametrize("loaded", ["mamba", "jamba"], indirect=True)
+def test_a_recurrent_state_is_not_shifted_below_zero(loaded: Model) -> None:
+    with Context(loaded, ContextParams(n_ctx=256, n_threads=1)) as ctx:
+        decode(ctx, [5, 6, 7, 8, 9])
+        with pytest.raises(InvalidParameterError, match="below 0"):
+            ctx.shift(0, -10)
+        assert ctx.positions(0) is not None
+        ctx.shift(0, -4)  # the state's position 4 to 0: allowed
+        assert ctx.positions(0) is not None and ctx.positions(0)[1] == 0  # type: ignore[index]

@@ -721,14 +721,33 @@ class Context(NativeHandle):
                     call("llama_memory_seq_rm", memory, other, -1, -1)
 
     def shift(self, seq_id: int, delta: int, p0: int = 0, p1: int = -1) -> None:
-        """Add ``delta`` to the positions [p0, p1) of a sequence (context shifting)."""
+        """Add ``delta`` to the positions [p0, p1) of a sequence (context shifting). Cells of a
+        KV cache shifted below 0 are dropped; a recurrent state cannot drop its past, so its
+        position may not go below 0. No position may go past INT32_MAX."""
         self._check_range(seq_id, p0, p1)
         check_range("delta", delta, INT32_MIN, INT32_MAX)
         with self.exclusive() as ctx:
             memory = lib.llama_get_memory(ctx)
             if not lib.llama_memory_can_shift(memory):
                 raise InvalidParameterError("this model's memory cannot shift positions")
+            high = int(lib.llama_memory_seq_pos_max(memory, seq_id))  # -1: empty
+            top = high if p1 < 0 else min(high, p1 - 1)  # the highest position it may move
+            if top >= p0:
+                self._check_shift(seq_id, delta, top, recurrent_moves=top == high)
             call("llama_memory_seq_add", memory, seq_id, p0, p1, delta)
+
+    def _check_shift(self, seq_id: int, delta: int, top: int, recurrent_moves: bool) -> None:
+        # llama.cpp adds in int32: past INT32_MAX positions wrapped negative (cells dropped).
+        if top + delta > INT32_MAX:
+            raise InvalidParameterError(
+                f"shifting sequence {seq_id} by {delta} takes position {top} past {INT32_MAX}"
+            )
+        # A recurrent state (at the sequence's last position) shifted below 0 stayed, unseen.
+        if self.recurrent and recurrent_moves and top + delta < 0:
+            raise InvalidParameterError(
+                f"shifting sequence {seq_id} by {delta} takes its recurrent state's position "
+                f"{top} below 0: a recurrent state cannot drop its past (remove the sequence)"
+            )
 
     def divide(self, seq_id: int, divisor: int, p0: int = 0, p1: int = -1) -> None:
         """Integer-divide the positions [p0, p1) of a sequence (self-extend)."""
