@@ -474,6 +474,23 @@ def test_a_completion_that_fills_the_context_is_truncated(fim_server: LiveServer
     assert short.json()["truncated"] is False and short.json()["stop_type"] == "limit"
 
 
+def test_ignore_eos_with_a_json_answer_ends_where_the_json_is_complete(
+    fim_server: LiveServer,
+) -> None:
+    # Was a 400 up front: once the JSON is complete only an end token may follow, which
+    # ignore_eos bans. The library now ends there, with "stop", as llama-server clients expect.
+    body = {"prompt": "the cat", "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+            "json_schema": {"enum": ["yes", "no"]}}  # fmt: skip
+    answer = httpx.post(fim_server.url + "/v1/completions", headers=KEY, json=body)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert json.loads(choice["text"]) in ("yes", "no") and choice["finish_reason"] == "stop"
+    native = httpx.post(fim_server.url + "/completion", headers=KEY, json=body)
+    assert native.status_code == 200, native.text
+    assert json.loads(native.json()["content"]) in ("yes", "no")
+    assert native.json()["stop_type"] != "limit"
+
+
 def test_completion_streams_and_takes_llama_servers_samplers(fim_server: LiveServer) -> None:
     body = {"prompt": "the cat", "n_predict": 6, "temperature": 0, "ignore_eos": True,
             "dry_multiplier": 0.8, "repeat_last_n": 16, "xtc_probability": 0.0,

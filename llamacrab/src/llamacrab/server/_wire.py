@@ -78,21 +78,8 @@ def generation_kwargs(
                        param="n")  # fmt: skip
     if body.stream and body.n > 1:
         raise ApiError(400, "streaming returns one choice: n must be 1", param="n")
-    if body.json_schema is not None and body.grammar is None:  # a grammar given too wins
-        _refuse_endless(body, "json_schema")
     kwargs["timeout"] = settings.timeout
     return kwargs
-
-
-def _refuse_endless(body: GenerationFields, constraint: str) -> None:
-    """``ignore_eos`` with a JSON answer (the field ``constraint`` asks for one) is refused up
-    front: once the JSON is complete its grammar allows only an end token, which
-    ``ignore_eos`` bans, and the generation would fail there, its answer made. A ``grammar``
-    of the client's own may never have to end (``[a-z]+``), so it is left to run."""
-    if body.ignore_eos:
-        raise ApiError(400, f"ignore_eos cannot be used with {constraint}: once the text "
-                       f"{constraint} asks for is complete only the end of generation may "
-                       "follow, which ignore_eos bans", param="ignore_eos")  # fmt: skip
 
 
 def probability_count(body: GenerationFields, otherwise: int | None) -> int | None:
@@ -215,8 +202,6 @@ def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[s
         kwargs["tool_choice"] = legacy_functions.tool_choice_of(body.function_call)
     response_format = _response_format(body)
     if response_format is not None:
-        if response_format["type"] != "text":
-            _refuse_endless(body, "response_format")
         kwargs["response_format"] = response_format
     count = (body.top_logprobs or 0) if body.logprobs else probability_count(body, None)
     kwargs.update(logprobs_kwargs(body, count))
