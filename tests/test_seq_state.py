@@ -162,3 +162,13 @@ def test_cell_extensions_and_value_less_caches_are_skipped(ext: bool, values: bo
         check_sequence_state(attention + struct.pack("<I", 2) + bytes(64), memory, False)
     with pytest.raises(StateError, match="ends before"):
         check_sequence_state(attention[:-1], memory, False)
+
+
+def test_a_kv_cell_of_several_sequences_is_refused() -> None:
+    """llama.cpp writes one sequence per cell of a sequence's state and reads no other: the
+    cells are skipped as a table of that stride."""
+    memory = SequenceMemory(recurrent=True, attention=True, n_stream=1)
+    cells = struct.pack("<iIi", 0, 1, 0) + struct.pack("<iIi", 1, 2, 0) + bytes(64)
+    blob = struct.pack("<IiII", 0xAF143CD8, 0, 1, 2) + cells
+    with pytest.raises(StateError, match="belongs to 2 sequences"):
+        check_sequence_state(blob, memory, False)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from llamacrab._exceptions import StateError
 from llamacrab._native.call import lib
 from llamacrab._native.model import Model
@@ -138,12 +140,18 @@ def _skip_attention(view: memoryview, offset: int, memory: SequenceMemory) -> in
 
 
 def _skip_cells(view: memoryview, offset: int, cells: int, memory: SequenceMemory) -> int:
-    for _ in range(cells):
-        _, n_seq = _read(view, offset, _CELL, "its KV cells")
-        if n_seq != 1:  # what llama.cpp writes for one sequence, and all it reads
-            raise StateError(f"a KV cell of the state belongs to {n_seq} sequences, not one")
-        offset += _CELL.size + (_CELL_EXT if memory.cell_ext else 0) + 4 * n_seq
-    return offset
+    """After ``cells`` cells of one sequence each (all llama.cpp writes for one, and all it
+    reads): position, sequence count 1, the extension, the sequence id; as an array, since a
+    long context has tens of thousands."""
+    words = (_CELL.size + (_CELL_EXT if memory.cell_ext else 0) + 4) // 4
+    end = offset + 4 * words * cells
+    if end > len(view):
+        raise StateError("the state ends inside its KV cells (corrupted)")
+    n_seqs = np.frombuffer(view, dtype="<u4", count=words * cells, offset=offset)[1::words]
+    if (n_seqs != 1).any():
+        n_seq = int(n_seqs[(n_seqs != 1).argmax()])
+        raise StateError(f"a KV cell of the state belongs to {n_seq} sequences, not one")
+    return end
 
 
 def _skip_rows(view: memoryview, offset: int, cells: int, memory: SequenceMemory) -> int:
