@@ -97,18 +97,22 @@ def test_states_llama_cpp_writes_pass_and_a_second_recurrent_cell_is_refused(
                 assert (offset > HEAD) == after_attention, (seq, partial, offset)
 
 
-def test_a_full_hybrid_state_loaded_as_partial_is_refused_by_name(
+def test_a_hybrid_state_loaded_with_the_other_flag_is_refused_by_name(
     models: dict[str, Model],
 ) -> None:
     """A partial read of a hybrid starts at the recurrent part, where a full state has its KV
-    stream count (2 here): llama.cpp took it for 2 recurrent cells and aborted."""
-    with _context(models["jamba"]) as context:
-        memory = _memory(context)
-        for seq in (0, 1):
-            full = context.state_bytes(seq)
-            with pytest.raises(StateError, match=r"claims 2 cells.*partial=True"):
-                check_sequence_state(full, memory, partial=True)
-            check_sequence_state(full, memory, partial=False)
+    stream count (2 here): llama.cpp took it for 2 recurrent cells and aborted. A partial
+    state read as full does not fit the attention cache, with one stream or two."""
+    for settings in ({}, {"kv_unified": True}, {"n_seq_max": 1}):
+        with _context(models["jamba"], **settings) as context:
+            memory = _memory(context)
+            for seq in range(context.params.n_seq_max):
+                full, partial = context.state_bytes(seq), context.state_bytes(seq, partial=True)
+                if memory.n_stream > 1:
+                    with pytest.raises(StateError, match=r"claims 2 cells.*partial=True"):
+                        check_sequence_state(full, memory, partial=True)
+                with pytest.raises(StateError, match=r"a partial state\? load it with partial"):
+                    check_sequence_state(partial, memory, partial=False)
 
 
 def test_memories_are_read_from_the_model(models: dict[str, Model], tiny_model_path: Path) -> None:

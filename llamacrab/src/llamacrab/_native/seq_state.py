@@ -96,19 +96,21 @@ class SequenceMemory:
 
 def check_sequence_state(data: bytes | memoryview, memory: SequenceMemory, partial: bool) -> None:
     """StateError for a sequence state ``data`` whose recurrent part claims more than one cell,
-    found where llama.cpp reads it for ``partial``: such a state aborts the process. A state
-    llama.cpp refuses cleanly anyway (a wrong magic, another stream count) is left to it."""
+    found where llama.cpp reads it for ``partial``: such a state aborts the process. Also for
+    an attention cache before it that does not fit the context (a partial state loaded as
+    full reads as one). A wrong magic is left to llama.cpp, which refuses it."""
     if not memory.recurrent or len(data) < _HEAD.size:
         return
     view = memoryview(data).cast("B")
     if _HEAD.unpack_from(view)[0] != _IO_MAGIC:
         return
     offset = _HEAD.size
-    for _ in range(memory.attention_caches(partial)):
-        skipped = _skip_attention(view, offset, memory)
-        if skipped is None:
-            return  # llama.cpp refuses the stream count before it reads further
-        offset = skipped
+    try:
+        for _ in range(memory.attention_caches(partial)):
+            offset = _skip_attention(view, offset, memory)
+    except StateError as error:
+        hint = "" if partial else " (a partial state? load it with partial=True)"
+        raise StateError(f"{error}{hint}") from None
     (cells,) = _read(view, offset, _U32, "its recurrent cell count")
     if cells > 1:
         hint = ""
@@ -123,12 +125,14 @@ def check_sequence_state(data: bytes | memoryview, memory: SequenceMemory, parti
         )
 
 
-def _skip_attention(view: memoryview, offset: int, memory: SequenceMemory) -> int | None:
-    """The offset after the attention cache at ``offset``; None where its stream count is not
-    the context's (llama.cpp refuses that first: "n_stream mismatch")."""
+def _skip_attention(view: memoryview, offset: int, memory: SequenceMemory) -> int:
+    """The offset after the attention cache at ``offset``."""
     (n_stream,) = _read(view, offset, _U32, "its KV stream count")
     if n_stream != memory.n_stream:
-        return None
+        raise StateError(
+            f"the state has {n_stream} KV streams where this context has {memory.n_stream} (a "
+            "one-slot Llama has one, parallel slots one each unless kv_unified=True)"
+        )
     offset += _U32.size
     for _ in range(n_stream):
         (cells,) = _read(view, offset, _U32, "a KV stream's cell count")
