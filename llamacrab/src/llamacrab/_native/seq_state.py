@@ -44,6 +44,10 @@ _ROWS_HEAD = struct.Struct("<II")  # values transposed, layer count
 _MROPE = (lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE)
 # Hybrid to llama_model_is_hybrid, but given a memory of their own without a recurrent part.
 _OWN_MEMORY = ("deepseek4",)
+# The hybrids whose loaders read MLA head sizes (another file's such keys mean nothing) and
+# per-layer n-gram embeddings (PLE), by llama.cpp's models/*.cpp.
+_MLA_ARCHS = ("bailingmoe3", "glm5-next", "kimi-k3", "kimi-linear")
+_PLE_ARCHS = ("qwen4exp",)
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,16 @@ class SequenceMemory:
         if not lib.llama_model_is_hybrid(pointer) or arch in _OWN_MEMORY:
             return cls(recurrent=False)
         metadata = model.metadata
-        mla = all(
-            int(metadata.get(f"{arch}.attention.{key}", "0") or 0) > 0
-            for key in ("key_length_mla", "value_length_mla")
-        )  # llama_hparams::is_mla: no value rows
-        ple = int(metadata.get(f"{arch}.ple.ngram_size", "0") or 0) >= 2
+
+        def number(key: str) -> int:  # as llama.cpp renders it; 0 where absent
+            value = metadata.get(f"{arch}.{key}", "")
+            return int(value) if value.isdigit() else 0
+
+        # llama_hparams::is_mla (no value rows); has_cell_ext's PLE heads
+        mla = arch in _MLA_ARCHS and all(
+            number(f"attention.{key}") > 0 for key in ("key_length_mla", "value_length_mla")
+        )
+        ple = arch in _PLE_ARCHS and f"{arch}.ple.layers" in metadata
         windowed = model.n_swa > 0  # llama_memory_hybrid_iswa
         return cls(
             recurrent=True,
