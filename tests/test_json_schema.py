@@ -13,10 +13,12 @@ from llamacrab import (
     GrammarError,
     InvalidParameterError,
     Llama,
+    Model,
     SamplerChain,
     SamplingOptions,
     schema_to_grammar,
 )
+from llamacrab._grammar import repetition
 
 PERSON = {
     "type": "object",
@@ -123,7 +125,7 @@ def test_malformed_patterns_are_refused(pattern: str, problem: str) -> None:
 @pytest.mark.parametrize(
     ("schema", "problem"),
     [
-        ({"type": "array", "minItems": 10**6}, "'minItems' at root-value is 1000000; it must be"),
+        ({"type": "array", "minItems": 2**64}, "'minItems' at root-value is 1844"),
         ({"type": "string", "minLength": -1}, "'minLength' at root-value is -1"),
         ({"type": "string", "maxLength": 2**64}, "'maxLength' at root-value is 1844"),
         ({"type": "object", "maxProperties": -3}, "'maxProperties' at root-value is -3"),
@@ -206,3 +208,98 @@ def test_strings_of_other_shapes_keep_their_own_bounds(tiny_llama: Llama) -> Non
         value = json.loads(result.text)
         assert len(value["a"].replace("\ufffd", "")) <= 2
         assert 3 <= len(value["c"].replace("\ufffd", "")) <= 4
+
+
+def _takes(model: Model, grammar: str, text: str) -> bool:
+    """Whether ``grammar`` takes all of ``text`` and may end there: its tokens accepted one by
+    one, then the end of generation. The tiny model's tokenizer puts a space before a text."""
+    spaced = grammar.replace("root ::= ", 'root ::= " " ', 1)
+    chain = SamplerChain(model, SamplingOptions(grammar=spaced))
+    try:
+        for token in [*model.vocab.tokenize(text, add_special=False), model.vocab.eog_tokens[0]]:
+            chain.accept(token)
+    except GrammarError:
+        return False
+    finally:
+        chain.close()
+    return True
+
+
+def _string(n: int) -> str:
+    return '"' + "a" * n + '"'
+
+
+def _array(n: int) -> str:
+    return "[" + ",".join(["0"] * n) + "]"
+
+
+def _object(n: int) -> str:
+    return "{" + ",".join(f'"k{i}":0' for i in range(n)) + "}"
+
+
+ZERO = {"const": 0}
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "low", "high"),
+    [
+        ({"type": "string", "maxLength": 5000}, _string, 0, 5000),
+        ({"type": "string", "minLength": 3000}, _string, 3000, None),
+        ({"type": "string", "minLength": 2100, "maxLength": 4321}, _string, 2100, 4321),
+        ({"type": "array", "items": ZERO, "maxItems": 2500}, _array, 0, 2500),
+        ({"type": "array", "items": ZERO, "minItems": 2500}, _array, 2500, None),
+        ({"type": "array", "prefixItems": [ZERO], "items": ZERO, "maxItems": 2500}, _array, 1,
+         2500),
+        ({"type": "object", "additionalProperties": ZERO, "maxProperties": 2500}, _object, 0,
+         2500),
+    ],
+    ids=["maxLength", "minLength", "both-lengths", "maxItems", "minItems", "prefixItems",
+         "maxProperties"],
+)  # fmt: skip
+def test_counts_past_llama_cpps_repetition_limit_are_exact(
+    tiny_llama: Llama, schema: dict[str, Any], text: Any, low: int, high: int | None
+) -> None:
+    # llama.cpp reads a repetition's maximum past 2000 as none (maxLength 5000 took any string)
+    # and refuses a minimum past 2000: written over chunk rules, both bounds hold.
+    grammar = schema_to_grammar(schema)
+    model = tiny_llama.model
+    assert _takes(model, grammar, text(high if high is not None else low + 1))
+    assert _takes(model, grammar, text(low))
+    if high is not None:
+        assert not _takes(model, grammar, text(high + 1))
+    if low:
+        assert not _takes(model, grammar, text(low - 1))
+
+
+def test_long_strings_of_any_shape_share_their_chunks(tiny_llama: Llama) -> None:
+    schema = _required_strings(2, maxLength=5000)
+    schema["properties"]["long"] = {"type": "string", "minLength": 3000, "maxLength": 9000}
+    grammar = schema_to_grammar(schema)
+    SamplerChain(tiny_llama.model, SamplingOptions(grammar=grammar)).close()
+    assert grammar.count("{1000}") == 1 and grammar.count("string-char-upto-5000 ::=") == 1
+    # Bounds up to 2**63 stay exact, over a chunk rule per factor of 1000: a small grammar,
+    # read a few ways at once.
+    huge = schema_to_grammar({"type": "string", "minLength": 2**62, "maxLength": 2**63})
+    assert len(huge) < 5000 and not _takes(tiny_llama.model, huge, _string(3))
+    assert _takes(tiny_llama.model, schema_to_grammar({"type": "string", "maxLength": 2**63}),
+                  _string(3))  # fmt: skip
+
+
+CHUNKED_COUNTS = [(0, 5), (0, 9), (0, 10), (0, 26), (0, 27), (0, 31), (0, 61), (5, 23),
+                  (7, None), (28, 40), (30, None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("low", "high"), CHUNKED_COUNTS)
+def test_chunked_counts_hold_at_every_length(
+    tiny_llama: Llama, monkeypatch: pytest.MonkeyPatch, low: int, high: int | None
+) -> None:
+    """The chunks in base 3 past a limit of 4: the decomposition's every level, and each
+    length around each bound, at counts llama.cpp checks quickly."""
+    monkeypatch.setattr(repetition, "CHUNK", 3)
+    monkeypatch.setattr(repetition, "MAX_REPETITION", 4)
+    lengths = {"minLength": low} if high is None else {"minLength": low, "maxLength": high}
+    grammar = schema_to_grammar({"type": "string", **lengths})
+    assert "{3}" in grammar  # chunked
+    for n in range((high if high is not None else low + 10) + 2):
+        accepted = low <= n and (high is None or n <= high)
+        assert _takes(tiny_llama.model, grammar, _string(n)) == accepted, n

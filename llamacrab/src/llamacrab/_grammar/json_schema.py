@@ -21,7 +21,8 @@ from typing import Any
 from llamacrab._exceptions import GrammarError
 from llamacrab._grammar.number_range import bounded, integral_bound
 from llamacrab._grammar.regex_gbnf import pattern_to_gbnf
-from llamacrab._native.grammar_bounds import MAX_GRAMMAR_BYTES, MAX_REPETITION
+from llamacrab._grammar.repetition import repeat
+from llamacrab._native.grammar_bounds import MAX_GRAMMAR_BYTES
 
 # Keywords that constrain nothing a grammar must enforce.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -46,8 +47,8 @@ _KEYWORD_TYPES: dict[str, tuple[type, ...]] = {
     "enum": (list,), "anyOf": (list,), "oneOf": (list,), "allOf": (list,), "$ref": (str,),
     "$defs": (Mapping,), "definitions": (Mapping,),
 }  # fmt: skip
-# Counts of items, characters or properties: a minimum becomes a grammar repetition, which
-# llama.cpp refuses past MAX_REPETITION (a maximum past it means no maximum there).
+# Counts of items, characters or properties: grammar repetitions, any count written so that
+# llama.cpp enforces it exactly (repetition.py).
 _COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "maxProperties")
 _DIGITS2 = "[0-9] [0-9]"
 _FORMATS = {
@@ -222,10 +223,8 @@ class _Converter:
         if not properties:
             if extra_member is None or most == 0:
                 return self.add(hint, '"{" ws "}"')
-            more = "*" if most is None else f"{{0,{int(most) - 1}}}"
-            return self.add(
-                hint, f'"{{" ws ( {extra_member} ( ws "," ws {extra_member} ){more} )? ws "}}"'
-            )
+            more = self.more_items(extra_member, 0, None if most is None else most - 1)
+            return self.add(hint, f'"{{" ws ( {extra_member} {more} )? ws "}}"')
         required = set(schema.get("required", []))
         unknown = required - set(properties)
         if unknown:
@@ -259,10 +258,8 @@ class _Converter:
             raise GrammarError(f"{hint}: maxItems {high} < minItems {low}")
         if high is not None and int(high) == 0:
             return self.add(hint, '"[" ws "]"')
-        rest_low = max(low - 1, 0)
-        rest_high = "" if high is None else str(int(high) - 1)
-        repeat = f'( ws "," ws {item} ){{{rest_low},{rest_high}}}'
-        items = f"{item} {repeat}"
+        more = self.more_items(item, max(low - 1, 0), None if high is None else high - 1)
+        items = f"{item} {more}"
         body = f'"[" ws {items} ws "]"' if low > 0 else f'"[" ws ( {items} )? ws "]"'
         return self.add(hint, body)
 
@@ -276,8 +273,8 @@ class _Converter:
         rest = schema.get("items", True)
         limit = schema.get("maxItems")
         if rest is not False and (limit is None or int(limit) > len(fixed)):
-            more = "*" if limit is None else f"{{0,{int(limit) - len(fixed)}}}"
-            body += f' ( ws "," ws {self.visit(rest, f"{hint}-rest")} ){more}'
+            most = None if limit is None else int(limit) - len(fixed)
+            body += " " + self.more_items(self.visit(rest, f"{hint}-rest"), 0, most)
         return self.add(hint, f'"[" ws {body} ws "]"' if fixed else '"[" ws "]"')
 
     def numeric(self, schema: Mapping[str, Any], hint: str, kind: str) -> str:
@@ -323,9 +320,14 @@ class _Converter:
         char = self.add(
             "string-char", r'[^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )'
         )
-        fewest, most = int(low or 0), "" if high is None else str(int(high))
-        return self.add(f"string-{fewest}-{most or 'more'}",
-                        f'"\\"" {char}{{{fewest},{most}}} "\\""')  # fmt: skip
+        fewest, most = int(low or 0), None if high is None else int(high)
+        chars = repeat(self.add, char, fewest, most, char)
+        return self.add(f"string-{fewest}-{'more' if most is None else most}",
+                        f'"\\"" {chars} "\\""')  # fmt: skip
+
+    def more_items(self, item: str, low: int, high: int | None) -> str:
+        """``low`` to ``high`` (None: any) more of ``item``, each after a comma."""
+        return repeat(self.add, f'ws "," ws {item}', low, high, f"{item}-next")
 
 
 def _check_keyword_types(schema: Mapping[str, Any], hint: str) -> None:
@@ -346,12 +348,8 @@ def _check_keyword_types(schema: Mapping[str, Any], hint: str) -> None:
 
 
 def _check_count(keyword: str, value: int, hint: str) -> None:
-    most, why = (MAX_REPETITION, "llama.cpp's most") if keyword.startswith("min") else (2**63, "")
-    if not 0 <= value <= most:
-        raise GrammarError(
-            f"JSON Schema {keyword!r} at {hint} is {value}; it must be 0 to {most}"
-            + (f" ({why})" if why else "")
-        )
+    if not 0 <= value <= 2**63:
+        raise GrammarError(f"JSON Schema {keyword!r} at {hint} is {value}; it must be 0 to {2**63}")
 
 
 def _check_optional_size(may: list[str], tail: str, hint: str) -> None:

@@ -19,8 +19,8 @@ import re
 from llamacrab._exceptions import GrammarError
 
 # Elements llama.cpp's parser may build from one grammar. Our JSON Schemas build ~8,000 per
-# string of maxLength 2000 (a group repeated) and ~20,000 for a pattern's class{1,2000};
-# llama.cpp's example grammars under 500.
+# distinct string shape of maxLength 2000 (a rule repeated; longer ones over shared chunks of
+# 1000) and ~20,000 for a pattern's class{1,2000}; llama.cpp's example grammars under 500.
 MAX_GRAMMAR_ELEMENTS = 2_000_000
 # llama.cpp's MAX_REPETITION_THRESHOLD: a larger minimum count fails its parser (a vague
 # "failed to parse grammar"), a larger maximum means no maximum.
