@@ -43,6 +43,7 @@ from llamacrab._native.host_limits import default_threads, host_memory_left
 from llamacrab._native.kv_layout import CELL_PAD, pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
+from llamacrab._native.seq_state import SequenceMemory, check_sequence_state
 from llamacrab._native.signals import arm_sigint, held_signals
 
 GGML_MAX_N_THREADS = 512  # ggml.h
@@ -807,6 +808,9 @@ class Context(NativeHandle):
         ``state_bytes`` of the same model; ``partial``: only the sequence's sliding-window
         layers, from ``state_bytes(seq_id, partial=True)``, the other layers left as they are."""
         flags = self._state_flags(seq_id, partial)
+        if seq_id is not None:  # a recurrent part of more cells than one aborts llama.cpp
+            memory = SequenceMemory.of(self.model, self.params.n_seq_max, self.params.kv_unified)
+            check_sequence_state(data, memory, partial)
         # A whole-context state opens with the architecture's name, whose length llama.cpp
         # allocates (zeroed, up to 4 GiB) before it checks that the bytes are there.
         named = int.from_bytes(bytes(data[:4]), "little") if len(data) >= 4 else 0
