@@ -127,6 +127,7 @@ def test_malformed_patterns_are_refused(pattern: str, problem: str) -> None:
     [
         ({"type": "array", "minItems": 2**64}, "'minItems' at root-value is 1844"),
         ({"type": "string", "minLength": -1}, "'minLength' at root-value is -1"),
+        ({"type": "string", "minLength": 3000, "maxLength": 2500}, "maxLength 2500 < minLength"),
         ({"type": "string", "maxLength": 2**64}, "'maxLength' at root-value is 1844"),
         ({"type": "object", "maxProperties": -3}, "'maxProperties' at root-value is -3"),
         ({"enum": []}, "'enum' at root-value is empty"),
@@ -252,9 +253,11 @@ ZERO = {"const": 0}
          2500),
         ({"type": "object", "additionalProperties": ZERO, "maxProperties": 2500}, _object, 0,
          2500),
+        ({"type": "string", "pattern": "^a{0,5000}$"}, _string, 0, 5000),
+        ({"type": "string", "pattern": "^(a|b){2500,}$"}, _string, 2500, None),
     ],
     ids=["maxLength", "minLength", "both-lengths", "maxItems", "minItems", "prefixItems",
-         "maxProperties"],
+         "maxProperties", "pattern-max", "pattern-min"],
 )  # fmt: skip
 def test_counts_past_llama_cpps_repetition_limit_are_exact(
     tiny_llama: Llama, schema: dict[str, Any], text: Any, low: int, high: int | None

@@ -304,7 +304,7 @@ class _Converter:
         if "pattern" in schema:
             if {"format", "minLength", "maxLength"} & set(schema):
                 raise GrammarError(f"{hint}: pattern with format or lengths is not supported")
-            pattern = pattern_to_gbnf(schema["pattern"])
+            pattern = pattern_to_gbnf(schema["pattern"], self.add)
             return self.add("string-pattern", f'"\\"" ( {pattern} ) "\\""')
         if "format" in schema:
             if schema["format"] not in _FORMATS:
@@ -321,6 +321,8 @@ class _Converter:
             "string-char", r'[^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )'
         )
         fewest, most = int(low or 0), None if high is None else int(high)
+        if most is not None and most < fewest:
+            raise GrammarError(f"{hint}: maxLength {most} < minLength {fewest}")
         chars = repeat(self.add, char, fewest, most, char)
         return self.add(f"string-{fewest}-{'more' if most is None else most}",
                         f'"\\"" {chars} "\\""')  # fmt: skip

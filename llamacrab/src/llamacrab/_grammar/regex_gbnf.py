@@ -3,7 +3,8 @@
 Supported: literal characters, ``.``, character classes ``[...]`` and ``[^...]`` with ranges,
 ``\\d \\w \\s`` (and ``\\D \\W \\S`` outside classes), escaped punctuation, groups ``(...)`` and
 ``(?:...)``, alternation ``|``, quantifiers ``* + ? {m} {m,} {m,n}`` (a trailing ``?`` making them
-lazy is accepted: it matches the same strings), and ``^``/``$`` at the ends. The grammar makes
+lazy is accepted: it matches the same strings; counts past llama.cpp's limit over chunk rules,
+``repetition``), and ``^``/``$`` at the ends. The grammar makes
 the whole string match (which also satisfies JSON Schema's unanchored search). Characters a
 JSON string must escape (``"``, ``\\``, control characters) cannot be matched. Anything else
 (lookarounds, backreferences, named groups, flags) raises GrammarError.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._field_types import decimal
+from llamacrab._grammar.repetition import AddRule, fits, repeat
 
 _ANY = r'[^"\\\x00-\x1f]'
 _CLASSES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " "}  # a tab would need escaping in JSON
@@ -40,8 +42,9 @@ MAX_PATTERN_NESTING = 32  # parsed recursively, like the GBNF it becomes
 
 
 class _Parser:
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, add: AddRule) -> None:
         self.pattern = pattern
+        self.add = add
         self.text = pattern.removeprefix("^")
         if self.text.endswith("$") and not self.text.endswith("\\$"):
             self.text = self.text[:-1]
@@ -149,6 +152,10 @@ class _Parser:
                 raise self.fail("this repetition")
             self.i = end + 1
             suffix = "{" + ",".join(c.strip() for c in counts) + "}"
+            low, high = decimal(counts[0].strip()), decimal(counts[-1].strip())
+            if low is not None and not fits(low, high):
+                suffix = ""
+                atom = repeat(self.add, atom, low, high, "pattern-item")
         else:
             return atom
         if self.peek() == "?":  # lazy: the same strings
@@ -156,9 +163,10 @@ class _Parser:
         return f"{atom}{suffix}"
 
 
-def pattern_to_gbnf(pattern: str) -> str:
-    """A GBNF expression for the contents of a JSON string matching ``pattern`` entirely."""
-    parser = _Parser(pattern)
+def pattern_to_gbnf(pattern: str, add: AddRule) -> str:
+    """A GBNF expression for the contents of a JSON string matching ``pattern`` entirely; the
+    rules it needs (chunks of a long repetition) made with ``add``."""
+    parser = _Parser(pattern, add)
     expression = parser.alternation()
     if parser.i != len(parser.text):
         raise parser.fail(f"{parser.text[parser.i]!r} at position {parser.i}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from llamacrab._exceptions import GrammarError
 from llamacrab._native.grammar_bounds import MAX_REPETITION
 
 # The converter's rule maker: the rule named after a hint whose body is the given one (an
@@ -30,14 +31,23 @@ _NAME = re.compile(r"[a-zA-Z0-9-]+")
 def repeat(add: AddRule, body: str, low: int, high: int | None, name: str) -> str:
     """A GBNF expression matching ``body`` (GBNF items in sequence) ``low`` to ``high`` (None:
     no maximum) times; ``body`` becomes the rule ``name`` where the counts need chunks."""
+    if high is not None and high < low:  # (llama.cpp's own check, which chunks would bypass)
+        raise GrammarError(
+            f"a repetition of {low} to {high} times: the maximum is below the minimum"
+        )
     item = body if _NAME.fullmatch(body) else f"( {body} )"
-    if low <= MAX_REPETITION and (high is None or high <= MAX_REPETITION):
+    if fits(low, high):
         if (low, high) == (0, None):
             return f"{item}*"
         return f"{item}{{{low},{'' if high is None else high}}}"
     unit = body if _NAME.fullmatch(body) else add(name, body)
     rest = f"{unit}*" if high is None else _at_most(add, unit, high - low)
     return " ".join(filter(None, (_exactly(add, unit, low), rest)))
+
+
+def fits(low: int, high: int | None) -> bool:
+    """Whether llama.cpp's parser takes the counts ``{low,high}`` as they are."""
+    return low <= MAX_REPETITION and (high is None or high <= MAX_REPETITION)
 
 
 def _chunk(add: AddRule, unit: str, level: int) -> str:
