@@ -31,7 +31,7 @@ _NAME = re.compile(r"[a-zA-Z0-9-]+")
 def repeat(add: AddRule, body: str, low: int, high: int | None, name: str) -> str:
     """A GBNF expression matching ``body`` (GBNF items in sequence) ``low`` to ``high`` (None:
     no maximum) times; ``body`` becomes the rule ``name`` where the counts need chunks."""
-    if high is not None and high < low:  # (llama.cpp's own check, which chunks would bypass)
+    if high is not None and high < low:  # check_grammar refuses {m,n} so; chunks would hide it
         raise GrammarError(
             f"a repetition of {low} to {high} times: the maximum is below the minimum"
         )
