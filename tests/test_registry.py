@@ -109,9 +109,14 @@ def test_run_takes_a_preset(tiny_model_path: Path, capsys: pytest.CaptureFixture
 
 def _reported(lines: list[str], llm: Llama) -> int:
     """What llama.cpp reports: the weights, plus the KV, output and compute buffers it logs."""
-    pattern = re.compile(r"(?:KV|compute|output) buffer size =\s+([\d.]+) MiB")
+    return llm.model.size + _logged(lines, "KV|compute|output")
+
+
+def _logged(lines: list[str], buffers: str) -> int:
+    """The bytes of the ``buffers`` (a regex alternation) llama.cpp logs, to the 0.01 MiB."""
+    pattern = re.compile(rf"(?:{buffers}) buffer size =\s+([\d.]+) MiB")
     mib = sum(float(m.group(1)) for line in lines for m in [pattern.search(line)] if m)
-    return llm.model.size + round(mib * 2**20)
+    return round(mib * 2**20)
 
 
 @pytest.fixture
@@ -137,6 +142,9 @@ def llama_log() -> Iterator[list[str]]:
     [
         {"n_ctx": 1024},
         {"n_ctx": 4096, "n_ubatch": 256, "parallel": 4},
+        # A KV stream per slot: each its own sliding window, cells padded to 256 per slot.
+        {"n_ctx": 8192, "parallel": 4},
+        {"n_ctx": 512, "parallel": 8},
         {"preset": "low-ram"},
         {"n_ctx": 2048, "flash_attn": "off"},
         {"n_ctx": 512, "embeddings": True, "pooling": "mean"},
@@ -150,6 +158,8 @@ def test_estimate_matches_what_llama_cpp_reports_for_gemma(
     with Llama(gemma_path, n_threads=2, **options) as llm:  # type: ignore[arg-type]
         reported = _reported(llama_log, llm)
         assert estimate.weights == llm.model.size
+        kv = _logged(llama_log, "KV")
+        assert abs(estimate.kv - kv) <= 0.01 * kv, (estimate.kv, kv)
         if estimate.checkpoints:  # taken later, while prompts are decoded: one measured here
             prompt = [2] + [1000 + i for i in range(600)]
             llm.create_completion(prompt, max_tokens=0)

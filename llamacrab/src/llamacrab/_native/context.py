@@ -40,7 +40,7 @@ from llamacrab._native.devices import accelerator_present
 from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.host_limits import default_threads, host_memory_left
-from llamacrab._native.kv_layout import CELL_PAD, pad_cells
+from llamacrab._native.kv_layout import CELL_PAD, kv_streams, pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
 from llamacrab._native.seq_state import SequenceMemory, check_sequence_state
@@ -875,8 +875,7 @@ def _check_host_memory(model: Model, params: ContextParams, c_params: Any) -> No
     cells padded to 256 (n_ctx 256 for 256 sequences: 65,536 cells). A recurrent model's memory
     has a cell per sequence, not per position."""
     n_ctx = pad_cells(c_params.n_ctx or model.n_ctx_train)
-    streams = 1 if params.kv_unified else c_params.n_seq_max
-    stream_cells = pad_cells(n_ctx // streams)  # llama.cpp's n_ctx_seq
+    streams, stream_cells = kv_streams(n_ctx, c_params.n_seq_max, params.kv_unified)
     layout = model.kv_layout
     recurrent = lib.llama_model_is_recurrent(model.pointer)
     cells = 0 if recurrent else streams * stream_cells * KV_CELL_BYTES

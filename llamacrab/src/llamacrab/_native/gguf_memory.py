@@ -23,7 +23,7 @@ from typing import Any
 from llamacrab._native.call import lib
 from llamacrab._native.context import KV_TYPES, ContextParams
 from llamacrab._native.gguf_check import GgufArray, _overridden, _read_file, _uint, split_parts
-from llamacrab._native.kv_layout import kv_layout, pad_cells
+from llamacrab._native.kv_layout import kv_layout, kv_streams, pad_cells
 
 _FLOAT = 4
 
@@ -60,12 +60,15 @@ def _file_header(path: Path) -> tuple[Any, dict[str, Any], list[Any]]:
 def _kv_bytes(
     reader: Any, arch: str, metadata: dict[str, Any], params: ContextParams, n_ctx: int
 ) -> tuple[int, int]:
-    """The KV memory, and the most its checkpoints take."""
+    """The KV memory, and the most its checkpoints take: a stream per sequence without
+    ``kv_unified``, each with its own sliding window (as Context's host-memory check counts)."""
     layout = kv_layout(reader, arch, metadata)
     n_ubatch = min(params.n_ubatch, params.n_batch)
-    sliding = layout.sliding_cells(n_ctx, params.n_seq_max, n_ubatch, params.swa_full)
+    streams, stream_cells = kv_streams(n_ctx, params.n_seq_max, params.kv_unified)
+    sharing = params.n_seq_max if params.kv_unified else 1  # sequences a stream's window holds
+    sliding = layout.sliding_cells(stream_cells, sharing, n_ubatch, params.swa_full)
     type_k, type_v = KV_TYPES[params.type_k], KV_TYPES[params.type_v]
-    total = layout.bytes(n_ctx, sliding, type_k, type_v)
+    total = streams * layout.bytes(stream_cells, sliding, type_k, type_v)
     # A checkpoint holds one window of cells; none are taken where the window spans n_ctx.
     if not layout.window or layout.window >= n_ctx:
         return total, 0

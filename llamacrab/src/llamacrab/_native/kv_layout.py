@@ -26,6 +26,14 @@ def pad_cells(n: int) -> int:
     return -(-n // CELL_PAD) * CELL_PAD
 
 
+def kv_streams(n_ctx: int, n_seq_max: int, kv_unified: bool) -> tuple[int, int]:
+    """llama.cpp's KV streams and the cells of each: one for every sequence (without
+    ``kv_unified``) of n_ctx / n_seq_max cells padded to CELL_PAD (n_ctx 256 for 256
+    sequences: 65,536 cells), else one of n_ctx."""
+    streams = 1 if kv_unified else n_seq_max
+    return streams, pad_cells(n_ctx // streams)
+
+
 @dataclass(frozen=True)
 class LayerKv:
     """One layer's elements per cell: its KV heads times the key / value head size (0 for a
