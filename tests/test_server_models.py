@@ -432,6 +432,28 @@ def test_a_models_folder_lists_regular_files_only(tmp_path: Path, folder: Path) 
     ]
 
 
+def test_a_models_folder_follows_links_but_not_back_above_itself(
+    tmp_path: Path, folder: Path
+) -> None:
+    # ``md/up -> ..`` served every GGUF beside the folder (an adapter too) as a model; a file
+    # linked to its blob (the Hugging Face cache's layout) and a subfolder linked to a snapshot
+    # elsewhere are still models.
+    (tmp_path / "adapter.gguf").write_bytes((folder / "beta.gguf").read_bytes())
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "gamma.gguf").symlink_to(folder / "gamma.gguf")
+    md = tmp_path / "md"
+    md.mkdir()
+    (md / "alpha.gguf").symlink_to(folder / "alpha.gguf")
+    (md / "linked").symlink_to(snapshot)
+    for name, target in (("up", ".."), ("self", "."), ("root", "/")):
+        (md / name).symlink_to(target)
+    assert [(m.name, m.path) for m in scan_models_dir(md)] == [
+        ("alpha", md / "alpha.gguf"),
+        ("linked", md / "linked" / "gamma.gguf"),
+    ]
+
+
 def test_settings_of_the_multi_model_form() -> None:
     with pytest.raises(InvalidParameterError, match="not both"):
         parse_settings(["m.gguf", "--models", "x.toml"])

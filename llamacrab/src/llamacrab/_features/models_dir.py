@@ -1,6 +1,11 @@
 """The models in a folder, as a multi-model server lists them: each GGUF one model named by its
 file (split parts as one), ``mmproj-NAME.gguf`` as NAME's projector, embedding and reranker
-models recognised from their header; a subfolder with one model in it is that model."""
+models recognised from their header; a subfolder with one model in it is that model.
+
+Links are followed, as llama-server's scan follows them: a model file linked to its blob (the
+Hugging Face cache's layout) or a subfolder linked to a snapshot elsewhere is the folder owner's
+choice. A linked subfolder that leads back to the folder or above it (``up -> ..``) is skipped:
+it would serve the files around the folder (an adapter, another project's models)."""
 
 from __future__ import annotations
 
@@ -116,12 +121,29 @@ def _utf8_name(path: Path) -> bool:
     return True
 
 
+def _loops_back(sub: Path, folder: Path) -> bool:
+    """Whether ``sub`` is a link to ``folder`` or a folder above it (warned about)."""
+    if not sub.is_symlink():
+        return False
+    target, root = sub.resolve(), folder.resolve()
+    if target != root and target not in root.parents:
+        return False
+    log.warning("skipping %s: it links back to %s, not to a model's folder", sub, target)
+    return True
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in folder.iterdir() if p.is_dir() and _utf8_name(p) and not _loops_back(p, folder)
+    )
+
+
 def scan_models_dir(folder: Path) -> list[FoundModel]:
     """Every model in ``folder`` (and its subfolders of one model each), sorted by name."""
     if not folder.is_dir():
         raise InvalidParameterError(f"models folder {folder} is not a directory")
     models, projectors = _scan_files(_gguf_files(folder))
-    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and _utf8_name(p)):
+    for sub in _subfolders(folder):
         inner, inner_projectors = _scan_files(_gguf_files(sub))
         if len(inner) == 1:
             found = next(iter(inner.values()))
