@@ -146,6 +146,37 @@ def test_a_last_assistant_message_is_continued(templated: Llama) -> None:
                                                              "<assistant>")  # fmt: skip
 
 
+def test_the_answers_turn_is_left_unopened_when_asked(templated: Llama) -> None:
+    """``add_generation_prompt=False`` (the Jinja variable, llama-server's body field): the chat
+    methods decode the prompt ``chat_prompt`` renders for it, the turns closed and none
+    opened, and the answer is what follows. They took no such keyword (the completion's
+    keywords refused it); the default still opens the turn."""
+    unopened = templated.chat_prompt(HELLO, add_generation_prompt=False)
+    assert unopened == "<s><system>Be brief.</s><user>Hi!</s>"
+    tokens = templated.tokenize(unopened, add_special=False, parse_special=True)
+    templated.reset()
+    expected = templated.create_completion(tokens, max_tokens=4, temperature=0)
+    options: dict[str, Any] = {"add_generation_prompt": False}
+    templated.reset()
+    answer = templated.create_chat_completion(HELLO, max_tokens=4, temperature=0, **options)
+    assert answer.text == expected.text and answer.usage.prompt_tokens == len(tokens)
+    templated.reset()
+    streamed = templated.stream_chat_completion(HELLO, max_tokens=4, temperature=0, **options)
+    assert "".join(chunk.delta.content for chunk in streamed) == expected.text
+    assert templated.count_chat_tokens(HELLO, **options) == len(tokens)
+    opened = templated.tokenize(templated.chat_prompt(HELLO), add_special=False,
+                                parse_special=True)  # fmt: skip
+    assert templated.count_chat_tokens(HELLO) == len(opened) > len(tokens)
+    # A grammar shapes the answer after the closed turns as after an opened one.
+    shaped = templated.create_chat_completion(HELLO, response_format={"type": "json_object"},
+                                              max_tokens=1, **options)  # fmt: skip
+    assert shaped.text.startswith("{") and shaped.usage.prompt_tokens == len(tokens)
+    # A continued assistant message is in the answer's turn: continued all the same.
+    assert templated.count_chat_tokens(OPENED, **options) == templated.count_chat_tokens(OPENED)
+    with pytest.raises(InvalidParameterError, match="add_generation_prompt"):
+        templated.count_chat_tokens(HELLO, add_generation_prompt="no")
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 

@@ -644,8 +644,10 @@ def test_chat_continues_a_last_assistant_message(gemma_server: LiveServer) -> No
 @pytest.mark.real_model
 def test_chat_leaves_the_answers_turn_unopened_when_asked(gemma_server: LiveServer) -> None:
     """llama-server reads ``add_generation_prompt`` from the body: false renders the chat
-    without the opening of the answer's turn, the prompt /apply-template shows for it. The
-    route ignored it and opened the turn."""
+    without the opening of the answer's turn, the prompt /apply-template shows for it, through
+    the chat methods' own keyword (tools, a response_format and media go with it). The route
+    ignored it and opened the turn; then answered it with a completion of its own, which
+    refused a response_format."""
     url, post = gemma_server.url, partial(httpx.post, timeout=120)  # a loaded machine is slow
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     unopened = {"messages": messages, "add_generation_prompt": False}
@@ -674,10 +676,11 @@ def test_chat_leaves_the_answers_turn_unopened_when_asked(gemma_server: LiveServ
         for flag in (False, True)
     ]
     assert continued[0] == continued[1]
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    refused = post(url + "/v1/chat/completions", json={**body, "tools": [tool]})
-    assert refused.status_code == 400
-    assert refused.json()["error"]["param"] == "add_generation_prompt"
+    shaped = post(url + "/v1/chat/completions",
+                  json={**body, "response_format": {"type": "json_object"}})  # fmt: skip
+    assert shaped.status_code == 200
+    assert shaped.json()["usage"]["prompt_tokens"] == expected["tokens_evaluated"]
+    assert shaped.json()["choices"][0]["message"]["content"].startswith("{")
 
 
 # A template that reads llama-server's usual chat_template_kwargs, as Qwen 3's and gpt-oss's do.

@@ -365,6 +365,7 @@ class Llama:
         check_tool_arguments: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         prefill_assistant: bool = True,
+        add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> ChatCompletion:
         """Answer ``messages`` (OpenAI-shaped dicts: role, content) with the model's chat
@@ -393,9 +394,14 @@ class Llama:
         cannot be combined with a response_format, a forced tool_choice or tools the template
         cannot present (InvalidParameterError); one of tool calls is a finished turn.
         ``prefill_assistant=False`` closes that turn and opens a new one instead
-        (llama-server's ``--no-prefill-assistant``)."""
+        (llama-server's ``--no-prefill-assistant``). ``add_generation_prompt=False`` (the
+        Jinja variable, llama-server's body field) leaves out the opening of the answer's turn,
+        as ``chat_prompt`` renders it: the answer is what the model writes after the last
+        closed turn (a continued message is in the answer's turn, so it is continued all the
+        same)."""
         options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments,
-                              chat_template_kwargs, prefill_assistant)  # fmt: skip
+                              chat_template_kwargs, prefill_assistant,
+                              add_generation_prompt)  # fmt: skip
         tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)
         return chat_completion(self.create_completion(tokens, max_tokens=max_tokens, **kwargs),
                                options)  # fmt: skip
@@ -413,6 +419,7 @@ class Llama:
         check_tool_arguments: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         prefill_assistant: bool = True,
+        add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> Stream[ChatCompletionChunk]:
         """``create_chat_completion`` as a stream of deltas (the first carries the role).
@@ -420,7 +427,8 @@ class Llama:
         the parsed ``tool_calls`` (finish_reason "tool_calls"), or the text if none parsed.
         A continued assistant message (a prefill) is not repeated: the deltas follow it."""
         options = ChatOptions(tools, tool_choice, response_format, check_tool_arguments,
-                              chat_template_kwargs, prefill_assistant)  # fmt: skip
+                              chat_template_kwargs, prefill_assistant,
+                              add_generation_prompt)  # fmt: skip
         tokens, kwargs = self._chat_request(messages, chat_format, options, kwargs)
         stream = self.stream_completion(tokens, max_tokens=max_tokens, **kwargs)
         return stream.then(options.chunks)
@@ -436,15 +444,17 @@ class Llama:
         tool_choice: str | Mapping[str, Any] = "auto",
         chat_template_kwargs: Mapping[str, Any] | None = None,
         prefill_assistant: bool = True,
+        add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> int:
         """How many prompt tokens ``create_chat_completion`` with the same arguments would
         decode (its ``usage.prompt_tokens``; an image or a sound counts the positions it
         takes), found without generating. The messages, tools, tool_choice and response_format
-        are checked as it checks them; keywords that shape only the answer (max_tokens,
-        sampling) are taken and change nothing."""
+        are checked as it checks them, and ``prefill_assistant`` and ``add_generation_prompt``
+        shape the prompt as there; keywords that shape only the answer (max_tokens, sampling)
+        are taken and change nothing."""
         options = ChatOptions(tools, tool_choice, response_format, False, chat_template_kwargs,
-                              prefill_assistant)  # fmt: skip
+                              prefill_assistant, add_generation_prompt)  # fmt: skip
         tokens, _ = self._chat_request(messages, chat_format, options, kwargs)
         return len(tokens) if isinstance(tokens, list) else tokens.n_pos
 

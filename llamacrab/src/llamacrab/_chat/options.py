@@ -43,7 +43,8 @@ class ChatOptions:
     """The chat-only options of one request (validated when created). ``generic_tools`` is
     set when the prompt is built: the template cannot present the tools, so they are
     presented, constrained and parsed in llama.cpp's generic format. ``prefill_assistant``:
-    a last assistant message is continued (``_chat.prompt.assistant_prefill``)."""
+    a last assistant message is continued (``_chat.prompt.assistant_prefill``).
+    ``add_generation_prompt``: the prompt opens the answer's turn (``answer_prompt``'s)."""
 
     tools: Sequence[Mapping[str, Any]] | None = None
     tool_choice: str | Mapping[str, Any] = "auto"
@@ -52,6 +53,7 @@ class ChatOptions:
     # More variables for a Jinja chat template (llama-server's chat_template_kwargs).
     template_kwargs: Mapping[str, Any] | None = None
     prefill_assistant: bool = True
+    add_generation_prompt: bool = True
     generic_tools: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:

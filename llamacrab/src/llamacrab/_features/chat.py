@@ -34,7 +34,7 @@ def chat_request(
     """The prompt (tokens, or chunks with media) and the completion keywords. Tools the
     template cannot present go in llama.cpp's generic format (none for tool_choice "none").
     A last assistant message is continued (``assistant_prefill``) unless the options say
-    otherwise."""
+    otherwise; the answer's turn is opened unless they say otherwise (``answer_prompt``)."""
     check_generates(model)  # before the template: an embedding model rarely has one
     source = template_source(model, chat_format)
     tools = options.tools
@@ -46,9 +46,9 @@ def chat_request(
     prefill = assistant_prefill(messages) if options.prefill_assistant else None
     if prefill:
         options.check_continuable()
-    prompt, tokens = _prompt_and_tokens(
-        model, media, messages, chat_format, prefill, tools, options.template_kwargs
-    )
+    prompt, tokens = _prompt_and_tokens(model, media, messages, chat_format, prefill, tools,
+                                        options.template_kwargs,
+                                        options.add_generation_prompt)  # fmt: skip
     completion = options.completion_kwargs(kwargs, source)
     if isinstance(tokens, list) and model.needs_checkpoints:
         start = _last_content_start(model, messages, prompt, tokens)
@@ -76,13 +76,15 @@ def _prompt_and_tokens(
     prefill: str | None,
     tools: Sequence[Mapping[str, Any]] | None,
     variables: Mapping[str, Any] | None = None,
+    add_generation_prompt: bool = True,
 ) -> tuple[str, list[int] | Chunks]:
     """``prefill``: the last message's text, continued; ``variables``: checked
-    chat_template_kwargs."""
+    chat_template_kwargs; ``add_generation_prompt``: as ``answer_prompt`` takes it."""
     items: list[Media] = []
     if has_media(messages):
         messages, items = extract_media(messages, media.projector.marker, media.policy)
-    prompt = answer_prompt(model, messages, chat_format, prefill, tools, variables)
+    prompt = answer_prompt(model, messages, chat_format, prefill, tools, variables,
+                           add_generation_prompt)  # fmt: skip
     if items:
         add_special = _adds_bos(model, prompt)
         return prompt, media.tokenize(prompt, items, add_special=add_special, parse_special=True)

@@ -24,7 +24,6 @@ from llamacrab._llama import Llama
 from llamacrab._registry import ModelRegistry
 from llamacrab._types import ChatCompletion, ChatCompletionChunk
 from llamacrab.server import _legacy_functions as legacy_functions
-from llamacrab.server import _unopened_turn as unopened_turn
 from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic import add_anthropic_routes
 from llamacrab.server._cors import CorsMiddleware, cors_headers
@@ -250,12 +249,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         kwargs = wire.chat_kwargs(body, settings)
+        kwargs["add_generation_prompt"] = body.add_generation_prompt  # llama-server's field
         kwargs.update(await in_thread(token_kwargs, body, llama))
         kwargs.update(request_lora(body.lora, llama))
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         messages = legacy_functions.messages_of(messages)
-        if unopened_turn.unopened(body.add_generation_prompt, messages):
-            return await _answer_unopened(state, client, body, llama, messages, kwargs)
         legacy = bool(body.functions)
         parallel = body.parallel_tool_calls is not False and not legacy
 
@@ -356,26 +354,6 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest) -> Any:
         llama = state.ready(body.model)
         return {"text": await in_thread(llama.detokenize, body.tokens)}
-
-
-async def _answer_unopened(state: ServerState, client: Request, body: ChatCompletionRequest,
-                           llama: Llama, messages: list[dict[str, Any]],
-                           kwargs: dict[str, Any]) -> Any:  # fmt: skip
-    """A chat answered without the opening of the answer's turn (``add_generation_prompt``
-    false): a completion of the conversation's prompt, as the assistant's message."""
-    variables = kwargs.get("chat_template_kwargs")
-    unopened_turn.completion_kwargs(kwargs, messages)
-    prompt = partial(unopened_turn.prompt_tokens, llama, messages, variables)
-
-    def stream() -> Any:
-        return llama.stream_completion(prompt(), **kwargs).then(unopened_turn.chat_chunks)
-
-    def create(**more: Any) -> ChatCompletion:
-        completion = llama.create_completion(prompt(), **{**kwargs, **more})  # more: the call's
-        return unopened_turn.chat_completion(completion)
-
-    return await generate(state, client, body, stream, create, wire.chat_chunk,
-                          wire.chat_completion)  # fmt: skip
 
 
 def _models_health(state: ServerState, model: str | None) -> JSONResponse:
