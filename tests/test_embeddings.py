@@ -54,6 +54,14 @@ def test_batching_packs_many_texts_and_matches_one_at_a_time(minilm: Llama) -> N
     assert np.abs(batched - small_packs).max() < 1e-3
 
 
+def test_pack_tokens_below_one_is_refused(minilm: Llama) -> None:
+    # 0 and -1 were taken as 1 (one text per decode) without a word.
+    for pack_tokens in (0, -1):
+        with pytest.raises(InvalidParameterError, match="pack_tokens"):
+            minilm.embed(["a", "b"], pack_tokens=pack_tokens)
+    assert minilm.embed(["a", "b"], pack_tokens=1).shape == (2, 384)
+
+
 def test_normalization_is_optional(minilm: Llama) -> None:
     raw = minilm.embed(["Coffee or tea?"], normalize=False)
     assert not np.isclose(np.linalg.norm(raw), 1.0)

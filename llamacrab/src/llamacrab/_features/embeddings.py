@@ -41,7 +41,12 @@ class Embedder:
         self.positions = model.position_rows
         if self.positions is not None:
             self.limit = min(self.limit, self.positions)
-        self.pack_tokens = max(1, min(pack_tokens, self.limit))
+        if pack_tokens < 1:  # 0 or less was taken as 1: one text per decode, silently
+            raise InvalidParameterError(
+                f"pack_tokens (the tokens packed into one decode) must be at least 1, "
+                f"not {pack_tokens}"
+            )
+        self.pack_tokens = min(pack_tokens, self.limit)
         self.n_seq = context.params.n_seq_max
         self.batch = Batch(self.limit, self.n_seq)
 
