@@ -452,6 +452,7 @@ PREFILL: Any = [*COUNT, {"role": "assistant", "content": "{"}]
         ({"messages": [{"role": "user", "content": [DOCUMENT]}]}, "document"),
         ({"messages": [{"role": "user", "content": [URL_IMAGE]}]}, "url"),
         ({"messages": PREFILL, "tools": [WEATHER]}, "prefill"),
+        ({"messages": [{"role": "assistant", "content": "x"}] * 2}, "need a user message"),
         ({"tools": [{"name": "shout", "input_schema": {"type": "string"}}]}, "'object'"),
         ({"max_tokens": None}, "max_tokens"),
     ],

@@ -72,6 +72,13 @@ def conversation(body: CountTokensRequest) -> Conversation:
         messages.append({"role": "system", "content": system})
     turns = _merged(body.messages)
     prefill = _joined(_prefill_blocks(turns.pop()[1])) if turns[-1][0] == "assistant" else None
+    if prefill is not None and not any(role == "user" for role, _ in turns):
+        # Nothing left to answer: the chat API said "a chat needs at least one message".
+        raise ApiError(
+            400,
+            "messages need a user message: a last assistant message is continued (a prefill) "
+            "and only assistant messages were given",
+        )
     for role, blocks in turns:
         if role == "system":
             messages.append({"role": "system", "content": _system_text(blocks)})
