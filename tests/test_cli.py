@@ -52,6 +52,24 @@ def test_errors_are_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFi
     assert error.startswith("llamacrab: ") and error.count("\n") == 1
 
 
+def test_text_arguments_that_are_not_utf8_are_named(
+    tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A byte that is not UTF-8 on the command line (b"\xff") reaches Python as "\udcff": the
+    # error spoke of "an unpaired surrogate '\udcff'" instead of the argument.
+    model = str(tiny_model_path)
+    for argv, named in (
+        (["run", model, "-p", "a\udcff"], "-p/--prompt is not valid UTF-8 (at character 1)"),
+        (
+            ["run", model, "-p", "a", "--stop", "\udcff"],
+            "--stop is not valid UTF-8 (at character 0)",
+        ),
+        (["tokenize", model, "\udcff"], "the text to tokenize is not valid UTF-8 (at character 0)"),
+    ):
+        assert main(argv) == 1
+        assert capsys.readouterr().err == f"llamacrab: {named}: give it in UTF-8\n"
+
+
 @pytest.mark.real_model
 def test_run_defaults_to_gemma_for_a_prompt_and_for_a_chat() -> None:
     one_shot = llamacrab("run", "-p", "Paris is the capital of", "-n", "3", "--temperature", "0")

@@ -309,10 +309,30 @@ def _text_out() -> None:
         stream.reconfigure(encoding="utf-8")
 
 
+_TEXT_ARGUMENTS = {"prompt": "-p/--prompt", "system": "--system", "stop": "--stop",
+                   "text": "the text to tokenize"}  # fmt: skip
+
+
+def _check_text_arguments(args: argparse.Namespace) -> None:
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates
+    (surrogateescape), which tokenizing reported as "an unpaired surrogate '\\udcff'": name
+    the argument instead, before a model is loaded."""
+    for name, flag in _TEXT_ARGUMENTS.items():
+        given = getattr(args, name, None)
+        for text in [given] if isinstance(given, str) else given or []:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidParameterError(
+                    f"{flag} is not valid UTF-8 (at character {exc.start}): give it in UTF-8"
+                ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _text_out()
     try:
+        _check_text_arguments(args)
         _COMMANDS[args.command](args)
     except LlamaError as error:
         print(f"llamacrab: {error}", file=sys.stderr)
