@@ -779,3 +779,13 @@ def test_an_empty_token_prompt_with_echo_and_logprobs_is_refused(tiny_model_path
         pytest.raises(InvalidParameterError, match="the prompt is empty"),
     ):
         tiny.create_completion([], echo=True, logprobs=1, max_tokens=1)  # was IndexError
+
+
+def test_logits_to_logprobs_of_no_logits_says_so() -> None:
+    # numpy's "zero-size array to reduction operation maximum which has no identity" was the
+    # answer (llama-cpp-python's too); a ValueError still, naming what is missing.
+    for logits, axis in (([], -1), (np.zeros((3, 0)), -1), (np.zeros((0, 4)), 0)):
+        with pytest.raises(ValueError, match="at least one logit along axis"):
+            Llama.logits_to_logprobs(logits, axis=axis)
+    assert Llama.logits_to_logprobs(np.zeros((0, 4))).shape == (0, 4)  # no rows: no rows out
+    assert np.allclose(Llama.logits_to_logprobs([0.0, 0.0]), np.log([0.5, 0.5]))

@@ -1062,6 +1062,13 @@ class Llama:
     def logits_to_logprobs(logits: npt.ArrayLike, axis: int = -1) -> npt.NDArray[np.single]:
         """Log-softmax of ``logits`` along ``axis``."""
         values = np.asarray(logits, dtype=np.single)
+        if -values.ndim <= axis < values.ndim and values.shape[axis] == 0:
+            # numpy said "zero-size array to reduction operation maximum" (as llama-cpp-python
+            # does); a ValueError still, that says what is missing.
+            raise InvalidParameterError(
+                f"logits_to_logprobs needs at least one logit along axis {axis}: "
+                f"the logits have shape {values.shape}"
+            )
         top = np.max(values, axis=axis, keepdims=True)
         top = np.where(np.isfinite(top), top, 0)
         shifted = values - top
