@@ -19,9 +19,10 @@ from llamacrab._field_types import (
     check_range,
     is_number,
 )
-from llamacrab._native.call import c_string, call, call_each, ffi, lib
+from llamacrab._native.call import call, call_each, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
+from llamacrab._native.dry_sampler import check_breakers, dry_sampler
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
 from llamacrab._native.grammar_sampler import (
     NOTHING_ALLOWED,
@@ -121,6 +122,7 @@ class SamplingOptions:
             raise InvalidParameterError(
                 f"dry_multiplier must be >= 0 (0 disables DRY), not {self.dry_multiplier!r}"
             )
+        check_breakers(self.dry_sequence_breakers)
         unknown = set(self.order) - set(DEFAULT_ORDER)
         if unknown:
             raise InvalidParameterError(f"unknown samplers in order: {sorted(unknown)}")
@@ -773,10 +775,11 @@ def _filter(model: Model, o: SamplingOptions, name: str, seed: int) -> Any:
                     _window(model, o.penalty_last_n), o.repeat_penalty, o.frequency_penalty,
                     o.presence_penalty)  # fmt: skip
     if name == "dry":
-        breakers = [ffi.new("char[]", c_string(b, "dry breaker")) for b in o.dry_sequence_breakers]
-        return call("llama_sampler_init_dry", model.vocab.pointer, o.dry_multiplier, o.dry_base,
-                    o.dry_allowed_length, _window(model, o.dry_penalty_last_n),
-                    ffi.new("const char *[]", breakers), len(breakers))  # fmt: skip
+        window = _window(model, o.dry_penalty_last_n)
+        breakers = tuple(o.dry_sequence_breakers)
+        return dry_sampler(
+            model, (breakers, o.dry_multiplier, o.dry_base, o.dry_allowed_length, window)
+        )
     simple = {
         "top_n_sigma": lambda: call("llama_sampler_init_top_n_sigma", o.top_n_sigma),
         "top_k": lambda: call("llama_sampler_init_top_k", o.top_k),
