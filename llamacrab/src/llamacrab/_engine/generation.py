@@ -133,6 +133,9 @@ class KvState:
         self.seq_id = seq_id
         self.tokens: list[int] = []
         self.weights = context.weights_generation  # the adapters ``tokens`` were computed with
+        # The memory's own changes known here (Context.memory_generation): any other (a user's
+        # context.clear() or remove()) leaves ``tokens`` saying what the memory no longer holds.
+        self.memory = context.memory_generation(seq_id)
         self.plan = LoraPlan(dict(context.lora_adapters))  # ... and which, by position
         # ... and all the memory depends on besides the tokens (Context.fingerprint); for a
         # loaded state, until a prompt finds the plan it stands for, the only thing known.
@@ -154,10 +157,11 @@ class KvState:
             raise InvalidParameterError(f"scope must be 'sequence' or 'context', not {scope!r}")
         payload = self.context.state_view(self.seq_id if scope == "sequence" else None)
         model_id, n_ctx = self.context.model.identity, self.context.n_ctx
-        checkpoints = tuple(self.checkpoints) if scope == "sequence" else ()
-        return SavedState(
-            tuple(self.tokens), payload, model_id, n_ctx, scope, checkpoints, self.computed_as
-        )
+        # Changed by someone else: what it holds is not known (a load removes what it keeps).
+        known = not self.memory_changed()
+        tokens = tuple(self.tokens) if known else ()
+        checkpoints = tuple(self.checkpoints) if scope == "sequence" and known else ()
+        return SavedState(tokens, payload, model_id, n_ctx, scope, checkpoints, self.computed_as)
 
     def restore(self, state: SavedState) -> None:
         """Load a saved state (checked against this model and context). Its memory is reused
@@ -199,6 +203,7 @@ class KvState:
         self.checkpoints = list(state.checkpoints)
         self.tokens.extend(state.tokens)
         self.weights = self.context.weights_generation
+        self._changed_here()
 
     def _computed_with(self, plan: LoraPlan) -> None:
         """The memory counts as computed with ``plan`` (and the present control vector)."""
@@ -233,7 +238,7 @@ class KvState:
         """How many leading tokens of ``prompt`` this memory holds computed as the prompt
         would be with ``plan`` (``plan_for``'s), as ``prepare`` counts them before a prompt
         cache is asked: a slot holding a longer prefix under other adapters keeps none of it."""
-        if self.weights != self.context.weights_generation:
+        if self.stale():
             return 0
         held = self.plan if self.plan_known else self._loaded_plan(plan)
         if held is None:
@@ -273,7 +278,7 @@ class KvState:
             self.cache is not None
             and self.tokens
             and MEDIA_TOKEN not in self.tokens
-            and self.weights == self.context.weights_generation
+            and not self.stale()
         ):
             try:
                 self.cache.store(self.snapshot(), self.computed_as)
@@ -284,8 +289,8 @@ class KvState:
         """Drop what the new prompt does not share (tokens, and the adapters they were
         computed with: ``plan``, ``plan_for``'s); return how many prompt tokens to keep (none
         without ``reuse``: every prompt token is decoded again)."""
-        if self.weights != self.context.weights_generation:
-            self.forget()  # computed with adapters since replaced: none of it is reusable
+        if self.stale():
+            self.forget()  # computed with adapters since replaced, or changed: none is reusable
         if not self.plan_known:
             self._match_loaded(plan)
         if reuse:
@@ -302,6 +307,7 @@ class KvState:
         self._computed_with(plan)
         if keep < end and not self.context.remove(self.seq_id, keep, -1):
             keep = self._rewind(keep)
+        self._changed_here()
         self._truncate(keep)
         return keep
 
@@ -323,6 +329,19 @@ class KvState:
                 log.warning("a checkpoint was not usable; decoding the prompt again", exc_info=True)
         self.forget()
         return 0
+
+    def stale(self) -> bool:
+        """Whether ``tokens`` may no longer say what the memory holds: the adapters changed
+        since they were computed, or someone else changed the memory (context.clear(), say)."""
+        return self.weights != self.context.weights_generation or self.memory_changed()
+
+    def memory_changed(self) -> bool:
+        """Whether the memory was changed since the engine last did (Context's KV methods)."""
+        return self.memory != self.context.memory_generation(self.seq_id)
+
+    def _changed_here(self) -> None:
+        """The engine changed the memory, and ``tokens`` says what it holds now."""
+        self.memory = self.context.memory_generation(self.seq_id)
 
     def _truncate(self, keep: int) -> None:
         del self.tokens[keep:]
@@ -370,6 +389,7 @@ class KvState:
         self.owner = None
         self._truncate(0)
         self.weights = self.context.weights_generation
+        self._changed_here()
 
     def lend(self) -> None:
         """The memory is about to hold other sequences (embedding batches): nothing in it is
@@ -384,6 +404,7 @@ class KvState:
         self.context.remove(self.seq_id, 0, -1)
         self._truncate(0)
         self.weights = self.context.weights_generation
+        self._changed_here()
 
     def decode_prompt(
         self,
@@ -448,8 +469,11 @@ class KvState:
     def drop_last(self, count: int) -> None:
         """Remove the last ``count`` tokens from the memory (rejected drafts)."""
         keep = len(self.tokens) - count
+        known = not self.memory_changed()
         if not self.context.remove(self.seq_id, keep, -1):
             raise StateError("this model's memory cannot drop tokens: speculation is not possible")
+        if known:  # else another change still shows
+            self._changed_here()
         self._truncate(keep)
 
     def decode_one(self, token: int) -> None:
@@ -583,12 +607,14 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
 def _step(kv: KvState, session: Session, stepper: _Stepper, produced: int) -> Step:
     """The next step, under the lock. A generation that no longer owns the memory ends
     without touching it: the positions its drafts held may hold another generation's tokens.
-    One whose adapters changed since its prompt ends too."""
+    One whose adapters changed since its prompt ends too, and so does one whose memory was
+    changed under it (context.clear(), say): its sequence is forgotten."""
     owner = kv.owner is session
-    # Adapters changed under it: what it would add next mixes two sets of weights.
-    stale = kv.weights != kv.context.weights_generation
-    if not owner or stale or session.stopped():
-        if owner:
+    # What it would add next mixes two sets of weights, or follows what the memory lost.
+    if not owner or kv.stale() or session.stopped():
+        if owner and kv.memory_changed():
+            kv.forget()  # what ``tokens`` says it holds is gone: nothing of it is reusable
+        elif owner:
             stepper.settle()
         return Step(stepper.emitter.stops.flush(), None, "cancelled")
     if stepper.emitter.is_last(produced):

@@ -291,7 +291,10 @@ class Scheduler:
             job = slot.job
             if job is None:
                 continue
-            if job.session.stopped():
+            if job.todo is not None and slot.kv.memory_changed():  # a user's clear(), say
+                slot.kv.forget()  # what it says it holds is gone
+                self._end(slot, Step(job.emitter.stops.flush(), None, "cancelled"))
+            elif job.session.stopped():
                 self._end(slot, Step(job.emitter.stops.flush(), None, "cancelled"))
             elif job.todo is None and job.request.media is not None:
                 job.session.prompt_started = time.monotonic()

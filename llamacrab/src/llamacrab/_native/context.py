@@ -254,6 +254,10 @@ class Context(NativeHandle):
         self._logits_unread = False  # the last decode's outputs were all sampled in the graph
         # Bumped by every change of the adapters: KV computed under an older value is stale.
         self.weights_generation = 0
+        # By sequence, bumped by every change of its KV memory other than a decode (clear,
+        # remove, copy into it, keep, shift, divide, a state loaded): the engine tells its own
+        # changes from a user's by these (memory_generation).
+        self._memory_changes = [0] * params.n_seq_max
         # What, besides the tokens, decides the KV memory: the model, the adapters (file
         # identity and scale) and KV_SETTINGS. Prompt caches keep states under it.
         self.kv_fingerprint = self._fingerprint()
@@ -655,8 +659,20 @@ class Context(NativeHandle):
 
     # -- KV memory -----------------------------------------------------------------------------
 
+    def memory_generation(self, seq_id: int) -> int:
+        """How many times the KV memory of sequence ``seq_id`` was changed other than by a
+        decode: KV methods, a loaded state. Not by decoding (what a generation does itself)."""
+        return self._memory_changes[seq_id]
+
+    def _memory_changes_now(self, seq_ids: Iterable[int] | None) -> None:
+        """Count a change of the memory of ``seq_ids`` (None: every sequence), holding
+        ``exclusive()`` right before the call that makes it: counted even if it fails part-way."""
+        for seq_id in range(len(self._memory_changes)) if seq_ids is None else seq_ids:
+            self._memory_changes[seq_id] += 1
+
     def clear(self) -> None:
         with self.exclusive() as ctx:
+            self._memory_changes_now(None)
             lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
 
     def _check_sequence(self, seq_id: int) -> None:
@@ -682,6 +698,7 @@ class Context(NativeHandle):
         self._check_range(seq_id, p0, p1)
         with self.exclusive() as ctx:
             memory = lib.llama_get_memory(ctx)
+            self._memory_changes_now([seq_id])
             if not call("llama_memory_seq_rm", memory, seq_id, p0, p1):
                 return False
             if p1 >= 0 or p0 == 0 or self.n_swa == 0:
@@ -705,21 +722,23 @@ class Context(NativeHandle):
                 "(kv_unified=False) only whole sequences copy (p0=0, p1=-1)"
             )
         with self.exclusive() as ctx:
+            self._memory_changes_now([dst])
             call("llama_memory_seq_cp", lib.llama_get_memory(ctx), src, dst, p0, p1)
 
     def keep(self, seq_id: int) -> None:
         """Drop every sequence but ``seq_id``."""
         self._check_sequence(seq_id)
+        others = [other for other in range(self.params.n_seq_max) if other != seq_id]
         with self.exclusive() as ctx:
             memory = lib.llama_get_memory(ctx)
+            self._memory_changes_now(others)
             if self.params.kv_unified or self.params.n_seq_max == 1:
                 call("llama_memory_seq_keep", memory, seq_id)
                 return
             # With a stream per sequence llama.cpp's keep walks only seq_id's own stream:
             # the others' cells stayed. Each of them is removed instead.
-            for other in range(self.params.n_seq_max):
-                if other != seq_id:
-                    call("llama_memory_seq_rm", memory, other, -1, -1)
+            for other in others:
+                call("llama_memory_seq_rm", memory, other, -1, -1)
 
     def shift(self, seq_id: int, delta: int, p0: int = 0, p1: int = -1) -> None:
         """Add ``delta`` to the positions [p0, p1) of a sequence (context shifting). Cells of a
@@ -735,6 +754,7 @@ class Context(NativeHandle):
             top = high if p1 < 0 else min(high, p1 - 1)  # the highest position it may move
             if top >= p0:
                 self._check_shift(seq_id, delta, top, recurrent_moves=top == high)
+            self._memory_changes_now([seq_id])
             call("llama_memory_seq_add", memory, seq_id, p0, p1, delta)
 
     def _check_shift(self, seq_id: int, delta: int, top: int, recurrent_moves: bool) -> None:
@@ -760,6 +780,7 @@ class Context(NativeHandle):
             memory = lib.llama_get_memory(ctx)
             if not lib.llama_memory_can_shift(memory):
                 raise InvalidParameterError("this model's memory cannot shift positions")
+            self._memory_changes_now([seq_id])
             call("llama_memory_seq_div", memory, seq_id, p0, p1, divisor)
 
     def positions(self, seq_id: int) -> tuple[int, int] | None:
@@ -820,6 +841,7 @@ class Context(NativeHandle):
         # still exported when a garbage cycle takes it (the frame of an interrupted call,
         # kept by its traceback) makes the collector crash the process (SIGSEGV).
         with self.exclusive() as ctx, ffi.from_buffer("uint8_t[]", data) as buffer:
+            self._memory_changes_now(None if seq_id is None else [seq_id])
             if seq_id is None:
                 read = call("llama_state_set_data", ctx, buffer, len(buffer))
             else:
