@@ -16,11 +16,14 @@ import pytest
 from llamacrab import (
     ClosedHandleError,
     Completion,
+    CompletionChunk,
+    DecodeAbortedError,
     InvalidParameterError,
     Llama,
     PromptLookup,
     QueueFullError,
     RamCache,
+    Stream,
 )
 from llamacrab._native.batch import Batch
 
@@ -331,3 +334,101 @@ def test_a_burst_to_an_idle_engine_shares_its_first_step(
         for stream in streams:
             assert list(stream)
     assert decoded[0] == sum(lengths), decoded[:3]
+
+
+def _watching_decodes(
+    monkeypatch: pytest.MonkeyPatch, before: Callable[[Batch], None]
+) -> list[str]:
+    """Context.decode calls ``before(batch)`` first; each call's outcome is recorded."""
+    from llamacrab._native.context import Context
+
+    outcomes: list[str] = []
+    decode = Context.decode
+
+    def watched(self: Context, batch: Batch, *args: object, **kwargs: object) -> None:
+        before(batch)
+        try:
+            decode(self, batch, *args, **kwargs)  # type: ignore[arg-type]
+        except DecodeAbortedError:
+            outcomes.append("aborted")
+            raise
+        outcomes.append("decoded")
+
+    monkeypatch.setattr(Context, "decode", watched)
+    return outcomes
+
+
+def test_a_decode_whose_jobs_all_stopped_is_aborted(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer that leaves (a Ctrl-C, a closed stream, a server client gone) while its
+    prompt is decoded stops that decode, instead of the next request waiting for it; a cancel
+    that comes just before the decode starts counts too."""
+    streams: list[Stream[CompletionChunk]] = []
+
+    def leave_at_the_prompt(batch: Batch) -> None:
+        if batch.value.n_tokens > 1:
+            streams[0].cancel()
+
+    outcomes = _watching_decodes(monkeypatch, leave_at_the_prompt)
+    with Llama(tiny_model_path, n_ctx=512, n_threads=1, parallel=2) as llm:
+        streams.append(llm.stream_completion(PROMPTS[0] * 4, max_tokens=4, temperature=0))
+        assert [chunk.finish_reason for chunk in streams[0]] == ["cancelled"]
+        assert outcomes == ["aborted"]
+        assert llm.held_tokens(slot=0) == llm.held_tokens(slot=1) == []  # none left half-made
+        assert llm.create_completion(PROMPTS[1], max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_a_decode_goes_on_for_the_jobs_that_did_not_stop(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llamacrab._engine import scheduler
+
+    monkeypatch.setattr(scheduler, "GATHER_SECONDS", 0.5)  # both prompts in one decode
+    monkeypatch.setattr(scheduler, "GATHER_LIMIT", 2.0)
+    streams: list[Stream[CompletionChunk]] = []
+
+    def leave_at_the_prompts(batch: Batch) -> None:
+        if batch.output_sequences() == {0, 1} and batch.value.n_tokens > 2:
+            streams[0].cancel()
+
+    outcomes = _watching_decodes(monkeypatch, leave_at_the_prompts)
+    with Llama(tiny_model_path, n_ctx=512, n_threads=1, parallel=2) as llm:
+        for prompt in PROMPTS[:2]:
+            streams.append(llm.stream_completion(prompt, max_tokens=4, min_tokens=4))
+        assert [chunk.finish_reason for chunk in streams[0]][-1] == "cancelled"
+        assert [chunk.finish_reason for chunk in streams[1]][-1] == "length"
+        assert outcomes[0] == "decoded"
+        assert "aborted" not in outcomes
+
+
+@pytest.mark.parametrize("leave", ["cancel", "event", "timeout"])
+def test_leaving_during_a_long_prompt_stops_its_decode(
+    gemma_path: Path, monkeypatch: pytest.MonkeyPatch, leave: str
+) -> None:
+    """The consumer leaves while its prompt is decoded: a Ctrl-C in its wait for the first
+    token cancels the stream on its way out, a server sets the event it passed as ``cancel``
+    when its client goes, or its ``timeout`` passes. The engine's decode aborts instead of
+    running on (and the next request waiting for it)."""
+    started = threading.Event()
+
+    def mark(batch: Batch) -> None:
+        if batch.value.n_tokens > 1:
+            started.set()
+
+    outcomes = _watching_decodes(monkeypatch, mark)
+    event = threading.Event()
+    with Llama(gemma_path, n_ctx=4096, n_batch=2048, n_ubatch=2048, n_threads=2,
+               parallel=2, graph_sampling="off") as llm:  # fmt: skip
+        stream = llm.stream_completion(
+            "the cat sat on the mat. " * 250, max_tokens=1, cancel=event,
+            timeout=0.5 if leave == "timeout" else None,
+        )  # fmt: skip
+        consumer = threading.Thread(target=lambda: list(stream))
+        consumer.start()
+        assert started.wait(30)
+        if leave != "timeout":
+            time.sleep(0.2)  # inside the decode: ~1,750 tokens take seconds on a CPU
+            stream.cancel() if leave == "cancel" else event.set()
+        consumer.join(timeout=30)
+        assert outcomes == ["aborted"]

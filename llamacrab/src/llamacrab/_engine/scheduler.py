@@ -41,6 +41,9 @@ GATHER_LIMIT = 0.010
 # An idle engine looks at its queue this often even unnotified: a notification a Ctrl-C
 # swallowed (it can land inside Condition.notify) delays a job by this, never for ever.
 _IDLE_POLL_SECONDS = 0.5
+# How often a prompt's decode looks whether its jobs passed their deadlines or had their
+# events set (a server's client gone), which wake nobody.
+_WATCH_SECONDS = 0.05
 
 
 @dataclass(eq=False)
@@ -98,6 +101,7 @@ class Scheduler:
         reset_in_child(self._cond)
         self._closed = False
         self._encoding: Session | None = None  # the job whose image or sound is encoded now
+        self._decoding: tuple[Session, ...] = ()  # the jobs whose tokens are decoded now
         context.add_weights_guard(self)
         self._thread = threading.Thread(target=self._run, name="llamacrab-engine", daemon=True)
         try:
@@ -222,7 +226,13 @@ class Scheduler:
             encoding = self._encoding
             if encoding is not None and encoding.stopped():
                 self.context.cancel()  # the image or sound encoded now is its alone
+            if self._all_stopped(self._decoding):
+                self.context.cancel()  # nobody waits for the batch decoded now (a long prompt)
             self._cond.notify()
+
+    @staticmethod
+    def _all_stopped(sessions: tuple[Session, ...]) -> bool:
+        return bool(sessions) and all(session.stopped() for session in sessions)
 
     def _drop_stopped_waiting(self) -> None:
         for job in [j for j in self.waiting if j.session.stopped()]:
@@ -316,14 +326,24 @@ class Scheduler:
         planned, lora = self._plan()
         if not planned:
             return
+        # The jobs of this decode, fixed now: a job joining the next batch changes nothing of it.
+        decoding = tuple(slot.job.session for slot, _ in planned if slot.job is not None)
+        with self._mutex:
+            self._decoding = decoding  # when all of them stop, _wake aborts the decode
+        prompt = any(len(taken) > 1 for _, taken in planned)
         try:
-            self.context.decode(self.batch, lora)
+            # One stopped before the call was armed (which clears a cancel) is seen there.
+            with self._watched(decoding) if prompt else contextlib.nullcontext():
+                self.context.decode(self.batch, lora, lambda: self._all_stopped(decoding))
         except DecodeAbortedError:
             self._aborted([slot for slot, _ in planned])
             return
         except Exception as error:
             self._fail([slot for slot, _ in planned], error)
             return
+        finally:
+            with self._mutex:
+                self._decoding = ()
         for slot, taken in planned:
             slot.kv.tokens.extend(taken)
             if slot.job is not None and len(slot.kv.tokens) in slot.job.checkpoints:
@@ -331,6 +351,30 @@ class Scheduler:
         for slot in self.slots:
             if slot.job is not None and slot.job.index is not None:
                 self._sample(slot)
+
+    @contextlib.contextmanager
+    def _watched(self, decoding: tuple[Session, ...]) -> Iterator[None]:
+        """A prompt's decode may take seconds, and a deadline passing or a caller's event set
+        wakes nobody (a cancel() does): while it runs, a thread looks every _WATCH_SECONDS and
+        aborts it once all of its jobs stopped."""
+        if all(s.deadline is None and s.external is None for s in decoding):
+            yield
+            return
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(_WATCH_SECONDS):
+                if self._all_stopped(decoding):
+                    self.context.cancel()  # one landing after the decode: the next one clears it
+                    return
+
+        watcher = threading.Thread(target=watch, name="llamacrab-decode-watch", daemon=True)
+        with contextlib.suppress(RuntimeError):  # no thread to be had: the decode runs its course
+            watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
 
     def _start_media(self, slot: _Slot, chunks: Chunks) -> None:
         """A multimodal prompt is evaluated on its own (libmtmd encodes and decodes it), and

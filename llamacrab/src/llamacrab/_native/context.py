@@ -6,7 +6,7 @@ import hashlib
 import math
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -340,9 +340,16 @@ class Context(NativeHandle):
         self._abort_flags.cancel = 1 if self._closing else 0
         arm_sigint(self._abort_flags)
 
-    def decode(self, batch: Batch, lora: Mapping[LoraAdapter, float] | None = None) -> None:
+    def decode(
+        self,
+        batch: Batch,
+        lora: Mapping[LoraAdapter, float] | None = None,
+        stopped: Callable[[], bool] | None = None,
+    ) -> None:
         """Decode ``batch`` with the adapters ``lora`` (None: the default set, see
-        ``set_lora_adapters``); the caller keeps track of which KV was computed with which."""
+        ``set_lora_adapters``); the caller keeps track of which KV was computed with which.
+        ``stopped`` returning True once the call is armed aborts it (DecodeAbortedError): a
+        ``cancel()`` meant for it that came before, which arming cleared."""
         if batch.struct.n_tokens > self.max_decode:
             raise ContextOverflowError(
                 f"a batch of {batch.struct.n_tokens} tokens exceeds the {self.max_decode} this "
@@ -365,6 +372,8 @@ class Context(NativeHandle):
             outputs = batch.output_sequences() if self._graph_samplers else frozenset()
             self._logits_unread = bool(outputs) and outputs <= self._graph_samplers.keys()
             self.arm_cancel()
+            if stopped is not None and stopped():
+                self.cancel()
             status = call("llama_decode", ctx, batch.value)
         if status == 0:
             return
