@@ -48,8 +48,9 @@ def test_health_answers_while_a_large_body_is_read(server: LiveServer) -> None:
     (answer,) = answered
     assert answer.status_code == 400 and "max_tokens" in answer.json()["error"]["message"]
     # Read on the loop, one /health waited nearly as long as the whole request (8-9 s of
-    # 8.4-9.4 s here, 3 answered); read off it, 0.2-0.45 s of 3.3-4.6 s (20-24 answered).
-    assert len(waits) >= 5 and max(waits) < took / 5, (max(waits), took, len(waits))
+    # 8.4-9.4 s here, 3 answered); read off it, 0.2-0.45 s of 3.3-4.6 s (20-24 answered), and
+    # 0.92 s of 3.9 s once on a loaded machine: half the request is the line between them.
+    assert len(waits) >= 5 and max(waits) < took / 2, (max(waits), took, len(waits))
 
 
 def test_a_large_body_is_answered_as_a_small_one(server: LiveServer) -> None:
