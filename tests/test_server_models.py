@@ -454,6 +454,13 @@ def test_a_models_folder_follows_links_but_not_back_above_itself(
     ]
 
 
+def test_a_models_folder_skips_adapters(tmp_path: Path, folder: Path) -> None:
+    # A LoRA beside its model was listed as a model of its own, which failed when loaded.
+    shutil.copy(folder / "alpha.gguf", tmp_path / "alpha.gguf")
+    tiny.write_tiny_lora(tmp_path / "alpha-lora.gguf")
+    assert [m.name for m in scan_models_dir(tmp_path)] == ["alpha"]
+
+
 def test_settings_of_the_multi_model_form() -> None:
     with pytest.raises(InvalidParameterError, match="not both"):
         parse_settings(["m.gguf", "--models", "x.toml"])

@@ -98,6 +98,8 @@ def _scan_files(files: list[Path]) -> tuple[dict[str, FoundModel], list[Path]]:
         if _is_projector(path, metadata):
             projectors.append(path)
             continue
+        if metadata is not None and metadata.get("general.type") == "adapter":
+            continue  # a LoRA or a control vector: applied to a model, never served alone
         name = _model_name(path.stem)
         if name is not None:
             models[name] = FoundModel(name, path, _kind_options(metadata))
