@@ -26,7 +26,7 @@ def call(name: str, *args: Any) -> Any:
     err = _error_slot()
     result = getattr(lib, "safe_" + name)(*args, err)
     if err.code != 0:
-        raise NativeError(name, err.code, ffi.string(err.message).decode("utf-8", "replace"))
+        raise _native_error(name, err)
     return result
 
 
@@ -37,7 +37,12 @@ def call_each(name: str, first: Any, items: Iterable[Any]) -> None:
     for item in items:
         shim(first, item, err)
         if err.code != 0:
-            raise NativeError(name, err.code, ffi.string(err.message).decode("utf-8", "replace"))
+            raise _native_error(name, err)
+
+
+def _native_error(name: str, err: Any) -> NativeError:
+    """The C++ exception the shim of ``name`` caught, as the error slot ``err`` holds it."""
+    return NativeError(name, err.code, ffi.string(err.message).decode("utf-8", "replace"))
 
 
 # How the C++ exceptions thrown by llamacrab-sys's patches to llama.cpp begin
