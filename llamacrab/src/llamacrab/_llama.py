@@ -678,6 +678,8 @@ class Llama:
         max_tokens: int | None = 16,
         min_tokens: int = 0,
         stop: str | Sequence[str] = (),
+        min_indent: int = 0,
+        stop_at_newline_after: float | None = None,
         echo: bool = False,
         suffix: str = "",
         logprobs: int | None = None,
@@ -695,7 +697,12 @@ class Llama:
         order; a prompt from ``tokenize_media`` works too.
 
         Breaking out of the loop stops generation; the Llama stays usable. ``max_tokens=None``
-        runs until the end of the context. ``min_tokens`` forbids ending earlier. ``logprobs=N``
+        runs until the end of the context. ``min_tokens`` forbids ending earlier. Two rules for
+        code completion (llama-server's ``n_indent`` and ``t_max_predict_ms``) end it with
+        finish_reason "length": ``min_indent`` at the first line after a newline that opens with
+        fewer spaces and tabs (its text cut after them; a blank line counts, the first line does
+        not), and ``stop_at_newline_after`` (seconds from the first token) at the first token
+        bringing a newline once that time has passed. ``logprobs=N``
         reports each token's log-probability and its N most likely alternatives; with ``echo``
         the echoed prompt's too, from its second token on (its whole prompt is decoded again,
         no cached prefix; one slot only). ``suffix`` is
@@ -728,7 +735,8 @@ class Llama:
         request = Request(parts.tokens, max_tokens, min_tokens, stops, logprobs, parts.chunks,
                           None if lora is None else dict(lora),
                           prompt_logprobs=echo and logprobs is not None,
-                          checkpoint_at=checkpoint_at)  # fmt: skip
+                          checkpoint_at=checkpoint_at, min_indent=min_indent,
+                          stop_at_newline_after=stop_at_newline_after)  # fmt: skip
         options = merge_sampling(sampling, sampling_options, self.seed)
         return self._completer.stream(parts, request, options, Session(timeout, cancel),
                                       (speculative, self.speculative), echo, suffix)  # fmt: skip

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamacrab._engine.cache import PromptCache
+from llamacrab._engine.lines import LineRules, check_line_rules
 from llamacrab._engine.logprobs import PromptLogprobs, token_logprobs
 from llamacrab._engine.lora import LoraPlan, lora_plan
 from llamacrab._engine.speculative import Drafter, SpeculativeStats
@@ -88,10 +89,14 @@ class Request:
     prompt_logprobs: bool = False
     # Prompt positions to take checkpoints at too (sliding-window and recurrent models; KvState).
     checkpoint_at: tuple[int, ...] = ()
+    # Line rules for code completion (lines.py): llama-server's n_indent and t_max_predict_ms.
+    min_indent: int = 0
+    stop_at_newline_after: float | None = None
 
     def check(self, n_ctx: int) -> None:
         check_field_types(self, skip={"prompt"})  # (tokens checked against the vocabulary)
         stop_strings(self.stop)
+        check_line_rules(self.min_indent, self.stop_at_newline_after)
         if not self.prompt:
             raise InvalidParameterError("the prompt is empty (no tokens to decode)")
         if len(self.prompt) >= n_ctx:
@@ -635,12 +640,14 @@ class Emitter:
         self.vocab, self.request = vocab, request
         self.decoder = vocab.decoder()
         self.stops = StopMatcher(request.stop)
+        self.lines = LineRules(request.min_indent, request.stop_at_newline_after)
 
     def sample(self, context: Context, samplers: Samplers, index: int, produced: int) -> Step:
         """Sample from output ``index``; an end-of-generation token ends with "eos" (it is not
         output), as a complete grammar does on a vocabulary without one; a stop string, a
         Python sampler's EndGeneration, or a complete grammar where logit_bias bans every end
-        token (llama-server's ignore_eos) with "stop"."""
+        token (llama-server's ignore_eos) with "stop"; a line rule (min_indent,
+        stop_at_newline_after) with "length"."""
         request = self.request
         try:
             token = samplers.sample(
@@ -660,16 +667,20 @@ class Emitter:
             )
         if self.vocab.is_eog(token):
             return Step(self.rest(), None, "eos", end_token=token)
-        text = self.stops.push(self.decoder.feed([token]))
+        text, ended = self.lines.token(self.stops.push(self.decoder.feed([token])))
         step = Step(text, token, None, logprob, top, top_ids=top_ids, top_bytes=top_bytes)
-        if self.stops.stopped:
+        if ended:  # a line rule: llama-server's "limit"
+            if not self.stops.stopped:
+                step.text += self.rest()  # what a partial stop string held back
+            step.finish_reason = "length"
+        elif self.stops.stopped:
             step.finish_reason, step.stop = "stop", self.stops.matched
         return step
 
     def rest(self) -> str:
         """Everything held back, at the end of a generation that no stop string ended."""
         text = self.stops.push(self.decoder.flush())
-        return text if self.stops.stopped else text + self.stops.flush()
+        return self.lines.cut(text if self.stops.stopped else text + self.stops.flush())
 
     def is_last(self, produced: int) -> bool:
         """Whether ``produced`` tokens reach max_tokens: nothing more is decoded."""
