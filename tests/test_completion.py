@@ -234,3 +234,25 @@ def test_usage_times_the_prompt_and_the_generation(
         stream = llm.stream_completion(prompt, max_tokens=4)
         stream.cancel()
         assert [c.usage.prompt_seconds for c in stream if c.usage] in ([0.0], [])
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_every_streamed_chunk_has_its_usage_so_far(
+    tiny_model_path: Path, parallel: int | None
+) -> None:
+    """The tokens and times up to each chunk (llama-server's timings_per_token), the last
+    chunk's equal to its usage; chat deltas carry them on."""
+    with Llama(tiny_model_path, n_ctx=512, parallel=parallel) as llm:
+        options = {"grammar": r'root ::= "abcdef"', "temperature": 0, "max_tokens": 20}
+        chunks = list(llm.stream_completion("the cat", **options))
+        so_far = [c.usage_so_far for c in chunks]
+        # Six tokens, then the end of the grammar (a chunk without a token).
+        assert [u.completion_tokens if u else None for u in so_far] == [1, 2, 3, 4, 5, 6, 6]
+        assert so_far[-1] == chunks[-1].usage and not any(c.usage for c in chunks[:-1])
+        assert len({(u.prompt_tokens, u.prompt_seconds) for u in so_far if u}) == 1
+        times = [u.generation_seconds for u in so_far if u]
+        assert times == sorted(times) and times[0] == 0
+        chat = [{"role": "user", "content": "hi"}]
+        deltas = list(llm.stream_chat_completion(chat, chat_format="chatml", **options))
+        assert [d.usage_so_far.completion_tokens if d.usage_so_far else None
+                for d in deltas] == [1, 2, 3, 4, 5, 6, 6]  # fmt: skip

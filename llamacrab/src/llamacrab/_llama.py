@@ -691,7 +691,8 @@ class Llama:
         checkpoint_at: Sequence[int] = (),
         **sampling_options: Any,
     ) -> Stream[CompletionChunk]:
-        """Generate text chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
+        """Generate text chunk by chunk; the last chunk has ``finish_reason`` and ``usage``,
+        and each chunk of generated text ``usage_so_far`` (the tokens and times up to it).
 
         ``media`` (Image / Audio, with a projector) fill the prompt's ``media_marker`` places in
         order; a prompt from ``tokenize_media`` works too.

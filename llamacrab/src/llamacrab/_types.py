@@ -85,6 +85,7 @@ class ChatCompletionChunk:
     usage: Usage | None = None
     logprobs: Logprobs | None = None
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended it
+    usage_so_far: Usage | None = None  # as CompletionChunk's
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,10 @@ class CompletionChunk:
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended it
     # The parallel slot (context sequence) generating it; None before one took it.
     slot: int | None = None
+    # The usage up to this chunk, on each chunk the generation made (the last one's is its
+    # usage): tokens generated so far and the time since the first one (llama-server's
+    # timings_per_token). None on an echoed prompt.
+    usage_so_far: Usage | None = None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

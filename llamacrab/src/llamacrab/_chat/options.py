@@ -170,7 +170,8 @@ class ChatOptions:
                 stop = chunk.stop_sequence if finish == "stop" else None
                 yield ChatCompletionChunk("chatcmpl-" + chunk.id.removeprefix("cmpl-"),
                                           chunk.created, chunk.model, chunk.index, delta,
-                                          finish, chunk.usage, logprobs, stop)  # fmt: skip
+                                          finish, chunk.usage, logprobs, stop,
+                                          chunk.usage_so_far)  # fmt: skip
         finally:
             stream.close()  # breaking out of the chat stream stops generation at once
 

@@ -407,17 +407,15 @@ class Completer:
                 text = step.text
                 if step.finish_reason not in (None, "cancelled"):
                     text += suffix
-                usage = None
-                if step.finish_reason:
-                    started = session.prompt_started or first_at
-                    usage = Usage(len(request.prompt), produced, session.reused,
-                                  first_at - started, now - first_at)  # fmt: skip
+                started = session.prompt_started or first_at
+                so_far = Usage(len(request.prompt), produced, session.reused,
+                               first_at - started, now - first_at)  # fmt: skip
                 tokens = () if step.token is None else (step.token,)
                 logprobs = _step_logprobs(self.model.vocab, step, offset)
                 offset += len(text)
                 yield CompletionChunk(chunk_id, created, name, 0, text, step.finish_reason,
-                                      usage, tokens, logprobs, step.stop,
-                                      session.slot)  # fmt: skip
+                                      so_far if step.finish_reason else None, tokens, logprobs,
+                                      step.stop, session.slot, so_far)  # fmt: skip
         finally:
             session.cancel()  # a consumer that left early stops the generation at once
             if samplers is not None:
