@@ -10,6 +10,7 @@ from typing import Any
 
 from llamacrab import SamplingOptions
 from llamacrab._llama import Llama
+from llamacrab.server._schemas import GenerationFields
 from llamacrab.server._settings import ServerSettings
 
 # llama-server's sampler names where ours differ.
@@ -42,15 +43,11 @@ def default_settings(llama: Llama, settings: ServerSettings) -> dict[str, Any]:
 
 
 def used_settings(
-    llama: Llama,
-    settings: ServerSettings,
-    kwargs: Mapping[str, Any],
-    stream: bool,
-    ignore_eos: bool,
+    llama: Llama, settings: ServerSettings, kwargs: Mapping[str, Any], body: GenerationFields
 ) -> dict[str, Any]:
-    """The sampling a request ran with: the defaults, with what its keywords for the Python
-    API (``kwargs``) set, and ``logit_bias`` as llama-server lists it (a ban's bias is null:
-    JSON has no infinity, and llama-server's JSON writes it so)."""
+    """The sampling a request (``body``) ran with: the defaults, with what its keywords for
+    the Python API (``kwargs``) set, and ``logit_bias`` as llama-server lists it (a ban's bias
+    is null: JSON has no infinity, and llama-server's JSON writes it so)."""
     used = default_settings(llama, settings)
     for key, value in kwargs.items():
         name = _NATIVE_NAMES.get(key, key)
@@ -63,7 +60,8 @@ def used_settings(
     bias = kwargs.get("logit_bias") or {}
     used["logit_bias"] = [{"bias": b if math.isfinite(b) else None, "token": token}
                           for token, b in bias.items()]  # fmt: skip
-    used.update(stream=stream, ignore_eos=ignore_eos)
+    used.update(stream=body.stream, ignore_eos=body.ignore_eos,
+                timings_per_token=body.timings_per_token)  # fmt: skip
     return used
 
 

@@ -122,6 +122,7 @@ class _Answering:
     settings: dict[str, Any]  # the sampling it runs with, as llama-server lists it
     prompt: str  # its prompt's text, as llama-server shows it
     fields: Sequence[str]  # response_fields: the last answer's values at these paths alone
+    timings_per_token: bool  # timings on every streamed event, not on the last alone
 
 
 def only_fields(answer: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
@@ -148,10 +149,10 @@ async def _answer(state: ServerState, client: Request, body: NativeGeneration, l
     """The completion of ``kwargs`` (its prompt as tokens, the request's ``index``-th),
     streamed or whole (by ``deadline``: see ``complete``)."""
     vocab = llama.vocab if kwargs.get("logprobs") is not None else None
-    used = used_settings(llama, state.settings, kwargs, body.stream, body.ignore_eos)
+    used = used_settings(llama, state.settings, kwargs, body)
     prompt = await in_thread(_prompt_text, llama, kwargs["prompt"])
     answering = _Answering(state.settings.alias, llama.context.n_ctx_seq, vocab, used, prompt,
-                           body.response_fields)  # fmt: skip
+                           body.response_fields, body.timings_per_token)  # fmt: skip
     if body.stream:
         chunks = await in_thread(partial(llama.stream_completion, **kwargs))
         return await sse_events(state, client, chunks, partial(native_events, answering))
@@ -290,7 +291,8 @@ async def native_events(
     """llama-server's ``/completion`` stream: ``{content, tokens, stop: false}`` events, then
     one with ``stop: true``, the counts and no text (the text is all in the events before
     it, as llama-server sends it); no ``[DONE]``. With ``n_probs`` asked for, each event
-    with tokens carries their ``completion_probabilities``."""
+    with tokens carries their ``completion_probabilities``; with ``timings_per_token``, each
+    its ``timings`` so far."""
     predicted = 0
     try:
         async for chunk in chunks:
@@ -303,6 +305,8 @@ async def native_events(
                     payload["completion_probabilities"] = probabilities(
                         answering.vocab, chunk.tokens, chunk.logprobs
                     )
+                if answering.timings_per_token and chunk.usage_so_far is not None:
+                    payload["timings"] = timings(chunk.usage_so_far)
                 yield event(payload)
             if chunk.finish_reason is not None:
                 last = native_answer("", (), chunk.finish_reason, chunk.usage,

@@ -107,6 +107,13 @@ class GenerationFields(Lenient):
     n_probs: int | None = Field(None, ge=0, le=20)
     post_sampling_probs: bool = False  # refused with n_probs: the probabilities are before
     min_keep: int = Field(0, ge=0)  # llama-server's; refused past 0 (no sampler here keeps any)
+    # llama-server's rules for code completion, each ending the answer as its length limit
+    # does: every line after the first indented by n_indent spaces or tabs or more (the first
+    # that is not is cut after them), and a newline ending it once t_max_predict_ms have
+    # passed since the first token (0 or -1: no limit).
+    n_indent: int = Field(0, ge=0, le=2**31 - 1)
+    t_max_predict_ms: int = Field(-1, ge=-1, lt=2**63)
+    timings_per_token: bool = False  # llama-server's timings on every streamed event
 
     @field_validator("stop")
     @classmethod

@@ -49,9 +49,11 @@ async def sse(
     stream: Stream[_Chunk],
     encode: Callable[[_Chunk], dict[str, Any] | list[dict[str, Any]]],
     include_usage: bool,
+    timings_per_token: bool = False,
 ) -> StreamingResponse:
     """OpenAI's chat and completion chunks as server-sent events (``encode`` makes one event
-    of a chunk, or several), then ``[DONE]``."""
+    of a chunk, or several), then ``[DONE]``. llama-server's ``timings`` come on the last
+    event of every chunk with ``timings_per_token``, else on the stream's last."""
 
     async def write(chunks: AsyncIterator[_Chunk]) -> AsyncIterator[str]:
         try:
@@ -59,8 +61,11 @@ async def sse(
                 encoded = encode(chunk)
                 payloads = encoded if isinstance(encoded, list) else [encoded]
                 used = chunk.usage if chunk.finish_reason is not None else None
-                if used is not None and not include_usage:  # llama-server: on the last event
-                    payloads[-1] = {**payloads[-1], "timings": wire.timings(used)}
+                shown = chunk.usage_so_far if timings_per_token else None
+                if used is not None and not include_usage:
+                    shown = used
+                if shown is not None and payloads:
+                    payloads[-1] = {**payloads[-1], "timings": wire.timings(shown)}
                 for payload in payloads:
                     yield event(payload)
                 if used is not None and include_usage:
@@ -153,7 +158,8 @@ async def generate(
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         chunks = await in_thread(stream)
-        return await sse(state, client, chunks, lambda chunk: chunk_json(chunk, alias), include)
+        return await sse(state, client, chunks, lambda chunk: chunk_json(chunk, alias), include,
+                         body.timings_per_token)  # fmt: skip
     return result_json(await complete(state, client, create), alias)
 
 

@@ -50,8 +50,9 @@ def generation_kwargs(
 ) -> dict[str, Any]:
     """Keywords for the Python API, with the server's caps applied (``default_max``: the
     tokens a request that names none gets; None: the server's limit). The penalties and DRY
-    count the prompt's tokens, as llama-server's do. ``logit_bias``, ``ignore_eos`` and
-    ``json_schema`` need the model or take time: ``_llama_fields`` reads them."""
+    count the prompt's tokens, as llama-server's do; its ``n_indent`` and ``t_max_predict_ms``
+    are ``min_indent`` and ``stop_at_newline_after`` (seconds). ``logit_bias``, ``ignore_eos``
+    and ``json_schema`` need the model or take time: ``_llama_fields`` reads them."""
     kwargs: dict[str, Any] = {n: v for n in _SAMPLING if (v := getattr(body, n)) is not None}
     kwargs["penalize_prompt"] = True
     seed = kwargs.get("seed")
@@ -70,6 +71,10 @@ def generation_kwargs(
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     kwargs["max_tokens"] = _max_tokens(body, settings.max_tokens_limit, default_max)
+    if body.n_indent:
+        kwargs["min_indent"] = body.n_indent
+    if body.t_max_predict_ms > 0:
+        kwargs["stop_at_newline_after"] = body.t_max_predict_ms / 1000
     if body.min_keep:
         raise ApiError(400, "min_keep is not supported: the samplers here keep no minimum of "
                        "candidates (send 0, or leave it out)", param="min_keep")  # fmt: skip
