@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamacrab._engine.cache import PromptCache
+from llamacrab._engine.decode_watch import watched
 from llamacrab._engine.lines import LineRules, check_line_rules
 from llamacrab._engine.logprobs import PromptLogprobs, token_logprobs
 from llamacrab._engine.lora import LoraPlan, lora_plan
@@ -422,8 +423,9 @@ class KvState:
         """Decode the prompt after ``keep`` in chunks (none crossing the position where the
         adapters start to apply, nor ``checkpoints``, where they are taken); False when
         ``stopped()`` is true before a chunk (what was decoded stays in memory, a prefix for
-        the next prompt). ``scores`` reads every row's logits after each chunk (chunks small
-        enough for that)."""
+        the next prompt); a chunk armed after it turned true raises DecodeAbortedError.
+        ``scores`` reads every row's logits after each chunk (chunks small enough for
+        that)."""
         todo = np.asarray(prompt[keep:], dtype=np.int32)
         most = self.max_batch if scores is None else min(self.max_batch, scores.max_rows)
         start = 0
@@ -438,7 +440,7 @@ class KvState:
             chunk = todo[start:end]
             position = len(self.tokens)
             self.batch.set(chunk, position, self.seq_id, end >= len(todo), scores is not None)
-            self.decode_tracked(chunk.tolist())
+            self.decode_tracked(chunk.tolist(), stopped)
             if scores is not None:
                 scores.read(self.context, position, len(chunk))
             if len(self.tokens) in checkpoints:
@@ -485,9 +487,9 @@ class KvState:
         self.batch.set_one(token, len(self.tokens), self.seq_id)
         self.decode_tracked([token])
 
-    def decode_tracked(self, tokens: list[int]) -> None:
+    def decode_tracked(self, tokens: list[int], stopped: Callable[[], bool] | None = None) -> None:
         try:
-            self.context.decode(self.batch, self.plan.at(len(self.tokens)))
+            self.context.decode(self.batch, self.plan.at(len(self.tokens)), stopped)
         except BaseException:
             # A failed decode may leave part of the batch in memory. Refused while a Ctrl-C's
             # traceback keeps the interrupted call's hold alive (claims.py): the next prompt's
@@ -584,23 +586,26 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
     kv.owner = None  # the memory changes now: the generation before may not touch it again
     session.prompt_started = time.monotonic()
     try:
-        # While the prompt is decoded (or its media encoded), cancel() aborts the call in
-        # progress too; a timeout or a cancel between two decodes is seen before the next chunk.
-        session.wake = kv.context.cancel
-        if request.media is not None:
-            kv.decode_media(request.media, request.lora, session.stopped)
-        else:
-            scores = None
-            if request.prompt_logprobs:
-                scores = PromptLogprobs(request.prompt, request.logprobs or 0, kv.context.n_vocab)
-                session.prompt_logprobs = scores.values
-            plan = kv.plan_for(request.prompt, request.lora)
-            session.reused = kv.prepare(request.prompt, plan, reuse=scores is None)
-            checkpoints = kv.checkpoint_positions(request)
-            if not kv.decode_prompt(
-                request.prompt, session.reused, session.stopped, scores, checkpoints
-            ):
-                return False
+        # A prompt's chunk (or its media's encode) may take seconds: cancel(), the timeout and
+        # the caller's event abort the call in progress, not only the next one.
+        with watched(kv.context, (session,)) as watch:
+            session.wake = watch.poke
+            if request.media is not None:
+                kv.decode_media(request.media, request.lora, watch.stopped)
+            else:
+                scores = None
+                if request.prompt_logprobs:
+                    scores = PromptLogprobs(
+                        request.prompt, request.logprobs or 0, kv.context.n_vocab
+                    )
+                    session.prompt_logprobs = scores.values
+                plan = kv.plan_for(request.prompt, request.lora)
+                session.reused = kv.prepare(request.prompt, plan, reuse=scores is None)
+                checkpoints = kv.checkpoint_positions(request)
+                if not kv.decode_prompt(
+                    request.prompt, session.reused, watch.stopped, scores, checkpoints
+                ):
+                    return False
     except DecodeAbortedError:
         return False
     finally:

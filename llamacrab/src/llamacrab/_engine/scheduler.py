@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llamacrab._engine.cache import PromptCache
+from llamacrab._engine.decode_watch import DecodeWatch, watched
 from llamacrab._engine.generation import Emitter, KvState, Request, Session, Step
 from llamacrab._engine.lora import LoraPlan
 from llamacrab._exceptions import (
@@ -41,9 +42,6 @@ GATHER_LIMIT = 0.010
 # An idle engine looks at its queue this often even unnotified: a notification a Ctrl-C
 # swallowed (it can land inside Condition.notify) delays a job by this, never for ever.
 _IDLE_POLL_SECONDS = 0.5
-# How often a prompt's decode looks whether its jobs passed their deadlines or had their
-# events set (a server's client gone), which wake nobody.
-_WATCH_SECONDS = 0.05
 
 
 @dataclass(eq=False)
@@ -100,8 +98,8 @@ class Scheduler:
         self._cond = threading.Condition(self._mutex)
         reset_in_child(self._cond)
         self._closed = False
-        self._encoding: Session | None = None  # the job whose image or sound is encoded now
-        self._decoding: tuple[Session, ...] = ()  # the jobs whose tokens are decoded now
+        # The decode (or image or sound encode) in flight, aborted when all of its jobs stop.
+        self._watch: DecodeWatch | None = None
         context.add_weights_guard(self)
         self._thread = threading.Thread(target=self._run, name="llamacrab-engine", daemon=True)
         try:
@@ -145,7 +143,7 @@ class Scheduler:
         with self._mutex:
             for job in [*self.waiting, *(s.job for s in self.slots if s.job)]:
                 job.session.cancelled.set()
-            self.context.cancel()  # the step in progress is theirs: it ends now
+            self._poke()  # the step in progress is theirs: it ends now
             self._cond.notify()
 
     def _check_slot(self, index: int) -> None:
@@ -223,16 +221,15 @@ class Scheduler:
         for a while); a running one at the engine's next step."""
         with self._mutex:
             self._drop_stopped_waiting()
-            encoding = self._encoding
-            if encoding is not None and encoding.stopped():
-                self.context.cancel()  # the image or sound encoded now is its alone
-            if self._all_stopped(self._decoding):
-                self.context.cancel()  # nobody waits for the batch decoded now (a long prompt)
+            self._poke()
             self._cond.notify()
 
-    @staticmethod
-    def _all_stopped(sessions: tuple[Session, ...]) -> bool:
-        return bool(sessions) and all(session.stopped() for session in sessions)
+    def _poke(self) -> None:
+        """Abort the decode or encode in flight if nobody waits for it any more (a long
+        prompt, an image); a watch read just before it closed cancels nothing."""
+        watch = self._watch
+        if watch is not None:
+            watch.poke()
 
     def _drop_stopped_waiting(self) -> None:
         for job in [j for j in self.waiting if j.session.stopped()]:
@@ -328,13 +325,12 @@ class Scheduler:
             return
         # The jobs of this decode, fixed now: a job joining the next batch changes nothing of it.
         decoding = tuple(slot.job.session for slot, _ in planned if slot.job is not None)
-        with self._mutex:
-            self._decoding = decoding  # when all of them stop, _wake aborts the decode
+        # A prompt's decode may take seconds: deadlines and events are looked at meanwhile.
         prompt = any(len(taken) > 1 for _, taken in planned)
         try:
-            # One stopped before the call was armed (which clears a cancel) is seen there.
-            with self._watched(decoding) if prompt else contextlib.nullcontext():
-                self.context.decode(self.batch, lora, lambda: self._all_stopped(decoding))
+            with watched(self.context, decoding, poll=prompt) as self._watch:
+                # One stopped before the call was armed (which clears a cancel) is seen there.
+                self.context.decode(self.batch, lora, self._watch.stopped)
         except DecodeAbortedError:
             self._aborted([slot for slot, _ in planned])
             return
@@ -342,8 +338,7 @@ class Scheduler:
             self._fail([slot for slot, _ in planned], error)
             return
         finally:
-            with self._mutex:
-                self._decoding = ()
+            self._watch = None
         for slot, taken in planned:
             slot.kv.tokens.extend(taken)
             if slot.job is not None and len(slot.kv.tokens) in slot.job.checkpoints:
@@ -352,39 +347,15 @@ class Scheduler:
             if slot.job is not None and slot.job.index is not None:
                 self._sample(slot)
 
-    @contextlib.contextmanager
-    def _watched(self, decoding: tuple[Session, ...]) -> Iterator[None]:
-        """A prompt's decode may take seconds, and a deadline passing or a caller's event set
-        wakes nobody (a cancel() does): while it runs, a thread looks every _WATCH_SECONDS and
-        aborts it once all of its jobs stopped."""
-        if all(s.deadline is None and s.external is None for s in decoding):
-            yield
-            return
-        done = threading.Event()
-
-        def watch() -> None:
-            while not done.wait(_WATCH_SECONDS):
-                if self._all_stopped(decoding):
-                    self.context.cancel()  # one landing after the decode: the next one clears it
-                    return
-
-        watcher = threading.Thread(target=watch, name="llamacrab-decode-watch", daemon=True)
-        with contextlib.suppress(RuntimeError):  # no thread to be had: the decode runs its course
-            watcher.start()
-        try:
-            yield
-        finally:
-            done.set()
-
     def _start_media(self, slot: _Slot, chunks: Chunks) -> None:
         """A multimodal prompt is evaluated on its own (libmtmd encodes and decodes it), and
         its first token sampled before this step's batch replaces the last outputs."""
         job = slot.job
         assert job is not None
-        self._encoding = job.session
         try:
             job.samplers.bind(self.context, slot.kv.seq_id)
-            slot.kv.decode_media(chunks, job.request.lora, job.session.stopped)
+            with watched(self.context, (job.session,)) as self._watch:
+                slot.kv.decode_media(chunks, job.request.lora, self._watch.stopped)
         except DecodeAbortedError:
             self._aborted([slot])
             return
@@ -392,7 +363,7 @@ class Scheduler:
             self._fail([slot], error)
             return
         finally:
-            self._encoding = None
+            self._watch = None
         job.todo, job.index = [], -1
         self._sample(slot)
 
