@@ -74,3 +74,37 @@ def test_a_parallel_slot_ends_cancelled_when_its_memory_changes(tiny_model_path:
         assert reasons[-1] == "cancelled"
         assert len(reasons) < 30
         assert llm.create_completion(PROMPT, max_tokens=1).usage.cached_tokens == 0
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_slots_report_nothing_held_after_a_change_without_touching_the_memory(
+    tiny_llama: Llama, change: str
+) -> None:
+    """slots() and held_tokens() went on reporting the tokens of the last generation after
+    context.clear() or remove(); what the memory holds then is not known (no prompt reuses
+    it, save_state() records none), and reading the slots changes nothing of it."""
+    tiny_llama.create_completion(PROMPT, max_tokens=4, temperature=0)
+    held = tiny_llama.held_tokens()
+    assert tiny_llama.slots()[0].n_tokens == len(held) > 5
+    context = tiny_llama.context
+    CHANGES[change](context, 0)
+    positions, generation = context.positions(0), context.memory_generation(0)
+    assert tiny_llama.slots()[0].n_tokens == 0
+    assert tiny_llama.held_tokens() == []
+    assert (context.positions(0), context.memory_generation(0)) == (positions, generation)
+    # The next generation holds its own tokens again.
+    tiny_llama.create_completion(PROMPT, max_tokens=4, temperature=0)
+    assert tiny_llama.held_tokens() == held
+    assert tiny_llama.slots()[0].n_tokens == len(held)
+
+
+def test_parallel_slots_report_nothing_held_after_a_change(tiny_model_path: Path) -> None:
+    with Llama(tiny_model_path, n_ctx=512, n_threads=2, parallel=2) as llm:
+        slot = llm.create_completion(PROMPT, max_tokens=4, temperature=0).choices[0].slot
+        assert slot is not None
+        held = llm.held_tokens(slot=slot)
+        assert llm.slots()[slot].n_tokens == len(held) > 5
+        llm.context.remove(slot, 5, -1)
+        assert llm.slots()[slot].n_tokens == 0
+        assert llm.held_tokens(slot=slot) == []
+        assert llm.context.positions(slot) == (0, 4)  # left as the change left it

@@ -341,6 +341,11 @@ class KvState:
         since they were computed, or someone else changed the memory (context.clear(), say)."""
         return self.weights != self.context.weights_generation or self.memory_changed()
 
+    def held_tokens(self) -> list[int]:
+        """A copy of ``tokens``, or none once someone else changed the memory (a user's
+        context.clear(), say): what it holds then is not known, and no prompt reuses it."""
+        return [] if self.memory_changed() else list(self.tokens)
+
     def memory_changed(self) -> bool:
         """Whether the memory was changed since the engine last did (Context's KV methods)."""
         return self.memory != self.context.memory_generation(self.seq_id)

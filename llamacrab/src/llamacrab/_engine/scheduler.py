@@ -155,13 +155,13 @@ class Scheduler:
     def describe(self) -> list[tuple[bool, int]]:
         """Each slot: whether it generates now, and how many tokens its memory holds."""
         with self._mutex:
-            return [(slot.job is not None, len(slot.kv.tokens)) for slot in self.slots]
+            return [(slot.job is not None, len(slot.kv.held_tokens())) for slot in self.slots]
 
     def held_tokens(self, index: int) -> list[int]:
         """A copy of the tokens slot ``index``'s memory holds (a step may be under way)."""
         self._check_slot(index)
         with self._mutex:
-            return list(self.slots[index].kv.tokens)
+            return self.slots[index].kv.held_tokens()
 
     @contextlib.contextmanager
     def idle_slot(self, index: int) -> Iterator[KvState]:

@@ -154,7 +154,7 @@ class Completer:
     def slots(self) -> list[SlotInfo]:
         n_ctx = self.kv.context.n_ctx_seq
         if self.scheduler is None:
-            return [SlotInfo(0, self._running is not None, len(self.kv.tokens), n_ctx)]
+            return [SlotInfo(0, self._running is not None, len(self.kv.held_tokens()), n_ctx)]
         described = self.scheduler.describe()
         return [SlotInfo(i, busy, held, n_ctx) for i, (busy, held) in enumerate(described)]
 
@@ -163,7 +163,7 @@ class Completer:
             return self.scheduler.held_tokens(index)
         if index != 0:
             raise InvalidParameterError(f"slot {index} does not exist: this Llama has slot 0")
-        return list(self.kv.tokens)
+        return self.kv.held_tokens()
 
     @contextlib.contextmanager
     def idle_slot(self, index: int) -> Iterator[KvState]:
