@@ -30,6 +30,16 @@ def call(name: str, *args: Any) -> Any:
     return result
 
 
+def call_helper(name: str, *args: Any) -> Any:
+    """Call llamacrab-sys's own C++ helper ``name`` (build_tools/shims.py), which reports C++
+    errors in the error slot it takes last, as the ``safe_`` shims do."""
+    err = _error_slot()
+    result = getattr(lib, name)(*args, err)
+    if err.code != 0:
+        raise _native_error(name, err)
+    return result
+
+
 def call_each(name: str, first: Any, items: Iterable[Any]) -> None:
     """``call(name, first, item)`` for each of ``items``, its shim and error slot looked up
     once: for thousands of calls (a prompt's tokens) those lookups cost more than the calls."""
@@ -101,6 +111,7 @@ __all__ = [
     "c_string",
     "call",
     "call_bounded",
+    "call_helper",
     "ffi",
     "lib",
     "read_string",
