@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,6 +57,9 @@ class Step:
     top_ids: tuple[int, ...] = ()  # the ids of top_logprobs' tokens, in their order
     top_bytes: tuple[bytes, ...] = ()  # and their bytes
     end_token: int | None = None  # the end-of-generation token that ended it ("eos")
+    # time.monotonic() when it was made: the engine thread of parallel slots makes steps
+    # ahead of a consumer that may read them late, and usage times what the engine did.
+    at: float = field(default_factory=time.monotonic)
 
 
 # Stands for a position filled by an image or sound: never equal to a real token.

@@ -399,7 +399,7 @@ class Completer:
                                       logprobs=prompt_logprobs)  # fmt: skip
             first_at = None
             for step in steps:
-                now = time.monotonic()
+                now = step.at
                 first_at = first_at or now
                 produced += step.token is not None
                 if step.end_token is not None:
