@@ -155,7 +155,8 @@ class Llama:
                 self._draft.close()  # type: ignore[union-attr]
             self.model.close()
             raise
-        self._media = MediaInput(self.projector, media_policy or MediaPolicy())
+        self._media = MediaInput(self.projector, media_policy or MediaPolicy(),
+                                 self.context.n_ctx_seq)  # fmt: skip
         self.seed = seed
         self.speculative = speculative  # the default for completions
         self.chat_format = chat_format  # None: the model's own template
@@ -492,7 +493,9 @@ class Llama:
         parse_special: bool = False,
     ) -> Chunks:
         """A multimodal prompt: ``text`` with one ``media_marker`` per item of ``media``
-        (Image, Audio, or an encoded file's bytes: the image or sound its signature says)."""
+        (Image, Audio, or an encoded file's bytes: the image or sound its signature says).
+        Sounds that cannot fit the context raise ContextOverflowError before libmtmd computes
+        their spectrograms."""
         return self._media.tokenize(text, media, add_special, parse_special)
 
     # -- fill in the middle --------------------------------------------------------------------
