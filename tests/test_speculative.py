@@ -6,9 +6,10 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from llamacrab import DraftModel, InvalidParameterError, Llama, PromptLookup, TokenizeError
+from llamacrab import DraftModel, Image, InvalidParameterError, Llama, PromptLookup, TokenizeError
 from llamacrab._native.model import Model
 
 from support import load_repo_module
@@ -224,3 +225,58 @@ def test_a_llama_cannot_draft_for_itself(tiny_llama: Llama) -> None:
         tiny_llama.create_completion("the cat", max_tokens=8,
                                      speculative=DraftModel(llama=tiny_llama))  # fmt: skip
     assert tiny_llama.create_completion("the cat", max_tokens=3).usage.completion_tokens == 3
+
+
+@pytest.fixture(scope="module")
+def seeing_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("media")
+    tiny = load_repo_module("scripts/make_tiny_gguf.py")
+    mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
+    return {
+        "text": tiny.write_tiny_llama(out / "text.gguf"),
+        "draft": tiny.write_tiny_llama(out / "draft.gguf", seed=1),
+        "vision": mmproj.write_tiny_vision_mmproj(out / "vision.gguf"),
+    }
+
+
+PIXELS = np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+
+
+def test_media_prompts_draft_from_the_text_after_the_last_image(
+    seeing_files: dict[str, Path],
+) -> None:
+    # A draft model on the Llama failed every media prompt: its history held MEDIA_TOKEN (-1),
+    # which the draft model was asked to decode ("token -1 is outside the vocabulary").
+    files = seeing_files
+    options = {"n_ctx": 512, "n_threads": 2, "mmproj": files["vision"]}
+    with Llama(files["text"], **options) as plain_llm:
+        marker = plain_llm.media_marker
+        prompt, image = f"the cat {marker} the cat", [Image(pixels=PIXELS)]
+        plain = plain_llm.create_completion(prompt, media=image, max_tokens=24, temperature=0)
+        # A perfect guess is kept whole: verification after an image decodes as plain does.
+        perfect = AlwaysDraft(plain.choices[0].tokens[1:])
+        plain_llm.reset()
+        guessed = plain_llm.create_completion(prompt, media=image, max_tokens=24, temperature=0,
+                                              speculative=perfect)  # type: ignore[arg-type]  # fmt: skip
+        assert guessed.choices[0].tokens == plain.choices[0].tokens
+        assert plain_llm.speculative_stats.accepted == plain_llm.speculative_stats.drafted == 23
+        # Prompt lookup over a history holding the image's positions.
+        plain_llm.reset()
+        lookup = PromptLookup()
+        looked_up = plain_llm.create_completion(
+            prompt, media=image, max_tokens=24, temperature=0, speculative=lookup
+        )
+        assert looked_up.choices[0].tokens == plain.choices[0].tokens
+    with Llama(files["text"], draft_model=files["draft"], **options) as drafting:
+        for _ in range(2):  # the second reuses the draft model's memory of the first
+            fast = drafting.create_completion(prompt, media=image, max_tokens=24, temperature=0)
+            assert fast.choices[0].tokens == plain.choices[0].tokens
+            assert drafting.speculative_stats.drafted > 0
+
+
+def test_drafts_never_hold_media_positions() -> None:
+    lookup = PromptLookup().drafter(None)  # type: ignore[arg-type]
+    for _ in range(4):  # plain decoding is timed first
+        assert lookup.draft([5, 6, -1, -1, 7, 5], 4) == []
+    assert lookup.draft([5, 6, -1, -1, 7, 5], 4) == [6]  # what followed [5], up to the image
+    assert lookup.draft([5, -1, -1, 7, 5], 4) == []

@@ -36,7 +36,10 @@ class SpeculativeStats:
 
 
 class Drafter(Protocol):
-    def draft(self, history: Sequence[int], limit: int) -> list[int]: ...
+    def draft(self, history: Sequence[int], limit: int) -> list[int]:
+        """At most ``limit`` guesses of the tokens after ``history``: the prompt and the output
+        so far, a negative id (MEDIA_TOKEN) at each position an image or sound fills."""
+        ...
 
     def feedback(self, drafted: int, accepted: int, seconds: float) -> None: ...
 
@@ -128,8 +131,10 @@ class _LookupDrafter:
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # right after the latest earlier occurrence
-                draft: list[int] = tokens[start : start + size].tolist()
-                return draft
+                draft = tokens[start : start + size]
+                media = np.flatnonzero(draft < 0)  # what follows there is no text: stop before
+                cut: list[int] = draft[: media[0] if media.size else size].tolist()
+                return cut
         return []
 
     def feedback(self, drafted: int, accepted: int, seconds: float) -> None:
@@ -175,11 +180,13 @@ class _ModelDrafter:
         self.budget = _Budget(options.max_draft, start=1)
 
     def draft(self, history: Sequence[int], limit: int) -> list[int]:
+        # The draft model takes no images or sounds: it drafts from the text after the last.
+        history = text_after_media(history)
         size = min(self.budget.take(), limit, self.options.llama.context.n_ctx - len(history) - 1)
         if size <= 0:
             return []
         # The draft Llama's own prompt reuse keeps its memory in step with the history.
-        result = self.options.llama.create_completion(list(history), max_tokens=size, temperature=0)
+        result = self.options.llama.create_completion(history, max_tokens=size, temperature=0)
         return list(result.choices[0].tokens)
 
     def feedback(self, drafted: int, accepted: int, seconds: float) -> None:
@@ -187,6 +194,15 @@ class _ModelDrafter:
 
     def plain(self, seconds: float) -> None:
         self.budget.plain(seconds)
+
+
+def text_after_media(history: Sequence[int]) -> list[int]:
+    """The tokens after the last image or sound (negative ids) of ``history``; all of it if none.
+    Its last token is text: a generation goes on from text."""
+    tokens = np.asarray(history, dtype=np.int64)
+    media = np.flatnonzero(tokens < 0)
+    rest: list[int] = tokens[media[-1] + 1 if media.size else 0 :].tolist()
+    return rest
 
 
 def check_vocabularies(target: Model, draft: Model) -> None:

@@ -258,8 +258,8 @@ class Completer:
                 "sampler, logits processor or stopping criterion runs inside it)"
             )
         speculative, default = speculation
-        if prompt.chunks is not None and (echo or speculative is not None):
-            raise InvalidParameterError("echo and speculative decoding take text prompts only")
+        if prompt.chunks is not None and echo:
+            raise InvalidParameterError("echo takes text prompts only")
         if speculative is not None and self.scheduler is not None:
             raise InvalidParameterError("speculative decoding needs a Llama with parallel=None")
         if request.prompt_logprobs and self.scheduler is not None:
