@@ -21,6 +21,7 @@ from test_multimodal import tone, wav_bytes
 from test_tool_calls import TEMPLATE
 
 from llamacrab import InfillLimits, Llama
+from llamacrab._native.vocab import Vocab
 from llamacrab.server import ServerSettings
 
 from support import load_repo_module
@@ -773,6 +774,27 @@ def test_detokenize_joins_the_pieces_as_llama_server(fim_server: LiveServer) -> 
         for t in tokens
     ]
     assert "".join(one_by_one) == joined
+
+
+def test_detokenize_looks_each_distinct_token_up_once(
+    fim_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A million ids took 9.9 s, one token_to_bytes each.
+    looked_up: list[int] = []
+    one_by_one = Vocab.token_to_bytes
+
+    def counted(vocab: Vocab, token: int, special: bool = False) -> bytes:
+        looked_up.append(token)
+        return one_by_one(vocab, token, special)
+
+    for server in _running(ServerSettings(model=str(fim_path), n_ctx=256)):
+        asked = {"content": "the a", "with_pieces": True}
+        pieces = httpx.post(server.url + "/tokenize", json=asked).json()["tokens"]
+        tokens, joined = [p["id"] for p in pieces], "".join(p["piece"] for p in pieces)
+        monkeypatch.setattr(Vocab, "token_to_bytes", counted)
+        answer = httpx.post(server.url + "/detokenize", json={"tokens": tokens * 50_000})
+        assert answer.json() == {"content": joined * 50_000}
+        assert sorted(looked_up) == sorted(set(tokens))
 
 
 # -- /props --------------------------------------------------------------------------------------
