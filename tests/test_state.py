@@ -16,7 +16,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -297,7 +297,7 @@ def test_a_disk_cache_writes_a_state_s_exact_blob_from_its_parts(
     cache = DiskCache(tmp_path / "cache")
     cache.store(state)
     cache.close()
-    (value,) = (tmp_path / "cache").rglob("*.val")
+    (value,) = (tmp_path / "cache").glob("*.state")
     assert value.read_bytes() == state.to_bytes() == b"".join(state.blob_parts())
 
 
@@ -308,8 +308,8 @@ def test_a_disk_cache_does_not_write_a_state_it_holds_again(
     first = tiny_llama.save_state()
     cache = DiskCache(tmp_path / "cache")
     writes = []
-    write = cache._cache.set
-    cache._cache.set = lambda *args, **kwargs: (writes.append(args[0]), write(*args, **kwargs))[1]
+    write = cache._files.put
+    cache._files.put = lambda *args: (writes.append(args[:2]), write(*args))[1]  # type: ignore[method-assign]
     cache.store(first)
     cache.flush()
     tiny_llama.reset()
@@ -338,8 +338,8 @@ def test_a_disk_cache_writes_behind_and_bounds_what_waits(
         states.append(tiny_llama.save_state())
     cache = DiskCache(tmp_path / "cache")
     gate = threading.Event()
-    write = cache._cache.set
-    cache._cache.set = lambda *args, **kwargs: (gate.wait(10), write(*args, **kwargs))[1]
+    write = cache._files.put
+    cache._files.put = lambda *args: (gate.wait(10), write(*args))[1]  # type: ignore[method-assign]
     cache.store(states[0])
     cache.store(states[1])  # both return with the writer held at the gate
     assert cache.longest_prefix(states[1].tokens) == (len(states[1].tokens), states[1])
@@ -364,47 +364,44 @@ def test_a_disk_cache_writes_behind_and_bounds_what_waits(
 def test_a_ctrl_c_inside_a_disk_cache_transaction_leaves_it_usable(
     tmp_path: Path, tiny_llama: Llama, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """diskcache's transactions break if an exception lands between its BEGIN IMMEDIATE and the
-    block that commits or rolls back: a Ctrl-C there left this thread's connection in a write
-    transaction for good, every other thread waiting 60 s for the lock (the interrupts
-    section's hangs: a disk-cache Llama completing on two threads). Here the SIGINT arrives
-    just after that BEGIN, under Python's own handler."""
-    import diskcache  # type: ignore[import-untyped]
-
-    tiny_llama.create_completion([1, 260, 261, 262], max_tokens=0)
-    state = tiny_llama.save_state()
+    """A transaction breaks if an exception lands between its BEGIN IMMEDIATE and the block
+    that commits or rolls back: a Ctrl-C there (in diskcache, which DiskCache used before) left
+    the connection in a write transaction for good, every other thread waiting 60 s for the
+    lock (the interrupts section's hangs: a disk-cache Llama completing on two threads). Here
+    the SIGINT arrives just after the BEGIN of a write on the main thread (where a store goes
+    when no writer thread can start), under Python's own handler."""
+    states = []
+    for i in range(2):
+        tiny_llama.reset()
+        tiny_llama.create_completion([1, 260 + i, 261, 262], max_tokens=0)
+        states.append(tiny_llama.save_state())
+    keys = [(b"", np.asarray(state.tokens, dtype="<i4").tobytes()) for state in states]
     cache = DiskCache(tmp_path / "cache")
-    cache.store(state)
-    cache.flush()
-    execute_of = diskcache.Cache._sql.fget
+    files = cache._files
+    run = files._run
 
-    def signalling(self: object) -> Callable[..., object]:
-        execute = execute_of(self)
-
-        def run(statement: str, *args: object) -> object:
-            result = execute(statement, *args)
-            if statement == "BEGIN IMMEDIATE":
-                signal.raise_signal(signal.SIGINT)  # its handler runs at the next bytecode
-            return result
-
-        return run
+    def signalling(statement: str, parameters: Sequence[object] = ()) -> list[object]:
+        rows = run(statement, parameters)
+        if statement == "BEGIN IMMEDIATE":
+            signal.raise_signal(signal.SIGINT)  # its handler runs at the next bytecode
+        return rows
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with monkeypatch.context() as patch:
-            patch.setattr(diskcache.Cache, "_sql", property(signalling))
+            patch.setattr(files, "_run", signalling)
             with pytest.raises(KeyboardInterrupt):
-                cache.longest_prefix(state.tokens)  # its lookup marks the entry used: a write
+                files.put(*keys[0], states[0].blob_parts())
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert not cache._cache._con.in_transaction
-    found: list[object] = []
-    reader = threading.Thread(target=lambda: found.append(cache.longest_prefix(state.tokens)))
-    reader.daemon = True  # (before: blocked for diskcache's 60 s)
-    reader.start()
-    reader.join(10)
-    assert found == [(len(state.tokens), state)]
-    assert cache.longest_prefix(state.tokens) == (len(state.tokens), state)
+    assert not files._db.in_transaction
+    assert cache.longest_prefix(states[0].tokens) == (4, states[0])  # it ran to its end
+    other = DiskCache(tmp_path / "cache")  # another connection: it would wait for the lock
+    started = time.monotonic()
+    other._files.put(*keys[1], states[1].blob_parts())
+    assert time.monotonic() - started < 5
+    assert len(cache) == 2
+    other.close()
     cache.close()
 
 
@@ -418,7 +415,7 @@ def test_a_failed_disk_write_is_logged_and_dropped(
     def disk_full(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
-    cache._cache.set = disk_full
+    cache._files.put = disk_full  # type: ignore[method-assign]
     with caplog.at_level("WARNING", logger="llamacrab"):
         cache.store(state)
         cache.flush()
@@ -436,8 +433,8 @@ def test_the_interpreter_exit_waits_for_pending_disk_writes(
         import time
         from llamacrab import DiskCache, Llama
         cache = DiskCache({str(tmp_path / "cache")!r})
-        write = cache._cache.set
-        cache._cache.set = lambda *a, **k: (time.sleep(1), write(*a, **k))[1]
+        write = cache._files.put
+        cache._files.put = lambda *a: (time.sleep(1), write(*a))[1]
         with Llama({str(tiny_model_path)!r}, n_ctx=128, cache=cache) as llm:
             llm.create_completion({PROMPT!r}, max_tokens=2)
         print(len(cache._pending))
@@ -460,7 +457,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
     yield mount_point
-    # (lazily: diskcache keeps a connection per thread that used it, closed when collected)
+    # (lazily: a cache a failing test left open still holds its index)
     subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
 
 
@@ -480,7 +477,7 @@ def test_a_full_disk_skips_cache_writes_and_leaves_no_partial_files(
         reference = [llm.create_completion(p, max_tokens=3, temperature=0) for p in prompts[:2]]
         cache.flush()
         assert len(cache) == 2
-        files = sorted(small_disk.rglob("*.val"))
+        files = sorted(small_disk.rglob("*.state"))
         # 1 MiB free: a state fits, the database's growth beyond it might not. Before, a write
         # that ran out left its partial file, and every later one another.
         filler = _fill(small_disk, 1 << 20)
@@ -489,7 +486,7 @@ def test_a_full_disk_skips_cache_writes_and_leaves_no_partial_files(
                 llm.reset()
                 llm.create_completion(p, max_tokens=3, temperature=0)
             cache.flush()
-        assert sorted(small_disk.rglob("*.val")) == files and len(cache) == 2
+        assert sorted(small_disk.rglob("*.state")) == files and len(cache) == 2
         room = [r.getMessage() for r in caplog.records if "too little" in r.getMessage()]
         assert len(room) == 1 and "states are not saved until there is room" in room[0]
         llm.reset()  # the entries on disk still serve
@@ -558,7 +555,7 @@ except InvalidParameterError as error:
 
 
 def test_a_disk_cache_without_a_descriptor_left_is_refused_clearly(tmp_path: Path) -> None:
-    # The first DiskCache imports diskcache: with no descriptor left its OSError escaped.
+    # With no descriptor left, the first DiskCache's OSError escaped (diskcache's import).
     child = subprocess.run([sys.executable, "-c", NO_DESCRIPTORS_CHILD, str(tmp_path / "cache")],
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     assert child.returncode == 0, child.stderr[-2000:]
@@ -580,10 +577,10 @@ def test_disk_cache_size_limit_and_corrupt_entries(tmp_path: Path, tiny_llama: L
     cache.flush()  # written behind: the limit holds once they are on disk
     assert 2 <= len(cache) < 6 and cache.size_bytes <= cache.capacity_bytes
     key = (b"", np.asarray([1, 2, 3], dtype="<i4").tobytes())  # namespace, tokens
-    cache._cache.set(key, b"LCRBSTAT corrupted")
+    cache._files.put(*key, [b"LCRBSTAT corrupted"])
     with pytest.warns(UserWarning, match="corrupt"):
         assert cache.longest_prefix([1, 2, 3, 4]) is None
-    assert cache._cache.get(key) is None
+    assert not cache._files.holds(*key)
     cache.close()
 
 
@@ -592,14 +589,16 @@ def test_state_files_are_mapped_and_may_vanish_or_be_bad(tmp_path: Path, tiny_ll
     state = tiny_llama.save_state()
     cache, found = _stored_and_found(state, tmp_path / "cache")
     assert found == (len(state.tokens), state)
-    cache._cache.clear()  # the file goes; the state read from it stays whole
+    (value,) = (tmp_path / "cache").glob("*.state")
+    cache._files.discard(b"", np.asarray(state.tokens, dtype="<i4").tobytes(), value.name)
+    assert not value.exists()  # the file goes; the state read from it stays whole
     tiny_llama.reset()
     tiny_llama.load_state(found[1])
     again = tiny_llama.create_completion(PROMPT + " more", max_tokens=1)
     assert again.usage.cached_tokens == len(state.tokens)
     cache.store(state)
     cache.flush()
-    (value,) = (tmp_path / "cache").rglob("*.val")
+    (value,) = (tmp_path / "cache").glob("*.state")
     damaged = bytearray(value.read_bytes())
     damaged[len(damaged) // 2] ^= 0x01
     value.write_bytes(damaged)
@@ -616,8 +615,6 @@ def test_caches_find_states_in_their_namespace_only(tmp_path: Path, tiny_llama: 
     tiny_llama.create_completion([1, 260, 261, 262], max_tokens=0)
     state = tiny_llama.save_state()
     disk = DiskCache(tmp_path / "cache")
-    # A key of the form before namespaces (bare token bytes) belongs to none.
-    disk._cache.set(np.asarray(state.tokens, dtype="<i4").tobytes(), state.to_bytes())
     for cache in (RamCache(), disk):
         cache.store(state, namespace=b"A")
         assert cache.longest_prefix(state.tokens, namespace=b"B") is None

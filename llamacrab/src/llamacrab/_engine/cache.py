@@ -1,7 +1,8 @@
 """Prompt caches: saved KV states keyed by their tokens, found by longest shared prefix.
 
-``RamCache`` keeps them in memory (LRU, bounded by bytes); ``DiskCache`` in a directory through
-the ``diskcache`` package (bounded, survives restarts). A completion whose prompt shares a prefix
+``RamCache`` keeps them in memory (LRU, bounded by bytes); ``DiskCache`` in a directory, as
+files indexed in SQLite (``StateDirectory``: bounded, survives restarts, reads nothing back
+as more than data). A completion whose prompt shares a prefix
 with a cached state restores it and decodes only the rest. States live in namespaces: Llama
 uses the fingerprint of what their memory was computed with (``Context.fingerprint``: model,
 LoRA adapters and scales, rope and KV settings), so a state computed under other weights or
@@ -19,22 +20,20 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import numpy as np
 
+from llamacrab._engine.state_directory import StateDirectory
 from llamacrab._exceptions import InvalidParameterError, StateError
 from llamacrab._field_types import is_number
 from llamacrab._native.fork import reset_in_child
-from llamacrab._native.signals import held_signals
 from llamacrab._native.state import SavedState
 from llamacrab._types import common_prefix
 
 log = logging.getLogger("llamacrab")
 
-# Free space a DiskCache leaves on its disk beyond a state it writes: diskcache's database and
-# its write-ahead log grow with every entry, and a write that runs out of space leaves its
-# partial file behind, which nothing ever removes.
+# Free space a DiskCache leaves on its disk beyond a state it writes: its index and the index's
+# write-ahead log grow with every entry.
 DISK_RESERVE_BYTES = 16 << 20
 
 
@@ -119,8 +118,9 @@ class RamCache(PromptCache):
 
 
 class DiskCache(PromptCache):
-    """States in ``directory`` (a ``diskcache.Cache``), least recently used evicted beyond
-    ``capacity_bytes``. A corrupt entry is discarded with a warning.
+    """States in ``directory`` (a ``StateDirectory``), least recently used evicted beyond
+    ``capacity_bytes``. A corrupt entry is discarded with a warning. Only the user running
+    it should be able to write the directory (SECURITY.md says what a writer can still do).
 
     States are written behind: ``store`` hands a state to a writer thread and returns, so the
     generation that made it (and, with parallel slots, every other one) does not wait for the
@@ -135,22 +135,11 @@ class DiskCache(PromptCache):
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int = 8 << 30) -> None:
         _check_capacity(capacity_bytes)
         self.capacity_bytes = capacity_bytes
-        # Every call into diskcache holds signal handlers (the main thread's) until it returns:
-        # its transactions are not safe against an exception landing inside them. A Ctrl-C
-        # just after its BEGIN IMMEDIATE left this thread's connection in a write transaction
-        # for good: its next lookup raised diskcache.Timeout, and every other thread (the
-        # writer, parallel slots) waited 60 s for the lock, each time.
         try:
-            with held_signals():
-                # Imported here, where its OSError is caught (no descriptor left to read it).
-                import diskcache  # type: ignore[import-untyped]
-
-                self._cache: Any = diskcache.Cache(
-                    os.fspath(directory), size_limit=capacity_bytes,
-                    eviction_policy="least-recently-used", cull_limit=0,
-                )  # fmt: skip
+            self._files = StateDirectory(directory, capacity_bytes)
         except (OSError, ValueError, sqlite3.Error) as error:
-            # Cannot be made or opened; a NUL in the path; a full disk (sqlite); no descriptors.
+            # Cannot be made or opened; a NUL in the path; a full disk (sqlite); no descriptors;
+            # a file that is no index of ours, or a link.
             raise InvalidParameterError(
                 f"{directory!r} cannot hold a prompt cache: {error}"
             ) from error
@@ -168,8 +157,7 @@ class DiskCache(PromptCache):
     def size_bytes(self) -> int:
         with self._mutex:
             waiting = sum(state.size_bytes for state in self._pending.values())
-        with held_signals():
-            return int(self._cache.volume()) + waiting
+        return self._files.size_bytes() + waiting
 
     def store(self, state: SavedState, namespace: bytes = b"") -> None:
         key = _key(namespace, state.tokens)
@@ -208,8 +196,7 @@ class DiskCache(PromptCache):
     def _holds(self, key: tuple[bytes, bytes]) -> bool:
         """Whether the directory has an entry for ``key`` (a failed lookup: it has not)."""
         try:
-            with held_signals():
-                return key in self._cache
+            return self._files.holds(*key)
         except Exception:  # a locked or broken database: the write will say what is wrong
             return False
 
@@ -228,11 +215,7 @@ class DiskCache(PromptCache):
                 key, state = next(iter(self._pending.items()))
             try:
                 if self._room_for(state.size_bytes):
-                    # As a file to read: diskcache writes plain bytes line by line (a write per
-                    # b"\n" byte, ~80,000 for a 37 MB state).
-                    with held_signals():  # (a no-op on the writer thread)
-                        self._cache.set(key, _PartsReader(state.blob_parts()), read=True)
-                        self._cache.cull()  # the size limit now, not on some later write
+                    self._files.put(*key, state.blob_parts())
             except Exception:  # a full disk, a locked database: the generation stands
                 log.warning("prompt cache save failed; skipped", exc_info=True)
             with self._mutex:
@@ -244,7 +227,7 @@ class DiskCache(PromptCache):
         """Whether the disk has room for a state of ``size`` bytes and DISK_RESERVE_BYTES more;
         when it has not, the state is skipped (said once until one fits again)."""
         try:
-            free = shutil.disk_usage(self._cache.directory).free
+            free = shutil.disk_usage(self._files.directory).free
         except OSError:
             return True  # the write will say what is wrong
         if free >= size + DISK_RESERVE_BYTES:
@@ -256,7 +239,7 @@ class DiskCache(PromptCache):
                 "prompt cache: the disk holding %s has %.1f MiB free, too little for a "
                 "%.1f MiB state and %d MiB for the cache's database; states are not saved "
                 "until there is room",
-                self._cache.directory, free / 2**20, size / 2**20, DISK_RESERVE_BYTES >> 20,
+                self._files.directory, free / 2**20, size / 2**20, DISK_RESERVE_BYTES >> 20,
             )  # fmt: skip
         return False
 
@@ -267,12 +250,9 @@ class DiskCache(PromptCache):
                 self._changed.wait(timeout=1.0)
 
     def _keys(self, namespace: bytes) -> list[tuple[int, ...]]:
-        # Keys of another form (an older llamacrab's bare token bytes) belong to no namespace.
         with self._mutex:
-            pending = [key for key in self._pending if key[0] == namespace]
-        with held_signals():
-            stored = [key for key in self._cache.iterkeys() if isinstance(key, tuple)]
-        keys = {key[1] for key in (*pending, *stored) if key[0] == namespace}
+            pending = [tokens for space, tokens in self._pending if space == namespace]
+        keys = {*pending, *self._files.tokens_in(namespace)}
         return [tuple(np.frombuffer(key, dtype="<i4").tolist()) for key in keys]
 
     def _get(self, namespace: bytes, tokens: tuple[int, ...]) -> SavedState | None:
@@ -281,21 +261,22 @@ class DiskCache(PromptCache):
             pending = self._pending.get(key)
         if pending is not None:
             return pending
-        # A file to map, not bytes read into memory; bytes for a value small enough to live in
-        # diskcache's database (an older llamacrab stored states as plain bytes).
-        with held_signals():
-            entry = self._cache.get(key, read=True)
-        if entry is None:
-            return None
         try:
-            if isinstance(entry, bytes):
-                return SavedState.from_bytes(entry)
-            with entry:
-                return SavedState.from_file(entry)
+            entry = self._files.open(*key)  # a file to map, not bytes read into memory
+            if entry is None:
+                return None
+            name, file = entry
+            with file:
+                try:
+                    state = SavedState.from_file(file)
+                    if state.tokens != tokens:
+                        raise StateError("it holds the state of other tokens than its key's")
+                except StateError:
+                    self._files.discard(*key, name)
+                    raise
+            return state
         except StateError as error:
             warnings.warn(f"discarding a corrupt prompt-cache entry: {error}", stacklevel=3)
-            with held_signals():
-                self._cache.delete(key)
             return None
 
     def close(self) -> None:
@@ -303,36 +284,12 @@ class DiskCache(PromptCache):
         with self._mutex:
             self._closed = True
         self.flush()
-        with held_signals():
-            self._cache.close()
+        self._files.close()
 
     def __len__(self) -> int:
         with self._mutex:
-            pending = set(self._pending)
-        with held_signals():
-            return len(pending | set(self._cache.iterkeys()))
-
-
-class _PartsReader:
-    """A file to read (what diskcache's ``set(read=True)`` takes) over a state's parts, handing
-    out views of them: joined first, a state was copied twice more on its way to the disk (the
-    join, then each read), and the join held the GIL for tens of milliseconds."""
-
-    def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
-        self._parts = [memoryview(part).cast("B") for part in parts]  # lengths in bytes
-        self._index = 0
-        self._offset = 0
-
-    def read(self, size: int) -> memoryview:
-        """Up to ``size`` bytes, from one part at a time; empty at the end."""
-        while self._index < len(self._parts):
-            part = self._parts[self._index]
-            if self._offset < len(part):
-                piece = part[self._offset : self._offset + size]
-                self._offset += len(piece)
-                return piece
-            self._index, self._offset = self._index + 1, 0
-        return memoryview(b"")
+            pending = list(self._pending)
+        return len(self._files) + sum(not self._holds(key) for key in pending)
 
 
 def _key(namespace: bytes, tokens: Sequence[int]) -> tuple[bytes, bytes]:

@@ -242,7 +242,7 @@ class SavedState:
         reading copies tens of megabytes into fresh memory, which costs more than the checksum (a
         29 MB state: ~30 ms read, ~3 ms checked, here). As with a model file llama.cpp maps,
         a file cut short by another program while mapped ends the process (SIGBUS); nothing
-        of ours shortens a state file in place (diskcache writes new files and unlinks old
+        of ours shortens a state file in place (a DiskCache writes new files and unlinks old
         ones, ``save`` replaces atomically), and the payload views keep the mapping alive."""
         if os.fstat(file.fileno()).st_size == 0:  # mmap refuses empty files
             return cls.from_bytes(b"")

@@ -1,0 +1,277 @@
+"""A directory of saved-state files and the SQLite index of what each holds: DiskCache's storage.
+
+Whoever can write the directory decides what is read back from it, so nothing read back is
+trusted more than plain data: the index's rows are bytes, text and numbers, checked before
+use, never unpickled or run (the ``diskcache`` package this replaces unpickled every key on
+every lookup, and applied its database's settings as PRAGMAs and attributes). A state file's
+name must be one this module makes (hex, no separator: nothing outside the directory), it is
+opened without following a link and only if it is a regular file, and a file is removed only
+under such a name. The index must hold exactly the tables this module creates (no triggers or
+views of someone else's), SQLite runs with ``trusted_schema`` off, a statement is
+interrupted after STATEMENT_SECONDS, and the index and its journals must not be links when the
+directory is opened. What the files hold is SavedState's to check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import secrets
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from llamacrab._exceptions import InvalidParameterError, StateError
+from llamacrab._native.fork import reset_in_child
+from llamacrab._native.signals import held_signals
+
+log = logging.getLogger("llamacrab")
+
+INDEX_NAME = "llamacrab-states.sqlite"
+# What SQLite may open next to the index: none may be a link to a file elsewhere.
+_INDEX_FILES = ("", "-wal", "-shm", "-journal")
+_STATE_FILE = re.compile(r"[0-9a-f]{32}\.state")
+_CREATE = (
+    "CREATE TABLE states (namespace BLOB NOT NULL, tokens BLOB NOT NULL, file TEXT NOT NULL, "
+    "size INTEGER NOT NULL, used INTEGER NOT NULL, PRIMARY KEY (namespace, tokens))",
+    "CREATE INDEX states_used ON states (used)",
+)
+# The index as SQLite records it (type, name, table, statement), and nothing else.
+_SCHEMA = {
+    ("table", "states", "states", _CREATE[0]),
+    ("index", "sqlite_autoindex_states_1", "states", None),
+    ("index", "states_used", "states", _CREATE[1]),
+}
+# diskcache's index: an older llamacrab's prompt cache, never read (its keys are pickles).
+_LEGACY_INDEX = "cache.db"
+BUSY_SECONDS = 10.0  # waiting for another process's write
+STATEMENT_SECONDS = 10.0  # a statement running longer works on an index made to stall it
+_PROGRESS_STEPS = 10_000  # SQLite's instructions between two looks at the clock
+
+
+class StateDirectory:
+    """State files in ``directory``, each under a (namespace, tokens) key, least recently used
+    removed first beyond ``capacity_bytes`` (the index's own pages count too). Thread-safe and
+    shared safely between processes (SQLite's locks); every call holds signal handlers until it
+    returns, so no Ctrl-C lands inside a transaction."""
+
+    def __init__(self, directory: str | os.PathLike[str], capacity_bytes: float) -> None:
+        self.directory = os.fspath(directory)
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        reset_in_child(self._lock)
+        self._deadline = float("inf")
+        with held_signals():
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            self._connect()
+        if os.path.exists(os.path.join(self.directory, _LEGACY_INDEX)):
+            log.warning(
+                "%s holds a prompt cache of an older llamacrab (diskcache's %s and its .val "
+                "files): its states are not read, and take room until they are deleted",
+                self.directory, _LEGACY_INDEX,
+            )  # fmt: skip
+
+    def _connect(self) -> None:
+        """Open the index as ``_db`` for this process (``_pid``), made if it is new."""
+        index = os.path.join(self.directory, INDEX_NAME)
+        for suffix in _INDEX_FILES:
+            if os.path.islink(index + suffix):
+                raise InvalidParameterError(f"{index + suffix} is a symbolic link")
+        # Made here, for its mode, and for an OSError saying why it cannot be (SQLite's says
+        # "unable to open database file" whatever the reason).
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        os.close(os.open(index, flags, 0o600))
+        self._db = sqlite3.connect(
+            index, timeout=BUSY_SECONDS, isolation_level=None, check_same_thread=False
+        )
+        try:
+            self._db.set_progress_handler(self._overdue, _PROGRESS_STEPS)
+            self._run("PRAGMA trusted_schema = OFF")  # (older SQLite: an unknown pragma, a no-op)
+            self._run("PRAGMA journal_mode = WAL")
+            self._run("PRAGMA synchronous = NORMAL")  # no sync per commit (a lookup commits)
+            with self._transaction():
+                schema = set(self._run("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+                if not schema:
+                    for statement in _CREATE:
+                        self._run(statement)
+                elif schema != _SCHEMA:
+                    raise InvalidParameterError(f"{index} is not a llamacrab prompt cache index")
+        except BaseException:
+            self._db.close()
+            raise
+        self._pid: int | None = os.getpid()
+
+    def _overdue(self) -> bool:
+        return time.monotonic() > self._deadline
+
+    def _run(self, statement: str, parameters: Sequence[object] = ()) -> list[Any]:
+        """``statement``'s rows, all of them within STATEMENT_SECONDS."""
+        self._deadline = time.monotonic() + STATEMENT_SECONDS
+        try:
+            return self._db.execute(statement, parameters).fetchall()
+        finally:
+            self._deadline = float("inf")
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self._run("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._run("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._run("ROLLBACK")
+            raise
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """The index, for this thread alone, in this process (a forked child opens its own,
+        and a closed one is opened again, as diskcache did)."""
+        with held_signals(), self._lock:
+            if self._pid != os.getpid():
+                self._db.close()  # the parent's (only its locks were not inherited), or closed
+                self._connect()
+            yield
+
+    def tokens_in(self, namespace: bytes) -> list[bytes]:
+        """The keys' tokens (int32, little-endian) in ``namespace``; rows of another form are
+        left out."""
+        with self._using():
+            rows = self._run("SELECT tokens FROM states WHERE namespace = ?", (namespace,))
+        return [t for (t,) in rows if isinstance(t, bytes) and t and len(t) % 4 == 0]
+
+    def holds(self, namespace: bytes, tokens: bytes) -> bool:
+        with self._using():
+            found = self._run(
+                "SELECT 1 FROM states WHERE namespace = ? AND tokens = ?", (namespace, tokens)
+            )
+        return bool(found)
+
+    def open(self, namespace: bytes, tokens: bytes) -> tuple[str, io.BufferedReader] | None:
+        """The name and the open file of the state under the key, marked used; None when there
+        is none (or its file is gone). StateError for a row that names no file of ours, or a
+        file that is not a regular one: the row is dropped, nothing else touched."""
+        key = (namespace, tokens)
+        with self._using():
+            rows = self._run("SELECT file FROM states WHERE namespace = ? AND tokens = ?", key)
+            if not rows:
+                return None
+            (name,) = rows[0]
+            if not (isinstance(name, str) and _STATE_FILE.fullmatch(name)):
+                self._drop(key, name)
+                raise StateError(f"its file name {name!r} is not one a prompt cache makes")
+            try:
+                file = self._open_file(name)
+            except FileNotFoundError:  # removed meanwhile (evicted by another process)
+                self._drop(key, name)
+                return None
+            except StateError:
+                self._drop(key, name)
+                raise
+            self._run(
+                "UPDATE states SET used = (SELECT ifnull(max(used), 0) + 1 FROM states) "
+                "WHERE namespace = ? AND tokens = ?", key,
+            )  # fmt: skip
+        return name, file
+
+    def _open_file(self, name: str) -> io.BufferedReader:
+        path = os.path.join(self.directory, name)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            descriptor = os.open(path, flags | getattr(os, "O_BINARY", 0))
+        except OSError:
+            if os.path.islink(path):
+                raise StateError(f"{name} is a symbolic link") from None
+            raise
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a FIFO would wait for a writer
+            os.close(descriptor)
+            raise StateError(f"{name} is not a regular file")
+        return open(descriptor, "rb")
+
+    def discard(self, namespace: bytes, tokens: bytes, name: str) -> None:
+        """Remove the entry under the key if it still names the file ``name``, and its file."""
+        with self._using():
+            self._drop((namespace, tokens), name)
+
+    def _drop(self, key: tuple[bytes, bytes], name: object) -> None:
+        self._run("DELETE FROM states WHERE namespace = ? AND tokens = ? AND file IS ?",
+                  (*key, name))  # fmt: skip
+        if self._run("SELECT changes()") == [(1,)]:  # else: replaced meanwhile, the file too
+            self._remove_files([name])
+
+    def put(self, namespace: bytes, tokens: bytes, parts: Sequence[bytes | memoryview]) -> None:
+        """Write a state file of ``parts`` and index it under the key (replacing the entry
+        there), then remove the least recently used beyond the capacity. A failed write
+        leaves no file behind."""
+        name = f"{secrets.token_hex(16)}.state"
+        path = os.path.join(self.directory, name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with held_signals():  # (the index is not held while the file is written)
+            descriptor = os.open(path, flags | getattr(os, "O_BINARY", 0), 0o600)
+            try:
+                with open(descriptor, "wb") as file:
+                    for part in parts:
+                        file.write(part)
+                    size = file.tell()
+                with self._using(), self._transaction():
+                    replaced = self._run(
+                        "SELECT file FROM states WHERE namespace = ? AND tokens = ?",
+                        (namespace, tokens),
+                    )
+                    self._run(
+                        "INSERT OR REPLACE INTO states VALUES "
+                        "(?, ?, ?, ?, (SELECT ifnull(max(used), 0) + 1 FROM states))",
+                        (namespace, tokens, name, size),
+                    )
+                    gone = [old for (old,) in replaced] + self._evict()
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+        self._remove_files(gone)
+
+    def _evict(self) -> list[object]:
+        """Remove the least recently used rows while the whole exceeds the capacity; their
+        files' names (removed once the transaction commits)."""
+        gone = []
+        while self._size() > self.capacity_bytes:
+            rows = self._run("SELECT rowid, file FROM states ORDER BY used LIMIT 1")
+            if not rows:
+                break
+            ((rowid, file),) = rows
+            self._run("DELETE FROM states WHERE rowid = ?", (rowid,))
+            gone.append(file)
+        return gone
+
+    def _remove_files(self, names: Sequence[object]) -> None:
+        for name in names:
+            if isinstance(name, str) and _STATE_FILE.fullmatch(name):  # else: not ours
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, name))
+
+    def _size(self) -> float:
+        ((stored,),) = self._run("SELECT total(size) FROM states")
+        ((pages,),) = self._run("PRAGMA page_count")
+        ((page_size,),) = self._run("PRAGMA page_size")
+        return float(stored) + int(pages) * int(page_size)
+
+    def size_bytes(self) -> int:
+        with self._using():
+            return int(self._size())
+
+    def __len__(self) -> int:
+        with self._using():
+            ((count,),) = self._run("SELECT count(*) FROM states")
+        return int(count)
+
+    def close(self) -> None:
+        """Close the index (a later call opens it again)."""
+        with self._using():
+            self._db.close()
+            self._pid = None

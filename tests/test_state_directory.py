@@ -1,0 +1,193 @@
+"""A DiskCache's directory (``_engine/state_directory.py``) as a hostile writer leaves it: what
+it plants is read as data and refused, never unpickled or run; no file outside the directory is
+read, written or removed; the generation goes on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamacrab import DiskCache, InvalidParameterError, Llama
+
+PROMPT = "the cat sat on the mat the dog sat on the cat"
+# Prompts that each meet a hostile entry of their own tokens, the best match there is.
+BRANCHES = (" and a mat", " or a dog", " but a cat", " so a rat", " if a bat")
+INDEX = "llamacrab-states.sqlite"
+# diskcache's table, as an older llamacrab's DiskCache made it in cache.db.
+DISKCACHE_TABLE = (
+    "CREATE TABLE IF NOT EXISTS Cache (rowid INTEGER PRIMARY KEY, key BLOB, raw INTEGER, "
+    "store_time REAL, expire_time REAL, access_time REAL, access_count INTEGER DEFAULT 0, "
+    "tag BLOB, size INTEGER DEFAULT 0, mode INTEGER DEFAULT 0, filename TEXT, value BLOB)"
+)
+
+
+class _Marker:
+    """Unpickled, it creates the file ``path``: a stand-in for any code a pickle can run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return open, (self.path, "w")
+
+
+def _tokens(tokens: list[int]) -> bytes:
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def _plant_diskcache_rows(
+    directory: Path, namespace: bytes, keys: list[bytes], marker: Path, outside: Path
+) -> None:
+    """What the red team planted in an older llamacrab's index: a pickled key that runs code
+    when the keys are listed, a pickled value, a file named by an absolute path and one that
+    leaves the directory (read, refused as corrupt, then deleted)."""
+    with sqlite3.connect(directory / "cache.db") as db:
+        db.execute(DISKCACHE_TABLE)
+        insert = "INSERT INTO Cache (key, raw, mode, filename, value) VALUES (?, 0, ?, ?, ?)"
+        db.execute(insert, (pickle.dumps(_Marker(marker)), 1, None, b"x"))
+        db.execute(insert, (pickle.dumps((namespace, keys[0])), 4, None,
+                            pickle.dumps(_Marker(marker))))  # fmt: skip
+        db.execute(insert, (pickle.dumps((namespace, keys[1])), 2, str(outside), None))
+        db.execute(insert, (pickle.dumps((namespace, keys[2])), 2, f"../{outside.name}", None))
+    db.close()
+
+
+def _plant_index_rows(
+    directory: Path, namespace: bytes, keys: list[bytes], marker: Path, outside: Path
+) -> None:
+    """The same in this llamacrab's index (none in an older one's directory): a pickle as a
+    state file, an absolute file name, one leaving the directory, a file name that is a link
+    to a file outside, the state of other tokens; and rows no lookup can use (a pickle as a
+    key, tokens as text or of a length no token list has)."""
+    index = directory / INDEX
+    if not index.exists():
+        return
+    (legit,) = directory.glob("*.state")
+    (directory / f"{'a' * 32}.state").write_bytes(pickle.dumps(_Marker(marker)))
+    (directory / f"{'b' * 32}.state").symlink_to(outside)
+    shutil.copy(legit, directory / f"{'c' * 32}.state")
+    pickled_key = pickle.dumps(_Marker(marker))
+    pickled_key += bytes(-len(pickled_key) % 4)  # listed as tokens, if anything
+    rows = [
+        (keys[0], f"{'a' * 32}.state"), (keys[1], str(outside)),
+        (keys[2], f"../{outside.name}"), (keys[3], f"{'b' * 32}.state"),
+        (keys[4], f"{'c' * 32}.state"), (pickled_key, legit.name), ("1234", legit.name),
+        (b"12345", legit.name),
+    ]  # fmt: skip
+    with sqlite3.connect(index) as db:
+        db.executemany(
+            "INSERT INTO states VALUES (?, ?, ?, 1, 0)",
+            [(namespace, tokens, name) for tokens, name in rows],
+        )
+    db.close()
+
+
+def _outside_files(root: Path, directory: Path) -> dict[str, bytes | str]:
+    """Every file under ``root`` but in ``directory``, with its bytes (a link: its target)."""
+    found: dict[str, bytes | str] = {}
+    for path in root.rglob("*"):
+        if directory in path.parents or path == directory or path.is_dir():
+            continue
+        found[str(path)] = os.readlink(path) if path.is_symlink() else path.read_bytes()
+    return found
+
+
+def test_a_hostile_cache_directory_runs_nothing_and_touches_nothing_outside(
+    tmp_path: Path, tiny_model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory, marker = tmp_path / "cache", tmp_path / "marker"
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious\n")
+    with Llama(tiny_model_path, n_ctx=128, n_threads=1, cache=DiskCache(directory)) as llm:
+        llm.create_completion(PROMPT, max_tokens=2, temperature=0)
+        llm.cache.close()  # type: ignore[union-attr]
+        namespace = llm.context.fingerprint({})  # what a prompt without adapters looks under
+        keys = [_tokens(llm.tokenize(PROMPT + branch)) for branch in BRANCHES]
+    _plant_diskcache_rows(directory, namespace, keys, marker, outside)
+    _plant_index_rows(directory, namespace, keys, marker, outside)
+    before = _outside_files(tmp_path, directory)
+    cache = DiskCache(directory)
+    with Llama(tiny_model_path, n_ctx=128, n_threads=1, cache=cache) as llm:
+        with pytest.warns(UserWarning, match="discarding a corrupt prompt-cache entry") as warned:
+            for branch in BRANCHES:  # each meets its hostile entry first: dropped, a miss
+                llm.reset()
+                answer = llm.create_completion(PROMPT + branch, max_tokens=2, temperature=0)
+                assert not marker.exists()  # (an older llamacrab's first lookup made it)
+                assert answer.usage.completion_tokens == 2 and answer.usage.cached_tokens == 0
+        llm.reset()
+        again = llm.create_completion(PROMPT, max_tokens=2, temperature=0)
+        assert again.usage.cached_tokens > 0  # the honest entry still serves
+    cache.close()
+    reasons = " | ".join(str(w.message) for w in warned)
+    for reason in (
+        "not a llamacrab state", f"{str(outside)!r} is not one", "'../outside.txt' is not one",
+        "is a symbolic link", "other tokens",
+    ):  # fmt: skip
+        assert reason in reasons
+    assert _outside_files(tmp_path, directory) == before
+    assert outside.read_text() == "precious\n"
+    assert "older llamacrab" in caplog.text  # cache.db: never read
+    with sqlite3.connect(directory / INDEX) as db:  # the first state, each branch's, and
+        # the 3 rows no lookup could use (left be)
+        assert db.execute("SELECT count(*) FROM states").fetchone() == (1 + len(BRANCHES) + 3,)
+    db.close()
+
+
+@pytest.mark.parametrize("change", ["trigger", "view", "link", "journal link"])
+def test_an_index_of_another_making_is_refused(tmp_path: Path, change: str) -> None:
+    directory = tmp_path / "cache"
+    DiskCache(directory).close()
+    index = directory / INDEX
+    with sqlite3.connect(index) as db:
+        if change == "trigger":
+            db.execute("CREATE TRIGGER t AFTER DELETE ON states BEGIN SELECT 1; END")
+        elif change == "view":
+            db.execute("DROP TABLE states")
+            db.execute("CREATE VIEW states AS SELECT 1")
+    db.close()
+    if change == "link":
+        index.rename(tmp_path / "elsewhere.sqlite")
+        index.symlink_to(tmp_path / "elsewhere.sqlite")
+    elif change == "journal link":
+        (directory / f"{INDEX}-wal").symlink_to(tmp_path / "victim")
+    reason = "is a symbolic link" if "link" in change else "not a llamacrab prompt cache index"
+    with pytest.raises(InvalidParameterError, match=reason):
+        DiskCache(directory)
+    assert not (tmp_path / "victim").exists()
+
+
+def test_an_index_made_to_stall_is_interrupted_and_the_generation_goes_on(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Changed once the cache is open (its schema is checked only then), the index's table
+    becomes a view without end: the lookup is interrupted after STATEMENT_SECONDS."""
+    from llamacrab._engine import state_directory
+
+    monkeypatch.setattr(state_directory, "STATEMENT_SECONDS", 0.3)
+    cache = DiskCache(tmp_path / "cache")
+    with sqlite3.connect(tmp_path / "cache" / INDEX) as db:
+        db.execute("DROP TABLE states")
+        db.execute(
+            "CREATE VIEW states (namespace, tokens, file, size, used) AS WITH RECURSIVE "
+            "n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+            "SELECT zeroblob(i % 1), x'', '', 0, i FROM n WHERE i < 0"  # per row: no shortcut
+        )
+    db.close()
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):
+        cache.longest_prefix([1, 2, 3])
+    with (
+        Llama(tiny_model_path, n_ctx=128, n_threads=1, cache=cache) as llm,
+        caplog.at_level(logging.WARNING, logger="llamacrab"),
+    ):
+        answer = llm.create_completion(PROMPT, max_tokens=2, temperature=0)
+    assert answer.usage.completion_tokens == 2
+    assert "prompt cache lookup failed; treated as a miss" in caplog.text
+    cache.close()
