@@ -241,6 +241,30 @@ def test_states_still_round_trip(tmp_path: object) -> None:
             replace(GOOD, kv_fingerprint=wrong)
 
 
+def test_lengths_a_state_file_cannot_hold_are_refused_before_it_is_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sparse file of 1 GiB that opens as a state of three tokens: its lengths do not add up
+    to its size, and it is refused without hashing the gigabyte of zeros after them (a 3 GiB
+    one took 16 s to hash before its refusal: a server's slot restore)."""
+    hashed: list[int] = []
+    checksum = state._CHECKSUMS[state.FORMAT_VERSION]
+
+    def counted(*data: bytes) -> object:
+        hashed.extend(len(block) for block in data)
+        return checksum(*data)
+
+    monkeypatch.setitem(state._CHECKSUMS, state.FORMAT_VERSION, counted)
+    path = tmp_path / "sparse.state"
+    with path.open("wb") as file:
+        file.write(GOOD.to_bytes()[:64])
+        file.truncate(1 << 30)
+    with pytest.raises(StateError, match="bytes follow the state's checkpoints"):
+        SavedState.load(path)
+    assert hashed == []
+    assert SavedState.from_bytes(GOOD.to_bytes()) == GOOD and hashed  # (the count counts)
+
+
 # -- chat templates --------------------------------------------------------------------------
 
 

@@ -137,8 +137,8 @@ def test_state_files_and_every_kind_of_bad_state(tmp_path: Path, tiny_llama: Lla
     state.save(tmp_path / "state.bin")
     assert SavedState.load(tmp_path / "state.bin") == state
     blob = state.to_bytes()
-    with pytest.raises(StateError, match="checksum"):
-        SavedState.from_bytes(blob[:-100])
+    with pytest.raises(StateError, match=r"payload has \d+ bytes, its header says"):
+        SavedState.from_bytes(blob[:-100])  # (its lengths say so before its checksum)
     flipped = bytearray(blob)
     flipped[len(blob) // 2] ^= 0xFF
     with pytest.raises(StateError, match="checksum"):

@@ -7,9 +7,10 @@ recorded; version 4's is of an earlier layout, which no context makes now: read 
 recorded); tokens (i32 each), payload length (u64) and llama.cpp's
 own state bytes; from version 2 a checkpoint count (u32) and per checkpoint its token count
 (u32), payload length (u64) and payload; then a checksum of everything before it: from version 3
-the 16-byte XXH3-128, before it a sha256. A truncated or altered blob fails the checksum before
-llama.cpp reads a byte of it. Versions 1 (no checkpoints), 2, 3 and 4 are still read, without
-a KV fingerprint: a state of them does not say what its memory was computed with.
+the 16-byte XXH3-128, before it a sha256. A truncated or altered blob fails the checksum (a
+length it declares that its bytes do not hold, first) before llama.cpp reads a byte of it.
+Versions 1 (no checkpoints), 2, 3 and 4 are still read, without a KV fingerprint: a state of
+them does not say what its memory was computed with.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class SavedState:
             ) from error
         if len(view) < _HEAD.size or bytes(view[: len(MAGIC)]) != MAGIC:
             raise StateError("not a llamacrab state (bad magic or too short)")
-        # The version picks the checksum; nothing else is read before the checksum holds.
+        # The version picks the checksum.
         version = _HEAD.unpack_from(view)[1]
         checksum = _CHECKSUMS.get(version)
         if checksum is None:
@@ -159,38 +160,14 @@ class SavedState:
         if len(view) < _HEAD.size + 8 + digest_size:
             raise StateError("not a llamacrab state (too short)")
         body, digest = view[:-digest_size], view[-digest_size:]
+        # The lengths the blob declares first, each checked against the bytes there: a 3 GiB
+        # sparse file declaring a few tokens was hashed for 16 s before it was refused. The
+        # checksum proves the blob whole, not its writer honest: they are checked either way.
+        parts = _parts(body, version)
         if checksum(body).digest() != digest:
             raise StateError("the state is truncated or corrupted (checksum mismatch)")
-        # The checksum proves the blob is whole, not that whoever wrote it was honest: every
-        # length below is checked against the bytes actually there.
-        _, _, scope, n_ctx, model_id, n_tokens = _HEAD.unpack_from(body)
-        if scope >= len(_SCOPES):
-            raise StateError(f"unknown state scope {scope}")
-        offset, fingerprint = _HEAD.size, None
-        if version >= 4:
-            if offset + _FINGERPRINT.size > len(body):
-                raise StateError("the state ends inside its KV fingerprint")
-            (fingerprint,) = _FINGERPRINT.unpack_from(body, offset)
-            offset += _FINGERPRINT.size
-        tokens_at, offset = offset, offset + 4 * n_tokens
-        if offset + 8 > len(body):
-            raise StateError(
-                f"the state header says {n_tokens} tokens, more than its {len(body)} bytes hold"
-            )
-        tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=tokens_at)
-        (size,) = struct.unpack_from("<Q", body, offset)
-        offset += 8
-        rest = len(body) - offset
-        if size > rest or (version == 1 and size != rest):
-            raise StateError(f"the state payload has {rest} bytes, its header says {size}")
-        payload = body[offset : offset + size]  # still a view
-        checkpoints = () if version == 1 else _read_checkpoints(body, offset + size)
-        if version < FORMAT_VERSION or fingerprint == _UNRECORDED:
-            fingerprint = None
-        return cls(
-            tuple(int(t) for t in tokens), payload, model_id, n_ctx, _SCOPES[scope], checkpoints,
-            fingerprint,
-        )  # fmt: skip
+        return cls(tuple(parts.tokens.tolist()), parts.payload, parts.model_id, parts.n_ctx,
+                   parts.scope, parts.checkpoints, parts.fingerprint)  # fmt: skip
 
     def __reduce__(self) -> tuple[Any, ...]:
         # As its checked blob: the payloads are views (of a mapped file, of the buffer
@@ -247,6 +224,49 @@ class SavedState:
         if os.fstat(file.fileno()).st_size == 0:  # mmap refuses empty files
             return cls.from_bytes(b"")
         return cls.from_bytes(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A state blob's fields, the large ones views into it."""
+
+    scope: str
+    n_ctx: int
+    model_id: bytes
+    fingerprint: bytes | None
+    tokens: np.ndarray[Any, np.dtype[np.int32]]
+    payload: memoryview
+    checkpoints: tuple[StateCheckpoint, ...]
+
+
+def _parts(body: memoryview, version: int) -> _Parts:
+    """The fields of a state's ``body`` (its blob less the checksum) as ``version`` lays them
+    out; StateError where a length it declares does not fit the bytes there."""
+    _, _, scope, n_ctx, model_id, n_tokens = _HEAD.unpack_from(body)
+    if scope >= len(_SCOPES):
+        raise StateError(f"unknown state scope {scope}")
+    offset, fingerprint = _HEAD.size, None
+    if version >= 4:
+        if offset + _FINGERPRINT.size > len(body):
+            raise StateError("the state ends inside its KV fingerprint")
+        (fingerprint,) = _FINGERPRINT.unpack_from(body, offset)
+        offset += _FINGERPRINT.size
+    tokens_at, offset = offset, offset + 4 * n_tokens
+    if offset + 8 > len(body):
+        raise StateError(
+            f"the state header says {n_tokens} tokens, more than its {len(body)} bytes hold"
+        )
+    tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=tokens_at)
+    (size,) = struct.unpack_from("<Q", body, offset)
+    offset += 8
+    rest = len(body) - offset
+    if size > rest or (version == 1 and size != rest):
+        raise StateError(f"the state payload has {rest} bytes, its header says {size}")
+    payload = body[offset : offset + size]  # still a view
+    checkpoints = () if version == 1 else _read_checkpoints(body, offset + size)
+    if version < FORMAT_VERSION or fingerprint == _UNRECORDED:
+        fingerprint = None
+    return _Parts(_SCOPES[scope], n_ctx, model_id, fingerprint, tokens, payload, checkpoints)
 
 
 def _read_checkpoints(body: memoryview, offset: int) -> tuple[StateCheckpoint, ...]:
