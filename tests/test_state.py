@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -987,3 +988,37 @@ def test_states_cross_between_one_slot_and_parallel_slots_only_with_one_kv_strea
             kv.create_completion(PROMPT + " x", max_tokens=0)
             one.load_state(kv.save_state(slot=1))
             assert one.create_completion(PROMPT, max_tokens=1).usage.cached_tokens > 0
+
+
+def test_a_shared_prompt_cache_keeps_states_of_other_kv_streams_apart(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A one-slot and a parallel Llama sharing a prompt cache found each other's states, which
+    llama.cpp cannot load into another count of KV streams: every lookup mapped, checked and
+    tried one, and warned "n_stream mismatch". The streams are part of the fingerprint states
+    are kept under (and a slot file is refused for); parallel slots with kv_unified have one
+    stream, as a one-slot Llama, and share its states."""
+    cache = DiskCache(tmp_path / "cache")
+    settings = {"n_ctx": 256, "n_threads": 1, "cache": cache}
+    with (
+        Llama(tiny_model_path, **settings) as one,
+        Llama(tiny_model_path, parallel=2, **settings) as split,
+        Llama(tiny_model_path, parallel=2, kv_unified=True, **settings) as unified,
+    ):
+        one.create_completion(PROMPT, max_tokens=2)
+        cache.flush()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            assert split.create_completion(PROMPT, max_tokens=2).usage.cached_tokens == 0
+        assert [str(w.message) for w in warned] == []
+        assert unified.create_completion(PROMPT, max_tokens=2).usage.cached_tokens > 0
+        cache.flush()
+        split.reset()
+        assert split.create_completion(PROMPT, max_tokens=2).usage.cached_tokens > 0  # its own
+        slot = next(s.id for s in split.slots() if s.n_tokens)
+        from_split = split.save_state(slot=slot).kv_fingerprint
+        assert from_split is not None
+        assert one.context.unmatchable(from_split, []) == ["KV settings"]
+        assert one.context.unmatchable(unified.context.kv_fingerprint, []) == []
+        assert one.context.kv_fingerprint == unified.context.kv_fingerprint
+    cache.close()

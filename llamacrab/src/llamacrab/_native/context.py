@@ -258,8 +258,12 @@ class Context(NativeHandle):
         # remove, copy into it, keep, shift, divide, a state loaded): the engine tells its own
         # changes from a user's by these (memory_generation).
         self._memory_changes = [0] * params.n_seq_max
+        # llama.cpp loads a state only into as many KV streams as it was saved from: one per
+        # sequence without kv_unified (a recurrent model's memory has none).
+        attends = not lib.llama_model_is_recurrent(model.pointer)
+        self.kv_streams = 1 if params.kv_unified or not attends else params.n_seq_max
         # What, besides the tokens, decides the KV memory: the model, the adapters (file
-        # identity and scale) and KV_SETTINGS. Prompt caches keep states under it.
+        # identity and scale), KV_SETTINGS and the streams. Prompt caches keep states under it.
         self.kv_fingerprint = self._fingerprint()
         self.n_ctx = int(lib.llama_n_ctx(pointer))
         self.n_batch = int(lib.llama_n_batch(pointer))
@@ -622,6 +626,8 @@ class Context(NativeHandle):
         settings, 4 of the control vector, 8 of the LoRA files (by identity, without scales),
         then 16 of all of it with the model and the scales."""
         settings = "".join(f"{name}={getattr(self.params, name)!r}\n" for name in KV_SETTINGS)
+        if self.kv_streams > 1:  # (one stream: what states recorded before they counted)
+            settings += f"kv_streams={self.kv_streams}\n"
         cvec = "cvec=none\n"
         if self._cvec is not None:
             vector, start, end = self._cvec
@@ -641,7 +647,8 @@ class Context(NativeHandle):
     def unmatchable(self, fingerprint: bytes, adapters: Iterable[LoraAdapter]) -> list[str]:
         """What in ``fingerprint`` (a memory's, as ``fingerprint`` makes them) no memory
         computed on this context can match, whatever the scales of ``adapters`` (the LoRA
-        files a prompt may use): "KV settings" (rope, KV types, flash attention, swa_full),
+        files a prompt may use): "KV settings" (rope, KV types, flash attention, swa_full,
+        the KV streams: one per sequence without kv_unified, which a state must load into),
         "control vector", "LoRA files" (one it was computed with is not among ``adapters``:
         another file, or the same moved or changed). Empty where some memory can match."""
         mine = self.fingerprint({})

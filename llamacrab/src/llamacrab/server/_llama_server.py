@@ -57,7 +57,8 @@ _ASR_PROMPT = "Transcribe audio to text"  # llama-server's instruction
 _TRANSCRIPT_FORMATS = ("json", "text")
 # What Context.unmatchable names, with the flags that set it.
 _RESTORE_MISMATCH = {
-    "KV settings": "KV settings (--flash-attn, --cache-type-k/-v, --rope-*, --yarn-*)",
+    "KV settings": "KV settings (--flash-attn, --cache-type-k/-v, --rope-*, --yarn-*, "
+    "--parallel: a KV stream per slot)",
     "control vector": "control vectors (--control-vector*)",
     "LoRA files": "LoRA adapter files (--lora: one is not loaded here, moved or changed)",
 }
