@@ -7,12 +7,16 @@ import importlib.util
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import pytest
 
-from llamacrab import CompletionChoice, CustomSampler
+from llamacrab import CompletionChoice, CustomSampler, DecodeAbortedError
+from llamacrab._native.batch import Batch
+from llamacrab._native.context import Context
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -73,3 +77,22 @@ def assert_same_up_to_near_ties(alone: CompletionChoice, batched: CompletionChoi
     assert alone.logprobs is not None
     top = sorted(alone.logprobs.top_logprobs[differ].values(), reverse=True)
     assert top[0] - top[1] < 0.5, f"diverged at token {differ} on a clear decision {top}"
+
+
+def record_decodes(monkeypatch: pytest.MonkeyPatch, before: Callable[[Batch], None]) -> list[str]:
+    """Context.decode calls ``before(batch)`` first; each call's outcome ("decoded" or
+    "aborted") is recorded in the list returned."""
+    outcomes: list[str] = []
+    decode = Context.decode
+
+    def recorded(self: Context, batch: Batch, *args: object, **kwargs: object) -> None:
+        before(batch)
+        try:
+            decode(self, batch, *args, **kwargs)  # type: ignore[arg-type]
+        except DecodeAbortedError:
+            outcomes.append("aborted")
+            raise
+        outcomes.append("decoded")
+
+    monkeypatch.setattr(Context, "decode", recorded)
+    return outcomes

@@ -12,32 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamacrab import CompletionChunk, DecodeAbortedError, Image, Llama, Stream
+from llamacrab import CompletionChunk, Image, Llama, Stream
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
 
-from support import load_repo_module
+from support import load_repo_module, record_decodes
 
 LONG_PROMPT = "the cat sat on the mat. " * 250  # ~1,750 Gemma tokens: one chunk of seconds
 SHORT_PROMPT = "one two three four five"
-
-
-def _record_decodes(monkeypatch: pytest.MonkeyPatch, before: Callable[[Batch], None]) -> list[str]:
-    """Context.decode calls ``before(batch)`` first; each call's outcome is recorded."""
-    outcomes: list[str] = []
-    decode = Context.decode
-
-    def recorded(self: Context, batch: Batch, *args: object, **kwargs: object) -> None:
-        before(batch)
-        try:
-            decode(self, batch, *args, **kwargs)  # type: ignore[arg-type]
-        except DecodeAbortedError:
-            outcomes.append("aborted")
-            raise
-        outcomes.append("decoded")
-
-    monkeypatch.setattr(Context, "decode", recorded)
-    return outcomes
 
 
 @pytest.mark.parametrize("leave", ["timeout", "event"])
@@ -60,7 +42,7 @@ def test_a_one_slot_prompt_chunk_stops_at_a_timeout_or_an_event(
 
     with Llama(gemma_path, n_ctx=4096, n_batch=2048, n_ubatch=2048, n_threads=2,
                graph_sampling="off") as llm:  # fmt: skip
-        outcomes = _record_decodes(monkeypatch, mark)
+        outcomes = record_decodes(monkeypatch, mark)
         if leave == "event":
             threading.Thread(target=set_event_in_the_decode, daemon=True).start()
         began = time.monotonic()

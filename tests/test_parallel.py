@@ -17,7 +17,6 @@ from llamacrab import (
     ClosedHandleError,
     Completion,
     CompletionChunk,
-    DecodeAbortedError,
     InvalidParameterError,
     Llama,
     PromptLookup,
@@ -27,7 +26,7 @@ from llamacrab import (
 )
 from llamacrab._native.batch import Batch
 
-from support import Gate, Slow, assert_same_up_to_near_ties
+from support import Gate, Slow, assert_same_up_to_near_ties, record_decodes
 
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(8)]
 
@@ -336,28 +335,6 @@ def test_a_burst_to_an_idle_engine_shares_its_first_step(
     assert decoded[0] == sum(lengths), decoded[:3]
 
 
-def _watching_decodes(
-    monkeypatch: pytest.MonkeyPatch, before: Callable[[Batch], None]
-) -> list[str]:
-    """Context.decode calls ``before(batch)`` first; each call's outcome is recorded."""
-    from llamacrab._native.context import Context
-
-    outcomes: list[str] = []
-    decode = Context.decode
-
-    def watched(self: Context, batch: Batch, *args: object, **kwargs: object) -> None:
-        before(batch)
-        try:
-            decode(self, batch, *args, **kwargs)  # type: ignore[arg-type]
-        except DecodeAbortedError:
-            outcomes.append("aborted")
-            raise
-        outcomes.append("decoded")
-
-    monkeypatch.setattr(Context, "decode", watched)
-    return outcomes
-
-
 def test_a_decode_whose_jobs_all_stopped_is_aborted(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -370,7 +347,7 @@ def test_a_decode_whose_jobs_all_stopped_is_aborted(
         if batch.value.n_tokens > 1:
             streams[0].cancel()
 
-    outcomes = _watching_decodes(monkeypatch, leave_at_the_prompt)
+    outcomes = record_decodes(monkeypatch, leave_at_the_prompt)
     with Llama(tiny_model_path, n_ctx=512, n_threads=1, parallel=2) as llm:
         streams.append(llm.stream_completion(PROMPTS[0] * 4, max_tokens=4, temperature=0))
         assert [chunk.finish_reason for chunk in streams[0]] == ["cancelled"]
@@ -392,7 +369,7 @@ def test_a_decode_goes_on_for_the_jobs_that_did_not_stop(
         if batch.output_sequences() == {0, 1} and batch.value.n_tokens > 2:
             streams[0].cancel()
 
-    outcomes = _watching_decodes(monkeypatch, leave_at_the_prompts)
+    outcomes = record_decodes(monkeypatch, leave_at_the_prompts)
     with Llama(tiny_model_path, n_ctx=512, n_threads=1, parallel=2) as llm:
         for prompt in PROMPTS[:2]:
             streams.append(llm.stream_completion(prompt, max_tokens=4, min_tokens=4))
@@ -416,7 +393,7 @@ def test_leaving_during_a_long_prompt_stops_its_decode(
         if batch.value.n_tokens > 1:
             started.set()
 
-    outcomes = _watching_decodes(monkeypatch, mark)
+    outcomes = record_decodes(monkeypatch, mark)
     event = threading.Event()
     with Llama(gemma_path, n_ctx=4096, n_batch=2048, n_ubatch=2048, n_threads=2,
                parallel=2, graph_sampling="off") as llm:  # fmt: skip
