@@ -4,9 +4,11 @@ the comparison of greedy runs up to near-ties."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import sys
 import threading
 import time
+import wave
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -96,3 +98,14 @@ def record_decodes(monkeypatch: pytest.MonkeyPatch, before: Callable[[Batch], No
 
     monkeypatch.setattr(Context, "decode", recorded)
     return outcomes
+
+
+def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
+    """A mono 16-bit WAV file of ``samples`` (floats in [-1, 1]) at ``rate`` Hz."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return buffer.getvalue()

@@ -17,14 +17,14 @@ import numpy as np
 import openai
 import pytest
 from live_server import LiveServer
-from test_multimodal import tone, wav_bytes
+from test_multimodal import tone
 from test_tool_calls import TEMPLATE
 
 from llamacrab import InfillLimits, Llama
 from llamacrab._native.vocab import Vocab
 from llamacrab.server import ServerSettings
 
-from support import load_repo_module
+from support import load_repo_module, wav_bytes
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
 mmproj = load_repo_module("scripts/make_tiny_mmproj.py")

@@ -12,7 +12,6 @@ import struct
 import subprocess
 import sys
 import time
-import wave
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,7 +46,7 @@ from llamacrab.server._settings import parse_settings
 from llamacrab_sys import ffi, lib
 
 from reliability_kit import tampered
-from support import assert_same_up_to_near_ties, load_repo_module
+from support import assert_same_up_to_near_ties, load_repo_module, wav_bytes
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
 mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
@@ -87,16 +86,6 @@ def hearing(files: dict[str, Path]) -> Iterator[Llama]:
 def encoded(pixels: np.ndarray, kind: str) -> bytes:
     buffer = io.BytesIO()
     PILImage.fromarray(pixels).save(buffer, format=kind)
-    return buffer.getvalue()
-
-
-def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
     return buffer.getvalue()
 
 

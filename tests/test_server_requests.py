@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 from live_server import LiveServer, running
-from test_multimodal import IMAGE_TOKENS, PIXELS, encoded, tone, wav_bytes
+from test_multimodal import IMAGE_TOKENS, PIXELS, encoded, tone
 
 from llamacrab import Image, Llama, MediaPolicy
 from llamacrab.server import ServerSettings
 
-from support import load_repo_module
+from support import load_repo_module, wav_bytes
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
 mmproj = load_repo_module("scripts/make_tiny_mmproj.py")

@@ -6,9 +6,7 @@ nothing interrupts, and a 12 kB FLAC can declare an hour. Tiny Qwen2-Audio-style
 from __future__ import annotations
 
 import base64
-import io
 import json
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from llamacrab._native.call import call
 from llamacrab.server import ServerSettings
 from llamacrab_sys import lib
 
-from support import load_repo_module
+from support import load_repo_module, wav_bytes
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
 mmproj = load_repo_module("scripts/make_tiny_mmproj.py")
@@ -118,16 +116,6 @@ def test_the_sounds_of_one_prompt_count_together(hearing: Llama, tokenized: list
     assert tokenized == [30 * RATE]
     alone = hearing.create_completion(f"{marker}.", media=[silence(40)], max_tokens=1)
     assert 1500 < alone.usage.prompt_tokens < 2048
-
-
-def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buffer.getvalue()
 
 
 def test_the_server_answers_a_sound_too_long_as_a_prompt_too_long(
