@@ -1,7 +1,9 @@
 """Vocabularies llama.cpp cannot load safely are refused before it sees them, by name.
 
 A token longer than MAX_TRIE_TOKEN_BYTES in an RWKV or t5 (UGM) vocabulary: llama.cpp's naive_trie
-recurses once per byte of it, and the load died of a stack overflow (SIGSEGV). A byte token not
+recurses once per byte of it, and the load died of a stack overflow (SIGSEGV). A plamo2 vocabulary
+past gguf_plamo2's bounds: llama.cpp's table building is cubic in a token's length, and one
+5,000-byte token kept the load in one native call for more than 120 s. A byte token not
 spelt <0xXX>, or a t5 vocabulary of fewer than 3 tokens: llama.cpp threw std::out_of_range and the
 error said ``basic_string::substr: __pos (which is 3) > this->size() (which is 2)`` or
 ``vector::_M_range_check``. Loads that could crash run in a child process, on a thread with a
@@ -19,11 +21,13 @@ import textwrap
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 from test_tokenize_regex_stack import VOCABS
 
 from llamacrab import InvalidModelError, Llama
-from llamacrab._native.gguf_check import MAX_TRIE_TOKEN_BYTES, validate_gguf
+from llamacrab._native import gguf_plamo2 as plamo2
+from llamacrab._native.gguf_check import MAX_TRIE_TOKEN_BYTES, _read_file, validate_gguf
 
 from support import load_repo_module
 
@@ -38,7 +42,7 @@ STACK_KIB = 256
 def vocabulary_model(
     path: Path,
     model: str,
-    replace: dict[int, tuple[str, int]] | None = None,
+    replace: dict[int, tuple[str | bytes, int]] | None = None,
     tokens: list[str] | None = None,
 ) -> Path:
     """The tiny model with tokenizer ``model`` ("rwkv": the vocabulary with bytes escaped as
@@ -90,10 +94,12 @@ CHILD = textwrap.dedent(f"""
 """)
 
 
-def load_in_child(path: Path, mode: str, text: str) -> subprocess.CompletedProcess[str]:
+def load_in_child(
+    path: Path, mode: str, text: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", CHILD, str(path), mode, text], capture_output=True, text=True,
-        timeout=120, env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+        timeout=timeout, env={**os.environ, "GGML_NO_BACKTRACE": "1"},
     )  # fmt: skip
 
 
@@ -149,6 +155,82 @@ def test_the_bound_counts_the_bytes_the_trie_holds(tmp_path: Path) -> None:
     long = "a" * 8_000
     validate_gguf(vocabulary_model(tmp_path / "control.gguf", "t5", {LAST: (long, CONTROL)}))
     validate_gguf(vocabulary_model(tmp_path / "bpe.gguf", "gpt2", {LAST: (long, NORMAL)}))
+
+
+def test_a_plamo2_token_long_enough_to_hang_the_load_is_refused(tmp_path: Path) -> None:
+    """Before: llama.cpp built its table for this token for more than 120 s (775 MB), in one
+    native call; the child's timeout fails the test there."""
+    path = vocabulary_model(tmp_path / "long.gguf", "plamo2", {LAST: ("a" * 5_000, NORMAL)})
+    checked = load_in_child(path, "checked", "a", timeout=60)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    error, message = json.loads(checked.stdout)
+    assert error == "InvalidModelError", message
+    assert f"token {LAST} alone (5,000 characters) counts 125,000,000,000" in message
+    assert f"at most {plamo2.MAX_COPIES:,}" in message
+
+
+def test_a_plamo2_token_under_the_bound_loads_and_matches(tmp_path: Path) -> None:
+    text = "a" * 600  # 600³ = 216M of the 268M byte copies
+    with Llama(vocabulary_model(tmp_path / "600.gguf", "plamo2", {LAST: (text, NORMAL)}),
+               n_ctx=64, n_threads=1) as llm:  # fmt: skip
+        assert llm.tokenize(text, add_special=False) == [LAST]
+
+
+@pytest.mark.parametrize(
+    ("text", "fits"),
+    [("a" * 645, True), ("a" * 646, False), ("あ" * 447, True), ("あ" * 448, False),
+     (b"\xff" * 447, True), (b"\xff" * 448, False), ("b\0" + "a" * 5_000, True)],
+    ids=["ascii", "ascii+1", "japanese", "japanese+1", "invalid", "invalid+1", "cut-at-nul"],
+)  # fmt: skip
+def test_the_plamo2_bound_counts_characters_as_llama_cpp_decodes_them(
+    tmp_path: Path, text: str | bytes, fits: bool
+) -> None:
+    """Characters² times bytes: "あ" is 1 character of 3 bytes, an invalid byte 1 character that
+    llama.cpp re-encodes as U+FFFD's 3; a token ends at its first NUL (llama.cpp reads C
+    strings). The tiny vocabulary's other tokens count 1,381."""
+    path = vocabulary_model(tmp_path / "v.gguf", "plamo2", {LAST: (text, NORMAL)})
+    if fits:
+        validate_gguf(path)
+    else:
+        named = f"token {LAST} alone \\((448|646) characters\\)"
+        with pytest.raises(InvalidModelError, match=named):
+            validate_gguf(path)
+
+
+def test_plamo2_byte_tokens_are_not_counted(tmp_path: Path) -> None:
+    """llama.cpp's table leaves out byte tokens (type 6)."""
+    validate_gguf(vocabulary_model(tmp_path / "b.gguf", "plamo2", {LAST: ("a" * 5_000, BYTE)}))
+
+
+def strings(tokens: list[bytes]) -> tuple[bytes, np.ndarray]:
+    """``tokens`` as a GGUF string array's region and where each starts (StringTable's)."""
+    region, starts = bytearray(), []
+    for token in tokens:
+        region += len(token).to_bytes(8, "little")
+        starts.append(len(region))
+        region += token
+    return bytes(region), np.array(starts, dtype=np.uint64)
+
+
+def test_many_plamo2_tokens_are_bounded_by_their_lookups() -> None:
+    """Short tokens cost llama.cpp a lookup per prefix of each suffix, a cache miss each once
+    the table is big (233,000 8-byte tokens, under the bound, took 10 s to load here)."""
+    under = [f"{i:012d}".encode() for i in range(100_000)]  # 7.8M lookups, 173M byte copies
+    assert plamo2.table_problem(*strings(under), None) is None
+    problem = plamo2.table_problem(*strings(under + [f"x{i:011d}".encode()
+                                                     for i in range(8_000)]), None)  # fmt: skip
+    assert problem is not None and "would cost llama.cpp 8,424,000 table lookups" in problem
+    assert f"at most {plamo2.MAX_LOOKUPS:,}" in problem
+
+
+@pytest.mark.parametrize("vocab", ["llama-spm", "nomic-bert-moe", "gemma-4", "qwen2"])
+def test_real_vocabularies_fit_the_plamo2_bounds(vocab: str) -> None:
+    """No plamo2 vocabulary in the pinned tree: real ones of up to 262k tokens stand in
+    (SentencePiece: Llama's, XLM-R's; Gemma 4's; Qwen 2's BPE, of 128-byte tokens). A
+    PLaMo-2 one holds 100k."""
+    _, metadata, _ = _read_file(VOCABS / f"ggml-vocab-{vocab}.gguf")
+    words = metadata["tokenizer.ggml.tokens"].strings
+    assert plamo2.table_problem(words.region, words.starts, None) is None
 
 
 BYTE_0A = 3 + 0x0A  # <0x0A>, after <unk>, <s> and </s>

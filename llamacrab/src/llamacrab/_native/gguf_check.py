@@ -23,6 +23,7 @@ import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError, ModelLoadError
 from llamacrab._native import gguf_archs as archs
+from llamacrab._native import gguf_plamo2 as plamo2
 from llamacrab_sys import ffi, lib
 
 _SCALARS = {
@@ -940,8 +941,9 @@ def _check_arch_rules(m: _Model) -> None:
 
 
 def _check_vocabulary(reader: _Reader, metadata: dict[str, Any]) -> None:
-    """What llama_vocab::load asserts on, divides by, overflows the stack with or throws C++
-    library errors for (std::out_of_range as the message) while loading the vocabulary."""
+    """What llama_vocab::load asserts on, divides by, overflows the stack with, spends minutes
+    on or throws C++ library errors for (std::out_of_range as the message) while loading the
+    vocabulary."""
     model = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get(_TOKENS)
     if model in ("none", "no_vocab") or not isinstance(tokens, GgufArray):
@@ -959,6 +961,10 @@ def _check_vocabulary(reader: _Reader, metadata: dict[str, Any]) -> None:
         )
     types = _token_types(metadata, len(words))
     _check_trie_depth(reader, model, words, types)
+    if model == "plamo2":  # its table's cost is cubic in a token's length
+        in_table = None if types is None else types != _BYTE_TOKEN
+        if problem := plamo2.table_problem(words.region, words.starts, in_table):
+            raise reader.fail(problem)
     if model == "t5" and len(words) <= _UGM_LOAD_UNKNOWN:  # std::out_of_range at load
         raise reader.fail(
             f"a t5 (UGM) vocabulary of {len(words)} tokens: llama.cpp loads it with token "
