@@ -63,7 +63,8 @@ llama_state_seq_get_size_ext llama_state_seq_set_data_ext llama_state_set_data l
 llama_token_to_piece llama_tokenize llama_vocab_bos
 llama_vocab_eos llama_vocab_eot llama_vocab_fim_mid llama_vocab_fim_pre llama_vocab_fim_rep
 llama_vocab_fim_sep llama_vocab_fim_suf llama_vocab_get_add_bos llama_vocab_get_add_eos
-llama_vocab_get_add_sep llama_vocab_is_eog llama_vocab_n_tokens llama_vocab_sep llama_vocab_type
+llama_vocab_get_add_sep llama_vocab_get_text llama_vocab_is_eog llama_vocab_n_tokens llama_vocab_sep
+llama_vocab_type
 """)
 
 CORE_CONSTANTS = _words("""
