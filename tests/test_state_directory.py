@@ -9,6 +9,9 @@ import os
 import pickle
 import shutil
 import sqlite3
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +194,53 @@ def test_an_index_made_to_stall_is_interrupted_and_the_generation_goes_on(
     assert answer.usage.completion_tokens == 2
     assert "prompt cache lookup failed; treated as a miss" in caplog.text
     cache.close()
+
+
+def _in_child(script: str, timeout: float = 60) -> str:
+    """``script``'s output, run by a child Python (a hang fails the test instead of hanging it)."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() only")
+def test_a_child_forked_while_a_thread_is_inside_sqlite_uses_the_cache(tmp_path: Path) -> None:
+    """fork() while another thread ran SQLite on the shared connection: the child's first call
+    waited forever on the mutex that thread held (37 children of 200)."""
+    output = _in_child(f"""
+        import os, signal, threading, time
+        from llamacrab._engine.state_directory import StateDirectory
+        files = StateDirectory({str(tmp_path)!r}, 1 << 40)
+        for i in range(100):
+            files.put(b"ns", i.to_bytes(4, "little") * 64, [b"x" * 100])
+        stop = False
+        def hammer():
+            i = 0
+            while not stop:
+                i += 1
+                len(files)
+                files.holds(b"ns", (i % 100).to_bytes(4, "little") * 64)
+                if i % 7 == 0:
+                    files.put(b"ns", (i % 50).to_bytes(4, "little"), [b"y" * 50])
+        thread = threading.Thread(target=hammer)
+        thread.start()
+        outcomes = []
+        for _ in range(100):
+            time.sleep(0.003)
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(3)
+                files.put(b"ns", b"child", [b"c"])
+                os._exit(0 if len(files) >= 100 else 3)
+            _, status = os.waitpid(pid, 0)
+            outcomes.append(os.waitstatus_to_exitcode(status))
+            if outcomes[-1]:
+                break
+        stop = True
+        thread.join()
+        print(outcomes[-1], len(outcomes))
+    """)  # fmt: skip
+    assert output.split() == ["0", "100"]  # (-14: the child hung till its alarm)

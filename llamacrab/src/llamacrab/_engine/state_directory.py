@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from llamacrab._exceptions import InvalidParameterError, StateError
-from llamacrab._native.fork import reset_in_child
+from llamacrab._native.fork import abandon, hold_across_fork
 from llamacrab._native.signals import held_signals
 
 log = logging.getLogger("llamacrab")
@@ -65,7 +65,7 @@ class StateDirectory:
         self.directory = os.fspath(directory)
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
-        reset_in_child(self._lock)
+        hold_across_fork(self._lock)  # fork() waits for a thread of ours inside SQLite
         self._deadline = float("inf")
         with held_signals():
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -135,7 +135,8 @@ class StateDirectory:
         and a closed one is opened again, as diskcache did)."""
         with held_signals(), self._lock:
             if self._pid != os.getpid():
-                self._db.close()  # the parent's (only its locks were not inherited), or closed
+                if self._pid is not None:  # the parent's: closing it here would act on the
+                    abandon(self._db)  # parent's locks, journal and shared memory
                 self._connect()
             yield
 

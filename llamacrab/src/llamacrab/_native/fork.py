@@ -9,6 +9,7 @@ A child of a process that may have started that pool computes on one thread."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -31,11 +32,28 @@ _warned = False
 # have, they would never be released; reset in the child, they let a call go on to the
 # handle it uses, which raises ForkedHandleError.
 _inherited_locks: weakref.WeakSet[Any] = weakref.WeakSet()
+# Locks fork() waits for (a StateDirectory's: no thread of ours is inside SQLite when the child
+# is made, whose copy of a mutex that thread held would never be released); held meanwhile.
+_held_across_fork: weakref.WeakSet[Any] = weakref.WeakSet()
+_held_now: list[Any] = []
 
 
 def reset_in_child(*locks: Any) -> None:
     """Have a forked child start with ``locks`` (Lock, RLock or Condition) released."""
     _inherited_locks.update(locks)
+
+
+def hold_across_fork(lock: Any) -> None:
+    """Have fork() wait until no other thread holds ``lock`` (a Lock held for bounded times,
+    never while taking another), and the child start with it released."""
+    _held_across_fork.add(lock)
+    reset_in_child(lock)
+
+
+def abandon(thing: object) -> None:
+    """Keep ``thing`` (a parent's object in a forked child) alive to the end of the process:
+    neither closed nor finalized here, where it would act on the parent's state."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(thing))
 
 
 reset_in_child(_lock)
@@ -77,8 +95,20 @@ def _openmp_is_gnu() -> bool:
         return False
 
 
+def _before_fork() -> None:
+    for lock in list(_held_across_fork):
+        lock.acquire()
+        _held_now.append(lock)
+
+
+def _after_fork_in_parent() -> None:
+    while _held_now:
+        _held_now.pop().release()
+
+
 def _after_fork_in_child() -> None:
     global generation, _forked_after_compute, _warned
+    _held_now.clear()  # (reset below, with the other inherited locks)
     generation += 1
     _warned = False  # each process says it once
     for lock in list(_inherited_locks):
@@ -87,4 +117,8 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
