@@ -244,3 +244,29 @@ def test_a_child_forked_while_a_thread_is_inside_sqlite_uses_the_cache(tmp_path:
         print(outcomes[-1], len(outcomes))
     """)  # fmt: skip
     assert output.split() == ["0", "100"]  # (-14: the child hung till its alarm)
+
+
+def test_opening_the_directory_again_keeps_the_locks_of_this_process(tmp_path: Path) -> None:
+    """A second StateDirectory on the directory (two caches, a cache reopened) opened and
+    closed a descriptor of the index: POSIX drops every lock the process holds on a file when
+    any descriptor of it is closed, so another process changed the index under a read (here:
+    out of WAL mode; in use, SQLITE_IOERR_SHORT_READ and SQLITE_CORRUPT by the ten thousand)."""
+    from llamacrab._engine.state_directory import StateDirectory
+
+    first = StateDirectory(tmp_path, 1 << 30)
+    first.put(b"ns", b"abcd", [b"x"])
+    first._db.execute("BEGIN")  # a read under way: a shared lock on the index
+    first._db.execute("SELECT count(*) FROM states").fetchall()
+    probe = f"""
+        import sqlite3
+        db = sqlite3.connect({str(tmp_path / INDEX)!r}, timeout=0, isolation_level=None)
+        try:
+            print(db.execute("PRAGMA journal_mode = DELETE").fetchall())
+        except sqlite3.OperationalError as error:
+            print(error)
+    """
+    assert _in_child(probe).strip() == "database is locked"
+    StateDirectory(tmp_path, 1 << 30).close()
+    assert _in_child(probe).strip() == "database is locked"  # (old: [('delete',)])
+    first._db.execute("COMMIT")
+    first.close()

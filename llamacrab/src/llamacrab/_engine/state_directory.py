@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from llamacrab._exceptions import InvalidParameterError, StateError
-from llamacrab._native.fork import abandon, hold_across_fork
+from llamacrab._native.fork import abandon, hold_across_fork, reset_in_child
 from llamacrab._native.signals import held_signals
 
 log = logging.getLogger("llamacrab")
@@ -53,6 +53,27 @@ _LEGACY_INDEX = "cache.db"
 BUSY_SECONDS = 10.0  # waiting for another process's write
 STATEMENT_SECONDS = 10.0  # a statement running longer works on an index made to stall it
 _PROGRESS_STEPS = 10_000  # SQLite's instructions between two looks at the clock
+
+
+# Held from making an index to closing the descriptor that made it (see _create).
+_creating = threading.Lock()
+reset_in_child(_creating)
+
+
+def _create(index: str) -> None:
+    """Make the file ``index`` if there is none: here, for its mode, and for an OSError saying
+    why it cannot be (SQLite's says "unable to open database file" whatever the reason).
+    Never a descriptor of an index that exists: closing it would drop every POSIX lock this
+    process holds on the file, a connection's of another StateDirectory's among them, and
+    another process would then write under its reads. One this makes was open nowhere, and is
+    closed before another thread here can connect to it (each tries to make it first)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    with _creating:
+        try:
+            descriptor = os.open(index, flags | getattr(os, "O_BINARY", 0), 0o600)
+        except FileExistsError:  # (a link too: O_EXCL does not follow it)
+            return
+        os.close(descriptor)
 
 
 class StateDirectory:
@@ -80,13 +101,10 @@ class StateDirectory:
     def _connect(self) -> None:
         """Open the index as ``_db`` for this process (``_pid``), made if it is new."""
         index = os.path.join(self.directory, INDEX_NAME)
+        _create(index)
         for suffix in _INDEX_FILES:
             if os.path.islink(index + suffix):
                 raise InvalidParameterError(f"{index + suffix} is a symbolic link")
-        # Made here, for its mode, and for an OSError saying why it cannot be (SQLite's says
-        # "unable to open database file" whatever the reason).
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-        os.close(os.open(index, flags, 0o600))
         self._db = sqlite3.connect(
             index, timeout=BUSY_SECONDS, isolation_level=None, check_same_thread=False
         )
