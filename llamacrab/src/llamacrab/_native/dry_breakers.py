@@ -25,6 +25,8 @@ from llamacrab._native.vocab import Vocab
 
 # The tokens of a rest llama.cpp keeps (MAX_SEQ_LEN in llama_sampler_init_dry).
 MAX_TAIL_TOKENS = 20
+# The bytes of a breaker llama.cpp keeps (MAX_CHAR_LEN), cut wherever they end.
+MAX_BREAKER_BYTES = 40
 # The last bytes of each token that its sort key holds (a uint64): a longer prefix is checked
 # against the few tokens whose key matches.
 _KEY_BYTES = 8
@@ -109,15 +111,18 @@ def _read_texts(vocab: Vocab) -> tuple[bytes, np.ndarray]:
 def processed_breakers(
     texts: TokenTexts, vocab: Vocab, breakers: Sequence[bytes]
 ) -> ProcessedBreakers:
-    """What llama_sampler_init_dry keeps of ``breakers`` (UTF-8 without NUL, at most 40 bytes:
-    it cuts longer ones), in its order: breaker by breaker, token by token, and for one token
-    its longest overlap first. A tail a token already has is not added again; a token that
-    contains a breaker is added each time, as llama.cpp does."""
+    """What llama_sampler_init_dry keeps of ``breakers`` (UTF-8 without NUL), in its order:
+    breaker by breaker, token by token, and for one token its longest overlap first; but each
+    (head, tail) pair once. llama.cpp adds a token that contains a breaker again for each
+    breaker it contains, and all of a breaker's pairs again for each copy of it, where
+    llama_sampler_dry_apply reads the pairs as a set: a head's longest tail that matches, and
+    whether any of its tails is empty. 16 breakers of " " made 2.2M pairs on Gemma 3, 137k
+    without the copies."""
     tails: dict[tuple[int, ...], int] = {(): 0}  # each distinct tail: its index
     parts: list[tuple[int, np.ndarray, int, int]] = []  # breaker, tokens, rank in a token, tail
-    for index, breaker in enumerate(breakers):
-        if not breaker:
-            continue  # llama.cpp skips an empty one
+    # As llama.cpp reads them (its first MAX_BREAKER_BYTES bytes), each once, empty ones skipped.
+    distinct = dict.fromkeys(b[:MAX_BREAKER_BYTES] for b in breakers if b)
+    for index, breaker in enumerate(distinct):
         inside = texts.containing(breaker)
         parts.append((index, inside, 0, 0))
         for overlap in range(len(breaker) - 1, 0, -1):
@@ -135,11 +140,10 @@ def processed_breakers(
     tokens = np.concatenate([p[1] for p in parts]).astype(np.int64)
     breaker_of, rank, tail_of = column(0), column(2), column(3)
     order = np.lexsort((rank, tokens, breaker_of))
-    tokens, rank, tail_of = tokens[order], rank[order], tail_of[order]
-    # Keep a (token, tail) pair the first time it comes, and every whole-token breaker (rank 0).
-    _, first, seen_as = np.unique(tokens * len(tails) + tail_of, return_index=True,
-                                  return_inverse=True)  # fmt: skip
-    keep = (rank == 0) | (first[seen_as.ravel()] == np.arange(len(tokens)))
+    tokens, tail_of = tokens[order], tail_of[order]
+    # Keep a (token, tail) pair the first time it comes.
+    _, first = np.unique(tokens * len(tails) + tail_of, return_index=True)
+    keep = np.sort(first)
     return _flattened(tokens[keep], tail_of[keep], list(tails))
 
 

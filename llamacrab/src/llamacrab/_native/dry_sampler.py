@@ -6,7 +6,8 @@ llama.cpp's 4 defaults on Gemma 3's 262k tokens, 4-5 s for 16 of 40 bytes. Here 
 are processed from an index of the vocabulary built once per model (dry_breakers: the same
 pairs, 0.2-0.3 s for those 16) and llama.cpp is handed them processed; the walk is left where
 llama.cpp does not export what takes them (Windows). A clone copies the processed breakers, so
-each model keeps the few samplers it built last."""
+each model keeps the few samplers it built last, and a request's breakers may make at most
+MAX_DRY_PAIRS of them."""
 
 from __future__ import annotations
 
@@ -17,18 +18,33 @@ from typing import Any
 
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._native.call import c_string, call, call_helper, ffi, lib
-from llamacrab._native.dry_breakers import processed_breakers, token_texts
+from llamacrab._native.dry_breakers import (
+    MAX_BREAKER_BYTES,
+    ProcessedBreakers,
+    processed_breakers,
+    token_texts,
+)
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.model import Model
 
 # The most sequence breakers one DRY sampler takes: our server's cap on a request (llama-server
-# has none), 4 times llama.cpp's 4 defaults. Each adds its matches to the sampler, which every
-# generation's clone copies: on Gemma 3, 16 of 40 bytes make 80k pairs of 780k tokens, 22 ms to
-# clone (and, where llama.cpp walks the vocabulary for each, 4-5 s to build).
+# has none), 4 times llama.cpp's 4 defaults (where llama.cpp walks the vocabulary for each, 16
+# of 40 bytes take 4-5 s to build on Gemma 3).
 MAX_DRY_BREAKERS = 16
 # llama.cpp keeps a breaker's first 40 bytes (MAX_CHAR_LEN in llama_sampler_init_dry), cut
 # wherever they end, even inside a character: a longer one is refused, not silently cut.
-MAX_DRY_BREAKER_BYTES = 40
+MAX_DRY_BREAKER_BYTES = MAX_BREAKER_BYTES
+# The most (head, tail) pairs, and tokens in their tails, the breakers of one request may make:
+# every generation's clone copies them, a hash node per pair and a vector per tail. The count
+# of breakers does not bound them: on Gemma 3 one " " makes 137k pairs (3.7 ms, 7.6 MiB a
+# clone), 16 breakers of 40 bytes 287k with 3.3M tokens (28 ms, 32 MiB). At the bounds a clone
+# takes 1.6 ms and 2.8 MiB; llama.cpp's 4 defaults make 1.3k pairs, with 12 character names
+# 9k and 17k tokens.
+MAX_DRY_PAIRS = 32_768
+MAX_DRY_TAIL_TOKENS = 131_072
+# Whether this llamacrab-sys reads the token texts that breakers are processed from (not one
+# built before llamacrab_vocab_token_texts): the pairs are counted before llama.cpp builds them.
+PROCESSED_HERE = hasattr(lib, "llamacrab_vocab_token_texts")
 # The DRY settings each model keeps built: a server's clients rarely use more than a couple.
 CACHED_PER_MODEL = 4
 # Whether llama.cpp takes breakers processed here (dry_breakers): not from a Windows DLL, nor
@@ -94,23 +110,40 @@ def dry_sampler(model: Model, key: DryKey) -> Any:
         return call("llama_sampler_clone", pointer)
 
 
+def check_size(done: ProcessedBreakers) -> None:
+    pairs, tail_tokens = len(done.heads), len(done.tails)
+    if pairs > MAX_DRY_PAIRS or tail_tokens > MAX_DRY_TAIL_TOKENS:
+        raise InvalidParameterError(
+            f"dry_sequence_breakers match {pairs} (token, rest) pairs in this model's vocabulary "
+            f"with {tail_tokens} tokens of rests; at most {MAX_DRY_PAIRS} pairs and "
+            f"{MAX_DRY_TAIL_TOKENS} tokens are taken (every generation copies them): use "
+            "breakers fewer tokens contain (most contain a common letter or a space)"
+        )
+
+
 def _build(model: Model, key: DryKey) -> Any:
     breakers, multiplier, base, allowed_length, window = key
     check_breakers(breakers)
-    encoded = [c_string(b, "dry breaker") for b in breakers]
-    build = from_tokens if FROM_TOKENS else walked
-    pointer = build(model, encoded, multiplier, base, allowed_length, window)
+    # Each once: llama.cpp would add a copy's pairs again (and walk the vocabulary again).
+    encoded = list(dict.fromkeys(c_string(b, "dry breaker") for b in breakers))
+    settings = (multiplier, base, allowed_length, window)
+    if PROCESSED_HERE:
+        done = processed_breakers(token_texts(model), model.vocab, encoded)
+        check_size(done)
+    if FROM_TOKENS:  # implies PROCESSED_HERE (one llamacrab-sys brought both)
+        pointer = from_tokens(model, done, *settings)
+    else:
+        pointer = walked(model, encoded, *settings)
     if pointer == ffi.NULL:
         raise InvalidParameterError("llama.cpp rejected the dry sampler settings")
     return pointer
 
 
 def from_tokens(
-    model: Model, breakers: list[bytes], multiplier: float, base: float, allowed_length: int,
+    model: Model, done: ProcessedBreakers, multiplier: float, base: float, allowed_length: int,
     window: int,
 ) -> Any:  # fmt: skip
     """llama_sampler_init_dry's sampler, its breakers processed here (dry_breakers)."""
-    done = processed_breakers(token_texts(model), model.vocab, breakers)
     return call_helper(
         "llamacrab_dry_from_tokens", model.vocab.pointer, multiplier, base, allowed_length,
         window, ffi.from_buffer("llama_token[]", done.heads),
