@@ -270,3 +270,21 @@ def test_opening_the_directory_again_keeps_the_locks_of_this_process(tmp_path: P
     assert _in_child(probe).strip() == "database is locked"  # (old: [('delete',)])
     first._db.execute("COMMIT")
     first.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs only")
+@pytest.mark.parametrize("suffix", ["", "-journal", "-wal", "-shm"])
+def test_a_fifo_for_the_index_or_a_journal_is_refused(tmp_path: Path, suffix: str) -> None:
+    """SQLite's open of a FIFO waits for a writer: forever, and Ctrl-C cannot stop it."""
+    directory = tmp_path / "cache"
+    DiskCache(directory).close()
+    (directory / f"{INDEX}{suffix}").unlink(missing_ok=True)
+    os.mkfifo(directory / f"{INDEX}{suffix}")
+    output = _in_child(f"""
+        from llamacrab import DiskCache, InvalidParameterError
+        try:
+            DiskCache({str(directory)!r}).longest_prefix([1, 2, 3])
+        except InvalidParameterError as error:
+            print(error)
+    """, timeout=20)  # fmt: skip
+    assert f"{INDEX}{suffix} is not a regular file" in output

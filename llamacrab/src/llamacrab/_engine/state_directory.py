@@ -76,6 +76,21 @@ def _create(index: str) -> None:
         os.close(descriptor)
 
 
+def _check_index_files(index: str) -> None:
+    """InvalidParameterError unless each file SQLite may open next to ``index`` is missing or a
+    regular file: not a link to a file elsewhere, nor a FIFO or device, whose open waits (for
+    a writer: forever, and a Ctrl-C cannot stop it)."""
+    for path in (index + suffix for suffix in _INDEX_FILES):
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            raise InvalidParameterError(f"{path} is a symbolic link")
+        if not stat.S_ISREG(mode):
+            raise InvalidParameterError(f"{path} is not a regular file")
+
+
 class StateDirectory:
     """State files in ``directory``, each under a (namespace, tokens) key, least recently used
     removed first beyond ``capacity_bytes`` (the index's own pages count too). Thread-safe and
@@ -102,9 +117,7 @@ class StateDirectory:
         """Open the index as ``_db`` for this process (``_pid``), made if it is new."""
         index = os.path.join(self.directory, INDEX_NAME)
         _create(index)
-        for suffix in _INDEX_FILES:
-            if os.path.islink(index + suffix):
-                raise InvalidParameterError(f"{index + suffix} is a symbolic link")
+        _check_index_files(index)
         self._db = sqlite3.connect(
             index, timeout=BUSY_SECONDS, isolation_level=None, check_same_thread=False
         )
