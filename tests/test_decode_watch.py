@@ -22,12 +22,13 @@ LONG_PROMPT = "the cat sat on the mat. " * 250  # ~1,750 Gemma tokens: one chunk
 SHORT_PROMPT = "one two three four five"
 
 
-@pytest.mark.parametrize("leave", ["timeout", "event"])
-def test_a_one_slot_prompt_chunk_stops_at_a_timeout_or_an_event(
+@pytest.mark.parametrize("leave", ["timeout", "event", "Llama.cancel"])
+def test_a_one_slot_prompt_chunk_stops_at_a_timeout_an_event_or_a_cancel(
     gemma_path: Path, monkeypatch: pytest.MonkeyPatch, leave: str
 ) -> None:
     """Only a cancel() aborted the chunk in flight: a timeout or a set ``cancel`` event (a
-    server's client gone) waited for the chunk's end, n_batch tokens, seconds on a CPU."""
+    server's client gone) waited for the chunk's end, n_batch tokens, seconds on a CPU.
+    Llama.cancel() still does, now through the decode watch."""
     started = threading.Event()
     event = threading.Event()
 
@@ -35,16 +36,20 @@ def test_a_one_slot_prompt_chunk_stops_at_a_timeout_or_an_event(
         if batch.value.n_tokens > 1:
             started.set()
 
-    def set_event_in_the_decode() -> None:
-        if started.wait(30):
-            time.sleep(0.2)
-            event.set()
-
     with Llama(gemma_path, n_ctx=4096, n_batch=2048, n_ubatch=2048, n_threads=2,
                graph_sampling="off") as llm:  # fmt: skip
+
+        def leave_in_the_decode() -> None:
+            if started.wait(30):
+                time.sleep(0.2)
+                if leave == "event":
+                    event.set()
+                else:
+                    llm.cancel()
+
         outcomes = record_decodes(monkeypatch, mark)
-        if leave == "event":
-            threading.Thread(target=set_event_in_the_decode, daemon=True).start()
+        if leave != "timeout":
+            threading.Thread(target=leave_in_the_decode, daemon=True).start()
         began = time.monotonic()
         result = llm.create_completion(
             LONG_PROMPT, max_tokens=1, cancel=event,
@@ -106,15 +111,18 @@ class LateCancels:
         assert self.held.wait(10), "no cancel came"
 
 
+@pytest.mark.parametrize("canceller", ["Stream.cancel", "Llama.cancel"])
 def test_a_late_cancel_of_a_one_slot_prompt_spares_the_next_prompt(
-    tiny_llama: Llama, monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Llama, monkeypatch: pytest.MonkeyPatch, canceller: str
 ) -> None:
-    """Stream.cancel() from another thread, preempted between reading what to call and
-    calling it, cancelled the next generation's prompt instead."""
+    """Stream.cancel() or Llama.cancel() from another thread, preempted between reading what
+    to call and calling it, cancelled the next generation's prompt instead (Llama.cancel()
+    cancelled the context itself, not through the running session's decode watch)."""
     streams: list[Stream[CompletionChunk]] = []
 
     def cancel_from_another_thread() -> None:
-        threading.Thread(target=streams[0].cancel, daemon=True).start()
+        cancel = streams[0].cancel if canceller == "Stream.cancel" else tiny_llama.cancel
+        threading.Thread(target=cancel, daemon=True).start()
         late.wait_held()
 
     late = LateCancels(monkeypatch, cancel_from_another_thread)

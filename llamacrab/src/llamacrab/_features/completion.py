@@ -233,10 +233,11 @@ class Completer:
         if self.scheduler is not None:
             self.scheduler.cancel_all()
             return
+        # Through the session: its decode watch aborts a prompt's chunk in flight only while
+        # the watch is open, where the context's own cancel, come late, aborted the next one's.
         session = self._session() if self._session else None
         if session is not None:
-            session.cancelled.set()
-        self.kv.context.cancel()
+            session.cancel()
 
     def stream(
         self,
