@@ -12,6 +12,8 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -288,3 +290,52 @@ def test_a_fifo_for_the_index_or_a_journal_is_refused(tmp_path: Path, suffix: st
             print(error)
     """, timeout=20)  # fmt: skip
     assert f"{INDEX}{suffix} is not a regular file" in output
+
+
+def test_a_lookup_does_not_wait_for_another_process_writing_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holding the write lock: a lookup waited for it twice, updating its use
+    counter, and behind this process's write waiting with the index held (10 to 20 s a
+    generation)."""
+    from llamacrab._engine import state_directory
+
+    monkeypatch.setattr(state_directory, "BUSY_SECONDS", 3.0)
+    files = state_directory.StateDirectory(tmp_path, 1 << 30)
+    files.put(b"ns", b"abcd", [b"state"])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time\n"
+         f"db = sqlite3.connect({str(tmp_path / INDEX)!r}, isolation_level=None)\n"
+         "db.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        writer = threading.Thread(target=lambda: files.put(b"ns", b"efgh", [b"x"]))
+        writer.start()
+        time.sleep(0.3)  # the write waits for the holder's
+        started = time.monotonic()
+        entry = files.open(b"ns", b"abcd")
+        took = time.monotonic() - started
+    finally:
+        holder.kill()
+        holder.wait()
+    writer.join()
+    assert entry is not None and entry[1].read() == b"state"
+    entry[1].close()
+    assert took < 1.0  # (old: 5.7 s)
+    files.close()
+
+
+def test_a_hit_stays_a_hit_when_its_use_cannot_be_written(tmp_path: Path) -> None:
+    """A full disk (here: the index made read-only) failed the use counter's update, and with
+    it every lookup."""
+    from llamacrab._engine.state_directory import StateDirectory
+
+    files = StateDirectory(tmp_path, 1 << 30)
+    files.put(b"ns", b"abcd", [b"state"])
+    files._db.execute("PRAGMA query_only = ON")
+    entry = files.open(b"ns", b"abcd")
+    assert entry is not None and entry[1].read() == b"state"
+    entry[1].close()
+    files.close()

@@ -126,7 +126,8 @@ class DiskCache(PromptCache):
     generation that made it (and, with parallel slots, every other one) does not wait for the
     disk; a lookup finds it at once. A state whose tokens the directory holds already is not
     written again (a repeated greedy request: tens of megabytes a time). At most MAX_PENDING
-    states wait to be written (a store beyond that waits for room). ``close()`` and the
+    states wait to be written (a store beyond that waits for room, or is skipped while another
+    process holds the directory's index for writing). ``close()`` and the
     interpreter's exit wait for what is still being written; a write that fails is logged and
     skipped, as a failed store was before."""
 
@@ -173,7 +174,10 @@ class DiskCache(PromptCache):
                 and key not in self._pending
                 and self._writing()
             ):
-                self._changed.wait(timeout=1.0)
+                if self._files.locked_out:  # waiting for it would stall this generation
+                    log.warning("prompt cache save skipped: another process is writing its index")
+                    return
+                self._changed.wait(timeout=0.1)
             self._check_open()
             self._pending[key] = state
             if self._writing():

@@ -24,14 +24,15 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from llamacrab._exceptions import InvalidParameterError, StateError
 from llamacrab._native.fork import abandon, hold_across_fork, reset_in_child
 from llamacrab._native.signals import held_signals
 
 log = logging.getLogger("llamacrab")
+_T = TypeVar("_T")
 
 INDEX_NAME = "llamacrab-states.sqlite"
 # What SQLite may open next to the index: none may be a link to a file elsewhere.
@@ -50,7 +51,8 @@ _SCHEMA = {
 }
 # diskcache's index: an older llamacrab's prompt cache, never read (its keys are pickles).
 _LEGACY_INDEX = "cache.db"
-BUSY_SECONDS = 10.0  # waiting for another process's write
+BUSY_SECONDS = 10.0  # a write waiting for another process's
+_BUSY_PAUSE = (0.001, 0.05)  # between two tries of a write: the first, the longest
 STATEMENT_SECONDS = 10.0  # a statement running longer works on an index made to stall it
 _PROGRESS_STEPS = 10_000  # SQLite's instructions between two looks at the clock
 
@@ -103,6 +105,7 @@ class StateDirectory:
         self._lock = threading.Lock()
         hold_across_fork(self._lock)  # fork() waits for a thread of ours inside SQLite
         self._deadline = float("inf")
+        self.locked_out = False  # a write waits for another process's (see _writing)
         with held_signals():
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             self._connect()
@@ -118,6 +121,9 @@ class StateDirectory:
         index = os.path.join(self.directory, INDEX_NAME)
         _create(index)
         _check_index_files(index)
+        # SQLite waits for another process only while the index is being opened; a write
+        # waits in _writing, without holding the index, and nothing else waits (a lookup
+        # reads WAL's snapshot; its use counter is left as it is when it cannot be written).
         self._db = sqlite3.connect(
             index, timeout=BUSY_SECONDS, isolation_level=None, check_same_thread=False
         )
@@ -133,6 +139,7 @@ class StateDirectory:
                         self._run(statement)
                 elif schema != _SCHEMA:
                     raise InvalidParameterError(f"{index} is not a llamacrab prompt cache index")
+            self._run("PRAGMA busy_timeout = 0")
         except BaseException:
             self._db.close()
             raise
@@ -159,6 +166,27 @@ class StateDirectory:
             if self._db.in_transaction:
                 self._run("ROLLBACK")
             raise
+
+    def _writing(self, work: Callable[[], _T]) -> _T:
+        """``work()``'s result, run in a write transaction. While another process writes, it
+        tries again (for up to BUSY_SECONDS) without holding the index meanwhile: lookups of
+        other threads go on, and fork() does not wait."""
+        deadline = time.monotonic() + BUSY_SECONDS
+        pause = _BUSY_PAUSE[0]
+        try:
+            while True:
+                with self._using():
+                    try:
+                        with self._transaction():
+                            return work()
+                    except sqlite3.OperationalError as error:
+                        if not _busy(error) or time.monotonic() > deadline:
+                            raise
+                self.locked_out = True
+                time.sleep(pause)
+                pause = min(pause * 2, _BUSY_PAUSE[1])
+        finally:
+            self.locked_out = False
 
     @contextlib.contextmanager
     def _using(self) -> Iterator[None]:
@@ -206,10 +234,13 @@ class StateDirectory:
             except StateError:
                 self._drop(key, name)
                 raise
-            self._run(
-                "UPDATE states SET used = (SELECT ifnull(max(used), 0) + 1 FROM states) "
-                "WHERE namespace = ? AND tokens = ?", key,
-            )  # fmt: skip
+            # Best effort: a use that cannot be written now (another process writes, a full
+            # disk) neither waits nor fails the hit; the entry is evicted a little sooner.
+            with contextlib.suppress(sqlite3.OperationalError):
+                self._run(
+                    "UPDATE states SET used = (SELECT ifnull(max(used), 0) + 1 FROM states) "
+                    "WHERE namespace = ? AND tokens = ?", key,
+                )  # fmt: skip
         return name, file
 
     def _open_file(self, name: str) -> io.BufferedReader:
@@ -251,22 +282,24 @@ class StateDirectory:
                     for part in parts:
                         file.write(part)
                     size = file.tell()
-                with self._using(), self._transaction():
-                    replaced = self._run(
-                        "SELECT file FROM states WHERE namespace = ? AND tokens = ?",
-                        (namespace, tokens),
-                    )
-                    self._run(
-                        "INSERT OR REPLACE INTO states VALUES "
-                        "(?, ?, ?, ?, (SELECT ifnull(max(used), 0) + 1 FROM states))",
-                        (namespace, tokens, name, size),
-                    )
-                    gone = [old for (old,) in replaced] + self._evict()
+                gone = self._writing(lambda: self._index(namespace, tokens, name, size))
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
                 raise
         self._remove_files(gone)
+
+    def _index(self, namespace: bytes, tokens: bytes, name: str, size: int) -> list[object]:
+        """Index the file ``name`` under the key; the names of the files no longer indexed."""
+        replaced = self._run(
+            "SELECT file FROM states WHERE namespace = ? AND tokens = ?", (namespace, tokens)
+        )
+        self._run(
+            "INSERT OR REPLACE INTO states VALUES "
+            "(?, ?, ?, ?, (SELECT ifnull(max(used), 0) + 1 FROM states))",
+            (namespace, tokens, name, size),
+        )
+        return [old for (old,) in replaced] + self._evict()
 
     def _evict(self) -> list[object]:
         """Remove the least recently used rows while the whole exceeds the capacity; their
@@ -307,3 +340,9 @@ class StateDirectory:
         with self._using():
             self._db.close()
             self._pid = None
+
+
+def _busy(error: sqlite3.OperationalError) -> bool:
+    """Whether ``error`` says another connection holds the lock (SQLITE_BUSY)."""
+    code = getattr(error, "sqlite_errorcode", None)  # (Python 3.11 on)
+    return code & 0xFF == 5 if code is not None else "locked" in str(error)
