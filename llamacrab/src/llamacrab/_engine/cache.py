@@ -35,6 +35,9 @@ log = logging.getLogger("llamacrab")
 # Free space a DiskCache leaves on its disk beyond a state it writes: its index and the index's
 # write-ahead log grow with every entry.
 DISK_RESERVE_BYTES = 16 << 20
+# The longest key a DiskCache writes or reads back (the context's size bounds a real one): a
+# longer row in its index is left out of lookups, whose cost it would set.
+MAX_KEY_TOKENS = 1 << 20
 
 
 class PromptCache(abc.ABC):
@@ -57,9 +60,10 @@ class PromptCache(abc.ABC):
     @abc.abstractmethod
     def store(self, state: SavedState, namespace: bytes = b"") -> None: ...
 
-    @abc.abstractmethod
     def _keys(self, namespace: bytes) -> Iterable[tuple[int, ...]]:
-        """The tokens of the states in ``namespace``."""
+        """The tokens of the states in ``namespace`` (what ``longest_prefix`` searches, unless
+        a subclass searches otherwise)."""
+        raise NotImplementedError(f"{type(self).__name__} lists no keys")
 
     @abc.abstractmethod
     def _get(self, namespace: bytes, tokens: tuple[int, ...]) -> SavedState | None: ...
@@ -161,6 +165,8 @@ class DiskCache(PromptCache):
         return self._files.size_bytes() + waiting
 
     def store(self, state: SavedState, namespace: bytes = b"") -> None:
+        if len(state.tokens) > MAX_KEY_TOKENS:
+            return  # a lookup would not read it back
         key = _key(namespace, state.tokens)
         with self._mutex:
             self._check_open()
@@ -253,11 +259,21 @@ class DiskCache(PromptCache):
             while self._writing():
                 self._changed.wait(timeout=1.0)
 
-    def _keys(self, namespace: bytes) -> list[tuple[int, ...]]:
+    def longest_prefix(
+        self, tokens: Sequence[int], namespace: bytes = b""
+    ) -> tuple[int, SavedState] | None:
+        """As PromptCache's, reading a bounded number of the index's rows (``nearest``), each
+        compared as packed bytes, however many and however long the rows are."""
+        _, packed = _key(namespace, tokens)
         with self._mutex:
-            pending = [tokens for space, tokens in self._pending if space == namespace]
-        keys = {*pending, *self._files.tokens_in(namespace)}
-        return [tuple(np.frombuffer(key, dtype="<i4").tolist()) for key in keys]
+            pending = [key for space, key in self._pending if space == namespace]
+        best = (0, b"")
+        for key in [*pending, *self._files.nearest(namespace, packed, 4 * MAX_KEY_TOKENS)]:
+            best = max(best, (_shared_tokens(key, packed), key))
+        if not best[0]:
+            return None
+        state = self._get(namespace, tuple(np.frombuffer(best[1], dtype="<i4").tolist()))
+        return None if state is None else (best[0], state)
 
     def _get(self, namespace: bytes, tokens: tuple[int, ...]) -> SavedState | None:
         key = _key(namespace, tokens)
@@ -298,3 +314,10 @@ class DiskCache(PromptCache):
 
 def _key(namespace: bytes, tokens: Sequence[int]) -> tuple[bytes, bytes]:
     return namespace, np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def _shared_tokens(a: bytes, b: bytes) -> int:
+    """How many leading tokens the packed ``a`` and ``b`` share (their shared bytes, by 4)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.frombuffer(a, np.uint8, n) != np.frombuffer(b, np.uint8, n))
+    return int(differ[0] if differ.size else n) // 4

@@ -54,6 +54,7 @@ _LEGACY_INDEX = "cache.db"
 BUSY_SECONDS = 10.0  # a write waiting for another process's
 _BUSY_PAUSE = (0.001, 0.05)  # between two tries of a write: the first, the longest
 STATEMENT_SECONDS = 10.0  # a statement running longer works on an index made to stall it
+_NEIGHBOURS = 4  # keys read on each side of a lookup's tokens
 _PROGRESS_STEPS = 10_000  # SQLite's instructions between two looks at the clock
 
 
@@ -199,12 +200,22 @@ class StateDirectory:
                 self._connect()
             yield
 
-    def tokens_in(self, namespace: bytes) -> list[bytes]:
-        """The keys' tokens (int32, little-endian) in ``namespace``; rows of another form are
-        left out."""
+    def nearest(self, namespace: bytes, tokens: bytes, max_bytes: int) -> list[bytes]:
+        """The keys' tokens (packed, 4 bytes each) in ``namespace`` that come nearest to
+        ``tokens`` in byte order, on either side: the one sharing most leading tokens with
+        ``tokens`` is among them (a key between it and ``tokens`` would share as many).
+        Each side's first _NEIGHBOURS rows are read, whatever the index holds; keys longer
+        than ``max_bytes`` and rows of another form are left out."""
+        found = []
         with self._using():
-            rows = self._run("SELECT tokens FROM states WHERE namespace = ?", (namespace,))
-        return [t for (t,) in rows if isinstance(t, bytes) and t and len(t) % 4 == 0]
+            for where, order in (("tokens <= ?", "DESC"), ("tokens > ?", "")):
+                found += self._run(
+                    "SELECT CASE WHEN length(tokens) <= ? THEN tokens END FROM states "
+                    f"WHERE namespace = ? AND tokens >= x'' AND {where} "  # (blobs only)
+                    f"ORDER BY tokens {order} LIMIT {_NEIGHBOURS}",
+                    (max_bytes, namespace, tokens),
+                )
+        return [t for (t,) in found if isinstance(t, bytes) and t and len(t) % 4 == 0]
 
     def holds(self, namespace: bytes, tokens: bytes) -> bool:
         with self._using():
