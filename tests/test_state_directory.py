@@ -388,3 +388,25 @@ def test_a_lookup_among_many_rows_reads_few(tmp_path: Path) -> None:
     assert cache.longest_prefix([5, 5, 5], b"ns") is None  # (the key's state file is missing)
     assert time.monotonic() - started < 0.05  # (old: 0.3 s; now 1 ms)
     cache.close()
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_a_foreign_database_is_refused_unchanged(tmp_path: Path, linked: bool) -> None:
+    """A database of someone else's, hard-linked in as the index (or copied): switched to WAL
+    mode before its schema was refused."""
+    foreign = tmp_path / "foreign.sqlite"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE precious (x)")
+    db.close()
+    before = foreign.read_bytes()
+    (tmp_path / "cache").mkdir()
+    index = tmp_path / "cache" / INDEX
+    if linked:
+        os.link(foreign, index)
+    else:
+        shutil.copy(foreign, index)
+    reason = "has other hard links" if linked else "not a llamacrab prompt cache index"
+    with pytest.raises(InvalidParameterError, match=reason):
+        DiskCache(tmp_path / "cache")
+    assert index.read_bytes() == before  # (old: in WAL mode)
+    assert not (tmp_path / "cache" / f"{INDEX}-wal").exists()

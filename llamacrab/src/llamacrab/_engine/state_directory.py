@@ -82,16 +82,18 @@ def _create(index: str) -> None:
 def _check_index_files(index: str) -> None:
     """InvalidParameterError unless each file SQLite may open next to ``index`` is missing or a
     regular file: not a link to a file elsewhere, nor a FIFO or device, whose open waits (for
-    a writer: forever, and a Ctrl-C cannot stop it)."""
+    a writer: forever, and a Ctrl-C cannot stop it), nor a hard link to a file elsewhere."""
     for path in (index + suffix for suffix in _INDEX_FILES):
         try:
-            mode = os.lstat(path).st_mode
+            found = os.lstat(path)
         except FileNotFoundError:
             continue
-        if stat.S_ISLNK(mode):
+        if stat.S_ISLNK(found.st_mode):
             raise InvalidParameterError(f"{path} is a symbolic link")
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(found.st_mode):
             raise InvalidParameterError(f"{path} is not a regular file")
+        if found.st_nlink != 1:
+            raise InvalidParameterError(f"{path} has other hard links")
 
 
 class StateDirectory:
@@ -131,20 +133,26 @@ class StateDirectory:
         try:
             self._db.set_progress_handler(self._overdue, _PROGRESS_STEPS)
             self._run("PRAGMA trusted_schema = OFF")  # (older SQLite: an unknown pragma, a no-op)
+            self._check_schema(index)  # read only: a database not ours is refused unchanged
             self._run("PRAGMA journal_mode = WAL")
             self._run("PRAGMA synchronous = NORMAL")  # no sync per commit (a lookup commits)
             with self._transaction():
-                schema = set(self._run("SELECT type, name, tbl_name, sql FROM sqlite_master"))
-                if not schema:
+                if not self._check_schema(index):
                     for statement in _CREATE:
                         self._run(statement)
-                elif schema != _SCHEMA:
-                    raise InvalidParameterError(f"{index} is not a llamacrab prompt cache index")
             self._run("PRAGMA busy_timeout = 0")
         except BaseException:
             self._db.close()
             raise
         self._pid: int | None = os.getpid()
+
+    def _check_schema(self, index: str) -> bool:
+        """Whether the index holds this module's tables (False: nothing yet); else an
+        InvalidParameterError."""
+        schema = set(self._run("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+        if schema and schema != _SCHEMA:
+            raise InvalidParameterError(f"{index} is not a llamacrab prompt cache index")
+        return bool(schema)
 
     def _overdue(self) -> bool:
         return time.monotonic() > self._deadline
