@@ -410,3 +410,28 @@ def test_a_foreign_database_is_refused_unchanged(tmp_path: Path, linked: bool) -
         DiskCache(tmp_path / "cache")
     assert index.read_bytes() == before  # (old: in WAL mode)
     assert not (tmp_path / "cache" / f"{INDEX}-wal").exists()
+
+
+def test_an_index_swapped_for_a_link_while_it_opens_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link checks look at the names before SQLite opens them: a writer that swaps the
+    index for a link in between had the cache write the file it points to."""
+    victim = tmp_path / "victim.sqlite"
+    DiskCache(tmp_path / "cache").close()
+    index = tmp_path / "cache" / INDEX
+    shutil.copy(index, victim)  # (its schema passes: the database a writer points at)
+    before = victim.read_bytes()
+    connect = sqlite3.connect
+
+    def swapped_then_connect(path: str, *args: object, **kwargs: object) -> sqlite3.Connection:
+        if path == str(index):
+            index.unlink()
+            index.symlink_to(victim)
+        return connect(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sqlite3, "connect", swapped_then_connect)
+    with pytest.raises(InvalidParameterError, match="was opened as"):
+        DiskCache(tmp_path / "cache")
+    assert victim.read_bytes() == before
+    assert not (tmp_path / "victim.sqlite-wal").exists()  # (old: opened for writing)

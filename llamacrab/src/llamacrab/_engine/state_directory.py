@@ -133,6 +133,11 @@ class StateDirectory:
         try:
             self._db.set_progress_handler(self._overdue, _PROGRESS_STEPS)
             self._run("PRAGMA trusted_schema = OFF")  # (older SQLite: an unknown pragma, a no-op)
+            # What SQLite opened (links resolved): the checks above looked at the name before,
+            # and a writer of the directory may have swapped in a link meanwhile.
+            ((_, _, opened),) = self._run("PRAGMA database_list")
+            if opened != os.path.join(os.path.realpath(self.directory), INDEX_NAME):
+                raise InvalidParameterError(f"{index} was opened as {opened}")
             self._check_schema(index)  # read only: a database not ours is refused unchanged
             self._run("PRAGMA journal_mode = WAL")
             self._run("PRAGMA synchronous = NORMAL")  # no sync per commit (a lookup commits)
