@@ -435,3 +435,16 @@ def test_an_index_swapped_for_a_link_while_it_opens_is_refused(
         DiskCache(tmp_path / "cache")
     assert victim.read_bytes() == before
     assert not (tmp_path / "victim.sqlite-wal").exists()  # (old: opened for writing)
+
+
+def test_a_state_larger_than_the_capacity_is_not_stored(tmp_path: Path) -> None:
+    """It evicted every other state, then itself (RamCache skips it)."""
+    from llamacrab._engine.state_directory import StateDirectory
+
+    files = StateDirectory(tmp_path, 1_000_000)
+    for i in range(4):
+        files.put(b"ns", bytes([i, 0, 0, 0]), [b"x" * 100_000])
+    files.put(b"ns", b"\x09\0\0\0", [b"y" * 600_000, memoryview(b"y" * 600_000)])
+    assert len(files) == 4  # (old: 0)
+    assert len(list(tmp_path.glob("*.state"))) == 4
+    files.close()

@@ -295,7 +295,10 @@ class StateDirectory:
     def put(self, namespace: bytes, tokens: bytes, parts: Sequence[bytes | memoryview]) -> None:
         """Write a state file of ``parts`` and index it under the key (replacing the entry
         there), then remove the least recently used beyond the capacity. A failed write
-        leaves no file behind."""
+        leaves no file behind. A state larger than the capacity is not written: it would
+        evict every other, then itself."""
+        if sum(memoryview(part).nbytes for part in parts) > self.capacity_bytes:
+            return
         name = f"{secrets.token_hex(16)}.state"
         path = os.path.join(self.directory, name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
