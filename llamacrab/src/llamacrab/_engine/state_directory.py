@@ -24,6 +24,7 @@ import sqlite3
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -107,7 +108,12 @@ class StateDirectory:
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         hold_across_fork(self._lock)  # fork() waits for a thread of ours inside SQLite
-        self._deadline = float("inf")
+        # SQLite asks it between instructions; not a method of ours: the connection holding
+        # it would make a cycle, keeping a dropped Llama's cache until the collector ran.
+        self._clock = _Clock()
+        # A connection is in a cycle of its own until closed: closed when this is dropped.
+        self._open = _Open()
+        weakref.finalize(self, self._open.close)
         self.locked_out = False  # a write waits for another process's (see _writing)
         with held_signals():
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -131,7 +137,7 @@ class StateDirectory:
             index, timeout=BUSY_SECONDS, isolation_level=None, check_same_thread=False
         )
         try:
-            self._db.set_progress_handler(self._overdue, _PROGRESS_STEPS)
+            self._db.set_progress_handler(self._clock.overdue, _PROGRESS_STEPS)
             self._run("PRAGMA trusted_schema = OFF")  # (older SQLite: an unknown pragma, a no-op)
             # What SQLite opened (links resolved): the checks above looked at the name before,
             # and a writer of the directory may have swapped in a link meanwhile.
@@ -150,6 +156,7 @@ class StateDirectory:
             self._db.close()
             raise
         self._pid: int | None = os.getpid()
+        self._open.db, self._open.pid = self._db, self._pid
 
     def _check_schema(self, index: str) -> bool:
         """Whether the index holds this module's tables (False: nothing yet); else an
@@ -159,16 +166,13 @@ class StateDirectory:
             raise InvalidParameterError(f"{index} is not a llamacrab prompt cache index")
         return bool(schema)
 
-    def _overdue(self) -> bool:
-        return time.monotonic() > self._deadline
-
     def _run(self, statement: str, parameters: Sequence[object] = ()) -> list[Any]:
         """``statement``'s rows, all of them within STATEMENT_SECONDS."""
-        self._deadline = time.monotonic() + STATEMENT_SECONDS
+        self._clock.deadline = time.monotonic() + STATEMENT_SECONDS
         try:
             return self._db.execute(statement, parameters).fetchall()
         finally:
-            self._deadline = float("inf")
+            self._clock.deadline = float("inf")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -367,6 +371,30 @@ class StateDirectory:
         with self._using():
             self._db.close()
             self._pid = None
+
+
+class _Open:
+    """The connection this process opened last, for closing it once its StateDirectory is
+    dropped (never in a forked child: it is the parent's there)."""
+
+    def __init__(self) -> None:
+        self.db: sqlite3.Connection | None = None
+        self.pid: int | None = None
+
+    def close(self) -> None:
+        if self.db is not None and self.pid == os.getpid():
+            with held_signals(), contextlib.suppress(sqlite3.Error):
+                self.db.close()
+
+
+class _Clock:
+    """When the statement running now is overdue (SQLite's progress handler asks)."""
+
+    def __init__(self) -> None:
+        self.deadline = float("inf")
+
+    def overdue(self) -> bool:
+        return time.monotonic() > self.deadline
 
 
 def _busy(error: sqlite3.OperationalError) -> bool:
