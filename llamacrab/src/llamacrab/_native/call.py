@@ -111,6 +111,7 @@ __all__ = [
     "c_string",
     "call",
     "call_bounded",
+    "call_each",
     "call_helper",
     "ffi",
     "lib",
