@@ -31,9 +31,9 @@ from __future__ import annotations
 import gc
 import os
 import random
+import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -189,14 +189,18 @@ def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     usr1 = [0]
     signal.signal(signal.SIGUSR1, lambda signum, frame: usr1.__setitem__(0, usr1[0] + 1))
-    llamas = {name: _llama(config["model"], name, config["projector"])
+    # The disk cache lives in the run's work folder: a child killed by a signal cannot remove it.
+    cache = Path(config["workdir"]) / f"cache-{slot}"
+    llamas = {name: _llama(config["model"], name, config["projector"], cache)
               for name in (*CONFIGS, *VISION_CONFIGS)}  # fmt: skip
     gc.collect()
     return {"model": config["model"], "llamas": llamas, "usr1": usr1, "baseline": _rss(),
             "mapped": _mappings(config["model"]), "lost": lost}  # fmt: skip
 
 
-def _llama(model: str, config: str, projector: str) -> tuple[Any, tuple[str, float], Any]:
+def _llama(
+    model: str, config: str, projector: str, cache: Path
+) -> tuple[Any, tuple[str, float], Any]:
     from llamacrab import Llama
 
     options: dict[str, Any] = {"n_ctx": 1024, "n_threads": 2}
@@ -207,7 +211,8 @@ def _llama(model: str, config: str, projector: str) -> tuple[Any, tuple[str, flo
     elif config == "ram":
         options["prompt_cache"] = "ram"
     elif config == "disk":
-        options["prompt_cache"] = tempfile.mkdtemp(prefix="interrupts-cache-")
+        shutil.rmtree(cache, ignore_errors=True)  # a fresh cache for each child of the slot
+        options["prompt_cache"] = str(cache)
     llm = Llama(model, **options)
     return llm, _next_token(llm), llm.save_state(**_slot(config))
 

@@ -218,7 +218,8 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
         return hub.generate(size.cases or 1000, seed), setup
     if name == "interrupts":
         model = gemma_path()
-        setup = {"model": str(model), "projector": interrupts.projector(workdir, model)}
+        setup = {"model": str(model), "projector": interrupts.projector(workdir, model),
+                 "workdir": str((workdir / "interrupts").resolve())}  # fmt: skip
         return interrupts.generate(size.cases or 1000, seed), setup
     if name == "states":
         return states.cases(seed, size.cases or 1000), {"models": states.models(workdir)}
