@@ -252,7 +252,7 @@ FOUND = [
      "vector path of 5,000 characters; `create_chat_completion(tools={\"a\": 1})`",
      "TypeError from pathlib, OSError \"File name too long\" (`Path.is_file()` lets it "
      "through), AttributeError (unclean)", "`_field_types.file_path` for every path; "
-     "`_native/gguf_check.py` turns an OSError into ModelLoadError; `_chat/options.py` checks "
+     "`_native/gguf_reader.py` turns an OSError into ModelLoadError; `_chat/options.py` checks "
      "its fields"),
     ("server: isolated (models in processes of their own, killed at random)", "a stream on "
      "Anthropic's `/v1/messages` whose model process dies mid-answer", "an OpenAI-shaped "

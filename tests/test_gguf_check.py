@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from llamacrab import InvalidModelError, InvalidParameterError, Llama
-from llamacrab._native import gguf_check
-from llamacrab._native.gguf_check import LLAMA_MAX_EXPERTS, LLAMA_MAX_LAYERS, validate_gguf
+from llamacrab._native import gguf_reader
+from llamacrab._native.gguf_check import LLAMA_MAX_EXPERTS, validate_gguf
+from llamacrab._native.gguf_reader import LLAMA_MAX_LAYERS
 
 from support import load_repo_module
 
@@ -760,7 +761,7 @@ def test_an_empty_vocabulary_is_rejected(tmp_path: Path) -> None:
 def test_vocabularies_decoded_whole_are_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(gguf_check, "_MAX_VOCABULARY", 2)
+    monkeypatch.setattr(gguf_reader, "_MAX_VOCABULARY", 2)
     rejects(header(tmp_path / "m.gguf", vocabulary(["a", "b", "c"])), "3 entries", "at most 2")
 
 
@@ -801,10 +802,10 @@ CHILD = textwrap.dedent("""
     import numpy as np
     import llamacrab._native.model
     from llamacrab import Batch, Llama, LlamaError
-    from llamacrab._native.gguf_check import _read_file
+    from llamacrab._native.gguf_reader import read_file
     from llamacrab._native.vocab import Vocab
     if sys.argv[2] == "unchecked":  # the header read, nothing checked
-        llamacrab._native.model.validate_gguf = lambda path, **kwargs: _read_file(path)[:2]
+        llamacrab._native.model.validate_gguf = lambda path, **kwargs: read_file(path)[:2]
         Vocab.check_usable = lambda self: None
     try:
         with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:

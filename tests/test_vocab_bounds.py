@@ -27,7 +27,9 @@ from test_tokenize_regex_stack import VOCABS
 
 from llamacrab import InvalidModelError, Llama
 from llamacrab._native import gguf_plamo2 as plamo2
-from llamacrab._native.gguf_check import MAX_TRIE_TOKEN_BYTES, _read_file, validate_gguf
+from llamacrab._native.gguf_check import validate_gguf
+from llamacrab._native.gguf_reader import read_file
+from llamacrab._native.gguf_vocab_check import MAX_TRIE_TOKEN_BYTES
 
 from support import load_repo_module
 
@@ -75,10 +77,10 @@ CHILD = textwrap.dedent(f"""
     import json, sys, threading
     import llamacrab._native.model
     from llamacrab import Llama, LlamaError
-    from llamacrab._native.gguf_check import _read_file
+    from llamacrab._native.gguf_reader import read_file
     path, mode, text = sys.argv[1:]
     if mode == "unchecked":
-        llamacrab._native.model.validate_gguf = lambda path, **kwargs: _read_file(path)[:2]
+        llamacrab._native.model.validate_gguf = lambda path, **kwargs: read_file(path)[:2]
     outcome = []
     def load():
         try:
@@ -228,7 +230,7 @@ def test_real_vocabularies_fit_the_plamo2_bounds(vocab: str) -> None:
     """No plamo2 vocabulary in the pinned tree: real ones of up to 262k tokens stand in
     (SentencePiece: Llama's, XLM-R's; Gemma 4's; Qwen 2's BPE, of 128-byte tokens). A
     PLaMo-2 one holds 100k."""
-    _, metadata, _ = _read_file(VOCABS / f"ggml-vocab-{vocab}.gguf")
+    _, metadata, _ = read_file(VOCABS / f"ggml-vocab-{vocab}.gguf")
     words = metadata["tokenizer.ggml.tokens"].strings
     assert plamo2.table_problem(words.region, words.starts, None) is None
 

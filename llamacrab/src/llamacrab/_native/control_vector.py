@@ -17,7 +17,7 @@ import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError
 from llamacrab._field_types import decimal, file_path, is_number
-from llamacrab._native.gguf_check import LLAMA_MAX_LAYERS, read_gguf_tensors
+from llamacrab._native.gguf_reader import LLAMA_MAX_LAYERS, read_gguf_tensors
 
 _F32 = 0  # GGML_TYPE_F32
 

@@ -22,7 +22,8 @@ from typing import Any
 
 from llamacrab._native.call import lib
 from llamacrab._native.context import KV_TYPES, ContextParams
-from llamacrab._native.gguf_check import GgufArray, _overridden, _read_file, _uint, split_parts
+from llamacrab._native.gguf_overrides import overridden
+from llamacrab._native.gguf_reader import GgufArray, read_file, split_parts, uint
 from llamacrab._native.kv_layout import kv_layout, kv_streams, pad_cells
 
 _FLOAT = 4
@@ -49,11 +50,11 @@ def _tensor_bytes(tensors: list[Any]) -> int:
 
 
 def _file_header(path: Path) -> tuple[Any, dict[str, Any], list[Any]]:
-    reader, metadata, tensors = _read_file(path)
+    reader, metadata, tensors = read_file(path)
     count = metadata.get("split.count", 1)
     if isinstance(count, int) and count > 1:
         for part in split_parts(path, count)[1:]:
-            tensors = tensors + _read_file(part)[2]
+            tensors = tensors + read_file(part)[2]
     return reader, metadata, tensors
 
 
@@ -81,11 +82,11 @@ def _kv_bytes(
 def _compute_bytes(
     arch: str, metadata: dict[str, Any], params: ContextParams, n_ctx: int, logits: bool
 ) -> int:
-    n_embd = _uint(metadata, f"{arch}.embedding_length") or 0
+    n_embd = uint(metadata, f"{arch}.embedding_length") or 0
     tokens = metadata.get("tokenizer.ggml.tokens")
     n_vocab = tokens.count if isinstance(tokens, GgufArray) else 0
     n_ubatch = max(min(params.n_ubatch, params.n_batch, n_ctx), params.n_seq_max)
-    n_ff = _uint(metadata, f"{arch}.feed_forward_length") or 0
+    n_ff = uint(metadata, f"{arch}.feed_forward_length") or 0
     per_token = 2 * n_embd + (n_vocab if logits else n_ff)
     if params.flash_attn == "off":
         head_count = metadata.get(f"{arch}.attention.head_count")
@@ -98,7 +99,7 @@ def _compute_bytes(
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The metadata of a GGUF file (large arrays keep only their length), validated as a
     header; raises what validation raises."""
-    return _read_file(Path(path))[1]
+    return read_file(Path(path))[1]
 
 
 def estimate_memory(
@@ -114,12 +115,12 @@ def estimate_memory(
     params = params or ContextParams()
     reader, metadata, tensors = _file_header(Path(path))
     if overrides:
-        reader, metadata = _overridden(reader, metadata, overrides)
+        reader, metadata = overridden(reader, metadata, overrides)
     arch = str(metadata.get("general.architecture", ""))
     weights = _tensor_bytes(tensors)
     if projector is not None:
         weights += _tensor_bytes(_file_header(Path(projector))[2])
-    n_ctx_train = _uint(metadata, f"{arch}.context_length") or 4096
+    n_ctx_train = uint(metadata, f"{arch}.context_length") or 4096
     n_ctx = params.n_ctx if params.n_ctx is not None else min(n_ctx_train, 4096)
     n_ctx = pad_cells(max(n_ctx, params.n_seq_max))
     causal = metadata.get(f"{arch}.attention.causal", True) is not False

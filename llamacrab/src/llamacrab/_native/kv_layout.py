@@ -11,13 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamacrab._native.call import lib
-from llamacrab._native.gguf_check import (
-    _head_sizes,
-    _per_layer,
-    _Reader,
-    _swa_layers,
-    _uint,
-)
+from llamacrab._native.gguf_attention import head_sizes, swa_layers
+from llamacrab._native.gguf_reader import Reader, per_layer, uint
 
 CELL_PAD = 256  # llama.cpp pads a context's cells to a multiple of 256
 
@@ -80,25 +75,25 @@ class KvLayout:
         )
 
 
-def kv_layout(reader: _Reader, arch: str, metadata: dict[str, Any]) -> KvLayout:
+def kv_layout(reader: Reader, arch: str, metadata: dict[str, Any]) -> KvLayout:
     """The layout as llama.cpp's load_hparams derives it; no layers for an encoder (BERT),
     which keeps no KV memory."""
     none = KvLayout((), 0)
     causal = metadata.get(f"{arch}.attention.causal", True)
-    n_layer = _uint(metadata, f"{arch}.block_count") or 0
-    n_head = _per_layer(reader, metadata, f"{arch}.attention.head_count", n_layer)
+    n_layer = uint(metadata, f"{arch}.block_count") or 0
+    n_head = per_layer(reader, metadata, f"{arch}.attention.head_count", n_layer)
     if not causal or not n_layer or not n_head:
         return none
-    n_head_kv = _per_layer(reader, metadata, f"{arch}.attention.head_count_kv", n_layer) or n_head
-    sizes = _head_sizes(arch, metadata, max(n_head))
+    n_head_kv = per_layer(reader, metadata, f"{arch}.attention.head_count_kv", n_layer) or n_head
+    sizes = head_sizes(arch, metadata, max(n_head))
     if sizes is None:
         return none
-    swa = _swa_layers(reader, arch, metadata, n_layer) or (False, [False] * n_layer)
+    swa = swa_layers(reader, arch, metadata, n_layer) or (False, [False] * n_layer)
     layers = []
     for layer in range(n_layer):
         sliding = swa[1][layer] if layer < len(swa[1]) else False
         head = sizes[1] if sliding else sizes[0]
         heads = n_head_kv[layer]
         layers.append(LayerKv(heads * head.key, heads * head.value, sliding))
-    window = _uint(metadata, f"{arch}.attention.sliding_window") or 0
+    window = uint(metadata, f"{arch}.attention.sliding_window") or 0
     return KvLayout(tuple(layers), window)

@@ -25,7 +25,9 @@ from llamacrab._native import backend as _backend
 from llamacrab._native import gguf_archs as archs
 from llamacrab._native.call import c_path, c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import accelerator_present, warn_if_no_gpu
-from llamacrab._native.gguf_check import applied_overrides, split_parts, validate_gguf
+from llamacrab._native.gguf_check import validate_gguf
+from llamacrab._native.gguf_overrides import applied_overrides
+from llamacrab._native.gguf_reader import split_parts
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.host_limits import host_memory_left
 from llamacrab._native.kv_layout import KvLayout, kv_layout
