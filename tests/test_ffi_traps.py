@@ -423,10 +423,14 @@ class TestNulTerminatedStrings:
             call_with_nul(tiny_llama)
 
     def test_a_path_with_a_nul_never_opens_the_file_before_it(self, tiny_model_path: Path) -> None:
-        # Cut at the NUL, these paths would name a real model and a real adapter.
-        with pytest.raises(InvalidParameterError, match="without NUL"):
+        # Cut at the NUL, these paths would name a real model. As an adapter llama.cpp would
+        # refuse it (a LlamaError too): only the refusal by name shows it was never opened.
+        with pytest.raises(InvalidParameterError, match=r"the model .*without NUL"):
             Llama(f"{tiny_model_path}\0.other", n_ctx=64)
-        with Model.load(tiny_model_path) as model, pytest.raises(LlamaError):
+        with (
+            Model.load(tiny_model_path) as model,
+            pytest.raises(InvalidParameterError, match=r"the adapter path .*without NUL"),
+        ):
             LoraAdapter(model, f"{tiny_model_path}\0.other")
 
 
