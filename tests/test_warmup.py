@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from llamacrab import Llama, RamCache
+from llamacrab._native.batch import Batch
+from llamacrab._native.context import Context
 from llamacrab.server._llama_kwargs import llama_kwargs
 from llamacrab.server._settings import ServerSettings
 from llamacrab_sys import lib
@@ -46,17 +49,29 @@ def test_warmup_of_recurrent_and_hybrid_models(write: object, tmp_path: Path) ->
     answers = []
     for warmup in (True, False):
         with Llama(path, n_ctx=128, n_threads=2, warmup=warmup) as llm:
+            assert _prompt_tokens_evaluated(llm) == (2 if warmup else 1)  # it ran, or did not
             assert llm.context.positions(0) is None
             answers.append(llm.create_completion(PROMPT, max_tokens=6, temperature=0,
                                                  min_tokens=6).choices[0].text)  # fmt: skip
     assert answers[0] == answers[1]
 
 
-def test_warmup_of_an_embedding_model() -> None:
+def test_warmup_of_an_embedding_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    # llama.cpp's counts leave out a non-causal model's batches: watch the decodes instead.
+    decoded: list[int] = []
+    decode = Context.decode
+
+    def counted(context: Context, batch: Batch, *args: Any, **kwargs: Any) -> None:
+        decode(context, batch, *args, **kwargs)
+        decoded.append(batch.struct.n_tokens)
+
+    monkeypatch.setattr(Context, "decode", counted)
     path = load_repo_module("scripts/convert_bert.py").minilm()
     vectors = []
     for warmup in (True, False):
+        decoded.clear()
         with Llama(path, embeddings=True, n_threads=2, warmup=warmup) as llm:
+            assert decoded == ([1] if warmup else [])  # its BOS ([CLS]; no EOS), without error
             vectors.append(llm.embed(["a crab walks sideways"]))
     np.testing.assert_allclose(vectors[0], vectors[1], rtol=1e-5, atol=1e-6)
 
