@@ -35,17 +35,45 @@ def assert_clean_exit(child: subprocess.CompletedProcess[str]) -> None:
 
 # -- CPU kernels --------------------------------------------------------------------------------
 
-KERNELS_CHILD = """
-    import sys, numpy as np
+KERNELS_CHILD = r"""
+    import json, logging, re, sys, numpy as np
     from llamacrab import Llama
+    from llamacrab_sys import ffi, lib
     text = ("The history of the city begins in the Roman period, when a small settlement grew "
             "around the river crossing. During the Middle Ages it became an important market "
             "town, and its cathedral was completed in the thirteenth century.")
+    buffers = []  # the buffer types llama.cpp puts the weights of each load in
+
+    class WeightBuffers(logging.Handler):
+        def emit(self, record):
+            found = re.search(r"(\S+) model buffer size", record.getMessage())
+            if found:
+                buffers[-1].append(found.group(1))
+
+    logging.getLogger("llamacrab").addHandler(WeightBuffers())
+    logging.getLogger("llamacrab").setLevel(logging.INFO)
+    runs = []
     for extra in (True, False):  # repacked or AMX weights where the CPU has them; plain ones
+        buffers.append([])
         with Llama(sys.argv[1], n_ctx=256, n_threads=1, use_extra_bufts=extra) as llm:
             echo = llm.create_completion(text, max_tokens=0, logprobs=1, echo=True)
             logprobs = [p for p in echo.choices[0].logprobs.token_logprobs if p is not None]
-            print(-float(np.mean(logprobs)), len(logprobs))
+            runs.append({"loss": -float(np.mean(logprobs)), "n": len(logprobs),
+                         "buffers": buffers[-1]})
+    # The extra buffer types ggml's CPU backend offers (what use_extra_bufts adds at a load).
+    cpu = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU)
+    get_extras = lib.ggml_backend_reg_get_proc_address(lib.ggml_backend_dev_backend_reg(cpu),
+                                                       b"ggml_backend_dev_get_extra_bufts")
+    types = [ffi.NULL] if get_extras == ffi.NULL else ffi.cast(
+        "ggml_backend_buffer_type_t *(*)(ggml_backend_dev_t)", get_extras)(cpu)
+    extras = []  # a NULL-terminated array
+    while types[len(extras)] != ffi.NULL:
+        extras.append(ffi.string(lib.ggml_backend_buft_name(types[len(extras)])).decode())
+    # ggml lists AMX only on a CPU with it; the repacked Q4_K kernels need AVX2 or NEON's dot
+    # products (ggml_repack_get_optimal_repack_type), CPU_REPACK is listed regardless.
+    q4_k_repacks = "AMX" in extras or "CPU_REPACK" in extras and bool(
+        lib.ggml_cpu_has_avx2() or lib.ggml_cpu_has_neon() and lib.ggml_cpu_has_dotprod())
+    print(json.dumps({"runs": runs, "extras": extras, "q4_k_repacks": q4_k_repacks}))
 """
 
 
@@ -55,9 +83,18 @@ def test_the_cpu_s_fast_kernels_compute_what_the_plain_ones_do(gemma_path: Path)
     # The kernels round differently (near ties may go either way): the text's likelihood agrees.
     child = run_child(KERNELS_CHILD, str(gemma_path), timeout=300)
     assert_clean_exit(child)
-    (fast, n), (plain, m) = (line.split() for line in child.stdout.split("\n")[:2])
-    assert int(n) == int(m) > 30 and 1.0 < float(plain) < 4.0, child.stdout
-    assert abs(float(fast) - float(plain)) < 0.02 * float(plain), child.stdout
+    seen = json.loads(child.stdout.splitlines()[-1])
+    (fast, plain), extras = seen["runs"], set(seen["extras"])
+    assert int(fast["n"]) == int(plain["n"]) > 30 and 1.0 < plain["loss"] < 4.0, seen
+    assert plain["buffers"] and not extras & set(plain["buffers"]), seen
+    used = extras & set(fast["buffers"])
+    # Where this CPU has fast kernels for the model's weights, the fast load must use them:
+    # else the comparison below is of the plain kernels with themselves.
+    assert used or not seen["q4_k_repacks"], seen
+    if used:
+        assert abs(fast["loss"] - plain["loss"]) < 0.02 * plain["loss"], seen
+    else:  # a CPU with no fast kernels for them: the same kernels, the same numbers
+        assert fast["loss"] == plain["loss"], seen
 
 
 # -- grammars ----------------------------------------------------------------------------------
