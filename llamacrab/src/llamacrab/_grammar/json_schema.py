@@ -21,7 +21,7 @@ from typing import Any
 from llamacrab._exceptions import GrammarError
 from llamacrab._grammar.number_range import bounded, integral_bound
 from llamacrab._grammar.regex_gbnf import pattern_to_gbnf
-from llamacrab._grammar.repetition import repeat
+from llamacrab._native.grammar_repetition import repeat
 from llamacrab._native.grammar_bounds import MAX_GRAMMAR_BYTES
 
 # Keywords that constrain nothing a grammar must enforce.

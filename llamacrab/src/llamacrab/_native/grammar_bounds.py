@@ -34,9 +34,7 @@ _REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 
 def check_grammar(text: str) -> None:
     """Raise GrammarError if ``text`` exceeds a bound; syntax is left to llama.cpp."""
-    size = len(utf8(text, "the grammar", GrammarError))
-    if size > MAX_GRAMMAR_BYTES:
-        raise GrammarError(f"the grammar is {size} bytes; the limit is {MAX_GRAMMAR_BYTES}")
+    check_grammar_size(text)
     depth = max_depth = rules = 0
     expansion = Expansion(text)
     i, n = 0, len(text)
@@ -54,7 +52,7 @@ def check_grammar(text: str) -> None:
             i = name.end() - 1
             expansion.item(1)
         elif char == "<":  # a token: <id> or <piece>
-            i = _token_reference_end(text, i)
+            i = token_reference_end(text, i)
             expansion.item(1)
         elif char == ".":
             expansion.item(1)
@@ -71,7 +69,12 @@ def check_grammar(text: str) -> None:
         elif char in "*+?{" or text.startswith("::=", i):
             rules += 1
             if char == "{":
-                low, high, end = _check_repetition(text, i)
+                low, high, end = repetition_counts(text, i)
+                if low is not None and low > MAX_REPETITION:  # exact_repetitions wrote the rest
+                    raise GrammarError(
+                        f"a repetition of at least {low} times; the limit is {MAX_REPETITION} "
+                        "(llama.cpp's)"
+                    )
                 if low is not None:
                     expansion.repeat(low, high, i, end)
                 i = end - 1
@@ -92,6 +95,12 @@ def check_grammar(text: str) -> None:
     check_grammar_fanout(text)  # after the nesting bound, which its parser relies on
 
 
+def check_grammar_size(text: str, what: str = "the grammar") -> None:
+    size = len(utf8(text, "the grammar", GrammarError))
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"{what} is {size} bytes; the limit is {MAX_GRAMMAR_BYTES}")
+
+
 def check_trigger_words(words: Sequence[str]) -> None:
     if len(words) > MAX_TRIGGER_WORDS:
         raise GrammarError(f"{len(words)} grammar trigger words; the limit is {MAX_TRIGGER_WORDS}")
@@ -103,7 +112,7 @@ def check_trigger_words(words: Sequence[str]) -> None:
             )
 
 
-def _token_reference_end(text: str, start: int) -> int:
+def token_reference_end(text: str, start: int) -> int:
     end = text.find(">", start)
     end = len(text) if end < 0 else end
     if end - start - 1 > MAX_TOKEN_REFERENCE_CHARS:
@@ -114,7 +123,7 @@ def _token_reference_end(text: str, start: int) -> int:
     return end
 
 
-def _check_repetition(text: str, start: int) -> tuple[int | None, int | None, int]:
+def repetition_counts(text: str, start: int) -> tuple[int | None, int | None, int]:
     """The counts of the repetition ``{m,n}`` at ``start`` (None where absent) and the index
     past it. n < m is refused: llama.cpp computes n - m unsigned and adds rules until memory
     runs out (a bad_alloc after gigabytes and seconds, or the process killed first)."""
@@ -135,10 +144,6 @@ def _check_repetition(text: str, start: int) -> tuple[int | None, int | None, in
     low, high = numbers[0], numbers[-1] if len(numbers) == 2 else numbers[0]
     if low is not None and high is not None and high < low:
         raise GrammarError(f"the repetition {{{low},{high}}} has its maximum below its minimum")
-    if low is not None and low > MAX_REPETITION:
-        raise GrammarError(
-            f"a repetition of at least {low} times; the limit is {MAX_REPETITION} (llama.cpp's)"
-        )
     return low, high, i + 1 if text.startswith("}", i) else i
 
 

@@ -24,6 +24,7 @@ from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.dry_sampler import check_breakers, dry_sampler
 from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
+from llamacrab._native.grammar_counts import exact_repetitions
 from llamacrab._native.grammar_sampler import (
     NOTHING_ALLOWED,
     GrammarComplete,
@@ -231,6 +232,8 @@ class SamplerChain(NativeHandle):
     ) -> None:
         """``first``: Python samplers placed before everything else (see CustomSampler)."""
         self.options = options = options or SamplingOptions()
+        # The grammar as llama.cpp gets it: counts past its limit written out exactly.
+        grammar = None if options.grammar is None else exact_repetitions(options.grammar)
         self._bridges = [_Bridge(sampler) for sampler in (*first, *options.custom_samplers)]
         # Nothing lands between a sampler and its owner (signals.py). The samplers read the
         # model's vocabulary (a grammar parses against it): closing the model from another
@@ -242,7 +245,7 @@ class SamplerChain(NativeHandle):
             super().__init__(pointer, lib.llama_sampler_free, model)
             try:
                 with self.in_flight() as chain:
-                    for sampler in _samplers(model, options, self._bridges):
+                    for sampler in _samplers(model, options, grammar, self._bridges):
                         lib.llama_sampler_chain_add(chain, sampler)  # the chain owns it now
             except BaseException:
                 self.close()
@@ -259,9 +262,8 @@ class SamplerChain(NativeHandle):
         # leaves a grammar at its end nothing to allow (GrammarEnd).
         self._end_banned = bool(self._end_tokens) and self._end_tokens <= self._bans
         self._grammar_end = (
-            GrammarEnd(model.vocab, options.grammar, options.grammar_root,
-                       options.grammar_trigger_words)
-            if options.grammar is not None and (self._end_banned or not self._end_tokens)
+            GrammarEnd(model.vocab, grammar, options.grammar_root, options.grammar_trigger_words)
+            if grammar is not None and (self._end_banned or not self._end_tokens)
             else None
         )  # fmt: skip
         # How many of the last tokens accepted the penalties and DRY keep (in ring buffers).
@@ -679,7 +681,9 @@ def _checked(sampler: Any, what: str) -> Any:
     return sampler
 
 
-def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> Iterator[Any]:
+def _samplers(
+    model: Model, o: SamplingOptions, grammar: str | None, python: Sequence[_Bridge]
+) -> Iterator[Any]:
     """The samplers of the chain, in order; the last one picks the token. Each is handed to the
     chain as soon as it exists, so an error part-way leaks nothing."""
     n_vocab = model.vocab.n_tokens
@@ -695,10 +699,10 @@ def _samplers(model: Model, o: SamplingOptions, python: Sequence[_Bridge]) -> It
         yield _checked(
             call("llama_sampler_init_logit_bias", n_vocab, len(bias), bias), "logit_bias"
         )
-    if o.grammar is not None:
-        check_grammar(o.grammar)
+    if grammar is not None:
+        check_grammar(grammar)
         check_trigger_words(o.grammar_trigger_words)
-        yield grammar_sampler(model.vocab, o.grammar, o.grammar_root, o.grammar_trigger_words)
+        yield grammar_sampler(model.vocab, grammar, o.grammar_root, o.grammar_trigger_words)
     if o.greedy:
         for name in greedy_filters(o):
             yield _checked(_filter(model, o, name, seed), name)
