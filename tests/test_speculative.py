@@ -103,6 +103,7 @@ def test_draft_model_must_share_the_vocabulary(tiny_model_path: Path, tmp_path: 
         fast = target.create_completion("the cat", max_tokens=12, temperature=0,
                                         speculative=DraftModel(llama=draft))  # fmt: skip
         assert fast.choices[0].tokens == plain.choices[0].tokens
+        assert target.speculative_stats.drafted > 0  # after the four plain steps it times
         other = tiny.write_tiny_llama(tmp_path / "fim.gguf", fim=True)
         with Llama(other, n_ctx=64) as wrong, pytest.raises(InvalidParameterError, match="vocab"):
             target.create_completion("the cat", speculative=DraftModel(llama=wrong))
