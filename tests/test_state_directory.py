@@ -361,7 +361,7 @@ def test_a_lookup_finds_the_longest_shared_prefix_reading_few_rows(
     than the bound is left out."""
     from llamacrab._engine import cache as cache_module
 
-    monkeypatch.setattr(cache_module, "MAX_KEY_TOKENS", 100, raising=False)
+    monkeypatch.setattr(cache_module, "MAX_KEY_TOKENS", 100)
     DiskCache(tmp_path).close()
     rng = np.random.default_rng(0)
     keys = [_tokens(rng.integers(0, 4, size=rng.integers(1, 12)).tolist()) for _ in range(400)]
