@@ -186,13 +186,6 @@ def test_echo_with_logprobs_rates_every_prompt_token(
     assert np.abs(drift).max() < 0.3
 
 
-def test_prompt_logprobs_need_one_slot(tiny_model_path: Path) -> None:
-    with Llama(tiny_model_path, n_ctx=128, n_threads=2, parallel=2) as llm:
-        with pytest.raises(ValueError, match="parallel=None"):
-            llm.create_completion("the cat", echo=True, logprobs=1)
-        assert llm.create_completion("the cat", echo=True, max_tokens=1).text.startswith("the cat")
-
-
 def test_async_stream_does_not_block_the_event_loop(gemma: Llama) -> None:
     async def main() -> tuple[str, int]:
         ticks = 0

@@ -409,3 +409,60 @@ def test_leaving_during_a_long_prompt_stops_its_decode(
             stream.cancel() if leave == "cancel" else event.set()
         consumer.join(timeout=30)
         assert outcomes == ["aborted"]
+
+
+def _outputs_by_sequence(batch: Batch) -> dict[int, int]:
+    """How many rows of each sequence ask for logits in ``batch``."""
+    value = batch.value
+    counts: dict[int, int] = {}
+    for row in range(value.n_tokens):
+        if value.logits[row]:
+            seq_id = int(value.seq_id[row][0])
+            counts[seq_id] = counts.get(seq_id, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_prompt_logprobs_on_parallel_slots_equal_one_slots(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, max_tokens: int
+) -> None:
+    """echo with logprobs on parallel slots (what a server always runs; it was refused): the
+    prompt's tokens get the values one slot gives them, read in decodes of a bounded number
+    of rows that another slot's generation shares, whose text stays what it is alone; a
+    prompt the slot holds is decoded again for its logits, as on one slot."""
+    rows = 16
+    monkeypatch.setattr("llamacrab._engine.logprobs._PROMPT_LOGITS_BYTES", rows * 4 * 271)
+    prompt, other = PROMPTS[0] * 3, PROMPTS[1]
+    options = {"echo": True, "logprobs": 2, "max_tokens": max_tokens, "temperature": 0}
+    settings = {"n_ctx": 1024, "n_threads": 1, "graph_sampling": "off"}
+    with Llama(tiny_model_path, **settings) as one:  # type: ignore[arg-type]
+        assert one.vocab.n_tokens == 271
+        expected = one.create_completion(prompt, **options).choices[0]
+    batches: list[dict[int, int]] = []
+    record_decodes(monkeypatch, lambda batch: batches.append(_outputs_by_sequence(batch)))
+    with Llama(tiny_model_path, parallel=2, **settings) as llm:  # type: ignore[arg-type]
+        lone = llm.create_completion(other, max_tokens=40, min_tokens=40, temperature=0).text
+        llm.create_completion(prompt, max_tokens=1)  # held by a slot: decoded again anyway
+        batches.clear()
+        stream = llm.stream_completion(other, max_tokens=40, min_tokens=40, temperature=0,
+                                       custom_samplers=(Slow(0.01),))  # fmt: skip
+        text = next(stream).text  # generating now, on the other slot
+        result = llm.create_completion(prompt, **options)
+        text += "".join(chunk.text for chunk in stream)
+        n = len(llm.tokenize(prompt)) - 1  # the first token (a BOS) is rated by nothing
+    assert text == lone
+    choice = result.choices[0]
+    assert choice.text == expected.text and result.usage.cached_tokens == 0
+    got, want = choice.logprobs, expected.logprobs
+    assert got is not None and want is not None
+    assert len(got.tokens) == n + max_tokens and got.tokens == want.tokens
+    assert got.text_offset == want.text_offset
+    np.testing.assert_allclose(got.token_logprobs, want.token_logprobs, rtol=0, atol=1e-4)
+    for mine, theirs in zip(got.top_logprobs, want.top_logprobs, strict=True):
+        assert mine.keys() == theirs.keys() and len(mine) == 2
+        np.testing.assert_allclose(list(mine.values()), list(theirs.values()), rtol=0, atol=1e-4)
+    scored = choice.slot
+    shared = [b for b in batches if len(b) == 2 and b.get(scored, 0) > 1]
+    assert len(shared) >= 2  # the prompt's rows, read beside the other slot's next token
+    assert max(b.get(scored, 0) for b in batches) == rows  # never more rows than one slot reads
+    assert all(b.get(1 - scored, 0) <= 1 for b in batches)  # the other slot's rows unchanged

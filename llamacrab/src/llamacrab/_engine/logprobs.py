@@ -17,6 +17,11 @@ from llamacrab._native.context import Context
 _PROMPT_LOGITS_BYTES = 64 << 20
 
 
+def prompt_rows_per_decode(n_vocab: int) -> int:
+    """How many rows' logits one decode may return for prompt logprobs."""
+    return max(1, _PROMPT_LOGITS_BYTES // (4 * n_vocab))
+
+
 def token_logprobs(
     context: Context, token: int, top_n: int, index: int = -1
 ) -> tuple[float, dict[str, float], tuple[int, ...], tuple[bytes, ...]]:
@@ -49,13 +54,15 @@ class PromptLogprobs:
 
     def __init__(self, prompt: Sequence[int], top_n: int, n_vocab: int) -> None:
         self.prompt, self.top_n = prompt, top_n
-        self.max_rows = max(1, _PROMPT_LOGITS_BYTES // (4 * n_vocab))  # rows per decode
+        self.max_rows = prompt_rows_per_decode(n_vocab)
         self.values: list[tuple[float, dict[str, float]]] = []  # for tokens 1, 2, ...
 
-    def read(self, context: Context, position: int, count: int) -> None:
-        """After a decode of ``count`` prompt tokens from ``position``, every row's logits."""
+    def read(self, context: Context, position: int, count: int, first_row: int = 0) -> None:
+        """After a decode of ``count`` prompt tokens from ``position`` (in the batch's rows
+        from ``first_row``: other sequences may share it), every row's logits."""
         for row in range(count):
             following = position + row + 1
             if following < len(self.prompt):
-                logprob, top, *_ = token_logprobs(context, self.prompt[following], self.top_n, row)
+                token = self.prompt[following]
+                logprob, top, *_ = token_logprobs(context, token, self.top_n, first_row + row)
                 self.values.append((logprob, top))

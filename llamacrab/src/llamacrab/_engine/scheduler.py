@@ -18,6 +18,7 @@ import numpy as np
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.decode_watch import DecodeWatch, watched
 from llamacrab._engine.generation import Emitter, KvState, Request, Session, Step
+from llamacrab._engine.logprobs import PromptLogprobs, prompt_rows_per_decode
 from llamacrab._engine.lora import LoraPlan
 from llamacrab._exceptions import (
     ClosedHandleError,
@@ -57,6 +58,8 @@ class _Job:
     # Its prompt's adapters by position, made once when it is admitted (the adapters cannot
     # change while it waits or runs); None: the request is refused when its slot prepares.
     plan: LoraPlan | None = None
+    # With Request.prompt_logprobs: every row of its prompt chunks is read after their decode.
+    scores: PromptLogprobs | None = None
     produced: int = 0
 
     def finish(self, last: Step | BaseException) -> None:
@@ -118,6 +121,9 @@ class Scheduler:
         engine owns ``samplers`` and closes them when the job ends."""
         request.check(self.limit)
         job = _Job(request, samplers, session, Emitter(self.context.model.vocab, request))
+        if request.prompt_logprobs:
+            job.scores = PromptLogprobs(request.prompt, request.logprobs or 0, self.context.n_vocab)
+            session.prompt_logprobs = job.scores.values
         with self._mutex:
             if self._closed:
                 raise ClosedHandleError("this Llama is closed")
@@ -313,7 +319,8 @@ class Scheduler:
                     plan = job.plan
                     if plan is None:  # refused: this raises why
                         plan = slot.kv.plan_for(job.request.prompt, job.request.lora)
-                    keep = slot.kv.prepare(job.request.prompt, plan)
+                    # Prompt logprobs read every row's logits: nothing is reused (as on one slot).
+                    keep = slot.kv.prepare(job.request.prompt, plan, reuse=job.scores is None)
                 except Exception as error:
                     self._fail([slot], error)
                     continue
@@ -339,13 +346,30 @@ class Scheduler:
             return
         finally:
             self._watch = None
+        row = 0
         for slot, taken in planned:
+            row += len(taken)
+            if not self._read_prompt_logprobs(slot, row - len(taken), len(taken)):
+                continue
             slot.kv.tokens.extend(taken)
             if slot.job is not None and len(slot.kv.tokens) in slot.job.checkpoints:
                 slot.kv.take_checkpoint()
         for slot in self.slots:
             if slot.job is not None and slot.job.index is not None:
                 self._sample(slot)
+
+    def _read_prompt_logprobs(self, slot: _Slot, first_row: int, count: int) -> bool:
+        """After a decode, before the next replaces its logits: the rows of a prompt chunk
+        whose job asks for the prompt's logprobs. False when that failed (its job ended)."""
+        scores = None if slot.job is None else slot.job.scores
+        position = len(slot.kv.tokens)
+        if scores is not None and position < len(scores.prompt):
+            try:
+                scores.read(self.context, position, count, first_row)
+            except Exception as error:
+                self._fail([slot], error)
+                return False
+        return True
 
     def _start_media(self, slot: _Slot, chunks: Chunks) -> None:
         """A multimodal prompt is evaluated on its own (libmtmd encodes and decodes it), and
@@ -371,10 +395,13 @@ class Scheduler:
         """Fill the batch: next tokens first (one each), then prompt chunks while room is left.
         One batch applies one set of adapters: slots whose next tokens need another set
         (a per-request ``lora``, or an aLoRA prompt before its invocation) wait for a later
-        step; the set that goes first rotates from slot to slot, so none starves."""
+        step; the set that goes first rotates from slot to slot, so none starves. A prompt
+        whose logprobs are asked for has every row of its chunk an output, and all such rows
+        of a batch are bounded as one slot's decode bounds them (prompt_rows_per_decode)."""
         planned: list[tuple[_Slot, list[int]]] = []
-        rows: list[tuple[list[int], int, int, bool]] = []
+        rows: list[tuple[list[int], int, int, bool, bool]] = []
         room = self.batch.capacity
+        scored_room = prompt_rows_per_decode(self.context.n_vocab)  # rows read for logprobs
         busy = [(len(s.job.todo), s, s.job) for s in self.slots if s.job and s.job.todo]
         n = len(self.slots)
         order = [self.slots[(self._turn + i) % n] for i in range(n)]
@@ -392,21 +419,28 @@ class Scheduler:
             ahead = [c - position for c in job.checkpoints if c > position]
             if ahead:
                 limit = min(limit, ahead[0])
+            # A prompt whose logprobs are asked for: every row an output, within the bound.
+            scored = job.scores is not None and position < len(job.scores.prompt)
+            if scored:
+                if not scored_room:
+                    continue  # the next batch takes it
+                limit = min(limit, scored_room)
             taken, job.todo = job.todo[:limit], job.todo[limit:]
             if not taken:
                 break
             room -= len(taken)
+            scored_room -= len(taken) if scored else 0
             planned.append((slot, taken))
-            rows.append((taken, len(slot.kv.tokens), slot.kv.seq_id, not job.todo))
+            rows.append((taken, len(slot.kv.tokens), slot.kv.seq_id, not job.todo, scored))
         if not rows:
             return planned, lora
         lengths = [len(r[0]) for r in rows]
         ends = np.cumsum(lengths)
         logits = np.zeros(int(ends[-1]), dtype=np.int8)
-        for (slot, _), (_, _, _, wants), end in zip(planned, rows, ends, strict=True):
+        for (slot, taken), (*_, wants, scored), end in zip(planned, rows, ends, strict=True):
             assert slot.job is not None
             slot.job.index = int(end) - 1 if wants else None
-            logits[int(end) - 1] = wants
+            logits[int(end) - (len(taken) if scored else 1) : int(end)] = wants or scored
         self.batch.set_rows(
             np.concatenate([np.asarray(r[0], dtype=np.int32) for r in rows]),
             np.concatenate([np.arange(r[1], r[1] + len(r[0])) for r in rows]),

@@ -263,11 +263,6 @@ class Completer:
             raise InvalidParameterError("echo takes text prompts only")
         if speculative is not None and self.scheduler is not None:
             raise InvalidParameterError("speculative decoding needs a Llama with parallel=None")
-        if request.prompt_logprobs and self.scheduler is not None:
-            raise InvalidParameterError(
-                "log-probabilities of the prompt (echo with logprobs) need one slot: a Llama "
-                "with parallel=None (a server with --parallel 1)"
-            )
         request.check(self.kv.context.n_ctx_seq)
         speculative = speculative if speculative is not None else default
         if speculative is not None:
