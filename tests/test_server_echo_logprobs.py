@@ -1,0 +1,75 @@
+"""/v1/completions with echo and logprobs (lm-evaluation-harness's log-likelihood request):
+the server runs parallel slots, where the prompt's logprobs were refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from live_server import LiveServer, running
+
+from llamacrab import Llama
+from llamacrab.server import ServerSettings
+
+PROMPT = "The cat sat on the mat, and the dog sat on the log."
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: Path) -> Iterator[LiveServer]:
+    settings = ServerSettings(model=str(tiny_model_path), model_alias="tiny", n_ctx=512,
+                              n_threads=1, graph_sampling="off")  # fmt: skip
+    yield from running(settings)
+
+
+@pytest.fixture(scope="module")
+def one_slot(tiny_model_path: Path) -> Iterator[Llama]:
+    with Llama(tiny_model_path, n_ctx=512, n_threads=1, graph_sampling="off") as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs_rates_the_prompt(
+    server: LiveServer, one_slot: Llama, max_tokens: int
+) -> None:
+    options = {"echo": True, "logprobs": 2, "max_tokens": max_tokens, "temperature": 0}
+    body = {"prompt": PROMPT, **options}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    expected = one_slot.create_completion(PROMPT, **options).choices[0]  # type: ignore[arg-type]
+    assert expected.logprobs is not None
+    assert choice["text"] == expected.text and choice["text"].startswith(PROMPT)
+    logprobs = choice["logprobs"]
+    n = len(one_slot.tokenize(PROMPT)) - 1  # each prompt token but the first (a BOS)
+    assert len(logprobs["tokens"]) == n + max_tokens
+    assert logprobs["tokens"] == list(expected.logprobs.tokens)
+    assert logprobs["text_offset"] == list(expected.logprobs.text_offset)
+    np.testing.assert_allclose(logprobs["token_logprobs"], expected.logprobs.token_logprobs,
+                               rtol=0, atol=1e-4)  # fmt: skip
+    for got, want in zip(logprobs["top_logprobs"], expected.logprobs.top_logprobs, strict=True):
+        assert got.keys() == want.keys() and len(got) == 2
+        np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=0, atol=1e-4)
+
+
+def test_the_openai_sdk_reads_the_prompts_logprobs(server: LiveServer, one_slot: Llama) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    result = client.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=1,
+                                       max_tokens=0)  # fmt: skip
+    choice = result.choices[0]
+    assert choice.text == PROMPT and choice.logprobs is not None
+    logprobs = choice.logprobs
+    expected = one_slot.create_completion(PROMPT, echo=True, logprobs=1, max_tokens=0)
+    assert expected.choices[0].logprobs is not None
+    assert logprobs.tokens == list(expected.choices[0].logprobs.tokens)
+    assert logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert logprobs.text_offset is not None
+    assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(logprobs.tokens)
+    assert logprobs.text_offset == list(expected.choices[0].logprobs.text_offset)
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs,
+                                 logprobs.top_logprobs, strict=True):  # fmt: skip
+        assert value is not None and value < 0 and top is not None and len(top) == 1
+        assert top.get(token, value) >= value  # the likeliest is at least as likely
