@@ -113,7 +113,7 @@ FOUND = [
      "`validate_gguf`: float vectors are F32"),
     ("inputs", "GBNF repetition `x{5,2}` (maximum below minimum)",
      "llama.cpp adds rules until memory runs out (4 GB in 10-25 s, then bad_alloc or the OOM "
-     "killer)", "`_native/grammar_bounds.py`: GrammarError"),
+     "killer)", "`_native/gbnf/bounds.py`: GrammarError"),
     ("inputs", "a chat template doubling a string with `~` in a loop",
      "unbounded memory (MemoryError, or the OOM killer)", "`_chat/template.py`: `~` checked "
      "like `+`"),
@@ -128,7 +128,7 @@ FOUND = [
     ("inputs (seed 2027)", "`root ::= (r0){1000}` where `r0` may match nothing "
      "(`\"\" \\| . \\| ...`)", "a hang: minutes in llama.cpp's grammar sampler, every stack "
      "of 1000 skippable items opened at each character",
-     "`_native/grammar_fanout.py`: GrammarError past 256 stacks at one position, or past "
+     "`_native/gbnf/fanout.py`: GrammarError past 256 stacks at one position, or past "
      "50,000 ways to split 10 characters among optional items in a row (`([a-z]?){24}`: 22 s "
      "for two Gemma 3 tokens)"),
     ("lifecycle (seed 2027)", "`Context.copy(src, dst, p0, p1)` of part of a sequence when "
@@ -140,7 +140,7 @@ FOUND = [
      "nothing only through a group (`root ::= r0 r1 root \"\"`, `r0 ::= (\"\" \\| \"\")`), "
      "which llama.cpp's left-recursion check misses",
      "SIGABRT at the first token: `GGML_ASSERT(!stacks.empty())` (llama-grammar.cpp:948)",
-     "`_native/grammar_fanout.py`: GrammarError for any left recursion"),
+     "`_native/gbnf/fanout.py`: GrammarError for any left recursion"),
     ("a grammar search", "an ambiguous grammar: a rule that starts the root over after any "
      "character (`tests/reliability_kit/ambiguous.gbnf`), sampled",
      "a hang: its parse stacks multiplied with every token (0.01 s for the first tokens, "
@@ -168,7 +168,7 @@ FOUND = [
      "ModelLoadError"),
     ("tampered-vision, tampered-audio", "a projector's layer-norm epsilon set negative, NaN "
      "or -inf", "SIGABRT at the first image or sound (ggml's norm kernel)",
-     "`_native/gguf_check.py`: positive and finite (InvalidModelError)"),
+     "`_native/gguf/check.py`: positive and finite (InvalidModelError)"),
     ("mutated images (before the media section)", "a PNG whose IDAT declares 0 bytes, then a "
      "chunk type that is not letters", "SyntaxError escaping from Pillow (unclean)",
      "`_native/media.py`: any error while Pillow decodes is a MediaError"),
@@ -179,7 +179,7 @@ FOUND = [
     ("extreme Llama keywords, each in a child (then parameters)", "`kv_overrides="
      "{\"llama.block_count\": 2**40}`", "SIGABRT: `GGML_ASSERT(hparams.n_layer_all > 0 && ... "
      "<= LLAMA_MAX_LAYERS)` (llama-model.cpp:1328): llama.cpp reads the override, which "
-     "`validate_gguf` had not seen, into a uint32 (0)", "`_native/gguf_check.py`: the header "
+     "`validate_gguf` had not seen, into a uint32 (0)", "`_native/gguf/check.py`: the header "
      "checked again with the overrides applied as llama.cpp reads them; an override of "
      "another type than the file's value is an InvalidParameterError"),
     ("extreme Llama and completion keywords (then parameters)", "values of another type or "

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llamacrab import GrammarError, Llama
-from llamacrab._native.grammar_bounds import (
+from llamacrab._native.gbnf.bounds import (
     MAX_GRAMMAR_BYTES,
     MAX_GRAMMAR_NESTING,
     MAX_GRAMMAR_RULES,

@@ -24,7 +24,7 @@ import pytest
 
 from llamacrab import InvalidModelError, InvalidParameterError, Llama
 from llamacrab._native import gguf_reader
-from llamacrab._native.gguf_check import LLAMA_MAX_EXPERTS, validate_gguf
+from llamacrab._native.gguf.check import LLAMA_MAX_EXPERTS, validate_gguf
 from llamacrab._native.gguf_reader import LLAMA_MAX_LAYERS
 
 from support import load_repo_module

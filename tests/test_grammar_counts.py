@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from llamacrab import GrammarError, Llama, Model, SamplerChain, SamplingOptions
-from llamacrab._native.grammar_bounds import MAX_GRAMMAR_BYTES
-from llamacrab._native.grammar_counts import exact_repetitions
+from llamacrab._native.gbnf.bounds import MAX_GRAMMAR_BYTES
+from llamacrab._native.gbnf.counts import exact_repetitions
 
 
 def _takes(model: Model, grammar: str, text: str) -> bool:

@@ -1,5 +1,5 @@
 """The bound on the elements llama.cpp's grammar parser builds when it expands repetitions
-(``_native/grammar_expansion.py``): a long literal or class repeated 2000 times took seconds and
+(``_native/gbnf/expansion.py``): a long literal or class repeated 2000 times took seconds and
 gigabytes to parse (a 64 KB grammar: 8.9 s, 2.6 GB), from GBNF or from a response_format."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from llamacrab import GrammarError, Llama, schema_to_grammar
-from llamacrab._native.grammar_bounds import check_grammar
-from llamacrab._native.grammar_expansion import (
+from llamacrab._native.gbnf.bounds import check_grammar
+from llamacrab._native.gbnf.expansion import (
     MAX_GRAMMAR_ELEMENTS,
     class_elements,
     literal_elements,

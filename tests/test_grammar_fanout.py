@@ -1,4 +1,4 @@
-"""The structural bounds on grammars (``_native/grammar_fanout.py``): what they count, the
+"""The structural bounds on grammars (``_native/gbnf/fanout.py``): what they count, the
 left recursion they refuse, and that they leave ordinary grammars (llama.cpp's own examples
 among them) and syntax errors alone."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from llamacrab import JSON_OBJECT_GRAMMAR, GrammarError, Llama, schema_to_grammar
-from llamacrab._native.grammar_bounds import check_grammar
-from llamacrab._native.grammar_fanout import check_grammar_fanout
+from llamacrab._native.gbnf.bounds import check_grammar
+from llamacrab._native.gbnf.fanout import check_grammar_fanout
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ llama-grammar-work-budget patch with a GrammarError; ordinary grammars are left 
 
 On Gemma 3's 262k vocabulary, before the patch: the ambiguous grammar took ~30 s for one token
 (hours with 5 choices), the repeated 128-way alternation ~6 s a token (~30 s at 250 ways). Both
-pass the static checks (grammar_bounds, grammar_fanout) and the 1,024-stack bound."""
+pass the static checks (gbnf.bounds, gbnf.fanout) and the 1,024-stack bound."""
 
 from __future__ import annotations
 

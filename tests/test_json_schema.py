@@ -18,7 +18,7 @@ from llamacrab import (
     SamplingOptions,
     schema_to_grammar,
 )
-from llamacrab._native import grammar_repetition as repetition
+from llamacrab._native.gbnf import repetition
 
 PERSON = {
     "type": "object",

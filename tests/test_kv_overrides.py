@@ -170,7 +170,7 @@ _NAMED_READS = re.compile(
 
 
 def test_keys_read_only_from_the_file_match_the_source() -> None:
-    from llamacrab._native.gguf_archs import READ_ONLY_FROM_FILE
+    from llamacrab._native.gguf.archs import READ_ONLY_FROM_FILE
 
     src = source_dir() / "src"
     arch_cpp = (src / "llama-arch.cpp").read_text(encoding="utf-8")
@@ -185,5 +185,5 @@ def test_keys_read_only_from_the_file_match_the_source() -> None:
     assert len(derived) > 20  # the patterns still match the source
     assert derived == READ_ONLY_FROM_FILE, (
         f"add {sorted(derived - READ_ONLY_FROM_FILE)}, remove "
-        f"{sorted(READ_ONLY_FROM_FILE - derived)} (gguf_archs.READ_ONLY_FROM_FILE)"
+        f"{sorted(READ_ONLY_FROM_FILE - derived)} (gguf.archs.READ_ONLY_FROM_FILE)"
     )

@@ -151,7 +151,7 @@ def test_libmtmd_tokenizes_a_long_run_beside_an_image_too(
 GRAMMAR_CHILD = """
     import json, sys
     from llamacrab import GrammarError, Model, ModelParams
-    from llamacrab._native.grammar_bounds import check_grammar
+    from llamacrab._native.gbnf.bounds import check_grammar
     from llamacrab._native.grammar_sampler import grammar_sampler
     with Model.load(sys.argv[1], ModelParams(vocab_only=True)) as model:
         grammar = "root ::= <" + "a" * 60_000 + ">"

@@ -2,7 +2,7 @@
 
 A token longer than MAX_TRIE_TOKEN_BYTES in an RWKV or t5 (UGM) vocabulary: llama.cpp's naive_trie
 recurses once per byte of it, and the load died of a stack overflow (SIGSEGV). A plamo2 vocabulary
-past gguf_plamo2's bounds: llama.cpp's table building is cubic in a token's length, and one
+past gguf.plamo2's bounds: llama.cpp's table building is cubic in a token's length, and one
 5,000-byte token kept the load in one native call for more than 120 s. A byte token not
 spelt <0xXX>, or a t5 vocabulary of fewer than 3 tokens: llama.cpp threw std::out_of_range and the
 error said ``basic_string::substr: __pos (which is 3) > this->size() (which is 2)`` or
@@ -26,10 +26,10 @@ import pytest
 from test_tokenize_regex_stack import VOCABS
 
 from llamacrab import InvalidModelError, Llama
-from llamacrab._native import gguf_plamo2 as plamo2
-from llamacrab._native.gguf_check import validate_gguf
+from llamacrab._native.gguf import plamo2
+from llamacrab._native.gguf.check import validate_gguf
+from llamacrab._native.gguf.vocab_check import MAX_TRIE_TOKEN_BYTES
 from llamacrab._native.gguf_reader import read_file
-from llamacrab._native.gguf_vocab_check import MAX_TRIE_TOKEN_BYTES
 
 from support import load_repo_module
 

@@ -21,8 +21,8 @@ from typing import Any
 from llamacrab._exceptions import GrammarError
 from llamacrab._grammar.number_range import bounded, integral_bound
 from llamacrab._grammar.regex_gbnf import pattern_to_gbnf
-from llamacrab._native.grammar_repetition import repeat
-from llamacrab._native.grammar_bounds import MAX_GRAMMAR_BYTES
+from llamacrab._native.gbnf.bounds import MAX_GRAMMAR_BYTES
+from llamacrab._native.gbnf.repetition import repeat
 
 # Keywords that constrain nothing a grammar must enforce.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._field_types import decimal
-from llamacrab._native.grammar_repetition import AddRule, fits, repeat
+from llamacrab._native.gbnf.repetition import AddRule, fits, repeat
 
 _ANY = r'[^"\\\x00-\x1f]'
 _CLASSES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " "}  # a tab would need escaping in JSON

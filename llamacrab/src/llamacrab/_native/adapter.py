@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from llamacrab._exceptions import ModelLoadError
 from llamacrab._field_types import file_path
 from llamacrab._native.call import c_path, call, ffi, lib, read_string
-from llamacrab._native.gguf_check import validate_gguf
+from llamacrab._native.gguf.check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.model import Model

@@ -22,7 +22,7 @@ from typing import Any
 
 from llamacrab._native.call import lib
 from llamacrab._native.context import KV_TYPES, ContextParams
-from llamacrab._native.gguf_overrides import overridden
+from llamacrab._native.gguf.overrides import overridden
 from llamacrab._native.gguf_reader import GgufArray, read_file, split_parts, uint
 from llamacrab._native.kv_layout import kv_layout, kv_streams, pad_cells
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamacrab._native.call import lib
-from llamacrab._native.gguf_attention import head_sizes, swa_layers
+from llamacrab._native.gguf.attention import head_sizes, swa_layers
 from llamacrab._native.gguf_reader import Reader, per_layer, uint
 
 CELL_PAD = 256  # llama.cpp pads a context's cells to a multiple of 256

@@ -22,11 +22,11 @@ from llamacrab._field_types import (
     is_number,
 )
 from llamacrab._native import backend as _backend
-from llamacrab._native import gguf_archs as archs
 from llamacrab._native.call import c_path, c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import accelerator_present, warn_if_no_gpu
-from llamacrab._native.gguf_check import validate_gguf
-from llamacrab._native.gguf_overrides import applied_overrides
+from llamacrab._native.gguf import archs
+from llamacrab._native.gguf.check import validate_gguf
+from llamacrab._native.gguf.overrides import applied_overrides
 from llamacrab._native.gguf_reader import split_parts
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.host_limits import host_memory_left
@@ -363,8 +363,8 @@ class Model(NativeHandle):
     def computes_logits(self, embeddings: bool) -> bool:
         """Whether a decode in a context with ``embeddings`` on or off writes logits to generate
         from: never for an embedding model whose graph ends without a language-model head (BERT,
-        gemma-embedding, ...: gguf_archs.NO_LOGITS), and not with embeddings on for the graphs
-        that skip their head there (LFM2: gguf_archs.NO_LOGITS_WITH_EMBEDDINGS)."""
+        gemma-embedding, ...: gguf.archs.NO_LOGITS), and not with embeddings on for the graphs
+        that skip their head there (LFM2: gguf.archs.NO_LOGITS_WITH_EMBEDDINGS)."""
         if embeddings and self.arch in archs.NO_LOGITS_WITH_EMBEDDINGS:
             return False
         return self.arch not in archs.NO_LOGITS

@@ -21,13 +21,13 @@ from llamacrab._exceptions import (
     TokenizeError,
 )
 from llamacrab._field_types import file_path
-from llamacrab._native import gguf_archs as archs
 from llamacrab._native import projector_probe
 from llamacrab._native.call import c_path, c_string, call, call_bounded, ffi, lib
 from llamacrab._native.claims import Exclusive
 from llamacrab._native.context import Context
 from llamacrab._native.fork import note_compute_threads, thread_limit
-from llamacrab._native.gguf_check import validate_gguf
+from llamacrab._native.gguf import archs
+from llamacrab._native.gguf.check import validate_gguf
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.logging import log_lines
 from llamacrab._native.media import (

@@ -23,8 +23,8 @@ from llamacrab._native.call import call, call_each, ffi, lib
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.dry_sampler import check_breakers, dry_sampler
-from llamacrab._native.grammar_bounds import check_grammar, check_trigger_words
-from llamacrab._native.grammar_counts import exact_repetitions
+from llamacrab._native.gbnf.bounds import check_grammar, check_trigger_words
+from llamacrab._native.gbnf.counts import exact_repetitions
 from llamacrab._native.grammar_sampler import (
     NOTHING_ALLOWED,
     GrammarComplete,

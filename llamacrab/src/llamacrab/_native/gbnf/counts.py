@@ -2,7 +2,7 @@
 
 llama.cpp's parser reads a maximum above MAX_REPETITION as no maximum at all (``[a-z]{0,5000}``
 let text run on) and refuses a minimum above it. Such a repetition is written over chunk rules
-instead (``grammar_repetition.repeat``: exact, one reading per text), the rules appended to the
+instead (``repetition.repeat``: exact, one reading per text), the rules appended to the
 grammar under names no word of it has. Comments are dropped (a repeated item becomes
 a rule body, where one would hide what follows it); the rest of the text is kept as it is. Text
 that is not GBNF is left as it is for llama.cpp to refuse, and an unchanged text is returned
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import re
 
-from llamacrab._native.gbnf_structure import skip_quoted
-from llamacrab._native.grammar_bounds import (
+from llamacrab._native.gbnf.bounds import (
     check_grammar_size,
     repetition_counts,
     token_reference_end,
 )
-from llamacrab._native.grammar_repetition import fits, repeat
+from llamacrab._native.gbnf.repetition import fits, repeat
+from llamacrab._native.gbnf.structure import skip_quoted
 
 _NAME = re.compile(r"[A-Za-z0-9-]+")
 _RULE_START = re.compile(r"[ \t]*::=")

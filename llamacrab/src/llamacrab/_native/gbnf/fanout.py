@@ -6,7 +6,7 @@ can continue before it rejects a token. Where a sequence holds optional items in
 ``x*``, an item with an empty alternative, a repetition of such an item), every one of them may
 be skipped: a position opens a stack for each item it reaches, and where those items accept the
 same characters, a token of L such characters is split among them in every possible way. Both
-counts are bounded here, from the grammar's structure (``gbnf_structure``):
+counts are bounded here, from the grammar's structure (``structure``):
 
 - fan-out: the stacks one position opens (the reliability suite's ``root ::= (r0){1000}`` with
   an ``r0`` that may match nothing: 5000; minutes a token on a 4k vocabulary);
@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 
 from llamacrab._exceptions import GrammarError
-from llamacrab._native.gbnf_structure import (
+from llamacrab._native.gbnf.structure import (
     Facts,
     Item,
     Parser,

@@ -3,7 +3,7 @@
 The parser recurses once per nested group, and its left-recursion check once per rule in a
 chain of leading references: a deep enough grammar overflows the C stack (SIGSEGV, which no
 handler can catch). Its repetitions copy what they repeat: the elements they build are counted
-(``grammar_expansion``). Trigger words become ``std::regex`` patterns, whose compiler and matcher
+(``expansion``). Trigger words become ``std::regex`` patterns, whose compiler and matcher
 also recurse per character. So the text is scanned here, in one linear pass that never
 recurses, and anything past a limit raises GrammarError naming it.
 """
@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._field_types import utf8
-from llamacrab._native.gbnf_structure import skip_quoted
-from llamacrab._native.grammar_expansion import MAX_REPETITION as MAX_REPETITION  # re-exported
-from llamacrab._native.grammar_expansion import Expansion, class_elements, literal_elements
-from llamacrab._native.grammar_fanout import check_grammar_fanout
+from llamacrab._native.gbnf.expansion import MAX_REPETITION as MAX_REPETITION  # re-exported
+from llamacrab._native.gbnf.expansion import Expansion, class_elements, literal_elements
+from llamacrab._native.gbnf.fanout import check_grammar_fanout
+from llamacrab._native.gbnf.structure import skip_quoted
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_NESTING = 128  # nested ( ) groups

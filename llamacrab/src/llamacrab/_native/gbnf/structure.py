@@ -1,9 +1,9 @@
 """GBNF grammars as llama.cpp's parser structures them, and facts about their rules.
 
-What the grammar checks (``grammar_fanout``) need to know before llama.cpp runs a grammar:
+What the grammar checks (``fanout``) need to know before llama.cpp runs a grammar:
 its rules of alternatives of items, which rules can match nothing, which characters can start
 each, and how long what they match can be. Parsed and computed without recursion but for
-groups (which ``grammar_bounds`` limits to 128 deep first): rule chains may be thousands deep.
+groups (which ``bounds`` limits to 128 deep first): rule chains may be thousands deep.
 Syntax errors are left to llama.cpp: text this parser does not follow raises ``Unparsed``.
 """
 
@@ -18,7 +18,7 @@ from typing import TypeVar
 # non-ASCII characters count as possibly the same).
 OTHER = 128
 ANY = frozenset(range(OTHER + 1))
-# Lengths are counted up to this; longer counts the same (see grammar_fanout.LONGEST_TOKEN).
+# Lengths are counted up to this; longer counts the same (see fanout.LONGEST_TOKEN).
 LENGTH_CAP = 64
 
 _NAME = re.compile(r"[A-Za-z0-9-]+")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llamacrab._native import gguf_archs as archs
+from llamacrab._native.gguf import archs
 from llamacrab._native.gguf_reader import BOOL, INT32, UINT32, GgufArray, Reader, per_layer, uint
 
 

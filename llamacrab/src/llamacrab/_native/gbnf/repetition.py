@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 
 from llamacrab._exceptions import GrammarError
-from llamacrab._native.grammar_bounds import MAX_REPETITION
+from llamacrab._native.gbnf.bounds import MAX_REPETITION
 
 # The converter's rule maker: the rule named after a hint whose body is the given one (an
 # existing rule of the same base name and body is reused, so repetitions of one shape share).

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from llamacrab._native import gguf_plamo2 as plamo2
+from llamacrab._native.gguf import plamo2
 from llamacrab._native.gguf_reader import (
     INT32,
     STRING,

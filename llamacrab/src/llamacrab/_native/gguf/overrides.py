@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llamacrab._exceptions import InvalidParameterError
-from llamacrab._native import gguf_archs as archs
+from llamacrab._native.gguf import archs
 from llamacrab._native.gguf_reader import (
     BOOL,
     FLOAT32,
@@ -25,7 +25,7 @@ def overridden(
     """The header as llama.cpp's loader reads it with ``overrides``: an override instead of the
     file's value (or where it has none), read by any getter of its kind (an integer one by any
     integer type); an array too, where llama.cpp reads the key with get_key (the override comes
-    before the type check), not where it reads the file's array (``gguf_archs.
+    before the type check), not where it reads the file's array (``archs.
     READ_ONLY_FROM_FILE``). Refused where llama.cpp would ignore it, and these checks would pass
     a header it never reads: an override of another kind than the file's value (its getter
     reads the file's kind, and warns), or of a key the file lacks that llama.cpp reads only from

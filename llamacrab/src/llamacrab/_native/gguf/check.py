@@ -3,8 +3,8 @@
 llama.cpp rejects most malformed files cleanly, but some tampered values reach a GGML_ASSERT and
 abort the whole process (a block_count that disagrees with the blk.N tensors, a non-positive norm
 epsilon, ...). Everything that can be checked from the header is checked before loading, so such
-files raise InvalidModelError instead: the generic checks here, the rest in gguf_attention,
-gguf_arch_rules and gguf_vocab_check. docs/native-aborts.md lists the asserts and which check
+files raise InvalidModelError instead: the generic checks here, the rest in attention,
+arch_rules and vocab_check. docs/native-aborts.md lists the asserts and which check
 covers each.
 """
 
@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from llamacrab._native.gguf_arch_rules import check_arch_rules
-from llamacrab._native.gguf_attention import check_attention
-from llamacrab._native.gguf_overrides import overridden
+from llamacrab._native.gguf.arch_rules import check_arch_rules
+from llamacrab._native.gguf.attention import check_attention
+from llamacrab._native.gguf.overrides import overridden
+from llamacrab._native.gguf.vocab_check import check_vocabulary
 from llamacrab._native.gguf_reader import (
     FLOAT32,
     LLAMA_MAX_LAYERS,
@@ -28,7 +29,6 @@ from llamacrab._native.gguf_reader import (
     split_parts,
     uint,
 )
-from llamacrab._native.gguf_vocab_check import check_vocabulary
 from llamacrab_sys import lib
 
 # llama.cpp limits (src/llama-hparams.h) and enums (include/llama.h, src/llama-hparams.h).

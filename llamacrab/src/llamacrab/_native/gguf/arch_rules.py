@@ -1,7 +1,7 @@
 """The asserts of single architectures (loader and graph), checked on a GGUF model's header.
 
 Each rule function returns (holds, what must hold) pairs for one family of asserts; the facts
-they share across architectures live in gguf_archs.
+they share across architectures live in archs.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from llamacrab._native import gguf_archs as archs
-from llamacrab._native.gguf_attention import HeadSize, head_sizes
+from llamacrab._native.gguf import archs
+from llamacrab._native.gguf.attention import HeadSize, head_sizes
 from llamacrab._native.gguf_reader import (
     LLAMA_MAX_LAYERS,
     GgufArray,
@@ -71,7 +71,7 @@ class _Model:
 
     @cached_property
     def recurrent(self) -> list[bool]:
-        """Which main layers are recurrent (gguf_archs.RECURRENT_*)."""
+        """Which main layers are recurrent (archs.RECURRENT_*)."""
         arch, n = self.arch, self.n_main
         if arch in archs.RECURRENT_ALL:
             return [True] * n
@@ -136,7 +136,7 @@ def _hparam_rules(m: _Model) -> list[Rule]:
 
 
 def _table_rules(m: _Model) -> list[Rule]:
-    """Loader asserts and divisions the gguf_archs tables describe."""
+    """Loader asserts and divisions the archs tables describe."""
     rules = [(m.key(name) > 0, f"{name} > 0")
              for name in archs.POSITIVE_KEYS.get(m.arch, ()) if m.has(name)]  # fmt: skip
     past_dense_lead = m.key("leading_dense_block_count") < m.n_main
