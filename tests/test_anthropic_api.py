@@ -434,9 +434,9 @@ def test_both_sdks_list_and_retrieve_the_model(
     assert wrong_method.json()["error"]["type"] == "invalid_request_error"
 
 
-DOCUMENT: Any = {
+PDF: Any = {
     "type": "document",
-    "source": {"type": "text", "media_type": "text/plain", "data": "x"},
+    "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
 }
 URL_IMAGE: Any = {"type": "image", "source": {"type": "url", "url": "http://example.com/a.png"}}
 PREFILL: Any = [*COUNT, {"role": "assistant", "content": "{"}]
@@ -449,7 +449,7 @@ PREFILL: Any = [*COUNT, {"role": "assistant", "content": "{"}]
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
         ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
-        ({"messages": [{"role": "user", "content": [DOCUMENT]}]}, "document"),
+        ({"messages": [{"role": "user", "content": [PDF]}]}, "document source of type 'base64'"),
         ({"messages": [{"role": "user", "content": [URL_IMAGE]}]}, "url"),
         ({"messages": PREFILL, "tools": [WEATHER]}, "prefill"),
         ({"messages": [{"role": "assistant", "content": "x"}] * 2}, "need a user message"),
@@ -472,6 +472,52 @@ def test_the_sdk_raises_on_a_refusal(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError, match="thinking"):
         client.messages.create(model="gemma", max_tokens=4, messages=COUNT,
                                thinking={"type": "enabled", "budget_tokens": 2048})  # fmt: skip
+
+
+@pytest.mark.real_model
+def test_plain_text_documents_and_null_fields_are_read(
+    server: LiveServer, client: anthropic.Anthropic
+) -> None:
+    # A document with a text source was refused as an unknown block; "stream": null was a 400.
+    text = "The sky is blue."
+    source = {"type": "text", "media_type": "text/plain", "data": text}
+    document: Any = {"type": "document", "title": "Notes", "source": source}
+    as_text: Any = {"type": "text", "text": "Notes\n\n" + text}
+    counts = [client.messages.count_tokens(model="gemma", messages=[
+        {"role": "user", "content": [block, {"type": "text", "text": "What colour is it?"}]}
+    ]).input_tokens for block in (document, as_text)]  # fmt: skip
+    assert counts[0] == counts[1] > 10
+    answer = _post(server, {"model": "gemma", "max_tokens": 2, "messages": COUNT, "stream": None,
+                            "temperature": None, "stop_sequences": None})  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["type"] == "message" and answer.json()["usage"]["output_tokens"] == 2
+
+
+@pytest.mark.real_model
+def test_a_max_tokens_past_the_servers_limit_is_cut_to_it(gemma_path: Path) -> None:
+    # Anthropic clients send 8,192 to 32,000: it was a 400 past --max-tokens-limit. An answer
+    # cut at the limit stops for max_tokens, not for a full context.
+    settings = ServerSettings(model=str(gemma_path), model_alias="gemma", n_ctx=1024,
+                              n_threads=2, max_tokens_limit=6)  # fmt: skip
+    live = LiveServer(settings)
+    try:
+        assert live.wait_until_loaded() == 200
+        plain = anthropic.Anthropic(base_url=live.url, api_key="-", max_retries=0)
+        # (The SDK asks for a stream past ~21,000 tokens.)
+        message = plain.messages.create(model="gemma", max_tokens=16_000, messages=COUNT,
+                                        extra_body=GREEDY)  # fmt: skip
+        assert (message.usage.output_tokens, message.stop_reason) == (6, "max_tokens")
+        with plain.messages.stream(model="gemma", max_tokens=32_000, messages=COUNT,
+                                   extra_body=GREEDY) as stream:  # fmt: skip
+            final = stream.get_final_message()
+        assert (final.usage.output_tokens, final.stop_reason) == (6, "max_tokens")
+        opened = openai.OpenAI(base_url=live.url + "/v1", api_key="-", max_retries=0)
+        response = opened.responses.create(model="gemma", input="Count to ten.",
+                                           max_output_tokens=32_000, temperature=0)  # fmt: skip
+        assert response.status == "incomplete" and response.usage is not None
+        assert response.usage.output_tokens == 6
+    finally:
+        live.close()
 
 
 # -- images --------------------------------------------------------------------------------------

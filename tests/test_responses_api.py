@@ -290,7 +290,6 @@ REFUSALS = [
      "input", "input[0].content[0]: content type 'input_file'"),
     ({"include": ["message.output_text.logprobs"]}, "include", "is not supported"),
     ({"truncation": "auto"}, "truncation", "truncation"),
-    ({"max_output_tokens": 10_000}, "max_output_tokens", "limit of 256"),
     ({"previous_response_id": "resp_unknown"}, "previous_response_id", "is not stored"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema",
      "needs a schema"),

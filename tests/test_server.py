@@ -330,6 +330,13 @@ def test_embeddings_through_the_sdk(tmp_path: Path) -> None:
             vectors = np.array([d.embedding for d in result.data])
             assert np.allclose(vectors, expected, atol=1e-6)
         assert as_floats.usage.prompt_tokens == n_tokens
+        # The model's own width may be named (LangChain and LlamaIndex send it); any other
+        # is refused naming the width. Every value was a 400.
+        width = len(expected[0])
+        full = client.embeddings.create(model=path.name, input=texts, dimensions=width)
+        assert np.allclose([d.embedding for d in full.data], expected, atol=1e-6)
+        with pytest.raises(openai.BadRequestError, match=f"have {width} dimensions"):
+            client.embeddings.create(model=path.name, input=texts, dimensions=width // 2)
         for empty, named in (
             ("", "input 0 is an empty text"),
             (["a", ""], "input 1 is an empty"),
@@ -775,7 +782,6 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "x" * 5000}, 413, "exceeds 4096 bytes"),
         ({"prompt": [5] * 300}, 400, "context holds"),
-        ({"prompt": "hi", "max_tokens": 101}, 400, "limit of 100"),
         ({"prompt": "hi", "n": 3}, 400, "limit of 2"),
         ({"prompt": "hi", "grammar": "root ::= nonsense"}, 400, "grammar"),
         ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
@@ -814,6 +820,17 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(
     assert (overflow["n_prompt_tokens"], overflow["n_ctx"]) == (300, 256)  # as llama-server
     assert post({"prompt": "hi", "max_tokens": 3}).status_code == 200
     assert httpx.get(url + "/nowhere", headers=auth).json()["error"]["type"] == "not_found_error"
+    # A max_tokens past --max-tokens-limit is cut to it (a 400 before): clients ask for 8,192
+    # to 32,000 tokens, and llama-server stops at its context.
+    cut = post({"prompt": "hi", "max_tokens": 32_000, "ignore_eos": True}).json()
+    assert (cut["usage"]["completion_tokens"], cut["choices"][0]["finish_reason"]) == (
+        100,
+        "length",
+    )
+    # llama-server skips empty stop strings; an empty one was a 400.
+    for stop in ("", ["", "never"]):
+        kept = post({"prompt": "hi", "max_tokens": 3, "stop": stop, "ignore_eos": True}).json()
+        assert kept["usage"]["completion_tokens"] == 3, (stop, kept)
 
 
 def test_a_context_overflow_is_answered_as_llama_server_does(guarded_server: LiveServer) -> None:

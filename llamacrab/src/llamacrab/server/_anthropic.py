@@ -76,7 +76,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         options = wire.chat_options(body, prefill=chat.prefill is not None)
         kwargs = wire.generation_kwargs(body, state.settings)
         kwargs.update(request_lora(body.lora, llama))
-        reply = wire.Reply.of(body, state.model_name(body.model))
+        reply = wire.Reply.of(body, state.model_name(body.model), kwargs["max_tokens"])
         prompt = await _prefill_prompt(llama, chat, options, max_media)
         stream, create = _generation(llama, chat, prompt, options, kwargs)
         if body.stream:  # a stream opens with the prompt's length

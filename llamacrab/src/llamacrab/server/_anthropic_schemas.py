@@ -11,61 +11,77 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from llamacrab.server._schemas import MAX_STOP_CHARS, MAX_STOP_STRINGS, LoraEntry
+from llamacrab.server._schemas import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    Lenient,
+    LoraEntry,
+    NullIsAbsent,
+)
 
 
-class _Strict(BaseModel):
+class _Strict(NullIsAbsent):  # ("stream": null is no stream)
     model_config = ConfigDict(extra="forbid")
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextBlock(_Lenient):
+class TextBlock(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ImageSource(_Lenient):
+class ImageSource(Lenient):
     type: str  # "base64" is served; "url" and "file" are refused (the server fetches nothing)
     media_type: str | None = None
     data: str | None = None
 
 
-class ImageBlock(_Lenient):
+class ImageBlock(Lenient):
     type: Literal["image"]
     source: ImageSource
 
 
-class ToolUseBlock(_Lenient):
+class DocumentSource(Lenient):
+    type: str  # "text" is served; PDFs ("base64"), "url" and "content" are refused
+    media_type: str | None = None
+    data: str | None = None
+
+
+class DocumentBlock(Lenient):
+    type: Literal["document"]
+    source: DocumentSource
+    title: str | None = None
+    context: str | None = None
+
+
+class ToolUseBlock(Lenient):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Lenient):
+class ToolResultBlock(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[ContentBlock] = ""
     is_error: bool = False
 
 
-class ThinkingBlock(_Lenient):
+class ThinkingBlock(Lenient):
     """A thinking block of an earlier assistant turn (Anthropic drops them from the prompt)."""
 
     type: Literal["thinking", "redacted_thinking"]
 
 
-class OtherBlock(_Lenient):
-    """Any other block (documents, search results, server tools' blocks): refused by name."""
+class OtherBlock(Lenient):
+    """Any other block (search results, server tools' blocks): refused by name."""
 
     type: str
 
 
-_TAGS = {"text": "text", "image": "image", "tool_use": "tool_use", "tool_result": "tool_result",
-         "thinking": "thinking", "redacted_thinking": "thinking"}  # fmt: skip
+_TAGS = {"text": "text", "image": "image", "document": "document", "tool_use": "tool_use",
+         "tool_result": "tool_result", "thinking": "thinking",
+         "redacted_thinking": "thinking"}  # fmt: skip
 
 
 def _block_tag(value: Any) -> str:
@@ -76,6 +92,7 @@ def _block_tag(value: Any) -> str:
 ContentBlock = Annotated[
     Annotated[TextBlock, Tag("text")]
     | Annotated[ImageBlock, Tag("image")]
+    | Annotated[DocumentBlock, Tag("document")]
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")]
     | Annotated[ThinkingBlock, Tag("thinking")]
@@ -85,12 +102,12 @@ ContentBlock = Annotated[
 ToolResultBlock.model_rebuild()
 
 
-class MessageIn(_Lenient):
+class MessageIn(Lenient):
     role: Literal["user", "assistant", "system"]  # system: an instruction among the turns
     content: str | list[ContentBlock]
 
 
-class ToolIn(_Lenient):
+class ToolIn(Lenient):
     type: str | None = None  # "custom" or absent: a client tool; anything else is a server tool
     name: str
     description: str | None = None
@@ -98,23 +115,23 @@ class ToolIn(_Lenient):
     defer_loading: bool = False  # only tool search loads a deferred tool: refused
 
 
-class ToolChoiceIn(_Lenient):
+class ToolChoiceIn(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class ThinkingConfig(_Lenient):
+class ThinkingConfig(Lenient):
     type: str  # only "disabled" is served: the model has no extended thinking
     budget_tokens: int | None = None
 
 
-class OutputFormat(_Lenient):
+class OutputFormat(Lenient):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Lenient):
+class OutputConfig(Lenient):
     format: OutputFormat | None = None
     effort: str | None = None  # guides thinking, which this server does not do: ignored
 

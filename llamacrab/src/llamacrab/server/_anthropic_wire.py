@@ -28,6 +28,7 @@ from llamacrab.server import _wire as wire
 from llamacrab.server._anthropic_schemas import (
     ContentBlock,
     CountTokensRequest,
+    DocumentBlock,
     ImageBlock,
     MessageIn,
     MessagesRequest,
@@ -158,9 +159,16 @@ def _assistant_message(blocks: Sequence[ContentBlock]) -> dict[str, Any]:
 
 
 def _part(block: ContentBlock, where: str) -> dict[str, Any]:
-    """A text or image block as an OpenAI content part."""
+    """A text, plain-text document or image block as an OpenAI content part."""
     if isinstance(block, TextBlock):
         return {"type": "text", "text": block.text}
+    if isinstance(block, DocumentBlock):
+        document = block.source
+        if document.type != "text" or document.data is None:
+            raise _unsupported(f"a document source of type {document.type!r} (send text)")
+        # The model reads a plain-text document as text, its title and context first.
+        text = "\n\n".join(t for t in (block.title, block.context, document.data) if t)
+        return {"type": "text", "text": text}
     if isinstance(block, ImageBlock):
         source = block.source
         if source.type != "base64" or not source.data:
@@ -299,12 +307,12 @@ class Reply:
 
     model: str
     one_call: bool  # tool_choice's disable_parallel_tool_use
-    max_tokens: int
+    max_tokens: int  # the request's, cut to the server's limit
 
     @classmethod
-    def of(cls, body: MessagesRequest, model: str) -> Reply:
+    def of(cls, body: MessagesRequest, model: str, max_tokens: int) -> Reply:
         one = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
-        return cls(model, one, body.max_tokens)
+        return cls(model, one, max_tokens)
 
     def stop(self, finish: FinishReason, matched: str | None, generated: int) -> dict[str, Any]:
         """The stop reason, and the stop sequence that ended the answer (``matched``, as

@@ -273,8 +273,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
     async def embeddings(body: EmbeddingRequest) -> Any:
         llama = state.embedder(body.model)
-        if body.dimensions is not None:
-            raise ApiError(400, "dimensions is not supported", param="dimensions")
+        width = llama.model.n_embd_out
+        # The model's own width is what every answer has; a shorter vector is only meaningful
+        # for models trained to be cut (OpenAI's text-embedding-3), which nothing here can tell.
+        if body.dimensions is not None and body.dimensions != width:
+            raise ApiError(400, f"this model's embeddings have {width} dimensions; dimensions "
+                           "must be that or absent (this server does not shorten them)",
+                           param="dimensions")  # fmt: skip
         if llama.context.pooling == "none":
             raise ApiError(400, "this model's embeddings are not pooled (pooling none), and "
                            "/v1/embeddings returns one vector per input: start the server with "

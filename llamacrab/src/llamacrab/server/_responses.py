@@ -65,7 +65,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         """What answers ``body``, once everything it asks for has been checked."""
         llama = state.generator(body.model)
         own = tuple(_referenced(store, item, i) for i, item in enumerate(body.input))
-        wire.check_supported(body, settings, own)
+        wire.check_supported(body, own)
         previous = await earlier(body.previous_response_id)
         messages = wire.chat_messages(body.instructions, (*previous, *own))
         kwargs = chat_kwargs(wire.chat_request(body, messages), settings)

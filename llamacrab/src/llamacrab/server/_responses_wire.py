@@ -25,7 +25,6 @@ from llamacrab.server._responses_schemas import (
     Unsupported,
 )
 from llamacrab.server._schemas import ChatCompletionRequest
-from llamacrab.server._settings import ServerSettings
 from llamacrab.server._wire import kept_calls
 
 # Opaque data the client may ask back; none is ever produced here, so asking for it is harmless.
@@ -39,18 +38,14 @@ def new_id(prefix: str) -> str:
 # -- refusals ------------------------------------------------------------------------------------
 
 
-def check_supported(
-    body: ResponseRequest, settings: ServerSettings, items: Sequence[InputItem]
-) -> None:
+def check_supported(body: ResponseRequest, items: Sequence[InputItem]) -> None:
     """400 naming the first field this server cannot honour, rather than an answer that
     silently ignores it (``items``: the request's input, references resolved)."""
-    for param, message in _unsupported(body, settings, items):
+    for param, message in _unsupported(body, items):
         raise ApiError(400, message, param=param, code="unsupported_parameter")
 
 
-def _unsupported(
-    body: ResponseRequest, settings: ServerSettings, items: Sequence[InputItem]
-) -> Iterator[tuple[str, str]]:
+def _unsupported(body: ResponseRequest, items: Sequence[InputItem]) -> Iterator[tuple[str, str]]:
     if body.background:
         yield "background", "background responses are not supported; send background: false"
     if body.conversation is not None:
@@ -75,10 +70,6 @@ def _unsupported(
             yield "include", f"include {name!r} is not supported"
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         yield "text.verbosity", f"text.verbosity {body.text.verbosity!r} is not supported"
-    limit = settings.max_tokens_limit
-    if body.max_output_tokens is not None and body.max_output_tokens > limit:
-        yield "max_output_tokens", (f"max_output_tokens {body.max_output_tokens} exceeds this "
-                                    f"server's limit of {limit}")  # fmt: skip
     for i, tool in enumerate(body.tools or ()):
         if isinstance(tool, Unsupported):
             yield "tools", (f"tools[{i}]: tool type {tool.type!r} is not supported; this server "

@@ -22,12 +22,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 
 
-class Lenient(BaseModel):
-    """A request body as OpenAI's and llama-server's routes read it: unknown fields ignored,
-    and null for a field that has a default taken as that default (OpenAI's optional fields
-    are nullable; llama-server reads null as absent)."""
-
-    model_config = ConfigDict(extra="ignore")
+class NullIsAbsent(BaseModel):
+    """Null for a field that has a default taken as that default (OpenAI's optional fields
+    are nullable; llama-server reads null as absent; clients send null for unset fields)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -40,6 +37,12 @@ class Lenient(BaseModel):
             for key, value in data.items()
             if value is not None or key not in fields or fields[key].is_required()
         }
+
+
+class Lenient(NullIsAbsent):
+    """A request body as OpenAI's and llama-server's routes read it: unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(Lenient):

@@ -69,7 +69,8 @@ def generation_kwargs(
     if body.samplers is not None:
         kwargs.update(sampler_order(body.samplers))
     if body.stop is not None:
-        kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop
+        kwargs["stop"] = [stop for stop in stops if stop]  # llama-server skips empty ones
     kwargs["max_tokens"] = _max_tokens(body, settings.max_tokens_limit, default_max)
     if body.n_indent:
         kwargs["min_indent"] = body.n_indent
@@ -97,19 +98,15 @@ def probability_count(body: GenerationFields, otherwise: int | None) -> int | No
 def _max_tokens(body: GenerationFields, limit: int, default: int | None) -> int:
     """The tokens a request may generate: the first of n_predict, max_completion_tokens and
     max_tokens it gives (llama-server's order; OpenAI deprecates max_tokens), -1 meaning no
-    limit but the server's; none given, ``default``."""
-    for name in _MAX_TOKENS_FIELDS:
-        wanted = getattr(body, name)
-        if wanted is not None:
-            break
-    else:
-        name, wanted = "max_tokens", default
+    limit but the server's; none given, ``default``. A count past the server's limit is cut
+    to it (llama-server stops at its context, OpenAI and Anthropic only refuse past the model's
+    own limit; clients ask for 8192 to 32000 tokens): an answer that reaches it ends as any
+    answer reaching its max_tokens does."""
+    given = (getattr(body, name) for name in _MAX_TOKENS_FIELDS)
+    wanted = next((value for value in given if value is not None), default)
     if wanted is None or wanted == -1:
         return limit
-    if wanted > limit:
-        raise ApiError(400, f"{name} {wanted} exceeds this server's limit of {limit}",
-                       param=name)  # fmt: skip
-    return int(wanted)
+    return min(int(wanted), limit)
 
 
 def logprobs_kwargs(body: GenerationFields, count: int | None) -> dict[str, Any]:
