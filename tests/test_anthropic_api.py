@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -267,11 +268,7 @@ def test_counts_follow_the_chat_api_where_a_template_cannot_present_tools(
     # Gemma 3's own template has no place for tools: the chat API describes them in a system
     # turn (llama.cpp's generic format), or leaves them out for "none"; the counts were the
     # template's rendering, without the description.
-    settings = ServerSettings(model=str(gemma_path), model_alias="gemma", n_ctx=2048,
-                              n_threads=2, max_tokens_limit=64)  # fmt: skip
-    live = LiveServer(settings)
-    try:
-        assert live.wait_until_loaded() == 200
+    with _own_server(gemma_path, n_ctx=2048, max_tokens_limit=64) as live:
         plain = anthropic.Anthropic(base_url=live.url, api_key="-", max_retries=0)
         counts = []
         for choice in ({"type": "auto"}, {"type": "none"}):
@@ -287,6 +284,17 @@ def test_counts_follow_the_chat_api_where_a_template_cannot_present_tools(
             counts.append(counted)
         alone = plain.messages.count_tokens(model="gemma", messages=COUNT).input_tokens
         assert counts[1] == alone < counts[0]
+
+
+@contextmanager
+def _own_server(gemma_path: Path, n_ctx: int, max_tokens_limit: int) -> Iterator[LiveServer]:
+    """A server of its own, one slot, no key: for settings the module's server does not have."""
+    settings = ServerSettings(model=str(gemma_path), model_alias="gemma", n_ctx=n_ctx,
+                              n_threads=2, max_tokens_limit=max_tokens_limit)  # fmt: skip
+    live = LiveServer(settings)
+    try:
+        assert live.wait_until_loaded() == 200
+        yield live
     finally:
         live.close()
 
@@ -497,11 +505,7 @@ def test_plain_text_documents_and_null_fields_are_read(
 def test_a_max_tokens_past_the_servers_limit_is_cut_to_it(gemma_path: Path) -> None:
     # Anthropic clients send 8,192 to 32,000: it was a 400 past --max-tokens-limit. An answer
     # cut at the limit stops for max_tokens, not for a full context.
-    settings = ServerSettings(model=str(gemma_path), model_alias="gemma", n_ctx=1024,
-                              n_threads=2, max_tokens_limit=6)  # fmt: skip
-    live = LiveServer(settings)
-    try:
-        assert live.wait_until_loaded() == 200
+    with _own_server(gemma_path, n_ctx=1024, max_tokens_limit=6) as live:
         plain = anthropic.Anthropic(base_url=live.url, api_key="-", max_retries=0)
         # (The SDK asks for a stream past ~21,000 tokens.)
         message = plain.messages.create(model="gemma", max_tokens=16_000, messages=COUNT,
@@ -516,8 +520,6 @@ def test_a_max_tokens_past_the_servers_limit_is_cut_to_it(gemma_path: Path) -> N
                                            max_output_tokens=32_000, temperature=0)  # fmt: skip
         assert response.status == "incomplete" and response.usage is not None
         assert response.usage.output_tokens == 6
-    finally:
-        live.close()
 
 
 # -- images --------------------------------------------------------------------------------------
