@@ -226,7 +226,6 @@ def test_several_prompts_get_one_choice_each(server: LiveServer, llama: Llama) -
         for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert both["usage"][field] == sum(a["usage"][field] for a in one), field
     refusals = {
-        "streamed": {"prompt": prompts, "stream": True},
         "more than --max-n": {"prompt": prompts * 3},
         "an empty one": {"prompt": ["the cat", []]},
         "an empty text": {"prompt": ["the cat", ""]},
@@ -234,9 +233,11 @@ def test_several_prompts_get_one_choice_each(server: LiveServer, llama: Llama) -
     }
     for why, extra in refusals.items():
         assert refused(server, "/v1/completions", extra)["param"] in ("prompt", "suffix"), why
-    for why in ("streamed", "more than --max-n"):  # /completion's prompt list: the same rule
-        native = refused(server, "/completion", refusals[why])
-        assert native == refused(server, "/v1/completions", refusals[why]), why
+    # /completion's prompt list: the same limit; streamed, one prompt (/v1/completions streams
+    # them, tests/test_server_stream_choices.py).
+    native = refused(server, "/completion", refusals["more than --max-n"])
+    assert native == refused(server, "/v1/completions", refusals["more than --max-n"])
+    assert refused(server, "/completion", {"prompt": prompts, "stream": True})["param"] == "prompt"
 
 
 # -- /completion's prompt object -----------------------------------------------------------------

@@ -234,14 +234,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         else:  # the model's FIM tokens put the answer between the prompt and the suffix
             stream = partial(llama.stream_infill, suffix=suffix)
             create = partial(llama.create_infill, suffix=suffix)
-        if len(prompts) > 1:  # answered in turn within one --timeout, choices side by side
+        if len(prompts) > 1 and not body.stream:  # in turn within one --timeout
             deadline = time.monotonic() + settings.timeout
             results = [await complete(state, client, partial(create, p, **kwargs), deadline)
                        for p in prompts]  # fmt: skip
             alias = state.model_name(body.model)
             return wire.completion(wire.joined_completions(results, body.n), alias)
         return await generate(
-            state, client, body, partial(stream, prompts[0], **kwargs),
+            state, client, body, [partial(stream, p, **kwargs) for p in prompts],
             partial(create, prompts[0], **kwargs), wire.completion_chunk, wire.completion,
         )  # fmt: skip
 
@@ -256,9 +256,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         messages = legacy_functions.messages_of(messages)
         legacy = bool(body.functions)
         parallel = body.parallel_tool_calls is not False and not legacy
+        calls = wire.may_call_tools(kwargs)
 
         def chunk(value: ChatCompletionChunk, model: str) -> list[dict[str, Any]]:
-            shaped = wire.chat_chunk(value, model, parallel)
+            shaped = wire.chat_chunk(value, model, parallel, calls)
             return legacy_functions.events(shaped) if legacy else shaped
 
         def answer(value: ChatCompletion, model: str) -> dict[str, Any]:
@@ -266,7 +267,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return legacy_functions.answer(shaped) if legacy else shaped
 
         return await generate(
-            state, client, body, partial(llama.stream_chat_completion, messages, **kwargs),
+            state, client, body, [partial(llama.stream_chat_completion, messages, **kwargs)],
             partial(llama.create_chat_completion, messages, **kwargs), chunk, answer,
         )  # fmt: skip
 

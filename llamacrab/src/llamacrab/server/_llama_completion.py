@@ -53,7 +53,10 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
     async def completion(body: LlamaCompletionRequest, client: Request) -> Any:
         llama = state.generator(body.model)
         prompts = split_prompts(body.prompt)
-        check_prompt_count(len(prompts), body.stream, settings)
+        check_prompt_count(len(prompts), settings)
+        if len(prompts) > 1 and body.stream:
+            raise ApiError(400, "several prompts are answered together, not streamed: stream "
+                           "one prompt per request", param="prompt")  # fmt: skip
         kwargs = await in_thread(native_kwargs, body, llama, settings)
         deadline = time.monotonic() + settings.timeout  # one for all its prompts
         answers = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -15,12 +15,19 @@ from starlette.requests import Request
 
 from llamacrab import Stream
 from llamacrab._exceptions import LlamaError
-from llamacrab._types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
+from llamacrab._types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    Usage,
+)
 from llamacrab.server import _wire as wire
 from llamacrab.server._errors import ApiError, client_closed, from_llama_error, model_closed
 from llamacrab.server._schemas import ErrorResponse, GenerationFields
 from llamacrab.server._sse import sse_json
 from llamacrab.server._state import ServerState
+from llamacrab.server._stream_choices import choice_chunks
 
 _Chunk = TypeVar("_Chunk", CompletionChunk, ChatCompletionChunk)
 _Result = TypeVar("_Result", Completion, ChatCompletion)
@@ -46,16 +53,21 @@ def event(payload: object) -> str:
 async def sse(
     state: ServerState,
     client: Request,
-    stream: Stream[_Chunk],
+    streams: Sequence[Stream[_Chunk]],
     encode: Callable[[_Chunk], dict[str, Any] | list[dict[str, Any]]],
     include_usage: bool,
+    n: int = 1,
     timings_per_token: bool = False,
 ) -> StreamingResponse:
     """OpenAI's chat and completion chunks as server-sent events (``encode`` makes one event
-    of a chunk, or several), then ``[DONE]``. llama-server's ``timings`` come on the last
-    event of every chunk with ``timings_per_token``, else on the stream's last."""
+    of a chunk, or several), then ``[DONE]``: ``streams`` are the answer's choices, ``n`` to a
+    prompt, each chunk naming its choice (OpenAI streams ``n`` choices so), and the usage
+    event after them all counts each prompt once. llama-server's ``timings`` come on the last
+    event of every chunk with ``timings_per_token``, else on each choice's last."""
 
     async def write(chunks: AsyncIterator[_Chunk]) -> AsyncIterator[str]:
+        used_by: dict[int, Usage] = {}  # the choices' usage, by index
+        last: dict[str, Any] | None = None
         try:
             async for chunk in chunks:
                 encoded = encode(chunk)
@@ -68,36 +80,48 @@ async def sse(
                     payloads[-1] = {**payloads[-1], "timings": wire.timings(shown)}
                 for payload in payloads:
                     yield event(payload)
-                if used is not None and include_usage:
-                    yield event({**payloads[-1], "choices": [], "usage": wire.usage(used),
-                                 "timings": wire.timings(used)})  # fmt: skip
+                last = payloads[-1] if payloads else last
+                if used is not None:
+                    used_by[chunk.index] = used
+            if include_usage and used_by and last is not None:
+                used = wire.choices_usage([used_by[k] for k in sorted(used_by)], n)
+                yield event({**last, "choices": [], "usage": wire.usage(used),
+                             "timings": wire.timings(used)})  # fmt: skip
         except ApiError as error:
             yield event(error.body())
         yield "data: [DONE]\n\n"
 
-    return await sse_events(state, client, stream, write)
+    return await sse_events(state, client, streams, write, n)
 
 
 async def sse_events(
     state: ServerState,
     client: Request,
-    stream: Stream[_Chunk],
+    stream: Stream[_Chunk] | Sequence[Stream[_Chunk]],
     write: Callable[[AsyncIterator[_Chunk]], AsyncIterator[str]],
+    n: int = 1,
 ) -> StreamingResponse:
     """Server-sent events that ``write`` makes of a stream's chunks (each API has its own event
-    types). The first chunk is awaited before answering, so an error there (a full queue, a bad
-    grammar, the timeout) gets its proper status; a client that leaves meanwhile (its request
-    queued, or its prompt decoding) cancels the stream. Later, a library error or a run past the
-    timeout reaches ``write`` as an ApiError raised by the chunks it iterates. Tokens are
-    counted, and the stream is closed (its slot freed) when the client goes away."""
-    deadline = stream.session.deadline  # set when the stream was made, with the timeout
+    types), or of several streams' (the choices of one answer, ``n`` to a prompt: their chunks
+    as they come, each with its choice's index). The first chunk is awaited before answering,
+    so an error there (a full queue, a bad grammar, the timeout) gets its proper status; a
+    client that leaves meanwhile (its request queued, or its prompt decoding) cancels the
+    streams. Later, a library error or a run past the timeout reaches ``write`` as an
+    ApiError raised by the chunks it iterates. Tokens are counted (each prompt's once), and
+    the streams are closed (their slots freed) when the client goes away."""
+    streams = [stream] if isinstance(stream, Stream) else list(stream)
+    deadline = streams[0].session.deadline  # set when the streams were made, with the timeout
 
     def cancelled_error() -> ApiError:
         return cancelled(state, deadline is not None and time.monotonic() >= deadline)
 
-    chunks = aiter(stream)
+    def cancel() -> None:
+        for one in streams:
+            one.cancel()
+
+    chunks = choice_chunks(streams)
     try:
-        first = await until_disconnected(client, anext(chunks), stream.cancel)
+        first = await until_disconnected(client, anext(chunks), cancel)
     except LlamaError as error:
         raise from_llama_error(error) from error
     except ApiError:  # the client left
@@ -108,18 +132,18 @@ async def sse_events(
         raise cancelled_error()
 
     async def checked() -> AsyncIterator[_Chunk]:
-        chunk = first
-        while True:
+        chunk: _Chunk | None = first
+        while chunk is not None:
             if chunk.finish_reason == "cancelled":
                 raise cancelled_error()
             if chunk.finish_reason is not None and chunk.usage is not None:
-                used = chunk.usage
-                state.metrics.tokens(used.prompt_tokens, used.completion_tokens, used.cached_tokens)
+                used, prompt_counted = chunk.usage, chunk.index % n != 0
+                state.metrics.tokens(0 if prompt_counted else used.prompt_tokens,
+                                     used.completion_tokens,
+                                     0 if prompt_counted else used.cached_tokens)  # fmt: skip
             yield chunk
-            if chunk.finish_reason is not None:
-                return
             try:
-                chunk = await anext(chunks)
+                chunk = await anext(chunks, None)
             except LlamaError as error:
                 raise from_llama_error(error) from error
 
@@ -128,7 +152,7 @@ async def sse_events(
             async for text in write(checked()):
                 yield text
         finally:
-            with anyio.CancelScope(shield=True):  # a client that left: free its slot now
+            with anyio.CancelScope(shield=True):  # a client that left: free its slots now
                 await chunks.aclose()
 
     return StreamingResponse(events(), media_type="text/event-stream",
@@ -148,19 +172,37 @@ async def generate(
     state: ServerState,
     client: Request,
     body: GenerationFields,
-    stream: Callable[[], Stream[_Chunk]],
+    streams: Sequence[Callable[..., Stream[_Chunk]]],
     create: Callable[..., Completion | ChatCompletion],
     chunk_json: Callable[[_Chunk, str], dict[str, Any] | list[dict[str, Any]]],
     result_json: Callable[[Any, str], dict[str, Any]],
 ) -> Any:
-    """A streamed (SSE) or whole answer to a completion or chat request."""
+    """A streamed (SSE) or whole answer to a completion or chat request. Streamed, each of
+    ``streams`` (one to a prompt, taking ``seed=``) makes the prompt's ``n`` choices."""
     alias = state.model_name(body.model)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = await in_thread(stream)
-        return await sse(state, client, chunks, lambda chunk: chunk_json(chunk, alias), include,
-                         body.timings_per_token)  # fmt: skip
+        opened = await in_thread(_choices, streams, wire.choice_seeds(body))
+        return await sse(state, client, opened, lambda chunk: chunk_json(chunk, alias), include,
+                         body.n, body.timings_per_token)  # fmt: skip
     return result_json(await complete(state, client, create), alias)
+
+
+def _choices(
+    streams: Sequence[Callable[..., Stream[_Chunk]]], seeds: Sequence[int | None]
+) -> list[Stream[_Chunk]]:
+    """Every prompt's choices, queued at once (parallel slots run them side by side, one
+    slot in turn), with the seeds the whole answer's choices get; a failure part-way cancels
+    those made."""
+    opened: list[Stream[_Chunk]] = []
+    try:
+        for start in streams:
+            opened.extend(start(seed=seed) for seed in seeds)
+    except BaseException:
+        for stream in opened:
+            stream.cancel()
+        raise
+    return opened
 
 
 async def complete(

@@ -55,13 +55,11 @@ def generation_kwargs(
     and ``json_schema`` need the model or take time: ``_llama_fields`` reads them."""
     kwargs: dict[str, Any] = {n: v for n in _SAMPLING if (v := getattr(body, n)) is not None}
     kwargs["penalize_prompt"] = True
-    seed = kwargs.get("seed")
-    if seed == -1:  # llama-server's "a random seed", which clients send
-        del kwargs["seed"]
-    elif seed is not None and not 0 <= seed < 2**32:
-        # OpenAI's seed is an int64, llama.cpp's 32 bits: one seed of those for each value
-        # (never 2**32 - 1, which llama.cpp reads as "random").
-        kwargs["seed"] = seed % (2**32 - 1)
+    seed = _seed(body.seed)
+    if seed is None:
+        kwargs.pop("seed", None)
+    else:
+        kwargs["seed"] = seed
     if body.repeat_last_n is not None:
         kwargs["penalty_last_n"] = body.repeat_last_n
     if body.dry_sequence_breakers is not None:
@@ -82,10 +80,25 @@ def generation_kwargs(
     if body.n > settings.max_n:
         raise ApiError(400, f"n {body.n} exceeds this server's limit of {settings.max_n}",
                        param="n")  # fmt: skip
-    if body.stream and body.n > 1:
-        raise ApiError(400, "streaming returns one choice: n must be 1", param="n")
     kwargs["timeout"] = settings.timeout
     return kwargs
+
+
+def _seed(value: int | None) -> int | None:
+    """A request's seed for llama.cpp: None (and llama-server's -1, "a random seed", which
+    clients send) draws one. OpenAI's seed is an int64, llama.cpp's 32 bits: one seed of those
+    for each value (never 2**32 - 1, which llama.cpp reads as "random")."""
+    if value is None or value == -1:
+        return None
+    return value if 0 <= value < 2**32 else value % (2**32 - 1)
+
+
+def choice_seeds(body: GenerationFields) -> list[int | None]:
+    """The seeds of a request's ``n`` choices, as the library's ``n`` gives them (the seed,
+    then one more for each choice after the first), so that streamed choices are the whole
+    answer's: each draws its own where none is given."""
+    seed = _seed(body.seed)
+    return [None if seed is None else (seed + i) % 2**32 for i in range(body.n)]
 
 
 def probability_count(body: GenerationFields, otherwise: int | None) -> int | None:
@@ -150,7 +163,7 @@ def insertion(body: CompletionRequest, prompts: Sequence[str | list[int]]) -> st
 
 def completion_prompts(body: CompletionRequest, settings: ServerSettings) -> list[str | list[int]]:
     """The prompts of a request: text, token ids, or a list of such prompts (each answered
-    with ``n`` choices; up to ``--max-n`` of them, not streamed). An empty one is refused."""
+    with ``n`` choices; up to ``--max-n`` of them). An empty one is refused."""
     prompt = body.prompt
     single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
     prompts = cast("list[str | list[int]]", [prompt] if single or not prompt else prompt)
@@ -158,18 +171,15 @@ def completion_prompts(body: CompletionRequest, settings: ServerSettings) -> lis
         if not one:
             which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
             raise ApiError(400, f"{which} is empty", param="prompt")
-    check_prompt_count(len(prompts), body.stream, settings)
+    check_prompt_count(len(prompts), settings)
     return prompts
 
 
-def check_prompt_count(count: int, stream: bool, settings: ServerSettings) -> None:
-    """A request may give up to ``--max-n`` prompts, answered together: one when streamed."""
+def check_prompt_count(count: int, settings: ServerSettings) -> None:
+    """A request may give up to ``--max-n`` prompts."""
     if count > settings.max_n:
         raise ApiError(400, f"{count} prompts exceed this server's limit of {settings.max_n} "
                        "a request", param="prompt")  # fmt: skip
-    if count > 1 and stream:
-        raise ApiError(400, "several prompts are answered together, not streamed: stream "
-                       "one prompt per request", param="prompt")  # fmt: skip
 
 
 def joined_completions(results: Sequence[Completion], n: int) -> Completion:
@@ -177,9 +187,23 @@ def joined_completions(results: Sequence[Completion], n: int) -> Completion:
     choices at indexes i * n to i * n + n - 1, the usage summed."""
     choices = tuple(dataclasses.replace(choice, index=i * n + choice.index)
                     for i, result in enumerate(results) for choice in result.choices)  # fmt: skip
-    used = [result.usage for result in results]
-    usage = Usage(*(sum(getattr(u, f.name) for u in used) for f in dataclasses.fields(Usage)))
+    usage = _summed([result.usage for result in results])
     return dataclasses.replace(results[0], choices=choices, usage=usage)
+
+
+def choices_usage(usages: Sequence[Usage], n: int) -> Usage:
+    """The usage of an answer's choices from theirs (in index order, ``n`` to a prompt), as
+    the library's ``n`` and ``joined_completions`` count it: each prompt once (its first
+    choice's prompt and times), the completions of every choice."""
+    return _summed([
+        dataclasses.replace(usages[i], completion_tokens=sum(
+            u.completion_tokens for u in usages[i:i + n]))
+        for i in range(0, len(usages), n)
+    ])  # fmt: skip
+
+
+def _summed(usages: Sequence[Usage]) -> Usage:
+    return Usage(*(sum(getattr(u, f.name) for u in usages) for f in dataclasses.fields(Usage)))
 
 
 def chat_kwargs(body: ChatCompletionRequest, settings: ServerSettings) -> dict[str, Any]:
@@ -353,29 +377,39 @@ def chat_completion(result: ChatCompletion, model: str, parallel: bool = True) -
 
 
 def completion_chunk(chunk: CompletionChunk, model: str) -> dict[str, Any]:
-    choice = {"index": 0, "text": chunk.text, "logprobs": _logprobs(chunk.logprobs),
+    choice = {"index": chunk.index, "text": chunk.text, "logprobs": _logprobs(chunk.logprobs),
               "finish_reason": finish_reason(chunk.finish_reason)}  # fmt: skip
     return {"id": chunk.id, "object": "text_completion", "created": chunk.created,
             "model": model, "system_fingerprint": system_fingerprint(),
             "choices": [choice]}  # fmt: skip
 
 
+def may_call_tools(kwargs: dict[str, Any]) -> bool:
+    """Whether a chat request's answer may be tool calls (its ``chat_kwargs``)."""
+    return bool(kwargs.get("tools")) and kwargs.get("tool_choice") != "none"
+
+
 def chat_chunk(
-    chunk: ChatCompletionChunk, model: str, parallel: bool = True
+    chunk: ChatCompletionChunk, model: str, parallel: bool = True, calls: bool = False
 ) -> list[dict[str, Any]]:
     """The events of one chunk, in OpenAI's shape: the first chunk opens with a delta of the
-    role and empty content; text, tool calls and log-probabilities come in deltas without a
-    finish reason; the last chunk closes with an empty delta and the finish reason."""
+    role and empty content, or null content where the answer may be tool calls (``calls``:
+    their text is held back; OpenAI's content of a tool-call answer is null, and SDKs add
+    each delta's content to it); text, tool calls and log-probabilities come in deltas
+    without a finish reason; the last chunk closes with an empty delta and the finish
+    reason. Each event names the chunk's choice."""
     head = {"id": chunk.id, "object": "chat.completion.chunk", "created": chunk.created,
             "model": model, "system_fingerprint": system_fingerprint()}  # fmt: skip
+    opening = None if calls else ""
 
     def event(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> Any:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish}  # fmt: skip
         return {**head, "choices": [choice]}
 
     events = []
     if chunk.delta.role:
-        events.append(event({"role": chunk.delta.role, "content": ""}))
+        events.append(event({"role": chunk.delta.role, "content": opening}))
     delta: dict[str, Any] = {}
     if chunk.delta.content:
         delta["content"] = chunk.delta.content
@@ -383,7 +417,7 @@ def chat_chunk(
         delta["tool_calls"] = _tool_calls(kept_calls(chunk.delta.tool_calls, parallel), True)
     logprobs = _chat_logprobs(chunk.logprobs)
     if delta or logprobs:
-        events.append(event(delta or {"content": ""}, logprobs))
+        events.append(event(delta or {"content": opening}, logprobs))
     if chunk.finish_reason is not None:
         events.append(event({}, finish=finish_reason(chunk.finish_reason)))
     return events
