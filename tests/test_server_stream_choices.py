@@ -188,3 +188,12 @@ def test_the_sdk_accumulates_a_streamed_tool_call_answer_as_the_whole_one(
         assert final.content is None and "content.delta" not in kinds
         assert final.tool_calls and final.tool_calls[0].function.name == "get_weather"
         assert final.tool_calls[0].function.arguments == whole.tool_calls[0].function.arguments
+        # Two choices, each's calls in chunks of its own index.
+        with client.chat.completions.stream(**{**asked, "n": 2}) as stream:
+            calls = [(c.index, c.delta.tool_calls) for chunk in stream if chunk.type == "chunk"
+                     for c in chunk.chunk.choices if c.delta.tool_calls]  # fmt: skip
+            both = stream.get_final_completion().choices
+        assert sorted(index for index, _ in calls) == [0, 1]
+        for choice in both:
+            assert choice.message.content is None and choice.message.tool_calls
+            assert choice.message.tool_calls[0].function.name == "get_weather"
