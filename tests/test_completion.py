@@ -156,33 +156,34 @@ def test_echo_with_logprobs_rates_every_prompt_token(
     gemma: Llama, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompt = "The capital of France is Paris, and the capital of Italy is"
-    tokens = gemma.tokenize(prompt)  # BOS first: it is not listed
+    tokens = gemma.tokenize(prompt)  # BOS first: listed as the echoed text has it, empty
     gemma.create_completion(prompt, max_tokens=1)  # in memory now: it is decoded again anyway
     result = gemma.create_completion(prompt, max_tokens=2, echo=True, logprobs=3, **GREEDY)
     logprobs = result.choices[0].logprobs
     assert logprobs is not None and result.usage.cached_tokens == 0
-    n = len(tokens) - 1
+    n = len(tokens)  # values line up with the prompt's tokens: nothing rates the first
     assert len(logprobs.tokens) == n + 2 and "".join(logprobs.tokens[:n]) == prompt
-    assert logprobs.text_offset[:3] == (
-        0,
-        len(logprobs.tokens[0]),
-        len("".join(logprobs.tokens[:2])),
-    )
+    assert logprobs.tokens[0] == "" and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None
+    for i in range(4):
+        assert logprobs.text_offset[i] == len("".join(logprobs.tokens[:i]))
     assert logprobs.text_offset[n] == len(prompt)
     # Each value is what the prefix before the token predicts, decoded alone (up to the
     # arithmetic of other batch shapes, 0.17 apart on an AVX-512 machine; a row off would be
     # nats away, see test_compat's echo test).
-    for k in (1, n // 2, n):
+    for k in (1, n // 2, n - 1):
         gemma.reset()
         gemma.create_completion(tokens[:k], max_tokens=0)
         expected = log_softmax(gemma.context.logits())[tokens[k]]
-        assert abs(logprobs.token_logprobs[k - 1] - expected) < 0.3
-        assert len(logprobs.top_logprobs[k - 1]) == 3
+        value, top = logprobs.token_logprobs[k], logprobs.top_logprobs[k]
+        assert value is not None and abs(value - expected) < 0.3
+        assert top is not None and len(top) == 3
     # Read in decodes of 2 rows (the cap on the logits one decode returns): the same values.
     monkeypatch.setattr("llamacrab._engine.logprobs._PROMPT_LOGITS_BYTES", 8 * gemma.vocab.n_tokens)
     chunked = gemma.create_completion(prompt, max_tokens=2, echo=True, logprobs=3, **GREEDY)
     assert chunked.choices[0].logprobs is not None
-    drift = np.subtract(chunked.choices[0].logprobs.token_logprobs[:n], logprobs.token_logprobs[:n])
+    drift = np.subtract(chunked.choices[0].logprobs.token_logprobs[1:n],
+                        logprobs.token_logprobs[1:n])  # fmt: skip
     assert np.abs(drift).max() < 0.3
 
 

@@ -44,14 +44,16 @@ def test_echo_with_logprobs_rates_the_prompt(
     assert expected.logprobs is not None
     assert choice["text"] == expected.text and choice["text"].startswith(PROMPT)
     logprobs = choice["logprobs"]
-    n = len(one_slot.tokenize(PROMPT)) - 1  # each prompt token but the first (a BOS)
+    n = len(one_slot.tokenize(PROMPT))  # every prompt token, the first (a BOS) without values
     assert len(logprobs["tokens"]) == n + max_tokens
     assert logprobs["tokens"] == list(expected.logprobs.tokens)
     assert logprobs["text_offset"] == list(expected.logprobs.text_offset)
-    np.testing.assert_allclose(logprobs["token_logprobs"], expected.logprobs.token_logprobs,
-                               rtol=0, atol=1e-4)  # fmt: skip
-    for got, want in zip(logprobs["top_logprobs"], expected.logprobs.top_logprobs, strict=True):
-        assert got.keys() == want.keys() and len(got) == 2
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    np.testing.assert_allclose(logprobs["token_logprobs"][1:],
+                               expected.logprobs.token_logprobs[1:], rtol=0, atol=1e-4)  # fmt: skip
+    pairs = zip(logprobs["top_logprobs"][1:], expected.logprobs.top_logprobs[1:], strict=True)
+    for got, want in pairs:
+        assert want is not None and got.keys() == want.keys() and len(got) == 2
         np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=0, atol=1e-4)
 
 
@@ -69,7 +71,30 @@ def test_the_openai_sdk_reads_the_prompts_logprobs(server: LiveServer, one_slot:
     assert logprobs.text_offset is not None
     assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(logprobs.tokens)
     assert logprobs.text_offset == list(expected.choices[0].logprobs.text_offset)
-    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs,
-                                 logprobs.top_logprobs, strict=True):  # fmt: skip
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for token, value, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:],
+                                 logprobs.top_logprobs[1:], strict=True):  # fmt: skip
         assert value is not None and value < 0 and top is not None and len(top) == 1
         assert top.get(token, value) >= value  # the likeliest is at least as likely
+
+
+def test_values_line_up_with_the_prompts_tokens_as_lm_eval_reads_them(
+    server: LiveServer, one_slot: Llama
+) -> None:
+    # lm-evaluation-harness sends context + continuation as token ids and sums
+    # token_logprobs[len(context):-1]: the continuation's own values. The prompt's tokens were
+    # listed from the second on, so that slice was one token late.
+    context = one_slot.tokenize("The cat sat on the")
+    continuation = one_slot.tokenize(" mat today", add_special=False)
+    body = {"prompt": context + continuation, "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0}  # fmt: skip
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    values = response.json()["choices"][0]["logprobs"]["token_logprobs"][len(context) : -1]
+    expected = []
+    for k in range(len(context), len(context) + len(continuation)):
+        one_slot.reset()
+        one_slot.create_completion(body["prompt"][:k], max_tokens=0)
+        logits = one_slot.context.logits().astype(np.float64)
+        shifted = logits - logits.max()
+        expected.append(shifted[body["prompt"][k]] - np.log(np.exp(shifted).sum()))
+    np.testing.assert_allclose(values, expected, rtol=0, atol=1e-3)

@@ -110,11 +110,13 @@ class RerankResult:
 
 @dataclass(frozen=True)
 class Logprobs:
-    """Per generated token: its text, log-probability and the most likely alternatives."""
+    """Per generated token: its text, log-probability and the most likely alternatives. An
+    echoed prompt's first token has None for both (nothing before it predicts it), as
+    OpenAI lists it: the values line up with the prompt's tokens."""
 
     tokens: tuple[str, ...]
-    token_logprobs: tuple[float, ...]
-    top_logprobs: tuple[dict[str, float], ...]
+    token_logprobs: tuple[float | None, ...]
+    top_logprobs: tuple[dict[str, float] | None, ...]
     text_offset: tuple[int, ...]
     # Per generated token, the ids of its top_logprobs' tokens in their order (a prompt's
     # tokens, with echo, have none).

@@ -422,22 +422,25 @@ class Completer:
 
 
 def _prompt_logprobs(vocab: Vocab, request: Request, session: Session) -> Logprobs | None:
-    """The prompt's tokens from the second on (the first has no logprob; nor is a BOS text)
-    with what the engine read; offsets count the detokenized prompt."""
+    """Every prompt token with what the engine read, the first with None (nothing precedes
+    it), so that the values line up with the prompt's tokens (lm-evaluation-harness reads
+    them by position). The first token is shown as the echoed text has it (a BOS as
+    nothing); offsets count the detokenized prompt."""
     values = session.prompt_logprobs
     if not values:
         return None
     decoder = vocab.decoder()
-    offset = len(decoder.feed(request.prompt[:1]))
-    offsets = []
-    for token in request.prompt[1 : len(values) + 1]:
+    first = decoder.feed(request.prompt[:1])
+    offset, offsets = len(first), [0]
+    rated = request.prompt[1 : len(values) + 1]
+    for token in rated:
         offsets.append(offset)
         offset += len(decoder.feed((token,)))
-    raws = tuple(vocab.token_to_bytes(t, special=True) for t in request.prompt[1 : len(values) + 1])
+    raws = (first.encode(), *(vocab.token_to_bytes(t, special=True) for t in rated))
     return Logprobs(
         tuple(raw.decode("utf-8", "backslashreplace") for raw in raws),  # token_to_piece's text
-        tuple(value for value, _ in values),
-        tuple(top for _, top in values),
+        (None, *(value for value, _ in values)),
+        (None, *(top for _, top in values)),
         tuple(offsets),
         token_bytes=raws,
     )
@@ -475,4 +478,6 @@ def _choice(
         last.stop_sequence,
         last.slot,
     )
-    return choice, logprobs.token_logprobs if logprobs else (), last.usage
+    # (the echoed prompt's first token has no value: it ranks no candidate anyway)
+    values = tuple(v for v in logprobs.token_logprobs if v is not None) if logprobs else ()
+    return choice, values, last.usage

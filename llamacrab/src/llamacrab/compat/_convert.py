@@ -50,7 +50,11 @@ def completion_logprobs(logprobs: Logprobs | None, offset: int) -> CompletionLog
     for token, value, alternatives in zip(
         logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
     ):
-        top.append({**alternatives, token: value})  # the chosen token is always listed
+        # The chosen token is always listed; an echoed prompt's first token has no values.
+        if alternatives is None or value is None:
+            top.append(None)
+        else:
+            top.append({**alternatives, token: value})
     return {
         "tokens": list(logprobs.tokens),
         "text_offset": [offset + o for o in logprobs.text_offset],
@@ -61,17 +65,23 @@ def completion_logprobs(logprobs: Logprobs | None, offset: int) -> CompletionLog
 
 def echo_logprobs(logprobs: Logprobs | None, first: str | None) -> CompletionLogprobs:
     """The echoed prompt's as llama-cpp-python gives them: each prompt token but a BOS, the
-    first without a value (OpenAI's convention). llamacrab lists the tokens from the second
-    on; ``first`` is the first token's text when it is not a BOS."""
+    first without a value. llamacrab lists every prompt token, the first without a value;
+    ``first`` is the first token's text as llama-cpp-python shows it, None for a BOS (left
+    out, and the token after it then shown without a value)."""
     converted = completion_logprobs(logprobs, 0) or {
         "tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []
     }  # fmt: skip
+    if not converted["tokens"]:  # a prompt of one token: none was rated
+        if first is not None:
+            converted = {"tokens": [first], "text_offset": [0], "token_logprobs": [None],
+                         "top_logprobs": [None]}  # fmt: skip
+        return converted
     if first is not None:
-        converted["tokens"].insert(0, first)
-        converted["text_offset"].insert(0, 0)
-        converted["token_logprobs"].insert(0, None)
-        converted["top_logprobs"].insert(0, None)
-    elif converted["tokens"]:
+        converted["tokens"][0] = first
+        return converted
+    del converted["tokens"][0], converted["text_offset"][0]
+    del converted["token_logprobs"][0], converted["top_logprobs"][0]
+    if converted["tokens"]:
         converted["token_logprobs"][0] = None
         converted["top_logprobs"][0] = None
     return converted
@@ -87,12 +97,14 @@ def chat_logprobs(logprobs: Logprobs | None) -> ChatCompletionLogprobs | None:
                 "logprob": value,
                 "bytes": None,
                 "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": None} for t, v in alternatives.items()
+                    {"token": t, "logprob": v, "bytes": None}
+                    for t, v in (alternatives or {}).items()
                 ],
             }
             for token, value, alternatives in zip(
                 logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
             )
+            if value is not None  # (a chat echoes no prompt: always)
         ],
         "refusal": None,
     }

@@ -324,14 +324,14 @@ def probabilities(vocab: Vocab, tokens: Sequence[int], logprobs: Logprobs) -> li
     likeliest alternatives, by id, text (cut before a partial UTF-8 character), bytes and
     log-probability before sampling."""
 
-    def entry(token: int, logprob: float) -> dict[str, Any]:
+    def entry(token: int, logprob: float | None) -> dict[str, Any]:
         raw = vocab.token_to_bytes(token, special=True)
         return {"id": token, "token": _whole_characters(raw), "bytes": list(raw),
                 "logprob": logprob}  # fmt: skip
 
     return [
         {**entry(token, logprob),
-         "top_logprobs": [entry(i, p) for i, p in zip(ids, top.values(), strict=True)]}
+         "top_logprobs": [entry(i, p) for i, p in zip(ids, (top or {}).values(), strict=True)]}
         for token, logprob, top, ids in zip(tokens, logprobs.token_logprobs,
                                             logprobs.top_logprobs, logprobs.top_ids, strict=True)
     ]  # fmt: skip

@@ -237,8 +237,8 @@ class UsageOut(BaseModel):
 
 class LogprobsOut(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null for an echoed prompt's first token, as OpenAI
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

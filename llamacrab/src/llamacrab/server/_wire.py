@@ -310,12 +310,12 @@ def _chat_logprobs(value: Logprobs | None) -> dict[str, Any] | None:
     if value is None:
         return None
 
-    def entry(token: str, logprob: float, raw: bytes | None) -> dict[str, Any]:
+    def entry(token: str, logprob: float | None, raw: bytes | None) -> dict[str, Any]:
         return {"token": token, "logprob": logprob,
                 "bytes": list(token.encode() if raw is None else raw)}  # fmt: skip
 
     def alternatives(i: int) -> list[dict[str, Any]]:
-        top = value.top_logprobs[i]
+        top = value.top_logprobs[i] or {}  # (None only for an echoed prompt's first token)
         raws = value.top_bytes[i] if i < len(value.top_bytes) else (None,) * len(top)
         return [entry(t, p, raw) for (t, p), raw in zip(top.items(), raws, strict=True)]
 
