@@ -422,6 +422,18 @@ def _outputs_by_sequence(batch: Batch) -> dict[int, int]:
     return counts
 
 
+def test_prompt_logprobs_leave_the_slot_holding_their_prompt(tiny_model_path: Path) -> None:
+    # They decode the whole prompt again, reusing nothing: they took the slot whose memory
+    # could serve the prompt most, and whatever it held for a later request was lost.
+    with Llama(tiny_model_path, parallel=2, n_ctx=1024, n_threads=1) as llm:
+        prompt = PROMPTS[0] * 3
+        held = llm.create_completion(prompt, max_tokens=1).choices[0].slot
+        echo = llm.create_completion(prompt, echo=True, logprobs=1, max_tokens=0)
+        assert echo.choices[0].slot not in (None, held)
+        again = llm.create_completion(prompt, max_tokens=1)
+        assert again.choices[0].slot == held and again.usage.cached_tokens > 0
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_prompt_logprobs_on_parallel_slots_equal_one_slots(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, max_tokens: int

@@ -283,7 +283,8 @@ class Scheduler:
 
     def _admit(self) -> bool:
         """Move waiting jobs into free slots (the one holding the longest prefix of its prompt
-        that it can reuse first: computed with its adapters); end cancelled waiting jobs.
+        that it can reuse first: computed with its adapters; for prompt logprobs, which reuse
+        nothing, the one holding the shortest); end cancelled waiting jobs.
         True when a slot has work."""
         self._drop_stopped_waiting()
         free = [slot for slot in self.slots if slot.job is None]
@@ -293,7 +294,13 @@ class Scheduler:
             with contextlib.suppress(InvalidParameterError):  # raised again by _step's plan
                 job.plan = free[0].kv.plan_for(prompt, job.request.lora)
             plan = job.plan
-            slot = free[0] if plan is None else max(free, key=lambda s: s.kv.reusable(prompt, plan))
+            # Prompt logprobs decode the whole prompt again: the slot that could reuse most of
+            # it is left to a later request.
+            pick = min if job.request.prompt_logprobs else max
+            if plan is None:
+                slot = free[0]
+            else:
+                slot = pick(free, key=lambda s: s.kv.reusable(prompt, plan))
             free.remove(slot)
             slot.job = job
             job.session.slot = slot.kv.seq_id
