@@ -18,7 +18,7 @@ from typing import Any
 
 from llamacrab._chat.tool_calls import parse_tool_calls, tool_names, tool_parameters
 from llamacrab._exceptions import InvalidParameterError
-from llamacrab._grammar.json_schema import schema_to_grammar
+from llamacrab._grammar.json_schema import Document, schema_to_grammar
 from llamacrab._types import ToolCall
 
 INSTRUCTION = (
@@ -92,7 +92,7 @@ def generic_grammar(
         return schema_to_grammar(call)
     reply = {
         "type": "object",
-        "properties": {"response": dict(response_schema or {"type": "string"})},
+        "properties": {"response": Document(response_schema or {"type": "string"})},
         "required": ["response"],
     }
     return schema_to_grammar({"anyOf": [call, reply]})

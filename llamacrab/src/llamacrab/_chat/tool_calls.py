@@ -19,7 +19,7 @@ from typing import Any
 from llamacrab._engine.stop import StopMatcher
 from llamacrab._exceptions import InvalidParameterError, ToolCallError
 from llamacrab._field_types import checked
-from llamacrab._grammar.json_schema import schema_to_grammar
+from llamacrab._grammar.json_schema import Document, schema_to_grammar
 from llamacrab._types import ToolCall
 
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -152,12 +152,13 @@ def _shown(value: Any) -> str:
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def tool_parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
-    """The schema of a (checked, see ``tool_names``) tool's arguments: always an object."""
+def tool_parameters(tool: Mapping[str, Any]) -> Document:
+    """The schema of a (checked, see ``tool_names``) tool's arguments: always an object, and a
+    document of its own (its refs resolve against it inside the grammar of a call)."""
     parameters = tool["function"].get("parameters")
     if parameters is None:
-        return dict(_NO_PARAMETERS)
-    return {**parameters, "type": "object"}
+        return Document(_NO_PARAMETERS)
+    return Document({**parameters, "type": "object"})
 
 
 # A chat template mentioning one of these openers gets, for tool_choice "auto", a lazy grammar:

@@ -1,25 +1,34 @@
 """JSON Schema to GBNF: grammars that make llama.cpp's sampler emit only matching JSON.
 
-Supported: type (object, array, string, number, integer, boolean, null, or a list of them),
+Enforced: type (object, array, string, number, integer, boolean, null, or a list of them),
 properties with required (declaration order), additionalProperties (false, true or a schema),
-items, prefixItems, minItems/maxItems, string minLength/maxLength, pattern (the regex subset
-of _regex_gbnf) and format (date, time, date-time, uuid, email, uri), minimum/maximum and
+min/maxProperties of objects without properties, items, prefixItems, minItems/maxItems,
+string minLength/maxLength, pattern (the regex subset of _regex_gbnf) and format (date, time,
+date-time, duration, uuid, email, uri, hostname, ipv4, ipv6), minimum/maximum and
 exclusiveMinimum/exclusiveMaximum with whole-number bounds (integers: any range, digit by
-digit; numbers: inclusive bounds, no exponent), enum, const,
-anyOf/oneOf, allOf of objects, and $ref into #/$defs or #/definitions (recursion too). Any
-other keyword is refused, by name, rather than loosened.
+digit; numbers: inclusive bounds, no exponent; draft-04's boolean exclusive bounds too),
+multipleOf of integers (a divisibility automaton, or the multiples of a short range), enum,
+const, anyOf/oneOf, allOf of objects, OpenAPI's nullable, and $ref into #/$defs or
+#/definitions (recursion too) of the document the ref is in: a ``Document`` embedded in a
+larger schema (a tool's parameters) resolves its refs against itself.
+
+Accepted, not enforced (as llama-server does; the answer matches the rest of the schema):
+the validation-only keywords of _NOT_ENFORCED, other string formats (a plain string), lengths
+beside a pattern or a format, and min/maxProperties beside properties. Any other keyword is
+refused, by name, rather than loosened.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 from llamacrab._exceptions import GrammarError
-from llamacrab._grammar.number_range import bounded, integral_bound
+from llamacrab._grammar.number_range import bounded, integral_bound, multiples
 from llamacrab._grammar.regex_gbnf import pattern_to_gbnf
 from llamacrab._native.gbnf.bounds import MAX_GRAMMAR_BYTES
 from llamacrab._native.gbnf.repetition import repeat
@@ -27,20 +36,31 @@ from llamacrab._native.gbnf.repetition import repeat
 # Keywords that constrain nothing a grammar must enforce.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
                 "$defs", "definitions", "deprecated", "readOnly", "writeOnly"}  # fmt: skip
-_SUPPORTED = _ANNOTATIONS | {
-    "type", "properties", "required", "additionalProperties", "maxProperties", "items",
-    "prefixItems",
-    "minItems", "maxItems", "minLength", "maxLength", "format", "pattern", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "enum",
-    "const", "anyOf", "oneOf", "allOf", "$ref",
+# Validation keywords a grammar cannot express at a bounded size: accepted and not enforced,
+# as llama-server's converter ignores them (pydantic's set is uniqueItems, MCP tools carry the
+# rest). The answer still matches everything else in the schema.
+_NOT_ENFORCED = {
+    "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+    "propertyNames", "patternProperties", "dependentRequired", "dependentSchemas",
+    "dependencies", "unevaluatedProperties", "unevaluatedItems", "contentEncoding",
+    "contentMediaType", "contentSchema", "discriminator",
 }  # fmt: skip
-_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+_SUPPORTED = _ANNOTATIONS | _NOT_ENFORCED | {
+    "type", "properties", "required", "additionalProperties", "minProperties", "maxProperties",
+    "items", "prefixItems",
+    "minItems", "maxItems", "minLength", "maxLength", "format", "pattern", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum",
+    "const", "anyOf", "oneOf", "allOf", "$ref", "nullable",
+}  # fmt: skip
+_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
 # The JSON type each keyword's value must have (a schema is untrusted input: a wrong type is
 # a GrammarError naming it, not a TypeError from deep inside the converter).
 _NUMBER = (int, float)
 _KEYWORD_TYPES: dict[str, tuple[type, ...]] = {
     "type": (str, list), "properties": (Mapping,), "required": (list,),
-    "additionalProperties": (bool, Mapping), "maxProperties": (int,), "items": (bool, Mapping),
+    "additionalProperties": (bool, Mapping), "minProperties": (int,), "maxProperties": (int,),
+    "items": (bool, Mapping), "multipleOf": _NUMBER, "nullable": (bool,),
+    "patternProperties": (Mapping,), "not": (bool, Mapping), "uniqueItems": (bool,),
     "prefixItems": (list,), "minItems": (int,), "maxItems": (int,), "minLength": (int,),
     "maxLength": (int,), "format": (str,), "pattern": (str,), "minimum": _NUMBER,
     "maximum": _NUMBER, "exclusiveMinimum": _NUMBER, "exclusiveMaximum": _NUMBER,
@@ -49,7 +69,7 @@ _KEYWORD_TYPES: dict[str, tuple[type, ...]] = {
 }  # fmt: skip
 # Counts of items, characters or properties: grammar repetitions, any count written so that
 # llama.cpp enforces it exactly (repetition.py).
-_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "maxProperties")
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
 _DIGITS2 = "[0-9] [0-9]"
 _FORMATS = {
     "date": '[0-9]{4} "-" ( "0" [1-9] | "1" [0-2] ) "-" ( "0" [1-9] | [12] [0-9] | "3" [01] )',
@@ -62,6 +82,46 @@ _FORMATS = {
     "uri": '[a-zA-Z] [a-zA-Z0-9+.-]{0,9} "://" [a-zA-Z0-9._~:/?#@!$&()*+,;=%-]{1,200}',
 }
 _FORMATS["date-time"] = f'{_FORMATS["date"]} "T" {_FORMATS["time"]}'
+_OCTET = '( "25" [0-5] | "2" [0-4] [0-9] | "1" [0-9] [0-9] | [1-9]? [0-9] )'
+_FORMATS["ipv4"] = " ".join([_OCTET] + [f'"." {_OCTET}'] * 3)
+# RFC 4291 text: eight groups, or fewer around one "::" (the IPv4-in-IPv6 forms left out).
+_H16, _GROUPS = "[0-9a-fA-F]{1,4}", 8
+
+
+def _groups(low: int, high: int) -> str:
+    """``low`` to ``high`` colon-separated IPv6 groups."""
+    if high == 0:
+        return ""
+    groups = f'{_H16} ( ":" {_H16} ){{{max(low - 1, 0)},{high - 1}}}' if high > 1 else _H16
+    return groups if low else f"( {groups} )?"
+
+
+_FORMATS["ipv6"] = " | ".join(
+    [f"( {_groups(_GROUPS, _GROUPS)} )"]
+    + [f'( {_groups(left, left)} "::" {_groups(0, _GROUPS - 1 - left)} )'
+       for left in range(_GROUPS)]
+)  # fmt: skip
+# RFC 1123 names: labels of up to 32 characters (of RFC's 63), at most 7, so at most 230 in all
+# (RFC's limit is 253).
+_LABEL = "[a-zA-Z0-9] ( [a-zA-Z0-9-]{0,30} [a-zA-Z0-9] )?"
+_FORMATS["hostname"] = f'{_LABEL} ( "." {_LABEL} ){{0,6}}'
+
+
+def _some_of(parts: list[str]) -> str:
+    """One or more of ``parts``, in their order."""
+    return " | ".join(
+        f"( {part} " + " ".join(f"( {later} )?" for later in parts[i + 1 :]) + " )"
+        for i, part in enumerate(parts)
+    )
+
+
+# ISO 8601 durations as pydantic writes a timedelta: P1DT2H3M4.5S, PT0S, P2W.
+_TIME_PARTS = ['[0-9]{1,6} "H"', '[0-9]{1,6} "M"', '[0-9]{1,6} ( "." [0-9]{1,6} )? "S"']
+_DATE_PARTS = ['[0-9]{1,4} "Y"', '[0-9]{1,4} "M"', '[0-9]{1,6} "D"']
+_TIME = f'"T" ( {_some_of(_TIME_PARTS)} )'
+_FORMATS["duration"] = (
+    f'"P" ( ( {_some_of(_DATE_PARTS)} ) ( {_TIME} )? | {_TIME} | [0-9]{{1,4}} "W" )'
+)
 
 _PRIMITIVES = {
     "ws": r"[ \t\n]{0,8}",
@@ -95,6 +155,12 @@ def _literal(value: Any) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+class Document(dict[str, Any]):
+    """A schema embedded in a larger one that is a JSON Schema document of its own (a tool's
+    parameters inside the grammar of a call): its ``#/$defs/...`` refs resolve against it,
+    where they were written, not against the schema it is embedded in."""
+
+
 # Nested subschemas are visited recursively: deeper than this is refused by name, long before
 # Python's recursion limit (a RecursionError is not an error message).
 MAX_SCHEMA_DEPTH = 64
@@ -102,17 +168,17 @@ MAX_SCHEMA_DEPTH = 64
 
 class _Converter:
     def __init__(self, root: Mapping[str, Any]) -> None:
-        self.root = root
+        self.root = root  # the document whose refs are being resolved
         self.depth = 0
         self.rules: dict[str, str] = {}
-        self.refs: dict[str, str] = {}
+        self.refs: dict[tuple[int, str], str] = {}  # (document id, ref): its rule
         self.named: dict[tuple[str, str], str] = {}  # (base name, body): its rule
         self.next_suffix: dict[str, int] = {}
         self.size = 0
-        # Each subschema object visited once: a Python schema can share one dict in many
-        # places ({"anyOf": [s, s]} nested n deep is 2**n visits). The object is kept with its
-        # rule, so its id cannot be reused by another while converting.
-        self.visited: dict[int, tuple[Any, str]] = {}
+        # Each subschema object visited once per document: a Python schema can share one dict
+        # in many places ({"anyOf": [s, s]} nested n deep is 2**n visits). The object is kept
+        # with its rule, so its id cannot be reused by another while converting.
+        self.visited: dict[tuple[int, int], tuple[Any, str]] = {}
 
     def add(self, hint: str, body: str) -> str:
         """The rule named after ``hint`` whose body is ``body``: an existing one, or a new one
@@ -143,16 +209,22 @@ class _Converter:
             raise GrammarError(
                 f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (at {hint!r})"
             )
-        seen = self.visited.get(id(schema))
+        outer = self.root
+        if isinstance(schema, Document):
+            self.root = schema
+        key = (id(schema), id(self.root))
+        seen = self.visited.get(key)
         if seen is not None and seen[0] is schema:
+            self.root = outer
             return seen[1]
         self.depth += 1
         try:
             rule = self._visit(schema, hint)
         finally:
             self.depth -= 1
+            self.root = outer
         if isinstance(schema, Mapping):
-            self.visited[id(schema)] = (schema, rule)
+            self.visited[key] = (schema, rule)
         return rule
 
     def _visit(self, schema: Any, hint: str) -> str:
@@ -165,7 +237,13 @@ class _Converter:
             raise GrammarError(
                 f"JSON Schema keyword {unsupported[0]!r} (at {hint}) is not supported"
             )
+        schema = _draft4_bounds(schema)
         _check_keyword_types(schema, hint)
+        if schema.get("nullable") is True:  # OpenAPI 3.0: the schema, or null
+            plain = {k: v for k, v in schema.items() if k != "nullable"}
+            return self.add(hint, f"{self.visit(plain, f'{hint}-value')} | json-null")
+        if schema.get("not") in (True, {}):
+            raise GrammarError(f"the schema at {hint!r} allows no value ('not' of any value)")
         if "allOf" in schema:
             return self.visit(_merge_all_of(schema, hint), hint)
         if "$ref" in schema:
@@ -200,35 +278,43 @@ class _Converter:
         raise GrammarError(f"unsupported schema at {hint!r}: {json.dumps(schema)[:200]}")
 
     def ref(self, ref: str) -> str:
-        if ref not in self.refs:
+        key = (id(self.root), ref)
+        if key not in self.refs:
             match = re.fullmatch(r"#/(\$defs|definitions)/(.+)", ref)
             if match is None or match.group(2) not in self.root.get(match.group(1), {}):
                 raise GrammarError(f"cannot resolve $ref {ref!r}")
-            section, key = match.groups()
+            section, name = match.groups()
             # Registered before its body is built, so a recursive schema can refer to it.
-            self.refs[ref] = name = self.add(f"ref-{key}", f"<{ref}>")
-            self.rules[name] = self.visit(self.root[section][key], f"def-{key}")
-        return self.refs[ref]
+            self.refs[key] = rule = self.add(f"ref-{name}", f"<{id(self.root)}{ref}>")
+            self.rules[rule] = self.visit(self.root[section][name], f"def-{name}")
+        return self.refs[key]
 
     def object(self, schema: Mapping[str, Any], hint: str) -> str:
         properties: Mapping[str, Any] = schema.get("properties", {})
-        extra = schema.get("additionalProperties", not properties)
+        extra = _extra_properties(schema)
         extra_member = None
         if extra is not False:
             value = self.visit(extra, f"{hint}-extra")
             extra_member = self.add(f"{hint}-member", f'json-string ws ":" ws {value}')
-        most = schema.get("maxProperties")
-        if most is not None and properties:
-            raise GrammarError(f"{hint}: maxProperties with properties is not supported")
-        if not properties:
+        fewest, most = schema.get("minProperties", 0), schema.get("maxProperties")
+        if most is not None and fewest > most:
+            raise GrammarError(f"{hint}: maxProperties {most} < minProperties {fewest}")
+        if not properties:  # counts enforced; beside properties they are not
+            if fewest and extra_member is None:
+                raise GrammarError(f"{hint}: minProperties {fewest} of an object that has none")
             if extra_member is None or most == 0:
                 return self.add(hint, '"{" ws "}"')
-            more = self.more_items(extra_member, 0, None if most is None else most - 1)
-            return self.add(hint, f'"{{" ws ( {extra_member} {more} )? ws "}}"')
+            more = self.more_items(
+                extra_member, max(fewest - 1, 0), None if most is None else most - 1
+            )
+            members = f"{extra_member} {more}"
+            return self.add(hint, f'"{{" ws {members if fewest else f"( {members} )?"} ws "}}"')
         required = set(schema.get("required", []))
         unknown = required - set(properties)
         if unknown:
             raise GrammarError(f"{hint}: required {sorted(unknown)} are not in properties")
+        if most is not None and most < len(required):
+            raise GrammarError(f"{hint}: maxProperties {most} < the {len(required)} required")
         pairs = {
             key: f'{_literal(key)} ws ":" ws {self.visit(value, f"{hint}-{key}")}'
             for key, value in properties.items()
@@ -280,7 +366,10 @@ class _Converter:
     def numeric(self, schema: Mapping[str, Any], hint: str, kind: str) -> str:
         if not _BOUNDS & set(schema):
             return f"json-{kind}"
-        fraction = kind == "number"
+        divisor = schema.get("multipleOf")
+        if divisor is not None and not float(divisor).is_integer():
+            return self.decimals(schema, hint)
+        fraction = kind == "number" and divisor is None  # a whole multipleOf makes integers
         if fraction and ({"exclusiveMinimum", "exclusiveMaximum"} & set(schema)):
             raise GrammarError(
                 f"JSON Schema keyword 'exclusiveMinimum'/'exclusiveMaximum' on a number at {hint} "
@@ -295,23 +384,32 @@ class _Converter:
             if keyword in schema:
                 value = integral_bound(schema[keyword], keyword, hint) + step
                 high = value if high is None else min(high, value)
+        if divisor is not None:
+            return self.add(hint, multiples(int(divisor), low, high, self.add, hint))
         return self.add(hint, bounded(low, high, fraction))
+
+    def decimals(self, schema: Mapping[str, Any], hint: str) -> str:
+        """multipleOf 0.1, 0.01, ...: numbers with at most that many decimals."""
+        divisor = schema["multipleOf"]
+        places = round(-math.log10(divisor)) if divisor > 0 else 0
+        bounded_too = (_BOUNDS - {"multipleOf"}) & set(schema)
+        if places < 1 or not math.isclose(divisor, 10.0**-places) or bounded_too:
+            raise GrammarError(
+                f"{hint}: multipleOf {divisor} is supported when it is a whole number, or "
+                "0.1, 0.01, ... without bounds"
+            )
+        return self.add(hint, f'json-integer ( "." [0-9]{{1,{places}}} )?')
 
     def string(self, schema: Mapping[str, Any], hint: str) -> str:
         """A rule named after the string's shape, not its place: llama.cpp expands a bounded
         repetition where a rule defines it, so properties of one shape share one expansion
         (400 strings of maxLength 2000 each with its own copy: 3.2M elements, refused)."""
-        if "pattern" in schema:
-            if {"format", "minLength", "maxLength"} & set(schema):
-                raise GrammarError(f"{hint}: pattern with format or lengths is not supported")
+        if "pattern" in schema:  # enforced; a format or lengths beside it are not
             pattern = pattern_to_gbnf(schema["pattern"], self.add)
             return self.add("string-pattern", f'"\\"" ( {pattern} ) "\\""')
-        if "format" in schema:
-            if schema["format"] not in _FORMATS:
-                raise GrammarError(f"string format {schema['format']!r} at {hint} is not supported")
-            return self.add(
-                f"string-{schema['format']}", f'"\\"" {_FORMATS[schema["format"]]} "\\""'
-            )
+        if schema.get("format") in _FORMATS:  # other formats: a plain string, as llama-server
+            body = _FORMATS[schema["format"]]
+            return self.add(f"string-{schema['format']}", f'"\\"" ( {body} ) "\\""')
         low, high = schema.get("minLength"), schema.get("maxLength")
         if low is None and high is None:
             return "json-string"
@@ -347,6 +445,8 @@ def _check_keyword_types(schema: Mapping[str, Any], hint: str) -> None:
             raise GrammarError(f"JSON Schema {keyword!r} at {hint} is empty")
         if keyword in _COUNTS:
             _check_count(keyword, value, hint)
+        if keyword == "multipleOf" and not value > 0:
+            raise GrammarError(f"JSON Schema 'multipleOf' at {hint} must be greater than 0")
 
 
 def _check_count(keyword: str, value: int, hint: str) -> None:
@@ -368,6 +468,30 @@ def _check_optional_size(may: list[str], tail: str, hint: str) -> None:
                 f"{hint}: {len(may)} properties, none required, make a grammar over the limit of "
                 f"{MAX_GRAMMAR_BYTES} bytes (require some, or use fewer)"
             )
+
+
+def _extra_properties(schema: Mapping[str, Any]) -> Any:
+    """The schema of properties beyond ``properties`` (False: none). patternProperties: any
+    name (not checked against the patterns) with a value of one of their schemas."""
+    properties = schema.get("properties", {})
+    extra = schema.get("additionalProperties", not properties)
+    patterned = list(schema.get("patternProperties", {}).values())
+    if not patterned or extra is True:
+        return extra
+    return {"anyOf": patterned + ([] if extra is False else [extra])}
+
+
+def _draft4_bounds(schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Draft-04's boolean exclusiveMinimum/exclusiveMaximum (minimum is exclusive) in the
+    numeric form of later drafts."""
+    flags = {k for k in ("exclusiveMinimum", "exclusiveMaximum") if isinstance(schema.get(k), bool)}
+    if not flags:
+        return schema
+    converted = {k: v for k, v in schema.items() if k not in flags}
+    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if schema.get(flag) is True and bound in schema:
+            converted[flag] = converted.pop(bound)
+    return converted
 
 
 def _for_type(schema: Mapping[str, Any], kind: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ in range match (JSON's form: no leading zeros, at most 16 integer digits, no exp
 from __future__ import annotations
 
 from llamacrab._exceptions import GrammarError
+from llamacrab._native.gbnf.repetition import AddRule
 
 MAX_DIGITS = 16
 FRACTION = '( "." [0-9]{1,16} )'
@@ -83,3 +84,59 @@ def integral_bound(value: object, keyword: str, hint: str) -> int:
     if abs(value) >= 10**MAX_DIGITS:
         raise GrammarError(f"{keyword} {value} at {hint} has more than {MAX_DIGITS} digits")
     return int(value)
+
+
+# multipleOf: a divisibility automaton has a rule per remainder, so the divisor is bounded; a
+# bounded range of up to MAX_LISTED multiples is written out instead.
+MAX_DIVISOR = 1000
+MAX_LISTED = 256
+
+
+def multiples(step: int, low: int | None, high: int | None, add: AddRule, hint: str) -> str:
+    """A GBNF alternative for the integers divisible by ``step`` (> 0) between two bounds,
+    either of which may be None. Bounds that cut into the multiples of one sign without
+    listing them are refused: that needs the range and the automaton combined."""
+    if low is not None and high is not None:
+        values = range(-(-low // step) * step, high + 1, step)
+        if not values:
+            raise GrammarError(f"{hint}: no multiple of {step} from {low} to {high}")
+        if len(values) <= MAX_LISTED:
+            return " | ".join(f'"{v}"' for v in values)
+    positives_all = high is None and (low is None or low <= step)
+    negatives_all = low is None and (high is None or high >= -step)
+    if not (positives_all or (high is not None and high < step)) or not (
+        negatives_all or (low is not None and low > -step)
+    ):
+        raise GrammarError(
+            f"{hint}: multipleOf {step} with bounds between which lie more than {MAX_LISTED} "
+            "multiples is not supported (bound it closer, or at 0)"
+        )
+    if step > MAX_DIVISOR:
+        raise GrammarError(f"{hint}: multipleOf above {MAX_DIVISOR} is not supported")
+    positive = _divisible(step, add)
+    options = [positive] if positives_all else []
+    if negatives_all:
+        options.append(f'"-" {positive}')
+    if (low is None or low <= 0) and (high is None or high >= 0):
+        options.append('"0"')
+    return " | ".join(options)
+
+
+def _divisible(step: int, add: AddRule) -> str:
+    """The positive multiples of ``step`` in decimal: a rule per remainder of the digits read
+    so far, each digit leading to the next remainder; the number may end at remainder 0."""
+
+    def state(remainder: int) -> str:
+        return f"mod-{step}-{remainder}"
+
+    def moves(remainder: int, digits: range) -> str:
+        targets: dict[int, str] = {}
+        for digit in digits:
+            target = (remainder * 10 + digit) % step
+            targets[target] = targets.get(target, "") + str(digit)
+        return " | ".join(f"[{chars}] {state(target)}" for target, chars in targets.items())
+
+    for remainder in range(step):
+        body = moves(remainder, range(10))
+        add(state(remainder), f"( {body} )?" if remainder == 0 else body)
+    return f"( {moves(0, range(1, 10))} )"
