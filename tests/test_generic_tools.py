@@ -4,6 +4,7 @@ message, a grammar-constrained JSON answer, parsed back into calls or content)."
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,25 +132,42 @@ def test_generic_answers_parse() -> None:
     assert parse_generic('{"response": "Hi\\nthere"}') == ("Hi\nthere", [])
     assert parse_generic('{"response": {"ok": true}}') == ('{\n  "ok": true\n}', [])
     assert parse_generic("plain words") == ("plain words", [])
-    # A call cut short (max_tokens) is neither content nor a call: its JSON is ours, not
-    # the user's text.
+    # A call cut short (max_tokens) before its name is whole is neither content nor a call:
+    # its JSON is ours, not the user's text. Once named, it is the call so far (as OpenAI).
     for cut in ('{\n  "tool_call": {\n    "name": "get_', '{"tool_c', "{\n  ", "{"):
         assert parse_generic(cut) == ("", []), cut
+    content, calls = parse_generic('{"tool_call": {"name": "get_time", "arguments": {"a')
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_time", '{"a')]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_call_cut_by_max_tokens_leaves_no_json_in_the_content(llm: Llama, stream: bool) -> None:
+def test_a_call_cut_by_max_tokens_is_the_call_so_far(llm: Llama, stream: bool) -> None:
+    """Each budget shorter than the call: no content, finish "length", and once the name is
+    whole, that call with the arguments' text so far (not JSON yet); then the whole call."""
     kwargs: Any = {"chat_format": "chatml", "tools": [WEATHER], "tool_choice": "required",
-                   "max_tokens": 6}  # fmt: skip
-    if stream:
-        chunks = list(llm.stream_chat_completion(ASK, **kwargs))
-        content = "".join(c.delta.content for c in chunks)
-        finish, calls = chunks[-1].finish_reason, [c for k in chunks for c in k.delta.tool_calls]
-    else:
-        choice = llm.create_chat_completion(ASK, **kwargs).choices[0]
-        content, finish = choice.message.content or "", choice.finish_reason
-        calls = list(choice.message.tool_calls)
-    assert (content, finish, calls) == ("", "length", [])
+                   "temperature": 0}  # fmt: skip
+    whole = llm.create_chat_completion(ASK, max_tokens=400, **kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    final = re.sub(r"\s", "", whole.message.tool_calls[0].arguments)
+    named = unnamed = 0
+    for budget in range(1, 200):
+        if stream:
+            chunks = list(llm.stream_chat_completion(ASK, max_tokens=budget, **kwargs))
+            content = "".join(c.delta.content for c in chunks)
+            finish = chunks[-1].finish_reason
+            calls = [c for k in chunks for c in k.delta.tool_calls]
+        else:
+            choice = llm.create_chat_completion(ASK, max_tokens=budget, **kwargs).choices[0]
+            content, finish = choice.message.content or "", choice.finish_reason
+            calls = list(choice.message.tool_calls)
+        if finish == "tool_calls":
+            break
+        assert (content, finish) == ("", "length")
+        if calls:
+            assert [c.name for c in calls] == ["get_weather"]
+            assert final.startswith(re.sub(r"\s", "", calls[0].arguments)), calls[0].arguments
+        named, unnamed = named + bool(calls), unnamed + (not calls)
+    assert named and unnamed
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 from test_json_schema import _takes
 
 from llamacrab import GrammarError, Llama, Model, schema_to_grammar
-from llamacrab._chat.generic_tools import generic_grammar
+from llamacrab._chat.generic_tools import generic_grammar, parse_generic
 from llamacrab._chat.tool_calls import forced_call_grammar
 
 S = {"type": "string"}
@@ -225,3 +225,18 @@ def test_remote_refs_in_tools_are_refused() -> None:
     remote = {"type": "object", "properties": {"a": {"$ref": "https://x.test/a.json"}}}
     with pytest.raises(GrammarError, match="cannot resolve"):
         generic_grammar([_tool("t", remote)], "auto")
+
+
+# -- a call cut at max_tokens ----------------------------------------------------------------------
+
+
+def test_a_cut_call_with_a_whole_name_is_returned_with_its_arguments_so_far() -> None:
+    text = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Par'
+    content, calls = parse_generic(text)
+    assert content == ""
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Par')]
+    assert calls[0].id.startswith("call_")
+    _, calls = parse_generic('{"tool_call": {"name": "get_weather"')
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", "")]
+    for unnamed in ('{"tool_call": {"name": "get_wea', '{"tool_call": {', "{"):
+        assert parse_generic(unnamed) == ("", [])

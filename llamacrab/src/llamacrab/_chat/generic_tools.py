@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llamacrab._chat.tool_calls import parse_tool_calls, tool_names, tool_parameters
+from llamacrab._chat.tool_calls import new_call, parse_tool_calls, tool_names, tool_parameters
 from llamacrab._exceptions import InvalidParameterError
 from llamacrab._grammar.json_schema import Document, schema_to_grammar
 from llamacrab._types import ToolCall
@@ -101,9 +101,10 @@ def generic_grammar(
 def parse_generic(text: str) -> tuple[str, list[ToolCall]]:
     """Content and tool calls of an answer in the generic format: ``{"response": ...}`` is
     content (JSON other than a string is written out, indented; a response string cut short,
-    at max_tokens, is its text so far, as a stream shows it; a call cut short is no content
-    and no call); calls are parsed as ``parse_tool_calls`` does; anything else is content as
-    it is."""
+    at max_tokens, is its text so far, as a stream shows it); calls are parsed as
+    ``parse_tool_calls`` does. A call cut short is that call with its arguments' text so far
+    (not JSON), as OpenAI and llama-server return it, once its name is whole; before, no
+    content and no call. Anything else is content as it is."""
     try:
         value = json.loads(text.strip())
     except RecursionError:  # nested past Python's limit: no call, so content
@@ -113,7 +114,7 @@ def parse_generic(text: str) -> tuple[str, list[ToolCall]]:
         if opened is not None:
             return _JsonStringReader().push(text[opened.end() :]), []
         if _cut_call(text):  # the call's private JSON is not the user's text
-            return "", []
+            return "", _named_cut_call(text)
         value = None
     if (
         isinstance(value, Mapping)
@@ -127,7 +128,27 @@ def parse_generic(text: str) -> tuple[str, list[ToolCall]]:
 
 
 _OPENER = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+# A call cut short whose name is whole: the name (a JSON string), and the arguments so far.
+_CUT_CALL = re.compile(
+    r'\s*\{\s*"tool_call"\s*:\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")'
+    r'(?:\s*,\s*"arguments"\s*:\s*(.*))?',
+    re.S,
+)
 _COMPACT_OPENER = '{"response":"'
+
+
+def _named_cut_call(text: str) -> list[ToolCall]:
+    """The call cut short in ``text``, once its name is whole: its arguments' text so far."""
+    named = _CUT_CALL.match(text)
+    try:
+        name = json.loads(named.group(1)) if named is not None else None
+    except json.JSONDecodeError:  # an escape the grammar did not constrain
+        name = None
+    if named is None or not isinstance(name, str):
+        return []
+    return [new_call(name, named.group(2) or "")]
+
+
 _COMPACT_CALL = '{"tool_call":'
 
 

@@ -3,6 +3,7 @@ tool calls found in (or checked in) the answer, whole or streamed."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from llamacrab._types import (
     ChatMessage,
     CompletionChoice,
     CompletionChunk,
+    FinishReason,
     Logprobs,
     ToolCall,
 )
@@ -122,10 +124,16 @@ class ChatOptions:
         response = _response_schema(self.response_format)
         return {**kwargs, "grammar": generic_grammar(self.tools, self.tool_choice, response)}
 
-    def _checked(self, calls: Sequence[ToolCall]) -> tuple[ToolCall, ...]:
+    def _checked(
+        self, calls: Sequence[ToolCall], finish: FinishReason | None
+    ) -> tuple[tuple[ToolCall, ...], FinishReason]:
+        """The calls, checked, and the finish reason: "tool_calls", or "length" for a call cut
+        at max_tokens (as OpenAI: its arguments are the text so far, so not checked)."""
+        if finish == "length" and not all(map(_is_json, (c.arguments for c in calls))):
+            return tuple(calls), finish
         if self.check_tool_arguments and self.tools:
             check_arguments(calls, self.tools)
-        return tuple(calls)
+        return tuple(calls), "tool_calls"
 
     def choice(self, choice: CompletionChoice) -> ChatChoice:
         text = choice.text
@@ -133,8 +141,9 @@ class ChatOptions:
             parse = parse_generic if self.generic_tools else parse_tool_calls
             content, calls = parse(choice.text)
             if calls:
-                message = ChatMessage("assistant", content or None, self._checked(calls))
-                return ChatChoice(choice.index, message, "tool_calls", choice.logprobs)
+                checked, finish = self._checked(calls, choice.finish_reason)
+                message = ChatMessage("assistant", content or None, checked)
+                return ChatChoice(choice.index, message, finish, choice.logprobs)
             text = content  # the generic format's response, unwrapped
         message = ChatMessage("assistant", text)
         return ChatChoice(choice.index, message, choice.finish_reason, choice.logprobs,
@@ -158,7 +167,7 @@ class ChatOptions:
                         rest, found = splitter.finish()
                         text += rest
                         if found:
-                            calls, finish = self._checked(found), "tool_calls"
+                            calls, finish = self._checked(found, finish)
                 if chunk.logprobs is not None:
                     held.append(chunk.logprobs)
                 if not (first or text or calls or finish):
@@ -174,6 +183,14 @@ class ChatOptions:
                                           chunk.usage_so_far)  # fmt: skip
         finally:
             stream.close()  # breaking out of the chat stream stops generation at once
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
 
 
 def _response_schema(response_format: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -40,8 +40,12 @@ def _call(obj: Any) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", (obj.get("function") or {}).get("arguments")))
     if not isinstance(name, str) or args is None:
         return None
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return ToolCall(name, text, f"call_{uuid.uuid4().hex[:24]}")
+    return new_call(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def new_call(name: str, arguments: str) -> ToolCall:
+    """A call of ``name`` with ``arguments`` (their text), given an id of its own."""
+    return ToolCall(name, arguments, f"call_{uuid.uuid4().hex[:24]}")
 
 
 def _loads(text: str) -> Any:

@@ -323,7 +323,11 @@ class Reply:
             reason = "model_context_window_exceeded"
         return {"stop_reason": reason, "stop_sequence": matched if finish == "stop" else None}
 
-    def calls(self, calls: Sequence[ToolCall]) -> Sequence[ToolCall]:
+    def calls(self, calls: Sequence[ToolCall], finish: FinishReason | None) -> Sequence[ToolCall]:
+        """The calls to answer as tool_use blocks. A call cut at max_tokens is left out: its
+        input so far is not the JSON object a tool_use block holds."""
+        if finish == "length":
+            calls = [call for call in calls if isinstance(_loaded(call.arguments), dict)]
         return calls[:1] if self.one_call else calls
 
 
@@ -337,11 +341,15 @@ def usage(value: Usage) -> dict[str, int]:
             "cache_read_input_tokens": value.cached_tokens}  # fmt: skip
 
 
-def _tool_use(call: ToolCall) -> dict[str, Any]:
+def _loaded(arguments: str) -> Any:
     try:
-        arguments = json.loads(call.arguments or "{}")
+        return json.loads(arguments or "{}")
     except json.JSONDecodeError:
-        arguments = None
+        return None
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    arguments = _loaded(call.arguments)
     if not isinstance(arguments, dict):
         raise ApiError(500, f"the model called {call.name!r} with arguments that are not a JSON "
                        f"object: {call.arguments[:200]!r}")  # fmt: skip
@@ -357,7 +365,7 @@ def message(result: ChatCompletion | Completion, reply: Reply) -> dict[str, Any]
     else:
         text, calls = choice.text, ()
     content = [{"type": "text", "text": text}] if text else []
-    content += [_tool_use(call) for call in reply.calls(calls)]
+    content += [_tool_use(call) for call in reply.calls(calls, choice.finish_reason)]
     return {"id": message_id(result.id), "type": "message", "role": "assistant",
             "content": content, "model": reply.model,
             **reply.stop(choice.finish_reason, choice.stop_sequence,
@@ -407,7 +415,7 @@ class MessageEvents:
             delta = {"type": "text_delta", "text": text}
             yield sse("content_block_delta", {"index": self.blocks - 1, "delta": delta})
         if chunk.finish_reason is not None:
-            yield from self._finish(self.reply.calls(calls), chunk)
+            yield from self._finish(self.reply.calls(calls, chunk.finish_reason), chunk)
 
     def _open(self, block: dict[str, Any]) -> Iterator[str]:
         yield from self._close_text()

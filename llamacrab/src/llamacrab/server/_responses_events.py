@@ -76,7 +76,7 @@ class ResponseEvents:
         if self._message is not None:
             events += self._close_message(state)
         for call in calls:
-            events += self._call(call)
+            events += self._call(call, state)
         totals = usage(chunk.usage) if chunk.usage is not None else None
         self.final = self.draft.object(state, self.output, totals)
         kind = "response.completed" if state == "completed" else "response.incomplete"
@@ -103,11 +103,12 @@ class ResponseEvents:
                 self._event("response.output_item.done", output_index=where["output_index"],
                             item=item)]  # fmt: skip
 
-    def _call(self, call: ToolCall) -> list[Event]:
-        """A call arrives whole: its arguments are one delta."""
+    def _call(self, call: ToolCall, state: str) -> list[Event]:
+        """A call arrives whole: its arguments are one delta (cut at max_output_tokens, the
+        text so far, and the item is incomplete)."""
         item_id, index = new_id("fc"), len(self.output)
         where = {"item_id": item_id, "output_index": index}
-        item = call_item(item_id, call, "completed")
+        item = call_item(item_id, call, state)
         self.output.append(item)
         started = call_item(item_id, call, "in_progress", arguments="")
         return [

@@ -283,5 +283,5 @@ def response(draft: Draft, result: ChatCompletion, parallel: bool) -> dict[str, 
     output = []
     if choice.message.content or not calls:
         output.append(message_item(new_id("msg"), choice.message.content or "", state))
-    output.extend(call_item(new_id("fc"), call, "completed") for call in calls)
+    output.extend(call_item(new_id("fc"), call, state) for call in calls)  # cut: incomplete
     return draft.object(state, output, usage(result.usage))
