@@ -55,7 +55,7 @@ def test_the_tool_schema_has_defs() -> None:
     assert "$defs" in PERSON_SCHEMA and "$ref" in json.dumps(PERSON_SCHEMA["properties"])
 
 
-@pytest.mark.parametrize("tool_choice", ["required", "auto_forced_by_name"])
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
 def test_chat_with_a_pydantic_function_tool(client: openai.OpenAI, tool_choice: str) -> None:
     choice: Any = tool_choice
     if tool_choice != "required":
