@@ -130,6 +130,7 @@ def test_accepted_keywords_are_not_enforced_but_the_rest_is(
     [
         ({"type": "string", "minLenght": 3}, "'minLenght'"),  # a typo is no keyword
         ({"type": "integer", "multipleOf": 0}, "multipleOf"),
+        ({"type": "number", "multipleOf": float("inf")}, "multipleOf"),
         ({"type": "integer", "multipleOf": 7, "minimum": 3, "maximum": 10_000}, "multipleOf 7"),
         ({"type": "integer", "multipleOf": 5, "minimum": 6, "maximum": 9}, "no multiple"),
         ({"type": "integer", "multipleOf": 1001}, "multipleOf above 1000"),

@@ -445,8 +445,8 @@ def _check_keyword_types(schema: Mapping[str, Any], hint: str) -> None:
             raise GrammarError(f"JSON Schema {keyword!r} at {hint} is empty")
         if keyword in _COUNTS:
             _check_count(keyword, value, hint)
-        if keyword == "multipleOf" and not value > 0:
-            raise GrammarError(f"JSON Schema 'multipleOf' at {hint} must be greater than 0")
+        if keyword == "multipleOf" and not 0 < value < math.inf:
+            raise GrammarError(f"JSON Schema 'multipleOf' at {hint} must be a number above 0")
 
 
 def _check_count(keyword: str, value: int, hint: str) -> None:
