@@ -54,9 +54,13 @@ def test_a_grammar_without_such_counts_is_left_as_it_is() -> None:
     assert exact_repetitions(text) is text
 
 
-def test_a_count_with_nothing_before_it_is_left_to_llama_cpp(tiny_llama: Llama) -> None:
-    # A line ends a rule's items: llama.cpp refuses the count that starts the next.
-    grammar = 'root ::= "a"\n{0,3000}'
+@pytest.mark.parametrize(
+    "grammar",
+    # A line ends a rule's items: llama.cpp refuses the count that starts the next. A count
+    # without its brace was written out as if it had one (found by a red team).
+    ['root ::= "a"\n{0,3000}', 'root ::= "a"{0,3000', 'root ::= "a"{0,3000 "b"'],
+)
+def test_what_is_not_gbnf_is_left_to_llama_cpp(tiny_llama: Llama, grammar: str) -> None:
     assert exact_repetitions(grammar) == grammar
     with pytest.raises(GrammarError):
         SamplerChain(tiny_llama.model, SamplingOptions(grammar=grammar))

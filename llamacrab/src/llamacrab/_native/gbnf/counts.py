@@ -98,7 +98,8 @@ class _Rewrite:
     def _repetition(self, text: str, i: int) -> int:
         low, high, end = repetition_counts(text, i)
         start = self.last[-1]
-        if low is None or fits(low, high) or start is None:
+        unclosed = text[end - 1] != "}"  # llama.cpp refuses it: it is not repaired here
+        if low is None or fits(low, high) or start is None or unclosed:
             self.out.append(text[i:end])
             return end
         item = "".join(self.out[start:]).strip()
