@@ -98,3 +98,16 @@ def test_values_line_up_with_the_prompts_tokens_as_lm_eval_reads_them(
         shifted = logits - logits.max()
         expected.append(shifted[body["prompt"][k]] - np.log(np.exp(shifted).sum()))
     np.testing.assert_allclose(values, expected, rtol=0, atol=1e-3)
+
+
+def test_a_prompt_of_special_tokens_alone_is_rated_too(server: LiveServer, one_slot: Llama) -> None:
+    # Its text is empty: the echo (and with it every prompt value) was left out.
+    vocab = one_slot.vocab
+    special = [vocab.bos, vocab.eos, vocab.bos, vocab.eos]
+    assert None not in special and one_slot.detokenize(special) == ""
+    body = {"prompt": special, "echo": True, "logprobs": 1, "max_tokens": 0}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert logprobs is not None and len(logprobs["token_logprobs"]) == len(special)
+    assert logprobs["token_logprobs"][0] is None
+    assert all(value is not None and value <= 0 for value in logprobs["token_logprobs"][1:])

@@ -278,7 +278,7 @@ class Completer:
             graph = "off"
         seen = prompt.text_tokens() if options.penalize_prompt else ()
         samplers = Samplers(self.model, options, request.min_tokens, graph, seen)
-        echo_text = prompt.text if echo else ""
+        echo_text = prompt.text if echo else None
         if self.scheduler is None:
             steps = self._one_slot_steps(request, samplers, session, drafter)
             chunks = self._chunks(request, steps, session, echo_text, suffix, samplers)
@@ -376,23 +376,25 @@ class Completer:
         request: Request,
         steps: Iterator[Step],
         session: Session,
-        echo_text: str,
+        echo_text: str | None,
         suffix: str,
         samplers: Samplers | None,
     ) -> Generator[CompletionChunk, None, None]:
-        """Steps as completion chunks; ``samplers`` (if the engine does not own them) are
-        freed at the end."""
+        """Steps as completion chunks, after the prompt's (``echo_text``; None: no echo);
+        ``samplers`` (if the engine does not own them) are freed at the end."""
         chunk_id, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name
-        produced, offset = 0, len(echo_text)
+        produced, offset = 0, len(echo_text or "")
         try:
-            if echo_text:
+            if echo_text is not None:
                 prompt_logprobs = None
                 if request.prompt_logprobs:
                     first = next(steps)  # decodes the prompt, reading its tokens' logprobs
                     steps = itertools.chain((first,), steps)
                     prompt_logprobs = _prompt_logprobs(self.model.vocab, request, session)
-                yield CompletionChunk(chunk_id, created, name, 0, echo_text,
-                                      logprobs=prompt_logprobs)  # fmt: skip
+                # (an empty text has its logprobs too: a prompt of special tokens alone)
+                if echo_text or prompt_logprobs is not None:
+                    yield CompletionChunk(chunk_id, created, name, 0, echo_text,
+                                          logprobs=prompt_logprobs)  # fmt: skip
             first_at = None
             for step in steps:
                 now = step.at
