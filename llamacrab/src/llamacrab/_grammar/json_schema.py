@@ -30,6 +30,7 @@ from typing import Any
 from llamacrab._exceptions import GrammarError
 from llamacrab._grammar.number_range import bounded, integral_bound, multiples
 from llamacrab._grammar.regex_gbnf import pattern_to_gbnf
+from llamacrab._grammar.string_formats import FORMATS
 from llamacrab._native.gbnf.bounds import MAX_GRAMMAR_BYTES
 from llamacrab._native.gbnf.repetition import repeat
 
@@ -70,59 +71,6 @@ _KEYWORD_TYPES: dict[str, tuple[type, ...]] = {
 # Counts of items, characters or properties: grammar repetitions, any count written so that
 # llama.cpp enforces it exactly (repetition.py).
 _COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
-_DIGITS2 = "[0-9] [0-9]"
-_FORMATS = {
-    "date": '[0-9]{4} "-" ( "0" [1-9] | "1" [0-2] ) "-" ( "0" [1-9] | [12] [0-9] | "3" [01] )',
-    "time": (
-        '( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] ":" [0-5] [0-9] ( "." [0-9]{1,6} )? '
-        '( "Z" | [+-] ( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] )'
-    ),
-    "uuid": '[0-9a-f]{8} "-" [0-9a-f]{4} "-" [0-9a-f]{4} "-" [0-9a-f]{4} "-" [0-9a-f]{12}',
-    "email": '[a-zA-Z0-9._+-]{1,32} "@" [a-zA-Z0-9-]{1,32} ( "." [a-zA-Z]{2,8} ){1,3}',
-    "uri": '[a-zA-Z] [a-zA-Z0-9+.-]{0,9} "://" [a-zA-Z0-9._~:/?#@!$&()*+,;=%-]{1,200}',
-}
-_FORMATS["date-time"] = f'{_FORMATS["date"]} "T" {_FORMATS["time"]}'
-_OCTET = '( "25" [0-5] | "2" [0-4] [0-9] | "1" [0-9] [0-9] | [1-9]? [0-9] )'
-_FORMATS["ipv4"] = " ".join([_OCTET] + [f'"." {_OCTET}'] * 3)
-# RFC 4291 text: eight groups, or fewer around one "::" (the IPv4-in-IPv6 forms left out).
-_H16, _GROUPS = "[0-9a-fA-F]{1,4}", 8
-
-
-def _groups(low: int, high: int) -> str:
-    """``low`` to ``high`` colon-separated IPv6 groups."""
-    if high == 0:
-        return ""
-    groups = f'{_H16} ( ":" {_H16} ){{{max(low - 1, 0)},{high - 1}}}' if high > 1 else _H16
-    return groups if low else f"( {groups} )?"
-
-
-_FORMATS["ipv6"] = " | ".join(
-    [f"( {_groups(_GROUPS, _GROUPS)} )"]
-    + [f'( {_groups(left, left)} "::" {_groups(0, _GROUPS - 1 - left)} )'
-       for left in range(_GROUPS)]
-)  # fmt: skip
-# RFC 1123 names: labels of up to 32 characters (of RFC's 63), at most 7, so at most 230 in all
-# (RFC's limit is 253).
-_LABEL = "[a-zA-Z0-9] ( [a-zA-Z0-9-]{0,30} [a-zA-Z0-9] )?"
-_FORMATS["hostname"] = f'{_LABEL} ( "." {_LABEL} ){{0,6}}'
-
-
-def _some_of(parts: list[str]) -> str:
-    """One or more of ``parts``, in their order."""
-    return " | ".join(
-        f"( {part} " + " ".join(f"( {later} )?" for later in parts[i + 1 :]) + " )"
-        for i, part in enumerate(parts)
-    )
-
-
-# ISO 8601 durations as pydantic writes a timedelta: P1DT2H3M4.5S, PT0S, P2W.
-_TIME_PARTS = ['[0-9]{1,6} "H"', '[0-9]{1,6} "M"', '[0-9]{1,6} ( "." [0-9]{1,6} )? "S"']
-_DATE_PARTS = ['[0-9]{1,4} "Y"', '[0-9]{1,4} "M"', '[0-9]{1,6} "D"']
-_TIME = f'"T" ( {_some_of(_TIME_PARTS)} )'
-_FORMATS["duration"] = (
-    f'"P" ( ( {_some_of(_DATE_PARTS)} ) ( {_TIME} )? | {_TIME} | [0-9]{{1,4}} "W" )'
-)
-
 _PRIMITIVES = {
     "ws": r"[ \t\n]{0,8}",
     "json-string": r'"\"" ( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""',
@@ -407,8 +355,8 @@ class _Converter:
         if "pattern" in schema:  # enforced; a format or lengths beside it are not
             pattern = pattern_to_gbnf(schema["pattern"], self.add)
             return self.add("string-pattern", f'"\\"" ( {pattern} ) "\\""')
-        if schema.get("format") in _FORMATS:  # other formats: a plain string, as llama-server
-            body = _FORMATS[schema["format"]]
+        if schema.get("format") in FORMATS:  # other formats: a plain string, as llama-server
+            body = FORMATS[schema["format"]]
             return self.add(f"string-{schema['format']}", f'"\\"" ( {body} ) "\\""')
         low, high = schema.get("minLength"), schema.get("maxLength")
         if low is None and high is None:
