@@ -86,9 +86,11 @@ def integral_bound(value: object, keyword: str, hint: str) -> int:
     return int(value)
 
 
-# multipleOf: a divisibility automaton has a rule per remainder, so the divisor is bounded; a
+# multipleOf: a divisibility automaton has a rule per remainder and digit count, so the divisor is
+# bounded; a
 # bounded range of up to MAX_LISTED multiples is written out instead.
-MAX_DIVISOR = 1000
+MAX_DIVISOR = 64  # a rule per remainder and digit count: at most 960 rules, ~140 KB
+MAX_DIGITS = 16  # digits of an integer, as json-integer bounds them
 MAX_LISTED = 256
 
 
@@ -123,20 +125,37 @@ def multiples(step: int, low: int | None, high: int | None, add: AddRule, hint: 
 
 
 def _divisible(step: int, add: AddRule) -> str:
-    """The positive multiples of ``step`` in decimal: a rule per remainder of the digits read
-    so far, each digit leading to the next remainder; the number may end at remainder 0."""
+    """The positive multiples of ``step`` in decimal, of at most MAX_DIGITS digits (as any
+    integer of the grammar: a number with no end would let a model write digits until its
+    budget ran out): a rule per remainder of the digits read so far and per count of digits
+    that may still follow, each digit leading to the next; the number may end at remainder 0.
+    Only moves from which the number can still end are written."""
+    # can_end[left][r]: whether a number at remainder r may end within ``left`` more digits
+    can_end = [[r == 0 for r in range(step)]]
+    for _ in range(1, MAX_DIGITS):
+        below = can_end[-1]
+        can_end.append([r == 0 or any(below[(r * 10 + d) % step] for d in range(10))
+                        for r in range(step)])  # fmt: skip
 
-    def state(remainder: int) -> str:
-        return f"mod-{step}-{remainder}"
-
-    def moves(remainder: int, digits: range) -> str:
+    def moves(remainder: int, left: int, digits: range) -> str:
+        """Alternatives after ``remainder`` with ``left`` digits allowed (one is read here)."""
         targets: dict[int, str] = {}
         for digit in digits:
             target = (remainder * 10 + digit) % step
-            targets[target] = targets.get(target, "") + str(digit)
-        return " | ".join(f"[{chars}] {state(target)}" for target, chars in targets.items())
+            if can_end[left - 1][target]:
+                targets[target] = targets.get(target, "") + str(digit)
+        return " | ".join(
+            f"[{chars}]" if left == 1 else f"[{chars}] {state(target, left - 1)}"
+            for target, chars in targets.items()
+        )
 
-    for remainder in range(step):
-        body = moves(remainder, range(10))
-        add(state(remainder), f"( {body} )?" if remainder == 0 else body)
-    return f"( {moves(0, range(1, 10))} )"
+    names: dict[tuple[int, int], str] = {}  # each state's rule, made once
+
+    def state(remainder: int, left: int) -> str:
+        if (remainder, left) not in names:
+            body = moves(remainder, left, range(10))
+            rule = f"( {body} )?" if remainder == 0 else body
+            names[remainder, left] = add(f"mod-{step}-{remainder}-{left}", rule)
+        return names[remainder, left]
+
+    return f"( {moves(0, MAX_DIGITS, range(1, 10))} )"
