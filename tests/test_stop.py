@@ -147,21 +147,24 @@ def test_a_stop_string_that_cannot_match_is_refused(
     assert tiny_llama.create_completion("the cat", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_the_server_refuses_an_empty_stop_string(tiny_model_path: Path) -> None:
-    """(An unpaired surrogate does not get through its JSON parsing.)"""
+def test_the_server_skips_an_empty_stop_string(tiny_model_path: Path) -> None:
+    """As llama-server does: it cannot match before any text (the library refuses one, above;
+    the server was a 400). The answers run to their length."""
     settings = ServerSettings(model=str(tiny_model_path))
-    chat = {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2,
+            "ignore_eos": True}  # fmt: skip
     requests = [
-        ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "stop": ["x", ""]}),
+        ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "stop": ["x", ""],
+                             "ignore_eos": True}),
         ("/v1/chat/completions", {**chat, "stop": ""}),
-        ("/completion", {"prompt": "the cat", "n_predict": 2, "stop": [""]}),
-        ("/v1/messages", {**chat, "model": "tiny", "stop_sequences": [""]}),
-    ]
+        ("/completion", {"prompt": "the cat", "n_predict": 2, "stop": [""], "ignore_eos": True}),
+    ]  # fmt: skip
     with (
         Llama(tiny_model_path, n_ctx=64, n_threads=2, chat_format="chatml") as llm,
         TestClient(create_app(settings, llm)) as client,
     ):
         for path, body in requests:
             answer = client.post(path, json=body)
-            assert answer.status_code == 400, (path, answer.text)
-            assert EMPTY in answer.text, (path, answer.text)
+            assert answer.status_code == 200, (path, answer.text)
+            counted = answer.json().get("usage", {}).get("completion_tokens")
+            assert (counted or answer.json().get("tokens_predicted")) == 2, (path, answer.text)
