@@ -363,13 +363,15 @@ def test_a_stream_cancelled_before_its_deadline_ends_with_shutting_down_not_time
 
         class Chunks:  # a Stream's chunks, with the deadline its session was given
             session = SimpleNamespace(deadline=time.monotonic() + timeout)
+            last_sent = False
 
-            def cancel(self) -> None:  # (the streams are cancelled once read, whatever ended)
-                pass
+            def cancel(self) -> None:  # streams are cancelled once read, never while the client is
+                assert self.last_sent, "cancelled while the client was still there"
 
             async def __aiter__(self) -> AsyncIterator[CompletionChunk]:
                 yield CompletionChunk("c", 0, "m", 0, "a")
                 await asyncio.sleep(0.05)
+                self.last_sent = True
                 yield CompletionChunk("c", 0, "m", 0, "", finish_reason="cancelled")
 
         async def write(items: AsyncIterator[CompletionChunk]) -> AsyncIterator[str]:

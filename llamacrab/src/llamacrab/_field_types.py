@@ -83,6 +83,13 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return stops
 
 
+def choice_seeds(seed: int | None, count: int) -> list[int | None]:
+    """The seeds of ``count`` choices drawn for one request: ``seed``, then one more for each
+    choice after the first (wrapping at 32 bits), so that choice i is the same whether it is
+    generated alone or among others; None draws a seed for each."""
+    return [None if seed is None else (seed + i) % 2**32 for i in range(count)]
+
+
 def file_path(what: str, path: object) -> Path:
     """``path`` (text or os.PathLike) as a Path; InvalidParameterError naming ``what`` for
     anything else or a NUL inside (which no file name holds), not a TypeError or ValueError

@@ -12,6 +12,7 @@ from typing import Any, cast
 import numpy as np
 
 from llamacrab import build_info
+from llamacrab._field_types import choice_seeds as seeds_of_choices
 from llamacrab._types import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -97,8 +98,7 @@ def choice_seeds(body: GenerationFields) -> list[int | None]:
     """The seeds of a request's ``n`` choices, as the library's ``n`` gives them (the seed,
     then one more for each choice after the first), so that streamed choices are the whole
     answer's: each draws its own where none is given."""
-    seed = _seed(body.seed)
-    return [None if seed is None else (seed + i) % 2**32 for i in range(body.n)]
+    return seeds_of_choices(_seed(body.seed), body.n)
 
 
 def probability_count(body: GenerationFields, otherwise: int | None) -> int | None:

@@ -10,7 +10,6 @@ recurses, and anything past a limit raises GrammarError naming it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from llamacrab._exceptions import GrammarError
@@ -18,7 +17,7 @@ from llamacrab._field_types import utf8
 from llamacrab._native.gbnf.expansion import MAX_REPETITION as MAX_REPETITION  # re-exported
 from llamacrab._native.gbnf.expansion import Expansion, class_elements, literal_elements
 from llamacrab._native.gbnf.fanout import check_grammar_fanout
-from llamacrab._native.gbnf.structure import skip_quoted
+from llamacrab._native.gbnf.structure import RULE_NAME, skip_quoted
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_NESTING = 128  # nested ( ) groups
@@ -28,7 +27,6 @@ MAX_TRIGGER_WORD_CHARS = 256
 # llama.cpp tokenizes a <piece> token reference on the caller's thread, unbounded
 # (pretokenizer.py); it must be one token anyway.
 MAX_TOKEN_REFERENCE_CHARS = 256
-_NAME = re.compile(r"[A-Za-z0-9-]+")
 _REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 
 
@@ -48,7 +46,7 @@ def check_grammar(text: str) -> None:
             count = literal_elements if char == '"' else class_elements
             expansion.item(count(text[i + 1 : end]))
             i = end
-        elif name := _NAME.match(text, i):  # a rule's name
+        elif name := RULE_NAME.match(text, i):  # a rule's name
             i = name.end() - 1
             expansion.item(1)
         elif char == "<":  # a token: <id> or <piece>

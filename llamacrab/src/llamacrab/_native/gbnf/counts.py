@@ -19,9 +19,8 @@ from llamacrab._native.gbnf.bounds import (
     token_reference_end,
 )
 from llamacrab._native.gbnf.repetition import fits, repeat
-from llamacrab._native.gbnf.structure import skip_quoted
+from llamacrab._native.gbnf.structure import RULE_NAME, skip_quoted
 
-_NAME = re.compile(r"[A-Za-z0-9-]+")
 _RULE_START = re.compile(r"[ \t]*::=")
 # Counts of four digits or more: the only texts worth scanning (a count past 2000 has them).
 _LONG_NUMBER = re.compile(r"[0-9]{4}")
@@ -47,7 +46,7 @@ class _Rewrite:
         self.groups: list[int] = []
         self.rules: dict[str, str] = {}  # appended rules, by name
         self.named: dict[str, str] = {}  # body: its appended rule
-        self.words = set(_NAME.findall(text))  # no appended rule takes a name among them
+        self.words = set(RULE_NAME.findall(text))  # no appended rule takes a name among them
         self.changed = False
 
     def run(self) -> str:
@@ -71,7 +70,7 @@ class _Rewrite:
             return self._item(token_reference_end(text, i + (char == "!")) + 1, i)
         if char == ".":
             return self._item(i + 1, i)
-        if name := _NAME.match(text, i):
+        if name := RULE_NAME.match(text, i):
             if _RULE_START.match(text, name.end()):  # a rule's definition starts
                 self.last, self.groups = [None], []
                 self.out.append(name.group())

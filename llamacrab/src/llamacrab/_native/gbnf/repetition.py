@@ -15,17 +15,16 @@ keeps a few parse stacks per chunk level, not one per way to split the text.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._native.gbnf.bounds import MAX_REPETITION
+from llamacrab._native.gbnf.structure import RULE_NAME
 
 # The converter's rule maker: the rule named after a hint whose body is the given one (an
 # existing rule of the same base name and body is reused, so repetitions of one shape share).
 AddRule = Callable[[str, str], str]
 CHUNK = 1000
-_NAME = re.compile(r"[a-zA-Z0-9-]+")
 
 
 def repeat(add: AddRule, body: str, low: int, high: int | None, name: str) -> str:
@@ -35,12 +34,12 @@ def repeat(add: AddRule, body: str, low: int, high: int | None, name: str) -> st
         raise GrammarError(
             f"a repetition of {low} to {high} times: the maximum is below the minimum"
         )
-    item = body if _NAME.fullmatch(body) else f"( {body} )"
+    item = body if RULE_NAME.fullmatch(body) else f"( {body} )"
     if fits(low, high):
         if (low, high) == (0, None):
             return f"{item}*"
         return f"{item}{{{low},{'' if high is None else high}}}"
-    unit = body if _NAME.fullmatch(body) else add(name, body)
+    unit = body if RULE_NAME.fullmatch(body) else add(name, body)
     rest = f"{unit}*" if high is None else _at_most(add, unit, high - low)
     return " ".join(filter(None, (_exactly(add, unit, low), rest)))
 

@@ -21,7 +21,8 @@ ANY = frozenset(range(OTHER + 1))
 # Lengths are counted up to this; longer counts the same (see fanout.LONGEST_TOKEN).
 LENGTH_CAP = 64
 
-_NAME = re.compile(r"[A-Za-z0-9-]+")
+# A rule's name, as llama.cpp reads one.
+RULE_NAME = re.compile(r"[A-Za-z0-9-]+")
 _INT = re.compile(r"[0-9]+")
 _ESCAPES = {"n": 10, "r": 13, "t": 9}
 _Value = TypeVar("_Value")
@@ -380,7 +381,7 @@ class Parser:
         return int(match.group())
 
     def _name(self) -> str:
-        match = _NAME.match(self.text, self.pos)
+        match = RULE_NAME.match(self.text, self.pos)
         if match is None:
             raise Unparsed
         self.pos = match.end()
