@@ -33,6 +33,9 @@ CORPUS: list[dict[str, Any]] = [
     {"type": "number", "minimum": 0, "maximum": 1},
     {"type": "number", "minimum": -40, "maximum": 60},
     {"type": ["number", "null"], "minimum": 2},
+    {"type": "number", "exclusiveMinimum": 0},
+    {"type": "number", "exclusiveMaximum": 0},
+    {"type": "number", "minimum": -2.5, "exclusiveMaximum": 99.99},
     {"type": "string", "format": "date"},
     {"type": "string", "format": "time"},
     {"type": "string", "format": "date-time"},
@@ -197,8 +200,8 @@ def test_gemma_generations_validate(gemma: Llama, index: int) -> None:
         ({"type": "string", "pattern": "^(?=a)a$"}, "lookaround"),
         ({"type": "string", "pattern": "^(a)\\1$"}, "escape"),
         ({"type": "string", "pattern": 'say "hi"'}, "JSON"),
-        ({"type": "number", "minimum": 0.5}, "minimum"),
-        ({"type": "number", "exclusiveMaximum": 1}, "exclusiveMaximum"),
+        ({"type": "number", "minimum": 1e-17}, "minimum"),
+        ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "exclusiveMaximum"),
     ],
 )
 def test_unsupported_keywords_are_named(schema: dict[str, Any], keyword: str) -> None:

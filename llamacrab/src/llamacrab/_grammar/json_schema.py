@@ -5,8 +5,9 @@ properties with required (declaration order), additionalProperties (false, true 
 min/maxProperties of objects without properties, items, prefixItems, minItems/maxItems,
 string minLength/maxLength, pattern (the regex subset of _regex_gbnf) and format (date, time,
 date-time, duration, uuid, email, uri, hostname, ipv4, ipv6), minimum/maximum and
-exclusiveMinimum/exclusiveMaximum with whole-number bounds (integers: any range, digit by
-digit; numbers: inclusive bounds, no exponent; draft-04's boolean exclusive bounds too),
+exclusiveMinimum/exclusiveMaximum, digit by digit (numbers: bounds with up to 16 decimals,
+compared exactly, values written without exponent or "-0"; integers: the whole numbers in
+range; draft-04's boolean exclusive bounds too),
 multipleOf of integers (a divisibility automaton, or the multiples of a short range), enum,
 const, anyOf/oneOf, allOf of objects, OpenAPI's nullable, and $ref into #/$defs or
 #/definitions (recursion too) of the document the ref is in: a ``Document`` embedded in a
@@ -28,7 +29,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from llamacrab._exceptions import GrammarError
-from llamacrab._grammar.number_range import bounded, integral_bound, multiples
+from llamacrab._grammar.number_range import (
+    Bound,
+    bounded,
+    decimal_bound,
+    multiples,
+    tighter,
+    whole_range,
+)
 from llamacrab._grammar.regex_gbnf import pattern_to_gbnf
 from llamacrab._grammar.string_formats import FORMATS
 from llamacrab._native.gbnf.bounds import MAX_GRAMMAR_BYTES
@@ -317,24 +325,20 @@ class _Converter:
         divisor = schema.get("multipleOf")
         if divisor is not None and not float(divisor).is_integer():
             return self.decimals(schema, hint)
-        fraction = kind == "number" and divisor is None  # a whole multipleOf makes integers
-        if fraction and ({"exclusiveMinimum", "exclusiveMaximum"} & set(schema)):
-            raise GrammarError(
-                f"JSON Schema keyword 'exclusiveMinimum'/'exclusiveMaximum' on a number at {hint} "
-                "is not supported (use minimum/maximum, or an integer)"
-            )
-        low, high = None, None
-        for keyword, step in (("minimum", 0), ("exclusiveMinimum", 1)):
+        whole = kind == "integer" or divisor is not None  # a whole multipleOf makes integers
+        low: Bound | None = None
+        high: Bound | None = None
+        for keyword in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
             if keyword in schema:
-                value = integral_bound(schema[keyword], keyword, hint) + step
-                low = value if low is None else max(low, value)
-        for keyword, step in (("maximum", 0), ("exclusiveMaximum", -1)):
-            if keyword in schema:
-                value = integral_bound(schema[keyword], keyword, hint) + step
-                high = value if high is None else min(high, value)
+                bound = decimal_bound(schema[keyword], keyword, hint, whole)
+                if keyword.lower().endswith("minimum"):
+                    low = tighter(low, bound, lower=True)
+                else:
+                    high = tighter(high, bound, lower=False)
         if divisor is not None:
-            return self.add(hint, multiples(int(divisor), low, high, self.add, hint))
-        return self.add(hint, bounded(low, high, fraction))
+            first, last = whole_range(low, high)
+            return self.add(hint, multiples(int(divisor), first, last, self.add, hint))
+        return self.add(hint, bounded(low, high, fraction=not whole))
 
     def decimals(self, schema: Mapping[str, Any], hint: str) -> str:
         """multipleOf 0.1, 0.01, ...: numbers with at most that many decimals."""

@@ -1,14 +1,81 @@
 """GBNF for integers and numbers between bounds, built digit by digit so that exactly the values
-in range match (JSON's form: no leading zeros, at most 16 integer digits, no exponent)."""
+in range match (JSON's form: no leading zeros, at most 16 integer digits, a fraction of at most
+16 digits, no exponent), each text by one reading: alternatives differ in the sign, the integer
+part or the first digit where they part, never in how a text is split between them."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from decimal import Decimal
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._native.gbnf.repetition import AddRule
 
-MAX_DIGITS = 16
+MAX_DIGITS = 16  # digits of an integer part, and of a fraction, as json-number bounds them
 FRACTION = '( "." [0-9]{1,16} )'
-ZERO_FRACTION = '( "." "0"{1,16} )'
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One end of a range: its value, whether the value itself is out, and the schema keyword
+    that set it (to name it in an error)."""
+
+    value: Decimal
+    exclusive: bool = False
+    keyword: str = "bound"
+
+    def __str__(self) -> str:
+        return f"{self.keyword} {self.value}"
+
+
+def decimal_bound(value: object, keyword: str, hint: str, whole: bool) -> Bound:
+    """A schema's minimum/maximum/exclusive* as an exact Bound. A float is read as the decimal
+    JSON wrote (its shortest repr: 0.1, not 0.1000000000000000055...). Unless only integers are
+    bounded (``whole``), its fraction must fit the grammar's 16 digits."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GrammarError(f"{keyword} at {hint} must be a number, not {value!r}")
+    exact = Decimal(repr(value) if isinstance(value, float) else value)
+    if not exact.is_finite():
+        raise GrammarError(f"{keyword} at {hint} must be a finite number, not {value}")
+    if abs(exact) >= 10**MAX_DIGITS:
+        raise GrammarError(f"{keyword} {value} at {hint} has more than {MAX_DIGITS} digits")
+    if not whole and len(_digits(abs(exact))[1]) > MAX_DIGITS:
+        raise GrammarError(
+            f"{keyword} {value} at {hint} has more than {MAX_DIGITS} digits after the point "
+            "(the most a number of the grammar has)"
+        )
+    return Bound(exact, exclusive=keyword.startswith("exclusive"), keyword=keyword)
+
+
+def tighter(old: Bound | None, new: Bound, lower: bool) -> Bound:
+    """The stricter of two lower (or upper) bounds; at one value, the exclusive one."""
+    if old is None or old.value == new.value:
+        return new if old is None or new.exclusive else old
+    return new if (new.value > old.value) == lower else old
+
+
+def whole_range(low: Bound | None, high: Bound | None) -> tuple[int | None, int | None]:
+    """The integers between two bounds, as inclusive ends (JSON Schema compares an integer with
+    a bound as numbers: ``minimum: 0.5`` lets 1 in, not 0)."""
+    _check_order(low, high, "integer")
+    first = last = None
+    if low is not None:
+        first = math.floor(low.value) + 1 if low.exclusive else math.ceil(low.value)
+    if high is not None:
+        last = math.ceil(high.value) - 1 if high.exclusive else math.floor(high.value)
+    if first is not None and last is not None and first > last:
+        raise GrammarError(f"{low} and {high} leave no integer between them")
+    return first, last
+
+
+def _check_order(low: Bound | None, high: Bound | None, kind: str) -> None:
+    if low is None or high is None:
+        return
+    if low.value > high.value:
+        raise GrammarError(f"{low} is greater than {high}")
+    if low.value == high.value and (low.exclusive or high.exclusive):
+        raise GrammarError(f"{low} and {high} leave no {kind} between them")
 
 
 def _same_length(low: str, high: str) -> str:
@@ -43,54 +110,137 @@ def natural_range(low: int, high: int | None) -> str:
     return " | ".join(f"( {o} )" for o in options)
 
 
-def _magnitude(low: int, high: int | None, fraction: bool) -> str:
-    """Non-negative values from ``low`` to ``high``: integers, or numbers with a fraction."""
-    if not fraction:
-        return natural_range(low, high)
-    if high is None:
-        return f"( {natural_range(low, None)} ) {FRACTION}?"
-    options = [f'"{high}" {ZERO_FRACTION}?']  # the bound itself, with zeros after the point
-    if high > low:
-        options.insert(0, f"( {natural_range(low, high - 1)} ) {FRACTION}?")
-    return " | ".join(options)
-
-
-def bounded(low: int | None, high: int | None, fraction: bool) -> str:
+def bounded(low: Bound | int | None, high: Bound | int | None, fraction: bool) -> str:
     """A GBNF alternative for the integers (or, with ``fraction``, the numbers) between two
-    integral bounds, either of which may be None."""
-    if low is not None and high is not None and low > high:
-        raise GrammarError(f"minimum {low} is greater than maximum {high}")
+    bounds, either of which may be None (an int is an inclusive bound)."""
+    lower = Bound(Decimal(low), keyword="minimum") if isinstance(low, int) else low
+    upper = Bound(Decimal(high), keyword="maximum") if isinstance(high, int) else high
+    if not fraction:
+        return _integers(*whole_range(lower, upper))
+    _check_order(lower, upper, "number")
+    options = []
+    if upper is None or upper.value > 0 or (upper.value == 0 and not upper.exclusive):
+        start = (Decimal(0), False) if lower is None or lower.value < 0 else _end(lower)
+        options.append(_unsigned(start, None if upper is None else _end(upper)))
+    if lower is None or lower.value < 0:
+        # -m is in range when -high <(=) m <(=) -low; m = 0 is the unsigned side's, "-0" no one's
+        start = (Decimal(0), True)
+        if upper is not None and upper.value < 0:
+            start = (-upper.value, upper.exclusive)
+        magnitude = _unsigned(start, None if lower is None else (-lower.value, lower.exclusive))
+        options.append(None if magnitude is None else f'"-" ( {magnitude} )')
+    kept = [o for o in options if o is not None]
+    if not kept:
+        raise GrammarError(
+            f"{lower} and {upper} leave no number of at most {MAX_DIGITS} digits between them"
+        )
+    return " | ".join(f"( {o} )" for o in kept)
+
+
+def _integers(low: int | None, high: int | None) -> str:
+    """The integers from ``low`` to ``high`` (inclusive; None: unbounded), of at most 16 digits."""
+    most = 10**MAX_DIGITS - 1
+    if (low is not None and low > most) or (high is not None and high < -most):
+        raise GrammarError(f"no integer of at most {MAX_DIGITS} digits from {low} to {high}")
     options = []
     if high is None or high >= 0:
-        options.append(_magnitude(max(low or 0, 0), high, fraction))
+        options.append(natural_range(max(low or 0, 0), high))
     if low is None or low < 0:
-        # -m is in range when -high <= m <= -low; m = 0 is the non-negative side's.
-        smallest = 0 if high is None or high >= 0 else -high
-        magnitude = _magnitude(max(smallest, 0 if fraction else 1), None if low is None else -low,
-                               fraction)  # fmt: skip
-        options.append(f'"-" ( {magnitude} )')
+        smallest = 1 if high is None or high >= 0 else -high  # -0 is no one's
+        options.append(f'"-" ( {natural_range(smallest, None if low is None else -low)} )')
     return " | ".join(f"( {o} )" for o in options)
 
 
-def integral_bound(value: object, keyword: str, hint: str) -> int:
-    """A schema bound as an int; only integral values can become digit rules."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise GrammarError(f"{keyword} at {hint} must be a number, not {value!r}")
-    if isinstance(value, float) and not value.is_integer():
-        raise GrammarError(
-            f"JSON Schema keyword {keyword!r} at {hint}: only whole-number bounds are supported, "
-            f"not {value}"
+End = tuple[Decimal, bool]  # a value >= 0 and whether it is excluded
+_Rest = tuple[str, bool, str | None, bool]  # _fraction's low, above, high, below after a digit
+
+
+def _end(bound: Bound) -> End:
+    return bound.value, bound.exclusive
+
+
+def _digits(value: Decimal) -> tuple[int, str]:
+    """The integer part of ``value`` (>= 0) and its fraction's digits, trailing zeros dropped
+    (0.50 compares with a value's fraction as 0.5 does)."""
+    whole, _, fraction = format(value, "f").partition(".")
+    return int(whole), fraction.rstrip("0")
+
+
+def _unsigned(start: End, end: End | None) -> str | None:
+    """Unsigned numbers from ``start`` to ``end`` (None: any up to 16 digits), by integer part:
+    start's own (its fraction bounded below), the ones between (any fraction), end's own (its
+    fraction bounded above). None if none is in range."""
+    first, low = _digits(start[0])
+    last, high = _digits(end[0]) if end is not None else (None, None)
+    below = end is not None and end[1]
+    if first == last:
+        return _then(f'"{first}"', _fraction(low, high, MAX_DIGITS, start[1], below))
+    options = []
+    if low or start[1]:  # start's integer part takes only some fractions
+        options.append(_then(f'"{first}"', _fraction(low, None, MAX_DIGITS, start[1], False)))
+        first += 1
+    top = None if last is None else last - 1
+    if first < 10**MAX_DIGITS and (top is None or first <= top):
+        options.append(f"( {natural_range(first, top)} ) {FRACTION}?")
+    if last is not None:
+        options.append(_then(f'"{last}"', _fraction("", high, MAX_DIGITS, False, below)))
+    kept = [o for o in options if o is not None]
+    return " | ".join(f"( {o} )" for o in kept) if kept else None
+
+
+def _then(head: str, tail: tuple[bool, str | None]) -> str | None:
+    """``head`` (an integer part) followed by the fractions of ``tail`` (see _fraction)."""
+    empty, digits = tail
+    if digits is None:
+        return head if empty else None
+    return f'{head} ( "." ( {digits} ) )?' if empty else f'{head} "." ( {digits} )'
+
+
+def _fraction(
+    low: str, high: str | None, left: int, above: bool, below: bool
+) -> tuple[bool, str | None]:
+    """Digit strings S of at most ``left`` digits with 0.S >= 0.low (> if ``above``) and
+    0.S <= 0.high (< if ``below``; high None: no upper end): whether S may be empty, and an
+    alternative for the others (None: there are none). ``low`` and ``high`` have no trailing
+    zeros, so a digit string that stops short of ``low`` is below it."""
+    if high is None and not low and not above:  # any fraction
+        return True, (f"[0-9]{{1,{left}}}" if left else None)
+    if high == "":  # 0.S <= 0: zeros only, when 0 itself is in
+        fits = not low and not above and not below
+        return fits, (f'"0"{{1,{left}}}' if fits and left else None)
+    empty = not low and not above
+    if left == 0:
+        return empty, None
+    first, last = int(low[0]) if low else 0, 9 if high is None else int(high[0])
+    runs: list[tuple[int, int, _Rest]] = []  # neighbour digits that leave the same rest: one class
+    for digit in range(first, last + 1):
+        rest: _Rest = (
+            low[1:] if digit == first else "",
+            above and digit == first,
+            high[1:] if high is not None and digit == last else None,
+            below and high is not None and digit == last,
         )
-    if abs(value) >= 10**MAX_DIGITS:
-        raise GrammarError(f"{keyword} {value} at {hint} has more than {MAX_DIGITS} digits")
-    return int(value)
+        if runs and runs[-1][2] == rest:
+            runs[-1] = (runs[-1][0], digit, rest)
+        else:
+            runs.append((digit, digit, rest))
+    options = []
+    for a, b, rest in runs:
+        chars = f'"{a}"' if a == b else f"[{a}-{b}]"
+        if rest == ("", False, None, False):  # any digits may follow
+            options.append(f"{chars} [0-9]{{0,{left - 1}}}" if left > 1 else chars)
+            continue
+        more, after = _fraction(rest[0], rest[2], left - 1, rest[1], rest[3])
+        if after is not None:
+            options.append(f"{chars} ( {after} )?" if more else f"{chars} ( {after} )")
+        elif more:
+            options.append(chars)
+    return empty, " | ".join(options) or None
 
 
 # multipleOf: a divisibility automaton has a rule per remainder and digit count, so the divisor is
-# bounded; a
-# bounded range of up to MAX_LISTED multiples is written out instead.
+# bounded; a bounded range of up to MAX_LISTED multiples is written out instead.
 MAX_DIVISOR = 64  # a rule per remainder and digit count: at most 960 rules, ~140 KB
-MAX_DIGITS = 16  # digits of an integer, as json-integer bounds them
 MAX_LISTED = 256
 
 
