@@ -284,6 +284,60 @@ def write_tiny_jamba(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def write_tiny_t5(path: Path, decoder: bool = True, scale: float = 0.02) -> Path:
+    """A one-layer T5 (arch ``t5``, encoder and decoder) or, without ``decoder``, its encoder
+    alone (``t5encoder``), random weights over the tiny vocabulary. At the default ``scale``
+    every input gives about the same logits; at 1.0 the decoder's greedy tokens follow the
+    encoder's input."""
+    writer = gguf.GGUFWriter(str(path), "t5" if decoder else "t5encoder")
+    tokens, scores, types = vocabulary(False, False, ())
+    embd, heads, n_ff, buckets = 64, 4, 128, 32
+    writer.add_context_length(512)
+    writer.add_embedding_length(embd)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_relative_attn_buckets_count(buckets)
+    if decoder:
+        writer.add_decoder_start_token_id(0)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(True)
+    rng = np.random.default_rng(0)
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    ones = np.ones(embd, np.float32)
+    tensors = {"token_embd.weight": weight(len(tokens), embd), "enc.output_norm.weight": ones}
+    blocks = [("enc", "attn"), ("dec", "attn"), ("dec", "cross_attn")] if decoder else [
+        ("enc", "attn")
+    ]  # fmt: skip
+    for part, attn in blocks:
+        tensors[f"{part}.blk.0.{attn}_norm.weight"] = ones
+        for name in ("q", "k", "v", "o"):
+            tensors[f"{part}.blk.0.{attn}_{name}.weight"] = weight(embd, embd)
+        tensors[f"{part}.blk.0.{attn}_rel_b.weight"] = weight(buckets, heads)
+    for part in ("enc", "dec") if decoder else ("enc",):
+        tensors[f"{part}.blk.0.ffn_norm.weight"] = ones
+        tensors[f"{part}.blk.0.ffn_up.weight"] = weight(n_ff, embd)
+        tensors[f"{part}.blk.0.ffn_down.weight"] = weight(embd, n_ff)
+    if decoder:
+        tensors["dec.output_norm.weight"] = ones
+        tensors["output.weight"] = weight(len(tokens), embd)
+    write_gguf(writer, tensors)
+    return path
+
+
 def write_tiny_draft(path: Path, source: Path, seed: int = 0) -> Path:
     """A tiny random llama-architecture model with ``source``'s tokenizer (every tokenizer.*
     key copied), so it can draft for that model. Its drafts are noise: it exercises the

@@ -286,6 +286,7 @@ class KvState:
         if (
             self.cache is not None
             and self.tokens
+            and not self.context.encoder_decoder  # its memory depends on the encoder's input
             and MEDIA_TOKEN not in self.tokens
             and not self.stale()
         ):
@@ -456,6 +457,24 @@ class KvState:
             start = end
         return True
 
+    def encode_prompt(
+        self,
+        prompt: Sequence[int],
+        lora: Mapping[LoraAdapter, float] | None,
+        stopped: Callable[[], bool] | None,
+    ) -> bool:
+        """An encoder-decoder model's prompt (T5): the encoder reads all of it, then the
+        decoder's memory starts over from the model's decoder start token. Nothing is reused:
+        what the decoder held attended to another input. False as ``decode_prompt`` says."""
+        start = self.context.model.decoder_start_token
+        self.prepare([start], self.plan_for([start], lora), reuse=False)
+        if stopped is not None and stopped():
+            return False
+        with Batch(len(prompt), self.seq_id + 1) as batch:
+            batch.set(np.asarray(prompt, dtype=np.int32), 0, self.seq_id, logits_all=True)
+            self.context.encode(batch, self.plan.at(0), stopped)
+        return self.decode_prompt([start], 0, stopped)
+
     def decode_media(
         self,
         chunks: Chunks,
@@ -600,6 +619,9 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
             session.wake = watch.poke
             if request.media is not None:
                 kv.decode_media(request.media, request.lora, watch.stopped)
+            elif kv.context.encoder_decoder:
+                if not encode_request(kv, request, watch.stopped):
+                    return False
             else:
                 scores = None
                 if request.prompt_logprobs:
@@ -620,6 +642,17 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
         session.wake = None
     kv.owner = session
     return True
+
+
+def encode_request(kv: KvState, request: Request, stopped: Callable[[], bool]) -> bool:
+    """An encoder-decoder model's prompt (``KvState.encode_prompt``); False when ``stopped``
+    first."""
+    if request.prompt_logprobs:
+        raise InvalidParameterError(
+            "an encoder-decoder model's decoder does not rate the prompt (its encoder reads "
+            "it): prompt logprobs need a decoder-only model"
+        )
+    return kv.encode_prompt(request.prompt, request.lora, stopped)
 
 
 def _step(kv: KvState, session: Session, stepper: _Stepper, produced: int) -> Step:

@@ -17,7 +17,7 @@ import numpy as np
 
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.decode_watch import DecodeWatch, watched
-from llamacrab._engine.generation import Emitter, KvState, Request, Session, Step
+from llamacrab._engine.generation import Emitter, KvState, Request, Session, Step, encode_request
 from llamacrab._engine.logprobs import PromptLogprobs, prompt_rows_per_decode
 from llamacrab._engine.lora import LoraPlan
 from llamacrab._exceptions import (
@@ -34,7 +34,6 @@ from llamacrab._native.adapter import LoraAdapter
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
 from llamacrab._native.fork import reset_in_child
-from llamacrab._native.mtmd import Chunks
 from llamacrab._native.sampler import Samplers
 
 # How long an idle engine waits for the next request of a burst, and for the whole burst.
@@ -316,9 +315,11 @@ class Scheduler:
                 self._end(slot, Step(job.emitter.stops.flush(), None, "cancelled"))
             elif job.session.stopped():
                 self._end(slot, Step(job.emitter.stops.flush(), None, "cancelled"))
-            elif job.todo is None and job.request.media is not None:
+            elif job.todo is None and (
+                job.request.media is not None or self.context.encoder_decoder
+            ):
                 job.session.prompt_started = time.monotonic()
-                self._start_media(slot, job.request.media)
+                self._start_alone(slot)
             elif job.todo is None:
                 job.session.prompt_started = time.monotonic()
                 try:  # a failure here (a cache failure is a miss already) is this slot's alone
@@ -378,15 +379,20 @@ class Scheduler:
                 return False
         return True
 
-    def _start_media(self, slot: _Slot, chunks: Chunks) -> None:
-        """A multimodal prompt is evaluated on its own (libmtmd encodes and decodes it), and
-        its first token sampled before this step's batch replaces the last outputs."""
+    def _start_alone(self, slot: _Slot) -> None:
+        """A multimodal prompt (libmtmd encodes and decodes it) or an encoder-decoder model's
+        (its encoder reads it) is evaluated on its own, and its first token sampled before
+        this step's batch replaces the last outputs."""
         job = slot.job
         assert job is not None
+        request = job.request
         try:
             job.samplers.bind(self.context, slot.kv.seq_id)
             with watched(self.context, (job.session,)) as self._watch:
-                slot.kv.decode_media(chunks, job.request.lora, self._watch.stopped)
+                if request.media is not None:
+                    slot.kv.decode_media(request.media, request.lora, self._watch.stopped)
+                elif not encode_request(slot.kv, request, self._watch.stopped):
+                    raise DecodeAbortedError("stopped before its prompt was read", 2)
         except DecodeAbortedError:
             self._aborted([slot])
             return

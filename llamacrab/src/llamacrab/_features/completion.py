@@ -20,7 +20,7 @@ from llamacrab._engine.speculative import Drafter, Speculative, SpeculativeStats
 from llamacrab._engine.stream import Stream
 from llamacrab._exceptions import ConcurrentUseError, InvalidParameterError
 from llamacrab._features.media import MediaInput
-from llamacrab._field_types import UINT32_MAX, check_range
+from llamacrab._field_types import UINT32_MAX, check_range, choice_seeds
 from llamacrab._native.context import Context
 from llamacrab._native.fork import reset_in_child
 from llamacrab._native.media import Media
@@ -98,6 +98,11 @@ def check_speculation(model: Model) -> None:
         raise InvalidParameterError(
             "speculative decoding needs a memory that can drop rejected drafts; a recurrent or "
             "hybrid model's state cannot (Model.recurrent)"
+        )
+    if model.encoder_decoder:
+        raise InvalidParameterError(
+            "speculative decoding drafts from the tokens before, which an encoder-decoder "
+            "model's decoder does not see: its input is what the encoder read"
         )
 
 
@@ -312,7 +317,7 @@ class Completer:
         want_logprobs = kwargs.get("logprobs")
         if best_of > n and want_logprobs is None:
             kwargs["logprobs"] = 0  # needed to rank the candidates
-        seeds = [None if seed is None else (seed + i) % 2**32 for i in range(best_of)]
+        seeds = choice_seeds(seed, best_of)
         if self.scheduler is None:
             # One slot: whole completions at once; concurrent callers wait their turn.
             with self.lock:

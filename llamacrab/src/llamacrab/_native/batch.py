@@ -116,7 +116,13 @@ class Batch:
     def output_sequences(self) -> frozenset[int]:
         """The sequence ids of the rows that ask for outputs."""
         n = self.struct.n_tokens
-        pointers = self._seq_pointers[:n][self._logits[:n] != 0]
+        return self._sequences_of(self._seq_pointers[:n][self._logits[:n] != 0])
+
+    def sequences(self) -> frozenset[int]:
+        """The sequence ids of every row."""
+        return self._sequences_of(self._seq_pointers[: self.struct.n_tokens])
+
+    def _sequences_of(self, pointers: np.ndarray) -> frozenset[int]:
         return frozenset(((pointers - self._cells_address) // 4).tolist())
 
     def last_position(self) -> int:

@@ -224,7 +224,7 @@ class Context(NativeHandle):
         # Closing the model from another thread waits for the creation, then closes this too;
         # signals wait for the handle (signals.py).
         with held_signals(), model.in_flight() as model_pointer:
-            _check_decoder_only(model, model_pointer)
+            _check_encoder_decoder(model, params)
             c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
             _check_host_memory(model, params, c_params)
             pointer = call("llama_init_from_model", model_pointer, c_params)
@@ -251,7 +251,9 @@ class Context(NativeHandle):
         self._guards: weakref.WeakSet[WeightsGuard] = weakref.WeakSet()
         # Sampler chains llama.cpp runs inside the compute graph, by sequence (set_graph_sampler).
         self._graph_samplers: dict[int, NativeHandle] = {}
-        self._logits_unread = False  # the last decode's outputs were all sampled in the graph
+        # Why the logits buffer holds no outputs of the last call (None: it does): every output
+        # was sampled in the graph, or the call was an encode.
+        self._no_logits: str | None = None
         # Bumped by every change of the adapters: KV computed under an older value is stale.
         self.weights_generation = 0
         # By sequence, bumped by every change of its KV memory other than a decode (clear,
@@ -272,6 +274,10 @@ class Context(NativeHandle):
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(pointer))  # what one sequence may hold
         self.n_swa = model.n_swa
         self.recurrent = model.recurrent
+        self.encoder_decoder = model.encoder_decoder
+        # The sequences the last encode() read, which decodes may attend to: llama.cpp keeps one
+        # encoder output per context, and asserts (an abort) when a decode finds none.
+        self._encoded: frozenset[int] = frozenset()
         self.needs_checkpoints = model.needs_checkpoints
         # llama_decode asserts n_ubatch >= n_tokens (an abort) with non-causal attention, and
         # so does the encoder it runs for a model without KV memory (BERT, gemma-embedding).
@@ -354,6 +360,59 @@ class Context(NativeHandle):
         ``set_lora_adapters``); the caller keeps track of which KV was computed with which.
         ``stopped`` returning True once the call is armed aborts it (DecodeAbortedError): a
         ``cancel()`` meant for it that came before, which arming cleared."""
+        if self.encoder_decoder:
+            unread = batch.sequences() - self._encoded
+            if unread:
+                raise ContextError(
+                    f"sequence {min(unread)} has no encoder output to attend to: an "
+                    "encoder-decoder model's decoder runs after encode() read its input"
+                )
+        status = self._compute("llama_decode", batch, lora, stopped)
+        if status == 0:
+            return
+        if status == 2:
+            raise DecodeAbortedError("decode cancelled", status)
+        reason = _DECODE_STATUS.get(status, "llama.cpp error")
+        raise DecodeError(f"llama_decode failed with status {status}: {reason}", status)
+
+    def encode(
+        self,
+        batch: Batch,
+        lora: Mapping[LoraAdapter, float] | None = None,
+        stopped: Callable[[], bool] | None = None,
+    ) -> None:
+        """Run an encoder-decoder model's encoder (T5) over ``batch``, all of it at once (at
+        most n_ubatch tokens); decodes of the sequences it holds then attend to its output,
+        until the next encode. ``lora`` and ``stopped`` as ``decode`` takes them."""
+        if not self.encoder_decoder:
+            raise InvalidParameterError(
+                f"encode() runs the encoder of an encoder-decoder model; {self.model!r} "
+                f"({self.model.arch}) is not one: decode() runs it"
+            )
+        count, limit = batch.struct.n_tokens, self.n_ubatch
+        if count > limit:  # llama.cpp asserts it (an abort): the encoder reads all at once
+            raise ContextOverflowError(
+                f"the encoder reads its whole input at once: {count} tokens exceed this "
+                f"context's n_ubatch of {limit}",
+                n_prompt_tokens=count, n_ctx=limit,
+            )  # fmt: skip
+        self._encoded = frozenset()  # what a failed encode leaves is not known
+        status = self._compute("llama_encode", batch, lora, stopped)
+        if status == 2:
+            raise DecodeAbortedError("encode cancelled", status)
+        if status != 0:
+            raise DecodeError(f"llama_encode failed with status {status}", status)
+        self._encoded = batch.sequences()
+
+    def _compute(
+        self,
+        function: str,
+        batch: Batch,
+        lora: Mapping[LoraAdapter, float] | None,
+        stopped: Callable[[], bool] | None,
+    ) -> int:
+        """Call ``function`` (llama_decode or llama_encode) on ``batch`` as ``decode`` says;
+        its status."""
         if batch.struct.n_tokens > self.max_decode:
             raise ContextOverflowError(
                 f"a batch of {batch.struct.n_tokens} tokens exceeds the {self.max_decode} this "
@@ -374,17 +433,20 @@ class Context(NativeHandle):
             self.hold_graph_samplers(ctx, adapters)
             # llama.cpp copies no logits when every output row's sequence samples in the graph.
             outputs = batch.output_sequences() if self._graph_samplers else frozenset()
-            self._logits_unread = bool(outputs) and outputs <= self._graph_samplers.keys()
+            if function == "llama_encode":
+                self._no_logits = "the last call was an encode, which computes no logits"
+            elif outputs and outputs <= self._graph_samplers.keys():
+                self._no_logits = (
+                    "the last decode sampled its outputs inside the compute graph, where "
+                    "llama.cpp copies no logits: create the context with graph_sampling='off' "
+                    "to read them"
+                )
+            else:
+                self._no_logits = None
             self.arm_cancel()
             if stopped is not None and stopped():
                 self.cancel()
-            status = call("llama_decode", ctx, batch.value)
-        if status == 0:
-            return
-        if status == 2:
-            raise DecodeAbortedError("decode cancelled", status)
-        reason = _DECODE_STATUS.get(status, "llama.cpp error")
-        raise DecodeError(f"llama_decode failed with status {status}: {reason}", status)
+            return int(call(function, ctx, batch.value))
 
     # -- sampling inside the compute graph -----------------------------------------------------
 
@@ -434,12 +496,8 @@ class Context(NativeHandle):
         that decode was sampled inside the graph (``set_graph_sampler``), llama.cpp copied no
         logits and the buffer holds an older decode's: InvalidParameterError."""
         with self.exclusive() as ctx:  # the flag and the buffer of the same decode
-            if self._logits_unread:
-                raise InvalidParameterError(
-                    "the last decode sampled its outputs inside the compute graph, where "
-                    "llama.cpp copies no logits: create the context with graph_sampling='off' "
-                    "to read them"
-                )
+            if self._no_logits is not None:
+                raise InvalidParameterError(self._no_logits)
             check_range("index", index, INT32_MIN, INT32_MAX)
             row = call("llama_get_logits_ith", ctx, index)
             if row == ffi.NULL:
@@ -885,14 +943,23 @@ class Context(NativeHandle):
         return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"
 
 
-def _check_decoder_only(model: Model, pointer: Any) -> None:
-    """An encoder-decoder model (T5) decodes against what llama_encode computed for the input,
-    and llamacrab never calls it: llama.cpp asserts (an abort) at the first decode, of a
-    completion or an embedding alike. An encoder alone (t5encoder) or a decoder alone runs."""
-    if lib.llama_model_has_encoder(pointer) and lib.llama_model_has_decoder(pointer):
+def _check_encoder_decoder(model: Model, params: ContextParams) -> None:
+    """An encoder-decoder model (T5) generates (``encode``, then decodes), one sequence at a
+    time: llama.cpp keeps one encoder output per context, and its graph for several sequences
+    asserts (an abort, at creation). Its embeddings, which llama.cpp would take from the
+    decoder, are refused: its encoder alone (t5encoder) embeds."""
+    if not model.encoder_decoder:
+        return
+    if params.n_seq_max > 1:
         raise ContextError(
-            f"{model!r} ({model.arch}) is an encoder-decoder model: encoder-decoder generation "
-            "is not supported (llamacrab runs decoder-only models and encoders alone)"
+            f"{model!r} ({model.arch}) is an encoder-decoder model: llama.cpp keeps one encoder "
+            f"output per context, so it runs one sequence (n_seq_max {params.n_seq_max}; "
+            "parallel slots: one)"
+        )
+    if params.embeddings:
+        raise ContextError(
+            f"{model!r} ({model.arch}) is an encoder-decoder model: embeddings from it are not "
+            "supported (its encoder alone, a t5encoder GGUF, embeds); it generates text"
         )
 
 

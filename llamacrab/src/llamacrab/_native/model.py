@@ -325,6 +325,27 @@ class Model(NativeHandle):
             return bool(lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model))
 
     @property
+    def encoder_decoder(self) -> bool:
+        """Whether it is an encoder-decoder model (T5): its encoder reads the prompt, and its
+        decoder generates from a start token, attending to what the encoder computed."""
+        with self.in_flight() as model:
+            return bool(lib.llama_model_has_encoder(model) and lib.llama_model_has_decoder(model))
+
+    @property
+    def decoder_start_token(self) -> int:
+        """The token an encoder-decoder model's decoder starts from: the model's own, else BOS
+        (as llama.cpp's tools choose); InvalidParameterError for a model with neither."""
+        token = self.read(lib.llama_model_decoder_start_token)
+        if token < 0:
+            bos = self.vocab.bos
+            if bos is None:
+                raise InvalidParameterError(
+                    f"{self!r} names no decoder start token and has no BOS token to start from"
+                )
+            token = bos
+        return token
+
+    @property
     def needs_checkpoints(self) -> bool:
         """Whether a memory cut back within what it holds goes on only from a checkpoint:
         sliding-window layers have dropped the window before it, a recurrent state all of it."""
