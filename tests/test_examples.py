@@ -25,6 +25,7 @@ pytestmark = pytest.mark.real_model
         ("multimodal.py", "image prompt: 31 tokens (16 from the image)"),
         ("models.py", "after loading embed: chat unloaded, embed loaded"),
         ("processes.py", "forked child, parent's Llama: refused: ForkedHandleError"),
+        ("quantize.py", "Q8_0   278.0 MiB  greedy: ' France"),
     ],
 )
 def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from llamacrab._exceptions import (
     ModelBudgetError,
     ModelLoadError,
     NativeError,
+    QuantizationError,
     QueueFullError,
     RpcError,
     RpcProtocolError,
@@ -48,6 +49,7 @@ from llamacrab._exceptions import (
 from llamacrab._features.hub import HubOptions, ResolvedModel, resolve
 from llamacrab._features.infill import InfillLimits
 from llamacrab._features.presets import PRESETS, Preset
+from llamacrab._features.quantize import quantize, quantize_types
 from llamacrab._features.rpc import RpcWorker, RpcWorkerOptions, local_devices
 from llamacrab._features.rpc import probe as probe_rpc_worker
 from llamacrab._features.rpc import run_worker as run_rpc_worker
@@ -144,6 +146,7 @@ __all__ = [
     "Projector",
     "PromptCache",
     "PromptLookup",
+    "QuantizationError",
     "QueueFullError",
     "RamCache",
     "RerankResult",
@@ -176,6 +179,8 @@ __all__ = [
     "local_devices",
     "parse_tool_calls",
     "probe_rpc_worker",
+    "quantize",
+    "quantize_types",
     "resolve",
     "run_rpc_worker",
     "schema_to_grammar",

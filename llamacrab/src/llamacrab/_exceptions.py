@@ -155,6 +155,11 @@ class InvalidParameterError(LlamaError, ValueError):
     """A parameter outside its valid range."""
 
 
+class QuantizationError(LlamaError):
+    """llama.cpp could not quantize a model (its reason in the message), or its process ended
+    on a signal; nothing was written at the destination."""
+
+
 class RpcError(LlamaError):
     """A ggml RPC worker cannot be used (or a worker could not be started); ``endpoint`` is its
     ``host:port`` where one is concerned."""

