@@ -574,7 +574,7 @@ def test_constructor_keywords_map_refuse_or_fail_by_name(
     with pytest.raises(TypeError, match="'no_such_option'"):
         Llama(model_path=path, no_such_option=1)
     with pytest.raises(UnsupportedParameterError) as refused:
-        Llama(model_path=path, yarn_beta_fast=8.0, numa=True, chat_handler=object(), n_parts=2)
+        Llama(model_path=path, yarn_beta_fast=8.0, numa=4, chat_handler=object(), n_parts=2)
     assert [r.split("=")[0].split(" ")[0] for r in refused.value.reasons] == [
         "n_parts", "yarn_beta_fast", "numa", "chat_handler"
     ]  # fmt: skip

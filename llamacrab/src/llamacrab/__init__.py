@@ -64,6 +64,7 @@ from llamacrab._native.gguf_memory import MemoryEstimate
 from llamacrab._native.media import Audio, Image
 from llamacrab._native.model import Model, ModelParams
 from llamacrab._native.mtmd import Bitmap, Chunks, Projector
+from llamacrab._native.numa import init_numa
 from llamacrab._native.sampler import SamplerChain, SamplingOptions
 from llamacrab._native.state import SavedState, StateCheckpoint
 from llamacrab._native.vocab import IncrementalDecoder, Vocab
@@ -176,6 +177,7 @@ __all__ = [
     "build_info",
     "chat_format_names",
     "estimate_memory",
+    "init_numa",
     "local_devices",
     "parse_tool_calls",
     "probe_rpc_worker",

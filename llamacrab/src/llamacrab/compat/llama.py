@@ -79,6 +79,8 @@ from llamacrab.compat.llama_types import (
 )
 
 _SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+# llama-cpp-python's numa: True, or ggml's strategy numbers (4, mirror, is not llama-server's).
+_NUMA = {1: "distribute", 2: "isolate", 3: "numactl"}
 
 
 class LlamaState:
@@ -255,8 +257,10 @@ class Llama:
             problems.append("op_offload=False (llamacrab keeps llama.cpp's host-op offload)")
         if lora_base is not None:
             problems.append("lora_base (llama.cpp applies LoRA adapters without a base model)")
-        if numa:
-            problems.append(f"numa={numa!r} (llamacrab does not initialise NUMA)")
+        numa_strategy = _NUMA.get(int(numa)) if numa is not True else "distribute"
+        if numa and numa_strategy is None:
+            problems.append(f"numa={numa!r} (llamacrab places threads by distribute, isolate or "
+                            "numactl: 1, 2 or 3)")  # fmt: skip
         if chat_handler is not None:
             problems.append(
                 "chat_handler (llamacrab renders chats with the model's template "
@@ -305,6 +309,8 @@ class Llama:
                 )
         if problems:
             raise UnsupportedParameterError(problems)
+        if numa_strategy is not None and numa:
+            llamacrab.init_numa(numa_strategy)  # before the model loads, as llama-cpp-python
         check_chat_format(chat_format)  # now, not at the first chat (nor after the load)
         if not os.path.exists(model_path):
             raise InvalidParameterError(f"Model path does not exist: {os.fspath(model_path)}")

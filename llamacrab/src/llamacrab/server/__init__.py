@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from llamacrab import init_numa
 from llamacrab.server._extra import MissingExtraError
 from llamacrab.server._ray import ray_deployment, serve_ray
 from llamacrab.server._settings import (
@@ -52,6 +53,8 @@ def create_app(settings: ServerSettings, llama: Llama | None = None) -> FastAPI:
 def serve(settings: ServerSettings) -> None:
     """Run the server until interrupted (refuses an exposed address without an API key)."""
     settings.check_exposure()
+    if settings.numa is not None:  # before any model loads, as llama-server does
+        init_numa(settings.numa)
     app = create_app(settings)
     from llamacrab.server._shutdown import run
 

@@ -35,6 +35,7 @@ class ServerSettings:
     n_ubatch: int = 512
     n_threads: int | None = None
     n_gpu_layers: int | None = None
+    numa: str | None = None  # NUMA placement of the CPU threads, for the whole process
     rpc_servers: tuple[str, ...] = ()  # ggml RPC workers (host:port) to offload layers to
     flash_attn: str = "auto"
     graph_sampling: str = "auto"  # samplers inside the compute graph where the chain fits
@@ -310,6 +311,7 @@ _OPTIONS: list[tuple[str, Callable[[str], Any] | type, str]] = [
     ("n_gpu_layers", int, "layers to offload to a GPU"),
     ("rpc", list, "ggml RPC workers host:port to offload layers to (comma-separated or repeated)"),
     ("flash_attn", str, f"flash attention: {', '.join(FLASH_ATTN)} (default auto)"),
+    ("numa", str, "NUMA placement of CPU threads: distribute, isolate, numactl (default none)"),
     (
         "graph_sampling",
         str,
