@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import gguf
 import pytest
 
 from llamacrab import (
@@ -87,6 +88,33 @@ def test_llama_cpp_s_refusal_is_its_reason_and_the_destination_is_untouched(
     quantize(quantized, dest, "Q4_0", allow_requantize=True)
     with Llama(dest, n_ctx=64, n_threads=1) as llm:
         assert llm.model.ftype == "Q4_0"
+
+
+def test_tensor_types_are_chosen_by_name_and_by_pattern(source: Path, tmp_path: Path) -> None:
+    overrides = {"attn_v": "f16", "ffn_.*": "q8_0"}
+    written = quantize(source, tmp_path / "mixed.gguf", "Q4_0", output_tensor_type="q5_0",
+                       token_embedding_type="F16", tensor_types=overrides)  # fmt: skip
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(written)).tensors}
+    assert types["output.weight"] == "Q5_0" and types["token_embd.weight"] == "F16"
+    for layer in (0, 1):
+        assert types[f"blk.{layer}.attn_v.weight"] == "F16"
+        assert types[f"blk.{layer}.attn_q.weight"] == "Q4_0"
+        assert {types[f"blk.{layer}.ffn_{part}.weight"] for part in ("up", "down")} == {"Q8_0"}
+    # The same from the command line; a type of any case (q4_k is q4_K).
+    again = tmp_path / "cli.gguf"
+    assert cli.main(["quantize", str(source), str(again), "Q4_0", "--output-tensor-type", "q5_0",
+                     "--token-embedding-type", "f16", "--tensor-type", "attn_v=F16",
+                     "--tensor-type", "ffn_.*=q8_0"]) == 0  # fmt: skip
+    assert again.read_bytes() == written.read_bytes()
+    assert "q4_K" in quantize_types(tensors=True) and "i32" not in quantize_types(tensors=True)
+    quantize(source, tmp_path / "k.gguf", "Q8_0", tensor_types={"attn_k": "q4_k"})
+    with pytest.raises(InvalidParameterError, match=r"tensor_types pattern '\(': missing \)"):
+        quantize(source, tmp_path / "bad.gguf", "Q8_0", tensor_types={"(": "q8_0"})
+    with pytest.raises(InvalidParameterError, match=r"tensor_types\['x'\] must be one of"):
+        quantize(source, tmp_path / "bad.gguf", "Q8_0", tensor_types={"x": "i32"})
+    with pytest.raises(InvalidParameterError, match="output_tensor_type must be one of"):
+        quantize(source, tmp_path / "bad.gguf", "Q8_0", output_tensor_type="q9")
+    assert not (tmp_path / "bad.gguf").exists()
 
 
 def test_bad_arguments_are_named_before_llama_cpp_runs(source: Path, tmp_path: Path) -> None:

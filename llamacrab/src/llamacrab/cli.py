@@ -110,6 +110,10 @@ def _add_quantize_arguments(commands: Any) -> None:
     quantize.add_argument("--leave-output-tensor", action="store_true",
                           help="keep the output layer as it is")  # fmt: skip
     quantize.add_argument("--pure", action="store_true", help="every tensor of TYPE")
+    quantize.add_argument("--output-tensor-type", help="the output layer's type (q8_0, f16, ...)")
+    quantize.add_argument("--token-embedding-type", help="the token embeddings' type")
+    quantize.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
+                          help="type of the tensors whose name REGEX finds")  # fmt: skip
 
 
 def _add_rpc_worker_arguments(commands: Any) -> None:
@@ -313,6 +317,17 @@ def _rpc_worker(args: argparse.Namespace) -> None:
     ))  # fmt: skip
 
 
+def _tensor_type_flags(flags: list[str]) -> dict[str, str]:
+    """--tensor-type REGEX=TYPE flags, in order (the type follows the last ``=``)."""
+    types = {}
+    for flag in flags:
+        pattern, equals, name = flag.rpartition("=")
+        if not equals or not pattern:
+            raise InvalidParameterError(f"--tensor-type takes REGEX=TYPE, not {flag!r}")
+        types[pattern] = name
+    return types
+
+
 def _quantize(args: argparse.Namespace) -> None:
     from llamacrab import quantize
 
@@ -320,6 +335,9 @@ def _quantize(args: argparse.Namespace) -> None:
         args.source, args.dest, args.type, threads=args.threads,
         allow_requantize=args.allow_requantize,
         quantize_output_tensor=not args.leave_output_tensor, pure=args.pure,
+        output_tensor_type=args.output_tensor_type,
+        token_embedding_type=args.token_embedding_type,
+        tensor_types=_tensor_type_flags(args.tensor_type),
     )  # fmt: skip
     print(written)
 

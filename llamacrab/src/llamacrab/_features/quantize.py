@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from llamacrab._exceptions import InvalidParameterError, QuantizationError
@@ -15,6 +17,7 @@ from llamacrab._field_types import INT32_MAX, check_range, file_path
 from llamacrab._native.gguf.check import validate_gguf
 from llamacrab._native.host_limits import default_threads
 from llamacrab._native.quantize import file_types
+from llamacrab._native.quantize import tensor_types as weight_types
 
 # The module the child runs (a test puts one that dies in its place).
 CHILD_MODULE = "llamacrab._native.quantize"
@@ -29,13 +32,19 @@ def quantize(
     allow_requantize: bool = False,
     quantize_output_tensor: bool = True,
     pure: bool = False,
+    output_tensor_type: str | None = None,
+    token_embedding_type: str | None = None,
+    tensor_types: Mapping[str, str] | None = None,
 ) -> Path:
     """Write the model at ``source`` (a GGUF file) to ``dest`` with its weights quantized to
     ``file_type`` (a name of ``quantize_types()``: Q4_K_M, Q8_0, F16, ...), as llama-quantize
     does: tensors whose rows a type cannot divide fall back to another type, and the token
     embeddings and output layer get llama.cpp's usual choices. ``allow_requantize`` lets an
     already quantized model be quantized again (at a loss); ``quantize_output_tensor=False``
-    keeps the output layer as it is; ``pure`` gives every tensor ``file_type``. Types that
+    keeps the output layer as it is; ``pure`` gives every tensor ``file_type``.
+    ``output_tensor_type``, ``token_embedding_type`` and ``tensor_types`` (a regex searched in
+    each tensor's name: a ggml type, ``{"attn_v": "q8_0"}``; the first that matches wins) name
+    ggml tensor types (q8_0, f16, q4_K, ...: ``quantize_types(tensors=True)``). Types that
     need an importance matrix (IQ1/IQ2 and a few others) are refused by llama.cpp without one,
     which this API does not take yet. Returns ``dest``. QuantizationError with llama.cpp's
     reason when it refuses (``dest`` untouched); Ctrl-C stops the work at once."""
@@ -47,34 +56,72 @@ def quantize(
             f"file_type must be one of {', '.join(types)}, not {file_type!r}"
         )
     check_range("threads", threads, 1, INT32_MAX)
-    flags = {"allow_requantize": allow_requantize,
-             "quantize_output_tensor": quantize_output_tensor, "pure": pure}  # fmt: skip
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise InvalidParameterError(f"{name} must be True or False, not {value!r}")
+    options: dict[str, object] = {"file_type": chosen, "allow_requantize": allow_requantize,
+                                  "quantize_output_tensor": quantize_output_tensor,
+                                  "pure": pure}  # fmt: skip
+    for name in ("allow_requantize", "quantize_output_tensor", "pure"):
+        if not isinstance(options[name], bool):
+            raise InvalidParameterError(f"{name} must be True or False, not {options[name]!r}")
+    options["output_tensor_type"] = _tensor_type("output_tensor_type", output_tensor_type)
+    options["token_embedding_type"] = _tensor_type("token_embedding_type", token_embedding_type)
+    options["tensor_types"] = _overrides(tensor_types)
     validate_gguf(source_path)  # what llama.cpp's loader would trip on, named here
     if dest_path.exists() and dest_path.samefile(source_path):
         raise InvalidParameterError(f"dest is the source itself: {dest_path}")
     if not dest_path.parent.is_dir():
         raise InvalidParameterError(f"dest's folder does not exist: {dest_path.parent}")
     partial = dest_path.with_name(f".{dest_path.name}.{os.getpid()}.partial")
-    count = threads or default_threads().amount
+    options["threads"] = threads or default_threads().amount
     try:
-        _run(source_path, partial, chosen, count, flags)
+        _run(source_path, partial, options)
         os.replace(partial, dest_path)
     finally:
         partial.unlink(missing_ok=True)
     return dest_path
 
 
-def quantize_types() -> list[str]:
-    """The names ``quantize`` takes as ``file_type``."""
-    return list(file_types())
+def quantize_types(tensors: bool = False) -> list[str]:
+    """The names ``quantize`` takes as ``file_type`` (Q4_K_M, ...), or with ``tensors`` as a
+    tensor's type (q8_0, ...)."""
+    return list(weight_types() if tensors else file_types())
 
 
-def _run(source: Path, dest: Path, file_type: int, threads: int, flags: dict[str, bool]) -> None:
-    argv = [sys.executable, "-m", CHILD_MODULE, os.fspath(source),
-            os.fspath(dest), str(file_type), str(threads), json.dumps(flags)]  # fmt: skip
+def _tensor_type(what: str, name: object) -> int | None:
+    if name is None:
+        return None
+    types = weight_types()
+    by_lower = {known.lower(): index for known, index in types.items()}  # q4_k as q4_K
+    found = by_lower.get(name.lower()) if isinstance(name, str) else None
+    if found is None:
+        raise InvalidParameterError(f"{what} must be one of {', '.join(types)}, not {name!r}")
+    return found
+
+
+def _overrides(overrides: Mapping[str, str] | None) -> list[tuple[str, int]]:
+    """``tensor_types`` as (regex, type) pairs, checked: llama.cpp compiles them with
+    std::regex, whose syntax Python's mostly shares."""
+    if overrides is None:
+        return []
+    if not isinstance(overrides, Mapping):
+        raise InvalidParameterError(f"tensor_types must be a mapping, not {overrides!r}")
+    pairs = []
+    for pattern, name in overrides.items():
+        if not isinstance(pattern, str) or not pattern or "\0" in pattern:
+            raise InvalidParameterError(f"a tensor_types pattern must be text, not {pattern!r}")
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise InvalidParameterError(f"tensor_types pattern {pattern!r}: {error}") from None
+        type_id = _tensor_type(f"tensor_types[{pattern!r}]", name)
+        if type_id is None:
+            raise InvalidParameterError(f"tensor_types[{pattern!r}] must name a type, not None")
+        pairs.append((pattern, type_id))
+    return pairs
+
+
+def _run(source: Path, dest: Path, options: dict[str, object]) -> None:
+    argv = [sys.executable, "-m", CHILD_MODULE, os.fspath(source), os.fspath(dest),
+            json.dumps(options)]  # fmt: skip
     with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as child:
         try:
             errors = _wait(child)
