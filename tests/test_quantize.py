@@ -166,6 +166,7 @@ def test_ctrl_c_stops_the_work_at_once(
 ) -> None:
     put_child(monkeypatch, tmp_path, """
         import os, sys, time
+        open(sys.argv[2] + ".path", "w").write(os.environ["PYTHONPATH"])
         open(sys.argv[2] + ".pid", "w").write(str(os.getpid()))
         open(sys.argv[2], "wb").write(b"started")
         time.sleep(60)
@@ -185,6 +186,10 @@ def test_ctrl_c_stops_the_work_at_once(
     assert not Path(f"/proc/{pid_file.read_text()}").exists()  # killed and reaped
     assert not (tmp_path / "out.gguf").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+    # The child imports the llamacrab this process runs, wherever that came from.
+    (path_file,) = [p for p in tmp_path.iterdir() if p.suffix == ".path"]
+    here = Path(quantize_module.__file__).resolve().parents[2]
+    assert path_file.read_text().split(os.pathsep)[0] == str(here)
 
 
 def test_the_command(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -122,7 +122,13 @@ def _overrides(overrides: Mapping[str, str] | None) -> list[tuple[str, int]]:
 def _run(source: Path, dest: Path, options: dict[str, object]) -> None:
     argv = [sys.executable, "-m", CHILD_MODULE, os.fspath(source), os.fspath(dest),
             json.dumps(options)]  # fmt: skip
-    with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as child:
+    # The child imports this llamacrab, wherever it was imported from (a sys.path entry added
+    # at run time, say, which the child would not have).
+    here = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": path}
+    with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          env=environment) as child:  # fmt: skip
         try:
             errors = _wait(child)
         except BaseException:  # Ctrl-C, say: llama.cpp's loop cannot be asked to stop
