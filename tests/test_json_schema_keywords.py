@@ -107,8 +107,8 @@ def test_generated_formats_are_valid(tiny_llama: Llama) -> None:
         ({"type": "object", "minProperties": 1, "maxProperties": 2,
           "additionalProperties": {"type": "integer"}},
          [{"a": 1}, {"a": 1, "b": 2}], [{}, {"a": 1, "b": 2, "c": 3}, {"a": "x"}]),
-        # pattern enforced; the length beside it is not
-        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, ["abc", "abcdef"], ["AB"]),
+        # pattern enforced, and the length beside it where the pattern repeats one character
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, ["abc"], ["AB", "abcdef"]),
     ],
 )  # fmt: skip
 def test_enforced_keywords(
@@ -138,12 +138,53 @@ def test_enforced_keywords(
         ({"type": "string", "format": "binary"}, ["Zm9v"], [None]),  # pydantic bytes
         ({"type": "string", "format": "uri-reference", "maxLength": 8}, ["../a/b"], ["../a/b/c/d"]),
         ({"type": "string", "format": "uuid", "pattern": "^a+$"}, ["aaa"], ["b"]),
+        ({"type": "string", "pattern": "^a+b*$", "maxLength": 2}, ["aaab"], ["b"]),
     ],
 )  # fmt: skip
 def test_accepted_keywords_are_not_enforced_but_the_rest_is(
     tiny_llama: Llama, schema: dict[str, Any], good: list[Any], bad: list[Any]
 ) -> None:
     _check(tiny_llama.model, schema, good, bad)
+
+
+def _sized(pattern: str, low: int | None, high: int | None) -> dict[str, Any]:
+    sizes = {"minLength": low, "maxLength": high}
+    return {
+        "type": "string",
+        "pattern": pattern,
+        **{k: v for k, v in sizes.items() if v is not None},
+    }
+
+
+@pytest.mark.parametrize(
+    ("schema", "good", "bad"),
+    [
+        # One character repeated (pydantic's constr(pattern=..., max_length=...)): cut counts.
+        (_sized("^[a-z0-9_]+$", 3, 8), ["abc", "a_b_c_d1"], ["ab", "abcdefghi", "ABC"]),
+        (_sized("^[a-z]*$", None, 2), ["", "ab"], ["abc"]),
+        (_sized("^\\d{2,10}$", 4, None), ["1234", "1234567890"], ["123", "12345678901"]),
+        (_sized("^(x|y)+$", 2, 3), ["xy", "yyx"], ["x", "xyxy"]),
+        (_sized("^.{0,3000}$", None, 2500), ["a" * 2500], ["a" * 2501]),  # past 2000: chunks
+        # A pattern of one length only: the lengths hold already.
+        (_sized("^[A-Z]{2}-[0-9]{4}$", 5, 7), ["AB-1234"], ["AB-123"]),
+        # Others: the pattern holds, the lengths are not enforced (as llama-server).
+        (_sized("^a+b+$", 1, 3), ["ab", "aabbb"], ["ba"]),
+    ],
+)
+def test_lengths_beside_a_pattern(
+    tiny_llama: Llama, schema: dict[str, Any], good: list[Any], bad: list[Any]
+) -> None:
+    _check(tiny_llama.model, schema, good, bad)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [_sized("^[A-Z]{2}-[0-9]{4}$", 8, None), _sized("^[a-z]{5,}$", None, 4),
+     _sized("^(ab|cd)$", 3, 10)],
+)  # fmt: skip
+def test_a_pattern_no_string_of_its_lengths_matches_is_refused(schema: dict[str, Any]) -> None:
+    with pytest.raises(GrammarError, match="matches no string of"):
+        schema_to_grammar(schema)
 
 
 @pytest.mark.parametrize(

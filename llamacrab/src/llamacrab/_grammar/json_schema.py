@@ -15,8 +15,8 @@ larger schema (a tool's parameters) resolves its refs against itself.
 
 Accepted, not enforced (as llama-server does; the answer matches the rest of the schema):
 the validation-only keywords of _NOT_ENFORCED, other string formats (a plain string), lengths
-beside a pattern or a format, and min/maxProperties beside properties. Any other keyword is
-refused, by name, rather than loosened.
+beside a format, and beside a pattern where regex_gbnf cannot hold them, and min/maxProperties
+beside properties. Any other keyword is refused, by name, rather than loosened.
 """
 
 from __future__ import annotations
@@ -356,13 +356,14 @@ class _Converter:
         """A rule named after the string's shape, not its place: llama.cpp expands a bounded
         repetition where a rule defines it, so properties of one shape share one expansion
         (400 strings of maxLength 2000 each with its own copy: 3.2M elements, refused)."""
-        if "pattern" in schema:  # enforced; a format or lengths beside it are not
-            pattern = pattern_to_gbnf(schema["pattern"], self.add)
+        low, high = schema.get("minLength"), schema.get("maxLength")
+        if "pattern" in schema:  # enforced, and lengths where they can be; a format beside it not
+            pattern = pattern_to_gbnf(schema["pattern"], self.add, int(low or 0),
+                                      None if high is None else int(high))  # fmt: skip
             return self.add("string-pattern", f'"\\"" ( {pattern} ) "\\""')
         if schema.get("format") in FORMATS:  # other formats: a plain string, as llama-server
             body = FORMATS[schema["format"]]
             return self.add(f"string-{schema['format']}", f'"\\"" ( {body} ) "\\""')
-        low, high = schema.get("minLength"), schema.get("maxLength")
         if low is None and high is None:
             return "json-string"
         # A rule, not a group: llama.cpp refuses a repetition past 2000 of all the rules it

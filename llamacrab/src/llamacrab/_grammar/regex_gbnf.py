@@ -8,9 +8,16 @@ lazy is accepted: it matches the same strings; counts past llama.cpp's limit ove
 the whole string match (which also satisfies JSON Schema's unanchored search). Characters a
 JSON string must escape (``"``, ``\\``, control characters) cannot be matched. Anything else
 (lookarounds, backreferences, named groups, flags) raises GrammarError.
+
+A string's minLength/maxLength beside a pattern hold where the pattern allows no other length
+(``[A-Z]{2}[0-9]{4}``), where it is one character repeated (``[a-z0-9_]+``: the counts are cut
+to the lengths), and refuse a pattern no string of those lengths matches; elsewhere they are not
+enforced (as llama-server enforces none beside a pattern).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._field_types import decimal
@@ -41,6 +48,21 @@ def _class_char(char: str, pattern: str) -> str:
 MAX_PATTERN_NESTING = 32  # parsed recursively, like the GBNF it becomes
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """A part of the pattern: its GBNF and the lengths it matches (``high`` None: any). One
+    character repeated keeps that character's GBNF and its counts, which lengths can cut."""
+
+    gbnf: str
+    low: int
+    high: int | None
+    repeated: tuple[str, int, int | None] | None = None  # (one character, low, high)
+
+
+def _single(gbnf: str) -> _Piece:
+    return _Piece(gbnf, 1, 1)
+
+
 class _Parser:
     def __init__(self, pattern: str, add: AddRule) -> None:
         self.pattern = pattern
@@ -63,20 +85,30 @@ class _Parser:
         self.i += 1
         return char
 
-    def alternation(self) -> str:
+    def alternation(self) -> _Piece:
         options = [self.sequence()]
         while self.peek() == "|":
             self.take()
             options.append(self.sequence())
-        return options[0] if len(options) == 1 else "( " + " | ".join(options) + " )"
+        if len(options) == 1:
+            return options[0]
+        highs = [o.high for o in options]
+        high = None if None in highs else max(h for h in highs if h is not None)
+        gbnf = "( " + " | ".join(o.gbnf for o in options) + " )"
+        return _Piece(gbnf, min(o.low for o in options), high)
 
-    def sequence(self) -> str:
+    def sequence(self) -> _Piece:
         items = []
         while self.peek() not in ("", "|", ")"):
             items.append(self.quantified(self.atom()))
-        return " ".join(items) if items else '""'
+        if len(items) == 1:
+            return items[0]
+        highs = [i.high for i in items]
+        high = None if None in highs else sum(h for h in highs if h is not None)
+        gbnf = " ".join(i.gbnf for i in items) if items else '""'
+        return _Piece(gbnf, sum(i.low for i in items), high)
 
-    def atom(self) -> str:
+    def atom(self) -> _Piece:
         char = self.take()
         if char == "(":
             if self.text.startswith("?:", self.i):
@@ -92,18 +124,18 @@ class _Parser:
             self.depth -= 1
             if self.take() != ")":
                 raise self.fail("an unclosed group")
-            return f"( {inner} )"
+            return _Piece(f"( {inner.gbnf} )", inner.low, inner.high)
         if char == "[":
-            return self.char_class()
+            return _single(self.char_class())
         if char == ".":
-            return _ANY
+            return _single(_ANY)
         if char == "\\":
-            return self.escape()
+            return _single(self.escape())
         if char in "^$":
             raise self.fail(f"{char!r} inside the pattern")
         if char in "*+?{":
             raise self.fail(f"a quantifier {char!r} with nothing before it")
-        return _char_literal(char, self.pattern)
+        return _single(_char_literal(char, self.pattern))
 
     def escape(self) -> str:
         char = self.take()
@@ -138,11 +170,11 @@ class _Parser:
         body = "".join(parts)
         return f'[^{body}"\\\\\\x00-\\x1f]' if negate else f"[{body}]"
 
-    def quantified(self, atom: str) -> str:
+    def quantified(self, piece: _Piece) -> _Piece:
         char = self.peek()
         if char and char in "*+?":
             self.take()
-            suffix = char
+            low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[char]
         elif char == "{":
             end = self.text.find("}", self.i)
             counts = self.text[self.i + 1 : end].split(",") if end > 0 else []
@@ -151,23 +183,52 @@ class _Parser:
             ):
                 raise self.fail("this repetition")
             self.i = end + 1
-            suffix = "{" + ",".join(c.strip() for c in counts) + "}"
-            low, high = decimal(counts[0].strip()), decimal(counts[-1].strip())
-            if low is not None and not fits(low, high):
-                suffix = ""
-                atom = repeat(self.add, atom, low, high, "pattern-item")
+            low, high = decimal(counts[0].strip()) or 0, decimal(counts[-1].strip())
         else:
-            return atom
+            return piece
         if self.peek() == "?":  # lazy: the same strings
             self.take()
-        return f"{atom}{suffix}"
+        single = piece.low == piece.high == 1  # one character: lengths can cut its counts
+        return _Piece(
+            _repeated(self.add, piece.gbnf, low, high),
+            piece.low * low,
+            None if high is None or piece.high is None else piece.high * high,
+            (piece.gbnf, low, high) if single else None,
+        )
 
 
-def pattern_to_gbnf(pattern: str, add: AddRule) -> str:
-    """A GBNF expression for the contents of a JSON string matching ``pattern`` entirely; the
+def _repeated(add: AddRule, gbnf: str, low: int, high: int | None) -> str:
+    """``gbnf`` ``low`` to ``high`` times: GBNF's own counts where llama.cpp enforces them."""
+    if not fits(low, high):
+        return repeat(add, gbnf, low, high, "pattern-item")
+    if (low, high) == (0, None):
+        return f"{gbnf}*"
+    if (low, high) == (1, None):
+        return f"{gbnf}+"
+    if (low, high) == (0, 1):
+        return f"{gbnf}?"
+    return f"{gbnf}{{{low},{'' if high is None else high}}}"
+
+
+def pattern_to_gbnf(
+    pattern: str, add: AddRule, min_length: int = 0, max_length: int | None = None
+) -> str:
+    """A GBNF expression for the contents of a JSON string matching ``pattern`` entirely, of
+    ``min_length`` to ``max_length`` characters where that can be enforced (see above); the
     rules it needs (chunks of a long repetition) made with ``add``."""
     parser = _Parser(pattern, add)
-    expression = parser.alternation()
+    piece = parser.alternation()
     if parser.i != len(parser.text):
         raise parser.fail(f"{parser.text[parser.i]!r} at position {parser.i}")
-    return expression
+    too_short = piece.high is not None and piece.high < min_length
+    if too_short or (max_length is not None and piece.low > max_length):
+        raise GrammarError(
+            f"pattern {pattern!r} matches no string of {min_length} to "
+            f"{'any number of' if max_length is None else max_length} characters"
+        )
+    if piece.repeated is not None:
+        unit, low, high = piece.repeated
+        if max_length is not None:
+            high = max_length if high is None else min(high, max_length)
+        return _repeated(add, unit, max(low, min_length), high)
+    return piece.gbnf
