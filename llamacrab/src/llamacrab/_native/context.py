@@ -401,7 +401,8 @@ class Context(NativeHandle):
         if status == 2:
             raise DecodeAbortedError("encode cancelled", status)
         if status != 0:
-            raise DecodeError(f"llama_encode failed with status {status}", status)
+            reason = log_lines.take_errors() or "llama.cpp error"
+            raise DecodeError(f"llama_encode failed with status {status}: {reason}", status)
         self._encoded = batch.sequences()
 
     def _compute(
