@@ -124,6 +124,10 @@ def test_a_prompt_past_n_ubatch_is_refused_and_the_model_goes_on(t5_path: Path) 
 def test_what_one_encoder_output_cannot_serve_is_refused(t5_path: Path, t5: Llama) -> None:
     with pytest.raises(ContextError, match="runs one sequence"):  # llama.cpp: an abort
         Llama(t5_path, n_ctx=256, n_threads=1, parallel=2)
+    # An embedding server's many sequences: the embeddings are what it is refused for.
+    params = ContextParams(n_ctx=256, n_threads=1, embeddings=True, n_seq_max=8)
+    with pytest.raises(ContextError, match="embeddings from it are not supported"):
+        Context(t5.model, params)
     with pytest.raises(InvalidParameterError, match="encoder-decoder"):
         Llama(t5_path, n_ctx=256, n_threads=1, prompt_lookup=3)
     with pytest.raises(InvalidParameterError, match="prompt logprobs"):

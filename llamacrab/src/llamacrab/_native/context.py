@@ -951,16 +951,16 @@ def _check_encoder_decoder(model: Model, params: ContextParams) -> None:
     decoder, are refused: its encoder alone (t5encoder) embeds."""
     if not model.encoder_decoder:
         return
+    if params.embeddings:  # first: an embedding server asks for many sequences too
+        raise ContextError(
+            f"{model!r} ({model.arch}) is an encoder-decoder model: embeddings from it are not "
+            "supported (its encoder alone, a t5encoder GGUF, embeds); it generates text"
+        )
     if params.n_seq_max > 1:
         raise ContextError(
             f"{model!r} ({model.arch}) is an encoder-decoder model: llama.cpp keeps one encoder "
             f"output per context, so it runs one sequence (n_seq_max {params.n_seq_max}; "
             "parallel slots: one)"
-        )
-    if params.embeddings:
-        raise ContextError(
-            f"{model!r} ({model.arch}) is an encoder-decoder model: embeddings from it are not "
-            "supported (its encoder alone, a t5encoder GGUF, embeds); it generates text"
         )
 
 
