@@ -17,6 +17,7 @@ from live_server import running
 from pydantic import BaseModel
 
 from llamacrab.server import ServerSettings
+from llamacrab.server._partial_json import partial_object
 
 pytestmark = pytest.mark.real_model
 
@@ -177,15 +178,27 @@ def test_a_cut_call_on_responses_is_an_incomplete_item(client: openai.OpenAI, bu
     assert call.name == "get_weather" and call.status == "incomplete"
 
 
-def test_a_cut_call_on_messages_keeps_the_text_only(server_url: str, budget: int) -> None:
-    """A tool_use block holds an object, which a cut call's input is not: it is left out,
-    with stop_reason max_tokens (no 500)."""
+def test_a_cut_call_on_messages_holds_what_of_its_input_is_complete(
+    client: openai.OpenAI, server_url: str, budget: int
+) -> None:
+    """A tool_use block holds an object: a cut call's input holds the members complete by
+    then, as Anthropic's SDK reads a stream's, with stop_reason max_tokens (no 500)."""
+    cut = client.chat.completions.create(
+        model="gemma", messages=WEATHER_ASK, tools=[WEATHER], tool_choice="required",
+        max_tokens=budget, **GREEDY,  # type: ignore[arg-type]
+    )  # fmt: skip
+    [call] = cut.choices[0].message.tool_calls or []
+    expected = partial_object(call.function.arguments)
+    assert isinstance(expected, dict)
     messages = anthropic.Anthropic(base_url=server_url, api_key="x", max_retries=0)
     tool: Any = {"name": "get_weather", "input_schema": CITY}
     kwargs: Any = {"model": "gemma", "max_tokens": budget, "messages": WEATHER_ASK, "tools": [tool],
                    "tool_choice": {"type": "any"}, "extra_body": GREEDY}  # fmt: skip
     message = messages.messages.create(**kwargs)
-    assert message.stop_reason == "max_tokens" and message.content == []
+    assert message.stop_reason == "max_tokens"
+    [block] = message.content
+    assert block.type == "tool_use" and block.name == "get_weather" and block.input == expected
     with messages.messages.stream(**kwargs) as stream:
         streamed = stream.get_final_message()
-    assert streamed.stop_reason == "max_tokens" and streamed.content == []
+    assert streamed.stop_reason == "max_tokens"
+    assert [(b.type, b.input) for b in streamed.content] == [("tool_use", expected)]

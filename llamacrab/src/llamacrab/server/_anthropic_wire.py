@@ -41,6 +41,7 @@ from llamacrab.server._anthropic_schemas import (
     ToolUseBlock,
 )
 from llamacrab.server._errors import ApiError, anthropic_body
+from llamacrab.server._partial_json import partial_object
 from llamacrab.server._schemas import GenerationFields
 from llamacrab.server._settings import ServerSettings
 from llamacrab.server._sse import sse_json
@@ -324,10 +325,11 @@ class Reply:
         return {"stop_reason": reason, "stop_sequence": matched if finish == "stop" else None}
 
     def calls(self, calls: Sequence[ToolCall], finish: FinishReason | None) -> Sequence[ToolCall]:
-        """The calls to answer as tool_use blocks. A call cut at max_tokens is left out: its
-        input so far is not the JSON object a tool_use block holds."""
+        """The calls to answer as tool_use blocks. One cut at max_tokens holds the members of
+        its input complete by then, as Anthropic's SDK reads them from a stream (a client
+        sees stop_reason max_tokens); one whose input began no object is left out."""
         if finish == "length":
-            calls = [call for call in calls if isinstance(_loaded(call.arguments), dict)]
+            calls = [call for call in calls if _input(call, cut=True) is not None]
         return calls[:1] if self.one_call else calls
 
 
@@ -348,9 +350,18 @@ def _loaded(arguments: str) -> Any:
         return None
 
 
-def _tool_use(call: ToolCall) -> dict[str, Any]:
+def _input(call: ToolCall, cut: bool) -> dict[str, Any] | None:
+    """A call's arguments as a tool_use block's input; where ``cut`` (at max_tokens), what of
+    them is complete."""
     arguments = _loaded(call.arguments)
-    if not isinstance(arguments, dict):
+    if isinstance(arguments, dict):
+        return arguments
+    return partial_object(call.arguments) if cut else None
+
+
+def _tool_use(call: ToolCall, cut: bool) -> dict[str, Any]:
+    arguments = _input(call, cut)
+    if arguments is None:
         raise ApiError(500, f"the model called {call.name!r} with arguments that are not a JSON "
                        f"object: {call.arguments[:200]!r}")  # fmt: skip
     call_id = call.id.removeprefix("call_") or uuid.uuid4().hex[:24]
@@ -365,7 +376,8 @@ def message(result: ChatCompletion | Completion, reply: Reply) -> dict[str, Any]
     else:
         text, calls = choice.text, ()
     content = [{"type": "text", "text": text}] if text else []
-    content += [_tool_use(call) for call in reply.calls(calls, choice.finish_reason)]
+    cut = choice.finish_reason == "length"
+    content += [_tool_use(call, cut) for call in reply.calls(calls, choice.finish_reason)]
     return {"id": message_id(result.id), "type": "message", "role": "assistant",
             "content": content, "model": reply.model,
             **reply.stop(choice.finish_reason, choice.stop_sequence,
@@ -432,7 +444,7 @@ class MessageEvents:
     ) -> Iterator[str]:
         assert last.finish_reason is not None
         for call in calls:
-            block = _tool_use(call)
+            block = _tool_use(call, cut=last.finish_reason == "length")
             yield from self._open({**block, "input": {}})
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
             yield sse("content_block_delta", {"index": self.blocks - 1, "delta": delta})
