@@ -200,7 +200,7 @@ def test_gemma_generations_validate(gemma: Llama, index: int) -> None:
         ({"type": "string", "pattern": "^(?=a)a$"}, "lookaround"),
         ({"type": "string", "pattern": "^(a)\\1$"}, "escape"),
         ({"type": "string", "pattern": 'say "hi"'}, "JSON"),
-        ({"type": "number", "minimum": 1e-17}, "minimum"),
+        ({"type": "number", "minimum": 1e17}, "minimum"),
         ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "exclusiveMaximum"),
     ],
 )

@@ -67,7 +67,7 @@ def test_schema_keywords_and_refusals() -> None:
     assert "[1-9]" in exclusive
     refused = [
         ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum 5 is greater than maximum 2"),
-        ({"type": "integer", "minimum": 10**17}, "more than 16 digits"),
+        ({"type": "integer", "minimum": 10**17}, "leaves no number of at most 16 digits"),
         ({"type": "string", "minimum": 1}, "'minimum' on string"),
     ]
     for schema, words in refused:
@@ -78,11 +78,14 @@ def test_schema_keywords_and_refusals() -> None:
 # -- numbers between decimal bounds, either end excluded --------------------------------------
 
 
+def root_rule(grammar: str) -> str:
+    """The body of the rule the root names (a bounded number's, which refers to no other)."""
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines() if " ::= " in line)
+    return rules[rules["root"]]
+
+
 def schema_pattern(schema: dict[str, Any]) -> re.Pattern[str]:
-    """The regex of a bounded number's rule, which refers to no other rule."""
-    grammar = schema_to_grammar(schema)
-    body = next(line for line in grammar.splitlines() if line.startswith("root-value ::= "))
-    return as_regex(body.removeprefix("root-value ::= "))
+    return as_regex(root_rule(schema_to_grammar(schema)))
 
 
 ZEROS_1 = "0." + "0" * 15 + "1"  # the smallest fraction the grammar writes: 16 digits
@@ -159,20 +162,16 @@ def test_integer_decimal_bounds_take_the_whole_numbers_within(
 def test_a_whole_multiple_between_decimal_bounds() -> None:
     grammar = schema_to_grammar({"type": "number", "multipleOf": 5, "minimum": 2.5,
                                  "exclusiveMaximum": 15})  # fmt: skip
-    assert 'root-value ::= "5" | "10"' in grammar
+    assert root_rule(grammar) == '"5" | "10"'
 
 
 @pytest.mark.parametrize(
     ("schema", "named"),
     [
-        ({"minimum": 0.12345678901234567}, "minimum 0.12345678901234566 at root-value has more "
-         "than 16 digits after the point"),
-        ({"exclusiveMaximum": 1e-20}, "exclusiveMaximum 1e-20 at root-value has more than 16 "
-         "digits after the point"),
-        ({"maximum": 0.1 + 0.2}, "maximum 0.30000000000000004"),
-        ({"exclusiveMinimum": 1e17}, "exclusiveMinimum 1e+17 at root-value has more than 16"),
-        ({"minimum": float("nan")}, "minimum at root-value must be a finite number"),
-        ({"maximum": float("inf")}, "maximum at root-value must be a finite number"),
+        ({"exclusiveMinimum": 1e17}, "exclusiveMinimum 1e+17 at root-value leaves no number of "
+         "at most 16 digits"),
+        ({"maximum": -float("inf")}, "maximum -inf at root-value leaves no number"),
+        ({"minimum": float("nan")}, "minimum at root-value must be a number, not nan"),
         ({"minimum": 5.5, "maximum": 2}, "minimum 5.5 is greater than maximum 2"),
         ({"exclusiveMinimum": 3, "exclusiveMaximum": 3},
          "exclusiveMinimum 3 and exclusiveMaximum 3 leave no number between them"),
@@ -186,6 +185,44 @@ def test_a_whole_multiple_between_decimal_bounds() -> None:
 def test_bounds_that_cannot_be_met_are_named(schema: dict[str, Any], named: str) -> None:
     with pytest.raises(GrammarError, match=re.escape(named)):
         schema_to_grammar({"type": "number", **schema})
+
+
+@pytest.mark.parametrize(
+    ("schema", "good", "bad"),
+    [
+        # Past every number of the grammar (16 digits a side): no bound at all.
+        ({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+         ["0", "-9999999999999999", "9999999999999999"], []),
+        ({"minimum": -float("inf"), "maximum": 1.8e308}, ["-1.5", "12345.25"], []),
+        ({"exclusiveMinimum": -1e20, "maximum": 1}, ["-9999999999999999.5", "1"], ["1.5"]),
+        # Between two numbers of 16 decimals: the nearest one inside, inclusive.
+        ({"exclusiveMinimum": 1e-17}, ["0.0000000000000001", "2"], ["0", "0.0"]),
+        ({"exclusiveMaximum": 1e-20}, ["0", "-0.5", "0.0000000000000000"], ["0.0000000000000001"]),
+        ({"maximum": 0.1 + 0.2}, ["0.3", "0.3000000000000000"], ["0.3000000000000001"]),
+        ({"minimum": 0, "exclusiveMaximum": 1 / 7},
+         ["0.1428571428571428"], ["0.1428571428571429", "0.15"]),
+    ],
+)  # fmt: skip
+def test_bounds_past_the_grammar_s_digits(
+    schema: dict[str, Any], good: list[str], bad: list[str]
+) -> None:
+    grammar = schema_to_grammar({"type": "number", **schema})
+    if grammar.startswith(("root ::= json-number\n", "root ::= json-integer\n")):  # no bound
+        assert not bad
+        return
+    pattern = as_regex(root_rule(grammar))
+    assert [text for text in good if not matches(pattern, text)] == []
+    assert [text for text in bad if matches(pattern, text)] == []
+
+
+def test_properties_of_one_range_share_its_rule() -> None:
+    # A rule per property took 620 bytes each: 456 of them reached the 256 KiB grammar bound.
+    properties = {f"p{i}": {"type": "number", "minimum": -1, "maximum": 1} for i in range(1000)}
+    grammar = schema_to_grammar(
+        {"type": "object", "properties": properties, "required": list(properties)}
+    )
+    assert grammar.count("number-range ::=") == 1
+    assert len(grammar.encode()) < 64 * 1024
 
 
 def test_a_bound_past_every_number_of_the_grammar_is_named() -> None:
@@ -324,9 +361,7 @@ def _ways(gbnf: str, text: str) -> int:
      {"exclusiveMinimum": 0.1, "exclusiveMaximum": 0.15}, {"minimum": -7, "maximum": 3.5}],
 )  # fmt: skip
 def test_each_number_is_read_one_way(schema: dict[str, Any]) -> None:
-    grammar = schema_to_grammar({"type": "number", **schema})
-    body = next(line for line in grammar.splitlines() if line.startswith("root-value ::= "))
-    body = body.removeprefix("root-value ::= ")
+    body = root_rule(schema_to_grammar({"type": "number", **schema}))
     texts = ["0", "0.0", "0.5", "0.1001", "0.12", "1", "-1", "3.5", "3.50", "-2.5", "-0.25",
              "42.125", "99.99", "99.990", "0.0001", "-0.0001", "7", "-7.0", ZEROS_1]  # fmt: skip
     pattern = as_regex(body)

@@ -331,14 +331,20 @@ class _Converter:
         for keyword in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
             if keyword in schema:
                 bound = decimal_bound(schema[keyword], keyword, hint, whole)
+                if bound is None:  # every number of the grammar is within it
+                    continue
                 if keyword.lower().endswith("minimum"):
                     low = tighter(low, bound, lower=True)
                 else:
                     high = tighter(high, bound, lower=False)
+        # Named after the range, not the place: properties of one range share a rule.
         if divisor is not None:
             first, last = whole_range(low, high)
-            return self.add(hint, multiples(int(divisor), first, last, self.add, hint))
-        return self.add(hint, bounded(low, high, fraction=not whole))
+            return self.add(f"{kind}-multiples", multiples(int(divisor), first, last, self.add,
+                                                           hint))  # fmt: skip
+        if low is None and high is None:
+            return f"json-{kind}"
+        return self.add(f"{kind}-range", bounded(low, high, fraction=not whole))
 
     def decimals(self, schema: Mapping[str, Any], hint: str) -> str:
         """multipleOf 0.1, 0.01, ...: numbers with at most that many decimals."""

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+from decimal import Context as DecimalContext
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._native.gbnf.repetition import AddRule
 
 MAX_DIGITS = 16  # digits of an integer part, and of a fraction, as json-number bounds them
+_STEP = Decimal(1).scaleb(-MAX_DIGITS)  # between two numbers of the grammar, at least
+_WIDE = DecimalContext(prec=2 * MAX_DIGITS + 8)  # exact for every number of the grammar
 FRACTION = '( "." [0-9]{1,16} )'
 
 
@@ -29,22 +32,30 @@ class Bound:
         return f"{self.keyword} {self.value}"
 
 
-def decimal_bound(value: object, keyword: str, hint: str, whole: bool) -> Bound:
-    """A schema's minimum/maximum/exclusive* as an exact Bound. A float is read as the decimal
-    JSON wrote (its shortest repr: 0.1, not 0.1000000000000000055...). Unless only integers are
-    bounded (``whole``), its fraction must fit the grammar's 16 digits."""
+def decimal_bound(value: object, keyword: str, hint: str, whole: bool) -> Bound | None:
+    """A schema's minimum/maximum/exclusive* as an exact Bound, or None where every number of
+    the grammar (at most 16 digits each side of the point) is within it anyway (an int64
+    limit, ``maximum: 1.8e308``). A float is read as the decimal JSON wrote (its shortest repr:
+    0.1, not 0.1000000000000000055...). A bound between two numbers of the grammar's 16
+    decimals is the nearest one inside it, inclusive (``exclusiveMinimum: 1e-17`` is
+    ``minimum: 0.0000000000000001``): the same numbers of the grammar pass."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise GrammarError(f"{keyword} at {hint} must be a number, not {value!r}")
     exact = Decimal(repr(value) if isinstance(value, float) else value)
-    if not exact.is_finite():
-        raise GrammarError(f"{keyword} at {hint} must be a finite number, not {value}")
-    if abs(exact) >= 10**MAX_DIGITS:
-        raise GrammarError(f"{keyword} {value} at {hint} has more than {MAX_DIGITS} digits")
-    if not whole and len(_digits(abs(exact))[1]) > MAX_DIGITS:
+    if exact.is_nan():
+        raise GrammarError(f"{keyword} at {hint} must be a number, not {value}")
+    lower = keyword.lower().endswith("minimum")
+    # Past 16 digits (an infinity too: JSON's 1e999 as Python reads it), the bound is beyond
+    # every number of the grammar on one side.
+    if exact.is_infinite() or abs(exact) >= 10**MAX_DIGITS:
+        if (exact < 0) == lower:  # below every number of the grammar, or above every one
+            return None
         raise GrammarError(
-            f"{keyword} {value} at {hint} has more than {MAX_DIGITS} digits after the point "
-            "(the most a number of the grammar has)"
+            f"{keyword} {value} at {hint} leaves no number of at most {MAX_DIGITS} digits"
         )
+    if not whole and exact != exact.quantize(_STEP, context=_WIDE):
+        rounding = ROUND_CEILING if lower else ROUND_FLOOR
+        return Bound(exact.quantize(_STEP, rounding=rounding, context=_WIDE), keyword=keyword)
     return Bound(exact, exclusive=keyword.startswith("exclusive"), keyword=keyword)
 
 
