@@ -20,6 +20,7 @@ from llamacrab import (
     ContextError,
     ContextOverflowError,
     ContextParams,
+    DraftModel,
     InvalidParameterError,
     Llama,
     Model,
@@ -130,6 +131,12 @@ def test_what_one_encoder_output_cannot_serve_is_refused(t5_path: Path, t5: Llam
         Context(t5.model, params)
     with pytest.raises(InvalidParameterError, match="encoder-decoder"):
         Llama(t5_path, n_ctx=256, n_threads=1, prompt_lookup=3)
+    target_path = tiny.write_tiny_llama(t5_path.parent / "target.gguf")
+    with (
+        Llama(target_path, n_ctx=64) as target,
+        pytest.raises(InvalidParameterError, match="draft model is an encoder-decoder"),
+    ):
+        target.create_completion("the cat", max_tokens=2, speculative=DraftModel(llama=t5))
     with pytest.raises(InvalidParameterError, match="prompt logprobs"):
         t5.create_completion("hello", max_tokens=2, echo=True, logprobs=1)
     assert generated(t5, "hello", 3) == llama_cpp_greedy(t5_path, t5.tokenize("hello"), 3)
@@ -158,6 +165,9 @@ def test_the_context_s_encode_and_decode_guard_llama_cpp_s_asserts(t5_path: Path
                 attempt("logits", lambda: ctx.logits(-1))
                 attempt("decode", run(ctx.decode, 1))
                 print("finite", bool(np.isfinite(ctx.logits(-1)).all()))
+                attempt("encode again", run(ctx.encode, 6))  # the decoder starts over
+                print("decoder memory", ctx.positions(0))
+                attempt("decode again", run(ctx.decode, 1))
     """
     child = run_child(code, str(t5_path))
     assert child.returncode == 0, f"exit {child.returncode}\n{child.stderr[-3000:]}"
@@ -166,7 +176,17 @@ def test_the_context_s_encode_and_decode_guard_llama_cpp_s_asserts(t5_path: Path
     assert lines[1] == "encode ok"
     assert lines[2] == "logits InvalidParameterError the last call was an encode, which " \
         "computes no logits"  # fmt: skip
-    assert lines[3:] == ["decode ok", "finite True"]
+    assert lines[3:] == ["decode ok", "finite True", "encode again ok", "decoder memory None",
+                         "decode again ok"]  # fmt: skip
+
+
+def test_a_decoder_start_token_outside_the_vocabulary_is_named(t5_path: Path) -> None:
+    overrides = {"t5.decoder_start_token_id": 100_000}
+    with (
+        Llama(t5_path, n_ctx=64, n_threads=1, kv_overrides=overrides) as llm,
+        pytest.raises(InvalidParameterError, match=r"decoder_start_token_id\) is 100000"),
+    ):
+        llm.create_completion("the cat", max_tokens=2)
 
 
 def test_encode_is_for_encoder_decoder_models(tmp_path: Path) -> None:

@@ -169,6 +169,11 @@ class DraftModel:
                 "the draft model is the model it drafts for: draft with a smaller model, or "
                 "with PromptLookup"
             )
+        if self.llama.model.encoder_decoder:
+            raise InvalidParameterError(
+                "the draft model is an encoder-decoder model: its decoder would draft from its "
+                "encoder's reading of the text so far, encoded again for every draft"
+            )
         check_vocabularies(target, self.llama.model)
         return _ModelDrafter(self)
 

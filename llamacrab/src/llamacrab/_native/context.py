@@ -383,7 +383,8 @@ class Context(NativeHandle):
     ) -> None:
         """Run an encoder-decoder model's encoder (T5) over ``batch``, all of it at once (at
         most n_ubatch tokens); decodes of the sequences it holds then attend to its output,
-        until the next encode. ``lora`` and ``stopped`` as ``decode`` takes them."""
+        until the next encode, which empties their decoder memory first (it attended to the
+        input before). ``lora`` and ``stopped`` as ``decode`` takes them."""
         if not self.encoder_decoder:
             raise InvalidParameterError(
                 f"encode() runs the encoder of an encoder-decoder model; {self.model!r} "
@@ -397,6 +398,11 @@ class Context(NativeHandle):
                 n_prompt_tokens=count, n_ctx=limit,
             )  # fmt: skip
         self._encoded = frozenset()  # what a failed encode leaves is not known
+        # A new input starts the decoder over: llama.cpp refuses an encode of a sequence whose
+        # decoder memory holds positions (what it held attended to the input before).
+        for seq_id in batch.sequences():
+            if self.positions(seq_id) is not None:
+                self.remove(seq_id, 0, -1)
         status = self._compute("llama_encode", batch, lora, stopped)
         if status == 2:
             raise DecodeAbortedError("encode cancelled", status)

@@ -343,6 +343,11 @@ class Model(NativeHandle):
                     f"{self!r} names no decoder start token and has no BOS token to start from"
                 )
             token = bos
+        if token >= self.vocab.n_tokens:  # a kv_override of it, say
+            raise InvalidParameterError(
+                f"{self!r}'s decoder start token ({self.arch}.decoder_start_token_id) is "
+                f"{token}, outside its vocabulary of {self.vocab.n_tokens}"
+            )
         return token
 
     @property
