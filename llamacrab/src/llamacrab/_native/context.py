@@ -394,7 +394,7 @@ class Context(NativeHandle):
         if count > limit:  # llama.cpp asserts it (an abort): the encoder reads all at once
             raise ContextOverflowError(
                 f"the encoder reads its whole input at once: {count} tokens exceed this "
-                f"context's n_ubatch of {limit}",
+                f"context's n_ubatch of {limit} (raise n_ubatch; the server's --n-ubatch)",
                 n_prompt_tokens=count, n_ctx=limit,
             )  # fmt: skip
         self._encoded = frozenset()  # what a failed encode leaves is not known
