@@ -4,15 +4,12 @@ its llama-simple example does); what llama.cpp would abort on is refused first."
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_context_guards import run_child
 
 from llamacrab import (
     Batch,
@@ -76,14 +73,6 @@ def llama_cpp_greedy(path: Path, prompt: list[int], count: int) -> list[int]:
     child = run_child(code, *args)
     assert child.returncode == 0, child.stderr[-3000:]
     return [int(t) for t in child.stdout.strip()[1:-1].split(",")]
-
-
-def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
 
 
 def generated(llm: Llama, prompt: str, count: int) -> list[int]:
