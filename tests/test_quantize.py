@@ -127,6 +127,8 @@ def test_bad_arguments_are_named_before_llama_cpp_runs(source: Path, tmp_path: P
         quantize(source, dest, "Q8_0", pure="yes")  # type: ignore[arg-type]
     with pytest.raises(InvalidParameterError, match="dest is the source itself"):
         quantize(source, source, "Q8_0")
+    with pytest.raises(InvalidParameterError, match="dest is a folder"):
+        quantize(source, tmp_path, "Q8_0")
     with pytest.raises(InvalidParameterError, match="folder does not exist"):
         quantize(source, tmp_path / "missing" / "out.gguf", "Q8_0")
     not_gguf = tmp_path / "notes.gguf"

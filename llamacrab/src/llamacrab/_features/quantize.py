@@ -68,6 +68,8 @@ def quantize(
     validate_gguf(source_path)  # what llama.cpp's loader would trip on, named here
     if dest_path.exists() and dest_path.samefile(source_path):
         raise InvalidParameterError(f"dest is the source itself: {dest_path}")
+    if dest_path.is_dir():
+        raise InvalidParameterError(f"dest is a folder, not a file: {dest_path}")
     if not dest_path.parent.is_dir():
         raise InvalidParameterError(f"dest's folder does not exist: {dest_path.parent}")
     partial = dest_path.with_name(f".{dest_path.name}.{os.getpid()}.partial")
