@@ -16,7 +16,7 @@ from llamacrab._exceptions import InvalidParameterError, QuantizationError
 from llamacrab._field_types import INT32_MAX, check_range, file_path
 from llamacrab._native.gguf.check import validate_gguf
 from llamacrab._native.host_limits import default_threads
-from llamacrab._native.quantize import file_types
+from llamacrab._native.quantize import FLAGS, file_types
 from llamacrab._native.quantize import tensor_types as weight_types
 
 # The module the child runs (a test puts one that dies in its place).
@@ -59,7 +59,7 @@ def quantize(
     options: dict[str, object] = {"file_type": chosen, "allow_requantize": allow_requantize,
                                   "quantize_output_tensor": quantize_output_tensor,
                                   "pure": pure}  # fmt: skip
-    for name in ("allow_requantize", "quantize_output_tensor", "pure"):
+    for name in FLAGS:
         if not isinstance(options[name], bool):
             raise InvalidParameterError(f"{name} must be True or False, not {options[name]!r}")
     options["output_tensor_type"] = _tensor_type("output_tensor_type", output_tensor_type)

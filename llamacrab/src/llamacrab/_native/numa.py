@@ -44,8 +44,3 @@ def init_numa(strategy: str) -> None:
             raise LlamaError("no CPU backend is loaded: NUMA placement needs one")
         call("llama_numa_init", STRATEGIES[strategy])
         _chosen = strategy
-
-
-def numa_strategy() -> str | None:
-    """The strategy ``init_numa`` chose for this process, if any."""
-    return _chosen
