@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from llamacrab._exceptions import GrammarError
 from llamacrab._field_types import decimal
-from llamacrab._native.gbnf.repetition import AddRule, repeat
+from llamacrab._native.gbnf.repetition import AddRule, fits, repeat
 
 _ANY = r'[^"\\\x00-\x1f]'
 _CLASSES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " "}  # a tab would need escaping in JSON
@@ -190,11 +190,24 @@ class _Parser:
             self.take()
         single = piece.low == piece.high == 1  # one character: lengths can cut its counts
         return _Piece(
-            repeat(self.add, piece.gbnf, low, high, "pattern-item"),
+            _repeated(self.add, piece.gbnf, low, high),
             piece.low * low,
             None if high is None or piece.high is None else piece.high * high,
             (piece.gbnf, low, high) if single else None,
         )
+
+
+def _repeated(add: AddRule, gbnf: str, low: int, high: int | None) -> str:
+    """``gbnf`` ``low`` to ``high`` times: GBNF's own counts where llama.cpp enforces them."""
+    if not fits(low, high):
+        return repeat(add, gbnf, low, high, "pattern-item")
+    if (low, high) == (0, None):
+        return f"{gbnf}*"
+    if (low, high) == (1, None):
+        return f"{gbnf}+"
+    if (low, high) == (0, 1):
+        return f"{gbnf}?"
+    return f"{gbnf}{{{low},{'' if high is None else high}}}"
 
 
 def pattern_to_gbnf(
@@ -217,5 +230,5 @@ def pattern_to_gbnf(
         unit, low, high = piece.repeated
         if max_length is not None:
             high = max_length if high is None else min(high, max_length)
-        return repeat(add, unit, max(low, min_length), high, "pattern-item")
+        return _repeated(add, unit, max(low, min_length), high)
     return piece.gbnf
