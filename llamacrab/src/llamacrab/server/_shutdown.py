@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from llamacrab import ModelLoadError
 from llamacrab.server._state import ServerState
 
 log = logging.getLogger("llamacrab.server")
@@ -45,6 +46,10 @@ class GracefulServer(uvicorn.Server):
         else:
             super().handle_exit(sig, frame)  # uvicorn's force quit
 
+    def stop(self) -> None:
+        """Leave as the first signal does, the requests in flight being none."""
+        self.should_exit = True
+
     def _close_models_after(self, seconds: float) -> None:
         # Not here: this runs on the event loop, and a close waits for native calls to return.
         timer = threading.Timer(seconds, self._state.close_models)
@@ -53,6 +58,13 @@ class GracefulServer(uvicorn.Server):
 
 
 def run(app: FastAPI, host: str, port: int, grace: float) -> None:
-    """Serve ``app`` (made by create_app) until SIGTERM or Ctrl-C, stopping as above."""
+    """Serve ``app`` (made by create_app) until SIGTERM or Ctrl-C, stopping as above. A
+    model that fails to load stops it too, as llama-server exits: ModelLoadError says why
+    (a server answering 503 for ever looked up to a service manager)."""
+    state: ServerState = app.state.llamacrab
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
-    GracefulServer(config, app.state.llamacrab, grace).run()
+    server = GracefulServer(config, state, grace)
+    state.on_load_failure = server.stop  # from the loading thread: uvicorn polls the flag
+    server.run()
+    if state.error is not None and state.llama is None:
+        raise ModelLoadError(f"the model failed to load: {state.error}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from llamacrab import (
@@ -73,6 +74,8 @@ class ServerState:
         self.llama = llama
         self._owns_llama = llama is None  # loaded here, so closed here
         self.error: str | None = None
+        # Told when the model fails to load: ``serve`` stops then, as llama-server exits.
+        self.on_load_failure: Callable[[], None] | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
         # The multi-model form: models load on demand (ModelLeaseMiddleware), not here.
@@ -87,6 +90,8 @@ class ServerState:
         except Exception as error:  # reported by /health and every route
             self.error = f"{type(error).__name__}: {error}"
             log.error("the model failed to load: %s", self.error)
+            if self.on_load_failure is not None:
+                self.on_load_failure()
 
     def close_models(self) -> None:
         """Close the models this server opened (or the registry it serves): the server stops.
