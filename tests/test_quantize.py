@@ -90,6 +90,31 @@ def test_llama_cpp_s_refusal_is_its_reason_and_the_destination_is_untouched(
         assert llm.model.ftype == "Q4_0"
 
 
+def test_two_threads_writing_one_destination_each_write_a_whole_file(
+    source: Path, tmp_path: Path
+) -> None:
+    # The partial file was named by the process id: two threads of one process wrote into
+    # the same file, and the first to finish renamed it away from under the second.
+    dest = tmp_path / "both.gguf"
+    errors: list[BaseException] = []
+
+    def write(file_type: str) -> None:
+        try:
+            quantize(source, dest, file_type, threads=1)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    writers = [threading.Thread(target=write, args=(t,)) for t in ("Q8_0", "F16")]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+    assert errors == []
+    with Llama(dest, n_ctx=64, n_threads=1) as llm:  # one of the two, whole
+        assert llm.model.ftype in ("Q8_0", "F16")
+    assert [p.name for p in tmp_path.iterdir()] == ["both.gguf"]
+
+
 def test_tensor_types_are_chosen_by_name_and_by_pattern(source: Path, tmp_path: Path) -> None:
     overrides = {"attn_v": "f16", "ffn_.*": "q8_0"}
     written = quantize(source, tmp_path / "mixed.gguf", "Q4_0", output_tensor_type="q5_0",

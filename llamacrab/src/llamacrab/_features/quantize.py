@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -72,8 +73,12 @@ def quantize(
         raise InvalidParameterError(f"dest is a folder, not a file: {dest_path}")
     if not dest_path.parent.is_dir():
         raise InvalidParameterError(f"dest's folder does not exist: {dest_path.parent}")
-    partial = dest_path.with_name(f".{dest_path.name}.{os.getpid()}.partial")
     options["threads"] = threads or default_threads().amount
+    # Named uniquely (not by pid): two threads writing the same dest must not share it.
+    handle, name = tempfile.mkstemp(prefix=f".{dest_path.name}.", suffix=".partial",
+                                    dir=dest_path.parent)  # fmt: skip
+    os.close(handle)  # llama.cpp opens it again, truncating
+    partial = Path(name)
     try:
         _run(source_path, partial, options)
         os.replace(partial, dest_path)
