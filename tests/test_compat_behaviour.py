@@ -83,11 +83,76 @@ def test_the_context_tokens_are_read_only_attributes(llm: Llama) -> None:
         llm.input_ids[0] = 1
     with pytest.raises(AttributeError):
         llm.n_tokens = 0  # type: ignore[misc]
-    # No logits are kept: no rows, never made-up ones.
-    assert llm.scores.shape == (0, llm.n_vocab()) and llm.scores.dtype == np.single
-    assert len(llm.eval_logits) == 0 and llm.eval_logits.maxlen == 1
+    # A completion's tokens have no logits kept (llama.cpp samples them): zeros, never
+    # made-up ones. eval() keeps them (test_eval_and_sample_...).
+    assert llm.scores.shape == (len(held), llm.n_vocab()) and llm.scores.dtype == np.single
+    assert not llm.scores.any()
+    assert llm.eval_logits.maxlen == 1 and not any(llm.eval_logits[0])
     llm.reset()
     assert llm.n_tokens == 0 and not llm.input_ids.any()
+
+
+def test_eval_and_sample_are_llama_cpp_python_s_hand_written_loop(llm: Llama) -> None:
+    # They raised UnsupportedParameterError; code written for llama-cpp-python loops on them.
+    prompt = llm.tokenize(b"The capital of France is")
+    llm.reset()
+    llm.eval(prompt)
+    picked: list[int] = []
+    for _ in range(6):
+        picked.append(llm.sample(temp=0))
+        llm.eval(picked[-1:])
+    assert llm._input_ids.tolist() == prompt + picked
+    assert llm.scores.shape == (len(prompt) + 6, llm.n_vocab())
+    assert llm.scores[-1].any() and not llm.scores[:-1].any()  # the last row alone
+    llm.reset()
+    completion: Any = llm.create_completion("The capital of France is", max_tokens=6,
+                                            temperature=0)  # fmt: skip
+    assert llm.detokenize(picked).decode() == completion["choices"][0]["text"]
+
+
+def test_sample_counts_the_held_tokens_and_runs_logits_processors(llm: Llama) -> None:
+    counting = llm.tokenize(b"one two three four one two three four one")
+    llm.reset()
+    llm.eval(counting)
+    two = llm.tokenize(b" two", add_bos=False)[0]
+    assert llm.sample(temp=0) == two
+    # llama-cpp-python's fresh chain counted no tokens, so its penalties did nothing.
+    assert llm.sample(temp=0, repeat_penalty=50.0) not in counting
+    banana = llm.tokenize(b" banana", add_bos=False)[0]
+
+    def favour_banana(input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        assert input_ids.tolist() == counting
+        scores[banana] += 100.0
+        return scores
+
+    assert llm.sample(temp=0, logits_processor=favour_banana) == banana
+
+
+def test_sample_refuses_what_it_cannot_pick_from(llm: Llama) -> None:
+    llm.reset()
+    with pytest.raises(InvalidParameterError, match=r"logits of the last eval\(\)"):
+        llm.sample()
+    llm.eval(llm.tokenize(b"Hello"))
+    with pytest.raises(UnsupportedParameterError, match="grammar"):
+        llm.sample(grammar=LlamaGrammar.from_string('root ::= "a"'))
+    llm.create_completion("Hello there", max_tokens=2)  # the context's logits are its own now
+    with pytest.raises(InvalidParameterError, match="changed since"):
+        llm.sample()
+
+
+def test_logits_all_keeps_a_row_per_evaluated_token(gemma_path: Path) -> None:
+    with Llama(model_path=str(gemma_path), n_ctx=256, n_threads=2, logits_all=True,
+               verbose=False) as scored:  # fmt: skip
+        tokens = scored.tokenize(b"The quick brown fox")
+        scored.eval(tokens[:2])
+        scored.eval(tokens[2:])
+        rows = scored.scores
+        assert rows.shape == (len(tokens), scored.n_vocab()) and all(row.any() for row in rows)
+        assert len(scored.eval_logits) == len(tokens)
+        direct = scored.llamacrab
+        direct.reset()
+        assert np.array_equal(direct.evaluate(tokens[:2], all_logits=True), rows[:2])
+        assert scored.scores.shape == (2, scored.n_vocab())  # what the context holds now
 
 
 def chat_usage(llm: Llama, messages: list[dict[str, Any]]) -> tuple[Any, Any]:

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.real_model
         ("models.py", "after loading embed: chat unloaded, embed loaded"),
         ("processes.py", "forked child, parent's Llama: refused: ForkedHandleError"),
         ("quantize.py", "Q8_0   278.0 MiB  greedy: ' France"),
+        ("evaluate.py", "most likely: ' Paris'"),
     ],
 )
 def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.decode_watch import watched
 from llamacrab._engine.lines import LineRules, check_line_rules
-from llamacrab._engine.logprobs import PromptLogprobs, token_logprobs
+from llamacrab._engine.logprobs import PromptLogits, PromptLogprobs, PromptRows, token_logprobs
 from llamacrab._engine.lora import LoraPlan, lora_plan
 from llamacrab._engine.speculative import Drafter, SpeculativeStats
 from llamacrab._engine.stop import StopMatcher
@@ -91,6 +91,9 @@ class Request:
     lora: Mapping[LoraAdapter, float] | None = None  # None: the context's default adapters
     # The prompt's own tokens get logprobs too (echo): decoded whole, every row's logits read.
     prompt_logprobs: bool = False
+    # Llama.evaluate: the raw logits of the prompt's tokens from this position on (the last
+    # position: the last token's alone). None: none are kept.
+    logits_from: int | None = None
     # Prompt positions to take checkpoints at too (sliding-window and recurrent models; KvState).
     checkpoint_at: tuple[int, ...] = ()
     # Line rules for code completion (lines.py): llama-server's n_indent and t_max_predict_ms.
@@ -426,7 +429,7 @@ class KvState:
         prompt: Sequence[int],
         keep: int,
         stopped: Callable[[], bool] | None = None,
-        scores: PromptLogprobs | None = None,
+        scores: PromptRows | None = None,
         checkpoints: Sequence[int] = (),
     ) -> bool:
         """Decode the prompt after ``keep`` in chunks (none crossing the position where the
@@ -547,6 +550,8 @@ class Session:
         self.prompt_started: float | None = None  # time.monotonic() when its prompt was begun
         # With Request.prompt_logprobs: (logprob, top alternatives) of prompt tokens 1, 2, ...
         self.prompt_logprobs: list[tuple[float, dict[str, float]]] = []
+        # With Request.logits_from: the raw logits of those prompt tokens, a row each.
+        self.prompt_logits: list[np.ndarray] = []
         # The end-of-generation token it ended on (of several, <end_of_turn> or <eos>), if any.
         self.end_token: int | None = None
 
@@ -623,19 +628,26 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
                 if not encode_request(kv, request, watch.stopped):
                     return False
             else:
-                scores = None
+                scores: PromptRows | None = None
+                last = len(request.prompt) - 1
                 if request.prompt_logprobs:
-                    scores = PromptLogprobs(
+                    logprobs = PromptLogprobs(
                         request.prompt, request.logprobs or 0, kv.context.n_vocab
                     )
-                    session.prompt_logprobs = scores.values
+                    session.prompt_logprobs, scores = logprobs.values, logprobs
+                elif request.logits_from is not None and request.logits_from < last:
+                    logits = PromptLogits(request.logits_from, kv.context.n_vocab)
+                    session.prompt_logits, scores = logits.rows, logits
                 plan = kv.plan_for(request.prompt, request.lora)
-                session.reused = kv.prepare(request.prompt, plan, reuse=scores is None)
+                reuse = not request.prompt_logprobs  # those rate every prompt token
+                session.reused = kv.prepare(request.prompt, plan, reuse=reuse)
                 checkpoints = kv.checkpoint_positions(request)
                 if not kv.decode_prompt(
                     request.prompt, session.reused, watch.stopped, scores, checkpoints
                 ):
                     return False
+                if request.logits_from == last:  # the last row, which every prompt returns
+                    session.prompt_logits = [kv.context.logits(-1).copy()]
     except DecodeAbortedError:
         return False
     finally:

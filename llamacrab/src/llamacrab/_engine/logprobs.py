@@ -7,6 +7,7 @@ numpy, and only for requests that ask for logprobs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -66,3 +67,25 @@ class PromptLogprobs:
                 token = self.prompt[following]
                 logprob, top, *_ = token_logprobs(context, token, self.top_n, first_row + row)
                 self.values.append((logprob, top))
+
+
+class PromptRows(Protocol):
+    """What reads every row's logits of a prompt's decodes (``KvState.decode_prompt``)."""
+
+    max_rows: int  # rows one decode may return
+
+    def read(self, context: Context, position: int, count: int, first_row: int = 0) -> None: ...
+
+
+class PromptLogits:
+    """The raw logits of a prompt's tokens from position ``start`` on (``Llama.evaluate``), a
+    row each, copied as the decodes return them."""
+
+    def __init__(self, start: int, n_vocab: int) -> None:
+        self.start = start
+        self.max_rows = prompt_rows_per_decode(n_vocab)
+        self.rows: list[np.ndarray] = []
+
+    def read(self, context: Context, position: int, count: int, first_row: int = 0) -> None:
+        for row in range(max(0, self.start - position), count):
+            self.rows.append(context.logits(first_row + row).copy())

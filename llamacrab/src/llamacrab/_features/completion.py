@@ -13,12 +13,14 @@ import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from llamacrab._engine.cache import PromptCache
 from llamacrab._engine.generation import MEDIA_TOKEN, KvState, Request, Session, Step, generate
 from llamacrab._engine.scheduler import Scheduler
 from llamacrab._engine.speculative import Drafter, Speculative, SpeculativeStats
 from llamacrab._engine.stream import Stream
-from llamacrab._exceptions import ConcurrentUseError, InvalidParameterError
+from llamacrab._exceptions import ConcurrentUseError, DecodeAbortedError, InvalidParameterError
 from llamacrab._features.media import MediaInput
 from llamacrab._field_types import UINT32_MAX, check_range, choice_seeds
 from llamacrab._native.context import Context
@@ -344,6 +346,38 @@ class Completer:
         usage = dataclasses.replace(first, completion_tokens=completion_tokens)
         return Completion(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name,
                           choices, usage)  # fmt: skip
+
+    def evaluate(self, tokens: Sequence[int], all_logits: bool) -> np.ndarray:
+        """Decode ``tokens`` after what the one slot holds, as a prompt that continues it
+        (``Llama.evaluate``): the raw logits of the last of them, or of each."""
+        kv = self.one_slot("evaluate()")
+        check_generates(self.model, kv.context.params.embeddings)
+        if self.model.encoder_decoder:
+            raise InvalidParameterError(
+                "evaluate() continues the decoder's memory; an encoder-decoder model's "
+                "decoder follows its encoder's input: use create_completion()"
+            )
+        new = self.model.vocab.check_tokens(tokens).tolist()
+        if not new:
+            raise InvalidParameterError("evaluate() needs at least one token")
+        held = kv.held_tokens()
+        prompt = held + new
+        start = len(held) if all_logits else len(prompt) - 1
+        request = Request(prompt, max_tokens=0, logits_from=start)
+        session = Session()
+        samplers = Samplers(self.model, SamplingOptions())  # samples nothing: logits stay raw
+        try:
+            ends = [step.finish_reason for step in self._one_slot_steps(request, samplers,
+                                                                       session, None)]  # fmt: skip
+        finally:
+            samplers.close()
+        if ends[-1] == "cancelled":
+            raise DecodeAbortedError("evaluate() was cancelled (Llama.cancel(), or a newer "
+                                     "generation superseded it)", 2)  # fmt: skip
+        rows = session.prompt_logits
+        if len(rows) != len(prompt) - start:  # another thread's tokens came between
+            raise ConcurrentUseError("the memory changed while evaluate() read it")
+        return np.stack(rows) if all_logits else rows[0]
 
     def _one_slot_steps(
         self, request: Request, samplers: Samplers, session: Session, drafter: Drafter | None

@@ -30,6 +30,8 @@ from llamacrab import (
     ModelParams,
     PromptCache,
     PromptLookup,
+    SamplerChain,
+    SamplingOptions,
     SavedState,
     Stream,
     ToolCall,
@@ -54,6 +56,7 @@ from llamacrab.compat._constants import (
     SPLIT_MODES,
 )
 from llamacrab.compat._errors import UnsupportedParameterError, unknown_keywords
+from llamacrab.compat._evaluated import Evaluated
 from llamacrab.compat._hooks import (
     Hooks,
     LogitsProcessor,
@@ -390,6 +393,7 @@ class Llama:
         self._n_vocab = llm.vocab.n_tokens
         self._n_ctx = llm.context.n_ctx
         self._turns = Turns()
+        self._evaluated = Evaluated(self._n_vocab, logits_all)
         self.tokenizer_ = LlamaTokenizer(self)
 
     # -- what is underneath -------------------------------------------------------------------
@@ -524,9 +528,11 @@ class Llama:
 
     @property
     def scores(self) -> npt.NDArray[np.single]:
-        """No rows: llamacrab keeps no logits of past tokens (they are sampled in llama.cpp;
-        a ``logits_processor`` sees each token's). Shape ``(0, n_vocab())``."""
-        return np.zeros((0, self._n_vocab), dtype=np.single)
+        """The logits ``eval()`` computed, a row per token the context holds (``(n_tokens,
+        n_vocab())``): every row it decoded with ``logits_all=True``, its last otherwise;
+        zeros for tokens a completion decoded (llamacrab samples those in llama.cpp; a
+        ``logits_processor`` sees each token's)."""
+        return self._evaluated.scores(self._held_tokens())
 
     @property
     def eval_tokens(self) -> deque[int]:
@@ -535,8 +541,9 @@ class Llama:
 
     @property
     def eval_logits(self) -> deque[list[float]]:
-        """Empty: llamacrab keeps no logits of past tokens (see ``scores``)."""
-        return deque(maxlen=self._n_ctx if self._logits_all else 1)
+        """``scores`` as lists: every row with ``logits_all=True``, the last otherwise."""
+        rows = self.scores if self._logits_all else self.scores[-1:]
+        return deque(rows.tolist(), maxlen=self._n_ctx if self._logits_all else 1)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -865,21 +872,60 @@ class Llama:
 
     @checked
     def eval(self, tokens: Sequence[int]) -> None:
-        raise UnsupportedParameterError(
-            [
-                "eval() (llamacrab decodes inside its engine: use "
-                "generate(), create_completion() or llamacrab's "
-                "Context)"
-            ]
-        )
+        """Decode ``tokens`` after the ones the context holds (``n_tokens``): ``input_ids``
+        gains them, ``scores`` a row of logits for each with ``logits_all=True`` (for the
+        last alone otherwise), and ``sample()`` picks from the last one's."""
+        with self._turns.turn():
+            held = self._held_tokens()
+            if not len(tokens):
+                return
+            logits = self._llm.evaluate(tokens, all_logits=self._logits_all)
+            rows = logits if self._logits_all else logits[np.newaxis]
+            self._evaluated.record(held, [int(t) for t in tokens], rows)
 
-    def sample(self, *args: Any, **kwargs: Any) -> int:
-        raise UnsupportedParameterError(
-            [
-                "sample() (llamacrab samples inside its engine: use "
-                "generate() or create_completion())"
-            ]
-        )
+    @checked
+    def sample(
+        self,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        temp: float = 0.80,
+        repeat_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_eta: float = 0.1,
+        mirostat_tau: float = 5.0,
+        penalize_nl: bool = True,
+        logits_processor: LogitsProcessor | None = None,
+        grammar: LlamaGrammar | None = None,
+        idx: int | None = None,
+    ) -> int:
+        """A token picked from the logits of the last ``eval()`` (``idx``: of that position,
+        within its last decode) with a fresh sampler chain seeded by the Llama's seed, as
+        llama-cpp-python picks. The penalties count the last ``last_n_tokens_size`` tokens
+        the context holds (llama-cpp-python's fresh chain counted none). A grammar follows a
+        whole generation: ``generate()`` and ``create_completion()`` take one."""
+        if grammar is not None:
+            grammar_note = ("sample(grammar=) (a grammar follows a whole generation: pass it "
+                            "to generate() or create_completion())")  # fmt: skip
+            raise UnsupportedParameterError([grammar_note])
+        keywords = Sampling.of({**locals(), "temperature": temp, "logit_bias": None})
+        with self._turns.turn():
+            held = self._held_tokens()
+            if not self._evaluated.is_last(held):
+                raise InvalidParameterError(
+                    "sample() picks from the logits of the last eval(), and the context "
+                    "changed since (a completion, reset() or load_state()) or none ran"
+                )
+            index = -1 if idx is None else idx - len(held)
+            sampling = self._sampling(keywords, self._seed % 2**32)
+            self._hooks(held, logits_processor, None, sampling)
+            with SamplerChain(self._llm.model, SamplingOptions(**sampling)) as chain:
+                chain.accept_prompt(held)
+                return chain.sample(self._llm.context, index)
 
     # -- chat ---------------------------------------------------------------------------------
 

@@ -1,0 +1,119 @@
+"""``Llama.evaluate``: tokens decoded after what the memory holds, their raw logits returned
+(llama-cpp-python's ``eval`` and ``scores``, for scoring and perplexity)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamacrab import (
+    ContextOverflowError,
+    DecodeAbortedError,
+    InvalidParameterError,
+    Llama,
+    TokenizeError,
+)
+from llamacrab._native.batch import Batch
+
+from support import load_repo_module, record_decodes
+
+tiny = load_repo_module("scripts/make_tiny_gguf.py")
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 10  # 102 tokens: two chunks of rows
+
+
+def _log_softmax(rows: np.ndarray) -> np.ndarray:
+    wide = rows.astype(np.float64)
+    peak = wide.max(axis=-1, keepdims=True)
+    return wide - peak - np.log(np.exp(wide - peak).sum(axis=-1, keepdims=True))
+
+
+def test_the_last_logits_are_those_a_prompt_leaves(gemma: Llama) -> None:
+    tokens = gemma.tokenize("The capital of France is")
+    gemma.reset()
+    gemma.create_completion(tokens, max_tokens=0)  # the same decode: the prompt in one chunk
+    expected = gemma.context.logits(-1).copy()
+    gemma.reset()
+    logits = gemma.evaluate(tokens)
+    assert logits.shape == (gemma.vocab.n_tokens,) and logits.dtype == np.float32
+    assert np.array_equal(logits, expected)
+    assert gemma.held_tokens() == tokens
+
+
+def test_every_row_rates_the_next_token_across_chunks(gemma: Llama) -> None:
+    # The rows a prompt's logprobs are read from (the same chunks: 64 rows of Gemma's 262,144
+    # logits each), row i rating token i + 1.
+    tokens = gemma.tokenize(TEXT)
+    gemma.reset()
+    rows = gemma.evaluate(tokens, all_logits=True)
+    assert rows.shape == (len(tokens), gemma.vocab.n_tokens)
+    echoed = gemma.create_completion(tokens, max_tokens=0, echo=True, logprobs=1)
+    logprobs = echoed.choices[0].logprobs
+    assert logprobs is not None
+    rated = _log_softmax(rows)[np.arange(len(tokens) - 1), tokens[1:]]
+    assert np.allclose(rated, np.array(logprobs.token_logprobs[1:], dtype=float), atol=1e-6)
+
+
+def test_evaluations_continue_the_memory_and_completions_reuse_it(gemma: Llama) -> None:
+    prompt = gemma.tokenize("Count: one, two, three,")
+    gemma.reset()
+    logits = gemma.evaluate(prompt)
+    greedy = []
+    for _ in range(6):  # the hand-written loop decodes as a completion does: one at a time
+        greedy.append(int(np.argmax(logits)))
+        logits = gemma.evaluate(greedy[-1:])
+    assert gemma.held_tokens() == prompt + greedy
+    gemma.reset()
+    completion = gemma.create_completion(prompt, max_tokens=6, temperature=0).choices[0]
+    assert list(completion.tokens) == greedy
+    gemma.reset()
+    gemma.evaluate(prompt + greedy[:3])
+    again = gemma.create_completion(prompt + greedy[:3], max_tokens=3, temperature=0)
+    assert again.usage.cached_tokens == len(prompt) + 2  # all but the last, decoded again
+    assert list(again.choices[0].tokens) == greedy[3:]
+
+
+def test_bad_input_is_named_and_the_memory_stays(gemma: Llama) -> None:
+    held = gemma.tokenize("Keep me")
+    gemma.reset()
+    gemma.evaluate(held)
+    with pytest.raises(InvalidParameterError, match="at least one token"):
+        gemma.evaluate([])
+    with pytest.raises(TokenizeError, match="vocabulary"):
+        gemma.evaluate([gemma.vocab.n_tokens])
+    with pytest.raises(ContextOverflowError):
+        gemma.evaluate([held[-1]] * gemma.context.n_ctx)
+    assert gemma.held_tokens() == held
+    assert gemma.evaluate(gemma.tokenize(" now", add_special=False)).shape == (
+        gemma.vocab.n_tokens,
+    )
+
+
+def test_a_cancel_stops_it_and_the_llama_goes_on(
+    gemma: Llama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gemma.reset()
+
+    def cancel_first(batch: Batch) -> None:
+        monkeypatch.undo()  # once
+        gemma.cancel()
+
+    record_decodes(monkeypatch, cancel_first)
+    with pytest.raises(DecodeAbortedError, match="cancelled"):
+        gemma.evaluate(gemma.tokenize(TEXT))
+    assert gemma.evaluate(gemma.tokenize("Hello")).shape == (gemma.vocab.n_tokens,)
+
+
+def test_what_cannot_continue_a_memory_is_refused(tiny_model_path: Path, tmp_path: Path) -> None:
+    t5 = tiny.write_tiny_t5(tmp_path / "t5.gguf")
+    encoder = tiny.write_tiny_t5(tmp_path / "t5encoder.gguf", decoder=False)
+    refusals = [
+        (Llama(tiny_model_path, n_ctx=128, parallel=2), r"evaluate\(\) on parallel slots"),
+        (Llama(t5, n_ctx=128), "encoder-decoder"),
+        (Llama(encoder, n_ctx=128, embeddings=True), "computes no logits"),
+    ]
+    for llm, reason in refusals:
+        with llm, pytest.raises(InvalidParameterError, match=reason):
+            llm.evaluate([1, 2, 3])
