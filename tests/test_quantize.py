@@ -4,7 +4,9 @@ written whole or not at all, with its refusals (and its deaths) as clear errors.
 from __future__ import annotations
 
 import _thread
+import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 
 from llamacrab import (
@@ -36,10 +39,15 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny.write_tiny_llama(tmp_path_factory.mktemp("quantize") / "tiny-f32.gguf")
 
 
-def llama_cpp_quantized(source: Path, dest: Path, file_type: str) -> bytes:
-    """What llama.cpp's C API writes, called directly (as llama-quantize does) in a child."""
+def llama_cpp_quantized(
+    source: Path, dest: Path, file_type: str, imatrix: Path | None = None
+) -> bytes:
+    """What llama.cpp's C API writes, called directly (as llama-quantize does) in a child.
+    ``imatrix``: an .npz of the importances by tensor name, and its "__recorded__" entry the
+    JSON of the metadata llama-quantize records ([key, str or int] pairs)."""
     code = """
-        import sys
+        import json, sys
+        import numpy as np
         sys.path.insert(0, sys.argv[4])
         from raw import checked
         from llamacrab_sys import ffi, lib
@@ -47,12 +55,29 @@ def llama_cpp_quantized(source: Path, dest: Path, file_type: str) -> bytes:
         params = ffi.new("llama_model_quantize_params *", lib.llama_model_quantize_default_params())
         params.ftype = getattr(lib, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
         params.nthread = 1
+        if sys.argv[5]:
+            saved = dict(np.load(sys.argv[5]))
+            recorded = json.loads(saved.pop("__recorded__").tobytes())
+            names = [ffi.new("char[]", name.encode()) for name in saved]
+            table = ffi.new("struct llama_model_imatrix_data[]", len(saved) + 1)
+            for entry, name, values in zip(table, names, saved.values()):
+                entry.name, entry.data = name, ffi.from_buffer("float[]", values)
+                entry.size = values.size
+            params.imatrix = table
+            kv = ffi.new("struct llama_model_kv_override[]", len(recorded) + 1)
+            for entry, (key, value) in zip(kv, recorded):
+                entry.key = key.encode()
+                if isinstance(value, str):
+                    entry.tag, entry.val_str = lib.LLAMA_KV_OVERRIDE_TYPE_STR, value.encode()
+                else:
+                    entry.tag, entry.val_i64 = lib.LLAMA_KV_OVERRIDE_TYPE_INT, value
+            params.kv_overrides = kv
         source, dest = sys.argv[1].encode(), sys.argv[2].encode()
         assert checked(lib.safe_llama_model_quantize, source, dest, params) == 0
     """
     raw = Path(__file__).parent / "sys"
     argv = [sys.executable, "-c", textwrap.dedent(code), str(source), str(dest), file_type,
-            str(raw)]  # fmt: skip
+            str(raw), str(imatrix or "")]  # fmt: skip
     child = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-3000:]
     return dest.read_bytes()
@@ -226,3 +251,116 @@ def test_the_command(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     assert dest.read_bytes() == quantize(source, tmp_path / "api.gguf", "Q5_0").read_bytes()
     assert cli.main(["quantize", str(source), str(dest), "Q9"]) == 1
     assert "file_type must be one of" in capsys.readouterr().err
+
+
+# The tiny model's weights by the length of their rows (what an importance matrix covers).
+WEIGHTS = {f"blk.{i}.{name}.weight": length for i in range(2)
+           for name, length in [("attn_q", 64), ("attn_k", 64), ("attn_v", 64),
+                                ("attn_output", 64), ("ffn_gate", 64), ("ffn_up", 64),
+                                ("ffn_down", 128)]} | {"output.weight": 64}  # fmt: skip
+
+
+def importances(seed: int = 3) -> dict[str, tuple[np.ndarray, float]]:
+    """Squared-activation sums and the token count behind them, by weight; one weight saw no
+    token (its importances are then 1, as llama-quantize sets them)."""
+    rng = np.random.default_rng(seed)
+    sums = {name: (rng.random(n, dtype=np.float32) * 50, 7.0) for name, n in WEIGHTS.items()}
+    sums["blk.1.ffn_up.weight"] = (sums["blk.1.ffn_up.weight"][0], 0.0)
+    return sums
+
+
+def write_gguf_imatrix(path: Path, data: dict[str, tuple[np.ndarray, float]],
+                       metadata: bool = True, counts: bool = True) -> Path:  # fmt: skip
+    """llama-imatrix's GGUF form: NAME.in_sum2 and NAME.counts, and its metadata."""
+    writer = gguf.GGUFWriter(str(path), "imatrix")
+    if metadata:
+        writer.add_array("imatrix.datasets", ["wiki.train.raw"])
+        writer.add_uint32("imatrix.chunk_count", 12)
+        writer.add_uint32("imatrix.chunk_size", 512)
+    for name, (sums, count) in data.items():
+        writer.add_tensor(name + ".in_sum2", sums[np.newaxis, :])
+        if counts:
+            writer.add_tensor(name + ".counts", np.array([[count]], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_legacy_imatrix(path: Path, data: dict[str, tuple[np.ndarray, float]]) -> Path:
+    """llama-imatrix's first form: entries (name, calls, values), chunk count, dataset."""
+    out = [struct.pack("<i", len(data))]
+    for name, (sums, count) in data.items():
+        out += [struct.pack("<i", len(name)), name.encode(), struct.pack("<ii", int(count),
+                len(sums)), sums.astype("<f4").tobytes()]  # fmt: skip
+    out += [struct.pack("<ii", 12, len(b"wiki.train.raw")), b"wiki.train.raw"]
+    path.write_bytes(b"".join(out))
+    return path
+
+
+def test_an_importance_matrix_reaches_llama_cpp_as_llama_quantize_passes_it(
+    source: Path, tmp_path: Path
+) -> None:
+    data = importances()
+    imatrix = write_gguf_imatrix(tmp_path / "tiny.imatrix", data)
+    written = quantize(source, tmp_path / "q4.gguf", "Q4_0", threads=1, imatrix=imatrix)
+    expected = {name: sums / np.float32(count) if count else np.ones_like(sums)
+                for name, (sums, count) in data.items()}  # fmt: skip
+    recorded = [["quantize.imatrix.file", str(imatrix)],
+                ["quantize.imatrix.dataset", "wiki.train.raw"],
+                ["quantize.imatrix.entries_count", len(data)],
+                ["quantize.imatrix.chunks_count", 12]]  # fmt: skip
+    saved = tmp_path / "reference.npz"
+    np.savez(saved, **expected, __recorded__=np.frombuffer(json.dumps(recorded).encode(), "u1"))
+    reference = llama_cpp_quantized(source, tmp_path / "reference.gguf", "Q4_0", saved)
+    assert written.read_bytes() == reference
+    plain = quantize(source, tmp_path / "plain.gguf", "Q4_0", threads=1)
+    assert plain.read_bytes() != reference  # the importances changed the weights' rounding
+    fields = gguf.GGUFReader(written).fields
+    assert fields["quantize.imatrix.entries_count"].contents() == len(data)
+    assert fields["quantize.imatrix.dataset"].contents() == "wiki.train.raw"
+    # The legacy .dat form of the same numbers, at the same path: the same file. (It has no
+    # "saw no token": its sums are used as they are, so that weight's are ones there.)
+    unseen = {name: (np.ones_like(sums), 1.0) for name, (sums, count) in data.items() if not count}
+    write_legacy_imatrix(imatrix, {**data, **unseen})
+    again = quantize(source, tmp_path / "legacy.gguf", "Q4_0", threads=1, imatrix=imatrix)
+    assert again.read_bytes() == reference
+
+
+def test_a_broken_importance_matrix_is_named_before_llama_cpp_runs(
+    source: Path, tmp_path: Path
+) -> None:
+    data = importances()
+    nan = {**data, "output.weight": (np.full(64, np.nan, dtype=np.float32), 1.0)}
+    truncated = tmp_path / "cut.dat"
+    truncated.write_bytes(write_legacy_imatrix(tmp_path / "whole.dat", data).read_bytes()[:99])
+    broken = [
+        (tmp_path / "missing.imatrix", "cannot read imatrix"),
+        (write_gguf_imatrix(tmp_path / "bare.imatrix", data, metadata=False),
+         "lacks its metadata: imatrix.datasets"),
+        (write_gguf_imatrix(tmp_path / "sums.imatrix", data, counts=False),
+         "has sums or counts, not both"),
+        (write_gguf_imatrix(tmp_path / "nan.imatrix", nan), "output.weight has a non-finite"),
+        (truncated, "is truncated"),
+    ]  # fmt: skip
+    dest = tmp_path / "out.gguf"
+    for imatrix, reason in broken:
+        with pytest.raises(InvalidParameterError, match=reason):
+            quantize(source, dest, "Q4_0", imatrix=imatrix)
+    assert not dest.exists()
+    # One of another model's shapes: llama.cpp's own refusal.
+    other = {**data, "blk.0.attn_q.weight": (np.ones(32, dtype=np.float32), 1.0)}
+    mismatched = write_gguf_imatrix(tmp_path / "other.imatrix", other)
+    with pytest.raises(QuantizationError, match="imatrix size 32 is different from tensor size 64"):
+        quantize(source, dest, "Q4_0", imatrix=mismatched)
+    assert not dest.exists() and [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+def test_the_command_takes_an_importance_matrix(source: Path, tmp_path: Path) -> None:
+    imatrix = write_gguf_imatrix(tmp_path / "tiny.imatrix", importances())
+    library = quantize(source, tmp_path / "library.gguf", "Q4_0", threads=1, imatrix=imatrix)
+    command = tmp_path / "command.gguf"
+    argv = ["quantize", str(source), str(command), "Q4_0", "-t", "1", "--imatrix", str(imatrix)]
+    assert cli.main(argv) == 0
+    assert command.read_bytes() == library.read_bytes()

@@ -17,6 +17,7 @@ from llamacrab._exceptions import InvalidParameterError, QuantizationError
 from llamacrab._field_types import INT32_MAX, check_range, file_path
 from llamacrab._native.gguf.check import validate_gguf
 from llamacrab._native.host_limits import default_threads
+from llamacrab._native.imatrix import read_imatrix
 from llamacrab._native.quantize import FLAGS, file_types
 from llamacrab._native.quantize import tensor_types as weight_types
 
@@ -36,6 +37,7 @@ def quantize(
     output_tensor_type: str | None = None,
     token_embedding_type: str | None = None,
     tensor_types: Mapping[str, str] | None = None,
+    imatrix: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write the model at ``source`` (a GGUF file) to ``dest`` with its weights quantized to
     ``file_type`` (a name of ``quantize_types()``: Q4_K_M, Q8_0, F16, ...), as llama-quantize
@@ -45,10 +47,13 @@ def quantize(
     keeps the output layer as it is; ``pure`` gives every tensor ``file_type``.
     ``output_tensor_type``, ``token_embedding_type`` and ``tensor_types`` (a regex searched in
     each tensor's name: a ggml type, ``{"attn_v": "q8_0"}``; the first that matches wins) name
-    ggml tensor types (q8_0, f16, q4_K, ...: ``quantize_types(tensors=True)``). Types that
-    need an importance matrix (IQ1/IQ2 and a few others) are refused by llama.cpp without one,
-    which this API does not take yet. Returns ``dest``. QuantizationError with llama.cpp's
-    reason when it refuses (``dest`` untouched); Ctrl-C stops the work at once."""
+    ggml tensor types (q8_0, f16, q4_K, ...: ``quantize_types(tensors=True)``). ``imatrix``
+    is an importance matrix file (llama-imatrix's, GGUF or legacy ``.dat``): the types that
+    use one weigh each column's error by it, and the types that need one (IQ1/IQ2 and a few
+    others) are refused by llama.cpp without it; the file's name, dataset and counts are
+    recorded in the output's metadata, as llama-quantize records them. Returns ``dest``.
+    QuantizationError with llama.cpp's reason when it refuses (``dest`` untouched); Ctrl-C
+    stops the work at once."""
     source_path, dest_path = file_path("source", source), file_path("dest", dest)
     types = file_types()
     chosen = types.get(file_type.upper()) if isinstance(file_type, str) else None
@@ -67,6 +72,12 @@ def quantize(
     options["token_embedding_type"] = _tensor_type("token_embedding_type", token_embedding_type)
     options["tensor_types"] = _overrides(tensor_types)
     validate_gguf(source_path)  # what llama.cpp's loader would trip on, named here
+    if imatrix is not None:
+        imatrix_path = file_path("imatrix", imatrix)
+        read_imatrix(imatrix_path)  # its problems named here, not by the child
+        options["imatrix"] = os.fspath(imatrix)
+    else:
+        options["imatrix"] = None
     if dest_path.exists() and dest_path.samefile(source_path):
         raise InvalidParameterError(f"dest is the source itself: {dest_path}")
     if dest_path.is_dir():

@@ -44,6 +44,8 @@ _VECTOR_TYPES = (lib.GGML_TYPE_F32, lib.GGML_TYPE_I8, lib.GGML_TYPE_I16, lib.GGM
 # llama.cpp's layer limit (src/llama-hparams.h).
 LLAMA_MAX_LAYERS = 512
 TOKENS, TOKEN_TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"
+# An importance matrix's texts (imatrix.py reads them; quantized files record the first).
+IMATRIX_DATASETS = "imatrix.datasets"
 _MAX_VOCABULARY = 1 << 22  # decoded whole in Python: bounded (real vocabularies are < 1M)
 
 
@@ -186,7 +188,7 @@ def _read_header(reader: Reader) -> tuple[dict[str, Any], list[tuple[str, list[i
     for _ in range(n_kv):
         key = reader.string()
         reader.types[key] = kind = reader.unpack("I")
-        metadata[key] = reader.value(kind, whole=key in (TOKENS, TOKEN_TYPES))
+        metadata[key] = reader.value(kind, whole=key in (TOKENS, TOKEN_TYPES, IMATRIX_DATASETS))
     tensors = []
     for _ in range(n_tensors):
         name, n_dims = reader.string(), reader.unpack("I")

@@ -124,7 +124,7 @@ def _check_weights_fit(file: Path, params: ModelParams, metadata: Mapping[str, A
         )
 
 
-def _kv_overrides(overrides: Mapping[str, KvOverrideValue]) -> Any:
+def kv_override_array(overrides: Mapping[str, KvOverrideValue]) -> Any:
     """A C array of overrides, terminated by an entry with an empty key."""
     array = ffi.new("struct llama_model_kv_override[]", len(overrides) + 1)
     for entry, (key, value) in zip(array, overrides.items(), strict=False):
@@ -235,7 +235,7 @@ class Model(NativeHandle):
         params = params or ModelParams()
         file = file_path("the model path", path)
         # Their types checked first: the header is checked again with them.
-        overrides = _kv_overrides(params.kv_overrides) if params.kv_overrides else None
+        overrides = kv_override_array(params.kv_overrides) if params.kv_overrides else None
         reader, metadata = validate_gguf(file, overrides=params.kv_overrides)
         layout = kv_layout(reader, str(metadata.get("general.architecture", "")), metadata)
         weights = weights_sample(_parts(file, metadata))  # the bytes llama.cpp is about to read

@@ -10,11 +10,16 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from llamacrab._native.backend import ensure_initialised
 from llamacrab._native.call import c_path, call, ffi, lib
+from llamacrab._native.imatrix import read_imatrix
 from llamacrab._native.logging import log_lines
+from llamacrab._native.model import KvOverrideValue, kv_override_array
 
 _PREFIXES = ("LLAMA_FTYPE_MOSTLY_", "LLAMA_FTYPE_ALL_")
 # Flags of llama_model_quantize_params the caller may set, by their name there.
@@ -53,8 +58,8 @@ def tensor_types() -> dict[str, int]:
 
 def quantize_file(source: str, dest: str, options: dict[str, Any]) -> None:
     """Write ``source``'s model quantized at ``dest`` as ``options`` say (``file_type``,
-    ``threads``, FLAGS, TYPES and ``tensor_types``: [regex, type] pairs); RuntimeError with
-    llama.cpp's reason when it refuses."""
+    ``threads``, FLAGS, TYPES, ``tensor_types``: [regex, type] pairs, and ``imatrix``: a
+    path or None); RuntimeError with llama.cpp's reason when it refuses."""
     ensure_initialised()  # ggml's backends, and llama.cpp's log lines read for the reason
     params = ffi.new("llama_model_quantize_params *", call("llama_model_quantize_default_params"))
     params.ftype = options["file_type"]
@@ -71,9 +76,39 @@ def quantize_file(source: str, dest: str, options: dict[str, Any]) -> None:
         for entry, pattern, (_, type_id) in zip(table, patterns, overrides, strict=False):
             entry.pattern, entry.type = pattern, type_id
         params.tt_overrides = table
+    imatrix_arrays = _use_imatrix(params, options["imatrix"])
     status = call("llama_model_quantize", c_path(source, "source"), c_path(dest, "dest"), params)
+    del imatrix_arrays  # what params pointed into, alive until llama.cpp returned
     if status != 0:
         raise RuntimeError(log_lines.take_errors() or f"llama_model_quantize returned {status}")
+
+
+def _use_imatrix(params: Any, path: str | None) -> list[Any]:
+    """Point ``params`` at the importance matrix in ``path`` (none: nothing), and record it in
+    the file's metadata as llama-quantize does. Returns what the C arrays point into."""
+    if path is None:
+        return []
+    imatrix = read_imatrix(Path(path))
+    names = [ffi.new("char[]", name.encode()) for name in imatrix.entries]
+    values = [np.ascontiguousarray(v, dtype=np.float32) for v in imatrix.entries.values()]
+    table = ffi.new("struct llama_model_imatrix_data[]", len(names) + 1)  # ended by a NULL name
+    for entry, name, data in zip(table, names, values, strict=False):
+        entry.name, entry.data, entry.size = name, ffi.from_buffer("float[]", data), data.size
+    params.imatrix = table
+    recorded: dict[str, KvOverrideValue] = {"quantize.imatrix.file": _c_text(path)}
+    if imatrix.datasets:
+        recorded["quantize.imatrix.dataset"] = _c_text(imatrix.datasets[0])
+    recorded["quantize.imatrix.entries_count"] = len(names)
+    if imatrix.chunk_count > 0:
+        recorded["quantize.imatrix.chunks_count"] = imatrix.chunk_count
+    overrides = kv_override_array(recorded)
+    params.kv_overrides = overrides
+    return [names, values, table, overrides]
+
+
+def _c_text(text: str) -> str:
+    """``text`` cut to 127 bytes, as llama-quantize copies it into an override's value."""
+    return text.encode()[:127].decode("utf-8", "ignore")
 
 
 def main(argv: list[str]) -> int:
