@@ -96,6 +96,9 @@ def test_the_file_is_llama_cpp_s_own_and_loads(
     assert written.read_bytes() == reference
     assert source.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+    umask = os.umask(0)
+    os.umask(umask)
+    assert written.stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file (not 0600)
     with Llama(written, n_ctx=64, n_threads=1) as llm:
         assert llm.model.ftype == described
         assert llm.create_completion("hello", max_tokens=3, temperature=0).usage.completion_tokens

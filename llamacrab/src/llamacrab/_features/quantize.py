@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -85,11 +85,9 @@ def quantize(
     if not dest_path.parent.is_dir():
         raise InvalidParameterError(f"dest's folder does not exist: {dest_path.parent}")
     options["threads"] = threads or default_threads().amount
-    # Named uniquely (not by pid): two threads writing the same dest must not share it.
-    handle, name = tempfile.mkstemp(prefix=f".{dest_path.name}.", suffix=".partial",
-                                    dir=dest_path.parent)  # fmt: skip
-    os.close(handle)  # llama.cpp opens it again, truncating
-    partial = Path(name)
+    # Named uniquely (not by pid): two threads writing the same dest must not share it. Not
+    # made here (mkstemp's would be 0600): llama.cpp creates it with the umask's permissions.
+    partial = dest_path.with_name(f".{dest_path.name}.{uuid.uuid4().hex}.partial")
     try:
         _run(source_path, partial, options)
         os.replace(partial, dest_path)
