@@ -367,3 +367,25 @@ def test_the_command_takes_an_importance_matrix(source: Path, tmp_path: Path) ->
     argv = ["quantize", str(source), str(command), "Q4_0", "-t", "1", "--imatrix", str(imatrix)]
     assert cli.main(argv) == 0
     assert command.read_bytes() == library.read_bytes()
+
+
+def test_a_type_that_needs_an_importance_matrix_is_reached_with_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # IQ2_XXS needs rows of 256: the tiny model made wider.
+    monkeypatch.setattr(tiny, "N_EMBD", 256)
+    monkeypatch.setattr(tiny, "N_FF", 512)
+    wide = tiny.write_tiny_llama(tmp_path / "wide.gguf")
+    dest = tmp_path / "iq2.gguf"
+    with pytest.raises(QuantizationError, match="requires an imatrix") as refused:
+        quantize(wide, dest, "IQ2_XXS", threads=1)
+    # llama.cpp's banner around its reason was the message's first part.
+    assert "offending tensor: blk.0.attn_k.weight" in str(refused.value)
+    assert "===" not in str(refused.value)
+    rows = {t.name: int(t.shape[0]) for t in gguf.GGUFReader(wide).tensors
+            if len(t.shape) == 2 and t.name != "token_embd.weight"}  # fmt: skip
+    data = {name: (np.full(n, 2.0, dtype=np.float32), 3.0) for name, n in rows.items()}
+    quantize(wide, dest, "IQ2_XXS", threads=1, imatrix=write_gguf_imatrix(tmp_path / "i", data))
+    with Llama(dest, n_ctx=64, n_threads=1) as llm:
+        assert llm.model.ftype == "IQ2_XXS - 2.0625 bpw"
+        assert llm.create_completion("hi", max_tokens=3, min_tokens=3).usage.completion_tokens == 3

@@ -38,8 +38,10 @@ class _LineAssembler:
         with self._lock:
             if ggml_level != lib.GGML_LOG_LEVEL_CONT:
                 self._level = _LEVELS.get(ggml_level, logging.INFO)
-            if self._level >= logging.ERROR and text.strip():
-                self.errors.append(text.strip())
+            if self._level >= logging.ERROR:  # line by line: a rule of ===== explains nothing
+                self.errors.extend(
+                    line.strip() for line in text.splitlines() if line.strip("=-*# \t")
+                )
             if not logger.isEnabledFor(self._level):
                 return
             self._pending += text
