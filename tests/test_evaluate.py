@@ -15,7 +15,9 @@ from llamacrab import (
     Llama,
     TokenizeError,
 )
+from llamacrab._features import completion
 from llamacrab._native.batch import Batch
+from llamacrab._native.host_limits import Limit
 
 from support import load_repo_module, record_decodes
 
@@ -117,3 +119,17 @@ def test_what_cannot_continue_a_memory_is_refused(tiny_model_path: Path, tmp_pat
     for llm, reason in refusals:
         with llm, pytest.raises(InvalidParameterError, match=reason):
             llm.evaluate([1, 2, 3])
+
+
+def test_rows_past_the_memory_left_are_refused_before_any_decode(
+    gemma: Llama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 9 rows (BOS and 8 words) of Gemma's 262,144 logits are 9 MiB.
+    monkeypatch.setattr(completion, "host_memory_left", lambda: Limit(8 << 20, "a test's"))
+    gemma.reset()
+    with pytest.raises(InvalidParameterError, match=r"9 tokens take 9 MiB, more than this "
+                       r"process may still use \(a test's 8 MiB\)"):  # fmt: skip
+        gemma.evaluate(gemma.tokenize("one two three four five six seven eight"),
+                       all_logits=True)  # fmt: skip
+    assert gemma.held_tokens() == []
+    assert gemma.evaluate([2]).shape == (gemma.vocab.n_tokens,)  # one row fits

@@ -550,8 +550,9 @@ class Session:
         self.prompt_started: float | None = None  # time.monotonic() when its prompt was begun
         # With Request.prompt_logprobs: (logprob, top alternatives) of prompt tokens 1, 2, ...
         self.prompt_logprobs: list[tuple[float, dict[str, float]]] = []
-        # With Request.logits_from: the raw logits of those prompt tokens, a row each.
-        self.prompt_logits: list[np.ndarray] = []
+        # With Request.logits_from: the raw logits of those prompt tokens, a row each (None
+        # until all of them were decoded).
+        self.prompt_logits: np.ndarray | None = None
         # The end-of-generation token it ended on (of several, <end_of_turn> or <eos>), if any.
         self.end_token: int | None = None
 
@@ -636,8 +637,9 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
                     )
                     session.prompt_logprobs, scores = logprobs.values, logprobs
                 elif request.logits_from is not None and request.logits_from < last:
-                    logits = PromptLogits(request.logits_from, kv.context.n_vocab)
-                    session.prompt_logits, scores = logits.rows, logits
+                    scores = PromptLogits(
+                        request.logits_from, len(request.prompt), kv.context.n_vocab
+                    )
                 plan = kv.plan_for(request.prompt, request.lora)
                 reuse = not request.prompt_logprobs  # those rate every prompt token
                 session.reused = kv.prepare(request.prompt, plan, reuse=reuse)
@@ -647,7 +649,9 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
                 ):
                     return False
                 if request.logits_from == last:  # the last row, which every prompt returns
-                    session.prompt_logits = [kv.context.logits(-1).copy()]
+                    session.prompt_logits = kv.context.logits(-1).copy()[np.newaxis]
+                elif isinstance(scores, PromptLogits) and scores.filled == len(request.prompt):
+                    session.prompt_logits = scores.rows
     except DecodeAbortedError:
         return False
     finally:

@@ -78,14 +78,18 @@ class PromptRows(Protocol):
 
 
 class PromptLogits:
-    """The raw logits of a prompt's tokens from position ``start`` on (``Llama.evaluate``), a
-    row each, copied as the decodes return them."""
+    """The raw logits of a prompt's tokens from position ``start`` to ``end`` (``Llama.evaluate``),
+    a row each, copied into ``rows`` as the decodes return them (allocated once: no second
+    copy of what may be gigabytes)."""
 
-    def __init__(self, start: int, n_vocab: int) -> None:
-        self.start = start
+    def __init__(self, start: int, end: int, n_vocab: int) -> None:
+        self.start = self.filled = start
         self.max_rows = prompt_rows_per_decode(n_vocab)
-        self.rows: list[np.ndarray] = []
+        self.rows = np.empty((end - start, n_vocab), dtype=np.float32)
 
     def read(self, context: Context, position: int, count: int, first_row: int = 0) -> None:
         for row in range(max(0, self.start - position), count):
-            self.rows.append(context.logits(first_row + row).copy())
+            at = position + row
+            if at == self.filled:  # in order from ``start``; a gap leaves ``filled`` short
+                self.rows[at - self.start] = context.logits(first_row + row)
+                self.filled = at + 1

@@ -25,6 +25,7 @@ from llamacrab._features.media import MediaInput
 from llamacrab._field_types import UINT32_MAX, check_range, choice_seeds
 from llamacrab._native.context import Context
 from llamacrab._native.fork import reset_in_child
+from llamacrab._native.host_limits import host_memory_left
 from llamacrab._native.media import Media
 from llamacrab._native.model import Model
 from llamacrab._native.mtmd import Chunks
@@ -363,6 +364,14 @@ class Completer:
         held = kv.held_tokens()
         prompt = held + new
         start = len(held) if all_logits else len(prompt) - 1
+        needed = (len(prompt) - start) * 4 * self.model.vocab.n_tokens
+        left = host_memory_left()
+        if needed > left.amount:
+            raise InvalidParameterError(
+                f"the logits of {len(prompt) - start} tokens take {needed / 2**20:,.0f} MiB, "
+                f"more than this process may still use ({left.source} "
+                f"{left.amount / 2**20:,.0f} MiB): evaluate fewer tokens at a time"
+            )
         request = Request(prompt, max_tokens=0, logits_from=start)
         session = Session()
         samplers = Samplers(self.model, SamplingOptions())  # samples nothing: logits stay raw
@@ -375,9 +384,9 @@ class Completer:
             raise DecodeAbortedError("evaluate() was cancelled (Llama.cancel(), or a newer "
                                      "generation superseded it)", 2)  # fmt: skip
         rows = session.prompt_logits
-        if len(rows) != len(prompt) - start:  # another thread's tokens came between
+        if rows is None:  # another thread's tokens came between: some were not decoded
             raise ConcurrentUseError("the memory changed while evaluate() read it")
-        return np.stack(rows) if all_logits else rows[0]
+        return rows if all_logits else rows[0]
 
     def _one_slot_steps(
         self, request: Request, samplers: Samplers, session: Session, drafter: Drafter | None
