@@ -112,7 +112,7 @@ def test_what_cannot_continue_a_memory_is_refused(tiny_model_path: Path, tmp_pat
     t5 = tiny.write_tiny_t5(tmp_path / "t5.gguf")
     encoder = tiny.write_tiny_t5(tmp_path / "t5encoder.gguf", decoder=False)
     refusals = [
-        (Llama(tiny_model_path, n_ctx=128, parallel=2), r"evaluate\(\) on parallel slots"),
+        (Llama(tiny_model_path, n_ctx=128, parallel=2), r"needs a Llama with parallel=None"),
         (Llama(t5, n_ctx=128), "encoder-decoder"),
         (Llama(encoder, n_ctx=128, embeddings=True), "computes no logits"),
     ]

@@ -98,13 +98,15 @@ class _CallsItsOwnLlama(CustomSampler):
                 self.llm.create_completion("x", max_tokens=1)
             elif self.action == "reset":
                 self.llm.reset(slot=0 if self.llm.scheduler else None)
+            elif self.action == "evaluate":
+                self.llm.evaluate([1, 2])
             self.outcome = "worked"
         except LlamaError as error:
             self.outcome = f"{type(error).__name__}: {error}"
 
 
 @pytest.mark.parametrize("parallel", [None, 2])
-@pytest.mark.parametrize("action", ["close", "complete", "reset"])
+@pytest.mark.parametrize("action", ["close", "complete", "reset", "evaluate"])
 def test_a_sampler_calling_its_own_llama_is_refused_and_changes_nothing(
     tiny_model_path: Path, parallel: int | None, action: str
 ) -> None:

@@ -259,13 +259,7 @@ class Completer:
     ) -> Stream[CompletionChunk]:
         """``speculation``: the call's own choice and the Llama's default."""
         check_generates(self.model, self.kv.context.params.embeddings)
-        if self.kv.context.held_here():
-            # On the engine thread it would wait for itself; on one slot, supersede the
-            # generation it is called from.
-            raise ConcurrentUseError(
-                "a generation cannot start from inside another on the same Llama (a custom "
-                "sampler, logits processor or stopping criterion runs inside it)"
-            )
+        self._refuse_nested("a generation")
         speculative, default = speculation
         if prompt.chunks is not None and echo:
             raise InvalidParameterError("echo takes text prompts only")
@@ -351,7 +345,13 @@ class Completer:
     def evaluate(self, tokens: Sequence[int], all_logits: bool) -> np.ndarray:
         """Decode ``tokens`` after what the one slot holds, as a prompt that continues it
         (``Llama.evaluate``): the raw logits of the last of them, or of each."""
-        kv = self.one_slot("evaluate()")
+        self._refuse_nested("evaluate()")
+        if self.scheduler is not None:
+            raise InvalidParameterError(
+                "evaluate() needs a Llama with parallel=None: it continues the one memory, "
+                "and parallel slots' memories belong to their requests"
+            )
+        kv = self.kv
         check_generates(self.model, kv.context.params.embeddings)
         if self.model.encoder_decoder:
             raise InvalidParameterError(
@@ -387,6 +387,16 @@ class Completer:
         if rows is None:  # another thread's tokens came between: some were not decoded
             raise ConcurrentUseError("the memory changed while evaluate() read it")
         return rows if all_logits else rows[0]
+
+    def _refuse_nested(self, what: str) -> None:
+        """From inside a generation (a custom sampler, logits processor or stopping criterion
+        runs inside it), ``what`` would wait for itself on the engine thread, or supersede the
+        generation it is called from on one slot."""
+        if self.kv.context.held_here():
+            raise ConcurrentUseError(
+                f"{what} cannot start from inside another on the same Llama (a custom "
+                "sampler, logits processor or stopping criterion runs inside it)"
+            )
 
     def _one_slot_steps(
         self, request: Request, samplers: Samplers, session: Session, drafter: Drafter | None
