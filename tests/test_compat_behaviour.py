@@ -81,8 +81,6 @@ def test_the_context_tokens_are_read_only_attributes(llm: Llama) -> None:
     assert not llm.input_ids[llm.n_tokens :].any()
     with pytest.raises(ValueError, match="read-only"):
         llm.input_ids[0] = 1
-    with pytest.raises(AttributeError):
-        llm.n_tokens = 0  # type: ignore[misc]
     # A completion's tokens have no logits kept (llama.cpp samples them): zeros, never
     # made-up ones. eval() keeps them (test_eval_and_sample_...).
     assert llm.scores.shape == (len(held), llm.n_vocab()) and llm.scores.dtype == np.single
@@ -126,6 +124,24 @@ def test_sample_counts_the_held_tokens_and_runs_logits_processors(llm: Llama) ->
         return scores
 
     assert llm.sample(temp=0, logits_processor=favour_banana) == banana
+
+
+def test_setting_n_tokens_rewinds_the_next_eval(llm: Llama) -> None:
+    # llama-cpp-python's callers rewind so (its own reset() sets 0); it raised AttributeError.
+    first, second = llm.tokenize(b"Count: one, two,"), llm.tokenize(b" red", add_bos=False)
+    llm.reset()
+    llm.eval(first + second)
+    llm.n_tokens = len(first)
+    assert llm.n_tokens == len(first) and llm._input_ids.tolist() == first
+    third = llm.tokenize(b" three", add_bos=False)
+    llm.eval(third)
+    assert llm._input_ids.tolist() == first + third
+    llm.n_tokens = 0
+    assert llm.n_tokens == 0 and not llm.input_ids.any()
+    llm.eval(first)
+    assert llm._input_ids.tolist() == first
+    with pytest.raises(InvalidParameterError, match="n_tokens"):
+        llm.n_tokens = len(first) + 1
 
 
 def test_sample_refuses_what_it_cannot_pick_from(llm: Llama) -> None:

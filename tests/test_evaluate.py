@@ -77,6 +77,20 @@ def test_evaluations_continue_the_memory_and_completions_reuse_it(gemma: Llama) 
     assert list(again.choices[0].tokens) == greedy[3:]
 
 
+def test_after_rewinds_to_the_first_held_tokens(tiny_llama: Llama) -> None:
+    # On the tiny model (F32) a decode's rows move with the batch's shape by < 1e-7.
+    kept, dropped, new = [1, 5, 6, 7], [8, 9], [10, 11]
+    tiny_llama.evaluate(kept + dropped)
+    rewound = tiny_llama.evaluate(new, all_logits=True, after=len(kept))
+    assert tiny_llama.held_tokens() == kept + new
+    tiny_llama.reset()
+    tiny_llama.evaluate(kept)
+    assert np.allclose(tiny_llama.evaluate(new, all_logits=True), rewound, rtol=0, atol=1e-5)
+    with pytest.raises(InvalidParameterError, match="after"):
+        tiny_llama.evaluate(new, after=len(kept + new) + 1)
+    assert tiny_llama.held_tokens() == kept + new
+
+
 def test_bad_input_is_named_and_the_memory_stays(gemma: Llama) -> None:
     held = gemma.tokenize("Keep me")
     gemma.reset()

@@ -282,16 +282,20 @@ class Llama:
         return self._completer.held_tokens(slot)
 
     @checked
-    def evaluate(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
+    def evaluate(
+        self, tokens: Sequence[int], *, all_logits: bool = False, after: int | None = None
+    ) -> np.ndarray:
         """Decode ``tokens`` after the tokens the memory holds (``held_tokens()``), as a
         prompt that continues them, and return their raw logits: the last token's (shape
         ``(n_vocab,)``), or with ``all_logits`` each token's (``(len(tokens), n_vocab)``; row
         i rates the token after ``tokens[i]``). llama-cpp-python's ``eval`` and ``scores``,
         for scoring and perplexity: a completion whose prompt starts with the held tokens
-        reuses them, and ``reset()`` starts over. One slot only (``parallel=None``); like a
-        completion it waits for or supersedes an unfinished stream, and ``cancel()`` stops it
-        (DecodeAbortedError). Past the context: ContextOverflowError."""
-        return self._completer.evaluate(tokens, all_logits)
+        reuses them, and ``reset()`` starts over. ``after=k`` continues after the first k
+        held tokens instead, dropping the rest (a rewind). One slot only
+        (``parallel=None``); like a completion it waits for or supersedes an unfinished
+        stream, and ``cancel()`` stops it (DecodeAbortedError). Past the context:
+        ContextOverflowError."""
+        return self._completer.evaluate(tokens, all_logits, after)
 
     @checked
     def save_state(self, scope: str = "sequence", *, slot: int | None = None) -> SavedState:

@@ -342,9 +342,10 @@ class Completer:
         return Completion(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name,
                           choices, usage)  # fmt: skip
 
-    def evaluate(self, tokens: Sequence[int], all_logits: bool) -> np.ndarray:
-        """Decode ``tokens`` after what the one slot holds, as a prompt that continues it
-        (``Llama.evaluate``): the raw logits of the last of them, or of each."""
+    def evaluate(self, tokens: Sequence[int], all_logits: bool, after: int | None) -> np.ndarray:
+        """Decode ``tokens`` after what the one slot holds (its first ``after`` tokens), as a
+        prompt that continues it (``Llama.evaluate``): the raw logits of the last of them, or
+        of each."""
         self._refuse_nested("evaluate()")
         if self.scheduler is not None:
             raise InvalidParameterError(
@@ -362,6 +363,9 @@ class Completer:
         if not new:
             raise InvalidParameterError("evaluate() needs at least one token")
         held = kv.held_tokens()
+        if after is not None:
+            check_range("after", after, 0, len(held))
+            held = held[:after]  # the rest is dropped when the memory is prepared for them
         prompt = held + new
         start = len(held) if all_logits else len(prompt) - 1
         needed = (len(prompt) - start) * 4 * self.model.vocab.n_tokens

@@ -36,7 +36,7 @@ from llamacrab import (
     Stream,
     ToolCall,
 )
-from llamacrab._field_types import checked, stop_strings
+from llamacrab._field_types import check_range, checked, stop_strings
 from llamacrab._types import common_prefix
 from llamacrab.compat import _convert as convert
 from llamacrab.compat._chat_inputs import (
@@ -394,6 +394,7 @@ class Llama:
         self._n_ctx = llm.context.n_ctx
         self._turns = Turns()
         self._evaluated = Evaluated(self._n_vocab, logits_all)
+        self._rewound: tuple[int, list[int]] | None = None  # n_tokens set: (kept, held then)
         self.tokenizer_ = LlamaTokenizer(self)
 
     # -- what is underneath -------------------------------------------------------------------
@@ -501,13 +502,27 @@ class Llama:
 
     def _held_tokens(self) -> list[int]:
         """The tokens in the context's memory: the prompt and output of the last generation
-        but its last sampled token, which nothing decoded yet."""
-        return self._llm.held_tokens()
+        but its last sampled token, which nothing decoded yet; only the first ``n_tokens``
+        of them after a rewind (until the memory changes)."""
+        held = self._llm.held_tokens()
+        if self._rewound is not None:
+            kept, when = self._rewound
+            if held == when:
+                return held[:kept]
+            self._rewound = None
+        return held
 
     @property
     def n_tokens(self) -> int:
-        """How many tokens the context holds."""
+        """How many tokens the context holds. Set lower, as llama-cpp-python's callers do, it
+        rewinds: the next ``eval()`` continues after that many (0: from the start)."""
         return len(self._held_tokens())
+
+    @n_tokens.setter
+    def n_tokens(self, value: int) -> None:
+        held = self._llm.held_tokens()
+        check_range("n_tokens", value, 0, len(held))
+        self._rewound = (value, held)
 
     @property
     def input_ids(self) -> npt.NDArray[np.intc]:
@@ -879,7 +894,7 @@ class Llama:
             held = self._held_tokens()
             if not len(tokens):
                 return
-            logits = self._llm.evaluate(tokens, all_logits=self._logits_all)
+            logits = self._llm.evaluate(tokens, all_logits=self._logits_all, after=len(held))
             rows = logits if self._logits_all else logits[np.newaxis]
             self._evaluated.record(held, [int(t) for t in tokens], rows)
 
