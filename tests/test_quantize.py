@@ -40,7 +40,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def llama_cpp_quantized(
-    source: Path, dest: Path, file_type: str, imatrix: Path | None = None
+    source: Path, dest: Path, file_type: str, imatrix: Path | None = None, keep_split: bool = False
 ) -> bytes:
     """What llama.cpp's C API writes, called directly (as llama-quantize does) in a child.
     ``imatrix``: an .npz of the importances by tensor name, and its "__recorded__" entry the
@@ -55,6 +55,7 @@ def llama_cpp_quantized(
         params = ffi.new("llama_model_quantize_params *", lib.llama_model_quantize_default_params())
         params.ftype = getattr(lib, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
         params.nthread = 1
+        params.keep_split = sys.argv[6] == "1"
         if sys.argv[5]:
             saved = dict(np.load(sys.argv[5]))
             recorded = json.loads(saved.pop("__recorded__").tobytes())
@@ -77,10 +78,10 @@ def llama_cpp_quantized(
     """
     raw = Path(__file__).parent / "sys"
     argv = [sys.executable, "-c", textwrap.dedent(code), str(source), str(dest), file_type,
-            str(raw), str(imatrix or "")]  # fmt: skip
+            str(raw), str(imatrix or ""), "1" if keep_split else "0"]  # fmt: skip
     child = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-3000:]
-    return dest.read_bytes()
+    return b"" if keep_split else dest.read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -178,7 +179,7 @@ def test_bad_arguments_are_named_before_llama_cpp_runs(source: Path, tmp_path: P
         quantize(source, dest, "Q8_0", threads=0)
     with pytest.raises(InvalidParameterError, match="pure must be True or False"):
         quantize(source, dest, "Q8_0", pure="yes")  # type: ignore[arg-type]
-    with pytest.raises(InvalidParameterError, match="dest is the source itself"):
+    with pytest.raises(InvalidParameterError, match="dest would replace the source itself"):
         quantize(source, source, "Q8_0")
     with pytest.raises(InvalidParameterError, match="dest is a folder"):
         quantize(source, tmp_path, "Q8_0")
@@ -389,3 +390,23 @@ def test_a_type_that_needs_an_importance_matrix_is_reached_with_one(
     with Llama(dest, n_ctx=64, n_threads=1) as llm:
         assert llm.model.ftype == "IQ2_XXS - 2.0625 bpw"
         assert llm.create_completion("hi", max_tokens=3, min_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_split_model_keeps_its_parts(tmp_path: Path) -> None:
+    parts = tiny.write_tiny_llama_split(tmp_path, "tiny-f32", n_parts=2)
+    first = quantize(parts[0], tmp_path / "q8.gguf", "Q8_0", threads=1, keep_split=True)
+    names = ["q8-00001-of-00002.gguf", "q8-00002-of-00002.gguf"]
+    assert first == tmp_path / names[0] and (tmp_path / names[1]).is_file()
+    llama_cpp_quantized(parts[0], tmp_path / "reference", "Q8_0", keep_split=True)
+    for name in names:
+        reference = tmp_path / name.replace("q8", "reference")
+        assert (tmp_path / name).read_bytes() == reference.read_bytes()
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+    with Llama(first, n_ctx=64, n_threads=1) as split:
+        assert split.model.ftype == "Q8_0"
+        assert split.create_completion("hi", max_tokens=2, min_tokens=2).usage.completion_tokens
+    # Without it, one file; and parts that would land on the source's are refused.
+    single = quantize(parts[0], tmp_path / "one.gguf", "Q8_0", threads=1)
+    assert single.is_file() and not (tmp_path / "one-00001-of-00002.gguf").exists()
+    with pytest.raises(InvalidParameterError, match="would replace the source itself"):
+        quantize(parts[0], tmp_path / "tiny-f32.gguf", "Q8_0", keep_split=True)

@@ -114,6 +114,8 @@ def _add_quantize_arguments(commands: Any) -> None:
     quantize.add_argument("--token-embedding-type", help="the token embeddings' type")
     quantize.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
                           help="type of the tensors whose name REGEX finds")  # fmt: skip
+    quantize.add_argument("--keep-split", action="store_true",
+                          help="a split model as many parts: OUT-00001-of-0000N.gguf")  # fmt: skip
     quantize.add_argument("--imatrix", metavar="FILE",
                           help="llama-imatrix's importance matrix (IQ1/IQ2 need one)")  # fmt: skip
 
@@ -340,6 +342,7 @@ def _quantize(args: argparse.Namespace) -> None:
         output_tensor_type=args.output_tensor_type,
         token_embedding_type=args.token_embedding_type,
         tensor_types=_tensor_type_flags(args.tensor_type), imatrix=args.imatrix,
+        keep_split=args.keep_split,
     )  # fmt: skip
     print(written)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from llamacrab._exceptions import InvalidParameterError, QuantizationError
 from llamacrab._field_types import INT32_MAX, check_range, file_path
 from llamacrab._native.gguf.check import validate_gguf
+from llamacrab._native.gguf_reader import split_parts
 from llamacrab._native.host_limits import default_threads
 from llamacrab._native.imatrix import read_imatrix
 from llamacrab._native.quantize import FLAGS, file_types
@@ -38,6 +39,7 @@ def quantize(
     token_embedding_type: str | None = None,
     tensor_types: Mapping[str, str] | None = None,
     imatrix: str | os.PathLike[str] | None = None,
+    keep_split: bool = False,
 ) -> Path:
     """Write the model at ``source`` (a GGUF file) to ``dest`` with its weights quantized to
     ``file_type`` (a name of ``quantize_types()``: Q4_K_M, Q8_0, F16, ...), as llama-quantize
@@ -51,7 +53,10 @@ def quantize(
     is an importance matrix file (llama-imatrix's, GGUF or legacy ``.dat``): the types that
     use one weigh each column's error by it, and the types that need one (IQ1/IQ2 and a few
     others) are refused by llama.cpp without it; the file's name, dataset and counts are
-    recorded in the output's metadata, as llama-quantize records them. Returns ``dest``.
+    recorded in the output's metadata, as llama-quantize records them. ``keep_split`` writes
+    a split model (``source`` its first part) as as many parts, ``dest`` less its ``.gguf``
+    then ``-00001-of-0000N.gguf`` and so on (llama-quantize's ``--keep-split``), and returns
+    the first; otherwise returns ``dest``, one file.
     QuantizationError with llama.cpp's reason when it refuses (``dest`` untouched); Ctrl-C
     stops the work at once."""
     source_path, dest_path = file_path("source", source), file_path("dest", dest)
@@ -64,36 +69,53 @@ def quantize(
     check_range("threads", threads, 1, INT32_MAX)
     options: dict[str, object] = {"file_type": chosen, "allow_requantize": allow_requantize,
                                   "quantize_output_tensor": quantize_output_tensor,
-                                  "pure": pure}  # fmt: skip
+                                  "pure": pure, "keep_split": keep_split}  # fmt: skip
     for name in FLAGS:
         if not isinstance(options[name], bool):
             raise InvalidParameterError(f"{name} must be True or False, not {options[name]!r}")
     options["output_tensor_type"] = _tensor_type("output_tensor_type", output_tensor_type)
     options["token_embedding_type"] = _tensor_type("token_embedding_type", token_embedding_type)
     options["tensor_types"] = _overrides(tensor_types)
-    validate_gguf(source_path)  # what llama.cpp's loader would trip on, named here
+    _, metadata = validate_gguf(source_path)  # what llama.cpp's loader would trip on, named here
     if imatrix is not None:
         imatrix_path = file_path("imatrix", imatrix)
         read_imatrix(imatrix_path)  # its problems named here, not by the child
         options["imatrix"] = os.fspath(imatrix)
     else:
         options["imatrix"] = None
-    if dest_path.exists() and dest_path.samefile(source_path):
-        raise InvalidParameterError(f"dest is the source itself: {dest_path}")
-    if dest_path.is_dir():
-        raise InvalidParameterError(f"dest is a folder, not a file: {dest_path}")
-    if not dest_path.parent.is_dir():
-        raise InvalidParameterError(f"dest's folder does not exist: {dest_path.parent}")
-    options["threads"] = threads or default_threads().amount
+    count = metadata.get("split.count", 1)
+    parts = split_parts(source_path, count) if isinstance(count, int) and count > 1 else []
     # Named uniquely (not by pid): two threads writing the same dest must not share it. Not
     # made here (mkstemp's would be 0600): llama.cpp creates it with the umask's permissions.
     partial = dest_path.with_name(f".{dest_path.name}.{uuid.uuid4().hex}.partial")
+    if keep_split:  # llama.cpp names the parts after a prefix, as llama_split_path does
+        n = max(len(parts), 1)
+        outputs = _split_names(dest_path.with_name(dest_path.name.removesuffix(".gguf")), n)
+        made = _split_names(partial, n)
+    else:
+        outputs, made = [dest_path], [partial]
+    if not dest_path.parent.is_dir():
+        raise InvalidParameterError(f"dest's folder does not exist: {dest_path.parent}")
+    for output in outputs:
+        if output.is_dir():
+            raise InvalidParameterError(f"dest is a folder, not a file: {output}")
+        if output.exists() and any(output.samefile(p) for p in (source_path, *parts)):
+            raise InvalidParameterError(f"dest would replace the source itself: {output}")
+    options["threads"] = threads or default_threads().amount
     try:
         _run(source_path, partial, options)
-        os.replace(partial, dest_path)
+        for written, output in zip(made, outputs, strict=True):
+            os.replace(written, output)
     finally:
-        partial.unlink(missing_ok=True)
-    return dest_path
+        for written in made:
+            written.unlink(missing_ok=True)
+    return outputs[0]
+
+
+def _split_names(prefix: Path, count: int) -> list[Path]:
+    """llama_split_path's names of ``count`` parts."""
+    return [prefix.with_name(f"{prefix.name}-{i:05d}-of-{count:05d}.gguf")
+            for i in range(1, count + 1)]  # fmt: skip
 
 
 def quantize_types(tensors: bool = False) -> list[str]:

@@ -23,7 +23,7 @@ from llamacrab._native.model import KvOverrideValue, kv_override_array
 
 _PREFIXES = ("LLAMA_FTYPE_MOSTLY_", "LLAMA_FTYPE_ALL_")
 # Flags of llama_model_quantize_params the caller may set, by their name there.
-FLAGS = ("allow_requantize", "quantize_output_tensor", "pure")
+FLAGS = ("allow_requantize", "quantize_output_tensor", "pure", "keep_split")
 # Tensor types the caller may name, by their field there (-1: llama.cpp's choice).
 TYPES = ("output_tensor_type", "token_embedding_type")
 
