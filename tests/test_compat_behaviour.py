@@ -154,6 +154,15 @@ def test_sample_refuses_what_it_cannot_pick_from(llm: Llama) -> None:
     llm.create_completion("Hello there", max_tokens=2)  # the context's logits are its own now
     with pytest.raises(InvalidParameterError, match="changed since"):
         llm.sample()
+    # The same tokens loaded back after another request's decode: their logits are gone (a red
+    # team saw sample() pick from the other request's).
+    llm.reset()
+    llm.eval(llm.tokenize(b"Hello"))
+    saved = llm.save_state()
+    llm.create_completion("Something else", max_tokens=2)
+    llm.load_state(saved)
+    with pytest.raises(InvalidParameterError, match="changed since"):
+        llm.sample()
 
 
 def test_logits_all_keeps_a_row_per_evaluated_token(gemma_path: Path) -> None:

@@ -13,6 +13,7 @@ from llamacrab import (
     DecodeAbortedError,
     InvalidParameterError,
     Llama,
+    RamCache,
     TokenizeError,
 )
 from llamacrab._features import completion
@@ -89,6 +90,16 @@ def test_after_rewinds_to_the_first_held_tokens(tiny_llama: Llama) -> None:
     with pytest.raises(InvalidParameterError, match="after"):
         tiny_llama.evaluate(new, after=len(kept + new) + 1)
     assert tiny_llama.held_tokens() == kept + new
+    # Rows asked for are computed even where the memory, or a prompt cache, holds their
+    # tokens already (a red team found ConcurrentUseError there).
+    again = tiny_llama.evaluate(new, all_logits=True, after=len(kept))
+    assert np.allclose(again, rewound, rtol=0, atol=1e-5)
+    tiny_llama.cache = RamCache(capacity_bytes=16 << 20)
+    tiny_llama.create_completion(kept + new, max_tokens=1)
+    tiny_llama.reset()
+    cached = tiny_llama.evaluate(kept + new, all_logits=True)
+    assert np.allclose(cached[len(kept) :], rewound, rtol=0, atol=1e-5)
+    tiny_llama.cache = None
 
 
 def test_bad_input_is_named_and_the_memory_stays(gemma: Llama) -> None:
@@ -147,3 +158,18 @@ def test_rows_past_the_memory_left_are_refused_before_any_decode(
                        all_logits=True)  # fmt: skip
     assert gemma.held_tokens() == []
     assert gemma.evaluate([2]).shape == (gemma.vocab.n_tokens,)  # one row fits
+
+
+def test_a_change_of_adapters_starts_over(tiny_model_path: Path, tmp_path: Path) -> None:
+    # What the memory held was computed with other weights: nothing of it is continued.
+    lora = tiny.write_tiny_lora(tmp_path / "lora.gguf")
+    with (
+        Llama(tiny_model_path, n_ctx=128, lora=[lora]) as adapted,
+        Llama(tiny_model_path, n_ctx=128) as base,
+    ):
+        adapter = next(iter(adapted.lora_adapters))
+        adapted.evaluate([1, 5, 6, 7])
+        adapted.set_lora_adapters({adapter: 0.0})
+        assert adapted.held_tokens() == []
+        rows = adapted.evaluate([8, 9], all_logits=True)
+        assert np.allclose(rows, base.evaluate([8, 9], all_logits=True), rtol=0, atol=1e-5)

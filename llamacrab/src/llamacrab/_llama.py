@@ -290,8 +290,9 @@ class Llama:
         ``(n_vocab,)``), or with ``all_logits`` each token's (``(len(tokens), n_vocab)``; row
         i rates the token after ``tokens[i]``). llama-cpp-python's ``eval`` and ``scores``,
         for scoring and perplexity: a completion whose prompt starts with the held tokens
-        reuses them, and ``reset()`` starts over. ``after=k`` continues after the first k
-        held tokens instead, dropping the rest (a rewind). One slot only
+        reuses them, and ``reset()`` starts over (so does a change of adapters, which empties
+        ``held_tokens()``). ``after=k`` continues after the first k held tokens instead,
+        dropping the rest (a rewind). One slot only
         (``parallel=None``); like a completion it waits for or supersedes an unfinished
         stream, and ``cancel()`` stops it (DecodeAbortedError). Past the context:
         ContextOverflowError."""

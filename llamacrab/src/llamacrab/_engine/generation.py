@@ -298,10 +298,13 @@ class KvState:
             except Exception:
                 log.warning("prompt cache save failed; skipped", exc_info=True)
 
-    def prepare(self, prompt: Sequence[int], plan: LoraPlan, reuse: bool = True) -> int:
+    def prepare(
+        self, prompt: Sequence[int], plan: LoraPlan, reuse: bool = True, most: int | None = None
+    ) -> int:
         """Drop what the new prompt does not share (tokens, and the adapters they were
         computed with: ``plan``, ``plan_for``'s); return how many prompt tokens to keep (none
-        without ``reuse``: every prompt token is decoded again)."""
+        without ``reuse``: every prompt token is decoded again; at ``most`` that many, where
+        the rows after them must be computed)."""
         if self.stale():
             self.forget()  # computed with adapters since replaced, or changed: none is reusable
         if not self.plan_known:
@@ -311,6 +314,7 @@ class KvState:
         keep = common_prefix(self.tokens, prompt) if reuse else 0
         keep = int(min(keep, self.plan.reusable(plan)))
         keep = min(keep, len(prompt) - 1)  # the last prompt token is decoded again for its logits
+        keep = keep if most is None else min(keep, most)
         # What the memory holds, not what ``tokens`` says: an exception landing between a
         # change to the memory and this bookkeeping (a Ctrl-C) leaves them apart, and
         # llama.cpp refuses a batch that does not follow the sequence's last position.
@@ -642,7 +646,7 @@ def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
                     )
                 plan = kv.plan_for(request.prompt, request.lora)
                 reuse = not request.prompt_logprobs  # those rate every prompt token
-                session.reused = kv.prepare(request.prompt, plan, reuse=reuse)
+                session.reused = kv.prepare(request.prompt, plan, reuse, request.logits_from)
                 checkpoints = kv.checkpoint_positions(request)
                 if not kv.decode_prompt(
                     request.prompt, session.reused, watch.stopped, scores, checkpoints

@@ -40,7 +40,10 @@ class Evaluated:
                 scores[position] = row
         return scores
 
-    def is_last(self, held: Sequence[int]) -> bool:
-        """Whether the context holds what the last eval() left: its last decode's logits are
-        still the context's."""
-        return bool(self.tokens) and list(held) == self.tokens
+    def is_last(self, held: Sequence[int], last_logits: np.ndarray | None) -> bool:
+        """Whether the context holds what the last eval() left and ``last_logits`` (its last
+        decode's last row, None where it has none) are still those eval() returned: the same
+        tokens may have been loaded back (load_state) after another request's decode."""
+        if not self.tokens or list(held) != self.tokens or last_logits is None:
+            return False
+        return bool(np.array_equal(last_logits, self.rows[len(self.tokens) - 1]))

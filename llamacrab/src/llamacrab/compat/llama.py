@@ -898,6 +898,13 @@ class Llama:
             rows = logits if self._logits_all else logits[np.newaxis]
             self._evaluated.record(held, [int(t) for t in tokens], rows)
 
+    def _last_logits(self) -> npt.NDArray[np.single] | None:
+        """The last row of the context's last decode, if it has one."""
+        try:
+            return self._llm.context.logits(-1)
+        except InvalidParameterError:  # no decode yet, or one whose tokens were sampled in it
+            return None
+
     @checked
     def sample(
         self,
@@ -930,7 +937,7 @@ class Llama:
         keywords = Sampling.of({**locals(), "temperature": temp, "logit_bias": None})
         with self._turns.turn():
             held = self._held_tokens()
-            if not self._evaluated.is_last(held):
+            if not self._evaluated.is_last(held, self._last_logits()):
                 raise InvalidParameterError(
                     "sample() picks from the logits of the last eval(), and the context "
                     "changed since (a completion, reset() or load_state()) or none ran"
