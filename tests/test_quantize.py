@@ -274,12 +274,16 @@ def importances(seed: int = 3) -> dict[str, tuple[np.ndarray, float]]:
 
 
 def write_gguf_imatrix(path: Path, data: dict[str, tuple[np.ndarray, float]],
-                       metadata: bool = True, counts: bool = True) -> Path:  # fmt: skip
+                       metadata: bool = True, counts: bool = True, dataset: str = "wiki.train.raw",
+                       chunks: int | bool = 12) -> Path:  # fmt: skip
     """llama-imatrix's GGUF form: NAME.in_sum2 and NAME.counts, and its metadata."""
     writer = gguf.GGUFWriter(str(path), "imatrix")
     if metadata:
-        writer.add_array("imatrix.datasets", ["wiki.train.raw"])
-        writer.add_uint32("imatrix.chunk_count", 12)
+        writer.add_array("imatrix.datasets", [dataset])
+        if isinstance(chunks, bool):
+            writer.add_bool("imatrix.chunk_count", chunks)
+        else:
+            writer.add_uint32("imatrix.chunk_count", chunks)
         writer.add_uint32("imatrix.chunk_size", 512)
     for name, (sums, count) in data.items():
         writer.add_tensor(name + ".in_sum2", sums[np.newaxis, :])
@@ -337,16 +341,22 @@ def test_a_broken_importance_matrix_is_named_before_llama_cpp_runs(
 ) -> None:
     data = importances()
     nan = {**data, "output.weight": (np.full(64, np.nan, dtype=np.float32), 1.0)}
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
     truncated = tmp_path / "cut.dat"
     truncated.write_bytes(write_legacy_imatrix(tmp_path / "whole.dat", data).read_bytes()[:99])
     broken = [
-        (tmp_path / "missing.imatrix", "cannot read imatrix"),
+        (tmp_path / "missing.imatrix", "missing.imatrix does not exist"),
         (write_gguf_imatrix(tmp_path / "bare.imatrix", data, metadata=False),
          "lacks its metadata: imatrix.datasets"),
         (write_gguf_imatrix(tmp_path / "sums.imatrix", data, counts=False),
          "has sums or counts, not both"),
         (write_gguf_imatrix(tmp_path / "nan.imatrix", nan), "output.weight has a non-finite"),
         (truncated, "is truncated"),
+        (write_gguf_imatrix(tmp_path / "bool.imatrix", data, chunks=True),
+         "imatrix.chunk_count is True, not a uint32"),
+        (fifo, "is not a regular file"),  # opening it would wait for a writer for ever
+        (Path("/dev/zero"), "is not a regular file"),  # reading it would never end
     ]  # fmt: skip
     dest = tmp_path / "out.gguf"
     for imatrix, reason in broken:
@@ -359,6 +369,19 @@ def test_a_broken_importance_matrix_is_named_before_llama_cpp_runs(
     with pytest.raises(QuantizationError, match="imatrix size 32 is different from tensor size 64"):
         quantize(source, dest, "Q4_0", imatrix=mismatched)
     assert not dest.exists() and [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+def test_names_are_recorded_as_llama_quantize_records_c_strings(
+    source: Path, tmp_path: Path
+) -> None:
+    # A NUL in the dataset's name and a file name that is not UTF-8 failed as kv_overrides
+    # errors the caller never passed (a red team's finding).
+    imatrix = tmp_path / os.fsdecode(b"odd\xffname.imatrix")
+    write_gguf_imatrix(imatrix, importances(), dataset="wiki\0train")
+    written = quantize(source, tmp_path / "q4.gguf", "Q4_0", threads=1, imatrix=imatrix)
+    fields = gguf.GGUFReader(written).fields
+    assert fields["quantize.imatrix.dataset"].contents() == "wiki"
+    assert fields["quantize.imatrix.file"].contents().endswith("odd\ufffdname.imatrix")
 
 
 def test_the_command_takes_an_importance_matrix(source: Path, tmp_path: Path) -> None:

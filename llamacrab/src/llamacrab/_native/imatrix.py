@@ -33,6 +33,9 @@ def read_imatrix(path: Path) -> Imatrix:
     """The importance matrix in ``path``; InvalidParameterError naming what is wrong with it
     (llama-quantize exits, or its library throws, on the same files)."""
     try:
+        if not path.is_file():  # a FIFO would block, /dev/zero would never end
+            what = "is not a regular file" if path.exists() else "does not exist"
+            raise InvalidParameterError(f"imatrix {path} {what}")
         with path.open("rb") as file:
             magic = file.read(4)
     except OSError as error:
@@ -54,10 +57,16 @@ def _read_gguf(path: Path) -> tuple[dict[str, np.ndarray], tuple[str, ...], int]
     missing = [key for key in _METADATA if key not in metadata]
     if missing:  # llama-quantize refuses such a file too
         raise InvalidParameterError(f"imatrix {path} lacks its metadata: {', '.join(missing)}")
-    strings = metadata[IMATRIX_DATASETS].strings
-    datasets = () if strings is None else tuple(strings.word(i).decode("utf-8", "replace")
-                                                for i in range(len(strings)))  # fmt: skip
+    # Only an array of strings is read, as llama-quantize reads it; as C strings (to a NUL).
+    strings = getattr(metadata[IMATRIX_DATASETS], "strings", None)
+    datasets = () if strings is None else tuple(
+        strings.word(i).split(b"\0")[0].decode("utf-8", "replace") for i in range(len(strings))
+    )
     chunk_count = metadata["imatrix.chunk_count"]
+    if isinstance(chunk_count, bool) or not isinstance(chunk_count, int) or chunk_count >= 2**32:
+        raise InvalidParameterError(
+            f"imatrix {path}: imatrix.chunk_count is {chunk_count!r}, not a uint32"
+        )
     parts: dict[str, dict[str, np.ndarray]] = {}
     with path.open("rb") as file:
         for name, dims, ggml_type, offset in tensors:
@@ -73,7 +82,7 @@ def _read_gguf(path: Path) -> tuple[dict[str, np.ndarray], tuple[str, ...], int]
         if len(found) != 2:
             raise InvalidParameterError(f"imatrix {path}: {name} has sums or counts, not both")
         entries[name] = _per_count(path, name, found[_SUMS], found[_COUNTS])
-    return entries, datasets, chunk_count if isinstance(chunk_count, int) else 0
+    return entries, datasets, chunk_count
 
 
 def _per_count(path: Path, name: str, sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -127,5 +136,6 @@ def _read_legacy(path: Path) -> tuple[dict[str, np.ndarray], tuple[str, ...], in
         if len(data) - at >= 4:
             length = int32("its dataset name")
             if 0 < length <= len(data) - at:
-                datasets = (take(length, "its dataset name").decode("utf-8", "replace"),)
+                dataset = take(length, "its dataset name").split(b"\0")[0]
+                datasets = (dataset.decode("utf-8", "replace"),)
     return entries, datasets, chunks

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,9 @@ def _use_imatrix(params: Any, path: str | None) -> list[Any]:
     for entry, name, data in zip(table, names, values, strict=False):
         entry.name, entry.data, entry.size = name, ffi.from_buffer("float[]", data), data.size
     params.imatrix = table
-    recorded: dict[str, KvOverrideValue] = {"quantize.imatrix.file": _c_text(path)}
+    recorded: dict[str, KvOverrideValue] = {"quantize.imatrix.file": _c_text(os.fsencode(path))}
     if imatrix.datasets:
-        recorded["quantize.imatrix.dataset"] = _c_text(imatrix.datasets[0])
+        recorded["quantize.imatrix.dataset"] = _c_text(imatrix.datasets[0].encode())
     recorded["quantize.imatrix.entries_count"] = len(names)
     if imatrix.chunk_count > 0:
         recorded["quantize.imatrix.chunks_count"] = imatrix.chunk_count
@@ -106,8 +107,11 @@ def _use_imatrix(params: Any, path: str | None) -> list[Any]:
     return [names, values, table, overrides]
 
 
-def _c_text(text: str) -> str:
-    """``text`` cut to 127 bytes, as llama-quantize copies it into an override's value."""
+def _c_text(raw: bytes) -> str:
+    """``raw`` as llama-quantize copies it into an override's value: to a NUL, at most 127
+    bytes (UTF-8 here: bytes that are not become U+FFFD, and the cut falls between
+    characters)."""
+    text = raw.split(b"\0")[0].decode("utf-8", "replace")
     return text.encode()[:127].decode("utf-8", "ignore")
 
 
