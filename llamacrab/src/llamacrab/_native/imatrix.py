@@ -59,9 +59,9 @@ def _read_gguf(path: Path) -> tuple[dict[str, np.ndarray], tuple[str, ...], int]
         raise InvalidParameterError(f"imatrix {path} lacks its metadata: {', '.join(missing)}")
     # Only an array of strings is read, as llama-quantize reads it; as C strings (to a NUL).
     strings = getattr(metadata[IMATRIX_DATASETS], "strings", None)
-    datasets = () if strings is None else tuple(
-        strings.word(i).split(b"\0")[0].decode("utf-8", "replace") for i in range(len(strings))
-    )
+    datasets: tuple[str, ...] = ()
+    if strings is not None:
+        datasets = tuple(_c_string(strings.word(i)) for i in range(len(strings)))
     chunk_count = metadata["imatrix.chunk_count"]
     if isinstance(chunk_count, bool) or not isinstance(chunk_count, int) or chunk_count >= 2**32:
         raise InvalidParameterError(
@@ -122,8 +122,7 @@ def _read_legacy(path: Path) -> tuple[dict[str, np.ndarray], tuple[str, ...], in
         raise InvalidParameterError(f"imatrix {path} is neither GGUF nor a legacy imatrix")
     entries = {}
     for index in range(n_entries):
-        raw_name = take(int32(f"entry {index}"), f"entry {index}'s name")
-        name = raw_name.split(b"\0")[0].decode("utf-8", "replace")  # a C string: to its NUL
+        name = _c_string(take(int32(f"entry {index}"), f"entry {index}'s name"))
         calls, n_values = int32(f"entry {index}"), int32(f"entry {index}")
         if n_values < 1:
             raise InvalidParameterError(f"imatrix {path}: entry {index} has {n_values} values")
@@ -136,6 +135,10 @@ def _read_legacy(path: Path) -> tuple[dict[str, np.ndarray], tuple[str, ...], in
         if len(data) - at >= 4:
             length = int32("its dataset name")
             if 0 < length <= len(data) - at:
-                dataset = take(length, "its dataset name").split(b"\0")[0]
-                datasets = (dataset.decode("utf-8", "replace"),)
+                datasets = (_c_string(take(length, "its dataset name")),)
     return entries, datasets, chunks
+
+
+def _c_string(raw: bytes) -> str:
+    """Text llama.cpp reads as a C string: up to its first NUL."""
+    return raw.split(b"\0")[0].decode("utf-8", "replace")
