@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from llamacrab import (
+    ConcurrentUseError,
     ContextOverflowError,
     DecodeAbortedError,
     InvalidParameterError,
@@ -20,7 +21,7 @@ from llamacrab._features import completion
 from llamacrab._native.batch import Batch
 from llamacrab._native.host_limits import Limit
 
-from support import load_repo_module, record_decodes
+from support import Slow, load_repo_module, record_decodes
 
 tiny = load_repo_module("scripts/make_tiny_gguf.py")
 
@@ -137,7 +138,7 @@ def test_what_cannot_continue_a_memory_is_refused(tiny_model_path: Path, tmp_pat
     t5 = tiny.write_tiny_t5(tmp_path / "t5.gguf")
     encoder = tiny.write_tiny_t5(tmp_path / "t5encoder.gguf", decoder=False)
     refusals = [
-        (Llama(tiny_model_path, n_ctx=128, parallel=2), r"needs a Llama with parallel=None"),
+        (Llama(tiny_model_path, n_ctx=128, parallel=2), r"on parallel slots needs slot=i"),
         (Llama(t5, n_ctx=128), "encoder-decoder"),
         (Llama(encoder, n_ctx=128, embeddings=True), "computes no logits"),
     ]
@@ -173,3 +174,29 @@ def test_a_change_of_adapters_starts_over(tiny_model_path: Path, tmp_path: Path)
         assert adapted.held_tokens() == []
         rows = adapted.evaluate([8, 9], all_logits=True)
         assert np.allclose(rows, base.evaluate([8, 9], all_logits=True), rtol=0, atol=1e-5)
+
+
+def test_a_parallel_slot_evaluates_while_it_is_idle(tiny_model_path: Path) -> None:
+    prompt = [1, 5, 6, 7]
+    with (
+        Llama(tiny_model_path, n_ctx=256, parallel=2) as slots,
+        Llama(tiny_model_path, n_ctx=128) as one,
+    ):
+        rows = slots.evaluate(prompt, all_logits=True, slot=1)
+        assert slots.held_tokens(slot=1) == prompt and slots.held_tokens(slot=0) == []
+        assert np.allclose(rows, one.evaluate(prompt, all_logits=True), rtol=0, atol=1e-5)
+        last = slots.evaluate([8], slot=1)
+        assert np.allclose(last, one.evaluate([8]), rtol=0, atol=1e-5)
+        reused = slots.create_completion([*prompt, 8, 9], max_tokens=1)
+        assert reused.choices[0].slot == 1 and reused.usage.cached_tokens == len(prompt) + 1
+        stream = slots.stream_completion("the cat", max_tokens=60, min_tokens=60,
+                                         custom_samplers=(Slow(),))  # fmt: skip
+        busy = next(iter(stream)).slot
+        assert busy is not None
+        with pytest.raises(ConcurrentUseError, match=f"slot {busy} is generating"):
+            slots.evaluate([1], slot=busy)
+        stream.close()
+        with pytest.raises(InvalidParameterError, match="slot 2"):
+            slots.evaluate([1], slot=2)
+        with pytest.raises(InvalidParameterError, match="slot 1 does not exist"):
+            one.evaluate([1], slot=1)

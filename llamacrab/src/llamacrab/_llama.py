@@ -283,7 +283,12 @@ class Llama:
 
     @checked
     def evaluate(
-        self, tokens: Sequence[int], *, all_logits: bool = False, after: int | None = None
+        self,
+        tokens: Sequence[int],
+        *,
+        all_logits: bool = False,
+        after: int | None = None,
+        slot: int | None = None,
     ) -> np.ndarray:
         """Decode ``tokens`` after the tokens the memory holds (``held_tokens()``), as a
         prompt that continues them, and return their raw logits: the last token's (shape
@@ -292,11 +297,12 @@ class Llama:
         for scoring and perplexity: a completion whose prompt starts with the held tokens
         reuses them, and ``reset()`` starts over (so does a change of adapters, which empties
         ``held_tokens()``). ``after=k`` continues after the first k held tokens instead,
-        dropping the rest (a rewind). One slot only
-        (``parallel=None``); like a completion it waits for or supersedes an unfinished
-        stream, and ``cancel()`` stops it (DecodeAbortedError). Past the context:
-        ContextOverflowError."""
-        return self._completer.evaluate(tokens, all_logits, after)
+        dropping the rest (a rewind). On one slot (``parallel=None``) it waits for or
+        supersedes an unfinished stream as a completion does, and ``cancel()`` stops it
+        (DecodeAbortedError); on parallel slots ``slot=i`` evaluates on slot i while it is idle
+        (ConcurrentUseError while it generates), the other slots waiting meanwhile. Past the
+        context (a slot's share of it): ContextOverflowError."""
+        return self._completer.evaluate(tokens, all_logits, after, slot)
 
     @checked
     def save_state(self, scope: str = "sequence", *, slot: int | None = None) -> SavedState:

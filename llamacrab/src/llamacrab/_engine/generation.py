@@ -616,10 +616,13 @@ def _start(kv: KvState, request: Request, session: Session, samplers: Samplers) 
         return False
     session.slot = kv.seq_id
     samplers.bind(kv.context, kv.seq_id)
-    return _start_prompt(kv, request, session)
+    return start_prompt(kv, request, session)
 
 
-def _start_prompt(kv: KvState, request: Request, session: Session) -> bool:
+def start_prompt(kv: KvState, request: Request, session: Session) -> bool:
+    """Decode the request's prompt into ``kv``'s memory (its media, an encoder-decoder's
+    input), reading what the request asks of its rows; ``kv`` is then the session's. False when
+    the session stopped first. The caller holds the lock that serializes the context's users."""
     kv.owner = None  # the memory changes now: the generation before may not touch it again
     session.prompt_started = time.monotonic()
     try:

@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 
 from llamacrab._engine.cache import PromptCache
-from llamacrab._engine.generation import MEDIA_TOKEN, KvState, Request, Session, Step, generate
+from llamacrab._engine.generation import (
+    MEDIA_TOKEN,
+    KvState,
+    Request,
+    Session,
+    Step,
+    generate,
+    start_prompt,
+)
 from llamacrab._engine.scheduler import Scheduler
 from llamacrab._engine.speculative import Drafter, Speculative, SpeculativeStats
 from llamacrab._engine.stream import Stream
@@ -342,49 +350,41 @@ class Completer:
         return Completion(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model.path.name,
                           choices, usage)  # fmt: skip
 
-    def evaluate(self, tokens: Sequence[int], all_logits: bool, after: int | None) -> np.ndarray:
-        """Decode ``tokens`` after what the one slot holds (its first ``after`` tokens), as a
-        prompt that continues it (``Llama.evaluate``): the raw logits of the last of them, or
-        of each."""
+    def evaluate(
+        self, tokens: Sequence[int], all_logits: bool, after: int | None, slot: int | None
+    ) -> np.ndarray:
+        """Decode ``tokens`` after what a slot holds (its first ``after`` tokens), as a prompt
+        that continues it (``Llama.evaluate``): the raw logits of the last of them, or of
+        each. One slot runs it as a generation (it supersedes or waits for a stream); a
+        parallel slot while it is idle, the other slots waiting meanwhile."""
         self._refuse_nested("evaluate()")
-        if self.scheduler is not None:
-            raise InvalidParameterError(
-                "evaluate() needs a Llama with parallel=None: it continues the one memory, "
-                "and parallel slots' memories belong to their requests"
-            )
-        kv = self.kv
-        check_generates(self.model, kv.context.params.embeddings)
+        check_generates(self.model, self.kv.context.params.embeddings)
         if self.model.encoder_decoder:
             raise InvalidParameterError(
                 "evaluate() continues the decoder's memory; an encoder-decoder model's "
                 "decoder follows its encoder's input: use create_completion()"
             )
-        new = self.model.vocab.check_tokens(tokens).tolist()
-        if not new:
-            raise InvalidParameterError("evaluate() needs at least one token")
-        held = kv.held_tokens()
-        if after is not None:
-            check_range("after", after, 0, len(held))
-            held = held[:after]  # the rest is dropped when the memory is prepared for them
-        prompt = held + new
-        start = len(held) if all_logits else len(prompt) - 1
-        needed = (len(prompt) - start) * 4 * self.model.vocab.n_tokens
-        left = host_memory_left()
-        if needed > left.amount:
-            raise InvalidParameterError(
-                f"the logits of {len(prompt) - start} tokens take {needed / 2**20:,.0f} MiB, "
-                f"more than this process may still use ({left.source} "
-                f"{left.amount / 2**20:,.0f} MiB): evaluate fewer tokens at a time"
-            )
-        request = Request(prompt, max_tokens=0, logits_from=start)
         session = Session()
-        samplers = Samplers(self.model, SamplingOptions())  # samples nothing: logits stay raw
-        try:
-            ends = [step.finish_reason for step in self._one_slot_steps(request, samplers,
-                                                                       session, None)]  # fmt: skip
-        finally:
-            samplers.close()
-        if ends[-1] == "cancelled":
+        if self.scheduler is None:
+            if slot not in (None, 0):
+                raise InvalidParameterError(f"slot {slot} does not exist: this Llama has slot 0")
+            request = _evaluation(self.kv, tokens, all_logits, after)
+            samplers = Samplers(self.model, SamplingOptions())  # samples nothing: raw logits
+            try:
+                steps = self._one_slot_steps(request, samplers, session, None)
+                stopped = [step.finish_reason for step in steps][-1] == "cancelled"
+            finally:
+                samplers.close()
+        else:
+            if slot is None:
+                raise InvalidParameterError(
+                    "evaluate() on parallel slots needs slot=i: the slot whose memory it continues"
+                )
+            with self.scheduler.idle_slot(slot) as kv:
+                request = _evaluation(kv, tokens, all_logits, after)
+                stopped = not start_prompt(kv, request, session)
+                kv.owner = None  # no generation goes on from it
+        if stopped:
             raise DecodeAbortedError("evaluate() was cancelled (Llama.cancel(), or a newer "
                                      "generation superseded it)", 2)  # fmt: skip
         rows = session.prompt_logits
@@ -545,3 +545,29 @@ def _choice(
     # (the echoed prompt's first token has no value: it ranks no candidate anyway)
     values = tuple(v for v in logprobs.token_logprobs if v is not None) if logprobs else ()
     return choice, values, last.usage
+
+
+def _evaluation(kv: KvState, tokens: Sequence[int], all_logits: bool, after: int | None) -> Request:
+    """The request that decodes ``tokens`` after ``kv``'s first ``after`` held tokens (all of
+    them by default) and keeps the logits of the last, or of each, checked first."""
+    vocab = kv.context.model.vocab
+    new = vocab.check_tokens(tokens).tolist()
+    if not new:
+        raise InvalidParameterError("evaluate() needs at least one token")
+    held = kv.held_tokens()
+    if after is not None:
+        check_range("after", after, 0, len(held))
+        held = held[:after]  # the rest is dropped when the memory is prepared for them
+    prompt = held + new
+    start = len(held) if all_logits else len(prompt) - 1
+    needed = (len(prompt) - start) * 4 * vocab.n_tokens
+    left = host_memory_left()
+    if needed > left.amount:
+        raise InvalidParameterError(
+            f"the logits of {len(prompt) - start} tokens take {needed / 2**20:,.0f} MiB, "
+            f"more than this process may still use ({left.source} "
+            f"{left.amount / 2**20:,.0f} MiB): evaluate fewer tokens at a time"
+        )
+    request = Request(prompt, max_tokens=0, logits_from=start)
+    request.check(kv.context.n_ctx_seq)
+    return request
