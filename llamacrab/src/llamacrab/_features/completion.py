@@ -560,11 +560,14 @@ def _evaluation(kv: KvState, tokens: Sequence[int], all_logits: bool, after: int
         held = held[:after]  # the rest is dropped when the memory is prepared for them
     prompt = held + new
     start = len(held) if all_logits else len(prompt) - 1
-    needed = (len(prompt) - start) * 4 * vocab.n_tokens
-    left = host_memory_left()
-    if needed > left.amount:
+    rows = len(prompt) - start
+    # One row is what any decode returns; more are checked (reading /proc and the cgroups
+    # takes ~0.25 ms, which a token-by-token loop would pay at every call).
+    needed = rows * 4 * vocab.n_tokens
+    left = host_memory_left() if rows > 1 else None
+    if left is not None and needed > left.amount:
         raise InvalidParameterError(
-            f"the logits of {len(prompt) - start} tokens take {needed / 2**20:,.0f} MiB, "
+            f"the logits of {rows} tokens take {needed / 2**20:,.0f} MiB, "
             f"more than this process may still use ({left.source} "
             f"{left.amount / 2**20:,.0f} MiB): evaluate fewer tokens at a time"
         )
