@@ -17,6 +17,7 @@ from llamacrab import (
     ClosedHandleError,
     Completion,
     CompletionChunk,
+    ConcurrentUseError,
     InvalidParameterError,
     Llama,
     PromptLookup,
@@ -24,6 +25,8 @@ from llamacrab import (
     RamCache,
     Stream,
 )
+from llamacrab._engine.generation import Request, Session, Step
+from llamacrab._engine.scheduler import _Job
 from llamacrab._native.batch import Batch
 
 from support import Gate, Slow, assert_same_up_to_near_ties, record_decodes
@@ -480,3 +483,18 @@ def test_prompt_logprobs_on_parallel_slots_equal_one_slots(
     assert len(shared) >= 2  # the prompt's rows, read beside the other slot's next token
     assert max(b.get(scored, 0) for b in batches) == rows  # never more rows than one slot reads
     assert all(b.get(1 - scored, 0) <= 1 for b in batches)  # the other slot's rows unchanged
+
+
+def test_a_job_hands_over_its_last_step_even_when_its_samplers_refuse_to_close() -> None:
+    # Seen in CI under churn: a stream's finalizer cancelled a waiting job while its thread was
+    # inside a sampler call; the refused close skipped the last step, so its client (and the
+    # server's exit) waited for ever.
+    class Refusing:
+        def close(self) -> None:
+            raise ConcurrentUseError("this sampler is in use")
+
+    job = _Job(Request([1]), Refusing(), Session(), None)  # type: ignore[arg-type]
+    last = Step("", None, "cancelled")
+    with pytest.raises(ConcurrentUseError):
+        job.finish(last)
+    assert job.steps.get_nowait() is last

@@ -63,9 +63,14 @@ class _Job:
 
     def finish(self, last: Step | BaseException) -> None:
         """Hand over the last step (or the error); the engine owns the samplers, so it frees
-        them (a consumer may leave while a step is still using them)."""
-        self.samplers.close()
-        self.steps.put(last)
+        them (a consumer may leave while a step is still using them). The step goes out even
+        when the close is refused (a garbage-collected stream's finalizer cancelling it while
+        this thread is inside a sampler call): its client waited for ever, and so did the
+        server's exit; the chain's own finalizer frees it later."""
+        try:
+            self.samplers.close()
+        finally:
+            self.steps.put(last)
 
 
 class _Slot:
