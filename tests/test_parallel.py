@@ -212,6 +212,84 @@ def _close_while_cancelling_the_queue(model: Path) -> None:
         assert not thread.is_alive(), "a stream was never ended"
 
 
+def test_a_cancel_nested_in_the_end_of_timed_out_waiting_jobs_ends_each_once(
+    tiny_model_path: Path,
+) -> None:
+    # A finalizer the garbage collector runs on the engine thread while it ends the waiting jobs
+    # whose time ran out may cancel another of them: that nested call took the job out of the
+    # queue, and the outer one's remove() of it raised ValueError and killed the engine thread
+    # (every client of the Llama then waited for ever).
+    died: list[BaseException | None] = []
+    previous, threading.excepthook = threading.excepthook, lambda a: died.append(a.exc_value)
+    try:
+        with Llama(tiny_model_path, n_ctx=128, parallel=1) as llm:
+            scheduler = llm.scheduler
+            assert scheduler is not None
+            gate = Gate()
+            running = llm.stream_completion("one", max_tokens=4, custom_samplers=(gate,))
+            assert _wait_for(lambda: scheduler.busy_slots == 1)  # held inside its first sample
+            first, second = (llm.stream_completion(p, max_tokens=2, timeout=0.05)
+                             for p in ("two", "three"))  # fmt: skip
+            job = scheduler.waiting[0]
+            close = job.samplers.close
+
+            def close_and_cancel_the_other() -> None:  # what the finalizer did, here for sure
+                close()
+                second.cancel()
+
+            job.samplers.close = close_and_cancel_the_other  # type: ignore[method-assign]
+            time.sleep(0.1)  # both waiting jobs are past their timeout, neither woke the engine
+            gate.open.set()
+            assert _finish_reasons(first) == ["cancelled"]
+            assert _finish_reasons(second) == ["cancelled"]
+            assert _finish_reasons(running)[-1] in ("length", "eos")
+            assert _finish_reasons(llm.stream_completion("four", max_tokens=2))[-1] == "length"
+    finally:
+        threading.excepthook = previous
+    assert died == []
+
+
+def test_samplers_a_cancel_may_not_close_are_closed_by_the_engine(tiny_model_path: Path) -> None:
+    # A cancel on a thread inside a sampler call (a finalizer the garbage collector ran there)
+    # is refused the close of a waiting job's samplers: the job still ends at once, the refusal
+    # does not reach whoever cancelled, and the engine closes them at its next look.
+    with Llama(tiny_model_path, n_ctx=128, parallel=1) as llm:
+        scheduler = llm.scheduler
+        assert scheduler is not None
+        gate = Gate()
+        running = llm.stream_completion("one", max_tokens=4, custom_samplers=(gate,))
+        assert _wait_for(lambda: scheduler.busy_slots == 1)
+        waiting = llm.stream_completion("two", max_tokens=2)
+        samplers = scheduler.waiting[0].samplers
+        close, closers = samplers.close, []
+
+        def refused_at_first() -> None:
+            closers.append(threading.current_thread().name)
+            if len(closers) == 1:
+                raise ConcurrentUseError("this sampler is in use by a call on this thread")
+            close()
+
+        samplers.close = refused_at_first  # type: ignore[method-assign]
+        waiting.cancel()
+        assert _finish_reasons(waiting) == ["cancelled"]
+        gate.open.set()
+        assert _finish_reasons(running)[-1] in ("length", "eos")
+        assert _wait_for(lambda: len(closers) == 2)
+        assert closers == [threading.current_thread().name, "llamacrab-engine"]
+
+
+def _finish_reasons(stream: Stream[CompletionChunk], timeout: float = 30) -> list[str | None]:
+    """The stream's finish reasons, read on a daemon thread: a stream never ended fails the
+    test instead of hanging it."""
+    reasons: list[str | None] = []
+    reader = threading.Thread(target=lambda: reasons.extend(c.finish_reason for c in stream),
+                              daemon=True)  # fmt: skip
+    reader.start()
+    reader.join(timeout)
+    assert not reader.is_alive(), "the stream was never ended"
+    return reasons
+
+
 def _drain(stream: Iterator[object]) -> None:
     with contextlib.suppress(ClosedHandleError):
         for _ in stream:

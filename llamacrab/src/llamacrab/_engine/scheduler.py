@@ -98,6 +98,7 @@ class Scheduler:
         self.slots = [_Slot(KvState(context, cache, i)) for i in range(n_slots)]
         self.batch = Batch(context.max_decode, n_slots)
         self.waiting: deque[_Job] = deque()
+        self._unclosed: list[Samplers] = []  # of jobs ended off the engine thread (see below)
         self._turn = 0  # which slot's adapters the next batch uses first (round robin)
         # Entered as ``with self._mutex`` (the C lock: atomic), never through the Condition,
         # whose Python __enter__ a Ctrl-C can leave holding it; waits poll (claims.py).
@@ -242,9 +243,26 @@ class Scheduler:
             watch.poke()
 
     def _drop_stopped_waiting(self) -> None:
+        """End the waiting jobs whose sessions stopped, each with its last step at once. Runs
+        on the engine thread or on the one that cancelled (``_wake``): perhaps a finalizer the
+        garbage collector ran anywhere, even inside this loop, whose nested call takes jobs of
+        its list first; or inside a sampler call, where a close is refused: those samplers
+        are closed at the engine's next look for work."""
         for job in [j for j in self.waiting if j.session.stopped()]:
+            if job not in self.waiting:  # a nested call ended it
+                continue
             self.waiting.remove(job)
-            job.finish(Step("", None, "cancelled"))
+            try:
+                job.finish(Step("", None, "cancelled"))
+            except ConcurrentUseError:
+                self._unclosed.append(job.samplers)
+
+    def _close_unclosed(self) -> None:
+        """Close the samplers ``_drop_stopped_waiting`` could not, on the engine thread."""
+        unclosed, self._unclosed = self._unclosed, []
+        for samplers in unclosed:
+            with contextlib.suppress(LlamaError):
+                samplers.close()
 
     def _run(self) -> None:
         while True:
@@ -269,6 +287,8 @@ class Scheduler:
         for job in waiting:
             job.finish(closed)
         self._fail([s for s in self.slots if s.job], closed)
+        with self._mutex:
+            self._close_unclosed()
 
     def _gather(self) -> None:
         """The engine was idle and a request came: wait while more keep coming, each within
@@ -291,6 +311,7 @@ class Scheduler:
         nothing, the one holding the shortest); end cancelled waiting jobs.
         True when a slot has work."""
         self._drop_stopped_waiting()
+        self._close_unclosed()
         free = [slot for slot in self.slots if slot.job is None]
         while self.waiting and free:
             job = self.waiting.popleft()
