@@ -159,6 +159,47 @@ def write_tiny_llama(
     return path
 
 
+# The tiny model's weights by the length of their rows (what an importance matrix covers).
+WEIGHTS = {f"blk.{i}.{name}.weight": length for i in range(2)
+           for name, length in [("attn_q", 64), ("attn_k", 64), ("attn_v", 64),
+                                ("attn_output", 64), ("ffn_gate", 64), ("ffn_up", 64),
+                                ("ffn_down", 128)]} | {"output.weight": 64}  # fmt: skip
+
+
+def importances(seed: int = 3) -> dict[str, tuple[np.ndarray, float]]:
+    """Squared-activation sums and the token count behind them, by weight; one weight saw no
+    token (its importances are then 1, as llama-quantize sets them)."""
+    rng = np.random.default_rng(seed)
+    sums = {name: (rng.random(n, dtype=np.float32) * 50, 7.0) for name, n in WEIGHTS.items()}
+    sums["blk.1.ffn_up.weight"] = (sums["blk.1.ffn_up.weight"][0], 0.0)
+    return sums
+
+
+def write_gguf_imatrix(path: Path, data: dict[str, tuple[np.ndarray, float]] | None = None,
+                       metadata: bool = True, counts: bool = True, dataset: str = "wiki.train.raw",
+                       chunks: int | bool = 12) -> Path:  # fmt: skip
+    """llama-imatrix's GGUF form of ``data`` (default: ``importances()``), the tiny model's:
+    NAME.in_sum2 and NAME.counts, and its metadata."""
+    data = importances() if data is None else data
+    writer = gguf.GGUFWriter(str(path), "imatrix")
+    if metadata:
+        writer.add_array("imatrix.datasets", [dataset])
+        if isinstance(chunks, bool):
+            writer.add_bool("imatrix.chunk_count", chunks)
+        else:
+            writer.add_uint32("imatrix.chunk_count", chunks)
+        writer.add_uint32("imatrix.chunk_size", 512)
+    for name, (sums, count) in data.items():
+        writer.add_tensor(name + ".in_sum2", sums[np.newaxis, :])
+        if counts:
+            writer.add_tensor(name + ".counts", np.array([[count]], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_tiny_llama_split(
     directory: Path, stem: str, n_parts: int = 2, seed: int = 0
 ) -> list[Path]:

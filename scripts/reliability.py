@@ -14,6 +14,8 @@ tests/test_reliability.py, and a long one, the default here):
   loaded as the tiny model's projector and given an image or a sound;
 - tampered-lora, tampered-cvec: variants of the tiny LoRA adapter and of a control vector,
   each applied to a completion of the tiny model;
+- tampered-imatrix: variants of an importance matrix for the tiny model (llama-imatrix's GGUF
+  form), each given to quantize() of it, the output then completed with;
 - parameters: Llama and completion keywords set to extreme or ill-typed values;
 - inputs: generated grammars, JSON Schemas and chat templates through the public API;
 - states: saved states (KV cache, recurrent, hybrid) tampered under a valid checksum;

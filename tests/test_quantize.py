@@ -257,45 +257,6 @@ def test_the_command(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     assert "file_type must be one of" in capsys.readouterr().err
 
 
-# The tiny model's weights by the length of their rows (what an importance matrix covers).
-WEIGHTS = {f"blk.{i}.{name}.weight": length for i in range(2)
-           for name, length in [("attn_q", 64), ("attn_k", 64), ("attn_v", 64),
-                                ("attn_output", 64), ("ffn_gate", 64), ("ffn_up", 64),
-                                ("ffn_down", 128)]} | {"output.weight": 64}  # fmt: skip
-
-
-def importances(seed: int = 3) -> dict[str, tuple[np.ndarray, float]]:
-    """Squared-activation sums and the token count behind them, by weight; one weight saw no
-    token (its importances are then 1, as llama-quantize sets them)."""
-    rng = np.random.default_rng(seed)
-    sums = {name: (rng.random(n, dtype=np.float32) * 50, 7.0) for name, n in WEIGHTS.items()}
-    sums["blk.1.ffn_up.weight"] = (sums["blk.1.ffn_up.weight"][0], 0.0)
-    return sums
-
-
-def write_gguf_imatrix(path: Path, data: dict[str, tuple[np.ndarray, float]],
-                       metadata: bool = True, counts: bool = True, dataset: str = "wiki.train.raw",
-                       chunks: int | bool = 12) -> Path:  # fmt: skip
-    """llama-imatrix's GGUF form: NAME.in_sum2 and NAME.counts, and its metadata."""
-    writer = gguf.GGUFWriter(str(path), "imatrix")
-    if metadata:
-        writer.add_array("imatrix.datasets", [dataset])
-        if isinstance(chunks, bool):
-            writer.add_bool("imatrix.chunk_count", chunks)
-        else:
-            writer.add_uint32("imatrix.chunk_count", chunks)
-        writer.add_uint32("imatrix.chunk_size", 512)
-    for name, (sums, count) in data.items():
-        writer.add_tensor(name + ".in_sum2", sums[np.newaxis, :])
-        if counts:
-            writer.add_tensor(name + ".counts", np.array([[count]], dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def write_legacy_imatrix(path: Path, data: dict[str, tuple[np.ndarray, float]]) -> Path:
     """llama-imatrix's first form: entries (name, calls, values), chunk count, dataset."""
     out = [struct.pack("<i", len(data))]
@@ -310,8 +271,8 @@ def write_legacy_imatrix(path: Path, data: dict[str, tuple[np.ndarray, float]]) 
 def test_an_importance_matrix_reaches_llama_cpp_as_llama_quantize_passes_it(
     source: Path, tmp_path: Path
 ) -> None:
-    data = importances()
-    imatrix = write_gguf_imatrix(tmp_path / "tiny.imatrix", data)
+    data = tiny.importances()
+    imatrix = tiny.write_gguf_imatrix(tmp_path / "tiny.imatrix", data)
     written = quantize(source, tmp_path / "q4.gguf", "Q4_0", threads=1, imatrix=imatrix)
     expected = {name: sums / np.float32(count) if count else np.ones_like(sums)
                 for name, (sums, count) in data.items()}  # fmt: skip
@@ -339,7 +300,7 @@ def test_an_importance_matrix_reaches_llama_cpp_as_llama_quantize_passes_it(
 def test_a_broken_importance_matrix_is_named_before_llama_cpp_runs(
     source: Path, tmp_path: Path
 ) -> None:
-    data = importances()
+    data = tiny.importances()
     nan = {**data, "output.weight": (np.full(64, np.nan, dtype=np.float32), 1.0)}
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -347,13 +308,13 @@ def test_a_broken_importance_matrix_is_named_before_llama_cpp_runs(
     truncated.write_bytes(write_legacy_imatrix(tmp_path / "whole.dat", data).read_bytes()[:99])
     broken = [
         (tmp_path / "missing.imatrix", "missing.imatrix does not exist"),
-        (write_gguf_imatrix(tmp_path / "bare.imatrix", data, metadata=False),
+        (tiny.write_gguf_imatrix(tmp_path / "bare.imatrix", data, metadata=False),
          "lacks its metadata: imatrix.datasets"),
-        (write_gguf_imatrix(tmp_path / "sums.imatrix", data, counts=False),
+        (tiny.write_gguf_imatrix(tmp_path / "sums.imatrix", data, counts=False),
          "has sums or counts, not both"),
-        (write_gguf_imatrix(tmp_path / "nan.imatrix", nan), "output.weight has a non-finite"),
+        (tiny.write_gguf_imatrix(tmp_path / "nan.imatrix", nan), "output.weight has a non-finite"),
         (truncated, "is truncated"),
-        (write_gguf_imatrix(tmp_path / "bool.imatrix", data, chunks=True),
+        (tiny.write_gguf_imatrix(tmp_path / "bool.imatrix", data, chunks=True),
          "imatrix.chunk_count is True, not a uint32"),
         (fifo, "is not a regular file"),  # opening it would wait for a writer for ever
         (Path("/dev/zero"), "is not a regular file"),  # reading it would never end
@@ -365,7 +326,7 @@ def test_a_broken_importance_matrix_is_named_before_llama_cpp_runs(
     assert not dest.exists()
     # One of another model's shapes: llama.cpp's own refusal.
     other = {**data, "blk.0.attn_q.weight": (np.ones(32, dtype=np.float32), 1.0)}
-    mismatched = write_gguf_imatrix(tmp_path / "other.imatrix", other)
+    mismatched = tiny.write_gguf_imatrix(tmp_path / "other.imatrix", other)
     with pytest.raises(QuantizationError, match="imatrix size 32 is different from tensor size 64"):
         quantize(source, dest, "Q4_0", imatrix=mismatched)
     assert not dest.exists() and [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
@@ -377,7 +338,7 @@ def test_names_are_recorded_as_llama_quantize_records_c_strings(
     # A NUL in the dataset's name and a file name that is not UTF-8 failed as kv_overrides
     # errors the caller never passed (a red team's finding).
     imatrix = tmp_path / os.fsdecode(b"odd\xffname.imatrix")
-    write_gguf_imatrix(imatrix, importances(), dataset="wiki\0train")
+    tiny.write_gguf_imatrix(imatrix, tiny.importances(), dataset="wiki\0train")
     written = quantize(source, tmp_path / "q4.gguf", "Q4_0", threads=1, imatrix=imatrix)
     fields = gguf.GGUFReader(written).fields
     assert fields["quantize.imatrix.dataset"].contents() == "wiki"
@@ -385,7 +346,7 @@ def test_names_are_recorded_as_llama_quantize_records_c_strings(
 
 
 def test_the_command_takes_an_importance_matrix(source: Path, tmp_path: Path) -> None:
-    imatrix = write_gguf_imatrix(tmp_path / "tiny.imatrix", importances())
+    imatrix = tiny.write_gguf_imatrix(tmp_path / "tiny.imatrix", tiny.importances())
     library = quantize(source, tmp_path / "library.gguf", "Q4_0", threads=1, imatrix=imatrix)
     command = tmp_path / "command.gguf"
     argv = ["quantize", str(source), str(command), "Q4_0", "-t", "1", "--imatrix", str(imatrix)]
@@ -409,7 +370,9 @@ def test_a_type_that_needs_an_importance_matrix_is_reached_with_one(
     rows = {t.name: int(t.shape[0]) for t in gguf.GGUFReader(wide).tensors
             if len(t.shape) == 2 and t.name != "token_embd.weight"}  # fmt: skip
     data = {name: (np.full(n, 2.0, dtype=np.float32), 3.0) for name, n in rows.items()}
-    quantize(wide, dest, "IQ2_XXS", threads=1, imatrix=write_gguf_imatrix(tmp_path / "i", data))
+    quantize(
+        wide, dest, "IQ2_XXS", threads=1, imatrix=tiny.write_gguf_imatrix(tmp_path / "i", data)
+    )
     with Llama(dest, n_ctx=64, n_threads=1) as llm:
         assert llm.model.ftype == "IQ2_XXS - 2.0625 bpw"
         assert llm.create_completion("hi", max_tokens=3, min_tokens=3).usage.completion_tokens == 3

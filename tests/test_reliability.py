@@ -70,7 +70,8 @@ def test_tampered_gemma_models(workdir: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "cases"),
     [("tampered-vision", 300), ("tampered-audio", 300), ("tampered-lora", 300),
-     ("tampered-cvec", 241)],  # (every variant of the small control vector)
+     ("tampered-cvec", 241),  # (every variant of the small control vector)
+     ("tampered-imatrix", 300)],
 )  # fmt: skip
 def test_tampered_files_used_with_the_tiny_model(workdir: Path, name: str, cases: int) -> None:
     report = run_short(name, workdir)

@@ -1,7 +1,9 @@
 """llama-cpp-python's API (``llamacrab.compat``) with extreme and ill-typed values: one to three
-keywords of its ``Llama`` (a load), ``create_completion`` or ``create_chat_completion``, drawn
-from the parameters section's pools (tests/reliability_kit/parameters.py) plus malformed
-messages, tools, tool choices, legacy functions and response formats. Code written for
+keywords of its ``Llama`` (a load), ``create_completion``, ``create_chat_completion`` or
+``sample()`` (its hand-written loop: ``eval()`` of valid or hostile tokens, perhaps a rewind
+of ``n_tokens``, then samples each evaluated in turn), drawn from the parameters section's
+pools (tests/reliability_kit/parameters.py) plus malformed messages, tools, tool choices,
+legacy functions and response formats. Code written for
 llama-cpp-python passes such values through unchecked; here each must be a LlamaError (the
 compat layer's UnsupportedParameterError is one) naming the keyword, and the compat Llama
 kept across the cases must answer afterwards.
@@ -93,6 +95,27 @@ CHAT: dict[str, tuple[str, list[Any]]] = {
     "logprobs": ("bool", [True, False]),
     "top_logprobs": ("int", [0, 2]),
 }
+# eval() then sample(): the tokens given to eval, and sample()'s keywords.
+EVAL_TOKENS: list[Any] = [
+    [1, 5, 30], [1, 5, 30], [1], [270], list(range(3, 200)), [],
+    [271], [-1], [2**31 - 1], [5] * 300, "the cat", None, [1.5], [[1]],
+]  # fmt: skip
+SAMPLE: dict[str, tuple[str, list[Any]]] = {
+    "top_k": ("int", [1, 40]),
+    "top_p": ("float", [0.5]),
+    "min_p": ("float", [0.05]),
+    "typical_p": ("float", [0.9]),
+    "temp": ("float", [0.0, 0.8]),
+    "repeat_penalty": ("float", [1.1]),
+    "frequency_penalty": ("float", [0.5]),
+    "presence_penalty": ("float", [0.5]),
+    "tfs_z": ("float", [1.0]),
+    "mirostat_mode": ("int", [0, 1, 2]),
+    "mirostat_tau": ("float", [5.0]),
+    "mirostat_eta": ("float", [0.1]),
+    "penalize_nl": ("bool", [True, False]),
+    "idx": ("int", [0, 1, 2]),
+}
 _TOOL = {"type": "function", "function": {"name": "look", "parameters": {
     "type": "object", "properties": {"q": {"type": "string"}}}}}  # fmt: skip
 
@@ -138,14 +161,18 @@ def _value(kind: str, ordinary: list[Any], rng: random.Random) -> Any:
 def generate(count: int, seed: int) -> list[dict[str, Any]]:
     """``count`` cases: a load, a completion or a chat, each with 1-3 keywords drawn."""
     rng = random.Random(seed)
-    tables = {"load": LOAD, "completion": COMPLETION, "chat": CHAT}
+    tables = {"load": LOAD, "completion": COMPLETION, "chat": CHAT, "sample": SAMPLE}
     cases = []
     for i in range(count):
-        where = rng.choice(["load", "completion", "completion", "chat", "chat", "chat"])
+        where = rng.choice(["load", "completion", "completion", "chat", "chat", "chat", "sample"])
         table = tables[where]
         names = rng.sample(sorted(table), rng.choice((1, 1, 2, 3)))
         options = {name: _value(*table[name], rng) for name in names}
-        cases.append({"id": f"compat-{seed}-{i}", "where": where, "options": options})
+        case = {"id": f"compat-{seed}-{i}", "where": where, "options": options}
+        if where == "sample":  # what eval() decodes first, and where n_tokens rewinds to
+            case["tokens"] = rng.choice(EVAL_TOKENS)
+            case["rewind"] = rng.choice([None] * 6 + [0, 1, 3, -1, 10**6, 2.5, "2"])
+        cases.append(case)
     return cases
 
 
@@ -174,6 +201,8 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     llm = state["llm"]
 
     def answer() -> str:
+        if case["where"] == "sample":
+            return _eval_then_sample(llm, case)
         if case["where"] == "chat":
             keywords = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                         **options}  # fmt: skip
@@ -185,3 +214,18 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         return f"{result['usage']['completion_tokens']} tokens"
 
     return then_still_answers(llm, answer, "values")
+
+
+def _eval_then_sample(llm: Any, case: dict[str, Any]) -> str:
+    """llama-cpp-python's hand-written loop: reset, eval the tokens, maybe rewind
+    ``n_tokens``, then a few samples each evaluated in turn."""
+    llm.reset()
+    llm.eval(case["tokens"])
+    if case["rewind"] is not None:
+        llm.n_tokens = case["rewind"]
+    picked = []
+    for _ in range(3):
+        token = llm.sample(**case["options"])
+        picked.append(token)
+        llm.eval([token])
+    return f"sampled {picked}"

@@ -1,6 +1,7 @@
 """Lifecycle fuzzing: generated sequences of operations on models, contexts, samplers, batches,
 LoRA adapters, Llama objects (one slot and parallel slots; with speculative decoding, a vision
-projector or a prompt cache on disk) and their streams.
+projector or a prompt cache on disk; completions, streams and ``evaluate`` calls) and their
+streams.
 
 A program is a list of operations (JSON), drawn with hypothesis in the parent: create, use,
 cancel, close, drop (forget the reference), ``gc.collect``, run an operation on another thread
@@ -43,7 +44,7 @@ EXIT_EVERY = 40  # one program in 40 ends by leaving the interpreter mid-decode
 FORKED_CHILD_SECONDS = 30.0
 # What a custom sampler does, from inside a generation, to a Llama (its own or another).
 REENTRY_ACTIONS = ("close", "close_context", "close_model", "complete", "stream", "reset",
-                   "save_state", "tokenize", "set_lora", "cancel")  # fmt: skip
+                   "save_state", "tokenize", "set_lora", "cancel", "evaluate")  # fmt: skip
 GRAMMARS = (
     None,
     'root ::= "the" | "a" " cat"',
@@ -154,13 +155,16 @@ def strategies() -> Any:
         (2, op("llama_state", l=idx, action=st.sampled_from(["save", "save_context", "load",
                                                               "load_corrupt", "reset"]))),
         (1, op("embed", l=idx)),
+        (3, op("evaluate", l=idx, tokens=st.sampled_from(PROMPTS[5:]) | tokens,
+               all_logits=st.booleans(), after=st.sampled_from([None, None, 0, 2, 1000, -1]),
+               slot=st.sampled_from([None, None, 0, 1, 5, -1]))),
         (5, op("close", kind=st.sampled_from(KINDS), i=idx)),
         (4, op("drop", kind=st.sampled_from(KINDS), i=idx)),
         (2, op("gc")),
         (3, op("close_during", l=idx, what=st.sampled_from(["llama", "context", "model"]),
                work=st.sampled_from(["complete", "complete", "tokenize", "detokenize",
                                      "context", "sampler", "adapter", "metadata", "embed",
-                                     "image"]),
+                                     "image", "evaluate"]),
                delay=st.sampled_from([0.0, 0.001, 0.01]))),
         (1, op("sleep", seconds=st.sampled_from([0.0, 0.001, 0.01]))),
         (1, op("fork", leave=st.sampled_from(["os_exit", "exit_hooks"]))),
@@ -301,6 +305,8 @@ def _reentry(llm: Any, action: str) -> None:
         llm.tokenize("the dog")
     elif action == "set_lora":
         llm.set_lora_adapters({})
+    elif action == "evaluate":
+        llm.evaluate([5, 30], slot=slot)
     else:
         llm.cancel()
 
@@ -588,6 +594,19 @@ class Machine(Program):
         if llm is not None:
             llm.cancel()
 
+    def op_evaluate(self, op: dict[str, Any]) -> None:
+        """Score tokens after what the memory holds; what it returns must be the rows asked
+        for, finite or not (a tiny random model's logits are whatever they are)."""
+        llm = self.get("llama", op["l"])
+        if llm is None:
+            return
+        tokens = op["tokens"]
+        logits = llm.evaluate(tokens, all_logits=op["all_logits"], after=op["after"],
+                              slot=op["slot"])  # fmt: skip
+        shape = (len(tokens), TINY_VOCAB) if op["all_logits"] else (TINY_VOCAB,)
+        if logits.shape != shape:
+            raise RuntimeError(f"evaluate returned {logits.shape}, not {shape}")
+
     def op_llama_lora(self, op: dict[str, Any]) -> None:
         llm = self.get("llama", op["l"])
         if llm is not None:
@@ -682,6 +701,11 @@ class Machine(Program):
                 llm.embed("the cat")
             elif work == "image":
                 llm.create_completion("<__media__> the cat", media=[_image(64)], max_tokens=16)
+            elif work == "evaluate":  # a row of logits per token, then one token at a time
+                slot = 0 if llm.scheduler is not None else None
+                llm.evaluate(list(range(3, 60)), all_logits=True, after=0, slot=slot)
+                for token in range(60, 120):
+                    llm.evaluate([token], slot=slot)
             else:
                 llm.create_completion(PROMPTS[1], max_tokens=64, min_tokens=64)
 

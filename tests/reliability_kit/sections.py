@@ -60,7 +60,8 @@ SECTIONS = {
         "sequences of create / use / cancel / close / drop / gc / other-thread / re-entry (from a "
         "custom sampler) / fork / exit operations on models, contexts, samplers, batches, LoRA "
         "adapters, Llama (one slot and parallel slots; with speculative decoding, a vision "
-        "projector or a disk cache) and streams, drawn with hypothesis",
+        "projector or a disk cache; completions, streams and evaluate calls) and streams, "
+        "drawn with hypothesis",
         Size(1000, 150), Size(10_000, 3600), batch_size=50, case_timeout=60,
     ),
     "tampered-tiny": Section(
@@ -93,6 +94,11 @@ SECTIONS = {
         "Tampered control vectors", "control vector",
         "loaded with the tiny model and applied to a completion",
     ),
+    "tampered-imatrix": _used_with_tiny_model(
+        "Tampered importance matrices", "importance matrix (llama-imatrix's GGUF form)",
+        "given to quantize() of the tiny model to Q4_0, whose output is loaded and completed "
+        "with; quantize's own process dying on a signal counts as a signal death",
+    ),
     "inputs": Section(
         "Grammars, JSON Schemas and chat templates",
         "generated and deeply nested GBNF grammars, JSON Schemas (response_format) and Jinja "
@@ -111,8 +117,9 @@ SECTIONS = {
     ),
     "compat": Section(
         "llama-cpp-python's API",
-        "one to three keywords of llamacrab.compat's Llama (a load), create_completion or "
-        "create_chat_completion set to the parameters section's extreme or ill-typed values, "
+        "one to three keywords of llamacrab.compat's Llama (a load), create_completion, "
+        "create_chat_completion or sample() (after eval() of valid or hostile tokens and a "
+        "rewind of n_tokens) set to the parameters section's extreme or ill-typed values, "
         "or (chat) to malformed messages, tools, tool choices, legacy functions and response "
         "formats, with the tiny model; the same compat Llama answers after each call",
         Size(400, 150), Size(10_000, 1800), batch_size=200, case_timeout=60,
@@ -171,17 +178,20 @@ SECTIONS = {
 }  # fmt: skip
 SEED = 2026
 # tampered-*: files used with the tiny model, and how (a projector's input, or as an adapter)
-WITH_BASE = {"vision": "image", "audio": "audio", "lora": "lora", "cvec": "control vector"}
+WITH_BASE = {"vision": "image", "audio": "audio", "lora": "lora", "cvec": "control vector",
+             "imatrix": "quantize"}  # fmt: skip
 
 
 def tiny_files(workdir: Path) -> dict[str, Path]:
-    """The tiny model (``llama``), its LoRA adapter (``lora``) and a control vector for both
-    its layers (``cvec``) from scripts/make_tiny_gguf.py, made once."""
+    """The tiny model (``llama``), its LoRA adapter (``lora``), a control vector for both its
+    layers (``cvec``) and an importance matrix (``imatrix``) from scripts/make_tiny_gguf.py,
+    made once."""
     make_tiny = script("make_tiny_gguf")
     writers = {
         "llama": make_tiny.write_tiny_llama,
         "lora": make_tiny.write_tiny_lora,
         "cvec": lambda path: make_tiny.write_tiny_control_vector(path, layers=(1, 2)),
+        "imatrix": make_tiny.write_gguf_imatrix,
     }
     return {key: Path(path) for key, path in made_once(workdir, "tiny-{}.gguf", writers).items()}
 

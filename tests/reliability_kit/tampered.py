@@ -1,7 +1,8 @@
 """Tampered models: variants of a GGUF file, each loaded and decoded through the public API
-(a projector's, a LoRA adapter's or a control vector's variants, when the setup names the base
-model, loaded with it: a projector given an image or a sound, an adapter or a control vector
-applied to a completion).
+(a projector's, a LoRA adapter's, a control vector's or an importance matrix's variants, when
+the setup names the base model, used with it: a projector given an image or a sound, an adapter
+or a control vector applied to a completion, an importance matrix given to ``quantize()`` of
+it).
 
 The header (magic, counts, metadata, tensor infos) is parsed into its parts, and each variant
 changes one thing: a truncation; the version or a count; each metadata value set to 0, 1, its
@@ -539,6 +540,8 @@ def _with_base_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
     from llamacrab import Audio, Image, Llama
 
     use = state["use"]
+    if use == "quantize":
+        return _quantized_with(path, state)
     if use in ("lora", "control vector"):
         file = {"lora": [str(path)]} if use == "lora" else {"control_vectors": [str(path)]}
         with Llama(state["base"], n_ctx=128, n_threads=1, **file) as llm:
@@ -553,6 +556,27 @@ def _with_base_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
         completion = llm.create_completion(f"{llm.media_marker} then", media=[media],
                                            max_tokens=2, temperature=0)  # fmt: skip
     return "ok", f"loaded; {completion.usage.prompt_tokens} prompt tokens"
+
+
+def _quantized_with(imatrix: Path, state: dict[str, Any]) -> tuple[str, str]:
+    """Quantize the base model with the variant as its importance matrix, then complete with
+    the output. quantize() runs llama.cpp in a process of its own, whose death on a signal
+    it reports as a QuantizationError: a crash all the same, raised here as one."""
+    from llamacrab import Llama, QuantizationError, quantize
+
+    output = Path(state["scratch"]).with_suffix(".q4_0.gguf")
+    try:
+        quantize(state["base"], output, "Q4_0", threads=1, imatrix=imatrix)
+    except QuantizationError as error:
+        if "ended on signal" in str(error):
+            raise RuntimeError(f"quantize's process crashed: {error}") from error
+        raise
+    try:
+        with Llama(output, n_ctx=64, n_threads=1) as llm:
+            completion = llm.create_completion(state["prompt"], max_tokens=2, temperature=0)
+    finally:
+        output.unlink(missing_ok=True)
+    return "ok", f"quantized; {completion.usage.completion_tokens} tokens"
 
 
 def cases(model: Path, label: str, seed: int, count: int | None) -> list[dict[str, Any]]:
