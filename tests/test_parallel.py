@@ -181,14 +181,21 @@ def test_a_close_while_queued_streams_are_cancelled_ends_every_stream(
     # thread, leaving after the close, iterated its queue while a cancelled stream took its job
     # out of it; "deque mutated during iteration" killed the thread, and the jobs after it
     # waited forever (the server's leases with them).
+    with _thread_deaths() as died:
+        for _ in range(5):
+            _close_while_cancelling_the_queue(tiny_model_path)
+    assert died == []
+
+
+@contextlib.contextmanager
+def _thread_deaths() -> Iterator[list[BaseException | None]]:
+    """The exceptions threads die of in the block (threading.excepthook's reports)."""
     died: list[BaseException | None] = []
     previous, threading.excepthook = threading.excepthook, lambda a: died.append(a.exc_value)
     try:
-        for _ in range(5):
-            _close_while_cancelling_the_queue(tiny_model_path)
+        yield died
     finally:
         threading.excepthook = previous
-    assert died == []
 
 
 def _close_while_cancelling_the_queue(model: Path) -> None:
@@ -219,33 +226,28 @@ def test_a_cancel_nested_in_the_end_of_timed_out_waiting_jobs_ends_each_once(
     # whose time ran out may cancel another of them: that nested call took the job out of the
     # queue, and the outer one's remove() of it raised ValueError and killed the engine thread
     # (every client of the Llama then waited for ever).
-    died: list[BaseException | None] = []
-    previous, threading.excepthook = threading.excepthook, lambda a: died.append(a.exc_value)
-    try:
-        with Llama(tiny_model_path, n_ctx=128, parallel=1) as llm:
-            scheduler = llm.scheduler
-            assert scheduler is not None
-            gate = Gate()
-            running = llm.stream_completion("one", max_tokens=4, custom_samplers=(gate,))
-            assert _wait_for(lambda: scheduler.busy_slots == 1)  # held inside its first sample
-            first, second = (llm.stream_completion(p, max_tokens=2, timeout=0.05)
-                             for p in ("two", "three"))  # fmt: skip
-            job = scheduler.waiting[0]
-            close = job.samplers.close
+    with _thread_deaths() as died, Llama(tiny_model_path, n_ctx=128, parallel=1) as llm:
+        scheduler = llm.scheduler
+        assert scheduler is not None
+        gate = Gate()
+        running = llm.stream_completion("one", max_tokens=4, custom_samplers=(gate,))
+        assert _wait_for(lambda: scheduler.busy_slots == 1)  # held inside its first sample
+        first, second = (llm.stream_completion(p, max_tokens=2, timeout=0.05)
+                         for p in ("two", "three"))  # fmt: skip
+        job = scheduler.waiting[0]
+        close = job.samplers.close
 
-            def close_and_cancel_the_other() -> None:  # what the finalizer did, here for sure
-                close()
-                second.cancel()
+        def close_and_cancel_the_other() -> None:  # what the finalizer did, here for sure
+            close()
+            second.cancel()
 
-            job.samplers.close = close_and_cancel_the_other  # type: ignore[method-assign]
-            time.sleep(0.1)  # both waiting jobs are past their timeout, neither woke the engine
-            gate.open.set()
-            assert _finish_reasons(first) == ["cancelled"]
-            assert _finish_reasons(second) == ["cancelled"]
-            assert _finish_reasons(running)[-1] in ("length", "eos")
-            assert _finish_reasons(llm.stream_completion("four", max_tokens=2))[-1] == "length"
-    finally:
-        threading.excepthook = previous
+        job.samplers.close = close_and_cancel_the_other  # type: ignore[method-assign]
+        time.sleep(0.1)  # both waiting jobs are past their timeout, neither woke the engine
+        gate.open.set()
+        assert _finish_reasons(first) == ["cancelled"]
+        assert _finish_reasons(second) == ["cancelled"]
+        assert _finish_reasons(running)[-1] in ("length", "eos")
+        assert _finish_reasons(llm.stream_completion("four", max_tokens=2))[-1] in ("length", "eos")
     assert died == []
 
 
