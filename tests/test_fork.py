@@ -166,3 +166,51 @@ def test_a_platform_without_fork_imports_and_generates(tiny_model_path: Path) ->
     assert_clean_exit(child)
     unread, finished = child.stdout.split("\n")[:2]
     assert (unread, finished) == ("no memory size could be read on this machine:", "length")
+
+
+_FORK_WHILE_LOADING = """
+    import os, sys, threading, time
+    from llamacrab import Llama
+    from llamacrab._native.gguf.arch_rules import _Model as Rules
+    from llamacrab._native.model import Model
+
+    # Threads of the parent inside cached properties (a model's metadata read at load, the
+    # GGUF check's rules): before Python 3.12 each property holds one lock for every instance
+    # while it computes, so these stand for another thread loading a model at fork().
+    locks = [getattr(vars(cls)[name], "lock", None)
+             for cls, name in [(Model, "_metadata"), (Model, "_loaded_metadata"),
+                               (Model, "identity"), (Rules, "heads")]]
+    inside, leave = threading.Event(), threading.Event()
+    def compute():
+        for lock in filter(None, locks):
+            lock.acquire()
+        inside.set()
+        leave.wait(60)
+        for lock in filter(None, locks):
+            lock.release()
+    threading.Thread(target=compute, daemon=True).start()
+    inside.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        with Llama(sys.argv[1], n_ctx=64, n_threads=1) as own:
+            own.create_completion("the cat", max_tokens=2)
+        os._exit(0)
+    started = time.monotonic()
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() - started > 30:
+            os.kill(pid, 9)
+            raise SystemExit("the forked child hung")
+        time.sleep(0.05)
+    leave.set()
+    print("child done")
+"""
+
+
+def test_a_child_forked_while_another_thread_reads_a_model_loads_its_own(
+    tiny_model_path: Path,
+) -> None:
+    # Found by the lifecycle fuzzer (1 program in 10,000): a fork while another thread loaded a
+    # Llama left the child's own load waiting for ever on functools.cached_property's lock.
+    child = run_child(_FORK_WHILE_LOADING, str(tiny_model_path), timeout=120)
+    assert_clean_exit(child)
+    assert child.stdout.strip().splitlines()[-1] == "child done"

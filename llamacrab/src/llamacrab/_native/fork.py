@@ -15,7 +15,8 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from llamacrab._native.host_limits import threads_within_room
 
@@ -41,6 +42,21 @@ _held_now: list[Any] = []
 def reset_in_child(*locks: Any) -> None:
     """Have a forked child start with ``locks`` (Lock, RLock or Condition) released."""
     _inherited_locks.update(locks)
+
+
+_T = TypeVar("_T")
+
+
+def cached_property(function: Callable[[Any], _T]) -> functools.cached_property[_T]:
+    """``functools.cached_property``, which a forked child can read. Before Python 3.12 such
+    a property holds one lock, shared by every instance, while it computes a value: a thread
+    of the parent inside it at fork() left the child's first read of that property, on any
+    object, waiting for ever (a model's metadata, as the child loaded a model of its own)."""
+    prop = functools.cached_property(function)
+    lock = getattr(prop, "lock", None)  # none from 3.12 on
+    if lock is not None:
+        reset_in_child(lock)
+    return prop
 
 
 def hold_across_fork(lock: Any) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import weakref
@@ -24,6 +23,7 @@ from llamacrab._field_types import (
 from llamacrab._native import backend as _backend
 from llamacrab._native.call import c_path, c_string, call, ffi, lib, read_string
 from llamacrab._native.devices import accelerator_present, warn_if_no_gpu
+from llamacrab._native.fork import cached_property
 from llamacrab._native.gguf import archs
 from llamacrab._native.gguf.check import validate_gguf
 from llamacrab._native.gguf.overrides import applied_overrides
@@ -374,7 +374,7 @@ class Model(NativeHandle):
     def n_layer(self) -> int:
         return self.read(lib.llama_model_n_layer)
 
-    @functools.cached_property
+    @cached_property
     def causal(self) -> bool:
         """False for encoder-style models (BERT): they attend both ways within a sequence."""
         return self._loaded_metadata.get(f"{self.arch}.attention.causal", "true") != "false"
@@ -395,7 +395,7 @@ class Model(NativeHandle):
             return False
         return self.arch not in archs.NO_LOGITS
 
-    @functools.cached_property
+    @cached_property
     def identity(self) -> bytes:
         """A digest of the metadata (its kv_overrides applied), the weights' layout and a
         sample of the files' bytes (read at load): saved states carry it, so one is never
@@ -414,12 +414,12 @@ class Model(NativeHandle):
         self.pointer  # noqa: B018 - raises ClosedHandleError once the model is closed
         return dict(self._metadata)
 
-    @functools.cached_property
+    @cached_property
     def _loaded_metadata(self) -> dict[str, str]:
         """``metadata`` as llama.cpp read it at load: with the kv_overrides it applied."""
         return self._metadata | self._overridden
 
-    @functools.cached_property
+    @cached_property
     def _metadata(self) -> dict[str, str]:
         # Read from C once: it never changes, and chat templates consult it on every call.
         result = {}

@@ -7,9 +7,9 @@ they share across architectures live in archs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
+from llamacrab._native.fork import cached_property
 from llamacrab._native.gguf import archs
 from llamacrab._native.gguf.attention import HeadSize, head_sizes
 from llamacrab._native.gguf_reader import (
