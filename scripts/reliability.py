@@ -348,6 +348,11 @@ FOUND = [
      "the one that freed the interrupted frames", "`_native/model.py`: the model holds its "
      "Vocab weakly, so a dropped `Llama` frees its model at once (tests in "
      "`tests/test_handles.py`)"),
+    ("lifecycle (seed 2041)", "`os.fork()` while another thread loads a `Llama`", "the "
+     "forked child's own load hung for ever: before Python 3.12 `functools.cached_property` "
+     "holds one lock for every instance while it computes (a model's metadata), and the child "
+     "inherited it held", "`_native/fork.py`: `cached_property`, its lock reset in a forked "
+     "child"),
 ]  # fmt: skip
 
 
