@@ -5,11 +5,19 @@ parent goes on as before. Each case runs in a child interpreter of its own, whic
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 import json
+import pkgutil
+import threading
 from pathlib import Path
 
 import pytest
 from test_crash_proof import assert_clean_exit, run_child
+
+import llamacrab
+from llamacrab._native import fork
 
 # argv: model path, parallel ("none" or a count), whether a thread generates during the fork.
 _FORK_CHILD = """
@@ -214,3 +222,53 @@ def test_a_child_forked_while_another_thread_reads_a_model_loads_its_own(
     child = run_child(_FORK_WHILE_LOADING, str(tiny_model_path), timeout=120)
     assert_clean_exit(child)
     assert child.stdout.strip().splitlines()[-1] == "child done"
+
+
+def test_every_lock_a_module_holds_is_released_in_a_forked_child() -> None:
+    # A module's lock (or a cached property's, shared by every instance before Python 3.12)
+    # that another thread holds at fork() is held for ever in the child: each is registered
+    # with _native/fork.py (the adapters, which may not import it, use os.register_at_fork).
+    lock_types = (type(threading.Lock()), type(threading.RLock()), threading.Condition)
+    adapters = ("llamacrab.server", "llamacrab.cli", "llamacrab.compat", "llamacrab.__main__")
+    held_for_ever = []
+    for info in pkgutil.walk_packages(llamacrab.__path__, "llamacrab."):
+        if info.name.startswith(adapters):
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if isinstance(value, lock_types) and value not in fork._inherited_locks:
+                held_for_ever.append(f"{info.name}.{name}")
+            if inspect.isclass(value) and value.__module__ == info.name:
+                for attribute, member in vars(value).items():
+                    lock = getattr(member, "lock", None)  # none from Python 3.12 on
+                    cached = isinstance(member, functools.cached_property)
+                    if cached and lock is not None and lock not in fork._inherited_locks:
+                        held_for_ever.append(f"{info.name}.{name}.{attribute}")
+    assert held_for_ever == []
+
+
+_FORK_DURING_A_LARGE_BODY = """
+    import gc, os, threading
+    from llamacrab.server import _json_body
+
+    reading, leave = threading.Event(), threading.Event()
+    def read():
+        reading.set()
+        leave.wait(30)
+    threading.Thread(target=_json_body._collector_paused, args=(read,), daemon=True).start()
+    reading.wait(10)
+    assert not gc.isenabled()  # paused while the body is read
+    pid = os.fork()
+    if pid == 0:
+        free = _json_body._paused_lock.acquire(timeout=5)
+        os._exit(0 if free and gc.isenabled() else 1)
+    _, status = os.waitpid(pid, 0)
+    leave.set()
+    print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_server_forked_while_it_reads_a_large_body_collects_garbage_in_the_child() -> None:
+    child = run_child(_FORK_DURING_A_LARGE_BODY, timeout=60)
+    assert_clean_exit(child)
+    assert child.stdout.strip().splitlines()[-1] == "child 0"

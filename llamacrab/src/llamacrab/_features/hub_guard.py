@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
 from llamacrab._exceptions import HubError
+from llamacrab._native.fork import reset_in_child
 
 # A repository larger than this is not a GGUF model's (the Hub's largest hold a few thousand).
 MAX_FILES = 100_000
@@ -39,6 +40,7 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,254}")
 
 _guarded: ContextVar[bool] = ContextVar("llamacrab_hub_guarded", default=False)
 _install_lock = threading.Lock()
+reset_in_child(_install_lock)  # a thread holding it at fork() is not in the child
 
 
 @contextmanager

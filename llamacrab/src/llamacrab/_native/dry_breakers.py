@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamacrab._native.call import call_helper, ffi
+from llamacrab._native.fork import reset_in_child
 from llamacrab._native.model import Model
 from llamacrab._native.vocab import Vocab
 
@@ -171,6 +172,7 @@ class _Slot:
 
 
 _lock = threading.Lock()
+reset_in_child(_lock)  # a thread holding it at fork() is not in the child
 # By model, weakly: freed with it, and never keeping it alive.
 _slots: weakref.WeakKeyDictionary[Model, _Slot] = weakref.WeakKeyDictionary()
 

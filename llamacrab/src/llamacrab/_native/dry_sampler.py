@@ -24,6 +24,7 @@ from llamacrab._native.dry_breakers import (
     processed_breakers,
     token_texts,
 )
+from llamacrab._native.fork import reset_in_child
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.model import Model
 
@@ -86,6 +87,7 @@ class _BuiltDry(NativeHandle):
 
 
 _lock = threading.Lock()
+reset_in_child(_lock)  # a thread holding it at fork() is not in the child
 _built: weakref.WeakKeyDictionary[Model, OrderedDict[DryKey, _BuiltDry]] = (
     weakref.WeakKeyDictionary()
 )

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from llamacrab._native import host_limits
 from llamacrab._native.host_limits import threads_within_room
 
 logger = logging.getLogger("llamacrab")
@@ -73,6 +74,8 @@ def abandon(thing: object) -> None:
 
 
 reset_in_child(_lock)
+# host_limits' own (it cannot import this module, which imports it).
+reset_in_child(host_limits._warned_lock)
 
 
 def note_compute_threads() -> None:

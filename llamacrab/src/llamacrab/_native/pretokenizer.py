@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from llamacrab._exceptions import TokenizeError
+from llamacrab._native.fork import reset_in_child
 
 T = TypeVar("T")
 
@@ -49,6 +50,7 @@ _RUN = re.compile(r"[\t-\r ]+|[^\t-\r ]+")
 _RUN_BYTES = re.compile(rb"[\t-\r ]+|[^\t-\r ]+")
 
 _stack_size_lock = threading.Lock()
+reset_in_child(_stack_size_lock)  # a thread holding it at fork() is not in the child
 # Each thread may touch ~518 MiB of its stack at the bound: a few at a time, the others wait.
 _big_stacks = threading.BoundedSemaphore(2)
 

@@ -9,6 +9,7 @@ import asyncio
 import email.message
 import gc
 import json
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -64,6 +65,21 @@ def _collector_paused(read: Callable[[], _T]) -> _T:
             _paused_reads -= 1
             if _paused_reads == 0 and _collector_was_enabled:
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked during reads has none of their threads: its lock free, and its collector
+    as it was before them (else disabled for good)."""
+    global _paused_reads
+    _paused_lock._at_fork_reinit()  # type: ignore[attr-defined]
+    if _paused_reads:
+        _paused_reads = 0
+        if _collector_was_enabled:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class JsonBodyRoute(APIRoute):
