@@ -259,6 +259,8 @@ class Scheduler:
 
     def _close_unclosed(self) -> None:
         """Close the samplers ``_drop_stopped_waiting`` could not, on the engine thread."""
+        if not self._unclosed:  # nearly always: no list made per step
+            return
         unclosed, self._unclosed = self._unclosed, []
         for samplers in unclosed:
             with contextlib.suppress(LlamaError):
