@@ -159,7 +159,8 @@ def _value(kind: str, ordinary: list[Any], rng: random.Random) -> Any:
 
 
 def generate(count: int, seed: int) -> list[dict[str, Any]]:
-    """``count`` cases: a load, a completion or a chat, each with 1-3 keywords drawn."""
+    """``count`` cases: a load, a completion, a chat or an eval/sample loop, each with 1-3
+    keywords drawn."""
     rng = random.Random(seed)
     tables = {"load": LOAD, "completion": COMPLETION, "chat": CHAT, "sample": SAMPLE}
     cases = []

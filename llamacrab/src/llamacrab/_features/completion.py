@@ -563,14 +563,14 @@ def _evaluation(kv: KvState, tokens: Sequence[int], all_logits: bool, after: int
     rows = len(prompt) - start
     # One row is what any decode returns; more are checked (reading /proc and the cgroups
     # takes ~0.25 ms, which a token-by-token loop would pay at every call).
-    needed = rows * 4 * vocab.n_tokens
-    left = host_memory_left() if rows > 1 else None
-    if left is not None and needed > left.amount:
-        raise InvalidParameterError(
-            f"the logits of {rows} tokens take {needed / 2**20:,.0f} MiB, "
-            f"more than this process may still use ({left.source} "
-            f"{left.amount / 2**20:,.0f} MiB): evaluate fewer tokens at a time"
-        )
+    if rows > 1:
+        needed, left = rows * 4 * vocab.n_tokens, host_memory_left()
+        if needed > left.amount:
+            raise InvalidParameterError(
+                f"the logits of {rows} tokens take {needed / 2**20:,.0f} MiB, "
+                f"more than this process may still use ({left.source} "
+                f"{left.amount / 2**20:,.0f} MiB): evaluate fewer tokens at a time"
+            )
     request = Request(prompt, max_tokens=0, logits_from=start)
     request.check(kv.context.n_ctx_seq)
     return request
