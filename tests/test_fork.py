@@ -220,6 +220,44 @@ def test_a_child_forked_while_another_thread_reads_a_model_loads_its_own(
     assert child.stdout.strip().splitlines()[-1] == "child 0"  # -14 (SIGALRM): it hung
 
 
+_FORK_WHILE_GGML_INITS = """
+    import os, signal, sys, threading, time
+    from llamacrab import Llama
+    from llamacrab_sys import lib
+
+    # A thread of the parent inside ggml's critical section, as every ggml_init is for a
+    # moment (each graph a decode on another thread builds) and ggml_quantize_init for longer.
+    inside = threading.Event()
+    def hold():
+        assert lib.llamacrab_try_take_ggml_mutex() == 1
+        inside.set()
+        time.sleep(0.5)
+        lib.llamacrab_give_back_ggml_mutex()
+    threading.Thread(target=hold, daemon=True).start()
+    inside.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(30)  # a hung child ends (SIGALRM), and says so by its status
+        with Llama(sys.argv[1], n_ctx=64, n_threads=1) as own:
+            own.create_completion("the cat", max_tokens=2)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    with Llama(sys.argv[1], n_ctx=64, n_threads=1) as mine:  # the parent's mutex given back
+        mine.create_completion("the cat", max_tokens=2)
+    print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_while_another_thread_is_inside_ggml_loads_a_model(
+    tiny_model_path: Path,
+) -> None:
+    # fork() waits for ggml's process-wide mutex; before, the child inherited it held by a
+    # thread it does not have, and its first ggml_init (its model load) waited for ever.
+    child = run_child(_FORK_WHILE_GGML_INITS, str(tiny_model_path), timeout=120)
+    assert_clean_exit(child)
+    assert child.stdout.strip().splitlines()[-1] == "child 0"  # -14 (SIGALRM): it hung
+
+
 def test_every_lock_a_module_holds_is_released_in_a_forked_child() -> None:
     # A module's lock (or a cached property's, shared by every instance before Python 3.12)
     # that another thread holds at fork() is held for ever in the child: each is registered

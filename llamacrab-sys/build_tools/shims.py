@@ -92,6 +92,16 @@ struct llama_sampler *llamacrab_dry_from_tokens(const struct llama_vocab *vocab,
                                                 const int32_t *tail_lengths, size_t n_breakers,
                                                 const llama_token *tails, llamacrab_error *err);
 bool llamacrab_dry_from_tokens_available(void);
+/* ggml's one process-wide mutex (ggml_critical_section, in no public header: held for a moment
+   by every ggml_init, and while ggml_quantize_init builds its grid tables). A child forked while
+   another thread holds it would wait for ever at its first ggml_init, so fork() takes it first
+   and both sides give it back after (the child's one thread is the one that took it). Try-take
+   returns 1 when taken, 0 while another thread holds it, -1 where the libraries do not export it
+   (Windows DLLs, which need none: there is no fork). Called through ctypes.PyDLL, keeping the
+   GIL: a cffi call lets other threads run, and a fork just after would copy whatever Python
+   lock they took meanwhile (a log handler's stream) held. */
+int llamacrab_try_take_ggml_mutex(void);
+void llamacrab_give_back_ggml_mutex(void);
 """
 # LLAMACRAB_UNAVAILABLE: a helper's llama.cpp function is not in the libraries it was built with.
 ERROR_CODES = {"LLAMACRAB_OK": 0, "LLAMACRAB_STD_EXCEPTION": 1, "LLAMACRAB_BAD_ALLOC": 2,
@@ -113,6 +123,7 @@ _CPP_PRELUDE = """\
 #include <deque>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -395,6 +406,26 @@ const dry_testing_fn dry_testing = &llama_sampler_init_dry_testing;
 #endif
 
 extern "C" bool llamacrab_dry_from_tokens_available(void) { return dry_testing != nullptr; }
+
+#if defined(_WIN32)
+extern "C" int llamacrab_try_take_ggml_mutex(void) { return -1; }
+extern "C" void llamacrab_give_back_ggml_mutex(void) {}
+#else
+// ggml's (ggml/src/ggml-threading.cpp): exported, though in no header, and only through it can
+// the mutex be tried (ggml_critical_section_start waits). Referenced weakly as the DRY helper.
+extern std::mutex ggml_critical_section_mutex __attribute__((weak));
+
+extern "C" int llamacrab_try_take_ggml_mutex(void) {
+    std::mutex *mutex = &ggml_critical_section_mutex;
+    if (mutex == nullptr) return -1;
+    return mutex->try_lock() ? 1 : 0;
+}
+
+extern "C" void llamacrab_give_back_ggml_mutex(void) {
+    std::mutex *mutex = &ggml_critical_section_mutex;
+    if (mutex != nullptr) mutex->unlock();
+}
+#endif
 
 extern "C" struct llama_sampler *llamacrab_dry_from_tokens(
     const struct llama_vocab *vocab, float multiplier, float base, int32_t allowed_length,

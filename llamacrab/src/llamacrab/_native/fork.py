@@ -5,7 +5,11 @@ the fork is the parent's: its locks may be held by threads the child does not ha
 context does not survive the copy, so in the child it is foreign (ForkedHandleError on use, and
 never freed there). And GNU OpenMP, which ggml's CPU backend computes with, keeps the parent's
 idle thread pool in its state: a child's next parallel region waits for those threads forever.
-A child of a process that may have started that pool computes on one thread."""
+A child of a process that may have started that pool computes on one thread.
+
+fork() waits for the locks a child could otherwise inherit held by a thread it does not have:
+those of ours that guard native calls (``hold_across_fork``), then ggml's process-wide mutex,
+which every ``ggml_init`` takes for a moment (each graph of a decode on another thread)."""
 
 from __future__ import annotations
 
@@ -14,12 +18,14 @@ import functools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from llamacrab._native import host_limits
 from llamacrab._native.host_limits import threads_within_room
+from llamacrab_sys import _native as native_module
 
 logger = logging.getLogger("llamacrab")
 
@@ -38,6 +44,7 @@ _inherited_locks: weakref.WeakSet[Any] = weakref.WeakSet()
 # is made, whose copy of a mutex that thread held would never be released); held meanwhile.
 _held_across_fork: weakref.WeakSet[Any] = weakref.WeakSet()
 _held_now: list[Any] = []
+_holding_ggml_mutex = False
 
 
 def reset_in_child(*locks: Any) -> None:
@@ -114,19 +121,47 @@ def _openmp_is_gnu() -> bool:
         return False
 
 
+def _ggml_mutex_calls() -> tuple[Callable[[], int], Callable[[], None]]:
+    """llamacrab-sys's try-take and give-back of ggml's mutex, called keeping the GIL."""
+    library = ctypes.PyDLL(native_module.__file__)  # the loaded module, not a second copy
+    try_take, give_back = (
+        library.llamacrab_try_take_ggml_mutex,
+        library.llamacrab_give_back_ggml_mutex,
+    )
+    try_take.argtypes, try_take.restype = [], ctypes.c_int
+    give_back.argtypes, give_back.restype = [], None
+    return try_take, give_back
+
+
 def _before_fork() -> None:
+    global _holding_ggml_mutex
     for lock in list(_held_across_fork):
         lock.acquire()
         _held_now.append(lock)
+    # Last: a thread holding one of ours may be on its way into ggml, never the other way
+    # round. Tried keeping the GIL (the shim says why); only while another thread holds it
+    # do the others run, as the holder may log through Python before it gives it back.
+    while (taken := _try_take_ggml_mutex()) == 0:
+        time.sleep(0.0001)
+    _holding_ggml_mutex = taken == 1
+
+
+def _give_back_ggml_mutex_taken() -> None:
+    global _holding_ggml_mutex
+    if _holding_ggml_mutex:
+        _holding_ggml_mutex = False
+        _give_back_ggml_mutex()
 
 
 def _after_fork_in_parent() -> None:
+    _give_back_ggml_mutex_taken()
     while _held_now:
         _held_now.pop().release()
 
 
 def _after_fork_in_child() -> None:
     global generation, _forked_after_compute, _warned
+    _give_back_ggml_mutex_taken()  # the child's one thread is the one that took it
     _held_now.clear()  # (reset below, with the other inherited locks)
     generation += 1
     _warned = False  # each process says it once
@@ -136,6 +171,7 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    _try_take_ggml_mutex, _give_back_ggml_mutex = _ggml_mutex_calls()
     os.register_at_fork(
         before=_before_fork,
         after_in_parent=_after_fork_in_parent,
