@@ -28,6 +28,7 @@ from llamacrab import (
     quantize_types,
 )
 from llamacrab._features import quantize as quantize_module
+from llamacrab._native.imatrix import read_imatrix
 
 from support import load_repo_module
 
@@ -266,6 +267,57 @@ def write_legacy_imatrix(path: Path, data: dict[str, tuple[np.ndarray, float]]) 
     out += [struct.pack("<ii", 12, len(b"wiki.train.raw")), b"wiki.train.raw"]
     path.write_bytes(b"".join(out))
     return path
+
+
+def _legacy_int_fields(data: dict[str, tuple[np.ndarray, float]]) -> list[int]:
+    """The offsets of every int32 of write_legacy_imatrix's file of ``data``."""
+    offsets, at = [0], 4
+    for name, (sums, _) in data.items():
+        offsets += [at, at + 4 + len(name), at + 8 + len(name)]
+        at += 12 + len(name) + 4 * len(sums)
+    return [*offsets, at, at + 4]
+
+
+def test_every_cut_or_bent_field_of_a_legacy_imatrix_is_named_or_quantizes(
+    source: Path, tmp_path: Path
+) -> None:
+    # The legacy form is read by our own parser: each cut (at every byte) and each int32 bent
+    # to an extreme is either refused by name before llama.cpp runs, or read as a matrix
+    # llama.cpp quantizes with (a sample of them, to keep this short).
+    data = tiny.importances()
+    whole = write_legacy_imatrix(tmp_path / "whole.dat", data).read_bytes()
+    *_, entries_end, _ = fields = _legacy_int_fields(data)
+    cuts = [whole[:cut] for cut in range(len(whole))]
+    bent = []
+    for at in fields:
+        (original,) = struct.unpack_from("<i", whole, at)
+        for value in {-(2**31), -1, 0, 1, 2**31 - 1, original - 1, original + 1} - {original}:
+            bent.append(whole[:at] + struct.pack("<i", value) + whole[at + 4 :])
+    for at in range(fields[3] + 4, entries_end, 997):  # a value here and there
+        for value in (np.nan, np.inf, -np.inf, 3e38, -1.0):
+            bent.append(whole[:at] + struct.pack("<f", value) + whole[at + 4 :])
+    imatrix, dest = tmp_path / "bent.dat", tmp_path / "out.gguf"
+    readable = []
+    for index, variant in enumerate(cuts + bent):
+        imatrix.write_bytes(variant)
+        try:
+            read_imatrix(imatrix)
+        except InvalidParameterError as error:
+            assert str(imatrix) in str(error)
+        else:
+            # Only a file whose entries are all there: the chunk count and dataset are optional.
+            assert index >= entries_end
+            readable.append(variant)
+    assert len(readable) < len(bent)  # most bent fields are refused too
+    for variant in readable[:: max(1, len(readable) // 12)]:
+        imatrix.write_bytes(variant)
+        try:
+            quantize(source, dest, "Q4_0", threads=1, imatrix=imatrix)
+        except QuantizationError as error:  # llama.cpp's refusal (an entry of the wrong size)
+            assert "ended on signal" not in str(error)
+        else:
+            with Llama(dest, n_ctx=64, n_threads=1) as llm:
+                assert llm.create_completion("the cat", max_tokens=2).usage.completion_tokens
 
 
 def test_an_importance_matrix_reaches_llama_cpp_as_llama_quantize_passes_it(
