@@ -55,6 +55,10 @@ def main() -> None:
     print("engine:", type(llm.llamacrab).__module__, llm.llamacrab.model.description)
     llm.close()
 
+    # vocab_only=True loads the tokenizer alone (no weights, no context): to count tokens.
+    with Llama(model_path=path, vocab_only=True, verbose=False) as counter:
+        print("tokens counted:", len(counter.tokenize(b"How many tokens is this?")))
+
 
 if __name__ == "__main__":
     main()

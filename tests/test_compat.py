@@ -714,6 +714,7 @@ def test_example_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "completion: ' France" in result.stdout and "| length" in result.stdout
     assert "engine: llamacrab._llama" in result.stdout
+    assert "tokens counted: 7" in result.stdout  # vocab_only
 
 
 def test_values_of_another_type_are_refused_by_keyword(tiny_model_path: Path) -> None:

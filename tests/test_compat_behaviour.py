@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llamacrab import InvalidParameterError
+from llamacrab import ContextError, InvalidParameterError
 from llamacrab.compat import Llama, LlamaGrammar, UnsupportedParameterError
 
 pytestmark = pytest.mark.real_model
@@ -259,3 +260,41 @@ def test_llama_grammar_offers_ready_grammars_and_the_schema_converter(llm: Llama
     assert json_schema_to_gbnf(schema) == json_schema_to_gbnf(text)
     with pytest.raises(UnsupportedParameterError, match="prop_order"):
         json_schema_to_gbnf(text, prop_order=["n"])
+
+
+def test_a_vocab_only_llama_tokenizes_as_the_full_one_and_refuses_to_run(
+    llm: Llama, gemma_path: Path
+) -> None:
+    # llama-cpp-python's tokenizer-only Llama, which code that counts tokens makes.
+    text = "Hello world <start_of_turn>user é🙂"
+    with Llama(model_path=str(gemma_path), vocab_only=True, verbose=False) as vocab:
+        for special in (False, True):
+            assert vocab.tokenize(text.encode(), special=special) == llm.tokenize(
+                text.encode(), special=special
+            )
+        tokens = llm.tokenize(text.encode(), special=True)
+        assert vocab.detokenize(tokens, special=True) == llm.detokenize(tokens, special=True)
+        assert vocab.tokenizer().encode(text) == llm.tokenizer().encode(text)
+        facts = [Llama.n_vocab, Llama.token_bos, Llama.token_eos, Llama.token_nl]
+        assert [fact(vocab) for fact in facts] == [fact(llm) for fact in facts]
+        assert vocab.metadata == llm.metadata
+        # As llama-cpp-python's: its asked context (512 by default), holding no tokens.
+        assert (vocab.n_ctx(), vocab.n_tokens, vocab.input_ids.shape) == (512, 0, (512,))
+        assert vocab.context_params.n_batch == 512
+        for run in (
+            lambda: vocab.create_completion("Hello", max_tokens=1),
+            lambda: vocab.create_chat_completion([QUESTION], max_tokens=1),
+            lambda: vocab.eval(tokens),
+            vocab.save_state,
+        ):
+            with pytest.raises(ContextError, match="made with vocab_only=True"):
+                run()
+        vocab.reset()
+        assert vocab.tokenize(b"Hello") == llm.tokenize(b"Hello")  # still usable
+        again = pickle.loads(pickle.dumps(vocab))  # made again, vocab_only as well
+        with again:
+            assert again.tokenize(b"Hello") == llm.tokenize(b"Hello")
+            with pytest.raises(ContextError):
+                again.create_completion("Hello", max_tokens=1)
+    with pytest.raises(UnsupportedParameterError, match="lora_path with vocab_only"):
+        Llama(model_path=str(gemma_path), vocab_only=True, lora_path="adapter.gguf")

@@ -67,6 +67,7 @@ from llamacrab.compat._hooks import (
 )
 from llamacrab.compat._sampling import Sampling
 from llamacrab.compat._turns import Turns
+from llamacrab.compat._vocab_only import ContextSizes, VocabOnly
 from llamacrab.compat.llama_grammar import LlamaGrammar
 from llamacrab.compat.llama_speculative import LlamaDraftModel
 from llamacrab.compat.llama_types import (
@@ -106,6 +107,12 @@ class LlamaState:
         self.llama_state = llama_state
         self.llama_state_size = llama_state_size
         self.seed = seed
+
+
+def _training_context(model: llamacrab.Model) -> int:
+    """llama-cpp-python's n_ctx=0: the model's training context, 4096 where none is recorded."""
+    arch = model.metadata.get("general.architecture", "")
+    return int(model.metadata.get(f"{arch}.context_length", 0)) or 4096
 
 
 def _tokenize(llm: llamacrab.Llama, text: bytes | str, add_bos: bool, special: bool) -> list[int]:
@@ -242,12 +249,8 @@ class Llama:
         self._arguments = arguments
         problems: list[str] = []
         _legacy_keywords(kwargs, problems)
-        if vocab_only:
-            problems.append(
-                "vocab_only=True (a llamacrab Llama needs the weights; "
-                "llamacrab.Model.load(path, ModelParams(vocab_only=True)).vocab "
-                "tokenizes without them)"
-            )
+        if vocab_only and lora_path:
+            problems.append("lora_path with vocab_only=True (no weights to apply it to)")
         for name, value, default in (
             ("attention_type", attention_type, LLAMA_ATTENTION_TYPE_UNSPECIFIED),
             ("yarn_attn_factor", yarn_attn_factor, 1.0),
@@ -331,28 +334,34 @@ class Llama:
                 **native,
             )
 
-        if n_ctx == 0:  # the training context, from the header (a vocab-only load reads it)
-            with llamacrab.Model.load(model_path, ModelParams(vocab_only=True)) as probe:
-                arch = probe.metadata.get("general.architecture", "")
-                n_ctx = int(probe.metadata.get(f"{arch}.context_length", 0)) or 4096
-        self._llm = llm = load(n_ctx)
-        try:
-            if lora_path:
-                llm.load_lora(lora_path, lora_scale)
-        except BaseException:
-            llm.close()
-            raise
+        if vocab_only:  # llama-cpp-python's tokenizer-only Llama: no weights, no context
+            weightless = VocabOnly.load(model_path, kv_overrides)
+            n_ctx = n_ctx or _training_context(weightless.model)
+            self._llm = llm = cast(llamacrab.Llama, weightless)
+            sizes = ContextSizes.asked(n_ctx, n_batch, n_ubatch, native)
+        else:
+            if n_ctx == 0:  # the training context, from the header (a vocab-only load reads it)
+                with llamacrab.Model.load(model_path, ModelParams(vocab_only=True)) as probe:
+                    n_ctx = _training_context(probe)
+            self._llm = llm = load(n_ctx)
+            try:
+                if lora_path:
+                    llm.load_lora(lora_path, lora_scale)
+            except BaseException:
+                llm.close()
+                raise
+            sizes = ContextSizes.of(llm.context)
 
         self.model_path = os.fspath(model_path)
         self.verbose = verbose
-        self.n_batch = llm.context.n_batch
-        self.n_threads = llm.context.n_threads  # what llama.cpp computes on, asked or not
-        self.n_threads_batch = llm.context.n_threads_batch
+        self.n_batch = sizes.n_batch
+        self.n_threads = sizes.n_threads  # what llama.cpp computes on, asked or not
+        self.n_threads_batch = sizes.n_threads_batch
         self.context_params = SimpleNamespace(
-            n_ctx=llm.context.n_ctx,
-            n_batch=llm.context.n_batch,
-            n_ubatch=llm.context.n_ubatch,
-            n_seq_max=llm.context.params.n_seq_max,
+            n_ctx=sizes.n_ctx,
+            n_batch=sizes.n_batch,
+            n_ubatch=sizes.n_ubatch,
+            n_seq_max=sizes.n_seq_max,
             n_threads=self.n_threads,
             n_threads_batch=self.n_threads_batch,
             embeddings=embedding,
@@ -361,10 +370,10 @@ class Llama:
             yarn_ext_factor=yarn_ext_factor,
             yarn_orig_ctx=yarn_orig_ctx,
             offload_kqv=offload_kqv,
-            swa_full=llm.context.params.swa_full,
-            flash_attn=llm.context.params.flash_attn,
-            type_k=llm.context.params.type_k,
-            type_v=llm.context.params.type_v,
+            swa_full=sizes.swa_full,
+            flash_attn=sizes.flash_attn,
+            type_k=sizes.type_k,
+            type_v=sizes.type_v,
         )
         self.model_params = SimpleNamespace(
             n_gpu_layers=native["n_gpu_layers"],
@@ -391,7 +400,7 @@ class Llama:
         self._embedding = embedding
         self._seed = seed or LLAMA_DEFAULT_SEED
         self._n_vocab = llm.vocab.n_tokens
-        self._n_ctx = llm.context.n_ctx
+        self._n_ctx = sizes.n_ctx
         self._turns = Turns()
         self._evaluated = Evaluated(self._n_vocab, logits_all)
         self._rewound: tuple[int, list[int]] | None = None  # n_tokens set: (kept, held then)
@@ -401,7 +410,9 @@ class Llama:
 
     @property
     def llamacrab(self) -> llamacrab.Llama:
-        """The llamacrab.Llama doing the work (its API: typed results, parallel slots, ...)."""
+        """The llamacrab.Llama doing the work (its API: typed results, parallel slots, ...);
+        made with ``vocab_only=True``, a stand-in that tokenizes and raises ContextError for
+        the rest."""
         return self._llm
 
     def close(self) -> None:
