@@ -795,8 +795,14 @@ class Machine(Program):
                 if self.calls == op["at"] + 1:
                     machine.run({"op": "_call", "call": lambda: _reentry(target, action)})
 
-        # Only where no other thread of the program runs: one of those may close it.
-        alone = not any(thread.is_alive() for thread in self.threads) and not llm.closed
+        # Only where no other thread of the program runs: one of those may close it. Nor from
+        # a thread of the program's own (where the program goes on meanwhile, and the thread
+        # may not be in self.threads yet: seed 2045 closed the Llama from there).
+        alone = (
+            threading.current_thread() is threading.main_thread()
+            and not any(thread.is_alive() for thread in self.threads)
+            and not llm.closed
+        )
         try:
             llm.create_completion("the cat", max_tokens=4, custom_samplers=[Reenter()])
         finally:
