@@ -278,6 +278,7 @@ def test_a_vocab_only_llama_tokenizes_as_the_full_one_and_refuses_to_run(
         facts = [Llama.n_vocab, Llama.token_bos, Llama.token_eos, Llama.token_nl]
         assert [fact(vocab) for fact in facts] == [fact(llm) for fact in facts]
         assert vocab.metadata == llm.metadata
+        assert llm.token_nl() == 248  # llama.cpp's <0x0A>, as llama-cpp-python's: not "\n"'s 107
         # As llama-cpp-python's: its asked context (512 by default), holding no tokens.
         assert (vocab.n_ctx(), vocab.n_tokens, vocab.input_ids.shape) == (512, 0, (512,))
         assert vocab.context_params.n_batch == 512

@@ -97,6 +97,12 @@ class Vocab:
         return self._special(lib.llama_vocab_eot)
 
     @property
+    def nl(self) -> int | None:
+        """The newline token llama.cpp records: for SentencePiece vocabularies the byte token
+        ``<0x0A>``, which is not necessarily what tokenizing ``"\n"`` gives."""
+        return self._special(lib.llama_vocab_nl)
+
+    @property
     def eog_tokens(self) -> tuple[int, ...]:
         """Every token that ends generation (scanned once per vocabulary, in C, then cached)."""
         if self._facts.eog is None:

@@ -502,8 +502,8 @@ class Llama:
         return -1 if eos is None else eos
 
     def token_nl(self) -> int:
-        tokens = self._llm.tokenize("\n", add_special=False)
-        return tokens[0] if len(tokens) == 1 else -1
+        nl = self._llm.vocab.nl
+        return -1 if nl is None else nl
 
     def pooling_type(self) -> int:
         pooling = self._llm.context.pooling
