@@ -299,3 +299,8 @@ def test_a_vocab_only_llama_tokenizes_as_the_full_one_and_refuses_to_run(
                 again.create_completion("Hello", max_tokens=1)
     with pytest.raises(UnsupportedParameterError, match="lora_path with vocab_only"):
         Llama(model_path=str(gemma_path), vocab_only=True, lora_path="adapter.gguf")
+    # Its settings are checked as a full Llama's would be, though no context is made.
+    with pytest.raises(InvalidParameterError, match="type_k must be one of"):
+        Llama(model_path=str(gemma_path), vocab_only=True, type_k="f12")
+    with pytest.raises(InvalidParameterError, match="n_threads must be"):
+        Llama(model_path=str(gemma_path), vocab_only=True, n_threads=-3)

@@ -56,6 +56,7 @@ LOAD: dict[str, tuple[str, list[Any]]] = {
     "type_k": ("str", ["f16", "q8_0", 1, 8]),
     "type_v": ("str", ["f16", 1]),
     "spm_infill": ("bool", [True]),
+    "vocab_only": ("bool", [False, True]),
 }
 _SAMPLING: dict[str, tuple[str, list[Any]]] = {
     "max_tokens": ("int", [1, 4, 0, -1]),
@@ -197,6 +198,8 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     if case["where"] == "load":
         keywords = {"n_ctx": 128, "n_threads": 1, "verbose": False, **options}
         with Llama(state["files"]["llama"], **keywords) as loaded:
+            if loaded.model_params.vocab_only:
+                return "ok", f"vocabulary alone; {_tokenizes_alone(loaded)}"
             result = loaded.create_completion("the cat", max_tokens=2, temperature=0)
         return "ok", f"loaded; {result['usage']['completion_tokens']} tokens"
     llm = state["llm"]
@@ -215,6 +218,19 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         return f"{result['usage']['completion_tokens']} tokens"
 
     return then_still_answers(llm, answer, "values")
+
+
+def _tokenizes_alone(llm: Any) -> str:
+    """A vocab_only Llama tokenizes, and refuses to run the model (ContextError)."""
+    from llamacrab import ContextError
+
+    tokens = llm.tokenize(b"the cat")
+    assert llm.detokenize(tokens) == b"the cat" and llm.n_tokens == 0
+    try:
+        llm.create_completion("the cat", max_tokens=2)
+    except ContextError:
+        return f"{len(tokens)} tokens, completion refused"
+    raise AssertionError("a vocab_only Llama completed")
 
 
 def _eval_then_sample(llm: Any, case: dict[str, Any]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import llamacrab
@@ -21,12 +21,11 @@ class VocabOnly:
         self.model = model
 
     @classmethod
-    def load(
-        cls, path: str | os.PathLike[str], kv_overrides: Mapping[str, Any] | None
-    ) -> VocabOnly:
-        return cls(
-            llamacrab.Model.load(path, ModelParams(vocab_only=True, kv_overrides=kv_overrides))
-        )
+    def load(cls, path: str | os.PathLike[str], native: Mapping[str, Any]) -> VocabOnly:
+        """The vocabulary of ``path``; ``native``: what llamacrab.Llama would have been given,
+        whose model settings are checked as they would be."""
+        asked = {name: native[name] for name in _MODEL_FIELDS if name in native}
+        return cls(llamacrab.Model.load(path, ModelParams(**asked, vocab_only=True)))
 
     @property
     def vocab(self) -> llamacrab.Vocab:
@@ -98,20 +97,28 @@ class ContextSizes:
         cls, n_ctx: int, n_batch: int, n_ubatch: int, native: Mapping[str, Any]
     ) -> ContextSizes:
         """What a context made with these settings would have, for a Llama that has none."""
-        kept = ("swa_full", "flash_attn", "type_k", "type_v")
-        params = ContextParams(**{name: native[name] for name in kept if name in native})
-        # Nothing computes: llama-cpp-python's own default, which it reports the same way.
-        threads = native["n_threads"] or max((os.cpu_count() or 1) // 2, 1)
+        # Checked as a context made with them would check them.
         batch = min(n_ctx, n_batch)
-        return cls(
+        params = ContextParams(
             n_ctx=n_ctx,
             n_batch=batch,
             n_ubatch=min(batch, n_ubatch),
+            **{name: value for name, value in native.items() if name not in _MODEL_FIELDS},
+        )
+        # Nothing computes: llama-cpp-python's own default, which it reports the same way.
+        threads = params.n_threads or max((os.cpu_count() or 1) // 2, 1)
+        return cls(
+            n_ctx=n_ctx,
+            n_batch=params.n_batch,
+            n_ubatch=params.n_ubatch,
             n_seq_max=params.n_seq_max,
             n_threads=threads,
-            n_threads_batch=native["n_threads_batch"] or threads,
+            n_threads_batch=params.n_threads_batch or threads,
             swa_full=params.swa_full,
             flash_attn=params.flash_attn,
             type_k=params.type_k,
             type_v=params.type_v,
         )
+
+
+_MODEL_FIELDS = frozenset(field.name for field in fields(ModelParams))

@@ -335,7 +335,7 @@ class Llama:
             )
 
         if vocab_only:  # llama-cpp-python's tokenizer-only Llama: no weights, no context
-            weightless = VocabOnly.load(model_path, kv_overrides)
+            weightless = VocabOnly.load(model_path, native)
             n_ctx = n_ctx or _training_context(weightless.model)
             self._llm = llm = cast(llamacrab.Llama, weightless)
             sizes = ContextSizes.asked(n_ctx, n_batch, n_ubatch, native)
