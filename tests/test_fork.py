@@ -176,9 +176,31 @@ def test_a_platform_without_fork_imports_and_generates(tiny_model_path: Path) ->
     assert (unread, finished) == ("no memory size could be read on this machine:", "length")
 
 
-_FORK_WHILE_LOADING = """
-    import os, signal, sys, threading
+# What the scripts below fork: a child that loads a model of its own; its exit code, -14
+# (SIGALRM) where that load hung.
+_FORK_A_CHILD_THAT_LOADS = """
+    import os, signal, sys
     from llamacrab import Llama
+
+    def fork_a_child_that_loads():
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # a hung child ends, and says so by its status
+            with Llama(sys.argv[1], n_ctx=64, n_threads=1) as own:
+                own.create_completion("the cat", max_tokens=2)
+            os._exit(0)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+"""
+
+
+def _forked_child_exit(script: str, model: Path) -> int:
+    child = run_child(_FORK_A_CHILD_THAT_LOADS + script, str(model), timeout=120)
+    assert_clean_exit(child)
+    return int(child.stdout.strip().splitlines()[-1])
+
+
+_FORK_WHILE_LOADING = """
+    import threading
     from llamacrab._native.gguf.arch_rules import _Model as Rules
     from llamacrab._native.model import Model
 
@@ -198,15 +220,9 @@ _FORK_WHILE_LOADING = """
             lock.release()
     threading.Thread(target=compute, daemon=True).start()
     inside.wait(10)
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(30)  # a hung child ends (SIGALRM), and says so by its status
-        with Llama(sys.argv[1], n_ctx=64, n_threads=1) as own:
-            own.create_completion("the cat", max_tokens=2)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
+    code = fork_a_child_that_loads()
     leave.set()
-    print("child", os.waitstatus_to_exitcode(status))
+    print(code)
 """
 
 
@@ -215,14 +231,11 @@ def test_a_child_forked_while_another_thread_reads_a_model_loads_its_own(
 ) -> None:
     # Found by the lifecycle fuzzer (1 program in 10,000): a fork while another thread loaded a
     # Llama left the child's own load waiting for ever on functools.cached_property's lock.
-    child = run_child(_FORK_WHILE_LOADING, str(tiny_model_path), timeout=120)
-    assert_clean_exit(child)
-    assert child.stdout.strip().splitlines()[-1] == "child 0"  # -14 (SIGALRM): it hung
+    assert _forked_child_exit(_FORK_WHILE_LOADING, tiny_model_path) == 0
 
 
 _FORK_WHILE_GGML_INITS = """
-    import os, signal, sys, threading, time
-    from llamacrab import Llama
+    import threading, time
     from llamacrab_sys import lib
 
     # A thread of the parent inside ggml's critical section, as every ggml_init is for a
@@ -235,16 +248,10 @@ _FORK_WHILE_GGML_INITS = """
         lib.llamacrab_give_back_ggml_mutex()
     threading.Thread(target=hold, daemon=True).start()
     inside.wait(10)
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(30)  # a hung child ends (SIGALRM), and says so by its status
-        with Llama(sys.argv[1], n_ctx=64, n_threads=1) as own:
-            own.create_completion("the cat", max_tokens=2)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
+    code = fork_a_child_that_loads()
     with Llama(sys.argv[1], n_ctx=64, n_threads=1) as mine:  # the parent's mutex given back
         mine.create_completion("the cat", max_tokens=2)
-    print("child", os.waitstatus_to_exitcode(status))
+    print(code)
 """
 
 
@@ -253,9 +260,7 @@ def test_a_child_forked_while_another_thread_is_inside_ggml_loads_a_model(
 ) -> None:
     # fork() waits for ggml's process-wide mutex; before, the child inherited it held by a
     # thread it does not have, and its first ggml_init (its model load) waited for ever.
-    child = run_child(_FORK_WHILE_GGML_INITS, str(tiny_model_path), timeout=120)
-    assert_clean_exit(child)
-    assert child.stdout.strip().splitlines()[-1] == "child 0"  # -14 (SIGALRM): it hung
+    assert _forked_child_exit(_FORK_WHILE_GGML_INITS, tiny_model_path) == 0
 
 
 def test_every_lock_a_module_holds_is_released_in_a_forked_child() -> None:

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any, Literal, cast
 
@@ -358,22 +358,13 @@ class Llama:
         self.n_threads = sizes.n_threads  # what llama.cpp computes on, asked or not
         self.n_threads_batch = sizes.n_threads_batch
         self.context_params = SimpleNamespace(
-            n_ctx=sizes.n_ctx,
-            n_batch=sizes.n_batch,
-            n_ubatch=sizes.n_ubatch,
-            n_seq_max=sizes.n_seq_max,
-            n_threads=self.n_threads,
-            n_threads_batch=self.n_threads_batch,
+            **asdict(sizes),
             embeddings=embedding,
             rope_freq_base=rope_freq_base,
             rope_freq_scale=rope_freq_scale,
             yarn_ext_factor=yarn_ext_factor,
             yarn_orig_ctx=yarn_orig_ctx,
             offload_kqv=offload_kqv,
-            swa_full=sizes.swa_full,
-            flash_attn=sizes.flash_attn,
-            type_k=sizes.type_k,
-            type_v=sizes.type_v,
         )
         self.model_params = SimpleNamespace(
             n_gpu_layers=native["n_gpu_layers"],
