@@ -291,6 +291,7 @@ def test_a_vocab_only_llama_tokenizes_as_the_full_one_and_refuses_to_run(
             with pytest.raises(ContextError, match="made with vocab_only=True"):
                 run()
         vocab.reset()
+        assert not hasattr(vocab.llamacrab, "__deepcopy__")  # Python's protocols unharmed
         assert vocab.tokenize(b"Hello") == llm.tokenize(b"Hello")  # still usable
         again = pickle.loads(pickle.dumps(vocab))  # made again, vocab_only as well
         with again:

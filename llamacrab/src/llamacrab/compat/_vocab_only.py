@@ -53,7 +53,10 @@ class VocabOnly:
         return self.model.closed
 
     def __getattr__(self, name: str) -> Any:
-        # Only names this class lacks: what a llamacrab.Llama has to run the model.
+        # Only names this class lacks: what a llamacrab.Llama has to run the model. Python's
+        # own protocols (copy, pickle, hasattr of a dunder) still get their AttributeError.
+        if name.startswith("__"):
+            raise AttributeError(name)
         raise ContextError(
             f"this Llama was made with vocab_only=True: it holds the model's vocabulary alone, "
             f"and running the model (llamacrab.Llama.{name}) needs its weights and a context"
