@@ -305,3 +305,18 @@ def test_a_vocab_only_llama_tokenizes_as_the_full_one_and_refuses_to_run(
         Llama(model_path=str(gemma_path), vocab_only=True, type_k="f12")
     with pytest.raises(InvalidParameterError, match="n_threads must be"):
         Llama(model_path=str(gemma_path), vocab_only=True, n_threads=-3)
+
+
+def test_a_model_without_a_chat_template_chats_in_llama_2_s_format(
+    tiny_model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # llama-cpp-python's default where the GGUF has no template; it raised TemplateError.
+    messages = [{"role": "user", "content": "hi"}]
+    with Llama(model_path=str(tiny_model_path), n_ctx=128, verbose=False) as llm:
+        assert llm.chat_format == "llama-2"
+        assert "tiny-llama.gguf has no chat template" in caplog.text
+        default = llm.create_chat_completion(messages, max_tokens=2, temperature=0)
+    with Llama(str(tiny_model_path), n_ctx=128, verbose=False, chat_format="llama-2") as llm:
+        asked = llm.create_chat_completion(messages, max_tokens=2, temperature=0)
+    assert default["usage"] == asked["usage"]
+    assert default["choices"][0]["message"] == asked["choices"][0]["message"]

@@ -6,6 +6,7 @@ keywords on the way in and results on the way out, and holds no generation loop 
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -34,6 +35,7 @@ from llamacrab import (
     SamplingOptions,
     SavedState,
     Stream,
+    TemplateError,
     ToolCall,
 )
 from llamacrab._field_types import check_range, checked, stop_strings
@@ -107,6 +109,27 @@ class LlamaState:
         self.llama_state = llama_state
         self.llama_state_size = llama_state_size
         self.seed = seed
+
+
+logger = logging.getLogger("llamacrab")
+
+
+def _chat_format_of_its_own(
+    llm: llamacrab.Llama, metadata: Mapping[str, str], vocab_only: bool
+) -> str:
+    """llama-cpp-python's chat_format where none is asked: the GGUF's template, else Llama 2's
+    format. llamacrab also renders some models' turns without a template (Gemma's): those
+    keep them."""
+    if "tokenizer.chat_template" in metadata:
+        return "chat_template.default"
+    if not vocab_only:  # (a vocabulary alone renders nothing)
+        try:
+            llm.chat_prompt([{"role": "user", "content": ""}])
+        except TemplateError:
+            pass
+        else:
+            return "chat_template.default"
+    return "llama-2"
 
 
 def _training_context(model: llamacrab.Model) -> int:
@@ -377,8 +400,14 @@ class Llama:
         self.tensor_split = tensor_split
         self.kv_overrides = kv_overrides
         self.metadata: dict[str, str] = dict(llm.model.metadata)
-        if chat_format is None and "tokenizer.chat_template" in self.metadata:
-            chat_format = "chat_template.default"
+        if chat_format is None:
+            chat_format = _chat_format_of_its_own(llm, self.metadata, vocab_only)
+            if chat_format == "llama-2":
+                logger.warning(
+                    "%s has no chat template: its chats use llama-cpp-python's fallback, the "
+                    "llama-2 format (pass chat_format= to choose another)",
+                    os.path.basename(model_path),
+                )
         self.chat_format = chat_format
         self.chat_handler = None
         self.draft_model = draft_model
