@@ -268,6 +268,7 @@ def test_a_vocab_only_llama_tokenizes_as_the_full_one_and_refuses_to_run(
     # llama-cpp-python's tokenizer-only Llama, which code that counts tokens makes.
     text = "Hello world <start_of_turn>user é🙂"
     with Llama(model_path=str(gemma_path), vocab_only=True, verbose=False) as vocab:
+        assert vocab.chat_format == "llama-2"  # as llama-cpp-python's: the GGUF has no template
         for special in (False, True):
             assert vocab.tokenize(text.encode(), special=special) == llm.tokenize(
                 text.encode(), special=special

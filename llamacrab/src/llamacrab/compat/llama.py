@@ -402,7 +402,7 @@ class Llama:
         self.metadata: dict[str, str] = dict(llm.model.metadata)
         if chat_format is None:
             chat_format = _chat_format_of_its_own(llm, self.metadata, vocab_only)
-            if chat_format == "llama-2":
+            if chat_format == "llama-2" and not vocab_only:  # (a vocabulary alone never chats)
                 logger.warning(
                     "%s has no chat template: its chats use llama-cpp-python's fallback, the "
                     "llama-2 format (pass chat_format= to choose another)",
