@@ -658,6 +658,8 @@ from llama_cpp.llama_types import CreateCompletionResponse, ChatCompletionReques
 from llama_cpp.llama_grammar import LlamaGrammar as Grammar2
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 from llama_cpp.llama_cache import LlamaRAMCache, LlamaDiskCache
+from llama_cpp.llama_chat_format import Llava15ChatHandler, MTMDChatHandler
+assert Llava15ChatHandler.__module__ == "llamacrab.compat.llama_chat_format"
 assert llama_cpp.LlamaRAMCache is LlamaRAMCache and llama_cpp.LlamaCache is LlamaRAMCache
 assert llama_cpp is compat and Llama is compat.Llama and Grammar2 is LlamaGrammar
 print("version", llama_cpp.__version__, compat.installed())

@@ -879,3 +879,35 @@ def test_media_chunks_of_another_projector_or_model_are_refused_not_a_crash(
     assert "another projector" in refusals[2] and "another model" in refusals[3]
     assert lines.count("then: 2") == 2, child.stdout  # both Llamas still generate
     assert int(lines[-1].removeprefix("then: ")) > IMAGE_TOKENS  # the chunks' own projector
+
+
+def test_llama_cpp_python_s_chat_handlers_bring_their_projector(
+    seeing: Llama, files: dict[str, Path]
+) -> None:
+    # llamacrab.compat: Llama(..., chat_handler=Handler(clip_model_path=...)) as written for
+    # llama-cpp-python; the projector loads as mmproj does, the model's template renders.
+    from llamacrab.compat import Llama as CompatLlama
+    from llamacrab.compat import UnsupportedParameterError
+    from llamacrab.compat.llama_chat_format import Gemma4ChatHandler, Llava15ChatHandler
+
+    data_url = "data:image/png;base64," + base64.b64encode(encoded(PIXELS, "PNG")).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": data_url}},
+    ]}]  # fmt: skip
+    native = seeing.create_chat_completion(messages, **GREEDY)
+    for handler in (Llava15ChatHandler, Gemma4ChatHandler):
+        chat_handler = handler(clip_model_path=str(files["vision"]))
+        with CompatLlama(str(files["text"]), n_ctx=512, n_threads=2, verbose=False,
+                         chat_handler=chat_handler) as llm:  # fmt: skip
+            assert llm.chat_handler is chat_handler
+            answer = llm.create_chat_completion(messages, **GREEDY)
+        assert answer["usage"]["prompt_tokens"] == native.usage.prompt_tokens > IMAGE_TOKENS
+        assert answer["choices"][0]["message"]["content"] == native.choices[0].message.content
+    with pytest.raises(InvalidParameterError, match="Clip model path does not exist"):
+        Llava15ChatHandler(clip_model_path=str(files["vision"]) + ".missing")
+    on_cpu = Gemma4ChatHandler(str(files["vision"]), use_gpu=False)
+    with pytest.raises(UnsupportedParameterError, match="use_gpu=False"):
+        CompatLlama(str(files["text"]), verbose=False, chat_handler=on_cpu)
+    with pytest.raises(UnsupportedParameterError, match="chat_handler=object"):
+        CompatLlama(str(files["text"]), verbose=False, chat_handler=object())

@@ -8,7 +8,8 @@ import sys
 from types import ModuleType
 
 # llama_cpp's submodules that llamacrab.compat provides (llama_cpp.X -> llamacrab.compat.X).
-SUBMODULES = ("llama", "llama_types", "llama_grammar", "llama_speculative", "llama_cache")
+SUBMODULES = ("llama", "llama_types", "llama_grammar", "llama_speculative", "llama_cache",
+              "llama_chat_format")  # fmt: skip
 
 
 def install(*, force: bool = False) -> ModuleType:

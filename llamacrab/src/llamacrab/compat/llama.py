@@ -70,6 +70,7 @@ from llamacrab.compat._hooks import (
 from llamacrab.compat._sampling import Sampling
 from llamacrab.compat._turns import Turns
 from llamacrab.compat._vocab_only import ContextSizes, VocabOnly
+from llamacrab.compat.llama_chat_format import ProjectorChatHandler
 from llamacrab.compat.llama_grammar import LlamaGrammar
 from llamacrab.compat.llama_speculative import LlamaDraftModel
 from llamacrab.compat.llama_types import (
@@ -112,6 +113,23 @@ class LlamaState:
 
 
 logger = logging.getLogger("llamacrab")
+
+
+def _projector_of(chat_handler: object, problems: list[str]) -> str | None:
+    """The projector a llama_chat_format handler names (None for no handler); another handler
+    is a problem: llamacrab renders chats with the model's template or chat_format=."""
+    if chat_handler is None:
+        return None
+    if not isinstance(chat_handler, ProjectorChatHandler):
+        problems.append(
+            f"chat_handler={type(chat_handler).__name__} (llamacrab renders chats with the "
+            "model's template or chat_format= (a name or a Jinja template); it takes the "
+            "projector of llamacrab.compat.llama_chat_format's handlers)"
+        )
+        return None
+    if getattr(chat_handler, "use_gpu", True) is False:
+        problems.append("chat_handler use_gpu=False (llamacrab places the projector as the model)")
+    return chat_handler.clip_model_path
 
 
 def _chat_format_of_its_own(
@@ -290,11 +308,7 @@ class Llama:
         if numa and numa_strategy is None:
             problems.append(f"numa={numa!r} (llamacrab places threads by distribute, isolate or "
                             "numactl: 1, 2 or 3)")  # fmt: skip
-        if chat_handler is not None:
-            problems.append(
-                "chat_handler (llamacrab renders chats with the model's template "
-                "or chat_format= (a name or a Jinja template); images with mmproj)"
-            )
+        projector = _projector_of(chat_handler, problems)
         if tokenizer is not None:
             problems.append("tokenizer (llamacrab always uses the model's own tokenizer)")
         speculative = _speculative(draft_model, problems)
@@ -354,6 +368,7 @@ class Llama:
                 n_ubatch=min(batch, n_ubatch),
                 speculative=speculative,
                 chat_format=native_chat_format(chat_format),
+                mmproj=projector,
                 **native,
             )
 
@@ -409,7 +424,7 @@ class Llama:
                     os.path.basename(model_path),
                 )
         self.chat_format = chat_format
-        self.chat_handler = None
+        self.chat_handler = chat_handler
         self.draft_model = draft_model
         self.lora_base = lora_base
         self.lora_path = lora_path
