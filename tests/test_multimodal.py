@@ -906,6 +906,9 @@ def test_llama_cpp_python_s_chat_handlers_bring_their_projector(
         assert answer["choices"][0]["message"]["content"] == native.choices[0].message.content
     with pytest.raises(InvalidParameterError, match="Clip model path does not exist"):
         Llava15ChatHandler(clip_model_path=str(files["vision"]) + ".missing")
+    for not_a_path in (None, 5):  # 5 would be a file descriptor to os.path.exists
+        with pytest.raises(InvalidParameterError, match="clip_model_path must be a file path"):
+            Llava15ChatHandler(clip_model_path=not_a_path)  # type: ignore[arg-type]
     on_cpu = Gemma4ChatHandler(str(files["vision"]), use_gpu=False)
     with pytest.raises(UnsupportedParameterError, match="use_gpu=False"):
         CompatLlama(str(files["text"]), verbose=False, chat_handler=on_cpu)

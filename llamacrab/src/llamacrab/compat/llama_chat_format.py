@@ -5,16 +5,17 @@ the model's own chat template (or ``chat_format=``), not a format of the handler
 
 from __future__ import annotations
 
-import os
-
 from llamacrab import InvalidParameterError
+from llamacrab._field_types import file_path
 
 
 class ProjectorChatHandler:
     """A chat handler of llama-cpp-python's that names a projector (``clip_model_path``)."""
 
     def __init__(self, clip_model_path: str, verbose: bool = True) -> None:
-        if not os.path.exists(clip_model_path):  # as llama-cpp-python: when it is made
+        # As llama-cpp-python: when it is made (a number or None named, not taken for a file
+        # descriptor or a TypeError from os.stat).
+        if not file_path("clip_model_path", clip_model_path).exists():
             raise InvalidParameterError(f"Clip model path does not exist: {clip_model_path}")
         self.clip_model_path = clip_model_path
         self.verbose = verbose
