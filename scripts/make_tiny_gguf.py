@@ -143,6 +143,7 @@ def write_tiny_llama(
     no_end_tokens: bool = False,
     extra_tokens: Sequence[tuple[str, int]] = (),
     name: str = "llamacrab-tiny-llama",
+    suppress_tokens: Sequence[int] = (),
 ) -> Path:
     """Write the model; ``block_count`` and ``rms_eps`` may be set to invalid values on purpose
     (tests of files tampered with); ``fim`` adds fill-in-the-middle tokens; ``chat_templates``
@@ -150,9 +151,12 @@ def write_tiny_llama(
     ``no_end_tokens`` leaves the vocabulary without EOS, EOT (and BOS) tokens, and without
     end-of-generation tokens but fim's pad, repo and file-separator tokens (llama.cpp's);
     ``extra_tokens`` ((text, gguf.TokenType) pairs) end the vocabulary; ``name`` is
-    general.name, which llama.cpp reads for a few models' tokenizer quirks ("phi3")."""
+    general.name, which llama.cpp reads for a few models' tokenizer quirks ("phi3");
+    ``suppress_tokens`` become tokenizer.ggml.suppress_tokens (ids never to sample)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     _metadata(writer, block_count, rms_eps, fim, no_end_tokens, extra_tokens, name)
+    if suppress_tokens:
+        writer.add_array("tokenizer.ggml.suppress_tokens", list(suppress_tokens))
     for variant, template in (chat_templates or {}).items():
         writer.add_string("tokenizer.chat_template" + (f".{variant}" if variant else ""), template)
     write_gguf(writer, _tensors(seed, len(vocabulary(fim, extra_tokens=extra_tokens)[0])))

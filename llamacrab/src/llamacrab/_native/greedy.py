@@ -19,8 +19,8 @@ from llamacrab._native.call import ffi
 # NOTHING_TO_PICK opens it, and what a Python sampler that removed every token raises.
 NOTHING_TO_PICK = "no token left to pick"
 NO_TOKEN_LEFT = (
-    f"{NOTHING_TO_PICK}: logit_bias (with min_tokens' ban of the end-of-generation tokens, "
-    "if any) sets every logit to -inf"
+    f"{NOTHING_TO_PICK}: logit_bias (with the model's suppressed tokens and min_tokens' ban "
+    "of the end-of-generation tokens, if any) sets every logit to -inf"
 )
 
 

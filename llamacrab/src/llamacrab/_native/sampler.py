@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -231,7 +231,7 @@ class SamplerChain(NativeHandle):
         first: Sequence[CustomSampler] = (),
     ) -> None:
         """``first``: Python samplers placed before everything else (see CustomSampler)."""
-        self.options = options = options or SamplingOptions()
+        self.options = options = with_model_bans(options or SamplingOptions(), model)
         # The grammar as llama.cpp gets it: counts past its limit written out exactly.
         grammar = None if options.grammar is None else exact_repetitions(options.grammar)
         self._bridges = [_Bridge(sampler) for sampler in (*first, *options.custom_samplers)]
@@ -564,7 +564,8 @@ class Samplers:
         graph: str = "off",
         prompt: Sequence[int] = (),
     ) -> None:
-        self.model, self.options = model, options
+        self.model = model
+        self.options = options = with_model_bans(options, model)
         self.prompt = prompt if options.penalize_prompt else ()
         self.ban = _EndBan(model.vocab.eog_tokens) if min_tokens > 0 else None
         # A plain greedy pick and a top_k-first chain ban the end tokens themselves (see
@@ -643,6 +644,16 @@ class Samplers:
 # on a row of their candidates, that position is no token id (top_p sorts its row by logit:
 # token 0 was generated every time).
 _GRAPH_GREEDY_BLOCKERS = ("top_k", "top_p")
+
+
+def with_model_bans(options: SamplingOptions, model: Model) -> SamplingOptions:
+    """``options`` with the model's suppressed tokens banned (a -inf logit_bias, which no bias
+    of the caller's lifts), as llama.cpp's common sampler, and so llama-server, merges them."""
+    suppressed = model.vocab.suppressed_tokens
+    if all(options.logit_bias.get(token) == -math.inf for token in suppressed):
+        return options
+    bans = dict.fromkeys(suppressed, -math.inf)
+    return replace(options, logit_bias={**options.logit_bias, **bans})
 
 
 def graph_fits(options: SamplingOptions, n_vocab: int) -> bool:

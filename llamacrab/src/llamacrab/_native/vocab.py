@@ -115,6 +115,16 @@ class Vocab:
         return self._facts.eog
 
     @property
+    def suppressed_tokens(self) -> tuple[int, ...]:
+        """The tokens the model's makers never want sampled (GGUF
+        ``tokenizer.ggml.suppress_tokens``, e.g. from a Hugging Face generation config's
+        ``suppress_tokens``); llama.cpp drops ids outside the vocabulary."""
+        with self.in_flight() as vocab:
+            count = ffi.new("int32_t *")
+            tokens = lib.llama_vocab_get_suppress_tokens(vocab, count)
+            return () if tokens == ffi.NULL else tuple(tokens[0 : count[0]])
+
+    @property
     def fim_prefix(self) -> int | None:
         return self._special(lib.llama_vocab_fim_pre)
 
