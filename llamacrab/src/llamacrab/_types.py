@@ -100,6 +100,24 @@ class SlotInfo:
 
 
 @dataclass(frozen=True)
+class Classification:
+    """One text's classes from a sequence classifier, most likely first: each label (see
+    ``Model.classifier_labels``), the head's output for it (``scores``: logits, or
+    probabilities where llama.cpp's graph ends in a softmax, as Qwen3 rerankers'), and its
+    probability (a softmax over the outputs; a sigmoid for a head of one output)."""
+
+    index: int
+    labels: tuple[str, ...]
+    scores: tuple[float, ...]
+    probabilities: tuple[float, ...]
+
+    @property
+    def label(self) -> str:
+        """The most likely label."""
+        return self.labels[0]
+
+
+@dataclass(frozen=True)
 class RerankResult:
     """One document's relevance to the query; higher is more relevant."""
 

@@ -18,9 +18,12 @@ from llamacrab._exceptions import ContextOverflowError, InvalidParameterError
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
 from llamacrab._native.model import Model
-from llamacrab._types import RerankResult
+from llamacrab._types import Classification, RerankResult
 
 DEFAULT_PACK_TOKENS = 256
+# Architectures whose rank pooling llama.cpp's graph ends with a softmax (llama-graph.cpp):
+# their classifier outputs are probabilities already.
+SOFTMAX_HEADS = frozenset({"qwen3", "qwen3vl"})
 
 
 class Embedder:
@@ -120,6 +123,36 @@ def rerank_tokens(model: Model, query: str, document: str) -> list[int]:
     return tokens
 
 
+def _classified_tokens(model: Model, item: str | tuple[str, str], index: int) -> list[int]:
+    """A text's tokens, or a pair's (premise and hypothesis, query and document) laid out as
+    a reranker's query and document (``Llama.classify`` checked the pair's length)."""
+    if isinstance(item, str):
+        return model.vocab.tokenize(item)
+    if not all(isinstance(text, str) for text in item):
+        raise InvalidParameterError(f"text {index} to classify is a pair of {item!r}: two str")
+    return rerank_tokens(model, *item)
+
+
+def _classification(
+    index: int, labels: tuple[str, ...], row: np.ndarray, softmaxed: bool
+) -> Classification:
+    scores = row.astype(np.float64)
+    if softmaxed:
+        probabilities = scores
+    elif len(scores) == 1:
+        probabilities = 1 / (1 + np.exp(-scores))
+    else:
+        shifted = np.exp(scores - scores.max())
+        probabilities = shifted / shifted.sum()
+    order = sorted(range(len(scores)), key=lambda i: -probabilities[i])
+    return Classification(
+        index,
+        tuple(labels[i] for i in order),
+        tuple(float(scores[i]) for i in order),
+        tuple(float(probabilities[i]) for i in order),
+    )
+
+
 def pool_tokens(vectors: np.ndarray, pooling: str) -> np.ndarray:
     """Pool one text's token vectors (n_tokens, n_embd) as llama.cpp would."""
     if pooling == "mean":
@@ -203,6 +236,22 @@ class Embeddings:
             scores = [float(s[0]) for s in embedder.run(pairs)]
         order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n]
         return [RerankResult(i, scores[i], documents[i]) for i in order]
+
+    def classify(
+        self, texts: str | Sequence[str | tuple[str, str]], truncate: bool
+    ) -> list[Classification]:
+        model = self.context.model
+        if not self.embedder().ranks:
+            raise InvalidParameterError(
+                'classification needs a context with pooling="rank" (a sequence classifier '
+                "or reranker: the model's own pooling, or Llama(..., pooling='rank'))"
+            )
+        items = [texts] if isinstance(texts, str) else list(texts)
+        tokens = [_classified_tokens(model, item, i) for i, item in enumerate(items)]
+        rows = self._run(tokens, truncate, DEFAULT_PACK_TOKENS)
+        labels = model.classifier_labels
+        softmaxed = model.arch in SOFTMAX_HEADS
+        return [_classification(i, labels, row, softmaxed) for i, row in enumerate(rows)]
 
     def _run(
         self, texts: str | Sequence[str | Sequence[int]], truncate: bool, pack_tokens: int

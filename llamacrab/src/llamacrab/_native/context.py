@@ -19,6 +19,7 @@ from llamacrab._exceptions import (
     ContextOverflowError,
     DecodeAbortedError,
     DecodeError,
+    InvalidModelError,
     InvalidParameterError,
     StateError,
 )
@@ -237,6 +238,8 @@ class Context(NativeHandle):
             super().__init__(pointer, lib.llama_free, model, keep_alive=self._abort_flags)
             with self.in_flight():
                 self._setup(model, params, pointer)
+            if params.embeddings and self.pooling == "rank":
+                self._check_classifier(model, params)
         if params.warmup:
             self._warm_up()
 
@@ -288,6 +291,25 @@ class Context(NativeHandle):
         if mode == "auto":
             mode = "on" if _graph_sampling_pays(model) else "off"
         self.graph_sampling = mode  # "on" or "off": where fitting chains sample
+
+    def _check_classifier(self, model: Model, params: ContextParams) -> None:
+        """Rank pooling has each decode copy a sequence's ``n_cls_out`` floats (the count of
+        the model's labels, else 1) out of the head's outputs at that stride: llama.cpp
+        aborts reading past a narrower row and reads other texts' values in a wider one."""
+        rows, outputs = model.classifier_rows, model.n_cls_out
+        if rows == outputs:
+            return
+        self.close()
+        head = ("no classification head: a pooled row is a hidden state" if rows is None
+                else f"a classification head of {rows} outputs")  # fmt: skip
+        problem = (
+            f"rank pooling reads {outputs} classifier output{'s' * (outputs > 1)} per text "
+            f"and {model.path.name} has {head}"
+        )
+        if params.pooling == "rank":
+            raise InvalidParameterError(f'pooling="rank": {problem}; rank pooling needs a '
+                                        "reranker or classifier model")  # fmt: skip
+        raise InvalidModelError(f"{model.path}: its pooling type is rank, yet {problem}")
 
     def _warm_up(self) -> None:
         """What llama.cpp's tools do at load: decode BOS and EOS, then empty the memory; and

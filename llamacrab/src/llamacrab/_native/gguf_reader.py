@@ -103,6 +103,9 @@ class Reader:
         # Rows of a learned position table (BERT, GPT-2): a position past them reads outside
         # the table, a GGML_ASSERT in ggml_get_rows (an abort). None: positions are computed.
         self.position_rows: int | None = None
+        # Outputs of the classification head's last layer: a rank-pooled row's width, which
+        # llama.cpp takes to be the labels' count. None: no head (a row is a hidden state).
+        self.classifier_rows: int | None = None
 
     def fail(self, problem: str) -> InvalidModelError:
         return InvalidModelError(f"{self.failing}: {problem}")

@@ -190,7 +190,8 @@ class Model(NativeHandle):
 
     def __init__(self, pointer: Any, path: Path, params: ModelParams, kv_layout: KvLayout,
                  weights: bytes = b"", position_rows: int | None = None,
-                 overridden: Mapping[str, str] | None = None) -> None:  # fmt: skip
+                 overridden: Mapping[str, str] | None = None,
+                 classifier_rows: int | None = None) -> None:  # fmt: skip
         super().__init__(pointer, lib.llama_model_free, None)
         self.path = path
         self.params = params
@@ -200,6 +201,8 @@ class Model(NativeHandle):
         self._weights_sample = weights  # weights_sample.py: part of the identity
         # A learned position table's rows (BERT, GPT-2): the positions a sequence may take.
         self.position_rows = position_rows
+        # The classification head's outputs (None: no head), which rank pooling reads.
+        self.classifier_rows = classifier_rows
         # What each layer's KV cache holds per cell (contexts are checked against the memory).
         self.kv_layout = kv_layout
         # The Vocab holds its model, so the model holds it weakly: a reference cycle would
@@ -273,7 +276,7 @@ class Model(NativeHandle):
                 pointer = _load_weights(file, c_params, _Progress(progress, hold))
                 overridden = applied_overrides(metadata, params.kv_overrides or {})
                 model = cls(pointer, file, params, layout, weights, reader.position_rows,
-                            overridden)  # fmt: skip
+                            overridden, reader.classifier_rows)  # fmt: skip
             model.vocab.check_usable()
         except BaseException as error:
             if model is None:
@@ -369,6 +372,17 @@ class Model(NativeHandle):
     def n_cls_out(self) -> int:
         """The classifier head's outputs (one score for a reranker)."""
         return self.read(lib.llama_model_n_cls_out)
+
+    @property
+    def classifier_labels(self) -> tuple[str, ...]:
+        """The name of each classifier output (GGUF ``<arch>.classifier.output_labels``, a
+        Hugging Face config's ``id2label``); an unnamed (or empty) one is its index as text, as
+        llama.cpp's embedding tool prints it."""
+        with self.in_flight() as model:
+            labels = [lib.llama_model_cls_label(model, i)
+                      for i in range(lib.llama_model_n_cls_out(model))]  # fmt: skip
+            names = [b"" if label == ffi.NULL else ffi.string(label) for label in labels]
+        return tuple(name.decode(errors="replace") or str(i) for i, name in enumerate(names))
 
     @property
     def n_layer(self) -> int:

@@ -195,6 +195,9 @@ def _check_hyperparameters(
 
 
 _POSITION_TABLE = "position_embd.weight"  # llama.cpp's LLM_TENSOR_POS_EMBD
+# A classification head's last layer: LLM_TENSOR_CLS_OUT, else LLM_TENSOR_CLS (jina-bert-v2's
+# one-output head), each {n_embd, outputs}.
+_CLASSIFIER_LAYERS = ("cls.output.weight", "cls.weight")
 
 
 def validate_gguf(
@@ -218,6 +221,9 @@ def validate_gguf(
         (int(dims[1]) for name, dims, _, _ in tensors if name == _POSITION_TABLE and len(dims) > 1),
         None,
     )
+    shapes = {name: dims for name, dims, _, _ in tensors if name in _CLASSIFIER_LAYERS}
+    last = next((shapes[name] for name in _CLASSIFIER_LAYERS if name in shapes), None)
+    reader.classifier_rows = None if last is None else int(last[1]) if len(last) > 1 else 1
     if overrides and kind == "model":
         reader, metadata = overridden(reader, metadata, overrides)
         _check_hyperparameters(reader, metadata, tensors, kind)
