@@ -516,6 +516,12 @@ MSA = {"attention.indexer.block_size": 64, "attention.indexer.head_count": 2}
         ("dflash", DSPARK, {**DSPARK, "attention.output_group_count": 0}),
         ("deepseek4", {**DSV4, "attention.compress_ratios": [0] * 2},
          {**DSV4, "attention.compress_ratios": [0] * 513}),
+        # the width llama.cpp copies each output at: its graph's (embedding_length) but where
+        # the graph makes its output wider (deepseek4: hyper-connections' hidden width)
+        ("llama", {"embedding_length_out": 64}, {"embedding_length_out": 1000}),
+        ("bert", {}, {"embedding_length_out": 16}),
+        ("deepseek4", {**DSV4, "embedding_length_out": 256},
+         {**DSV4, "embedding_length_out": 256, "attention.output_group_count": 0}),
     ],
 )  # fmt: skip
 def test_asserts_of_single_architectures(
@@ -646,8 +652,12 @@ I64 = gguf.GGMLQuantizationType.I64
         ("glm4moe", {**MOE, "nextn_predict_layers": 1},
          {f"blk.{i}.attn_norm.weight": vector(64) for i in range(2)},
          {"blk.1.attn_norm.weight": vector(64)}),
+        # LFM2-ColBert's projection makes the output embedding_length_out wide
+        ("lfm2", {**LFM2, "embedding_length_out": 128}, {"dense_2_out.weight": weights(128, 64)},
+         {}),
     ],
-    ids=["laguna-gate", "jina-ffn-up", "qwen3tts-output", "eagle3-d2t", "rwkv6-lerp", "mtp-only"],
+    ids=["laguna-gate", "jina-ffn-up", "qwen3tts-output", "eagle3-d2t", "rwkv6-lerp", "mtp-only",
+         "lfm2-dense-2-out"],
 )  # fmt: skip
 def test_tensors_the_graph_of_single_architectures_needs(
     tmp_path: Path, arch: str, keys: dict[str, Any], good: dict[str, Any], bad: dict[str, Any]
@@ -855,6 +865,34 @@ def test_the_check_turns_an_abort_into_an_error(
         f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
     )
     assert "GGML_ASSERT" in unchecked.stderr
+
+
+EMBEDDINGS_CHILD = textwrap.dedent("""
+    import sys
+    import llamacrab._native.model
+    from llamacrab import Llama, LlamaError
+    from llamacrab._native.gguf_reader import read_file
+    if sys.argv[2] == "unchecked":
+        llamacrab._native.model.validate_gguf = lambda path, **kwargs: read_file(path)[:2]
+    try:
+        with Llama(sys.argv[1], n_ctx=64, n_threads=1, embeddings=True, pooling="mean") as llm:
+            print("embedded", llm.embed(["the cat", "a dog"]).shape)
+    except LlamaError as error:
+        print(type(error).__name__, error)
+""")
+
+
+def test_an_output_width_past_the_graph_s_is_refused_not_an_abort(tmp_path: Path) -> None:
+    path = tiny_model(tmp_path / "m.gguf", {"embedding_length_out": 1000})
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
+    runs = {mode: subprocess.run([sys.executable, "-c", EMBEDDINGS_CHILD, str(path), mode],
+                                 capture_output=True, text=True, timeout=120, env=env)
+            for mode in ("checked", "unchecked")}  # fmt: skip
+    assert runs["checked"].returncode == 0, runs["checked"].stderr[-2000:]
+    assert runs["checked"].stdout.startswith("InvalidModelError")
+    assert "embedding_length_out equal to embedding_length" in runs["checked"].stdout
+    assert runs["unchecked"].returncode == -signal.SIGABRT, runs["unchecked"].stdout
+    assert "tensor read out of bounds" in runs["unchecked"].stderr
 
 
 def shrunk_values() -> dict[str, np.ndarray]:

@@ -297,7 +297,25 @@ def _tensor_rules(m: _Model) -> list[Rule]:
         rules.append((block_size > 0, "block_size > 0 with a DSpark Markov head (markov_w1)"))
     if m.arch == "glm-dsa":
         rules.append(_glm_dsa_indexer_rule(m))
+    if m.has("embedding_length_out"):
+        rules.append(_output_width_rule(m))
     return rules
+
+
+def _output_width_rule(m: _Model) -> Rule:
+    """llama.cpp copies embedding_length_out floats a token (or a pooled sequence) out of the
+    graph's output when it returns embeddings: past a narrower row a GGML_ASSERT (an abort),
+    within a wider one the values strided wrongly. Only a few graphs make their output that
+    wide; LFM2's with its dense_2_out projection (whose shape llama.cpp then checks)."""
+    equal = m.key("embedding_length_out") == m.key("embedding_length")
+    if m.arch in archs.OWN_OUTPUT_WIDTH:
+        return (True, "")
+    if m.arch in ("lfm2", "lfm2moe"):
+        return (
+            equal or "dense_2_out.weight" in m.tensors,
+            "embedding_length_out equal to embedding_length without a dense_2_out tensor",
+        )
+    return (equal, "embedding_length_out equal to embedding_length (its graph's output width)")
 
 
 def _glm_dsa_indexer_rule(m: _Model) -> Rule:

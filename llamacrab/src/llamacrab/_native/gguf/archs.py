@@ -46,6 +46,9 @@ SWA_DEFAULT = (4, False)
 # Encoders without a KV cache skip create_memory's assert, but their graph input fills both
 # attention masks, and asserts on one that no layer uses (left unallocated).
 SWA_WITHOUT_KV_CACHE = frozenset({"gemma-embedding", "modern-bert"})
+# Graphs whose output is embedding_length_out wide (src/models/<arch>.cpp builds it so): in any
+# other, a different embedding_length_out is a width llama.cpp reads its outputs at wrongly.
+OWN_OUTPUT_WIDTH = frozenset({"deepseek4", "gemma4-assistant", "wavtokenizer-dec"})
 
 # Graphs that assert, at layer 0, value head size == key head size ...
 HEADS_K_EQ_V = frozenset({
