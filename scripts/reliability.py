@@ -353,6 +353,19 @@ FOUND = [
      "holds one lock for every instance while it computes (a model's metadata), and the child "
      "inherited it held", "`_native/fork.py`: `cached_property`, its lock reset in a forked "
      "child"),
+    ("reading llama.cpp's API for what llamacrab did not call (`llama_model_cls_label`, "
+     "2026-12-06)", "rank pooling on a model without a head of one output per label: the tiny "
+     "llama with `classifier.output_labels` of 65 names or more, or any `pooling=\"rank\"` on a "
+     "generative model", "SIGABRT at the first decode (`GGML_ASSERT(offset + size <= "
+     "ggml_nbytes(tensor) && \"tensor read out of bounds\")`, ggml-backend.cpp:283); below 65 "
+     "labels, other texts' hidden-state values as scores", "`_native/context.py` "
+     "(`_check_classifier`): the head's outputs (from the file's tensors) must equal the "
+     "labels' count when the context is made (tests in `tests/test_classify.py`)"),
+    ("the same reading, the widths llama.cpp copies embeddings at", "a tiny llama with "
+     "`llama.embedding_length_out = 1000`, embeddings taken", "SIGABRT at the first decode "
+     "(the same assert); 16: values strided wrongly", "`_native/gguf/arch_rules.py` "
+     "(`_output_width_rule`): equal to `embedding_length` but for the graphs that make their "
+     "output that wide (test in `tests/test_gguf_check.py`)"),
 ]  # fmt: skip
 
 
