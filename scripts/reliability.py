@@ -10,6 +10,10 @@ tests/test_reliability.py, and a long one, the default here):
 
 - lifecycle: generated sequences of operations on handles, Llama objects and streams;
 - tampered-tiny, tampered-gemma: variants of the tiny model's and Gemma 3 270M's GGUF files;
+- tampered-keys: the tiny model with each key llama.cpp's loader knows (the pinned
+  llama-arch.cpp) added at edge values, decoded and embedded;
+- tampered-reranker: variants of a tiny BERT reranker with a two-label head, and it with those
+  keys added, embedded, reranked and classified;
 - tampered-vision, tampered-audio: variants of the tiny vision and audio projectors, each
   loaded as the tiny model's projector and given an image or a sound;
 - tampered-lora, tampered-cvec: variants of the tiny LoRA adapter and of a control vector,

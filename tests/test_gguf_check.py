@@ -801,6 +801,31 @@ def test_llama_raises_invalid_model_error_naming_the_key(tmp_path: Path) -> None
         Llama(path, n_ctx=64, n_threads=1)
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("rope.freq_base", 0.0), ("rope.freq_base", -1.0), ("rope.freq_base", float("nan")),
+     ("rope.freq_base_swa", 0.0), ("rope.scale_linear", float("nan")),
+     ("rope.scaling.factor", float("inf")), ("rope.scaling.attn_factor", float("nan"))],
+)  # fmt: skip
+def test_rope_values_that_make_every_logit_nan_are_refused_at_load(
+    tmp_path: Path, key: str, value: float
+) -> None:
+    # Such a file loaded, and every decode gave NaN logits: a DecodeError blaming the weights.
+    path = tiny_model(tmp_path / "m.gguf", {key: value})
+    with pytest.raises(InvalidModelError, match=rf"llama\.{key} = {value} must be a finite number"):
+        Llama(path, n_ctx=64, n_threads=1)
+
+
+def test_rope_values_llama_cpp_reads_as_defaults_load(tmp_path: Path) -> None:
+    # 0 for a scale is "none" to llama.cpp; the base is the usual one.
+    keys = {"rope.freq_base": 10000.0, "rope.scale_linear": 0.0, "rope.scaling.factor": 0.0}
+    with Llama(tiny_model(tmp_path / "m.gguf", keys), n_ctx=64, n_threads=1) as llm:
+        assert (
+            llm.create_completion("the cat", max_tokens=2, min_tokens=2).usage.completion_tokens
+            == 2
+        )
+
+
 def test_a_model_saying_it_is_an_adapter_is_still_checked(tmp_path: Path) -> None:
     path = tiny_model(tmp_path / "m.gguf", {"general.type": "adapter", "pooling_type": 9})
     with pytest.raises(InvalidModelError, match=r"llama\.pooling_type = 9"):

@@ -67,6 +67,16 @@ def test_tampered_gemma_models(workdir: Path) -> None:
     assert report.count("ok") > 0 and report.count("error") > 0
 
 
+@pytest.mark.parametrize("name", ["tampered-keys", "tampered-reranker"])
+def test_keys_added_to_a_model_and_a_tampered_reranker(workdir: Path, name: str) -> None:
+    report = run_short(name, workdir)
+    assert_clean(report, 400)
+    assert report.count("ok") > 0 and report.count("error") > 0
+    # Each case that worked took embeddings too (the outputs only they read).
+    worked = [r.detail for r in report.results if r.outcome == "ok"]
+    assert all("embedded (" in detail for detail in worked), worked[:3]
+
+
 @pytest.mark.parametrize(
     ("name", "cases"),
     [("tampered-vision", 300), ("tampered-audio", 300), ("tampered-lora", 300),

@@ -5,6 +5,7 @@ Report."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from reliability_kit import (
     states,
     tampered,
 )
-from reliability_kit.repo import made_once, script
+from reliability_kit.repo import REPO, made_once, script
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,24 @@ SECTIONS = {
         "variants of Gemma 3 270M Q4_K_M's header (and a few of its data), each loaded and "
         "decoded; one 250 MB work file per worker, headers rewritten in place",
         Size(500, 400), Size(None, 3600), batch_size=50, case_timeout=120,
+        memory_limit=16 * GIB,
+    ),
+    "tampered-keys": Section(
+        "Added keys: the tiny model",
+        "the tiny model with one key added that its file lacks, for every key llama.cpp's "
+        "loader knows (the pinned src/llama-arch.cpp), each with scalars at their edges, "
+        "per-layer arrays and label lists; each loaded, decoded, then embedded (its own "
+        "pooling and mean pooling)",
+        Size(400, 150), Size(None, 3600), batch_size=100, case_timeout=60,
+        memory_limit=16 * GIB,
+    ),
+    "tampered-reranker": Section(
+        "Tampered models: a reranker",
+        "variants of a generated tiny BERT reranker's header with a two-label classification "
+        "head (and a few of its data), then it with each key of tampered-keys added; each "
+        "loaded and embedded (its own pooling, rank, and mean pooling), reranked and "
+        "classified",
+        Size(400, 150), Size(None, 3600), batch_size=100, case_timeout=60,
         memory_limit=16 * GIB,
     ),
     "tampered-vision": _used_with_tiny_model(
@@ -177,7 +196,9 @@ SECTIONS = {
     ),
 }  # fmt: skip
 SEED = 2026
-# tampered-*: files used with the tiny model, and how (a projector's input, or as an adapter)
+# tampered-*: models used alone, then files used with the tiny model, and how (a projector's
+# input, or as an adapter)
+PLAIN = ("tiny", "gemma", "keys", "reranker")
 WITH_BASE = {"vision": "image", "audio": "audio", "lora": "lora", "cvec": "control vector",
              "imatrix": "quantize"}  # fmt: skip
 
@@ -238,6 +259,12 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
         return media.generate(size.cases or 1000, seed), {"models": models}
     label = name.removeprefix("tampered-")
     setup: dict[str, Any] = {"workdir": str(workdir / "tampered")}
+    if label in ("keys", "reranker"):
+        model = tiny if label == "keys" else reranker(workdir)
+        setup.update(model=str(model), use="both" if label == "keys" else "embeddings")
+        keys = tampered.loader_keys(pinned_source())
+        return tampered.cases(model, label, seed, size.cases, tampered=label == "reranker",
+                              keys=keys), setup  # fmt: skip
     if label in WITH_BASE:
         model = files[label] if label in files else Path(media.projectors(workdir)[label])
         setup.update(base=str(tiny), use=WITH_BASE[label])
@@ -245,6 +272,23 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
         model = tiny if name == "tampered-tiny" else gemma_path()
     setup["model"] = str(model)
     return tampered.cases(model, label, seed, size.cases), setup
+
+
+def reranker(workdir: Path) -> Path:
+    """A tiny BERT reranker with a two-label head (scripts/convert_bert.py), made once."""
+    convert = script("convert_bert")
+    write = lambda path: convert.write_tiny_reranker(path, labels=("relevant", "other"))  # noqa: E731
+    return Path(made_once(workdir, "tiny-{}.gguf", {"reranker": write})["reranker"])
+
+
+def pinned_source() -> Path:
+    """The pinned llama.cpp source tree, as the build finds it."""
+    sys_dir = str(REPO / "llamacrab-sys")
+    if sys_dir not in sys.path:
+        sys.path.insert(0, sys_dir)
+    from build_tools.source import resolve_source
+
+    return Path(resolve_source().path)
 
 
 def run(
@@ -289,7 +333,7 @@ def replay_command(mode: str, seed: int) -> str:
 def section_of(case_id: str) -> str:
     """The section a case id belongs to (``lifecycle-2026-29``, ``tiny-740``, ``gemma-3``)."""
     prefix = case_id.split("-", 1)[0]
-    name = f"tampered-{prefix}" if prefix in ("tiny", "gemma", *WITH_BASE) else prefix
+    name = f"tampered-{prefix}" if prefix in (*PLAIN, *WITH_BASE) else prefix
     if name not in SECTIONS:
         raise ValueError(f"{case_id!r} is no case id of a section ({', '.join(SECTIONS)})")
     return name

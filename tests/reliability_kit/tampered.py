@@ -310,6 +310,55 @@ def _value_mutations(key: bytes, vtype: int, raw: bytes) -> list[dict[str, Any]]
     return out
 
 
+def loader_keys(source: Path) -> list[str]:
+    """Every metadata key llama.cpp's loader knows (LLM_KV_NAMES in the pinned
+    src/llama-arch.cpp; "%s" stands for the architecture)."""
+    text = (source / "src" / "llama-arch.cpp").read_text()
+    table = text[text.index("LLM_KV_NAMES") :]
+    table = table[: table.index("};")]
+    return sorted(set(re.findall(r'\{\s*LLM_KV_\w+,\s*"([^"]+)"\s*\}', table)))
+
+
+# A value of each type the loader's getters take: scalars at their edges, per-layer arrays
+# (one entry per layer, or one too many), and label or token lists of growing length.
+_ADDED_VALUES = (
+    *((U32, value) for value in (0, 1, 7, 1000, 2**32 - 1)),
+    (I32, -1),
+    *((F32, value) for value in (0.0, -1.0, math.nan, math.inf, 1e30)),
+    (BOOL, True),
+    (BOOL, False),
+    (STRING, ""),
+    (STRING, "x" * 300),
+)
+
+
+def added_keys(header: Header, keys: list[str]) -> list[dict[str, Any]]:
+    """Variants adding each of ``keys`` the file lacks, with each of a few values of every type
+    llama.cpp's getters read: keys an architecture reads only when present (a classifier's
+    labels, an output width, per-layer patterns) are what the other variants never reach."""
+    values = {key.decode(errors="replace"): (vtype, raw) for key, vtype, raw in header.kvs}
+    arch_type, arch_raw = values.get("general.architecture", (STRING, encode_string(b"")))
+    arch = arch_raw[8:].decode(errors="replace") if arch_type == STRING else ""
+    count_type, count_raw = values.get(f"{arch}.block_count", (U32, struct.pack("<I", 1)))
+    n_layer = struct.unpack(SCALAR[count_type], count_raw)[0] if count_type in SCALAR else 1
+    present = set(values)
+    specs: list[dict[str, Any]] = []
+    for template in keys:
+        key = template.replace("%s", arch)
+        if key in present or key.startswith("split."):
+            continue
+        for vtype, value in _ADDED_VALUES:
+            specs.append({"kind": "kv_add", "key": key, "vtype": vtype, "value": value})
+        for fill in (0, 1, 2**31 - 1):
+            for count in (n_layer, n_layer + 1):
+                specs.append({"kind": "kv_add", "key": key, "vtype": ARRAY,
+                              "value": [U32, [fill] * count]})  # fmt: skip
+        for count in (1, 2, 65, 1000):
+            specs.append({"kind": "kv_add", "key": key, "vtype": ARRAY,
+                          "value": [STRING, [f"label {i}" for i in range(count)]]})  # fmt: skip
+    return specs
+
+
 # -- building a variant -------------------------------------------------------------------------
 
 
@@ -513,8 +562,8 @@ def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
 
 
 def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
-    """Load the variant and decode with it; a LlamaError (raised out of here) is the
-    expected refusal."""
+    """Load the variant and decode with it (``use`` "embeddings": embed with it; "both": decode,
+    then embed); a LlamaError (raised out of here) is the expected refusal."""
     from llamacrab import Llama
 
     work: WorkFile = state["work"]
@@ -522,14 +571,37 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     try:
         if state["base"] is not None:  # a projector or an adapter of that model
             return _with_base_case(path, state)
+        if state["use"] == "embeddings":
+            return _embeddings_case(path, state)
         with Llama(path, n_ctx=64, n_batch=64, n_threads=1) as llm:
             completion = llm.create_completion(state["prompt"], max_tokens=2, temperature=0)
             llm.tokenize("<start_of_turn>user é🙂<s>", parse_special=True)
             n_vocab = llm.vocab.n_tokens
             llm.detokenize(list(range(0, n_vocab, max(1, n_vocab // 64))), special=True)
-        return "ok", f"loaded; {completion.usage.completion_tokens} tokens"
+        detail = f"loaded; {completion.usage.completion_tokens} tokens"
+        if state["use"] == "both":
+            detail += "; " + _embeddings_case(path, state)[1]
+        return "ok", detail
     finally:
         work.restore(undo)
+
+
+def _embeddings_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
+    """Embeddings of two texts with the model's own pooling, then mean pooling; with rank
+    pooling, also a reranking and a classification."""
+    from llamacrab import Llama
+
+    texts = [state["prompt"], "a crab"]
+    widths = []
+    for pooling in ("unspecified", "mean"):
+        with Llama(path, n_ctx=64, n_batch=64, n_threads=1, embeddings=True,
+                   pooling=pooling) as llm:  # fmt: skip
+            vectors = llm.embed(texts)
+            widths.append(str(vectors[0].shape[-1]))
+            if llm.context.pooling == "rank":
+                llm.rerank(texts[0], texts)
+                llm.classify([(texts[0], texts[1])])
+    return "ok", f"embedded ({', '.join(widths)} wide)"
 
 
 def _with_base_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
@@ -579,10 +651,15 @@ def _quantized_with(imatrix: Path, state: dict[str, Any]) -> tuple[str, str]:
     return "ok", f"quantized; {completion.usage.completion_tokens} tokens"
 
 
-def cases(model: Path, label: str, seed: int, count: int | None) -> list[dict[str, Any]]:
-    """The variant cases of ``model`` (a sample of ``count`` if given, always the same)."""
+def cases(
+    model: Path, label: str, seed: int, count: int | None, *, tampered: bool = True,
+    keys: list[str] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The variant cases of ``model`` (a sample of ``count`` if given, always the same): its
+    tampered variants, then (given llama.cpp's ``keys``) the added-key ones."""
     header = parse(model)
-    specs = variants(header, model.stat().st_size, seed)
+    specs = variants(header, model.stat().st_size, seed) if tampered else []
+    specs += added_keys(header, keys or [])
     if count is not None and count < len(specs):
         specs = random.Random(seed).sample(specs, count)
     return [{"id": f"{label}-{i}", "spec": spec} for i, spec in enumerate(specs)]

@@ -64,6 +64,16 @@ def _check_generic(reader: Reader, arch: str, metadata: dict[str, Any]) -> None:
             raise reader.fail(f"{key} = {value} is out of range (minimum {minimum})")
         if "epsilon" in key and isinstance(value, float) and not value > 0:
             raise reader.fail(f"{key} = {value} must be positive")
+        if key.startswith(f"{arch}.rope.") and isinstance(value, float):
+            _check_rope_value(reader, key, value)
+
+
+def _check_rope_value(reader: Reader, key: str, value: float) -> None:
+    """A rotary frequency base of 0 or less, or any rope value that is not finite, turns each
+    position's angles (and so every logit) into NaN: a model that loads and never decodes."""
+    base = key.endswith(("rope.freq_base", "rope.freq_base_swa"))
+    if not math.isfinite(value) or (base and value <= 0):
+        raise reader.fail(f"{key} = {value} must be a finite number{' above 0' * base}")
 
 
 def _check_layers(
