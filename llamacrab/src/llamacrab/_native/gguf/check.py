@@ -68,12 +68,19 @@ def _check_generic(reader: Reader, arch: str, metadata: dict[str, Any]) -> None:
             _check_rope_value(reader, key, value)
 
 
+# The rotary attention factor scales queries and keys alike (real models: about 1): past this
+# the keys overflow a float16 KV cache.
+MAX_ROPE_ATTN_FACTOR = 100.0
+
+
 def _check_rope_value(reader: Reader, key: str, value: float) -> None:
-    """A rotary frequency base of 0 or less, or any rope value that is not finite, turns each
-    position's angles (and so every logit) into NaN: a model that loads and never decodes."""
+    """A rotary frequency base of 0 or less, a huge attention factor, or any rope value that is
+    not finite, turns every logit into NaN: a model that loads and never decodes."""
     base = key.endswith(("rope.freq_base", "rope.freq_base_swa"))
     if not math.isfinite(value) or (base and value <= 0):
         raise reader.fail(f"{key} = {value} must be a finite number{' above 0' * base}")
+    if key.endswith("rope.scaling.attn_factor") and abs(value) > MAX_ROPE_ATTN_FACTOR:
+        raise reader.fail(f"{key} = {value} must be within ±{MAX_ROPE_ATTN_FACTOR:g}")
 
 
 def _check_layers(
