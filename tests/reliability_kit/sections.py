@@ -55,6 +55,12 @@ def _used_with_tiny_model(title: str, file: str, use: str) -> Section:
                    case_timeout=60, memory_limit=16 * GIB)  # fmt: skip
 
 
+def _embedded(title: str, what: str) -> Section:
+    """A section of a tiny model's variants, each embedded too (cheap: 400 cases in CI)."""
+    return Section(title, what, Size(400, 150), Size(None, 3600), batch_size=100,
+                   case_timeout=60, memory_limit=16 * GIB)  # fmt: skip
+
+
 SECTIONS = {
     "lifecycle": Section(
         "Lifecycle fuzzing",
@@ -79,23 +85,19 @@ SECTIONS = {
         Size(500, 400), Size(None, 3600), batch_size=50, case_timeout=120,
         memory_limit=16 * GIB,
     ),
-    "tampered-keys": Section(
+    "tampered-keys": _embedded(
         "Added keys: the tiny model",
         "the tiny model with one key added that its file lacks, for every key llama.cpp's "
         "loader knows (the pinned src/llama-arch.cpp), each with scalars at their edges, "
         "per-layer arrays and label lists; each loaded, decoded, then embedded (its own "
         "pooling and mean pooling)",
-        Size(400, 150), Size(None, 3600), batch_size=100, case_timeout=60,
-        memory_limit=16 * GIB,
     ),
-    "tampered-reranker": Section(
+    "tampered-reranker": _embedded(
         "Tampered models: a reranker",
         "variants of a generated tiny BERT reranker's header with a two-label classification "
         "head (and a few of its data), then it with each key of tampered-keys added; each "
         "loaded and embedded (its own pooling, rank, and mean pooling), reranked and "
         "classified",
-        Size(400, 150), Size(None, 3600), batch_size=100, case_timeout=60,
-        memory_limit=16 * GIB,
     ),
     "tampered-vision": _used_with_tiny_model(
         "Tampered projectors: vision", "vision projector",
