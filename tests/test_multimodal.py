@@ -909,6 +909,8 @@ def test_llama_cpp_python_s_chat_handlers_bring_their_projector(
     for not_a_path in (None, 5):  # 5 would be a file descriptor to os.path.exists
         with pytest.raises(InvalidParameterError, match="clip_model_path must be a file path"):
             Llava15ChatHandler(clip_model_path=not_a_path)  # type: ignore[arg-type]
+    with pytest.raises(InvalidParameterError, match="clip_model_path: File name too long"):
+        Llava15ChatHandler(clip_model_path="x" * 5000)  # an OSError from exists() before
     on_cpu = Gemma4ChatHandler(str(files["vision"]), use_gpu=False)
     with pytest.raises(UnsupportedParameterError, match="use_gpu=False"):
         CompatLlama(str(files["text"]), verbose=False, chat_handler=on_cpu)

@@ -3,7 +3,9 @@ keywords of its ``Llama`` (a load), ``create_completion``, ``create_chat_complet
 ``sample()`` (its hand-written loop: ``eval()`` of valid or hostile tokens, perhaps a rewind
 of ``n_tokens``, then samples each evaluated in turn), drawn from the parameters section's
 pools (tests/reliability_kit/parameters.py) plus malformed messages, tools, tool choices,
-legacy functions and response formats. Code written for
+legacy functions and response formats, and projector chat handlers (a marker the child makes
+into one, whose clip_model_path names the tiny vision projector or a hostile path; a load with
+one then chats with an image). Code written for
 llama-cpp-python passes such values through unchecked; here each must be a LlamaError (the
 compat layer's UnsupportedParameterError is one) naming the keyword, and the compat Llama
 kept across the cases must answer afterwards.
@@ -57,7 +59,24 @@ LOAD: dict[str, tuple[str, list[Any]]] = {
     "type_v": ("str", ["f16", 1]),
     "spm_infill": ("bool", [True]),
     "vocab_only": ("bool", [False, True]),
+    "chat_handler": ("handler", []),
 }
+# llama-cpp-python's projector chat handlers, and what their clip_model_path names: the tiny
+# vision or audio projector, another kind of file, a missing one, or no path at all.
+HANDLERS = (
+    "MTMDChatHandler",
+    "Gemma4ChatHandler",
+    "Llava15ChatHandler",
+    "Llava16ChatHandler",
+    "MoondreamChatHandler",
+    "NanoLlavaChatHandler",
+    "ObsidianChatHandler",
+    "Llama3VisionAlphaChatHandler",
+    "MiniCPMv26ChatHandler",
+    "Qwen25VLChatHandler",
+)
+CLIPS: list[Any] = ["vision", "vision", "vision", "audio", "lora", "llama", "missing.gguf", "",
+                    None, 5, -1, "x" * 5000, "vision\0"]  # fmt: skip
 _SAMPLING: dict[str, tuple[str, list[Any]]] = {
     "max_tokens": ("int", [1, 4, 0, -1]),
     "temperature": ("float", [0.0, 0.8]),
@@ -151,7 +170,20 @@ def _chat_value(kind: str, rng: random.Random) -> Any:
     ])  # fmt: skip
 
 
+def _handler_value(rng: random.Random) -> Any:
+    """A handler to make in the child (a JSON-able marker), or a value that is none."""
+    if rng.random() < 0.15:
+        return rng.choice(["chatml", 5, True, {"clip": "vision"}, [1]])
+    handler = rng.choice(HANDLERS)
+    marker = {"handler": handler, "clip": rng.choice(CLIPS)}
+    if handler in ("MTMDChatHandler", "Gemma4ChatHandler"):
+        marker["use_gpu"] = rng.choice([True, True, False])
+    return marker
+
+
 def _value(kind: str, ordinary: list[Any], rng: random.Random) -> Any:
+    if kind == "handler":
+        return _handler_value(rng)
     if kind in ("messages", "tools", "functions", "tool_choice", "response_format"):
         return rng.choice(ordinary) if ordinary and rng.random() < 0.33 else _chat_value(kind, rng)
     if kind == "str" and rng.random() < 0.3:
@@ -196,12 +228,15 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
 
     options = with_files(case["options"], state["files"])
     if case["where"] == "load":
+        if "chat_handler" in options:
+            options["chat_handler"] = _handler(options["chat_handler"], state["files"])
         keywords = {"n_ctx": 128, "n_threads": 1, "verbose": False, **options}
         with Llama(state["files"]["llama"], **keywords) as loaded:
             if loaded.model_params.vocab_only:
                 return "ok", f"vocabulary alone; {_tokenizes_alone(loaded)}"
             result = loaded.create_completion("the cat", max_tokens=2, temperature=0)
-        return "ok", f"loaded; {result['usage']['completion_tokens']} tokens"
+            seen = _image_chat(loaded) if loaded.chat_handler is not None else ""
+        return "ok", f"loaded; {result['usage']['completion_tokens']} tokens{seen}"
     llm = state["llm"]
 
     def answer() -> str:
@@ -218,6 +253,37 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         return f"{result['usage']['completion_tokens']} tokens"
 
     return then_still_answers(llm, answer, "values")
+
+
+def _handler(value: Any, files: dict[str, str]) -> Any:
+    """The chat handler a marker names, made as llama-cpp-python code makes it (its
+    clip_model_path a file of the setup's where the marker names one); any other value as is."""
+    if not (isinstance(value, dict) and "handler" in value):
+        return value
+    from llamacrab.compat import llama_chat_format
+
+    clip = value["clip"]
+    clip = files.get(clip, clip) if isinstance(clip, str) else clip
+    keywords = {"use_gpu": value["use_gpu"]} if "use_gpu" in value else {}
+    return getattr(llama_chat_format, value["handler"])(clip_model_path=clip, **keywords)
+
+
+def _image_chat(llm: Any) -> str:
+    """A chat with an image, as llama-cpp-python's handlers take one (a data URL)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.fromarray(np.full((24, 32, 3), 120, np.uint8)).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "text", "text": "what is this?"},
+               {"type": "image_url", "image_url": {"url": url}}]  # fmt: skip
+    result = llm.create_chat_completion(messages=[{"role": "user", "content": content}],
+                                        max_tokens=2, temperature=0)  # fmt: skip
+    return f"; an image chat of {result['usage']['prompt_tokens']} prompt tokens"
 
 
 def _tokenizes_alone(llm: Any) -> str:

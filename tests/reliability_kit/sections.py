@@ -138,7 +138,8 @@ SECTIONS = {
     ),
     "compat": Section(
         "llama-cpp-python's API",
-        "one to three keywords of llamacrab.compat's Llama (a load), create_completion, "
+        "one to three keywords of llamacrab.compat's Llama (a load; with one of "
+        "llama-cpp-python's projector chat handlers, an image chat after it), create_completion, "
         "create_chat_completion or sample() (after eval() of valid or hostile tokens and a "
         "rewind of n_tokens) set to the parameters section's extreme or ill-typed values, "
         "or (chat) to malformed messages, tools, tool choices, legacy functions and response "
@@ -241,7 +242,9 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
                  "workdir": str((workdir / "parameters").resolve())}  # fmt: skip
         return parameters.generate(size.cases or 1000, seed), setup
     if name == "compat":
-        setup = {"files": {key: str(path.resolve()) for key, path in files.items()}}
+        setup = {"files": {**{key: str(path.resolve()) for key, path in files.items()},
+                           **{key: str(Path(path).resolve())
+                              for key, path in media.projectors(workdir).items()}}}  # fmt: skip
         return compat.generate(size.cases or 1000, seed), setup
     if name == "registry":
         setup = {"model": str(tiny.resolve()), "workdir": str((workdir / "registry").resolve())}

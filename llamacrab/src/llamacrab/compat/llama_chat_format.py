@@ -15,7 +15,12 @@ class ProjectorChatHandler:
     def __init__(self, clip_model_path: str, verbose: bool = True) -> None:
         # As llama-cpp-python: when it is made (a number or None named, not taken for a file
         # descriptor or a TypeError from os.stat).
-        if not file_path("clip_model_path", clip_model_path).exists():
+        path = file_path("clip_model_path", clip_model_path)
+        try:
+            found = path.exists()
+        except OSError as error:  # a name too long: exists() lets that through
+            raise InvalidParameterError(f"clip_model_path: {error.strerror}") from None
+        if not found:
             raise InvalidParameterError(f"Clip model path does not exist: {clip_model_path}")
         self.clip_model_path = clip_model_path
         self.verbose = verbose
