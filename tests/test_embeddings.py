@@ -107,6 +107,21 @@ def test_embeddings_need_an_embedding_context(tiny_llama: Llama) -> None:
         tiny_llama.embed("hello")
 
 
+def test_an_input_without_tokens_is_named(tmp_path: Path, minilm: Llama) -> None:
+    # A model that adds no BOS gives an empty text no token: a decode of nothing has no row.
+    make_tiny = load_repo_module("scripts/make_tiny_gguf.py")
+    path = make_tiny.write_tiny_llama(tmp_path / "no-bos.gguf", no_end_tokens=True)
+    with Llama(path, embeddings=True, pooling="mean", n_ctx=64) as llm:
+        for texts, index in (([""], 0), (["a", ""], 1), ("", 0)):
+            with pytest.raises(InvalidParameterError, match=f"input {index} has no tokens .* "
+                               "empty text, to which the model adds no token"):  # fmt: skip
+                llm.embed(texts)
+        assert llm.embed(["a", "b"]).shape == (2, 64)  # still usable
+    with pytest.raises(InvalidParameterError, match=r"input 1 has no tokens .* empty list"):
+        minilm.embed([[101, 102], []])
+    assert minilm.embed([""]).shape == (1, 384)  # [CLS] [SEP]: tokens of its own
+
+
 def test_long_prompt_on_a_non_causal_model_is_split_not_aborted(minilm: Llama) -> None:
     # llama.cpp asserts (aborts the process) when a non-causal batch exceeds n_ubatch.
     assert not minilm.model.causal

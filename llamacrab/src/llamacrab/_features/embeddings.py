@@ -260,16 +260,16 @@ class Embeddings:
         items = [texts] if isinstance(texts, str) else list(texts)
         vocab = self.context.model.vocab
 
-        def tokens_of(item: str | Sequence[int]) -> list[int]:
-            if isinstance(item, str):
-                return vocab.tokenize(item)
-            ids = vocab.check_tokens(item).tolist()
-            if not ids:
-                raise InvalidParameterError("an input of token ids is empty")
+        def tokens_of(item: str | Sequence[int], index: int) -> list[int]:
+            ids = vocab.tokenize(item) if isinstance(item, str) else vocab.check_tokens(item)
+            if not len(ids):  # (a decode of no tokens gives no row)
+                what = "an empty list of token ids" if not isinstance(item, str) else (
+                    "an empty text, to which the model adds no token of its own")  # fmt: skip
+                raise InvalidParameterError(f"input {index} has no tokens to embed: {what}")
             return [int(t) for t in ids]
 
         with self.lock:
             embedder = self.embedder(pack_tokens)
-            tokens = [embedder.fit(tokens_of(t), i, truncate) for i, t in enumerate(items)]
+            tokens = [embedder.fit(tokens_of(t, i), i, truncate) for i, t in enumerate(items)]
             self.kv.lend()
             return embedder.run(tokens)
