@@ -114,10 +114,10 @@ def test_an_input_without_tokens_is_named(tmp_path: Path, minilm: Llama) -> None
     with Llama(path, embeddings=True, pooling="mean", n_ctx=64) as llm:
         for texts, index in (([""], 0), (["a", ""], 1), ("", 0)):
             with pytest.raises(InvalidParameterError, match=f"input {index} has no tokens .* "
-                               "empty text, to which the model adds no token"):  # fmt: skip
+                               "empty text .*to which the model adds no token"):  # fmt: skip
                 llm.embed(texts)
         assert llm.embed(["a", "b"]).shape == (2, 64)  # still usable
-    with pytest.raises(InvalidParameterError, match=r"input 1 has no tokens .* empty list"):
+    with pytest.raises(InvalidParameterError, match=r"input 1 has no tokens .* list of token ids"):
         minilm.embed([[101, 102], []])
     assert minilm.embed([""]).shape == (1, 384)  # [CLS] [SEP]: tokens of its own
 

@@ -55,7 +55,13 @@ class Embedder:
 
     def fit(self, tokens: list[int], index: int, truncate: bool) -> list[int]:
         """One text's tokens, cut to a single decode if ``truncate`` (keeping its last token,
-        the separator a BERT-style model expects); otherwise too long is an error."""
+        the separator a BERT-style model expects); otherwise too long is an error. No tokens
+        is an error too: a decode of none gives no row."""
+        if not tokens:
+            raise InvalidParameterError(
+                f"input {index} has no tokens to embed: an empty text (or list of token ids), "
+                "to which the model adds no token of its own"
+            )
         if len(tokens) <= self.limit:
             return tokens
         if not truncate:
@@ -260,16 +266,13 @@ class Embeddings:
         items = [texts] if isinstance(texts, str) else list(texts)
         vocab = self.context.model.vocab
 
-        def tokens_of(item: str | Sequence[int], index: int) -> list[int]:
-            ids = vocab.tokenize(item) if isinstance(item, str) else vocab.check_tokens(item)
-            if not len(ids):  # (a decode of no tokens gives no row)
-                what = "an empty list of token ids" if not isinstance(item, str) else (
-                    "an empty text, to which the model adds no token of its own")  # fmt: skip
-                raise InvalidParameterError(f"input {index} has no tokens to embed: {what}")
-            return [int(t) for t in ids]
+        def tokens_of(item: str | Sequence[int]) -> list[int]:
+            if isinstance(item, str):
+                return vocab.tokenize(item)
+            return [int(t) for t in vocab.check_tokens(item)]
 
         with self.lock:
             embedder = self.embedder(pack_tokens)
-            tokens = [embedder.fit(tokens_of(t, i), i, truncate) for i, t in enumerate(items)]
+            tokens = [embedder.fit(tokens_of(t), i, truncate) for i, t in enumerate(items)]
             self.kv.lend()
             return embedder.run(tokens)
