@@ -807,9 +807,10 @@ def test_llama_raises_invalid_model_error_naming_the_key(tmp_path: Path) -> None
     [("rope.freq_base", 0.0), ("rope.freq_base", -1.0), ("rope.freq_base", float("nan")),
      ("rope.freq_base_swa", 0.0), ("rope.scale_linear", float("nan")),
      ("rope.scaling.factor", float("inf")), ("rope.scaling.attn_factor", float("nan")),
-     ("rope.scaling.attn_factor", 1e30)],
+     ("rope.scaling.attn_factor", 1e30), ("final_logit_softcapping", float("nan")),
+     ("final_logit_softcapping", float("inf")), ("logit_scale", float("-inf"))],
 )  # fmt: skip
-def test_rope_values_that_make_every_logit_nan_are_refused_at_load(
+def test_hyperparameters_that_make_every_logit_nan_are_refused_at_load(
     tmp_path: Path, key: str, value: float
 ) -> None:
     # Such a file loaded, and every decode gave NaN logits: a DecodeError blaming the weights.
@@ -819,6 +820,18 @@ def test_rope_values_that_make_every_logit_nan_are_refused_at_load(
         match=rf"llama\.{re.escape(key)} = \S+ must be (a finite|within)",
     ):
         Llama(path, n_ctx=64, n_threads=1)
+
+
+def test_a_softcap_gemma3_reads_is_refused_where_it_made_nan_logits(tmp_path: Path) -> None:
+    # gemma3 reads final_logit_softcapping (the tiny llama's arch does not): NaN there gave
+    # NaN logits, a DecodeError at every completion of a model that had loaded.
+    keys = {**WINDOW, "final_logit_softcapping": float("nan")}
+    path = tiny_model(tmp_path / "m.gguf", keys, "gemma3", gemma_norms())
+    checked = load_in_child(path, "checked")
+    assert checked.stdout.startswith("InvalidModelError"), checked.stdout + checked.stderr[-2000:]
+    assert "gemma3.final_logit_softcapping = nan must be a finite number" in checked.stdout
+    unchecked = load_in_child(path, "unchecked")
+    assert unchecked.stdout.startswith("DecodeError") and "logit of nan" in unchecked.stdout
 
 
 def test_rope_values_llama_cpp_reads_as_defaults_load(tmp_path: Path) -> None:

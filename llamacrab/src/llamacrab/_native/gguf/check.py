@@ -64,8 +64,8 @@ def _check_generic(reader: Reader, arch: str, metadata: dict[str, Any]) -> None:
             raise reader.fail(f"{key} = {value} is out of range (minimum {minimum})")
         if "epsilon" in key and isinstance(value, float) and not value > 0:
             raise reader.fail(f"{key} = {value} must be positive")
-        if key.startswith(f"{arch}.rope.") and isinstance(value, float):
-            _check_rope_value(reader, key, value)
+        if isinstance(value, float):
+            _check_float(reader, key, value)
 
 
 # The rotary attention factor scales queries and keys alike (real models: about 1): past this
@@ -73,9 +73,10 @@ def _check_generic(reader: Reader, arch: str, metadata: dict[str, Any]) -> None:
 MAX_ROPE_ATTN_FACTOR = 100.0
 
 
-def _check_rope_value(reader: Reader, key: str, value: float) -> None:
-    """A rotary frequency base of 0 or less, a huge attention factor, or any rope value that is
-    not finite, turns every logit into NaN: a model that loads and never decodes."""
+def _check_float(reader: Reader, key: str, value: float) -> None:
+    """A hyperparameter that is not finite (a logit softcap, a scale), a rotary frequency base
+    of 0 or less, or a huge rotary attention factor turns every logit into NaN: a model that
+    loads and never decodes."""
     base = key.endswith(("rope.freq_base", "rope.freq_base_swa"))
     if not math.isfinite(value) or (base and value <= 0):
         raise reader.fail(f"{key} = {value} must be a finite number{' above 0' * base}")
