@@ -101,6 +101,15 @@ def file_path(what: str, path: object) -> Path:
     return Path(text)
 
 
+def path_is(test: Callable[[Path], bool], path: Path, what: str) -> bool:
+    """``test(path)`` (``Path.exists``, ``Path.is_file``); an OSError it lets through (a name
+    too long) is an InvalidParameterError naming ``what``."""
+    try:
+        return test(path)
+    except OSError as error:
+        raise InvalidParameterError(f"{what}: {error.strerror}") from None
+
+
 def decimal(text: str, signed: bool = False) -> int | None:
     """The integer ``text`` spells in ASCII digits (a leading "-" with ``signed``), else None.
     ``str.isdigit`` is also true of "²" and "٣", which ``int`` refuses or reads as 3."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, InvalidParameterError
-from llamacrab._field_types import decimal, file_path, is_number
+from llamacrab._field_types import decimal, file_path, is_number, path_is
 from llamacrab._native.gguf_reader import LLAMA_MAX_LAYERS, read_gguf_tensors
 
 _F32 = 0  # GGML_TYPE_F32
@@ -126,11 +126,7 @@ def _strength(path: Path, strength: object) -> float:
 
 def _directions(path: Path) -> tuple[str | None, list[tuple[int, np.ndarray]]]:
     """The model hint (``controlvector.model_hint``) and the directions of one file."""
-    try:
-        is_file = path.is_file()
-    except OSError as error:  # a name too long: is_file() lets it through
-        raise InvalidParameterError(f"control vector {path}: {error.strerror}") from None
-    if not is_file:
+    if not path_is(Path.is_file, path, f"control vector {path}"):
         raise InvalidParameterError(f"control vector file not found: {path}")
     metadata, tensors = read_gguf_tensors(path)  # header and tensor bounds checked
     hint = metadata.get("controlvector.model_hint")

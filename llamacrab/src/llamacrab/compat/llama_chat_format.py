@@ -5,8 +5,10 @@ the model's own chat template (or ``chat_format=``), not a format of the handler
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from llamacrab import InvalidParameterError
-from llamacrab._field_types import file_path
+from llamacrab._field_types import file_path, path_is
 
 
 class ProjectorChatHandler:
@@ -16,11 +18,7 @@ class ProjectorChatHandler:
         # As llama-cpp-python: when it is made (a number or None named, not taken for a file
         # descriptor or a TypeError from os.stat).
         path = file_path("clip_model_path", clip_model_path)
-        try:
-            found = path.exists()
-        except OSError as error:  # a name too long: exists() lets that through
-            raise InvalidParameterError(f"clip_model_path: {error.strerror}") from None
-        if not found:
+        if not path_is(Path.exists, path, "clip_model_path"):
             raise InvalidParameterError(f"Clip model path does not exist: {clip_model_path}")
         self.clip_model_path = clip_model_path
         self.verbose = verbose
