@@ -492,9 +492,11 @@ def test_mrope_sections_llama_cpp_accepts_validate(
 # -- asserts of single architectures --------------------------------------------------------
 
 HRM = {"hrm.layers_per_stack": 1, "hrm.h_cycles": 1, "hrm.l_cycles": 1}
+# Hybrids: layer 0 recurrent (linear attention), layer 1 attention
+HYBRID = {"attention.head_count_kv": [0, 2]}
 GLM5 = {"attention.indexer.kpool": 4, "attention.indexer.top_k": 8, "hyper_connection.count": 4,
-        "rope.dimension_count": 0}  # fmt: skip
-BAILING = {"kda.gate_lower_bound": -5.0}
+        "rope.dimension_count": 0, **HYBRID}  # fmt: skip
+BAILING = {"kda.gate_lower_bound": -5.0, **HYBRID}
 DSV4 = {"hyper_connection.count": 4, "attention.output_group_count": 2}
 DSPARK = {**DSV4, **WINDOW}
 MSA = {"attention.indexer.block_size": 64, "attention.indexer.head_count": 2}
@@ -535,15 +537,17 @@ def test_asserts_of_single_architectures(
 # -- graph and loader invariants of single architectures (src/models/<arch>.cpp) ------------
 
 DELTA = {"ssm.conv_kernel": 4, "ssm.inner_size": 64, "ssm.state_size": 16,
-         "ssm.time_step_rank": 4, "ssm.group_count": 2}  # fmt: skip
+         "ssm.time_step_rank": 4, "ssm.group_count": 2, "full_attention_interval": 2}  # fmt: skip
 QWEN35 = {**DELTA, SECTIONS: [4, 4, 0, 0]}
 MAMBA2 = {"ssm.inner_size": 64, "ssm.time_step_rank": 4, "ssm.group_count": 2}
-GRANITE_HYBRID = {**MAMBA2, "ssm.inner_size": 128, "attention.head_count_kv": [0, 2]}
-PLAMO2 = {**MAMBA2, "ssm.group_count": 0, "attention.head_count_kv": [0, 2]}
+GRANITE_HYBRID = {**MAMBA2, "ssm.inner_size": 128, **HYBRID}
+PLAMO2 = {**MAMBA2, "ssm.group_count": 0, **HYBRID}
 MLA = {"attention.key_length_mla": 48, "attention.value_length_mla": 32}
-LFM2 = {"attention.head_count_kv": [0, 2], "shortconv.l_cache": 3}
+LFM2 = {**HYBRID, "shortconv.l_cache": 3}
 NON_CAUSAL = {"attention.causal": False}
-HYBRID_GLM5 = {**GLM5, "attention.head_count_kv": [0, 2]}  # layer 0 is linear attention
+# nemotron_h: an attention layer, a Mamba-2 layer (neither has a feed-forward), an MLP layer
+NEMOTRON_H = {**MAMBA2, "block_count": 3, "attention.head_count_kv": [2, 0, 0],
+              "feed_forward_length": [0, 0, 32]}  # fmt: skip
 WAVTOKENIZER = {"block_count": 8, "posnet.block_count": 6, "posnet.embedding_length": 32,
                 "convnext.embedding_length": 32, "attention.group_norm_groups": 32}  # fmt: skip
 
@@ -555,11 +559,12 @@ WAVTOKENIZER = {"block_count": 8, "posnet.block_count": 6, "posnet.embedding_len
         ("bailingmoe2", MOE, {}),
         ("glm4moe", MOE, {"expert_count": 0}),
         ("qwen35moe", {**QWEN35, **MOE}, QWEN35),
-        ("lfm2moe", {"leading_dense_block_count": 2}, {"leading_dense_block_count": 1}),
+        ("lfm2moe", {**LFM2, "leading_dense_block_count": 2},
+         {**LFM2, "leading_dense_block_count": 1}),
         ("grovemoe", {**MOE, "experts_per_group": 2}, {**MOE, "experts_per_group": 0}),
         ("ernie4_5-moe", {"interleave_moe_layer_step": 1}, {"interleave_moe_layer_step": 0}),
-        ("nemotron_h", {**MOE, "feed_forward_length": [0, 32], "expert_used_count": [0, 2]},
-         {**MOE, "feed_forward_length": [0, 32], "expert_used_count": [2, 0]}),
+        ("nemotron_h", {**MOE, **NEMOTRON_H, "expert_used_count": [0, 0, 2]},
+         {**MOE, **NEMOTRON_H, "expert_used_count": [2, 2, 0]}),
         # divisions by head_count at load (gemma2/gemma3 only for their 27B layer count)
         ("olmo2", {}, {"attention.head_count": 0, "attention.head_count_kv": 0}),
         ("gemma2", {"attention.head_count": 0, "attention.head_count_kv": 0},
@@ -569,13 +574,13 @@ WAVTOKENIZER = {"block_count": 8, "posnet.block_count": 6, "posnet.embedding_len
         ("minimax-01", {"full_attention_interval": 2}, {"full_attention_interval": 0}),
         ("qwen35", QWEN35, {**QWEN35, "ssm.inner_size": 48}),
         ("qwen3next", DELTA, {**DELTA, "ssm.group_count": 3}),
-        ("qwen3next", {**DELTA, "ssm.group_count": 3, "attention.recurrent_layers": [0, 0]},
+        ("qwen3next", {**DELTA, "attention.recurrent_layers": [1, 0]},
          {**DELTA, "ssm.group_count": 3, "attention.recurrent_layers": [0, 1]}),
         ("mamba2", MAMBA2, {**MAMBA2, "ssm.group_count": 0}),
         ("mamba2", MAMBA2, {**MAMBA2, "ssm.time_step_rank": 3}),
         ("granitehybrid", GRANITE_HYBRID, {**GRANITE_HYBRID, "ssm.group_count": 3}),
         ("granitehybrid", GRANITE_HYBRID, {**GRANITE_HYBRID, "ssm.inner_size": 64}),
-        ("jamba", {"ssm.inner_size": 128}, {"ssm.inner_size": 96}),
+        ("jamba", {**HYBRID, "ssm.inner_size": 128}, {**HYBRID, "ssm.inner_size": 96}),
         ("plamo2", PLAMO2, {**PLAMO2, "ssm.group_count": 2}),
         ("lfm2", LFM2, {**LFM2, "attention.value_length": 8}),
         ("lfm2", LFM2, {**LFM2, "shortconv.l_cache": 1}),
@@ -588,8 +593,8 @@ WAVTOKENIZER = {"block_count": 8, "posnet.block_count": 6, "posnet.embedding_len
         ("deepseek2-ocr", {}, {"attention.value_length": 8}),
         ("deepseek32", {"attention.indexer.key_length": 16}, {"attention.indexer.key_length": 8}),
         ("glm-dsa", {"attention.indexer.types": [1, 0]}, {"attention.indexer.types": [0, 1]}),
-        ("glm5-next", {**HYBRID_GLM5, "attention.indexer.types": [0, 1]},
-         {**HYBRID_GLM5, "attention.indexer.types": [1, 0]}),
+        ("glm5-next", {**GLM5, "attention.indexer.types": [0, 1]},
+         {**GLM5, "attention.indexer.types": [1, 0]}),
         ("glm5-next", GLM5, {**GLM5, "rope.dimension_count": 16}),
         ("deepseek4", DSV4, {**DSV4, "hyper_connection.count": 2}),
         ("deepseek4", DSV4, {**DSV4, "attention.output_group_count": 3}),

@@ -87,6 +87,16 @@ class _Model:
             return [interval > 0 and (il + 1) % interval != 0 for il in range(n)]
         return [False] * n
 
+    @cached_property
+    def attention(self) -> list[bool]:
+        """Which main layers attend (in a graph of archs.HYBRID_INPUTS)."""
+        if self.arch == "falcon-h1":
+            return [True] * self.n_main
+        if self.arch in archs.RECURRENT_WITHOUT_KV_OR_FF:
+            ff = self.layers("feed_forward_length")
+            return [not r and f == 0 for r, f in zip(self.recurrent, ff, strict=False)]
+        return [not r for r in self.recurrent]
+
 
 def _divides(d: float, n: float) -> bool:
     """d > 0 and d divides n: llama.cpp divides n by d."""
@@ -193,6 +203,10 @@ def _attention_rules(m: _Model) -> list[Rule]:
         mla = m.key("attention.key_length_mla"), m.key("attention.value_length_mla")
         key = mla[0] if all(mla) else m.layer0.key
         rules.append((key > rope, "attention.key_length_mla (else key_length) > rope dimensions"))
+    if m.arch in archs.KEYS_FOR_EVERY_HEAD:
+        same = all(kv == h for h, kv in zip(m.heads[: m.n_main], m.heads_kv, strict=False))
+        rules.append((same, "attention.head_count_kv == head_count on every layer (its graph "
+                            "makes a key for every query head)"))  # fmt: skip
     if m.arch in archs.NOPE_ONLY and not all(m.recurrent):
         rules.append((rope == 0, "rope.dimension_count == 0 (its MLA has no rope)"))
     hc = m.key("hyper_connection.count")
@@ -255,7 +269,53 @@ def _graph_rules(m: _Model) -> list[Rule]:
         ]
     if m.arch == "eagle3":
         return [(m.n_main == 1, "block_count - nextn_predict_layers == 1")]
+    if m.arch == "afmoe":  # its graph builds sliding-window inputs whatever the window
+        return [(m.key("attention.sliding_window") > 0, "attention.sliding_window > 0")]
+    if m.arch in archs.T5_BUCKETS:
+        return _t5_rules(m)
     return []
+
+
+def _t5_rules(m: _Model) -> list[Rule]:
+    """T5's relative position buckets and the layer-0 biases every layer falls back to."""
+    low, high = archs.T5_BUCKETS[m.arch]
+    buckets = m.key("attention.relative_buckets_count")
+    rules = [(low <= buckets < high, f"attention.relative_buckets_count in {low}..{high - 1}")]
+    missing = [
+        name for name in archs.T5_LAYER0_BIASES[m.arch] if m.tensors and name not in m.tensors
+    ]
+    what = "layer 0's relative position biases, every layer's fallback"
+    rules.append((not missing, f"{what}; {missing[0]} is missing" if missing else what))
+    return rules
+
+
+def _layer_tensor_rules(m: _Model) -> list[Rule]:
+    """Layers a graph that builds inputs for both kinds needs of each kind, and tensors it uses
+    that its loader reads as optional (archs.HYBRID_INPUTS, archs.LAYER_TENSORS)."""
+    rules = []
+    if m.arch in archs.HYBRID_INPUTS and m.n_main > 0:
+        why = "(its graph's inputs serve both kinds)"
+        rules += [(any(m.recurrent), f"a recurrent layer {why}"),
+                  (any(m.attention), f"an attention layer {why}")]  # fmt: skip
+    if m.arch in archs.LAYER_TENSORS and m.tensors:
+        rules.append(_layer_tensors_rule(m, *archs.LAYER_TENSORS[m.arch]))
+    return rules
+
+
+def _layer_tensors_rule(m: _Model, kind: str, alternatives: tuple[tuple[str, ...], ...]) -> Rule:
+    """Each main layer of the kind has the tensors of the first alternative it has the first
+    tensor of (else of the first alternative)."""
+    what = " or ".join(", ".join(names) for names in alternatives)
+    what = f"{what} in every {'recurrent ' if kind == 'recurrent' else ''}layer"
+    for il in range(m.n_main):
+        if kind == "recurrent" and not m.recurrent[il]:
+            continue
+        chosen = next((a for a in alternatives if f"blk.{il}.{a[0]}" in m.tensors), None)
+        names = alternatives[0] if chosen is None else chosen
+        missing = [name for name in names if f"blk.{il}.{name}" not in m.tensors]
+        if missing:
+            return (False, f"{what}; blk.{il}.{missing[0]} is missing")
+    return (True, what)
 
 
 def _lfm2_rules(m: _Model) -> list[Rule]:
@@ -341,7 +401,7 @@ def _glm_dsa_indexer_rule(m: _Model) -> Rule:
 
 
 _RULES = (_hparam_rules, _table_rules, _ssm_rules, _attention_rules, _rwkv_rules, _graph_rules,
-          _tensor_rules)  # fmt: skip
+          _layer_tensor_rules, _tensor_rules)  # fmt: skip
 
 
 def check_arch_rules(

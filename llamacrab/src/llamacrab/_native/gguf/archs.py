@@ -57,7 +57,7 @@ HEADS_K_EQ_V = frozenset({
     "granitehybrid", "jais", "laguna", "maple", "minimax-01", "minimax-m2", "minimax-m3",
     "modern-bert", "mpt", "muse-glimmer", "nanbeige", "nemotron", "nemotron_h", "neo-bert",
     "openelm", "phi2", "phi3", "qwen", "qwen35", "qwen35moe", "qwen3next", "qwen4exp", "refact",
-    "spark2_5", "stablelm", "starcoder", "t5"
+    "spark2_5", "stablelm", "starcoder", "t5", "t5encoder"
 })  # fmt: skip
 # ... and also == rope dimensions.
 HEADS_K_EQ_V_EQ_ROT = frozenset({
@@ -120,11 +120,24 @@ HEAD_COUNT_DIVIDES: dict[str, int | None] = {
 # {arch}.attention.recurrent_layers, all but every full_attention_interval-th (its default here:
 # the loader divides by it).
 RECURRENT_ALL = frozenset({"falcon-h1", "mamba2"})
-RECURRENT_WITHOUT_KV = frozenset({"glm5-next", "granitehybrid", "lfm2", "lfm2moe", "plamo2"})
+RECURRENT_WITHOUT_KV = frozenset({
+    "bailingmoe3", "glm5-next", "granitehybrid", "jamba", "kimi-k3", "kimi-linear", "lfm2",
+    "lfm2moe", "plamo2",
+})  # fmt: skip
 RECURRENT_WITHOUT_KV_OR_FF = frozenset({"nemotron_h", "nemotron_h_moe"})
 RECURRENT_INTERVAL: dict[str, int] = {
     "minimax-01": 8, "qwen35": 4, "qwen35moe": 4, "qwen3next": 4, "qwen4exp": 4
 }  # fmt: skip
+
+# Graphs whose inputs serve both kinds of layer (build_inp_mem_hybrid and its _k and _iswa
+# forms): llama.cpp fills both every decode, and an input no layer of a kind uses has no buffer
+# (GGML_ASSERT in ggml_backend_buffer_get_type). Attention layers are the non-recurrent ones;
+# nemotron_h's those without a feed-forward too; falcon-h1's every layer (it runs both kinds).
+HYBRID_INPUTS = frozenset({
+    "bailingmoe3", "falcon-h1", "glm5-next", "granitehybrid", "jamba", "kimi-k3", "kimi-linear",
+    "lfm2", "lfm2moe", "minimax-01", "nemotron_h", "nemotron_h_moe", "plamo2", "qwen35",
+    "qwen35moe", "qwen3next", "qwen4exp",
+})  # fmt: skip
 
 # ssm.* layout the recurrent layers' graph asserts: "mamba2" (build_mamba2_layer: time_step_rank
 # and group_count > 0, both dividing inner_size), "plamo2" (group_count 0, time_step_rank
@@ -145,6 +158,20 @@ INDEXER_ROPE = frozenset({"deepseek32", "deepseek4", "dots3note", "glm-dsa", "mi
 INDEXER_SHARED_AFTER_FULL = frozenset({"glm-dsa", "glm5-next"})
 # MLA loaders asserting a non-rotary part: key_length_mla (else key_length) > rope dimensions.
 MLA_NOPE = frozenset({"deepseek2", "hy_v4", "mistral4"})
+# Graphs that build a key (and value) for every query head and store them in a cache sized
+# for head_count_kv heads: ggml_set_rows / ggml_reshape assert unless the two are equal.
+KEYS_FOR_EVERY_HEAD = frozenset({"minicpm3", "plm", "t5", "t5encoder"})
+# T5's relative position buckets (llama_relative_position_bucket, max_distance 128): a
+# bidirectional encoder halves the count, then needs an exact range of at least 1 and below 128
+# (else log(0) or a non-positive log(128 / range) gives negative buckets: an out-of-bounds
+# ggml_get_rows); t5's causal decoder uses the whole count. Both fall back to layer 0's
+# attn_rel_b, which the loader reads as optional.
+T5_BUCKETS: dict[str, tuple[int, int]] = {"t5": (4, 256), "t5encoder": (4, 512)}
+T5_LAYER0_BIASES: dict[str, tuple[str, ...]] = {
+    "t5": ("enc.blk.0.attn_rel_b.weight", "dec.blk.0.attn_rel_b.weight"),
+    "t5encoder": ("enc.blk.0.attn_rel_b.weight",),
+}
+
 # MLA graphs without rope at all.
 NOPE_ONLY = frozenset({"glm5-next"})
 # DeepSeek-V4 attention with hyper-connections (dflash only with hyper_connection.count > 0).
@@ -172,6 +199,23 @@ GLM_5_2_FULL_INDEXER_LAYERS = frozenset({0, 1, *range(2, 78, 4)})
 # The indexer tensors the glm-dsa graph multiplies on a full-indexer layer
 # (blk.N.<name>.weight); the loader reads them as optional (k_norm may be absent).
 GLM_DSA_FULL_INDEXER_TENSORS = ("indexer.attn_q_b", "indexer.attn_k", "indexer.proj")
+
+# Tensors the loaders read as optional but the graphs multiply by, on every main layer ("all")
+# or every recurrent one: alternatives, the first whose first tensor a layer has being the one
+# its graph takes (a null-tensor dereference without the rest). phi3 and pockettts take fused
+# or separate attention weights; build_mamba2_layer adds the conv bias unconditionally;
+# qwen35's delta net multiplies by its fused projections, qwen3next's by them or (legacy) ssm_in.
+_MAMBA2_BIAS = ("recurrent", (("ssm_conv1d.bias",),))
+_QWEN35_PROJECTIONS = ("recurrent", (("attn_qkv.weight", "attn_gate.weight"),))
+LAYER_TENSORS: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
+    "phi3": ("all", (("attn_qkv.weight",), ("attn_q.weight", "attn_k.weight", "attn_v.weight"))),
+    "pockettts": ("all", (("attn_qkv.weight",),
+                          ("attn_q.weight", "attn_k.weight", "attn_v.weight"))),
+    "falcon-h1": _MAMBA2_BIAS, "granitehybrid": _MAMBA2_BIAS, "nemotron_h": _MAMBA2_BIAS,
+    "nemotron_h_moe": _MAMBA2_BIAS,
+    "qwen35": _QWEN35_PROJECTIONS, "qwen35moe": _QWEN35_PROJECTIONS,
+    "qwen3next": ("recurrent", (("attn_qkv.weight", "attn_gate.weight"), ("ssm_in.weight",))),
+}  # fmt: skip
 
 # Graphs that abort on embedding input (an image or audio from a projector): graniteswitch
 # always (granite-switch.cpp asserts ubatch.token), these unless llama_model_rope_type is M-RoPE
