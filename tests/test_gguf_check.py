@@ -411,7 +411,6 @@ def test_a_sliding_window_model_without_such_layers_is_rejected(
         ("gemma2", {"nextn_predict_layers": 1}),
         ("cohere2moe", {}),
         ("exaone4", {PATTERN: 1}),  # sliding-window only with 64 layers
-        ("llama4", {"attention.sliding_window": 0, PATTERN: 1}),
         ("gemma-embedding", {PATTERN: 2}),
         ("modern-bert", WINDOW),
         ("gemma4", {PATTERN: [1, 0]}),
@@ -542,9 +541,11 @@ QWEN35 = {**DELTA, SECTIONS: [4, 4, 0, 0]}
 MAMBA2 = {"ssm.inner_size": 64, "ssm.time_step_rank": 4, "ssm.group_count": 2}
 GRANITE_HYBRID = {**MAMBA2, "ssm.inner_size": 128, **HYBRID}
 PLAMO2 = {**MAMBA2, "ssm.group_count": 0, **HYBRID}
-MLA = {"attention.key_length_mla": 48, "attention.value_length_mla": 32}
+MLA = {"attention.key_length_mla": 48, "attention.value_length_mla": 32,
+       "attention.head_count_kv": 1}  # fmt: skip
 LFM2 = {**HYBRID, "shortconv.l_cache": 3}
 NON_CAUSAL = {"attention.causal": False}
+EVERY_HEAD = {"attention.head_count_kv": 4}  # as many KV heads as query heads
 # nemotron_h: an attention layer, a Mamba-2 layer (neither has a feed-forward), an MLP layer
 NEMOTRON_H = {**MAMBA2, "block_count": 3, "attention.head_count_kv": [2, 0, 0],
               "feed_forward_length": [0, 0, 32]}  # fmt: skip
@@ -586,12 +587,31 @@ WAVTOKENIZER = {"block_count": 8, "posnet.block_count": 6, "posnet.embedding_len
         ("lfm2", LFM2, {**LFM2, "shortconv.l_cache": 1}),
         ("lfm2", {**LFM2, **NON_CAUSAL}, {**LFM2, **NON_CAUSAL, "shortconv.l_cache": 4}),
         # MLA, indexer and DeepSeek-V4 attention
-        ("deepseek2", {"rope.dimension_count": 8}, {}),  # without MLA: key_length 16 - rope
+        # without MLA: a key of key_length 16 - rope for every query head
+        ("deepseek2", {**EVERY_HEAD, "rope.dimension_count": 8}, EVERY_HEAD),
+        ("deepseek2", {**EVERY_HEAD, "rope.dimension_count": 8}, {"rope.dimension_count": 8}),
+        # with MLA: one latent key of kv_lora_rank + rope
+        ("deepseek2", {**MLA, "attention.kv_lora_rank": 8, "rope.dimension_count": 8},
+         {**MLA, "attention.kv_lora_rank": 16, "rope.dimension_count": 8}),
+        ("kimi-linear", {**MLA, "attention.head_count_kv": [0, 1], "attention.kv_lora_rank": 8,
+                         "rope.dimension_count": 8},
+         {**MLA, "attention.head_count_kv": [0, 2], "attention.kv_lora_rank": 8,
+          "rope.dimension_count": 8}),
+        ("deepseek2", {**EVERY_HEAD, "rope.dimension_count": 8, "attention.temperature_scale": 0.1,
+                       "attention.temperature_length": 4096},
+         {**EVERY_HEAD, "rope.dimension_count": 8, "attention.temperature_scale": 0.1}),
+        ("dots1", EVERY_HEAD, {}),
+        ("olmoe", EVERY_HEAD, {**EVERY_HEAD, "attention.key_length": 8}),
+        ("minimax-m2", {**MOE, "expert_gating_func": 2}, MOE),
+        ("llama4", {"block_count": 4}, {}),
+        ("llama4", {"block_count": 4}, {"block_count": 4, "attention.sliding_window": 0}),
         ("hy_v4", MLA, {**MLA, "attention.key_length_mla": 0}),
         ("hy_v4", MLA, {**MLA, "attention.key_length_mla": 16}),
-        ("deepseek2-ocr", {}, {"rope.freq_base": 5000.0}),
-        ("deepseek2-ocr", {}, {"attention.value_length": 8}),
-        ("deepseek32", {"attention.indexer.key_length": 16}, {"attention.indexer.key_length": 8}),
+        ("deepseek2-ocr", EVERY_HEAD, {**EVERY_HEAD, "rope.freq_base": 5000.0}),
+        ("deepseek2-ocr", EVERY_HEAD, {**EVERY_HEAD, "attention.value_length": 8}),
+        ("deepseek32", {"attention.indexer.key_length": 64}, {"attention.indexer.key_length": 8}),
+        ("glm-dsa", {"attention.indexer.key_length": 128},
+         {"attention.indexer.key_length": 96}),
         ("glm-dsa", {"attention.indexer.types": [1, 0]}, {"attention.indexer.types": [0, 1]}),
         ("glm5-next", {**GLM5, "attention.indexer.types": [0, 1]},
          {**GLM5, "attention.indexer.types": [1, 0]}),
@@ -724,8 +744,8 @@ def test_a_dspark_markov_head_needs_a_block_size(tmp_path: Path) -> None:
 def test_dots3note_reads_its_pattern_array_for_layer_0(tmp_path: Path) -> None:
     # dots3note sizes layer 0 by the _swa values when its pattern marks it sliding-window, and
     # (with a create_memory branch of its own) needs no sliding-window layer.
-    keys = {"rope.dimension_count": 8, "rope.dimension_count_swa": 16,
-            "attention.indexer.key_length": 8}  # fmt: skip
+    keys = {"rope.dimension_count": 8, "attention.key_length_swa": 128,
+            "rope.dimension_count_swa": 128, "attention.indexer.key_length": 64}  # fmt: skip
     validate_gguf(header(tmp_path / "full.gguf", {**keys, PATTERN: [0, 0]}, "dots3note"))
     path = header(tmp_path / "swa.gguf", {**keys, PATTERN: [1, 0]}, "dots3note")
     rejects(path, "dots3note needs attention.indexer.key_length >= the rope dimensions")

@@ -85,10 +85,31 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "relative_buckets_count in 4..511", "i01 >= 0 && i01 < ne01"),
         ("t5encoder", {"drop": ["enc.blk.0.attn_rel_b.weight"]}, "enc.blk.0.attn_rel_b.weight",
          "SIGSEGV"),
+        ("deepseek2-ocr", {"keys": NO_KV_GROUPS}, "head_count_kv == head_count",
+         "a->ne[0] == b->ne[0]"),
+        ("dots1", {"keys": {**NO_KV_GROUPS, "expert_gating_func": ("UINT32", 2)}},
+         "head_count_kv == head_count",
+         "ggml_nelements(a) == ne0*ne1*ne2"),
+        ("olmoe", {"keys": NO_KV_GROUPS}, "head_count_kv == head_count",
+         "ggml_can_repeat(b, a)"),
+        ("kimi-linear", {"keys": {"attention.head_count_kv": ("arr", [2, 0])}},
+         "head_count_kv == 1 on attention layers", "a->ne[0] == b->ne[0]"),
+        ("deepseek32", {"keys": {"attention.indexer.key_length": ("UINT32", 32)}},
+         "indexer.key_length a power of two", "ggml_can_mul_mat(a, b)"),
+        ("deepseek2", {"keys": {"attention.temperature_scale": ("FLOAT32", 0.1)}},
+         "temperature_length > 0", "n_attn_temp_floor_scale != 0"),
+        ("minimax-m2", {"keys": {}}, "needs expert_gating_func", "fatal error"),
+        ("llama4", {"keys": {"block_count": ("UINT32", 2)}}, "at least 4 layers",
+         "tensor buffer not set"),
+        ("chameleon", {"keys": {}, "n_vocab": 8000}, "vocabulary of at least 8196",
+         "ggml_nelements(a) >= ggml_nelements(b)"),
     ],
     ids=["lfm2-attention-only", "plamo2-attention-only", "phi3-no-attention",
          "pockettts-no-key", "granitehybrid-no-conv-bias", "qwen3next-no-gate", "afmoe-no-window",
-         "minicpm3-kv-groups", "t5encoder-kv-groups", "t5encoder-buckets", "t5encoder-no-bias"],
+         "minicpm3-kv-groups", "t5encoder-kv-groups", "t5encoder-buckets", "t5encoder-no-bias",
+         "ocr-kv-groups", "dots1-kv-groups", "olmoe-kv-groups", "kimi-latent-heads",
+         "indexer-rotation", "temperature-length", "gating-function", "llama4-layers",
+         "chameleon-vocabulary"],
 )  # fmt: skip
 def test_a_file_llama_cpp_dies_on_is_refused_by_name(
     tmp_path: Path, arch: str, options: dict[str, Any], message: str, death: str
@@ -105,3 +126,51 @@ def test_a_file_llama_cpp_dies_on_is_refused_by_name(
         f"docs/native-aborts.md\n{unchecked.stdout}{unchecked.stderr[-2000:]}"
     )
     assert death in DEATHS or death in unchecked.stderr, unchecked.stderr[-2000:]
+
+
+CONTEXT_CHILD = textwrap.dedent("""
+    import json, sys
+    from llamacrab import Llama, LlamaError
+    from llamacrab._native import batch, context
+    if sys.argv[2] == "unchecked":
+        context._fit_graph = lambda *args: None
+        batch.Batch.output_all = lambda self: None
+    options = json.loads(sys.argv[3])
+    prompt = options.pop("prompt", "the cat")
+    try:
+        with Llama(sys.argv[1], n_ctx=512, n_threads=1, **options) as llm:
+            if options.get("embeddings"):
+                llm.embed(["the cat", "a crab"])
+            else:
+                llm.create_completion(prompt, max_tokens=2, temperature=0)
+        print("ran")
+    except LlamaError as error:
+        print(type(error).__name__, error)
+""")
+
+
+@pytest.mark.parametrize(
+    ("arch", "options", "checked", "death"),
+    [
+        ("qwen4exp", {"embeddings": True}, "InvalidParameterError embeddings=True",
+         "tensor read out of bounds"),
+        ("plm", {"flash_attn": "on"}, 'InvalidParameterError flash_attn="on"',
+         "a->ne[0] == b->ne[0]"),
+        ("plm", {"flash_attn": "auto"}, "ran", "a->ne[0] == b->ne[0]"),
+        ("chameleon", {"n_batch": 64, "n_ubatch": 32, "prompt": "the cat sat on the mat " * 20},
+         "ran", "ggml_nelements(a) >= ggml_nelements(b)"),
+    ],
+    ids=["qwen4exp-embeddings", "plm-flash-attention", "plm-auto", "chameleon-long-prompt"],
+)  # fmt: skip
+def test_a_context_llama_cpp_dies_on_is_refused_or_avoided(
+    tmp_path: Path, arch: str, options: dict[str, Any], checked: str, death: str
+) -> None:
+    path = synthesized(tmp_path, arch)
+    runs = {mode: subprocess.run([sys.executable, "-c", CONTEXT_CHILD, str(path), mode,
+                                  json.dumps(options)],
+                                 capture_output=True, text=True, timeout=300, env=ENV)
+            for mode in ("checked", "unchecked")}  # fmt: skip
+    assert runs["checked"].returncode == 0, runs["checked"].stderr[-2000:]
+    assert runs["checked"].stdout.startswith(checked), runs["checked"].stdout
+    assert runs["unchecked"].returncode == -signal.SIGABRT, runs["unchecked"].stdout
+    assert death in runs["unchecked"].stderr, runs["unchecked"].stderr[-2000:]

@@ -69,7 +69,8 @@ STARTING_VALUES: dict[str, tuple[str, Any]] = {
     "attention.indexer.top_k": ("UINT32", 4),
     "attention.indexer.block_size": ("UINT32", 4),
     "attention.indexer.head_count": ("UINT32", 2),
-    "attention.indexer.key_length": ("UINT32", 32),
+    "attention.indexer.key_length": ("UINT32", 64),
+    "expert_gating_func": ("UINT32", 2),
     "hyper_connection.count": ("UINT32", 4),
     "attention.output_group_count": ("UINT32", 2),
     "hrm.layers_per_stack": ("UINT32", 1),
@@ -88,17 +89,20 @@ _MLA: Keys = {"attention.kv_lora_rank": ("UINT32", 16), "attention.key_length": 
               "attention.key_length_mla": ("UINT32", 32),
               "attention.value_length_mla": ("UINT32", 16)}  # fmt: skip
 _GROUPS: list[tuple[tuple[str, ...], Keys]] = [
-    (("bailingmoe3", "granitehybrid", "jamba", "kimi-k3", "kimi-linear", "lfm2", "lfm2moe"),
-     _HYBRID),
+    (("bailingmoe3", "granitehybrid", "jamba", "lfm2", "lfm2moe"), _HYBRID),
+    (("kimi-k3", "kimi-linear"), {**_MLA, "attention.head_count_kv": ("arr", [1, 0])}),
     (("nemotron_h", "nemotron_h_moe"), {**_HYBRID, "feed_forward_length": ("arr", [0, 0])}),
     (("minimax-01", "qwen35", "qwen35moe", "qwen3next", "qwen4exp"),
      {"full_attention_interval": ("UINT32", 2)}),
     (("bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "nomic-bert-moe"),
      {"tokenizer.ggml.token_type_count": ("UINT32", 2)}),
     (("deepseek2", "deepseek32", "dots3note", "glm-dsa", "hy_v4", "mistral4"), _MLA),
-    (("minicpm3", "plm", "t5", "t5encoder"), {"attention.head_count_kv": ("UINT32", 4)}),
+    (("deepseek2-ocr", "dots1", "minicpm3", "olmoe", "plm", "t5", "t5encoder"),
+     {"attention.head_count_kv": ("UINT32", 4)}),
+    (("llama4",), {"block_count": ("UINT32", 4)}),
     (("plamo2",), {**_HYBRID, "ssm.group_count": ("UINT32", 0)}),
-    (("glm5-next",), {**_HYBRID, "rope.dimension_count": ("UINT32", 0)}),
+    (("glm5-next",), {"attention.head_count_kv": ("arr", [1, 0]),
+                      "rope.dimension_count": ("UINT32", 0)}),
     (("arwkv7", "rwkv6qwen2"), {"token_shift_count": ("UINT32", 1)}),
 ]  # fmt: skip
 STARTING_KEYS: dict[str, Keys] = {arch: keys for archs, keys in _GROUPS for arch in archs}
@@ -108,6 +112,8 @@ STARTING_TENSORS: dict[str, dict[str, list[int]]] = {
     "t5": {"enc.blk.0.attn_rel_b.weight": _T5_BIAS, "dec.blk.0.attn_rel_b.weight": _T5_BIAS},
     "t5encoder": {"enc.blk.0.attn_rel_b.weight": _T5_BIAS},
 }
+# Vocabularies larger than the tiny model's 271 tokens (chameleon hides tokens 4..8195).
+STARTING_VOCAB = {"chameleon": 8200}
 MAX_STEPS = 200
 
 
@@ -126,11 +132,13 @@ def _full_key(arch: str, key: str) -> str:
     return key if key.startswith(("tokenizer.", "general.")) else f"{arch}.{key}"
 
 
-def starting_spec(arch: str) -> dict[str, Any]:
+def starting_spec(arch: str, n_vocab: int | None = None) -> dict[str, Any]:
     tiny = script("make_tiny_gguf")
-    tensors = tiny._tensors(0, len(tiny.vocabulary()[0]))
+    n_vocab = max(n_vocab or STARTING_VOCAB.get(arch, 0), len(tiny.vocabulary()[0]))
+    tensors = tiny._tensors(0, n_vocab)
     return {
         "arch": arch,
+        "extra_tokens": n_vocab - len(tiny.vocabulary()[0]),
         "keys": {_full_key(arch, k): v for k, v in STARTING_KEYS.get(arch, {}).items()},
         "tensors": {name: list(reversed(data.shape)) for name, data in tensors.items()}
         | STARTING_TENSORS.get(arch, {}),
@@ -143,7 +151,8 @@ def write(spec: dict[str, Any], path: Path) -> None:
 
     tiny = script("make_tiny_gguf")
     writer = gguf.GGUFWriter(str(path), spec["arch"])
-    tiny._metadata(writer, tiny.N_LAYER, 1e-5)
+    extra = [(f"<extra {i}>", gguf.TokenType.NORMAL) for i in range(spec.get("extra_tokens", 0))]
+    tiny._metadata(writer, tiny.N_LAYER, 1e-5, extra_tokens=extra)
     for key, (vtype, value) in spec["keys"].items():
         if vtype == "arr":
             writer.add_array(key, value)
@@ -218,6 +227,15 @@ def _mend(spec: dict[str, Any], refusal: str, path: Path) -> bool:
         changed = _named_keys(spec, refusal) or tensors[m.group(1)] != [64]
         tensors[m.group(1)] = [64]  # asked again once the keys that size it are there
         return changed
+    if m := re.search(r"block_count = (\d+) but the tensors describe (\d+) blocks", refusal):
+        wanted, present = int(m.group(1)), int(m.group(2))
+        if not 0 < present < wanted <= 8:
+            return False
+        for name, dims in list(tensors.items()):  # the new blocks as copies of the last ones
+            if (block := re.match(r"blk\.(\d+)\.(.*)", name)) and int(block[1]) < present:
+                for il in range(present + int(block[1]), wanted, present):
+                    tensors[f"blk.{il}.{block[2]}"] = dims
+        return True
     if "wrong number of tensors" in refusal:
         return _drop_unused(spec, path)
     if m := re.search(r"(\S+\.(?:weight|bias)) is missing", refusal):
@@ -267,11 +285,12 @@ def _drop_unused(spec: dict[str, Any], scratch: Path) -> bool:
     return dropped
 
 
-def synthesize(arch: str, path: Path, keys: dict[str, tuple[str, Any]] | None = None) -> str:
+def synthesize(arch: str, path: Path, keys: Keys | None = None, n_vocab: int | None = None) -> str:
     """Grow ``path`` into a loadable tiny ``arch`` model, starting with ``keys`` too (named
-    as in STARTING_KEYS); how it went ("loaded after N steps" or why it stalled). The spec
-    is left beside it (``.json``)."""
-    spec = starting_spec(arch)
+    as in STARTING_KEYS) and a vocabulary of ``n_vocab`` (else STARTING_VOCAB's or the tiny
+    model's); how it went ("loaded after N steps" or why it stalled). The spec is left beside
+    it (``.json``)."""
+    spec = starting_spec(arch, n_vocab)
     spec["keys"].update((_full_key(arch, k), v) for k, v in (keys or {}).items())
     status = ""
     for step in range(MAX_STEPS):
@@ -389,13 +408,15 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    """``ARCH PATH [JSON]``: synthesize (JSON: {"keys": {...}, "drop": [tensor names],
-    "unchecked": true}: starting keys, tensors to drop once it loads, no llamacrab checks)."""
+    """``ARCH PATH [JSON]``: synthesize (JSON: {"keys": {...}, "n_vocab": N, "drop": [tensor
+    names], "unchecked": true}: starting keys and vocabulary size, tensors to drop once it
+    loads, no llamacrab checks)."""
     options = json.loads(argv[2]) if len(argv) > 2 else {}
     if options.get("unchecked"):
         without_checks()
     path = Path(argv[1])
-    status = synthesize(argv[0], path, {k: tuple(v) for k, v in options.get("keys", {}).items()})
+    keys = {k: tuple(v) for k, v in options.get("keys", {}).items()}
+    status = synthesize(argv[0], path, keys, options.get("n_vocab"))
     if options.get("drop"):
         spec = json.loads(path.with_suffix(".json").read_text())["spec"]
         for name in options["drop"]:

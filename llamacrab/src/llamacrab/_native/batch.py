@@ -75,6 +75,10 @@ class Batch:
             self._logits[n - 1] = 1
         self.struct.n_tokens = n
 
+    def output_all(self) -> None:
+        """Make every token an output (reading the last one's logits is unchanged)."""
+        self._logits[: self.struct.n_tokens] = 1
+
     def set_sequences(self, sequences: list[np.ndarray]) -> None:
         """Several whole sequences at once (sequence i gets seq_id i, positions from 0), every
         token an output: the layout of batched embeddings."""

@@ -39,6 +39,7 @@ from llamacrab._native.claims import Exclusive
 from llamacrab._native.control_vector import ControlVector
 from llamacrab._native.devices import accelerator_present
 from llamacrab._native.fork import note_compute_threads, thread_limit
+from llamacrab._native.gguf import archs
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.host_limits import default_threads, host_memory_left
 from llamacrab._native.kv_layout import CELL_PAD, kv_streams, pad_cells
@@ -227,6 +228,7 @@ class Context(NativeHandle):
         with held_signals(), model.in_flight() as model_pointer:
             _check_encoder_decoder(model, params)
             c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
+            _fit_graph(model, params, c_params)
             _check_host_memory(model, params, c_params)
             pointer = call("llama_init_from_model", model_pointer, c_params)
             if pointer == ffi.NULL:
@@ -447,6 +449,8 @@ class Context(NativeHandle):
                 f"a batch of {batch.struct.n_tokens} tokens exceeds the {self.max_decode} this "
                 "context decodes at once"
             )
+        if self.model.arch in archs.OUTPUT_EVERY_UBATCH:
+            batch.output_all()
         rows = self.model.position_rows
         if rows is not None and (last := batch.last_position()) >= rows:
             raise ContextOverflowError(
@@ -1051,6 +1055,25 @@ def _host_layers(model: Model, params: ContextParams) -> int:
     if n_gpu_layers is None or n_gpu_layers < 0:
         return 0
     return max(n_layer + 1 - n_gpu_layers, 0)
+
+
+def _fit_graph(model: Model, params: ContextParams, c_params: Any) -> None:
+    """Refuse (or avoid) the contexts an architecture's graph aborts on whatever the file
+    (gguf.archs.EMBEDDINGS_ABORT, NO_FLASH_ATTENTION)."""
+    arch = model.arch
+    if arch in archs.EMBEDDINGS_ABORT and params.embeddings:
+        raise InvalidParameterError(
+            f"embeddings=True: {arch} models give no embeddings (llama.cpp reads them "
+            "hyper_connection.count times wider than its graph makes them, an abort); they "
+            "generate text"
+        )
+    if arch in archs.NO_FLASH_ATTENTION:
+        if params.flash_attn == "on":
+            raise InvalidParameterError(
+                f'flash_attn="on": {arch} models abort with flash attention on batches of '
+                'more than one token in llama.cpp; use "off" or "auto"'
+            )
+        c_params.flash_attn_type = FLASH_ATTN["off"]
 
 
 def _check_rope_freq_base(model: Model, params: ContextParams) -> None:

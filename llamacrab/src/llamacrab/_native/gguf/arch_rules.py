@@ -154,6 +154,8 @@ def _table_rules(m: _Model) -> list[Rule]:
         m.arch in archs.EXPERTS_REQUIRED_PAST_DENSE_LEAD and past_dense_lead
     ):
         rules.append((m.key("expert_count") > 0, "expert_count > 0"))
+    if m.arch in archs.GATING_REQUIRED and m.key("expert_count") > 0 and past_dense_lead:
+        rules.append((m.has("expert_gating_func"), "expert_gating_func (its MoE layers use it)"))
     if m.arch in archs.HEAD_COUNT_DIVIDES and archs.HEAD_COUNT_DIVIDES[m.arch] in (None, m.n_main):
         rules.append((m.heads[0] > 0, "attention.head_count > 0 (layer 0)"))
     if m.arch in archs.RECURRENT_INTERVAL and not m.has("attention.recurrent_layers"):
@@ -207,6 +209,17 @@ def _attention_rules(m: _Model) -> list[Rule]:
         same = all(kv == h for h, kv in zip(m.heads[: m.n_main], m.heads_kv, strict=False))
         rules.append((same, "attention.head_count_kv == head_count on every layer (its graph "
                             "makes a key for every query head)"))  # fmt: skip
+    if m.arch in archs.MLA_LATENT:
+        rules += _mla_rules(m)
+    if m.arch in archs.INDEXER_ROTATED and m.has("attention.indexer.key_length"):
+        length = int(m.key("attention.indexer.key_length"))
+        rules.append((length >= 64 and length & (length - 1) == 0,
+                      "attention.indexer.key_length a power of two >= 64 (its Hadamard "
+                      "rotation's size)"))  # fmt: skip
+    if m.arch == "olmoe":  # its key norm and query reshape span embedding_length
+        n_embd = m.key("embedding_length")
+        rules.append((all(h * m.layer0.key == n_embd for h in m.heads[: m.n_main]),
+                      "key_length x head_count == embedding_length"))  # fmt: skip
     if m.arch in archs.NOPE_ONLY and not all(m.recurrent):
         rules.append((rope == 0, "rope.dimension_count == 0 (its MLA has no rope)"))
     hc = m.key("hyper_connection.count")
@@ -216,6 +229,22 @@ def _attention_rules(m: _Model) -> list[Rule]:
                   (_divides(groups, m.heads[0]),
                    "attention.output_group_count > 0, dividing head_count")]  # fmt: skip
     return rules
+
+
+def _mla_rules(m: _Model) -> list[Rule]:
+    """The latent key cache's width (archs.MLA_LATENT), or a key for every query head."""
+    assert m.layer0 is not None
+    attention = [kv for kv in m.heads_kv[: m.n_main] if kv > 0]
+    if m.key("attention.key_length_mla") and m.key("attention.value_length_mla"):
+        latent = m.key("attention.kv_lora_rank") + m.layer0.rope
+        one = "attention.head_count_kv == 1 on attention layers (one latent key a token)"
+        width = "attention.key_length == kv_lora_rank + rope dimensions (its latent key)"
+        return [(all(kv == 1 for kv in attention), one), (m.layer0.key == latent, width)]
+    if m.arch in archs.MLA_OR_EVERY_HEAD:
+        same = all(kv == h for h, kv in zip(m.heads[: m.n_main], m.heads_kv, strict=False))
+        return [(same, "attention.head_count_kv == head_count without key_length_mla and "
+                       "value_length_mla (a key for every query head)")]  # fmt: skip
+    return []
 
 
 def _rwkv_rules(m: _Model) -> list[Rule]:
@@ -269,11 +298,24 @@ def _graph_rules(m: _Model) -> list[Rule]:
         ]
     if m.arch == "eagle3":
         return [(m.n_main == 1, "block_count - nextn_predict_layers == 1")]
+    if m.arch == "llama4":
+        return _llama4_rules(m)
+    if m.arch in ("deepseek2", "mistral4") and m.key("attention.temperature_scale"):
+        length = m.key("attention.temperature_length")
+        return [(length > 0, "attention.temperature_length > 0 with a temperature_scale")]
     if m.arch == "afmoe":  # its graph builds sliding-window inputs whatever the window
         return [(m.key("attention.sliding_window") > 0, "attention.sliding_window > 0")]
     if m.arch in archs.T5_BUCKETS:
         return _t5_rules(m)
     return []
+
+
+def _llama4_rules(m: _Model) -> list[Rule]:
+    """Llama 4 builds the attention temperature input of its NoPE layers (every fourth) always:
+    without such a layer, or with sliding_window 0 (no temperature set), it aborts filling it."""
+    no_window = m.has("attention.sliding_window") and m.key("attention.sliding_window") == 0
+    return [(not no_window, "attention.sliding_window > 0 where given"),
+            (m.n_main >= 4, "at least 4 layers (its fourth has no rope)")]  # fmt: skip
 
 
 def _t5_rules(m: _Model) -> list[Rule]:
@@ -357,6 +399,11 @@ def _tensor_rules(m: _Model) -> list[Rule]:
         rules.append((block_size > 0, "block_size > 0 with a DSpark Markov head (markov_w1)"))
     if m.arch == "glm-dsa":
         rules.append(_glm_dsa_indexer_rule(m))
+    if m.arch in archs.OUTPUT_EVERY_UBATCH:
+        rows = m.ne1("token_embd.weight")
+        rules.append((rows is None or rows >= archs.CHAMELEON_MIN_VOCAB,
+                      f"a vocabulary of at least {archs.CHAMELEON_MIN_VOCAB} tokens (its "
+                      "graph hides image tokens 4..8195)"))  # fmt: skip
     if m.has("embedding_length_out"):
         rules.append(_output_width_rule(m))
     return rules

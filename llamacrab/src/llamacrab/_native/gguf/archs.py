@@ -160,7 +160,9 @@ INDEXER_SHARED_AFTER_FULL = frozenset({"glm-dsa", "glm5-next"})
 MLA_NOPE = frozenset({"deepseek2", "hy_v4", "mistral4"})
 # Graphs that build a key (and value) for every query head and store them in a cache sized
 # for head_count_kv heads: ggml_set_rows / ggml_reshape assert unless the two are equal.
-KEYS_FOR_EVERY_HEAD = frozenset({"minicpm3", "plm", "t5", "t5encoder"})
+KEYS_FOR_EVERY_HEAD = frozenset(
+    {"deepseek2-ocr", "dots1", "minicpm3", "olmoe", "plm", "t5", "t5encoder"}
+)
 # T5's relative position buckets (llama_relative_position_bucket, max_distance 128): a
 # bidirectional encoder halves the count, then needs an exact range of at least 1 and below 128
 # (else log(0) or a non-positive log(128 / range) gives negative buckets: an out-of-bounds
@@ -171,6 +173,22 @@ T5_LAYER0_BIASES: dict[str, tuple[str, ...]] = {
     "t5": ("enc.blk.0.attn_rel_b.weight", "dec.blk.0.attn_rel_b.weight"),
     "t5encoder": ("enc.blk.0.attn_rel_b.weight",),
 }
+
+# Graphs that store one latent key a token when both attention.key_length_mla and
+# value_length_mla are set: every attention layer must then have one KV head of key_length ==
+# kv_lora_rank + rope dimensions (the cache's width); deepseek2's (and mistral4's) other graph
+# makes a key for every query head instead.
+MLA_LATENT = frozenset({
+    "deepseek2", "deepseek32", "glm-dsa", "glm5-next", "hy_v4", "kimi-k3", "kimi-linear",
+    "mistral4",
+})  # fmt: skip
+MLA_OR_EVERY_HEAD = frozenset({"deepseek2", "mistral4"})
+# Graphs rotating the sparse-attention indexer's keys by a Hadamard matrix of 64 rows, or of
+# the largest power of two dividing its key length when 128 does: the key length must be it.
+INDEXER_ROTATED = frozenset({"deepseek32", "dots3note", "glm-dsa"})
+# Loaders that read expert_gating_func as optional and set no default: without it the MoE
+# layers reach GGML_ABORT in build_moe_ffn.
+GATING_REQUIRED = frozenset({"dots1", "hy_v4", "minimax-m2", "smallthinker"})
 
 # MLA graphs without rope at all.
 NOPE_ONLY = frozenset({"glm5-next"})
@@ -216,6 +234,17 @@ LAYER_TENSORS: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
     "qwen35": _QWEN35_PROJECTIONS, "qwen35moe": _QWEN35_PROJECTIONS,
     "qwen3next": ("recurrent", (("attn_qkv.weight", "attn_gate.weight"), ("ssm_in.weight",))),
 }  # fmt: skip
+
+# Contexts single graphs abort on, whatever the file: qwen4exp says its embeddings are
+# hyper_connection.count times wider than its graph's output (llama.cpp reads past it);
+# plm's flash-attention path views its flattened values with the token count as the head
+# count (a batch of two tokens or more); chameleon hides image tokens 4..8195 in each
+# micro-batch's logits, asserting there are some (so an output row in every micro-batch, and
+# a vocabulary past 8195).
+EMBEDDINGS_ABORT = frozenset({"qwen4exp"})
+NO_FLASH_ATTENTION = frozenset({"plm"})
+OUTPUT_EVERY_UBATCH = frozenset({"chameleon"})
+CHAMELEON_MIN_VOCAB = 8196
 
 # Graphs that abort on embedding input (an image or audio from a projector): graniteswitch
 # always (granite-switch.cpp asserts ubatch.token), these unless llama_model_rope_type is M-RoPE
