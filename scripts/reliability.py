@@ -14,6 +14,9 @@ tests/test_reliability.py, and a long one, the default here):
   llama-arch.cpp) added at edge values, decoded and embedded;
 - tampered-reranker: variants of a tiny BERT reranker with a two-label head, and it with those
   keys added, embedded, reranked and classified;
+- archs: a tiny model of each architecture of the pinned llama.cpp, grown from its own load
+  errors, as it is, without each tensor in turn, and tampered or with keys added; loaded,
+  decoded and embedded;
 - tampered-vision, tampered-audio: variants of the tiny vision and audio projectors, each
   loaded as the tiny model's projector and given an image or a sound;
 - tampered-lora, tampered-cvec: variants of the tiny LoRA adapter and of a control vector,
@@ -375,6 +378,28 @@ FOUND = [
      "5000)`)", "OSError \"File name too long\" escaping from `Path.exists()` (unclean; 4 "
      "cases of 10,000)", "`compat/llama_chat_format.py`: InvalidParameterError naming "
      "`clip_model_path` (test in `tests/test_multimodal.py`)"),
+    ("archs (2026-12-07: each architecture's synthesized tiny model as it is, 24 of 138 "
+     "died)", "hybrids without a recurrent or an attention layer (lfm2, plamo2, nemotron_h); "
+     "optional tensors a graph multiplies by (phi3/pockettts attention, the mamba2 conv bias "
+     "of falcon-h1/granitehybrid/nemotron_h, qwen3.5/qwen3next projections, T5's layer-0 "
+     "relative bias); afmoe without a window", "SIGABRT (`GGML_ASSERT(buffer)`) or SIGSEGV "
+     "at the context's creation or first decode", "`_native/gguf/arch_rules.py` "
+     "(`_layer_tensor_rules`, archs.HYBRID_INPUTS and LAYER_TENSORS; tests in "
+     "`tests/test_synthesized_archs.py`)"),
+    ("the same run", "key caches narrower than the keys: `head_count_kv` != `head_count` in "
+     "minicpm3, plm, t5, t5encoder, deepseek2-ocr, dots1, olmoe, deepseek2; latent MLA "
+     "(deepseek32, glm-dsa, glm5-next, hy_v4, kimi) with 2 KV heads or another key length; an "
+     "indexer key length of 32; T5 buckets of 2; no `expert_gating_func` (dots1, hy_v4, "
+     "minimax-m2); llama4 of 2 layers; chameleon of 271 tokens", "SIGABRT: `ggml_set_rows`, "
+     "`ggml_reshape_3d`, `ggml_can_mul_mat`, `ggml_can_repeat`, `get_rows` asserts, "
+     "`GGML_ABORT` in `build_moe_ffn`, \"tensor buffer not set\", `ggml_set_1d`",
+     "`_native/gguf/arch_rules.py` (KEYS_FOR_EVERY_HEAD, MLA_LATENT, INDEXER_ROTATED, "
+     "T5_BUCKETS, GATING_REQUIRED, `_llama4_rules`, the chameleon vocabulary)"),
+    ("the same run", "a qwen4exp context with `embeddings=True`; plm with flash attention "
+     "(auto) on a prompt; a chameleon prompt longer than `n_ubatch`", "SIGABRT (embeddings "
+     "read past the graph's output; `ggml_set_rows`; `ggml_set_1d` of a micro-batch without "
+     "outputs) whatever the file", "`_native/context.py` (`_fit_graph`: refused, or flash "
+     "attention off for plm) and `Context._compute` (every chameleon token an output)"),
 ]  # fmt: skip
 
 
@@ -449,6 +474,8 @@ def details(report: Report) -> str:
         "",
         f"- refusals by type (of cases, or of a sequence's operations): {refusals or 'none'}",
     ]  # fmt: skip
+    if "synthesis" in report.extra:
+        lines.append(f"- synthesis: {report.extra['synthesis']}")
     if slowest is not None:
         lines.append(f"- slowest case: {slowest.id} ({slowest.seconds:.2f} s): "
                      f"{slowest.detail.splitlines()[0][:160]}")  # fmt: skip

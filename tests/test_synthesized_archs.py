@@ -103,13 +103,17 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "tensor buffer not set"),
         ("chameleon", {"keys": {}, "n_vocab": 8000}, "vocabulary of at least 8196",
          "ggml_nelements(a) >= ggml_nelements(b)"),
+        ("gpt-oss", {"keys": {"attention.value_length_swa": ("UINT32", 1)}},
+         "their _swa values equal to rope.dimension_count", "a->ne[0] == b->ne[0]"),
+        ("qwen3vl", {"keys": {"n_deepstack_layers": ("UINT32", 7)}},
+         "n_deepstack_layers < block_count", "ggml_can_repeat(b, a)"),
     ],
     ids=["lfm2-attention-only", "plamo2-attention-only", "phi3-no-attention",
          "pockettts-no-key", "granitehybrid-no-conv-bias", "qwen3next-no-gate", "afmoe-no-window",
          "minicpm3-kv-groups", "t5encoder-kv-groups", "t5encoder-buckets", "t5encoder-no-bias",
          "ocr-kv-groups", "dots1-kv-groups", "olmoe-kv-groups", "kimi-latent-heads",
          "indexer-rotation", "temperature-length", "gating-function", "llama4-layers",
-         "chameleon-vocabulary"],
+         "chameleon-vocabulary", "gpt-oss-swa-values", "qwen3vl-deepstack"],
 )  # fmt: skip
 def test_a_file_llama_cpp_dies_on_is_refused_by_name(
     tmp_path: Path, arch: str, options: dict[str, Any], message: str, death: str

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from reliability_kit import (
+    archs,
     children,
     compat,
     hub,
@@ -23,6 +24,7 @@ from reliability_kit import (
     parameters,
     registry,
     states,
+    synthesized,
     tampered,
 )
 from reliability_kit.repo import REPO, made_once, script
@@ -98,6 +100,15 @@ SECTIONS = {
         "head (and a few of its data), then it with each key of tampered-keys added; each "
         "loaded and embedded (its own pooling, rank, and mean pooling), reranked and "
         "classified",
+    ),
+    "archs": Section(
+        "Synthesized models of every architecture",
+        "a tiny model of each architecture of the pinned llama.cpp, grown from its own load "
+        "errors (tests/reliability_kit/synthesized.py); each as it is, without each of its "
+        "tensors in turn, and a sample of its tampered variants and of its architecture's "
+        "keys added; each loaded, decoded (unless its graph computes no logits) and embedded",
+        Size(400, 300), Size(40_000, 3600), batch_size=100, case_timeout=60,
+        memory_limit=16 * GIB,
     ),
     "tampered-vision": _used_with_tiny_model(
         "Tampered projectors: vision", "vision projector",
@@ -262,6 +273,12 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
     if name == "media":
         models = {"text": str(tiny), **media.projectors(workdir)}
         return media.generate(size.cases or 1000, seed), {"models": models}
+    if name == "archs":
+        directory = (workdir / "archs").resolve()
+        statuses = synthesized.synthesize_all(pinned_source(), directory)
+        keys = tampered.loader_keys(pinned_source())
+        setup = {"directory": str(directory), "synthesis": synthesis_summary(statuses)}
+        return archs.cases(directory, statuses, keys, seed, size.cases), setup
     label = name.removeprefix("tampered-")
     setup: dict[str, Any] = {"workdir": str(workdir / "tampered")}
     if label in ("keys", "reranker"):
@@ -277,6 +294,16 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
         model = tiny if name == "tampered-tiny" else gemma_path()
     setup["model"] = str(model)
     return tampered.cases(model, label, seed, size.cases), setup
+
+
+def synthesis_summary(statuses: dict[str, str]) -> str:
+    """How many architectures the synthesizer made a loadable model of, and why not the rest."""
+    loaded = sum(status.startswith("loaded") for status in statuses.values())
+    others = "; ".join(f"{arch}: {status[:120]}" for arch, status in sorted(statuses.items())
+                       if not status.startswith("loaded"))  # fmt: skip
+    return f"{loaded} of {len(statuses)} architectures loaded" + (
+        f"; not: {others}" if others else ""
+    )
 
 
 def reranker(workdir: Path) -> Path:
@@ -317,6 +344,8 @@ def run(
     )  # fmt: skip
     report = runner.run(cases)
     report.wall_seconds = time.monotonic() - started
+    if "synthesis" in setup:
+        report.extra["synthesis"] = setup["synthesis"]
     report.extra.update({"generated": len(cases), "generation seconds": generated,
                          "mode": mode, "seed": seed, "drawn_with": drawn_with(),
                          "replay": replay_command(mode, seed)})  # fmt: skip

@@ -1,5 +1,4 @@
-"""Tiny models of every architecture the pinned llama.cpp knows, grown from its own refusals,
-then tampered with.
+"""Tiny models of every architecture the pinned llama.cpp knows, grown from its own refusals.
 
 A synthesis starts from the tiny llama's keys and tensors written under another
 architecture's name (with a few keys that give it the layer kinds it is made of) and loads it;
@@ -7,19 +6,14 @@ each refusal names what to change: a missing key (added with a plausible value),
 wrong type, a missing tensor (added), a tensor of the wrong shape (given the shape llama.cpp
 expects) or tensors the architecture does not use (each dropped if the count of tensors it
 creates stays the same). A synthesis that stalls (a refusal it cannot read, or one of
-llamacrab's own) leaves that architecture out, and the report says which and why.
-
-The section's cases are then, for each synthesized model: the model as it is; it without each
-one of its tensors in turn; and a sample of the tampered variants (tampered.variants) and of
-the keys the file lacks (tampered.added_keys over the architecture's own keys). Each is loaded,
-decoded (unless the graph computes no logits) and embedded.
+llamacrab's own) leaves that architecture out. The ``archs`` section (archs.py) tampers with
+the models it makes.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -27,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from reliability_kit import tampered
 from reliability_kit.repo import REPO, script
 
 # Values for keys llama.cpp asks for, by how their names end (floats: epsilons and scales).
@@ -338,73 +331,6 @@ def synthesize_all(source: Path, directory: Path, workers: int = 2) -> dict[str,
 
     with ThreadPoolExecutor(workers) as pool:
         return dict(pool.map(one, architectures(source)))
-
-
-# -- the section's cases ------------------------------------------------------------------------
-
-
-def cases(directory: Path, statuses: dict[str, str], keys: list[str], seed: int,
-          count: int | None) -> list[dict[str, Any]]:  # fmt: skip
-    """Each loaded model as it is and without each of its tensors, then a sample (``count``
-    in all, if given) of its tampered and added-key variants; a synthesis that died is a
-    case of its own (done again in the child)."""
-    always: list[dict[str, Any]] = []
-    sampled: list[dict[str, Any]] = []
-    arch_keys = [key for key in keys if key.startswith("%s.")]
-    for arch, status in statuses.items():
-        if status.startswith("died"):
-            always.append({"arch": arch, "spec": {"kind": "synthesize"}})
-            continue
-        if not status.startswith("loaded"):
-            continue
-        path = directory / f"{arch}.gguf"
-        header = tampered.parse(path)
-        always.append({"arch": arch, "spec": {"kind": "none"}})
-        always += [{"arch": arch, "spec": {"kind": "tensor_remove", "index": index}}
-                   for index in range(len(header.tensors))]  # fmt: skip
-        variants = tampered.variants(header, path.stat().st_size, seed, n_random=10)
-        variants += tampered.added_keys(header, arch_keys)
-        sampled += [{"arch": arch, "spec": spec} for spec in variants]
-    if count is not None:
-        rest = max(0, count - len(always))
-        always = random.Random(seed).sample(always, min(count, len(always)))
-        sampled = random.Random(seed).sample(sampled, min(rest, len(sampled)))
-    return [{"id": f"archs-{i}", **case} for i, case in enumerate(always + sampled)]
-
-
-def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
-    return {"directory": Path(config["directory"]), "slot": slot, "work": {},
-            "scratch": Path(config["directory"]) / f"scratch-{os.getpid()}.gguf"}  # fmt: skip
-
-
-def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
-    """Load the variant, decode with it (unless its graph computes no logits), embed."""
-    from llamacrab import InvalidParameterError, Llama
-
-    arch, directory = case["arch"], state["directory"]
-    if case["spec"]["kind"] == "synthesize":
-        return "ok", synthesize(arch, state["scratch"])
-    if arch not in state["work"]:
-        (directory / "work").mkdir(exist_ok=True)
-        state["work"][arch] = tampered.WorkFile.create(
-            directory / f"{arch}.gguf", directory / "work", state["slot"]
-        )
-    work: tampered.WorkFile = state["work"][arch]
-    path, undo = work.prepare(case["spec"], state["scratch"])
-    details = []
-    try:
-        try:
-            with Llama(path, n_ctx=64, n_batch=64, n_threads=1) as llm:
-                completion = llm.create_completion("the cat", max_tokens=2, temperature=0)
-            details.append(f"{completion.usage.completion_tokens} tokens")
-        except InvalidParameterError as error:
-            if "computes no logits" not in str(error):
-                raise
-        state["use"], state["prompt"] = "embeddings", "the cat"
-        details.append(tampered._embeddings_case(path, state)[1])
-        return "ok", "; ".join(details)
-    finally:
-        work.restore(undo)
 
 
 def main(argv: list[str]) -> None:

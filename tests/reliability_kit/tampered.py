@@ -572,7 +572,7 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         if state["base"] is not None:  # a projector or an adapter of that model
             return _with_base_case(path, state)
         if state["use"] == "embeddings":
-            return _embeddings_case(path, state)
+            return embeddings_case(path, state)
         with Llama(path, n_ctx=64, n_batch=64, n_threads=1) as llm:
             completion = llm.create_completion(state["prompt"], max_tokens=2, temperature=0)
             llm.tokenize("<start_of_turn>user é🙂<s>", parse_special=True)
@@ -580,13 +580,13 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
             llm.detokenize(list(range(0, n_vocab, max(1, n_vocab // 64))), special=True)
         detail = f"loaded; {completion.usage.completion_tokens} tokens"
         if state["use"] == "both":
-            detail += "; " + _embeddings_case(path, state)[1]
+            detail += "; " + embeddings_case(path, state)[1]
         return "ok", detail
     finally:
         work.restore(undo)
 
 
-def _embeddings_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
+def embeddings_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
     """Embeddings of two texts with the model's own pooling, then mean pooling; with rank
     pooling, also a reranking and a classification."""
     from llamacrab import Llama

@@ -300,6 +300,8 @@ def _graph_rules(m: _Model) -> list[Rule]:
         return [(m.n_main == 1, "block_count - nextn_predict_layers == 1")]
     if m.arch == "llama4":
         return _llama4_rules(m)
+    if m.arch in archs.DEEPSTACK_AFTER_LAYER:
+        return [(m.key("n_deepstack_layers") < m.n_main, "n_deepstack_layers < block_count")]
     if m.arch in ("deepseek2", "mistral4") and m.key("attention.temperature_scale"):
         length = m.key("attention.temperature_length")
         return [(length > 0, "attention.temperature_length > 0 with a temperature_scale")]

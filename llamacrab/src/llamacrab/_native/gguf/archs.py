@@ -72,6 +72,10 @@ HEADS_K_EQ_V_EQ_ROT = frozenset({
 })  # fmt: skip
 # gemma4 asserts key == value head size on every layer (its SWA sizes are checked by a throw).
 HEADS_K_EQ_V_EVERY_LAYER = frozenset({"gemma4"})
+# Graphs whose Q/K/V are rope-dimension heads on every layer (gpt-oss sizes its tensors and
+# views by rope.dimension_count): the full and sliding-window key and value lengths (and rope
+# dimensions) must all equal it, else the KV cache is another width.
+HEADS_ALL_ROPE = frozenset({"gpt-oss"})
 
 # Archs whose rope uses {arch}.rope.dimension_sections (M-RoPE): always, when the first two
 # sections are > 0 (hparams.use_mrope), or when any section is non-zero.
@@ -183,6 +187,9 @@ MLA_LATENT = frozenset({
     "mistral4",
 })  # fmt: skip
 MLA_OR_EVERY_HEAD = frozenset({"deepseek2", "mistral4"})
+# Graphs adding deepstack input to the first n_deepstack_layers layers' outputs, after the last
+# layer kept only the output rows: the last layer must not be one of them.
+DEEPSTACK_AFTER_LAYER = frozenset({"qwen3vl", "qwen3vlmoe"})
 # Graphs rotating the sparse-attention indexer's keys by a Hadamard matrix of 64 rows, or of
 # the largest power of two dividing its key length when 128 does: the key length must be it.
 INDEXER_ROTATED = frozenset({"deepseek32", "dots3note", "glm-dsa"})

@@ -113,6 +113,13 @@ def _check_head_equality(
                 f"{arch} needs attention.value_length == attention.key_length (after defaults), "
                 f"got {size.value} and {size.key}"
             )
+    if arch in archs.HEADS_ALL_ROPE:
+        sizes = {full.key, full.value, full.rope, sliding.key, sliding.value, sliding.rope}
+        if len(sizes) > 1:
+            raise reader.fail(
+                f"{arch} needs key_length, value_length and their _swa values equal to "
+                f"rope.dimension_count (its heads are that wide), got {sorted(sizes)}"
+            )
     if arch in archs.HEADS_K_EQ_V_EQ_ROT and layer0.rope != layer0.key:
         raise reader.fail(
             f"{arch} needs rope.dimension_count == attention.key_length (after defaults), "
