@@ -546,6 +546,7 @@ MLA = {"attention.key_length_mla": 48, "attention.value_length_mla": 32,
 LFM2 = {**HYBRID, "shortconv.l_cache": 3}
 NON_CAUSAL = {"attention.causal": False}
 EVERY_HEAD = {"attention.head_count_kv": 4}  # as many KV heads as query heads
+RWKV6 = {"wkv.head_size": 16, "attention.head_count_kv": 0}
 # nemotron_h: an attention layer, a Mamba-2 layer (neither has a feed-forward), an MLP layer
 NEMOTRON_H = {**MAMBA2, "block_count": 3, "attention.head_count_kv": [2, 0, 0],
               "feed_forward_length": [0, 0, 32]}  # fmt: skip
@@ -623,7 +624,8 @@ WAVTOKENIZER = {"block_count": 8, "posnet.block_count": 6, "posnet.embedding_len
         ("minimax-m3", {**MSA, "attention.indexer.head_count": 4, "leading_dense_block_count": 2},
          {**MSA, "attention.indexer.head_count": 4, "leading_dense_block_count": 1}),
         # RWKV
-        ("rwkv6", {"wkv.head_size": 16}, {"wkv.head_size": 16, "token_shift_count": 1}),
+        ("rwkv6", RWKV6, {**RWKV6, "token_shift_count": 1}),
+        ("rwkv6", RWKV6, {**RWKV6, "attention.head_count_kv": 2}),  # full-width keys
         ("rwkv7", {"wkv.head_size": 16}, {"wkv.head_size": 0}),
         ("arwkv7", {"wkv.head_size": 16, "token_shift_count": 1}, {"wkv.head_size": 16}),
         ("rwkv6qwen2", {"wkv.head_size": 16, "token_shift_count": 1},
@@ -670,7 +672,7 @@ I64 = gguf.GGMLQuantizationType.I64
          {"token_embd.weight": weights(8, 64), "output.weight": weights(16, 64)}),
         ("eagle3", {"block_count": 1}, {"d2t": (np.zeros(8, np.int64), I64)},
          {"d2t": np.zeros(8, np.float32)}),
-        ("rwkv6", {"wkv.head_size": 16},
+        ("rwkv6", RWKV6,
          {f"blk.{i}.time_mix_lerp_{kind}.weight": vector(64) for i, kind in enumerate("wx")}
          | {"blk.1.time_mix_lerp_fused.weight": vector(64)},
          {f"blk.{i}.time_mix_lerp_x.weight": vector(64) for i in range(2)}),

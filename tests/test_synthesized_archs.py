@@ -107,13 +107,18 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "their _swa values equal to rope.dimension_count", "a->ne[0] == b->ne[0]"),
         ("qwen3vl", {"keys": {"n_deepstack_layers": ("UINT32", 7)}},
          "n_deepstack_layers < block_count", "ggml_can_repeat(b, a)"),
+        ("bailingmoe3", {"keys": {"attention.head_count_kv": ("arr", [2, 0])}},
+         "head_count_kv == 1 on attention layers", "a->ne[0] == b->ne[0]"),
+        ("rwkv6", {"keys": NO_KV_GROUPS}, "head_count_kv 0 or embedding_length",
+         "ggml_nelements(a) == ne0*ne1*ne2*ne3"),
     ],
     ids=["lfm2-attention-only", "plamo2-attention-only", "phi3-no-attention",
          "pockettts-no-key", "granitehybrid-no-conv-bias", "qwen3next-no-gate", "afmoe-no-window",
          "minicpm3-kv-groups", "t5encoder-kv-groups", "t5encoder-buckets", "t5encoder-no-bias",
          "ocr-kv-groups", "dots1-kv-groups", "olmoe-kv-groups", "kimi-latent-heads",
          "indexer-rotation", "temperature-length", "gating-function", "llama4-layers",
-         "chameleon-vocabulary", "gpt-oss-swa-values", "qwen3vl-deepstack"],
+         "chameleon-vocabulary", "gpt-oss-swa-values", "qwen3vl-deepstack",
+         "bailingmoe3-latent-heads", "rwkv6-kv-groups"],
 )  # fmt: skip
 def test_a_file_llama_cpp_dies_on_is_refused_by_name(
     tmp_path: Path, arch: str, options: dict[str, Any], message: str, death: str

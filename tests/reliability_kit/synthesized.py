@@ -82,7 +82,11 @@ _MLA: Keys = {"attention.kv_lora_rank": ("UINT32", 16), "attention.key_length": 
               "attention.key_length_mla": ("UINT32", 32),
               "attention.value_length_mla": ("UINT32", 16)}  # fmt: skip
 _GROUPS: list[tuple[tuple[str, ...], Keys]] = [
-    (("bailingmoe3", "granitehybrid", "jamba", "lfm2", "lfm2moe"), _HYBRID),
+    (("granitehybrid", "jamba", "lfm2", "lfm2moe"), _HYBRID),
+    (("bailingmoe3",), {**_MLA, "attention.head_count_kv": ("arr", [1, 0]),
+                        "kda.gate_lower_bound": ("FLOAT32", -5.0)}),
+    (("wavtokenizer-dec",), {"posnet.embedding_length": ("UINT32", 64),
+                             "convnext.embedding_length": ("UINT32", 64)}),
     (("kimi-k3", "kimi-linear"), {**_MLA, "attention.head_count_kv": ("arr", [1, 0])}),
     (("nemotron_h", "nemotron_h_moe"), {**_HYBRID, "feed_forward_length": ("arr", [0, 0])}),
     (("minimax-01", "qwen35", "qwen35moe", "qwen3next", "qwen4exp"),
@@ -97,6 +101,7 @@ _GROUPS: list[tuple[tuple[str, ...], Keys]] = [
     (("glm5-next",), {"attention.head_count_kv": ("arr", [1, 0]),
                       "rope.dimension_count": ("UINT32", 0)}),
     (("arwkv7", "rwkv6qwen2"), {"token_shift_count": ("UINT32", 1)}),
+    (("rwkv6",), {"attention.head_count_kv": ("UINT32", 0)}),
 ]  # fmt: skip
 STARTING_KEYS: dict[str, Keys] = {arch: keys for archs, keys in _GROUPS for arch in archs}
 # Tensors each architecture starts with: ones its loader reads as optional but a real file has.
@@ -104,6 +109,8 @@ _T5_BIAS = [4, 32]  # head_count x relative_buckets_count
 STARTING_TENSORS: dict[str, dict[str, list[int]]] = {
     "t5": {"enc.blk.0.attn_rel_b.weight": _T5_BIAS, "dec.blk.0.attn_rel_b.weight": _T5_BIAS},
     "t5encoder": {"enc.blk.0.attn_rel_b.weight": _T5_BIAS},
+    "rwkv6": {f"blk.{il}.time_mix_lerp_fused.weight": [64] for il in range(2)},
+    "laguna": {f"blk.{il}.attn_gate.weight": [64, 4] for il in range(2)},
 }
 # Vocabularies larger than the tiny model's 271 tokens (chameleon hides tokens 4..8195).
 STARTING_VOCAB = {"chameleon": 8200}

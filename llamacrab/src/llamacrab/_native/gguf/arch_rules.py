@@ -259,8 +259,12 @@ def _rwkv_rules(m: _Model) -> list[Rule]:
              (whole, "wkv.head_size > 0, dividing embedding_length")]  # fmt: skip
     if m.arch in archs.WKV_KV_GROUPS and whole:
         n_head = n_embd // size
-        groups_ok = all(kv in (0, n_head) or n_head % kv == 0 for kv in m.heads_kv[: m.n_main])
-        rules.append((groups_ok, "head_count_kv dividing embedding_length / wkv.head_size"))
+        if m.arch == "rwkv6":  # its key and value weights are full width: no groups
+            ok = all(kv in (0, n_head) for kv in m.heads_kv[: m.n_main])
+            rules.append((ok, "head_count_kv 0 or embedding_length / wkv.head_size"))
+        else:
+            ok = all(kv in (0, n_head) or n_head % kv == 0 for kv in m.heads_kv[: m.n_main])
+            rules.append((ok, "head_count_kv dividing embedding_length / wkv.head_size"))
     if m.arch == "rwkv6" and m.tensors:
         names = ("time_mix_lerp_fused", "time_mix_lerp_w")
         lerp = [{f"blk.{il}.{name}.weight" for name in names} & m.tensors.keys()

@@ -183,8 +183,8 @@ T5_LAYER0_BIASES: dict[str, tuple[str, ...]] = {
 # kv_lora_rank + rope dimensions (the cache's width); deepseek2's (and mistral4's) other graph
 # makes a key for every query head instead.
 MLA_LATENT = frozenset({
-    "deepseek2", "deepseek32", "glm-dsa", "glm5-next", "hy_v4", "kimi-k3", "kimi-linear",
-    "mistral4",
+    "bailingmoe3", "deepseek2", "deepseek32", "glm-dsa", "glm5-next", "hy_v4", "kimi-k3",
+    "kimi-linear", "mistral4",
 })  # fmt: skip
 MLA_OR_EVERY_HEAD = frozenset({"deepseek2", "mistral4"})
 # Graphs adding deepstack input to the first n_deepstack_layers layers' outputs, after the last
