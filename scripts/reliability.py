@@ -400,6 +400,13 @@ FOUND = [
      "read past the graph's output; `ggml_set_rows`; `ggml_set_1d` of a micro-batch without "
      "outputs) whatever the file", "`_native/context.py` (`_fit_graph`: refused, or flash "
      "attention off for plm) and `Context._compute` (every chameleon token an output)"),
+    ("archs (long, 12,000 cases, seed 2026: 2 of them; then the synthesizer's next three "
+     "architectures)", "gpt-oss with `attention.value_length_swa = 1`; qwen3vl with "
+     "`n_deepstack_layers = 7` (of 2 layers); bailingmoe3 with 2 latent KV heads; rwkv6 with "
+     "KV head groups", "SIGABRT: `ggml_set_rows`, `ggml_can_repeat` in the deepstack add "
+     "after the last layer kept only its output rows, `ggml_reshape_4d`",
+     "`_native/gguf/attention.py` (HEADS_ALL_ROPE) and `arch_rules.py` "
+     "(DEEPSTACK_AFTER_LAYER, MLA_LATENT, the rwkv6 heads)"),
 ]  # fmt: skip
 
 

@@ -159,12 +159,11 @@ def write(spec: dict[str, Any], path: Path) -> None:
         else:
             writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
     rng = np.random.default_rng(0)
+    half = set(spec.get("f16", ()))
     for name, dims in spec["tensors"].items():
         shape = tuple(reversed(dims))
-        if "norm" in name:
-            writer.add_tensor(name, np.ones(shape, np.float32))
-        else:
-            writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+        data = np.ones(shape) if "norm" in name else rng.standard_normal(shape) * 0.02
+        writer.add_tensor(name, data.astype(np.float16 if name in half else np.float32))
     tiny.write_gguf(writer, {})
 
 
@@ -342,18 +341,19 @@ def synthesize_all(source: Path, directory: Path, workers: int = 2) -> dict[str,
 
 def main(argv: list[str]) -> None:
     """``ARCH PATH [JSON]``: synthesize (JSON: {"keys": {...}, "n_vocab": N, "drop": [tensor
-    names], "unchecked": true}: starting keys and vocabulary size, tensors to drop once it
-    loads, no llamacrab checks)."""
+    names], "f16": [tensor names], "unchecked": true}: starting keys and vocabulary size,
+    tensors to drop or store as F16 once it loads, no llamacrab checks)."""
     options = json.loads(argv[2]) if len(argv) > 2 else {}
     if options.get("unchecked"):
         without_checks()
     path = Path(argv[1])
     keys = {k: tuple(v) for k, v in options.get("keys", {}).items()}
     status = synthesize(argv[0], path, keys, options.get("n_vocab"))
-    if options.get("drop"):
+    if options.get("drop") or options.get("f16"):
         spec = json.loads(path.with_suffix(".json").read_text())["spec"]
-        for name in options["drop"]:
+        for name in options.get("drop", ()):
             del spec["tensors"][name]
+        spec["f16"] = options.get("f16", [])
         write(spec, path)
     print(status)
 

@@ -214,11 +214,12 @@ def _check_tensors(reader: Reader, metadata: dict[str, Any], tensors: list[Any])
             raise reader.fail(f"tensor {name!r} has dimensions {dims}")
         if dims[0] % lib.ggml_blck_size(ggml_type):
             raise reader.fail(f"tensor {name!r} row of {dims[0]} is not whole blocks")
-        if ggml_type not in _VECTOR_TYPES and math.prod(dims[1:]) == 1:
-            # A float vector (a norm, a bias, a scale) meets F32 activations in element-wise
-            # ops, which ggml's CPU kernels have for F32 only: F16, BF16 or a quantized type
-            # aborts at the first decode (binary-ops.cpp "unsupported types"). Converters store
-            # vectors as F32; integer vectors are lookup tables (eagle3's d2t).
+        if ggml_type not in _VECTOR_TYPES and sum(d > 1 for d in dims) <= 1:
+            # A float vector (a norm, a bias, a scale; or a Mamba-2 ssm_a / ssm_d, 1 x heads)
+            # meets F32 activations in element-wise ops, which ggml's CPU kernels have for F32
+            # only: F16, BF16 or a quantized type aborts at the first decode (binary-ops.cpp
+            # "unsupported types"). Converters store vectors as F32; integer vectors are
+            # lookup tables (eagle3's d2t).
             raise reader.fail(f"tensor {name!r} is a vector of type {ggml_type}, not F32")
         size = lib.ggml_row_size(ggml_type, dims[0]) * math.prod(dims[1:])
         if offset % alignment or data_start + offset + size > len(reader.data):
