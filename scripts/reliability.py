@@ -407,6 +407,15 @@ FOUND = [
      "after the last layer kept only its output rows, `ggml_reshape_4d`",
      "`_native/gguf/attention.py` (HEADS_ALL_ROPE) and `arch_rules.py` "
      "(DEEPSTACK_AFTER_LAYER, MLA_LATENT, the rwkv6 heads)"),
+    ("archs (long, 40,000 cases, seed 2026: 3 signal deaths, 2 hangs)", "falcon-h1's "
+     "`blk.1.ssm_d` (1 x 8) as F16; `rope.dimension_count = 0` (gemma, bailingmoe2); "
+     "`qwen.attention.head_count_kv = [1, 2]`; `mistral4.expert_used_count = [1, 2]`",
+     "SIGABRT (binary_op \"unsupported types\", `ggml_set_rows`, `ggml_view_2d` past the "
+     "routed experts); a hang: ggml's rope kernel loops for ever over 0 dimensions",
+     "`_native/gguf_reader.py` (any 1 x N vector F32), `attention.py` (ROPE_WHOLE_HEAD, "
+     "uniform head_count_kv arrays but for PER_LAYER_KV_HEADS, step35), `arch_rules.py` "
+     "(uniform expert_used_count but for nemotron_h); granitemoe and minicpm joined "
+     "HEADS_K_EQ_V_EQ_ROT"),
 ]  # fmt: skip
 
 

@@ -237,7 +237,7 @@ def test_expert_gating_func_in_range(tmp_path: Path) -> None:
     "keys",
     [
         {"expert_count": 8, "expert_used_count": 2},
-        {"expert_count": 8, "expert_used_count": [2, 8]},
+        {"expert_count": 8, "expert_used_count": [2, 2]},
         {**MOE, "expert_group_count": 4, "expert_group_used_count": 2},
         {"expert_count": 8, "expert_used_count": 2, "expert_group_count": 1},
         {"expert_count": LLAMA_MAX_EXPERTS, "expert_used_count": 8},
@@ -315,6 +315,10 @@ def test_hunyuan_dense_resets_a_single_expert(tmp_path: Path, arch: str) -> None
             ["llama.rope.dimension_count_swa = 16", "8"],
         ),
         ({"rope.dimension_count_swa": 7}, ["llama.rope.dimension_count_swa = 7", "even"]),
+        # llama's graph sizes every layer's keys by layer 0's KV heads (a hybrid's does not)
+        ({"attention.head_count_kv": [2, 1]}, ["head_count_kv = [2, 1] differs between layers"]),
+        ({"attention.head_count_kv": [2, 0]}, ["head_count_kv = [2, 0] differs between layers"]),
+        ({**MOE, "expert_used_count": [1, 2]}, ["expert_used_count the same on every layer"]),
     ],
 )
 def test_bad_heads_and_rope_dimensions_are_rejected(
@@ -326,7 +330,7 @@ def test_bad_heads_and_rope_dimensions_are_rejected(
 @pytest.mark.parametrize(
     "keys",
     [
-        {"attention.head_count_kv": [2, 0]},  # a layer without attention (hybrid models)
+        {"attention.head_count_kv": [2, 2]},
         {"attention.head_count_kv": None},  # defaults to head_count
         {"rope.dimension_count": 16},
         {"attention.key_length": 32, "attention.value_length": 32, "rope.dimension_count": 32},

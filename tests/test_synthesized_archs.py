@@ -116,6 +116,15 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "ggml_nelements(a) == ne0*ne1*ne2*ne3"),
         ("falcon-h1", {"f16": ["blk.1.ssm_d"]}, "'blk.1.ssm_d' is a vector of type 1",
          "unsupported types"),
+        ("qwen", {"keys": {"attention.head_count_kv": ("arr", [1, 2])}},
+         "differs between layers", "a->ne[0] == b->ne[0]"),
+        ("mistral4", {"keys": {"expert_count": ("UINT32", 4),
+                               "expert_used_count": ("arr", [1, 2])}},
+         "expert_used_count the same on every layer", "data_size + view_offs <= ggml_nbytes"),
+        ("granitemoe", {"keys": {"rope.dimension_count": ("UINT32", 8)}},
+         "rope.dimension_count == attention.key_length", "n_embd_head == n_rot"),
+        ("step35", {"keys": {"rope.dimension_count": ("UINT32", 6)}}, "a multiple of 4",
+         "n_dims % 2 == 0"),
     ],
     ids=["lfm2-attention-only", "plamo2-attention-only", "phi3-no-attention",
          "pockettts-no-key", "granitehybrid-no-conv-bias", "qwen3next-no-gate", "afmoe-no-window",
@@ -123,7 +132,8 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "ocr-kv-groups", "dots1-kv-groups", "olmoe-kv-groups", "kimi-latent-heads",
          "indexer-rotation", "temperature-length", "gating-function", "llama4-layers",
          "chameleon-vocabulary", "gpt-oss-swa-values", "qwen3vl-deepstack",
-         "bailingmoe3-latent-heads", "rwkv6-kv-groups", "mamba2-f16-ssm-d"],
+         "bailingmoe3-latent-heads", "rwkv6-kv-groups", "mamba2-f16-ssm-d", "kv-heads-array",
+         "experts-used-array", "granitemoe-rope", "step35-rope"],
 )  # fmt: skip
 def test_a_file_llama_cpp_dies_on_is_refused_by_name(
     tmp_path: Path, arch: str, options: dict[str, Any], message: str, death: str
@@ -188,3 +198,14 @@ def test_a_context_llama_cpp_dies_on_is_refused_or_avoided(
     assert runs["checked"].stdout.startswith(checked), runs["checked"].stdout
     assert runs["unchecked"].returncode == -signal.SIGABRT, runs["unchecked"].stdout
     assert death in runs["unchecked"].stderr, runs["unchecked"].stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["gemma", "phi3"])
+def test_a_rope_of_no_dimensions_is_refused_not_a_hang(tmp_path: Path, arch: str) -> None:
+    # ggml's CPU rope kernel loops for ever over 0 dimensions of a whole head.
+    path = synthesized(tmp_path, arch, keys={"rope.dimension_count": ("UINT32", 0)})
+    checked = use(path, "checked")
+    assert "ropes whole heads" in checked.stdout, checked.stdout + checked.stderr[-2000:]
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", USE_CHILD, str(path), "unchecked"],
+                       capture_output=True, timeout=20, env=ENV)  # fmt: skip

@@ -154,6 +154,11 @@ def _table_rules(m: _Model) -> list[Rule]:
         m.arch in archs.EXPERTS_REQUIRED_PAST_DENSE_LEAD and past_dense_lead
     ):
         rules.append((m.key("expert_count") > 0, "expert_count > 0"))
+    if m.arch not in archs.PER_LAYER_EXPERTS_USED and m.has("expert_used_count"):
+        used = m.layers("expert_used_count")
+        rules.append((len(set(used)) <= 1,
+                      f"expert_used_count the same on every layer (its graph routes layer 0's "
+                      f"count), not {used}"))  # fmt: skip
     if m.arch in archs.GATING_REQUIRED and m.key("expert_count") > 0 and past_dense_lead:
         rules.append((m.has("expert_gating_func"), "expert_gating_func (its MoE layers use it)"))
     if m.arch in archs.HEAD_COUNT_DIVIDES and archs.HEAD_COUNT_DIVIDES[m.arch] in (None, m.n_main):

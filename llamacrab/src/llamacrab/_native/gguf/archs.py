@@ -63,9 +63,10 @@ HEADS_K_EQ_V = frozenset({
 HEADS_K_EQ_V_EQ_ROT = frozenset({
     "apertus", "arcee", "arctic", "baichuan", "chameleon", "codeshell", "cogvlm", "cohere2moe",
     "dbrx", "deci", "deepseek", "dots1", "dream", "ernie4_5", "ernie4_5-moe", "exaone",
-    "exaone-moe", "exaone4", "falcon", "granite", "granite_swa", "graniteswitch", "grok",
-    "grovemoe", "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2", "jais2",
-    "llada", "llada-moe", "llama", "llama-embed", "llama4", "maincoder", "mellum", "mistral3",
+    "exaone-moe", "exaone4", "falcon", "granite", "granite_swa", "granitemoe", "graniteswitch",
+    "grok", "grovemoe", "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2", "jais2",
+    "llada", "llada-moe", "llama", "llama-embed", "llama4", "maincoder", "mellum", "minicpm",
+    "mistral3",
     "olmo", "olmo2", "olmoe", "orion", "paddleocr", "pangu-embedded", "plamo", "pockettts",
     "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe", "qwen3tts", "qwen3vl", "qwen3vlmoe",
     "rnd1", "seed_oss", "smallthinker", "smollm3", "starcoder2", "talkie", "xverse"
@@ -76,6 +77,19 @@ HEADS_K_EQ_V_EVERY_LAYER = frozenset({"gemma4"})
 # views by rope.dimension_count): the full and sliding-window key and value lengths (and rope
 # dimensions) must all equal it, else the KV cache is another width.
 HEADS_ALL_ROPE = frozenset({"gpt-oss"})
+# Graphs that rope whole heads by rope.dimension_count (and its _swa value): ggml's CPU rope
+# kernel loops for ever over 0 dimensions (ops.cpp, "skip the rotated channels"), where the
+# graphs without rope, the MLA ones (a rope slice as wide as the dimensions) and glm5-next
+# (which asserts 0) are fine with it.
+ROPE_WHOLE_HEAD = frozenset({
+    "afmoe", "bailingmoe2", "bitnet", "chatglm", "cohere2", "command-r", "eagle3", "eurobert",
+    "falcon-h1", "gemma", "gemma-embedding", "gemma2", "gemma3", "gemma3n", "gemma4",
+    "gemma4-assistant", "glm4", "glm4moe", "gptneox", "granitehybrid", "hrm_text",
+    "jina-bert-v3", "laguna", "lfm2", "lfm2moe", "maple", "mimo2", "minimax-01", "minimax-m2",
+    "minimax-m3", "modern-bert", "muse-glimmer", "nanbeige", "nemotron", "neo-bert",
+    "nomic-bert", "nomic-bert-moe", "openelm", "phi2", "phi3", "phimoe", "plamo2", "plamo3",
+    "qwen", "qwen3next", "spark2_5", "stablelm", "step35",
+})  # fmt: skip
 
 # Archs whose rope uses {arch}.rope.dimension_sections (M-RoPE): always, when the first two
 # sections are > 0 (hparams.use_mrope), or when any section is non-zero.
@@ -190,6 +204,17 @@ MLA_OR_EVERY_HEAD = frozenset({"deepseek2", "mistral4"})
 # Graphs adding deepstack input to the first n_deepstack_layers layers' outputs, after the last
 # layer kept only the output rows: the last layer must not be one of them.
 DEEPSTACK_AFTER_LAYER = frozenset({"qwen3vl", "qwen3vlmoe"})
+# Graphs that read head_count_kv layer by layer; every other graph sizes its keys by layer 0's
+# count while the KV cache takes each layer's, so a head_count_kv array must be uniform there
+# (the converters write arrays only for these).
+PER_LAYER_KV_HEADS = frozenset({
+    "bailingmoe3", "deci", "gemma4", "glm5-next", "granitehybrid", "jamba", "kimi-k3",
+    "kimi-linear", "laguna", "lfm2", "lfm2moe", "mimo2", "nemotron_h", "nemotron_h_moe",
+    "openelm", "plamo2", "plamo3", "spark2_5", "step35",
+})  # fmt: skip
+# Graphs that route each layer's own expert_used_count; the others route layer 0's and then
+# sum each layer's count of them (past the end: an abort; fewer: wrong outputs).
+PER_LAYER_EXPERTS_USED = frozenset({"nemotron_h", "nemotron_h_moe"})
 # Graphs rotating the sparse-attention indexer's keys by a Hadamard matrix of 64 rows, or of
 # the largest power of two dividing its key length when 128 does: the key length must be it.
 INDEXER_ROTATED = frozenset({"deepseek32", "dots3note", "glm-dsa"})

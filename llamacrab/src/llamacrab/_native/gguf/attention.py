@@ -61,6 +61,16 @@ def _check_head_counts(
             raise reader.fail(
                 f"{heads_key} = {n_head} is not a multiple of {kv_key} = {n_head_kv} (layer {il})"
             )
+    per_layer_graph = arch in archs.PER_LAYER_KV_HEADS
+    if (
+        isinstance(metadata.get(kv_key), GgufArray)
+        and not per_layer_graph
+        and len(set(heads_kv)) > 1
+    ):
+        raise reader.fail(
+            f"{kv_key} = {heads_kv} differs between layers: {arch}'s graph sizes every "
+            "layer's keys by layer 0's count"
+        )
     return heads
 
 
@@ -82,19 +92,28 @@ def check_attention(
     if heads[0] == 0:
         return layer0  # llama.cpp reads no head size nor rope dimensions without heads
     if f"{arch}.rope.dimension_count" in metadata:
-        _check_rope(reader, f"{arch}.rope.dimension_count", full)
+        _check_rope(reader, arch, f"{arch}.rope.dimension_count", full)
     swa_keys = (f"{arch}.attention.key_length_swa", f"{arch}.rope.dimension_count_swa")
     if any(key in metadata for key in swa_keys):
-        _check_rope(reader, swa_keys[1], sliding)
+        _check_rope(reader, arch, swa_keys[1], sliding)
     _check_head_equality(reader, arch, full, sliding, layer0)
     _check_mrope(reader, arch, metadata, layer0.rope)
     return layer0
 
 
-def _check_rope(reader: Reader, key: str, size: HeadSize) -> None:
-    """The rope kernel asserts n_dims <= head size and n_dims even."""
+def _check_rope(reader: Reader, arch: str, key: str, size: HeadSize) -> None:
+    """The rope kernel asserts n_dims <= head size and n_dims even, and never ends over 0
+    dimensions of a whole head (archs.ROPE_WHOLE_HEAD); step35 halves its full layers' value
+    before the kernel sees it."""
     if size.rope % 2:
         raise reader.fail(f"{key} = {size.rope} must be even")
+    if size.rope == 0 and arch in archs.ROPE_WHOLE_HEAD:
+        raise reader.fail(
+            f"{key} = 0: {arch} ropes whole heads, and ggml's rope kernel never ends over 0 "
+            "dimensions"
+        )
+    if arch == "step35" and key.endswith(".rope.dimension_count") and size.rope % 4:
+        raise reader.fail(f"{key} = {size.rope} must be a multiple of 4 (step35 halves it)")
     if size.rope > size.key:
         raise reader.fail(f"{key} = {size.rope} exceeds the head size (key_length) {size.key}")
 
