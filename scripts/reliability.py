@@ -416,6 +416,10 @@ FOUND = [
      "uniform head_count_kv arrays but for PER_LAYER_KV_HEADS, step35), `arch_rules.py` "
      "(uniform expert_used_count but for nemotron_h); granitemoe and minicpm joined "
      "HEADS_K_EQ_V_EQ_ROT"),
+    ("archs (long, 40,000 cases, seed 2026, after those fixes: 1 signal death)",
+     "`granite_swa.attention.rope_pattern = [0, 0, 0]`", "SIGABRT at the first decode: "
+     "\"tensor buffer not set\" (the positions input its graph builds, used by no layer)",
+     "`_native/gguf/arch_rules.py`: a layer that ropes"),
 ]  # fmt: skip
 
 

@@ -125,6 +125,8 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "rope.dimension_count == attention.key_length", "n_embd_head == n_rot"),
         ("step35", {"keys": {"rope.dimension_count": ("UINT32", 6)}}, "a multiple of 4",
          "n_dims % 2 == 0"),
+        ("granite_swa", {"keys": {"attention.rope_pattern": ("arr", [0, 0])}},
+         "a layer with rope in attention.rope_pattern", "tensor buffer not set"),
     ],
     ids=["lfm2-attention-only", "plamo2-attention-only", "phi3-no-attention",
          "pockettts-no-key", "granitehybrid-no-conv-bias", "qwen3next-no-gate", "afmoe-no-window",
@@ -133,7 +135,7 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "indexer-rotation", "temperature-length", "gating-function", "llama4-layers",
          "chameleon-vocabulary", "gpt-oss-swa-values", "qwen3vl-deepstack",
          "bailingmoe3-latent-heads", "rwkv6-kv-groups", "mamba2-f16-ssm-d", "kv-heads-array",
-         "experts-used-array", "granitemoe-rope", "step35-rope"],
+         "experts-used-array", "granitemoe-rope", "step35-rope", "granite-swa-no-rope"],
 )  # fmt: skip
 def test_a_file_llama_cpp_dies_on_is_refused_by_name(
     tmp_path: Path, arch: str, options: dict[str, Any], message: str, death: str

@@ -309,6 +309,12 @@ def _graph_rules(m: _Model) -> list[Rule]:
         return [(m.n_main == 1, "block_count - nextn_predict_layers == 1")]
     if m.arch == "llama4":
         return _llama4_rules(m)
+    if m.arch == "granite_swa" and isinstance(
+        pattern := m.metadata.get(f"{m.arch}.attention.rope_pattern"), GgufArray
+    ):  # its graph builds the positions input whether a layer ropes or not
+        ropes = any(pattern.values[: m.n_main]) if pattern.values is not None else True
+        return [(ropes, "a layer with rope in attention.rope_pattern (its graph always "
+                        "builds the positions input)")]  # fmt: skip
     if m.arch in archs.DEEPSTACK_AFTER_LAYER:
         return [(m.key("n_deepstack_layers") < m.n_main, "n_deepstack_layers < block_count")]
     if m.arch in ("deepseek2", "mistral4") and m.key("attention.temperature_scale"):
