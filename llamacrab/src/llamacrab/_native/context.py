@@ -289,6 +289,8 @@ class Context(NativeHandle):
         whole = not lib.llama_get_causal_attn(pointer) or lib.llama_get_memory(pointer) == ffi.NULL
         self.max_decode = int(lib.llama_n_ubatch(pointer)) if whole else self.n_batch
         self.n_vocab = model.vocab.n_tokens
+        # chameleon's graph asserts an output row in every micro-batch (gguf.archs).
+        self._output_all = model.arch in archs.OUTPUT_EVERY_UBATCH
         mode = params.graph_sampling
         if mode == "auto":
             mode = "on" if _graph_sampling_pays(model) else "off"
@@ -449,7 +451,7 @@ class Context(NativeHandle):
                 f"a batch of {batch.struct.n_tokens} tokens exceeds the {self.max_decode} this "
                 "context decodes at once"
             )
-        if self.model.arch in archs.OUTPUT_EVERY_UBATCH:
+        if self._output_all:
             batch.output_all()
         rows = self.model.position_rows
         if rows is not None and (last := batch.last_position()) >= rows:

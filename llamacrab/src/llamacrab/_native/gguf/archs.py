@@ -64,10 +64,10 @@ HEADS_K_EQ_V_EQ_ROT = frozenset({
     "apertus", "arcee", "arctic", "baichuan", "chameleon", "codeshell", "cogvlm", "cohere2moe",
     "dbrx", "deci", "deepseek", "dots1", "dream", "ernie4_5", "ernie4_5-moe", "exaone",
     "exaone-moe", "exaone4", "falcon", "granite", "granite_swa", "granitemoe", "graniteswitch",
-    "grok", "grovemoe", "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2", "jais2",
-    "llada", "llada-moe", "llama", "llama-embed", "llama4", "maincoder", "mellum", "minicpm",
-    "mistral3",
-    "olmo", "olmo2", "olmoe", "orion", "paddleocr", "pangu-embedded", "plamo", "pockettts",
+    "grok", "grovemoe", "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2",
+    "jais2", "llada", "llada-moe", "llama", "llama-embed", "llama4", "maincoder", "mellum",
+    "minicpm", "mistral3", "olmo", "olmo2", "olmoe", "orion", "paddleocr", "pangu-embedded",
+    "plamo", "pockettts",
     "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe", "qwen3tts", "qwen3vl", "qwen3vlmoe",
     "rnd1", "seed_oss", "smallthinker", "smollm3", "starcoder2", "talkie", "xverse"
 })  # fmt: skip
