@@ -420,6 +420,13 @@ FOUND = [
      "`granite_swa.attention.rope_pattern = [0, 0, 0]`", "SIGABRT at the first decode: "
      "\"tensor buffer not set\" (the positions input its graph builds, used by no layer)",
      "`_native/gguf/arch_rules.py`: a layer that ropes"),
+    ("the synthesizer growing deepseek4 (its loader's scoring and compress-ratio keys)",
+     "every deepseek4 file it made: `compress_ratios` [0, 0] or [0, 128]; 2 KV heads; "
+     "indexer keys of 32 or 96; embeddings taken", "SIGFPE (an indexer KV cache without "
+     "layers: its forced rotation's size loop overflows to % 0); SIGABRT (`ggml_set_rows`, "
+     "`ggml_reshape_2d`, \"tensor read out of bounds\")", "`_native/gguf/arch_rules.py` "
+     "(`_deepseek4_rules`; deepseek32, glm-dsa, dots3note need a main layer) and "
+     "`_native/context.py` (deepseek4 embeddings refused)"),
 ]  # fmt: skip
 
 

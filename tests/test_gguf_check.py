@@ -501,6 +501,9 @@ GLM5 = {"attention.indexer.kpool": 4, "attention.indexer.top_k": 8, "hyper_conne
         "rope.dimension_count": 0, **HYBRID}  # fmt: skip
 BAILING = {"kda.gate_lower_bound": -5.0, **HYBRID}
 DSV4 = {"hyper_connection.count": 4, "attention.output_group_count": 2}
+# A DeepSeek-V4 as its converter writes one: one KV head, a lightning indexer (ratio-4 layers)
+V4 = {**DSV4, "attention.head_count_kv": 1, "attention.compress_ratios": [4, 128],
+      "attention.indexer.key_length": 64}  # fmt: skip
 DSPARK = {**DSV4, **WINDOW}
 MSA = {"attention.indexer.block_size": 64, "attention.indexer.head_count": 2}
 
@@ -520,14 +523,13 @@ MSA = {"attention.indexer.block_size": 64, "attention.indexer.head_count": 2}
         ("bailingmoe3", BAILING, {"kda.gate_lower_bound": 0.5}),
         ("bailingmoe3", BAILING, {**BAILING, "kda.safe_gate": False}),
         ("dflash", DSPARK, {**DSPARK, "attention.output_group_count": 0}),
-        ("deepseek4", {**DSV4, "attention.compress_ratios": [0] * 2},
-         {**DSV4, "attention.compress_ratios": [0] * 513}),
+        ("deepseek4", V4, {**V4, "attention.compress_ratios": [4] * 513}),
         # the width llama.cpp copies each output at: its graph's (embedding_length) but where
         # the graph makes its output wider (deepseek4: hyper-connections' hidden width)
         ("llama", {"embedding_length_out": 64}, {"embedding_length_out": 1000}),
         ("bert", {}, {"embedding_length_out": 16}),
-        ("deepseek4", {**DSV4, "embedding_length_out": 256},
-         {**DSV4, "embedding_length_out": 256, "attention.output_group_count": 0}),
+        ("deepseek4", {**V4, "embedding_length_out": 256},
+         {**V4, "embedding_length_out": 256, "attention.output_group_count": 0}),
     ],
 )  # fmt: skip
 def test_asserts_of_single_architectures(
@@ -617,12 +619,22 @@ WAVTOKENIZER = {"block_count": 8, "posnet.block_count": 6, "posnet.embedding_len
         ("deepseek32", {"attention.indexer.key_length": 64}, {"attention.indexer.key_length": 8}),
         ("glm-dsa", {"attention.indexer.key_length": 128},
          {"attention.indexer.key_length": 96}),
+        # the indexer's KV cache holds main layers (an empty one divides by zero)
+        ("deepseek32", {"attention.indexer.key_length": 64},
+         {"attention.indexer.key_length": 64, "nextn_predict_layers": 2}),
+        ("dots3note", {"attention.indexer.key_length": 64, "attention.indexer.types": [0, 1]},
+         {"attention.indexer.key_length": 64, "attention.indexer.types": [0, 0]}),
         ("glm-dsa", {"attention.indexer.types": [1, 0]}, {"attention.indexer.types": [0, 1]}),
         ("glm5-next", {**GLM5, "attention.indexer.types": [0, 1]},
          {**GLM5, "attention.indexer.types": [1, 0]}),
         ("glm5-next", GLM5, {**GLM5, "rope.dimension_count": 16}),
-        ("deepseek4", DSV4, {**DSV4, "hyper_connection.count": 2}),
-        ("deepseek4", DSV4, {**DSV4, "attention.output_group_count": 3}),
+        ("deepseek4", V4, {**V4, "hyper_connection.count": 2}),
+        ("deepseek4", V4, {**V4, "attention.output_group_count": 3}),
+        ("deepseek4", V4, {**V4, "attention.head_count_kv": 2}),
+        ("deepseek4", V4, {**V4, "attention.compress_ratios": [0, 128]}),
+        ("deepseek4", V4, {**V4, "attention.compress_ratios": [4, 0],
+                           "attention.key_length": 64}),
+        ("deepseek4", V4, {**V4, "attention.indexer.key_length": 96}),
         ("dflash", DSPARK, {**DSPARK, "hyper_connection.count": 3}),
         ("minimax-m3", MSA, {**MSA, "attention.indexer.head_count": 4}),
         ("minimax-m3", {**MSA, "attention.indexer.head_count": 4, "leading_dense_block_count": 2},

@@ -127,6 +127,10 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "n_dims % 2 == 0"),
         ("granite_swa", {"keys": {"attention.rope_pattern": ("arr", [0, 0])}},
          "a layer with rope in attention.rope_pattern", "tensor buffer not set"),
+        ("deepseek4", {"keys": {"attention.compress_ratios": ("arr", [0, 0])}},
+         "a layer of attention.compress_ratios 4", "SIGFPE"),
+        ("deepseek4", {"keys": {"attention.head_count_kv": ("UINT32", 2)}},
+         "attention.head_count_kv == 1", "a->ne[0] == b->ne[0]"),
     ],
     ids=["lfm2-attention-only", "plamo2-attention-only", "phi3-no-attention",
          "pockettts-no-key", "granitehybrid-no-conv-bias", "qwen3next-no-gate", "afmoe-no-window",
@@ -135,7 +139,8 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "indexer-rotation", "temperature-length", "gating-function", "llama4-layers",
          "chameleon-vocabulary", "gpt-oss-swa-values", "qwen3vl-deepstack",
          "bailingmoe3-latent-heads", "rwkv6-kv-groups", "mamba2-f16-ssm-d", "kv-heads-array",
-         "experts-used-array", "granitemoe-rope", "step35-rope", "granite-swa-no-rope"],
+         "experts-used-array", "granitemoe-rope", "step35-rope", "granite-swa-no-rope",
+         "deepseek4-no-indexer-layer", "deepseek4-kv-heads"],
 )  # fmt: skip
 def test_a_file_llama_cpp_dies_on_is_refused_by_name(
     tmp_path: Path, arch: str, options: dict[str, Any], message: str, death: str
@@ -180,13 +185,16 @@ CONTEXT_CHILD = textwrap.dedent("""
     [
         ("qwen4exp", {"embeddings": True}, "InvalidParameterError embeddings=True",
          "tensor read out of bounds"),
+        ("deepseek4", {"embeddings": True}, "InvalidParameterError embeddings=True",
+         "tensor read out of bounds"),
         ("plm", {"flash_attn": "on"}, 'InvalidParameterError flash_attn="on"',
          "a->ne[0] == b->ne[0]"),
         ("plm", {"flash_attn": "auto"}, "ran", "a->ne[0] == b->ne[0]"),
         ("chameleon", {"n_batch": 64, "n_ubatch": 32, "prompt": "the cat sat on the mat " * 20},
          "ran", "ggml_nelements(a) >= ggml_nelements(b)"),
     ],
-    ids=["qwen4exp-embeddings", "plm-flash-attention", "plm-auto", "chameleon-long-prompt"],
+    ids=["qwen4exp-embeddings", "deepseek4-embeddings", "plm-flash-attention", "plm-auto",
+         "chameleon-long-prompt"],
 )  # fmt: skip
 def test_a_context_llama_cpp_dies_on_is_refused_or_avoided(
     tmp_path: Path, arch: str, options: dict[str, Any], checked: str, death: str

@@ -102,6 +102,9 @@ _GROUPS: list[tuple[tuple[str, ...], Keys]] = [
                       "rope.dimension_count": ("UINT32", 0)}),
     (("arwkv7", "rwkv6qwen2"), {"token_shift_count": ("UINT32", 1)}),
     (("rwkv6",), {"attention.head_count_kv": ("UINT32", 0)}),
+    (("deepseek4",), {"expert_gating_func": ("UINT32", 4), "hash_layer_count": ("UINT32", 0),
+                      "attention.compress_ratios": ("arr", [4, 128]),
+                      "attention.head_count_kv": ("UINT32", 1)}),
 ]  # fmt: skip
 STARTING_KEYS: dict[str, Keys] = {arch: keys for archs, keys in _GROUPS for arch in archs}
 # Tensors each architecture starts with: ones its loader reads as optional but a real file has.

@@ -309,6 +309,14 @@ def _graph_rules(m: _Model) -> list[Rule]:
         return [(m.n_main == 1, "block_count - nextn_predict_layers == 1")]
     if m.arch == "llama4":
         return _llama4_rules(m)
+    if m.arch == "deepseek4":
+        return _deepseek4_rules(m)
+    if m.arch in archs.INDEXER_ROTATED:  # the indexer's cache (and rotation) needs main layers
+        rules = [(m.n_main > 0, "block_count > nextn_predict_layers (its indexer's layers)")]
+        if m.arch == "dots3note" and m.has("attention.indexer.types"):
+            types = m.layers("attention.indexer.types", m.n_main)
+            rules.append((any(types), "a main layer with attention.indexer.types != 0"))
+        return rules
     if m.arch == "granite_swa" and isinstance(
         pattern := m.metadata.get(f"{m.arch}.attention.rope_pattern"), GgufArray
     ):  # its graph builds the positions input whether a layer ropes or not
@@ -325,6 +333,31 @@ def _graph_rules(m: _Model) -> list[Rule]:
     if m.arch in archs.T5_BUCKETS:
         return _t5_rules(m)
     return []
+
+
+def _deepseek4_rules(m: _Model) -> list[Rule]:
+    """DeepSeek-V4 writes one key a token into caches sized by head_count_kv; its lightning
+    indexer's cache holds the ratio-4 layers and the heavily compressed one the ratio-128
+    layers, and an empty one whose rotation is forced (indexer key length == key_length)
+    divides by zero; the rotation needs indexer keys in multiples of 64; hash layers route by
+    an I32 table."""
+    assert m.layer0 is not None
+    value = m.metadata.get(f"{m.arch}.attention.compress_ratios")
+    ratios = (
+        list(value.values[: m.n_layer]) if isinstance(value, GgufArray) and value.values else []
+    )
+    indexer = m.key("attention.indexer.key_length")
+    rules = [
+        (all(kv == 1 for kv in m.heads_kv[: m.n_main]), "attention.head_count_kv == 1"),
+        (4 in ratios, "a layer of attention.compress_ratios 4 (its lightning indexer's)"),
+        (128 in ratios or m.layer0.key != indexer,
+         "a layer of attention.compress_ratios 128 unless key_length != indexer.key_length"),
+        (indexer > 0 and indexer % 64 == 0, "attention.indexer.key_length a multiple of 64"),
+    ]  # fmt: skip
+    tables = [f"blk.{il}.ffn_gate_tid2eid.weight" for il in range(int(m.key("hash_layer_count")))]
+    wrong = [t for t in tables if t in m.tensors and m.tensors[t][1] != lib.GGML_TYPE_I32]
+    rules.append((not wrong, "hash layers' ffn_gate_tid2eid tables of type I32"))
+    return rules
 
 
 def _llama4_rules(m: _Model) -> list[Rule]:

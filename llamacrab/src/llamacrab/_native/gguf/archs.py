@@ -267,13 +267,14 @@ LAYER_TENSORS: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
     "qwen3next": ("recurrent", (("attn_qkv.weight", "attn_gate.weight"), ("ssm_in.weight",))),
 }  # fmt: skip
 
-# Contexts single graphs abort on, whatever the file: qwen4exp says its embeddings are
-# hyper_connection.count times wider than its graph's output (llama.cpp reads past it);
+# Contexts single graphs abort on, whatever the file: qwen4exp and deepseek4 say their
+# embeddings are hyper_connection.count times wider than their graph's output (llama.cpp reads
+# past it);
 # plm's flash-attention path views its flattened values with the token count as the head
 # count (a batch of two tokens or more); chameleon hides image tokens 4..8195 in each
 # micro-batch's logits, asserting there are some (so an output row in every micro-batch, and
 # a vocabulary past 8195).
-EMBEDDINGS_ABORT = frozenset({"qwen4exp"})
+EMBEDDINGS_ABORT = frozenset({"deepseek4", "qwen4exp"})
 NO_FLASH_ATTENTION = frozenset({"plm"})
 OUTPUT_EVERY_UBATCH = frozenset({"chameleon"})
 CHAMELEON_MIN_VOCAB = 8196
