@@ -427,6 +427,13 @@ FOUND = [
      "`ggml_reshape_2d`, \"tensor read out of bounds\")", "`_native/gguf/arch_rules.py` "
      "(`_deepseek4_rules`; deepseek32, glm-dsa, dots3note need a main layer) and "
      "`_native/context.py` (deepseek4 embeddings refused)"),
+    ("archs (long, 40,000 cases, seed 2026, with deepseek4: 2 signal deaths, 2 hangs)",
+     "`bailingmoe.attention.value_length = 1000`; `kimi-k3.leading_dense_block_count = "
+     "2^32 - 1`; `deepseek4.hash_layer_count` 2^32 - 1 (and 2^40 as a u64)", "SIGABRT "
+     "(`ggml_set_rows`); SIGSEGV (a dense FFN the loader never made: it compares the count as "
+     "an int, the graph as unsigned); the hangs were llamacrab's own check listing 2^32 tensor "
+     "names", "`_native/gguf/archs.py` (bailingmoe in HEADS_ALL_ROPE), `arch_rules.py` "
+     "(`leading_dense_block_count <= block_count`; the hash-layer count capped at the layers)"),
 ]  # fmt: skip
 
 

@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -757,6 +758,14 @@ def test_a_dspark_markov_head_needs_a_block_size(tmp_path: Path) -> None:
     validate_gguf(header(tmp_path / "good.gguf", {"block_size": 16}, "dflash", tensors=markov))
     path = header(tmp_path / "bad.gguf", {}, "dflash", tensors=markov)
     rejects(path, "dflash needs block_size > 0")
+
+
+def test_a_huge_hash_layer_count_is_read_as_a_count(tmp_path: Path) -> None:
+    # The check of the hash layers' tables once listed a name per counted layer (2^32 names).
+    path = header(tmp_path / "m.gguf", {**V4, "hash_layer_count": 2**32 - 1}, "deepseek4")
+    started = time.monotonic()
+    validate_gguf(path)  # llama.cpp then refuses the missing tables itself
+    assert time.monotonic() - started < 5
 
 
 def test_dots3note_reads_its_pattern_array_for_layer_0(tmp_path: Path) -> None:

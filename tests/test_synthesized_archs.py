@@ -131,6 +131,10 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "a layer of attention.compress_ratios 4", "SIGFPE"),
         ("deepseek4", {"keys": {"attention.head_count_kv": ("UINT32", 2)}},
          "attention.head_count_kv == 1", "a->ne[0] == b->ne[0]"),
+        ("bailingmoe", {"keys": {"attention.value_length": ("UINT32", 1000)}},
+         "equal to rope.dimension_count", "a->ne[0] == b->ne[0]"),
+        ("kimi-k3", {"keys": {"leading_dense_block_count": ("UINT32", 2**32 - 1)}},
+         "leading_dense_block_count <= block_count", "SIGSEGV"),
     ],
     ids=["lfm2-attention-only", "plamo2-attention-only", "phi3-no-attention",
          "pockettts-no-key", "granitehybrid-no-conv-bias", "qwen3next-no-gate", "afmoe-no-window",
@@ -140,7 +144,8 @@ SPLIT_QKV = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
          "chameleon-vocabulary", "gpt-oss-swa-values", "qwen3vl-deepstack",
          "bailingmoe3-latent-heads", "rwkv6-kv-groups", "mamba2-f16-ssm-d", "kv-heads-array",
          "experts-used-array", "granitemoe-rope", "step35-rope", "granite-swa-no-rope",
-         "deepseek4-no-indexer-layer", "deepseek4-kv-heads"],
+         "deepseek4-no-indexer-layer", "deepseek4-kv-heads", "bailingmoe-value-length",
+         "kimi-k3-dense-lead"],
 )  # fmt: skip
 def test_a_file_llama_cpp_dies_on_is_refused_by_name(
     tmp_path: Path, arch: str, options: dict[str, Any], message: str, death: str

@@ -150,6 +150,9 @@ def _table_rules(m: _Model) -> list[Rule]:
     rules = [(m.key(name) > 0, f"{name} > 0")
              for name in archs.POSITIVE_KEYS.get(m.arch, ()) if m.has(name)]  # fmt: skip
     past_dense_lead = m.key("leading_dense_block_count") < m.n_main
+    if m.has("leading_dense_block_count"):  # kimi-k3's loader reads it as an int, its graph not
+        rules.append((m.key("leading_dense_block_count") <= m.n_layer,
+                      "leading_dense_block_count <= block_count"))  # fmt: skip
     if m.arch in archs.EXPERTS_REQUIRED or (
         m.arch in archs.EXPERTS_REQUIRED_PAST_DENSE_LEAD and past_dense_lead
     ):
@@ -354,7 +357,8 @@ def _deepseek4_rules(m: _Model) -> list[Rule]:
          "a layer of attention.compress_ratios 128 unless key_length != indexer.key_length"),
         (indexer > 0 and indexer % 64 == 0, "attention.indexer.key_length a multiple of 64"),
     ]  # fmt: skip
-    tables = [f"blk.{il}.ffn_gate_tid2eid.weight" for il in range(int(m.key("hash_layer_count")))]
+    hashed = min(int(m.key("hash_layer_count")), m.n_layer)  # a count, not a list, in the file
+    tables = [f"blk.{il}.ffn_gate_tid2eid.weight" for il in range(hashed)]
     wrong = [t for t in tables if t in m.tensors and m.tensors[t][1] != lib.GGML_TYPE_I32]
     rules.append((not wrong, "hash layers' ffn_gate_tid2eid tables of type I32"))
     return rules

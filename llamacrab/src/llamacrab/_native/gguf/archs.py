@@ -73,10 +73,10 @@ HEADS_K_EQ_V_EQ_ROT = frozenset({
 })  # fmt: skip
 # gemma4 asserts key == value head size on every layer (its SWA sizes are checked by a throw).
 HEADS_K_EQ_V_EVERY_LAYER = frozenset({"gemma4"})
-# Graphs whose Q/K/V are rope-dimension heads on every layer (gpt-oss sizes its tensors and
-# views by rope.dimension_count): the full and sliding-window key and value lengths (and rope
-# dimensions) must all equal it, else the KV cache is another width.
-HEADS_ALL_ROPE = frozenset({"gpt-oss"})
+# Graphs whose Q/K/V are rope-dimension heads on every layer (gpt-oss and bailingmoe size
+# their tensors by rope.dimension_count): the full and sliding-window key and value lengths
+# (and rope dimensions) must all equal it, else the KV cache is another width.
+HEADS_ALL_ROPE = frozenset({"bailingmoe", "gpt-oss"})
 # Graphs that rope whole heads by rope.dimension_count (and its _swa value): ggml's CPU rope
 # kernel loops for ever over 0 dimensions (ops.cpp, "skip the rotated channels"), where the
 # graphs without rope, the MLA ones (a rope slice as wide as the dimensions) and glm5-next
