@@ -88,6 +88,12 @@ class _Model:
         return [False] * n
 
     @cached_property
+    def kv_heads_match(self) -> bool:
+        """Every main layer has as many KV heads as query heads (a key for every head)."""
+        pairs = zip(self.heads[: self.n_main], self.heads_kv, strict=False)
+        return all(kv == h for h, kv in pairs)
+
+    @cached_property
     def attention(self) -> list[bool]:
         """Which main layers attend (in a graph of archs.HYBRID_INPUTS)."""
         if self.arch == "falcon-h1":
@@ -214,9 +220,8 @@ def _attention_rules(m: _Model) -> list[Rule]:
         key = mla[0] if all(mla) else m.layer0.key
         rules.append((key > rope, "attention.key_length_mla (else key_length) > rope dimensions"))
     if m.arch in archs.KEYS_FOR_EVERY_HEAD:
-        same = all(kv == h for h, kv in zip(m.heads[: m.n_main], m.heads_kv, strict=False))
-        rules.append((same, "attention.head_count_kv == head_count on every layer (its graph "
-                            "makes a key for every query head)"))  # fmt: skip
+        what = "attention.head_count_kv == head_count on every layer (a key for every query head)"
+        rules.append((m.kv_heads_match, what))
     if m.arch in archs.MLA_LATENT:
         rules += _mla_rules(m)
     if m.arch in archs.INDEXER_ROTATED and m.has("attention.indexer.key_length"):
@@ -249,9 +254,8 @@ def _mla_rules(m: _Model) -> list[Rule]:
         width = "attention.key_length == kv_lora_rank + rope dimensions (its latent key)"
         return [(all(kv == 1 for kv in attention), one), (m.layer0.key == latent, width)]
     if m.arch in archs.MLA_OR_EVERY_HEAD:
-        same = all(kv == h for h, kv in zip(m.heads[: m.n_main], m.heads_kv, strict=False))
-        return [(same, "attention.head_count_kv == head_count without key_length_mla and "
-                       "value_length_mla (a key for every query head)")]  # fmt: skip
+        what = "attention.head_count_kv == head_count without key_length_mla and value_length_mla"
+        return [(m.kv_heads_match, f"{what} (a key for every query head)")]
     return []
 
 
