@@ -434,6 +434,14 @@ FOUND = [
      "an int, the graph as unsigned); the hangs were llamacrab's own check listing 2^32 tensor "
      "names", "`_native/gguf/archs.py` (bailingmoe in HEADS_ALL_ROPE), `arch_rules.py` "
      "(`leading_dense_block_count <= block_count`; the hash-layer count capped at the layers)"),
+    ("archs in CI (2026-12-07: arwkv7 as it is refused in some children, not in others)",
+     "arwkv7 (as rwkv7) with `wkv.head_size` 16: ggml's CPU wkv7 kernel walks a head 32 "
+     "floats at a time here (64 with AVX-512) with no tail", "no signal: each row read the next "
+     "head's values and the last read and wrote past its tensors, so the logits were NaN or "
+     "another text with what the heap held (valgrind: uninitialised values from layer 0 on)",
+     "`_native/gguf/arch_rules.py` (archs.WKV7_STEP: a multiple of 64); the archs section now "
+     "poisons its children's heap with another byte than the syntheses' and compares what "
+     "each model computes (synthesized.fingerprint)"),
 ]  # fmt: skip
 
 

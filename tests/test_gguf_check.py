@@ -643,8 +643,11 @@ WAVTOKENIZER = {"block_count": 8, "posnet.block_count": 6, "posnet.embedding_len
         # RWKV
         ("rwkv6", RWKV6, {**RWKV6, "token_shift_count": 1}),
         ("rwkv6", RWKV6, {**RWKV6, "attention.head_count_kv": 2}),  # full-width keys
-        ("rwkv7", {"wkv.head_size": 16}, {"wkv.head_size": 0}),
-        ("arwkv7", {"wkv.head_size": 16, "token_shift_count": 1}, {"wkv.head_size": 16}),
+        ("rwkv7", {"wkv.head_size": 64}, {"wkv.head_size": 0}),
+        ("rwkv7", {"wkv.head_size": 64}, {"wkv.head_size": 16}),  # (the wkv7 kernel's step)
+        ("arwkv7", {"wkv.head_size": 64, "token_shift_count": 1}, {"wkv.head_size": 64}),
+        ("arwkv7", {"wkv.head_size": 64, "token_shift_count": 1},
+         {"wkv.head_size": 32, "token_shift_count": 1}),
         ("rwkv6qwen2", {"wkv.head_size": 16, "token_shift_count": 1},
          {"wkv.head_size": 48, "token_shift_count": 1}),
         ("rwkv6qwen2", {"wkv.head_size": 16, "token_shift_count": 1},

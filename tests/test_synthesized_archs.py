@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from reliability_kit.synthesized import POISON_CASES, POISON_SYNTHESIS, poisoned_heap
+
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "GGML_NO_BACKTRACE": "1",
        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
@@ -224,3 +226,30 @@ def test_a_rope_of_no_dimensions_is_refused_not_a_hang(tmp_path: Path, arch: str
     with pytest.raises(subprocess.TimeoutExpired):
         subprocess.run([sys.executable, "-c", USE_CHILD, str(path), "unchecked"],
                        capture_output=True, timeout=20, env=ENV)  # fmt: skip
+
+
+FINGERPRINT_CHILD = textwrap.dedent("""
+    import sys
+    from reliability_kit import synthesized
+    synthesized.without_checks()
+    print(synthesized.fingerprint(sys.argv[1]))
+""")
+
+
+def test_an_rwkv7_head_off_the_kernel_step_is_refused_not_computed_on_garbage(
+    tmp_path: Path,
+) -> None:
+    # ggml's CPU wkv7 kernel walks a head 32 floats at a time here (64 with AVX-512) with no
+    # tail: a head of 16 reads the next head's rows and, at the last, memory past the tensors.
+    path = synthesized(tmp_path, "arwkv7", keys={"wkv.head_size": ("UINT32", 16)})
+    checked = use(path, "checked")
+    assert "wkv.head_size a multiple of 64" in checked.stdout, checked.stdout
+    heaps = [poisoned_heap(byte) for byte in (POISON_SYNTHESIS, POISON_CASES)]
+    prints = [subprocess.run([sys.executable, "-c", FINGERPRINT_CHILD, str(path)],
+                             capture_output=True, text=True, timeout=300, env={**ENV, **heap})
+              for heap in heaps]  # fmt: skip
+    assert all(done.returncode == 0 for done in prints), prints[0].stderr[-2000:]
+    assert prints[0].stdout != prints[1].stdout, (
+        "arwkv7 with a head of 16 no longer reads memory nothing wrote: re-audit "
+        f"docs/native-aborts.md\n{prints[0].stdout}"
+    )

@@ -2,16 +2,22 @@
 as it is, without each of its tensors in turn, and a sample of its tampered variants
 (tampered.variants) and of the keys of its architecture it lacks (tampered.added_keys); each
 loaded, decoded (unless its graph computes no logits) and embedded. A synthesis that died is a
-case of its own, done again in the child."""
+case of its own, done again in the child. The children's heap is poisoned with another byte
+than the syntheses' (synthesized.poisoned_heap): a model as it is must compute here what it
+computed when it was made, or its graph reads memory nothing wrote."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
 from typing import Any
 
 from reliability_kit import synthesized, tampered
+
+# The kinds of the first cases: the models as they are, and the syntheses that died.
+AS_IT_IS = ("none", "synthesize")
 
 
 def cases(directory: Path, statuses: dict[str, str], keys: list[str], seed: int,
@@ -62,6 +68,12 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
     path, undo = work.prepare(case["spec"], state["scratch"])
     details = []
     try:
+        if case["spec"]["kind"] == "none":
+            made = json.loads((directory / f"{arch}.json").read_text())["fingerprint"]
+            here = synthesized.fingerprint(path)
+            if here != made:
+                what = f"{arch} computes differently on another heap (its graph reads memory "
+                return "unclean", f"{what}nothing wrote): {made} when made; {here} here"
         try:
             with Llama(path, n_ctx=64, n_batch=64, n_threads=1) as llm:
                 completion = llm.create_completion("the cat", max_tokens=2, temperature=0)

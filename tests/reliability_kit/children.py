@@ -113,6 +113,7 @@ class Runner:
     setup_timeout: float = 120.0
     exit_timeout: float = 30.0
     memory_limit: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
     deadline: float | None = None
     progress: Callable[[str], None] | None = None
     _children: int = 0
@@ -205,7 +206,7 @@ class Runner:
                        "cases": cases}, job_file)  # fmt: skip
         log_path = Path(job_path).with_suffix(".log")
         read_end, write_end = os.pipe()
-        env = {**os.environ, "GGML_NO_BACKTRACE": "1", "RELIABILITY_FD": str(write_end),
+        env = {**os.environ, **self.env, "GGML_NO_BACKTRACE": "1", "RELIABILITY_FD": str(write_end),
                "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO / "scripts"),
                                               os.environ.get("PYTHONPATH", "")])}  # fmt: skip
         with open(log_path, "wb") as log:

@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class Section:
     batch_size: int
     case_timeout: float
     memory_limit: int | None = None
+    env: dict[str, str] = field(default_factory=dict)  # for its children
 
 
 GIB = 1 << 30
@@ -106,9 +107,11 @@ SECTIONS = {
         "a tiny model of each architecture of the pinned llama.cpp, grown from its own load "
         "errors (tests/reliability_kit/synthesized.py); each as it is, without each of its "
         "tensors in turn, and a sample of its tampered variants and of its architecture's "
-        "keys added; each loaded, decoded (unless its graph computes no logits) and embedded",
+        "keys added; each loaded, decoded (unless its graph computes no logits) and embedded; "
+        "as it is, each must compute what it did when it was made, on a heap poisoned with "
+        "another byte",
         Size(400, 300), Size(40_000, 3600), batch_size=100, case_timeout=60,
-        memory_limit=16 * GIB,
+        memory_limit=16 * GIB, env=synthesized.poisoned_heap(synthesized.POISON_CASES),
     ),
     "tampered-vision": _used_with_tiny_model(
         "Tampered projectors: vision", "vision projector",
@@ -278,7 +281,9 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
         statuses = synthesized.synthesize_all(pinned_source(), directory)
         keys = tampered.loader_keys(pinned_source())
         setup = {"directory": str(directory), "synthesis": synthesis_summary(statuses)}
-        return archs.cases(directory, statuses, keys, seed, size.cases), setup
+        chosen = archs.cases(directory, statuses, keys, seed, size.cases)
+        setup["as it is"] = sum(case["spec"]["kind"] in archs.AS_IT_IS for case in chosen)
+        return chosen, setup
     label = name.removeprefix("tampered-")
     setup: dict[str, Any] = {"workdir": str(workdir / "tampered")}
     if label in ("keys", "reranker"):
@@ -340,12 +345,11 @@ def run(
     runner = children.Runner(
         name, name.split("-")[0], setup, workdir / "jobs", batch_size=section.batch_size,
         workers=workers, case_timeout=section.case_timeout, memory_limit=section.memory_limit,
-        deadline=started + size.seconds, progress=progress,
+        env=section.env, deadline=started + size.seconds, progress=progress,
     )  # fmt: skip
     report = runner.run(cases)
     report.wall_seconds = time.monotonic() - started
-    if "synthesis" in setup:
-        report.extra["synthesis"] = setup["synthesis"]
+    report.extra.update((key, setup[key]) for key in ("synthesis", "as it is") if key in setup)
     report.extra.update({"generated": len(cases), "generation seconds": generated,
                          "mode": mode, "seed": seed, "drawn_with": drawn_with(),
                          "replay": replay_command(mode, seed)})  # fmt: skip

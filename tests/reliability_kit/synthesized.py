@@ -100,7 +100,9 @@ _GROUPS: list[tuple[tuple[str, ...], Keys]] = [
     (("plamo2",), {**_HYBRID, "ssm.group_count": ("UINT32", 0)}),
     (("glm5-next",), {"attention.head_count_kv": ("arr", [1, 0]),
                       "rope.dimension_count": ("UINT32", 0)}),
-    (("arwkv7", "rwkv6qwen2"), {"token_shift_count": ("UINT32", 1)}),
+    (("rwkv6qwen2",), {"token_shift_count": ("UINT32", 1)}),
+    (("arwkv7",), {"token_shift_count": ("UINT32", 1), "wkv.head_size": ("UINT32", 64)}),
+    (("rwkv7",), {"wkv.head_size": ("UINT32", 64)}),
     (("rwkv6",), {"attention.head_count_kv": ("UINT32", 0)}),
     (("deepseek4",), {"expert_gating_func": ("UINT32", 4), "hash_layer_count": ("UINT32", 0),
                       "attention.compress_ratios": ("arr", [4, 128]),
@@ -118,6 +120,17 @@ STARTING_TENSORS: dict[str, dict[str, list[int]]] = {
 # Vocabularies larger than the tiny model's 271 tokens (chameleon hides tokens 4..8195).
 STARTING_VOCAB = {"chameleon": 8200}
 MAX_STEPS = 200
+
+# The heap of the syntheses' processes; archs.py runs the models in another (POISON_CASES).
+POISON_SYNTHESIS, POISON_CASES = 0x5A, 0xA5
+
+
+def poisoned_heap(byte: int) -> dict[str, str]:
+    """Environment in which glibc fills each block malloc hands out with ``byte`` ^ 0xff and
+    each freed one with ``byte``, blocks up to 32 MiB included (a tiny model's buffers): what
+    a graph reads that nothing wrote then differs with ``byte``, so a model computes the same
+    under two bytes only if it reads nothing of the kind (archs.py compares fingerprints)."""
+    return {"MALLOC_PERTURB_": str(byte), "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432"}
 
 
 def architectures(source: Path) -> list[str]:
@@ -310,6 +323,32 @@ def synthesize(arch: str, path: Path, keys: Keys | None = None, n_vocab: int | N
     return status
 
 
+def fingerprint(path: Path) -> str:
+    """What the model computes: its greedy text, the log-probabilities of its tokens and a
+    digest of its embeddings of two texts (or the kind of error each raised). Bit for bit the
+    same in every process on this machine, unless the graph reads memory nothing wrote."""
+    import hashlib
+
+    from llamacrab import Llama, LlamaError
+
+    parts = []
+    for embeddings in (False, True):
+        try:
+            with Llama(path, n_ctx=64, n_batch=64, n_threads=1, embeddings=embeddings) as llm:
+                if embeddings:
+                    vectors = llm.embed(["the cat", "a crab"])
+                    parts.append(hashlib.sha256(b"".join(v.tobytes() for v in vectors)).hexdigest())
+                else:
+                    choice = llm.create_completion("the cat", max_tokens=3, temperature=0,
+                                                   logprobs=1).choices[0]  # fmt: skip
+                    # (no log-probabilities when the first token ends it)
+                    values = choice.logprobs.token_logprobs if choice.logprobs else []
+                    parts.append(repr((choice.text, choice.finish_reason, values)))
+        except LlamaError as error:
+            parts.append(type(error).__name__)
+    return "; ".join(parts)
+
+
 def without_checks() -> None:
     """Load models as llama.cpp alone would (for files that show what a check prevents)."""
     import llamacrab._native.model
@@ -330,7 +369,7 @@ def synthesize_all(source: Path, directory: Path, workers: int = 2) -> dict[str,
         record = path.with_suffix(".json")
         if not record.exists():
             command = [sys.executable, "-m", "reliability_kit.synthesized", arch, str(path)]
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            env = {**os.environ, **poisoned_heap(POISON_SYNTHESIS), "PYTHONPATH": os.pathsep.join(
                 [str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
             done = subprocess.run(command, env=env, capture_output=True, timeout=600)
             if done.returncode != 0:
@@ -345,13 +384,18 @@ def synthesize_all(source: Path, directory: Path, workers: int = 2) -> dict[str,
 def main(argv: list[str]) -> None:
     """``ARCH PATH [JSON]``: synthesize (JSON: {"keys": {...}, "n_vocab": N, "drop": [tensor
     names], "f16": [tensor names], "unchecked": true}: starting keys and vocabulary size,
-    tensors to drop or store as F16 once it loads, no llamacrab checks)."""
+    tensors to drop or store as F16 once it loads, no llamacrab checks). Without JSON, the
+    fingerprint of what it computes goes into its record too."""
     options = json.loads(argv[2]) if len(argv) > 2 else {}
     if options.get("unchecked"):
         without_checks()
     path = Path(argv[1])
     keys = {k: tuple(v) for k, v in options.get("keys", {}).items()}
     status = synthesize(argv[0], path, keys, options.get("n_vocab"))
+    if not options and status.startswith("loaded"):  # (a model as the archs section uses it)
+        record = json.loads(path.with_suffix(".json").read_text())
+        record["fingerprint"] = fingerprint(path)
+        path.with_suffix(".json").write_text(json.dumps(record))
     if options.get("drop") or options.get("f16"):
         spec = json.loads(path.with_suffix(".json").read_text())["spec"]
         for name in options.get("drop", ()):

@@ -261,7 +261,7 @@ def _mla_rules(m: _Model) -> list[Rule]:
 
 def _rwkv_rules(m: _Model) -> list[Rule]:
     """RWKV graphs: the token shift each supports, and the wkv heads embedding_length splits
-    into (divided by at load and in the graph)."""
+    into (divided by at load and in the graph; RWKV-7's a multiple of the kernel's step)."""
     shift = archs.TOKEN_SHIFT.get(m.arch)
     if shift is None:
         return []
@@ -269,6 +269,10 @@ def _rwkv_rules(m: _Model) -> list[Rule]:
     whole = 0 < size <= n_embd and n_embd % size == 0
     rules = [(m.key("token_shift_count", 2) == shift, f"token_shift_count == {shift}"),
              (whole, "wkv.head_size > 0, dividing embedding_length")]  # fmt: skip
+    step = archs.WKV7_STEP.get(m.arch)
+    if step is not None:
+        what = f"wkv.head_size a multiple of {step} (the CPU kernel's step: other sizes read "
+        rules.append((size % step == 0, what + "and write past its rows)"))
     if m.arch in archs.WKV_KV_GROUPS and whole:
         n_head = n_embd // size
         if m.arch == "rwkv6":  # its key and value weights are full width: no groups

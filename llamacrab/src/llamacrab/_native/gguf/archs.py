@@ -229,6 +229,10 @@ DSV4_ATTENTION = frozenset({"deepseek4", "dflash"})
 
 # RWKV graphs: the token_shift_count each asserts (the key defaults to 2).
 TOKEN_SHIFT: dict[str, int] = {"arwkv7": 1, "rwkv6": 2, "rwkv6qwen2": 1, "rwkv7": 2}
+# RWKV-7 graphs: ggml's CPU wkv7 kernel walks each head GGML_F32_STEP floats at a time (64
+# with AVX-512, 32 or 16 elsewhere) with no tail, so a head of another size reads and writes
+# past its rows (garbage or NaN; the last row past the tensors).
+WKV7_STEP: dict[str, int] = {"arwkv7": 64, "rwkv7": 64}
 # RWKV6 time mix repeating head_count_kv groups of heads.
 WKV_KV_GROUPS = frozenset({"rwkv6", "rwkv6qwen2"})
 
