@@ -236,12 +236,13 @@ FINGERPRINT_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("arch", ["rwkv7", "arwkv7"])
 def test_an_rwkv7_head_off_the_kernel_step_is_refused_not_computed_on_garbage(
-    tmp_path: Path,
+    tmp_path: Path, arch: str
 ) -> None:
     # ggml's CPU wkv7 kernel walks a head 32 floats at a time here (64 with AVX-512) with no
     # tail: a head of 16 reads the next head's rows and, at the last, memory past the tensors.
-    path = synthesized(tmp_path, "arwkv7", keys={"wkv.head_size": ("UINT32", 16)})
+    path = synthesized(tmp_path, arch, keys={"wkv.head_size": ("UINT32", 16)})
     checked = use(path, "checked")
     assert "wkv.head_size a multiple of 64" in checked.stdout, checked.stdout
     heaps = [poisoned_heap(byte) for byte in (POISON_SYNTHESIS, POISON_CASES)]
@@ -250,6 +251,6 @@ def test_an_rwkv7_head_off_the_kernel_step_is_refused_not_computed_on_garbage(
               for heap in heaps]  # fmt: skip
     assert all(done.returncode == 0 for done in prints), prints[0].stderr[-2000:]
     assert prints[0].stdout != prints[1].stdout, (
-        "arwkv7 with a head of 16 no longer reads memory nothing wrote: re-audit "
+        f"{arch} with a head of 16 no longer reads memory nothing wrote: re-audit "
         f"docs/native-aborts.md\n{prints[0].stdout}"
     )

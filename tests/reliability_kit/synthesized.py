@@ -102,7 +102,7 @@ _GROUPS: list[tuple[tuple[str, ...], Keys]] = [
                       "rope.dimension_count": ("UINT32", 0)}),
     (("rwkv6qwen2",), {"token_shift_count": ("UINT32", 1)}),
     (("arwkv7",), {"token_shift_count": ("UINT32", 1), "wkv.head_size": ("UINT32", 64)}),
-    (("rwkv7",), {"wkv.head_size": ("UINT32", 64)}),
+    (("rwkv7",), {"wkv.head_size": ("UINT32", 64), "attention.gate_lora_rank": ("UINT32", 8)}),
     (("rwkv6",), {"attention.head_count_kv": ("UINT32", 0)}),
     (("deepseek4",), {"expert_gating_func": ("UINT32", 4), "hash_layer_count": ("UINT32", 0),
                       "attention.compress_ratios": ("arr", [4, 128]),
