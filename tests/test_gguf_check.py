@@ -316,6 +316,15 @@ def test_hunyuan_dense_resets_a_single_expert(tmp_path: Path, arch: str) -> None
             ["llama.rope.dimension_count_swa = 16", "8"],
         ),
         ({"rope.dimension_count_swa": 7}, ["llama.rope.dimension_count_swa = 7", "even"]),
+        # (ggml's rope copies the unrotated channels in pairs: one past an odd head)
+        (
+            {"attention.key_length": 33, "attention.value_length": 33, "rope.dimension_count": 16},
+            ["llama.rope.dimension_count = 16", "odd head size (key_length) 33"],
+        ),
+        (
+            {"attention.key_length_swa": 17, "rope.dimension_count_swa": 8},
+            ["llama.rope.dimension_count_swa = 8", "odd head size (key_length) 17"],
+        ),
         # llama's graph sizes every layer's keys by layer 0's KV heads (a hybrid's does not)
         ({"attention.head_count_kv": [2, 1]}, ["head_count_kv = [2, 1] differs between layers"]),
         ({"attention.head_count_kv": [2, 0]}, ["head_count_kv = [2, 0] differs between layers"]),

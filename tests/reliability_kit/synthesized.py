@@ -97,6 +97,7 @@ _GROUPS: list[tuple[tuple[str, ...], Keys]] = [
     (("deepseek2-ocr", "dots1", "minicpm3", "olmoe", "plm", "t5", "t5encoder"),
      {"attention.head_count_kv": ("UINT32", 4)}),
     (("llama4",), {"block_count": ("UINT32", 4)}),
+    (("smallthinker",), {"expert_feed_forward_length": ("UINT32", 32)}),
     (("plamo2",), {**_HYBRID, "ssm.group_count": ("UINT32", 0)}),
     (("glm5-next",), {"attention.head_count_kv": ("arr", [1, 0]),
                       "rope.dimension_count": ("UINT32", 0)}),

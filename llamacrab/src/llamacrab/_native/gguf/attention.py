@@ -102,9 +102,9 @@ def check_attention(
 
 
 def _check_rope(reader: Reader, arch: str, key: str, size: HeadSize) -> None:
-    """The rope kernel asserts n_dims <= head size and n_dims even, and never ends over 0
-    dimensions of a whole head (archs.ROPE_WHOLE_HEAD); step35 halves its full layers' value
-    before the kernel sees it."""
+    """The rope kernel asserts n_dims <= head size and n_dims even, never ends over 0
+    dimensions of a whole head (archs.ROPE_WHOLE_HEAD) and reads and writes past an odd head
+    it ropes in part; step35 halves its full layers' value before the kernel sees it."""
     if size.rope % 2:
         raise reader.fail(f"{key} = {size.rope} must be even")
     if size.rope == 0 and arch in archs.ROPE_WHOLE_HEAD:
@@ -116,6 +116,11 @@ def _check_rope(reader: Reader, arch: str, key: str, size: HeadSize) -> None:
         raise reader.fail(f"{key} = {size.rope} must be a multiple of 4 (step35 halves it)")
     if size.rope > size.key:
         raise reader.fail(f"{key} = {size.rope} exceeds the head size (key_length) {size.key}")
+    if size.rope < size.key and size.key % 2:
+        raise reader.fail(
+            f"{key} = {size.rope} with an odd head size (key_length) {size.key}: ggml's rope "
+            "kernel copies the channels it does not rotate two at a time, one past each row"
+        )
 
 
 def _check_head_equality(
