@@ -98,6 +98,9 @@ _GROUPS: list[tuple[tuple[str, ...], Keys]] = [
      {"attention.head_count_kv": ("UINT32", 4)}),
     (("llama4",), {"block_count": ("UINT32", 4)}),
     (("smallthinker",), {"expert_feed_forward_length": ("UINT32", 32)}),
+    (("graniteswitch",), {"adapters.count": ("UINT32", 2)}),  # (one per activating token)
+    (("gemma4-assistant",), {"embedding_length_out": ("UINT32", 128)}),  # (its target's width)
+    (("dflash",), {"target_layers": ("arr", [0, 1])}),
     (("plamo2",), {**_HYBRID, "ssm.group_count": ("UINT32", 0)}),
     (("glm5-next",), {"attention.head_count_kv": ("arr", [1, 0]),
                       "rope.dimension_count": ("UINT32", 0)}),

@@ -1061,8 +1061,14 @@ def _host_layers(model: Model, params: ContextParams) -> int:
 
 def _fit_graph(model: Model, params: ContextParams, c_params: Any) -> None:
     """Refuse (or avoid) the contexts an architecture's graph aborts on whatever the file
-    (gguf.archs.EMBEDDINGS_ABORT, NO_FLASH_ATTENTION)."""
+    (gguf.archs.TARGET_DRAFTERS, EMBEDDINGS_ABORT, NO_FLASH_ATTENTION)."""
     arch = model.arch
+    if arch in archs.TARGET_DRAFTERS:
+        raise ContextError(
+            f"{model!r} ({arch}) drafts for a target model: its encoder reads the target's "
+            "hidden states, not tokens (a SIGSEGV in llama_encode), and llama.cpp links the two "
+            "contexts (ctx_other) where llamacrab does not; it cannot run alone"
+        )
     if arch in archs.EMBEDDINGS_ABORT and params.embeddings:
         raise InvalidParameterError(
             f"embeddings=True: {arch} models give no embeddings (llama.cpp reads them "
