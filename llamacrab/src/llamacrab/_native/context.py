@@ -1065,9 +1065,9 @@ def _fit_graph(model: Model, params: ContextParams, c_params: Any) -> None:
     arch = model.arch
     if arch in archs.TARGET_DRAFTERS:
         raise ContextError(
-            f"{model!r} ({arch}) drafts for a target model: its encoder reads the target's "
-            "hidden states, not tokens (a SIGSEGV in llama_encode), and llama.cpp links the two "
-            "contexts (ctx_other) where llamacrab does not; it cannot run alone"
+            f"{model!r} ({arch}) drafts for a target model: it reads the target's hidden "
+            "states through a second context (llama.cpp's ctx_other), which llamacrab does not "
+            "link; it cannot run alone"
         )
     if arch in archs.EMBEDDINGS_ABORT and params.embeddings:
         raise InvalidParameterError(

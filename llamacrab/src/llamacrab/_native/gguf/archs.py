@@ -279,9 +279,10 @@ LAYER_TENSORS: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
 # micro-batch's logits, asserting there are some (so an output row in every micro-batch, and
 # a vocabulary past 8195).
 EMBEDDINGS_ABORT = frozenset({"deepseek4", "qwen4exp"})
-# Speculative drafters whose encoder takes the target model's hidden states (an embeddings
-# batch as wide as target_layers x its width): encoding tokens dereferences a null input.
-TARGET_DRAFTERS = frozenset({"dflash", "eagle3"})
+# Speculative drafters that read the target model's context (ctx_other): dflash's and eagle3's
+# encoder takes its hidden states (an embeddings batch target_layers x its width wide), so
+# encoding tokens dereferences a null input; gemma4-assistant refuses a context without it.
+TARGET_DRAFTERS = frozenset({"dflash", "eagle3", "gemma4-assistant"})
 NO_FLASH_ATTENTION = frozenset({"plm"})
 OUTPUT_EVERY_UBATCH = frozenset({"chameleon"})
 CHAMELEON_MIN_VOCAB = 8196
