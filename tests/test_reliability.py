@@ -29,7 +29,8 @@ from llamacrab import (
 )
 
 from reliability_kit import media, sections, tampered
-from reliability_kit.children import Report, Result
+from reliability_kit.children import Report, Result, Runner
+from reliability_kit.synthesized import POISON_CASES, POISON_SYNTHESIS, poisoned_heap
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,21 @@ def test_synthesized_models_of_every_architecture(workdir: Path) -> None:
     refused = [r.detail for r in as_it_is if r.outcome != "ok"]
     assert all(any(reason in detail for reason in by_design) for detail in refused), refused
     assert report.count("error") > 0
+
+
+def test_a_case_that_computes_otherwise_on_another_heap_is_a_finding(tmp_path: Path) -> None:
+    runner = Runner("probe", "heap_probe", {}, tmp_path, env=poisoned_heap(POISON_CASES))
+    cases = [{"id": "probe-0"}, {"id": "probe-1", "differs": True}]
+    report = runner.run(cases)
+    assert [r.outcome for r in report.results] == ["ok", "ok"]
+    runner.env = poisoned_heap(POISON_SYNTHESIS)
+    sections.run_again(report, runner, cases)
+    assert [r.id for r in report.findings] == ["probe-1"]
+    assert report.findings[0].outcome == "unclean"
+    assert f"computed {POISON_CASES}; then ok: computed {POISON_SYNTHESIS}" in (
+        report.findings[0].detail
+    )
+    assert report.extra["run again"] == 2
 
 
 @pytest.mark.parametrize(

@@ -354,7 +354,7 @@ def run(
     report = runner.run(cases)
     if section.again_with is not None:
         runner.env, runner.deadline = section.again_with, None
-        _run_again(report, runner, cases)
+        run_again(report, runner, cases)
     report.wall_seconds = time.monotonic() - started
     report.extra.update((key, setup[key]) for key in ("synthesis", "as it is") if key in setup)
     report.extra.update({"generated": len(cases), "generation seconds": generated,
@@ -363,7 +363,7 @@ def run(
     return report
 
 
-def _run_again(report: children.Report, runner: children.Runner,
+def run_again(report: children.Report, runner: children.Runner,
                cases: list[dict[str, Any]]) -> None:  # fmt: skip
     """Run each case that worked again with ``runner``; one that ends otherwise the second time
     (computes something else, fails or dies) becomes a finding of the report ("unclean")."""
