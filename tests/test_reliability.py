@@ -29,8 +29,14 @@ from llamacrab import (
 )
 
 from reliability_kit import media, sections, tampered
-from reliability_kit.children import Report, Result, Runner
-from reliability_kit.synthesized import POISON_CASES, POISON_SYNTHESIS, poisoned_heap
+from reliability_kit.children import (
+    HEAP_BYTE,
+    OTHER_HEAP_BYTE,
+    Report,
+    Result,
+    Runner,
+    poisoned_heap,
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,15 +103,15 @@ def test_synthesized_models_of_every_architecture(workdir: Path) -> None:
 
 
 def test_a_case_that_computes_otherwise_on_another_heap_is_a_finding(tmp_path: Path) -> None:
-    runner = Runner("probe", "heap_probe", {}, tmp_path, env=poisoned_heap(POISON_CASES))
+    runner = Runner("probe", "heap_probe", {}, tmp_path, env=poisoned_heap(HEAP_BYTE))
     cases = [{"id": "probe-0"}, {"id": "probe-1", "differs": True}]
     report = runner.run(cases)
     assert [r.outcome for r in report.results] == ["ok", "ok"]
-    runner.env = poisoned_heap(POISON_SYNTHESIS)
+    runner.env = poisoned_heap(OTHER_HEAP_BYTE)
     sections.run_again(report, runner, cases)
     assert [r.id for r in report.findings] == ["probe-1"]
     assert report.findings[0].outcome == "unclean"
-    assert f"computed {POISON_CASES}; then ok: computed {POISON_SYNTHESIS}" in (
+    assert f"computed {HEAP_BYTE}; then ok: computed {OTHER_HEAP_BYTE}" in (
         report.findings[0].detail
     )
     assert report.extra["run again"] == 2

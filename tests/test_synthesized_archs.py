@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from reliability_kit.synthesized import POISON_CASES, POISON_SYNTHESIS, poisoned_heap
+from reliability_kit.children import HEAP_BYTE, OTHER_HEAP_BYTE, poisoned_heap
 
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "GGML_NO_BACKTRACE": "1",
@@ -246,7 +246,7 @@ def test_an_rwkv7_head_off_the_kernel_step_is_refused_not_computed_on_garbage(
     path = synthesized(tmp_path, arch, keys={"wkv.head_size": ("UINT32", 16)})
     checked = use(path, "checked")
     assert "wkv.head_size a multiple of 64" in checked.stdout, checked.stdout
-    heaps = [poisoned_heap(byte) for byte in (POISON_SYNTHESIS, POISON_CASES)]
+    heaps = [poisoned_heap(byte) for byte in (OTHER_HEAP_BYTE, HEAP_BYTE)]
     prints = [subprocess.run([sys.executable, "-c", FINGERPRINT_CHILD, str(path)],
                              capture_output=True, text=True, timeout=300, env={**ENV, **heap})
               for heap in heaps]  # fmt: skip

@@ -3,13 +3,13 @@ as it is, without each of its tensors in turn, and a sample of its tampered vari
 (tampered.variants) and of the keys of its architecture it lacks (tampered.added_keys); each
 loaded, decoded (unless its graph computes no logits) and embedded. A synthesis that died is a
 case of its own, done again in the child. The children's heap is poisoned with another byte
-than the syntheses' (synthesized.poisoned_heap): a model as it is must compute here what it
-computed when it was made, and each case that works must compute the same when it runs again
-on the syntheses' heap (sections.run), or its graph reads memory nothing wrote."""
+than the syntheses' (children.poisoned_heap): a model as it is must compute here what it
+computed when it was made, and each case that works must compute the same (the digests in its
+details) when it runs again on the syntheses' heap (sections.run_again), or its graph reads
+memory nothing wrote."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -78,16 +78,12 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
                 return "unclean", f"{what}nothing wrote): {made} when made; {here} here"
         try:
             with Llama(path, n_ctx=64, n_batch=64, n_threads=1) as llm:
-                completion = llm.create_completion("the cat", max_tokens=2, temperature=0)
-            details.append(f"{completion.usage.completion_tokens} tokens")
+                details.append(tampered.completion_case(llm, "the cat"))
         except InvalidParameterError as error:
             if "computes no logits" not in str(error):
                 raise
         state["use"], state["prompt"] = "embeddings", "the cat"
         details.append(tampered.embeddings_case(path, state)[1])
-        # (what sections.run compares with a run of the case on another heap)
-        here = here or synthesized.fingerprint(path)
-        details.append(f"computes {hashlib.sha256(here.encode()).hexdigest()[:16]}")
         return "ok", "; ".join(details)
     finally:
         work.restore(undo)

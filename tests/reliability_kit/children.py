@@ -39,6 +39,20 @@ REPO = TESTS.parent
 FAILURES = ("unclean", "crash", "hang")
 
 
+# The heap bytes of the children of a section that runs its cases twice (Section.again_with);
+# the synthesizer's processes use the other one (a model's fingerprint, synthesized.py).
+HEAP_BYTE, OTHER_HEAP_BYTE = 0xA5, 0x5A
+
+
+def poisoned_heap(byte: int) -> dict[str, str]:
+    """Environment in which glibc fills each block malloc hands out from its heap with
+    ``byte`` ^ 0xff and each freed one with ``byte`` (a tiny model's buffers once the mmap
+    threshold has grown past them; a lower fixed threshold costs twice the time): what a graph
+    reads that nothing wrote then differs with ``byte``, so a case computes the same under two
+    bytes only if it reads nothing of the kind."""
+    return {"MALLOC_PERTURB_": str(byte)}
+
+
 @dataclass
 class Result:
     id: str

@@ -52,6 +52,11 @@ class Section:
 
 
 GIB = 1 << 30
+# Sections whose cases run on a poisoned heap, then those that worked again on another.
+TWO_HEAPS: dict[str, Any] = {
+    "env": children.poisoned_heap(children.HEAP_BYTE),
+    "again_with": children.poisoned_heap(children.OTHER_HEAP_BYTE),
+}
 
 
 def _used_with_tiny_model(title: str, file: str, use: str) -> Section:
@@ -64,7 +69,7 @@ def _used_with_tiny_model(title: str, file: str, use: str) -> Section:
 def _embedded(title: str, what: str) -> Section:
     """A section of a tiny model's variants, each embedded too (cheap: 400 cases in CI)."""
     return Section(title, what, Size(400, 150), Size(None, 3600), batch_size=100,
-                   case_timeout=60, memory_limit=16 * GIB)  # fmt: skip
+                   case_timeout=60, memory_limit=16 * GIB, **TWO_HEAPS)  # fmt: skip
 
 
 SECTIONS = {
@@ -82,7 +87,7 @@ SECTIONS = {
         "variants of the generated tiny model's header (and a few of its data), each loaded and "
         "decoded",
         Size(None, 120), Size(None, 1800), batch_size=100, case_timeout=60,
-        memory_limit=16 * GIB,
+        memory_limit=16 * GIB, **TWO_HEAPS,
     ),
     "tampered-gemma": Section(
         "Tampered models: Gemma 3 270M",
@@ -114,8 +119,7 @@ SECTIONS = {
         "as it is, each must compute what it did when it was made, on a heap poisoned with "
         "another byte",
         Size(400, 300), Size(40_000, 3600), batch_size=100, case_timeout=60,
-        memory_limit=16 * GIB, env=synthesized.poisoned_heap(synthesized.POISON_CASES),
-        again_with=synthesized.poisoned_heap(synthesized.POISON_SYNTHESIS),
+        memory_limit=16 * GIB, **TWO_HEAPS,
     ),
     "tampered-vision": _used_with_tiny_model(
         "Tampered projectors: vision", "vision projector",

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from reliability_kit.children import OTHER_HEAP_BYTE, poisoned_heap
 from reliability_kit.repo import REPO, script
 
 # Values for keys llama.cpp asks for, by how their names end (floats: epsilons and scales).
@@ -124,17 +125,6 @@ STARTING_TENSORS: dict[str, dict[str, list[int]]] = {
 # Vocabularies larger than the tiny model's 271 tokens (chameleon hides tokens 4..8195).
 STARTING_VOCAB = {"chameleon": 8200}
 MAX_STEPS = 200
-
-# The heap of the syntheses' processes; archs.py runs the models in another (POISON_CASES).
-POISON_SYNTHESIS, POISON_CASES = 0x5A, 0xA5
-
-
-def poisoned_heap(byte: int) -> dict[str, str]:
-    """Environment in which glibc fills each block malloc hands out with ``byte`` ^ 0xff and
-    each freed one with ``byte``, blocks up to 32 MiB included (a tiny model's buffers): what
-    a graph reads that nothing wrote then differs with ``byte``, so a model computes the same
-    under two bytes only if it reads nothing of the kind (archs.py compares fingerprints)."""
-    return {"MALLOC_PERTURB_": str(byte), "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432"}
 
 
 def architectures(source: Path) -> list[str]:
@@ -373,7 +363,7 @@ def synthesize_all(source: Path, directory: Path, workers: int = 2) -> dict[str,
         record = path.with_suffix(".json")
         if not record.exists():
             command = [sys.executable, "-m", "reliability_kit.synthesized", arch, str(path)]
-            env = {**os.environ, **poisoned_heap(POISON_SYNTHESIS), "PYTHONPATH": os.pathsep.join(
+            env = {**os.environ, **poisoned_heap(OTHER_HEAP_BYTE), "PYTHONPATH": os.pathsep.join(
                 [str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
             done = subprocess.run(command, env=env, capture_output=True, timeout=600)
             if done.returncode != 0:

@@ -21,6 +21,7 @@ patches and truncations are undone after their case).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import random
@@ -574,16 +575,28 @@ def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
         if state["use"] == "embeddings":
             return embeddings_case(path, state)
         with Llama(path, n_ctx=64, n_batch=64, n_threads=1) as llm:
-            completion = llm.create_completion(state["prompt"], max_tokens=2, temperature=0)
+            detail = "loaded; " + completion_case(llm, state["prompt"])
             llm.tokenize("<start_of_turn>user é🙂<s>", parse_special=True)
             n_vocab = llm.vocab.n_tokens
             llm.detokenize(list(range(0, n_vocab, max(1, n_vocab // 64))), special=True)
-        detail = f"loaded; {completion.usage.completion_tokens} tokens"
         if state["use"] == "both":
             detail += "; " + embeddings_case(path, state)[1]
         return "ok", detail
     finally:
         work.restore(undo)
+
+
+def digest(values: Any) -> str:
+    """A short digest of what a case computed (its repr: floats in full), which a run of the
+    case on another heap compares (sections.run_again)."""
+    return hashlib.sha256(repr(values).encode()).hexdigest()[:12]
+
+
+def completion_case(llm: Any, prompt: str) -> str:
+    """Two greedy tokens with their log-probabilities: how many, and a digest of what."""
+    choice = llm.create_completion(prompt, max_tokens=2, temperature=0, logprobs=1).choices[0]
+    values = (choice.text, choice.logprobs.token_logprobs if choice.logprobs else None)
+    return f"{len(choice.tokens)} tokens ({digest(values)})"
 
 
 def embeddings_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
@@ -592,16 +605,17 @@ def embeddings_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
     from llamacrab import Llama
 
     texts = [state["prompt"], "a crab"]
-    widths = []
+    widths, computed = [], []
     for pooling in ("unspecified", "mean"):
         with Llama(path, n_ctx=64, n_batch=64, n_threads=1, embeddings=True,
                    pooling=pooling) as llm:  # fmt: skip
             vectors = llm.embed(texts)
             widths.append(str(vectors[0].shape[-1]))
+            computed += [vector.tolist() for vector in vectors]
             if llm.context.pooling == "rank":
-                llm.rerank(texts[0], texts)
-                llm.classify([(texts[0], texts[1])])
-    return "ok", f"embedded ({', '.join(widths)} wide)"
+                computed.append(llm.rerank(texts[0], texts))
+                computed.append(llm.classify([(texts[0], texts[1])]))
+    return "ok", f"embedded ({', '.join(widths)} wide; {digest(computed)})"
 
 
 def _with_base_case(path: Path, state: dict[str, Any]) -> tuple[str, str]:
