@@ -247,7 +247,7 @@ class Scheduler:
         on the engine thread or on the one that cancelled (``_wake``): perhaps a finalizer the
         garbage collector ran anywhere, even inside this loop, whose nested call takes jobs of
         its list first; or inside a sampler call, where a close is refused: those samplers
-        are closed at the engine's next look for work."""
+        are closed at the engine's next look for work, or while it idles."""
         for job in [j for j in self.waiting if j.session.stopped()]:
             if job not in self.waiting:  # a nested call ended it
                 continue
@@ -270,8 +270,12 @@ class Scheduler:
         while True:
             with self._mutex:
                 if not any(slot.job for slot in self.slots):
+                    # (a job that ended its last step with a cancelled one's samplers left
+                    # unclosed looks for work no more: they close here, idle)
+                    self._close_unclosed()
                     while not self._closed and not self.waiting:
                         self._cond.wait(_IDLE_POLL_SECONDS)
+                        self._close_unclosed()
                     self._gather()
                 while not self._closed and not self._admit():
                     self._cond.wait(_IDLE_POLL_SECONDS)
