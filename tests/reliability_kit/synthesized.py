@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from reliability_kit import tampered
 from reliability_kit.children import OTHER_HEAP_BYTE, poisoned_heap
 from reliability_kit.repo import REPO, script
 
@@ -318,28 +319,22 @@ def synthesize(arch: str, path: Path, keys: Keys | None = None, n_vocab: int | N
 
 
 def fingerprint(path: Path) -> str:
-    """What the model computes: its greedy text, the log-probabilities of its tokens and a
-    digest of its embeddings of two texts (or the kind of error each raised). Bit for bit the
-    same in every process on this machine, unless the graph reads memory nothing wrote."""
-    import hashlib
-
+    """What the model computes (tampered.completion_case and embeddings_case: digests of its
+    log-probabilities, embeddings and scores), or the kind of error each part raised. Bit for
+    bit the same in every process on this machine, unless the graph reads memory nothing
+    wrote."""
     from llamacrab import Llama, LlamaError
 
     parts = []
-    for embeddings in (False, True):
-        try:
-            with Llama(path, n_ctx=64, n_batch=64, n_threads=1, embeddings=embeddings) as llm:
-                if embeddings:
-                    vectors = llm.embed(["the cat", "a crab"])
-                    parts.append(hashlib.sha256(b"".join(v.tobytes() for v in vectors)).hexdigest())
-                else:
-                    choice = llm.create_completion("the cat", max_tokens=3, temperature=0,
-                                                   logprobs=1).choices[0]  # fmt: skip
-                    # (no log-probabilities when the first token ends it)
-                    values = choice.logprobs.token_logprobs if choice.logprobs else []
-                    parts.append(repr((choice.text, choice.finish_reason, values)))
-        except LlamaError as error:
-            parts.append(type(error).__name__)
+    try:
+        with Llama(path, n_ctx=64, n_batch=64, n_threads=1) as llm:
+            parts.append(tampered.completion_case(llm, "the cat"))
+    except LlamaError as error:
+        parts.append(type(error).__name__)
+    try:
+        parts.append(tampered.embeddings_case(path, {"prompt": "the cat"})[1])
+    except LlamaError as error:
+        parts.append(type(error).__name__)
     return "; ".join(parts)
 
 
