@@ -3,10 +3,7 @@
 #
 # Needs a llamacrab-sys built with LLAMACRAB_SANITIZE=address (shims and llama.cpp instrumented):
 #   LLAMACRAB_SANITIZE=address bash scripts/setup.sh --no-run
-# CPython itself is not instrumented, so the ASan runtime is preloaded (with libstdc++, which
-# Python does not load: ASan must find __cxa_throw at start to intercept C++ exceptions), leak
-# checks are off (CPython keeps memory until exit by design), and SIGFPE is left to the tests
-# that expect a child to die of one. Reports go to files, so a report from a child process or
+# The environment is asan_env.sh's. Reports go to files, so a report from a child process or
 # from a process whose output pytest captured is never lost; any report fails the run.
 #
 # Usage: bash scripts/asan_tests.sh [pytest options]
@@ -15,8 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python=${PYTHON:-.venv/bin/python}
-cc=${CC:-gcc}
+source scripts/asan_env.sh
 reports=$(mktemp -d "${TMPDIR:-/tmp}/llamacrab-asan.XXXXXX")
 
 tests=(
@@ -32,16 +28,7 @@ if grep -qs "def test_lifecycle_sequences" tests/test_reliability.py; then
 fi
 if [ -n "${ASAN_TESTS:-}" ]; then read -r -a tests <<< "$ASAN_TESTS"; fi
 
-export LD_PRELOAD="$("$cc" -print-file-name=libasan.so) $("$cc" -print-file-name=libstdc++.so)"
-export ASAN_OPTIONS="detect_leaks=0:handle_sigfpe=0:log_path=$reports/asan"
-export GGML_NO_BACKTRACE=1
-
-sanitize=$("$python" -c "from llamacrab_sys import build_info; print(build_info().sanitize)")
-if [ "$sanitize" != "address" ]; then
-  echo "llamacrab-sys is not built with AddressSanitizer (sanitize=${sanitize:-none});" \
-       "build it with LLAMACRAB_SANITIZE=address" >&2
-  exit 2
-fi
+export ASAN_OPTIONS="$ASAN_BASE_OPTIONS:log_path=$reports/asan"
 
 status=0
 "$python" -m pytest -p no:cacheprovider "$@" "${tests[@]}" || status=$?

@@ -28,6 +28,15 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
 
 
+def limit_address_space(limit: int) -> None:
+    """RLIMIT_AS, except in a build with AddressSanitizer, which reserved terabytes of address
+    space for its shadow memory as the process started: any limit would fail its next mapping."""
+    from llamacrab_sys import build_info
+
+    if "address" not in build_info().sanitize.split(","):
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 def main() -> None:
     faulthandler.enable()  # a signal death leaves its Python stack in the log
     with open(sys.argv[1]) as file:
@@ -35,8 +44,7 @@ def main() -> None:
     fd = os.environ.get("RELIABILITY_FD")
     out: TextIO = os.fdopen(int(fd), "w") if fd else sys.stdout
     if job.get("memory_limit"):
-        limit = int(job["memory_limit"])
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        limit_address_space(int(job["memory_limit"]))
 
     def emit(report: dict[str, Any]) -> None:
         out.write(json.dumps(report) + "\n")
