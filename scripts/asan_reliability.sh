@@ -15,5 +15,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/asan_env.sh
-export ASAN_OPTIONS="$ASAN_BASE_OPTIONS:print_legend=0"
+export ASAN_OPTIONS="$ASAN_OPTIONS:print_legend=0"
 exec "$python" scripts/reliability.py "$@"

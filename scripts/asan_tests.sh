@@ -28,7 +28,7 @@ if grep -qs "def test_lifecycle_sequences" tests/test_reliability.py; then
 fi
 if [ -n "${ASAN_TESTS:-}" ]; then read -r -a tests <<< "$ASAN_TESTS"; fi
 
-export ASAN_OPTIONS="$ASAN_BASE_OPTIONS:log_path=$reports/asan"
+export ASAN_OPTIONS="$ASAN_OPTIONS:log_path=$reports/asan"
 
 status=0
 "$python" -m pytest -p no:cacheprovider "$@" "${tests[@]}" || status=$?
