@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the scripts that run llamacrab-sys built with AddressSanitizer
 # (LLAMACRAB_SANITIZE=address bash scripts/setup.sh --no-run). CPython itself is not
 # instrumented, so the ASan runtime is preloaded (with libstdc++, which Python does not load: ASan
@@ -8,7 +9,8 @@
 # exits 2 when the interpreter's llamacrab-sys is not built with AddressSanitizer.
 python=${PYTHON:-.venv/bin/python}
 cc=${CC:-gcc}
-export LD_PRELOAD="$("$cc" -print-file-name=libasan.so) $("$cc" -print-file-name=libstdc++.so)"
+LD_PRELOAD="$("$cc" -print-file-name=libasan.so) $("$cc" -print-file-name=libstdc++.so)"
+export LD_PRELOAD
 export GGML_NO_BACKTRACE=1
 export ASAN_OPTIONS="detect_leaks=0:handle_sigfpe=0"
 sanitize=$("$python" -c "from llamacrab_sys import build_info; print(build_info().sanitize)")
