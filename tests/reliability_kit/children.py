@@ -258,7 +258,8 @@ class Runner:
                 if (in_flight is not None and not abandoned) or status != 0:
                     what = in_flight or cases[-1]["id"]
                     where = "during its case" if in_flight else "at exit, after its last case"
-                    detail = f"{describe(status)} {where}; log: {_tail(log_path)}"
+                    detail = (f"{describe(status)}{_sanitizer_summary(log_path)} {where}; "
+                              f"log: {_tail(log_path)}")  # fmt: skip
                     failure = Result(what, "crash", detail, time.monotonic() - case_started)
                 break
             if "ready" in report:
@@ -302,6 +303,17 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def _sanitizer_summary(path: Path) -> str:
+    """The one-line summary of a sanitizer's report in a child's log (where its process ran
+    on the AddressSanitizer build, scripts/asan_reliability.sh), else ""."""
+    try:
+        with open(path, "rb") as log:
+            lines = [line for line in log if line.startswith(b"SUMMARY: ") and b"Sanitizer" in line]
+    except OSError:
+        return ""
+    return f" ({lines[-1].decode('utf-8', 'replace').strip()})" if lines else ""
 
 
 def _tail(path: Path, size: int = 1500) -> str:

@@ -1,10 +1,11 @@
 """A stand-in section for tests/test_reliability.py: each case reports the heap byte its child
 runs with (``"differs"``) or a constant, as a graph reading memory nothing wrote would or
-would not show it."""
+would not show it; or (``"sanitizer"``) ends its child as AddressSanitizer does after a report."""
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 
@@ -13,6 +14,14 @@ def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
 
 
 def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
+    if case.get("sanitizer"):
+        sys.stderr.write(
+            "==1==ERROR: AddressSanitizer: heap-buffer-overflow on address 0x1\n"
+            "SUMMARY: AddressSanitizer: heap-buffer-overflow probe.c:7 in read\n"
+            "Shadow bytes around the buggy address:\n  0x1: fa fa\n==1==ABORTING\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
     if case.get("differs"):
         return "ok", f"computed {os.environ.get('MALLOC_PERTURB_')}"
     return "ok", "computed the same"
