@@ -226,6 +226,15 @@ def test_expert_gating_func_out_of_range(tmp_path: Path, value: int) -> None:
     rejects(path, f"llama.expert_gating_func = {value}", "1..4")
 
 
+@pytest.mark.parametrize("value", [2048, 2**31 - 1, 2**32 - 1])
+def test_file_types_past_what_llama_ftype_holds_are_rejected(tmp_path: Path, value: int) -> None:
+    # The loader casts general.file_type to enum llama_ftype, which holds 0..2047; UBSan stopped
+    # a load of 4294967295 ("not a valid value for type 'llama_ftype'").
+    validate_gguf(header(tmp_path / "ok.gguf", {"general.file_type": 2047}))
+    rejects(header(tmp_path / "m.gguf", {"general.file_type": value}),
+            f"general.file_type = {value}", "0..2047")  # fmt: skip
+
+
 def test_expert_gating_func_in_range(tmp_path: Path) -> None:
     for value in (1, 2, 3, 4):
         validate_gguf(header(tmp_path / f"{value}.gguf", {"expert_gating_func": value}))

@@ -36,6 +36,10 @@ LLAMA_MAX_EXPERTS = 1024
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 _POOLING_TYPES = range(5)  # none, mean, cls, last, rank
 _EXPERT_GATING_FUNCS = range(1, 5)  # softmax, sigmoid, softmax_weight, sqrt_softplus
+# The values enum llama_ftype can hold (its largest, LLAMA_FTYPE_GUESSED, is 1024): the loader
+# casts general.file_type to it, and a value past them is undefined behaviour (UBSan: "not a
+# valid value for type 'llama_ftype'").
+_FILE_TYPES = range(2048)
 # These archs reset expert_count <= 1 to 0 (and expert_used_count to 0) before the expert asserts.
 _EXPERTS_RESET_ARCHS = ("hunyuan-dense", "hunyuan_vl")
 
@@ -159,16 +163,15 @@ def _check_enums(reader: Reader, arch: str, metadata: dict[str, Any]) -> None:
         raise reader.fail(
             f"{key} = {metadata[key]!r} is not one of {', '.join(_ROPE_SCALING_TYPES)}"
         )
-    for name, allowed in (
-        ("pooling_type", _POOLING_TYPES),
-        ("classifier.pooling_type", _POOLING_TYPES),
-        ("expert_gating_func", _EXPERT_GATING_FUNCS),
+    for key, allowed in (
+        (f"{arch}.pooling_type", _POOLING_TYPES),
+        (f"{arch}.classifier.pooling_type", _POOLING_TYPES),
+        (f"{arch}.expert_gating_func", _EXPERT_GATING_FUNCS),
+        ("general.file_type", _FILE_TYPES),
     ):
-        value = uint(metadata, f"{arch}.{name}")
+        value = uint(metadata, key)
         if value is not None and value not in allowed:
-            raise reader.fail(
-                f"{arch}.{name} = {value} is out of range {allowed.start}..{allowed.stop - 1}"
-            )
+            raise reader.fail(f"{key} = {value} is out of range {allowed.start}..{allowed.stop - 1}")
 
 
 def _check_projector_epsilons(reader: Reader, metadata: dict[str, Any]) -> None:
