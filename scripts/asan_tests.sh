@@ -3,7 +3,7 @@
 #
 # Needs a llamacrab-sys built with LLAMACRAB_SANITIZE=address (shims and llama.cpp instrumented):
 #   LLAMACRAB_SANITIZE=address bash scripts/setup.sh --no-run
-# The environment is asan_env.sh's. Reports go to files, so a report from a child process or
+# The environment is sanitizer_env.sh's. Reports go to files, so a report from a child process or
 # from a process whose output pytest captured is never lost; any report fails the run.
 #
 # Usage: bash scripts/asan_tests.sh [pytest options]
@@ -12,7 +12,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-source scripts/asan_env.sh
+source scripts/sanitizer_env.sh
+case ",$sanitize," in
+  *,address,*) ;;
+  *) echo "llamacrab-sys is built with sanitize=$sanitize, without address" >&2; exit 2 ;;
+esac
 reports=$(mktemp -d "${TMPDIR:-/tmp}/llamacrab-asan.XXXXXX")
 
 tests=(

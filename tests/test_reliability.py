@@ -117,15 +117,22 @@ def test_a_case_that_computes_otherwise_on_another_heap_is_a_finding(tmp_path: P
     assert report.extra["run again"] == 2
 
 
-def test_a_sanitizer_report_is_a_death_that_names_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sanitizer", "summary"),
+    [("address", "SUMMARY: AddressSanitizer: heap-buffer-overflow probe.c:7 in read"),
+     ("undefined", "probe.c:9:5: runtime error: load of value 7, which is not a valid value "
+                   "for type 'kind'")],
+)  # fmt: skip
+def test_a_sanitizer_report_is_a_death_that_names_it(
+    tmp_path: Path, sanitizer: str, summary: str
+) -> None:
     runner = Runner("probe", "heap_probe", {}, tmp_path)
-    cases = [{"id": "probe-0"}, {"id": "probe-1", "sanitizer": True}, {"id": "probe-2"}]
+    cases = [{"id": "probe-0"}, {"id": "probe-1", "sanitizer": sanitizer}, {"id": "probe-2"}]
     report = runner.run(cases)
     assert [(r.id, r.outcome) for r in report.results] == [
         ("probe-0", "ok"), ("probe-1", "crash"), ("probe-2", "ok")]  # fmt: skip
-    assert report.findings[0].detail.startswith(
-        "exited with 1 (SUMMARY: AddressSanitizer: heap-buffer-overflow probe.c:7 in read)"
-    ), report.findings[0].detail
+    detail = report.findings[0].detail
+    assert detail.startswith(f"exited with 99 ({summary}) during its case"), detail
 
 
 @pytest.mark.parametrize(

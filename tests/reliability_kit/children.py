@@ -306,14 +306,20 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
 
 
 def _sanitizer_summary(path: Path) -> str:
-    """The one-line summary of a sanitizer's report in a child's log (where its process ran
-    on the AddressSanitizer build, scripts/asan_reliability.sh), else ""."""
+    """The one line that says what a sanitizer stopped a child for (where it ran on a build
+    with sanitizers, scripts/sanitizer_reliability.sh): AddressSanitizer's summary, or
+    UndefinedBehaviorSanitizer's first "runtime error" (it prints no summary when it stops at
+    the first); else ""."""
     try:
         with open(path, "rb") as log:
-            lines = [line for line in log if line.startswith(b"SUMMARY: ") and b"Sanitizer" in line]
+            lines = [line for line in log
+                     if (line.startswith(b"SUMMARY: ") and b"Sanitizer" in line)
+                     or b": runtime error: " in line]  # fmt: skip
     except OSError:
         return ""
-    return f" ({lines[-1].decode('utf-8', 'replace').strip()})" if lines else ""
+    summaries = [line for line in lines if line.startswith(b"SUMMARY: ")]
+    chosen = summaries[-1] if summaries else lines[0] if lines else b""
+    return f" ({chosen.decode('utf-8', 'replace').strip()})" if chosen else ""
 
 
 def _tail(path: Path, size: int = 1500) -> str:
