@@ -442,6 +442,11 @@ FOUND = [
      "`_native/gguf/arch_rules.py` (archs.WKV7_STEP: a multiple of 64); the archs section now "
      "poisons its children's heap with another byte than the syntheses' and compares what "
      "each model computes (synthesized.fingerprint)"),
+    ("tampered-tiny on a build with UndefinedBehaviorSanitizer (2026-12-07, short size)",
+     "`general.file_type` = 4294967295 or 2147483647", "undefined behaviour, no signal: the "
+     "loader casts the value to `enum llama_ftype`, which holds 0..2047 (UBSan: \"not a valid "
+     "value for type 'llama_ftype'\", llama-model-loader.cpp:1805)",
+     "`_native/gguf/check.py`: `general.file_type` in 0..2047"),
 ]  # fmt: skip
 
 
