@@ -447,6 +447,12 @@ FOUND = [
      "loader casts the value to `enum llama_ftype`, which holds 0..2047 (UBSan: \"not a valid "
      "value for type 'llama_ftype'\", llama-model-loader.cpp:1805)",
      "`_native/gguf/check.py`: `general.file_type` in 0..2047"),
+    ("states on a build with UndefinedBehaviorSanitizer (2026-12-07, short size: 3 of 2,000)",
+     "a sequence state with a token at position 2^31 - 1, then a decode", "undefined "
+     "behaviour, no signal: each decode computes every sequence's next position (last + 1) "
+     "in int32 (UBSan: \"signed integer overflow\", llama-batch.cpp:1265)",
+     "`_native/context.py`: a loaded state past `LAST_POSITION` (2^31 - 2) is refused and the "
+     "memory cleared; `Batch` and `shift` refuse such positions"),
 ]  # fmt: skip
 
 

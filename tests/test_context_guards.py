@@ -180,10 +180,12 @@ def _keep_and_start_again(loaded: Model, params: ContextParams) -> None:
 def test_a_shift_past_int32_is_refused(loaded: Model) -> None:
     with Context(loaded, ContextParams(n_ctx=256, n_threads=1)) as ctx:
         decode(ctx, [5, 6, 7, 8, 9])  # positions 0..4
-        with pytest.raises(InvalidParameterError, match="past 2147483647"):
+        with pytest.raises(InvalidParameterError, match="past 2147483646"):
             ctx.shift(0, 2**31 - 4)  # 4 to INT32_MAX + 1
-        with pytest.raises(InvalidParameterError, match="past 2147483647"):
+        with pytest.raises(InvalidParameterError, match="past 2147483646"):
             ctx.shift(0, 2**31 - 3, p0=2, p1=4)  # position 3 is the highest it moves
+        with pytest.raises(InvalidParameterError, match="past 2147483646"):
+            ctx.shift(0, 2**31 - 5, p0=3)  # 4 to INT32_MAX: the next decode's next overflows
         assert ctx.positions(0) == (0 if loaded.arch == "llama" else 4, 4)
         ctx.shift(0, 2**31 - 5 - 1, p0=3)  # 4 lands on INT32_MAX - 1: allowed
         assert ctx.positions(0) is not None

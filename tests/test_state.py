@@ -72,6 +72,31 @@ def test_memory_operations_on_sequences(tiny_llama: Llama) -> None:
     context.close()
 
 
+def test_no_token_goes_where_no_position_can_follow(tiny_llama: Llama) -> None:
+    # Every decode computes each sequence's next position (its last + 1) in int32: after a
+    # state putting a token at INT32_MAX, UBSan stopped at that overflow (the states section).
+    context = Context(tiny_llama.model, ContextParams(n_ctx=64))
+    batch = Batch(8)
+    batch.set(np.array([1, 260], dtype=np.int32), 0, seq_id=0)
+    context.decode(batch)
+    state = bytearray(context.state_bytes(0))
+    # magic, source sequence, stream count, cell count; cells of (position, 1, sequence id)
+    struct.pack_into("<i", state, 16 + 12, 2**31 - 1)
+    with pytest.raises(StateError, match="past position 2147483646, which leaves no next"):
+        context.load_state_bytes(bytes(state), 0)
+    assert context.positions(0) is None
+    context.load_state_bytes(context.state_bytes(0), 0)  # still usable
+    batch.set(np.array([1, 260], dtype=np.int32), 0, seq_id=0)
+    context.decode(batch)
+    assert context.positions(0) == (0, 1)
+    for fill in (lambda: batch.set_one(1, 2**31 - 1),
+                 lambda: batch.set_rows(*np.array([[1], [2**31 - 1], [0], [1]]))):  # fmt: skip
+        with pytest.raises(InvalidParameterError, match="leaves no next position"):
+            fill()
+    batch.set_one(1, 2**31 - 2)
+    context.close()
+
+
 def test_state_round_trip_between_llamas_gives_identical_output(tiny_model_path: Path) -> None:
     with Llama(tiny_model_path, n_ctx=128) as first, Llama(tiny_model_path, n_ctx=128) as second:
         first.create_completion(PROMPT, max_tokens=0)

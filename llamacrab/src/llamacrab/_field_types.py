@@ -28,6 +28,9 @@ import numpy as np
 from llamacrab._exceptions import InvalidParameterError, LlamaError
 
 INT32_MIN, INT32_MAX, UINT32_MAX = -(2**31), 2**31 - 1, 2**32 - 1
+# The highest position a token may take: every decode computes each sequence's next position
+# (its last + 1) in int32, an overflow past a token at INT32_MAX (llama_batch_compat::init).
+LAST_POSITION = INT32_MAX - 1
 FLOAT32_MAX = 3.4028234663852886e38  # past it a C float is infinite
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 

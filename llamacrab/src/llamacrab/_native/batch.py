@@ -7,8 +7,15 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import ClosedHandleError, InvalidParameterError
-from llamacrab._field_types import INT32_MAX, INT32_MIN
+from llamacrab._field_types import INT32_MAX, INT32_MIN, LAST_POSITION
 from llamacrab._native.call import ffi
+
+
+def _check_last_position(position: int) -> None:
+    if position > LAST_POSITION:
+        raise InvalidParameterError(
+            f"position {position} leaves no next position: the highest is {LAST_POSITION}"
+        )
 
 
 def _int32s(name: str, values: np.ndarray) -> np.ndarray:
@@ -112,7 +119,9 @@ class Batch:
         if seq_ids.min() < 0 or seq_ids.max() >= self.n_seq_max:
             raise InvalidParameterError(f"a seq_id outside 0..{self.n_seq_max - 1}")
         self._tokens[:n] = _int32s("tokens", tokens)
-        self._positions[:n] = _int32s("positions", positions)
+        positions = _int32s("positions", positions)
+        _check_last_position(int(positions.max()))
+        self._positions[:n] = positions
         self._seq_pointers[:n] = self._cells_address + 4 * seq_ids.astype(np.uintp)
         self._logits[:n] = logits
         self.struct.n_tokens = n
@@ -142,6 +151,7 @@ class Batch:
         self._check_seq_id(seq_id)
         if not (INT32_MIN <= token <= INT32_MAX and INT32_MIN <= pos <= INT32_MAX):
             raise InvalidParameterError(f"token {token} or position {pos} overflows int32")
+        _check_last_position(pos)
         self._tokens[0] = token
         self._positions[0] = pos
         self._seq_pointers[0] = self._cells_address + 4 * seq_id

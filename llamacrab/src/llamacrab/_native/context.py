@@ -27,6 +27,7 @@ from llamacrab._field_types import (
     FLOAT32_MAX,
     INT32_MAX,
     INT32_MIN,
+    LAST_POSITION,
     UINT32_MAX,
     check_field_types,
     check_range,
@@ -852,7 +853,7 @@ class Context(NativeHandle):
     def shift(self, seq_id: int, delta: int, p0: int = 0, p1: int = -1) -> None:
         """Add ``delta`` to the positions [p0, p1) of a sequence (context shifting). Cells of a
         KV cache shifted below 0 are dropped; a recurrent state cannot drop its past, so its
-        position may not go below 0. No position may go past INT32_MAX."""
+        position may not go below 0. No position may go past LAST_POSITION (INT32_MAX - 1)."""
         self._check_range(seq_id, p0, p1)
         check_range("delta", delta, INT32_MIN, INT32_MAX)
         with self.exclusive() as ctx:
@@ -867,10 +868,11 @@ class Context(NativeHandle):
             call("llama_memory_seq_add", memory, seq_id, p0, p1, delta)
 
     def _check_shift(self, seq_id: int, delta: int, top: int, recurrent_moves: bool) -> None:
-        # llama.cpp adds in int32: past INT32_MAX positions wrapped negative (cells dropped).
-        if top + delta > INT32_MAX:
+        # llama.cpp adds in int32: past INT32_MAX positions wrapped negative (cells dropped);
+        # at INT32_MAX the next decode's next position overflows.
+        if top + delta > LAST_POSITION:
             raise InvalidParameterError(
-                f"shifting sequence {seq_id} by {delta} takes position {top} past {INT32_MAX}"
+                f"shifting sequence {seq_id} by {delta} takes position {top} past {LAST_POSITION}"
             )
         # A recurrent state (at the sequence's last position) shifted below 0 stayed, unseen.
         if self.recurrent and recurrent_moves and top + delta < 0:
@@ -965,6 +967,25 @@ class Context(NativeHandle):
                     "one-slot Llama has one, parallel slots one each unless kv_unified=True)"
                 )
             raise StateError(f"llama.cpp rejected the state ({_scope(seq_id)}): {reason}")
+        self._check_loaded_positions(seq_id)
+
+    def _check_loaded_positions(self, seq_id: int | None) -> None:
+        """StateError, the memory cleared, where a loaded state put a token past
+        LAST_POSITION: the next decode would overflow its next position. (No range of
+        positions reaches INT32_MAX, their end being exclusive: only a clear removes it.)"""
+        sequences = range(self.params.n_seq_max) if seq_id is None else [seq_id]
+        with self.exclusive() as ctx:
+            memory = lib.llama_get_memory(ctx)
+            past = [s for s in sequences if lib.llama_memory_seq_pos_max(memory, s) > LAST_POSITION]
+            if past:
+                self._memory_changes_now(None)
+                lib.llama_memory_clear(memory, True)
+        if past:
+            raise StateError(
+                f"the state puts a token of sequence {past[0]} past position {LAST_POSITION}, "
+                "which leaves no next position (corrupted or altered); the context's memory "
+                "is cleared"
+            )
 
     def _state_flags(self, seq_id: int | None, partial: bool) -> int:
         """llama.cpp's flags for a state of ``seq_id`` (None: the context), checked first."""

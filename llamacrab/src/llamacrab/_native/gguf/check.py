@@ -171,7 +171,8 @@ def _check_enums(reader: Reader, arch: str, metadata: dict[str, Any]) -> None:
     ):
         value = uint(metadata, key)
         if value is not None and value not in allowed:
-            raise reader.fail(f"{key} = {value} is out of range {allowed.start}..{allowed.stop - 1}")
+            what = f"{allowed.start}..{allowed.stop - 1}"
+            raise reader.fail(f"{key} = {value} is out of range {what}")
 
 
 def _check_projector_epsilons(reader: Reader, metadata: dict[str, Any]) -> None:
