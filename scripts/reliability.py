@@ -453,6 +453,11 @@ FOUND = [
      "in int32 (UBSan: \"signed integer overflow\", llama-batch.cpp:1265)",
      "`_native/context.py`: a loaded state past `LAST_POSITION` (2^31 - 2) is refused and the "
      "memory cleared; `Batch` and `shift` refuse such positions"),
+    ("inputs on a build with AddressSanitizer (2026-12-07, long size, seed 2026: a hang)",
+     "the grammar `root ::= ((\"\" ){0,100000}){0,100000}`", "the plain build: all 24 GiB of "
+     "memory inside llama.cpp's grammar sampler, then the OOM killer (glibc's abort under a "
+     "4 GiB limit); the fan-out bound counted a rule matching nothing as no way on",
+     "`_native/gbnf/fanout.py`: each copy of a rule counts at least one way"),
 ]  # fmt: skip
 
 

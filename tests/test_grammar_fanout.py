@@ -22,6 +22,11 @@ from llamacrab._native.gbnf.fanout import check_grammar_fanout
         ("root ::= " + " ".join(["[a-z]*"] * 12), "352716 ways"),
         ('root ::= x{300}\nx ::= "a" | "" | [0-9]', "600 ways to continue"),
         ('root ::= (a | b){200}\na ::= [a-z]?\nb ::= "q"', "400 ways to continue"),
+        # A repetition of nothing: each copy a way on. The reliability suite's inputs section
+        # (under ASan, seed 2026) found (("" ){0,100000}){0,100000}: all of 24 GiB, then
+        # the OOM killer, inside llama.cpp's grammar sampler.
+        ('root ::= ("" ){300} "a"', "301 ways to continue"),
+        ('root ::= (("" ){0,100000}){0,100000}', "102500000 ways to continue"),
     ],
 )
 def test_the_counts_refused(grammar: str, count: str) -> None:

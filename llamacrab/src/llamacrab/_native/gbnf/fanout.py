@@ -209,6 +209,9 @@ def _entry_reach(parser: Parser, known: Facts) -> list[int] | str:
                 total += _item_reach(item, known, reach)
                 if not item_nullable(item, known.nullable):
                     break
+        # A rule that matches nothing still takes a way per copy: ("" ){0,3000} takes 3000,
+        # each explored by llama.cpp (nested twice: all the memory there is).
+        total = max(total, 1)
         reach[index] = min(total, MAX_START_STACKS + 1)  # past the limits, the size is moot
         for user in users[index]:
             waiting_on[user] -= 1
