@@ -310,15 +310,17 @@ def _sanitizer_summary(path: Path) -> str:
     with sanitizers, scripts/sanitizer_reliability.sh): AddressSanitizer's summary, or
     UndefinedBehaviorSanitizer's first "runtime error" (it prints no summary when it stops at
     the first); else ""."""
+    summary = error = b""
     try:
         with open(path, "rb") as log:
-            lines = [line for line in log
-                     if (line.startswith(b"SUMMARY: ") and b"Sanitizer" in line)
-                     or b": runtime error: " in line]  # fmt: skip
+            for line in log:
+                if line.startswith(b"SUMMARY: ") and b"Sanitizer" in line:
+                    summary = line
+                elif not error and b": runtime error: " in line:
+                    error = line
     except OSError:
         return ""
-    summaries = [line for line in lines if line.startswith(b"SUMMARY: ")]
-    chosen = summaries[-1] if summaries else lines[0] if lines else b""
+    chosen = summary or error
     return f" ({chosen.decode('utf-8', 'replace').strip()})" if chosen else ""
 
 
