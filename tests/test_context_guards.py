@@ -197,6 +197,22 @@ def test_a_shift_past_int32_is_refused(loaded: Model) -> None:
             assert ctx.positions(0) == (0, 1)
 
 
+@pytest.mark.parametrize("loaded", ["llama"], indirect=True)
+def test_a_negative_position_is_refused(loaded: Model) -> None:
+    # llama.cpp took a lone token at -1 (the mark of an empty KV cell): the cache held it
+    # unseen, its sequence's range went wrong (positions() said empty after two decodes).
+    with Context(loaded, ContextParams(n_ctx=256, n_threads=1)) as ctx, Batch(4) as batch:
+        negative = "position -1 is negative: positions start at 0"
+        with pytest.raises(InvalidParameterError, match=negative):
+            batch.set_one(5, -1)
+        with pytest.raises(InvalidParameterError, match=negative):
+            batch.set(np.array([5, 6], dtype=np.int32), -1)
+        with pytest.raises(InvalidParameterError, match="position -7 is negative"):
+            batch.set_rows(np.array([5, 6]), np.array([-7, 0]), np.array([0, 0]), np.array([0, 1]))
+        decode(ctx, [5, 6])
+        assert ctx.positions(0) == (0, 1)
+
+
 @pytest.mark.parametrize("loaded", ["mamba", "jamba"], indirect=True)
 def test_a_recurrent_state_is_not_shifted_below_zero(loaded: Model) -> None:
     with Context(loaded, ContextParams(n_ctx=256, n_threads=1)) as ctx:

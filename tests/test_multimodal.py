@@ -881,6 +881,44 @@ def test_media_chunks_of_another_projector_or_model_are_refused_not_a_crash(
     assert int(lines[-1].removeprefix("then: ")) > IMAGE_TOKENS  # the chunks' own projector
 
 
+EVALUATE_WHERE_CHILD = """
+import sys
+import numpy as np
+from llamacrab import Context, ContextParams, Image, InvalidParameterError, Model, Projector
+model = Model.load(sys.argv[1])
+projector = Projector(model, sys.argv[2], n_threads=1)
+context = Context(model, ContextParams(n_ctx=512, n_seq_max=2))
+bitmap = projector.bitmap(Image(pixels=np.zeros((32, 32, 3), np.uint8)))
+with projector.tokenize(f"look {projector.marker} now", [bitmap]) as chunks:
+    for n_past, seq_id in ((0, 2), (0, -1), (-1, 0), (2**31 - 20, 0), (2**31, 0)):
+        try:
+            projector.evaluate(context, chunks, n_past, seq_id)
+        except InvalidParameterError as error:
+            print("refused:", error)
+    print("then:", projector.evaluate(context, chunks, 0, 1), chunks.n_pos)
+"""
+
+
+def test_evaluate_refuses_a_sequence_or_position_the_context_cannot_take(
+    files: dict[str, Path],
+) -> None:
+    # libmtmd's helper asserted on a sequence past n_seq_max (SIGABRT, mtmd-helper.cpp:231) and
+    # placed the prompt at any n_past: -1 (a token the KV cache holds but counts as empty) or
+    # past INT32_MAX (a signed overflow).
+    child = run_child(EVALUATE_WHERE_CHILD, str(files["text"]), str(files["vision"]))
+    assert child.returncode == 0, child.stderr[-3000:]
+    lines = child.stdout.splitlines()
+    assert lines[:2] == [
+        "refused: sequence 2 outside 0..1 (n_seq_max)",
+        "refused: sequence -1 outside 0..1 (n_seq_max)",
+    ]
+    assert lines[2] == "refused: position -1 is negative: positions start at 0"
+    assert "leaves no next position: the highest is 2147483646" in lines[3]
+    assert lines[4].startswith("refused: n_past must be an integer in")
+    new_n_past, n_pos = (int(word) for word in lines[5].split()[1:])
+    assert new_n_past == n_pos > IMAGE_TOKENS  # the context is still usable
+
+
 def test_llama_cpp_python_s_chat_handlers_bring_their_projector(
     seeing: Llama, files: dict[str, Path]
 ) -> None:

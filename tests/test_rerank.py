@@ -62,7 +62,7 @@ def test_reranking_needs_rank_pooling(tiny_model_path: Path) -> None:
 
 PAST_THE_POSITION_TABLE = """
 import sys
-from llamacrab import Batch, ContextOverflowError, Llama
+from llamacrab import Batch, ContextOverflowError, InvalidParameterError, Llama
 with Llama(sys.argv[1], embeddings=True, n_threads=1) as llm:
     rows = llm.model.position_rows
     long = "the cat " * rows  # more tokens than the table has positions
@@ -78,11 +78,16 @@ with Llama(sys.argv[1], embeddings=True, n_threads=1) as llm:
         llm.context.decode(batch)
     except ContextOverflowError as error:
         print("refused:", error)
+    try:  # and one before it: row -1
+        batch.set_one(5, -1)
+        llm.context.decode(batch)
+    except InvalidParameterError as error:
+        print("refused:", error)
     print("rows:", rows, "cells:", llm.context.n_ctx)
 """
 
 
-def test_a_text_past_the_learned_position_table_is_refused_not_an_abort(
+def test_a_position_outside_the_learned_position_table_is_refused_not_an_abort(
     tmp_path: Path,
 ) -> None:
     # A BERT model's positions come from a table of n_ctx_train rows; the context is padded to
@@ -96,9 +101,10 @@ def test_a_text_past_the_learned_position_table_is_refused_not_an_abort(
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert child.returncode == 0, child.stderr[-2000:]
     lines = child.stdout.splitlines()
-    assert sum(line.startswith("refused:") for line in lines) == 3, child.stdout
+    assert sum(line.startswith("refused:") for line in lines) == 4, child.stdout
     assert "the model's position table holds 64" in lines[0]
-    assert "position 67 is past this model's learned position table (64" in lines[-2]
+    assert "position 67 is past this model's learned position table (64" in lines[-3]
+    assert "position -1 is negative" in lines[-2]  # was SIGABRT in ggml_get_rows too
     rows, cells = (int(word) for word in lines[-1].split()[1::2])
     assert rows == 64 < cells
-    assert lines[-3].startswith("truncated:")
+    assert lines[-4].startswith("truncated:")

@@ -11,10 +11,14 @@ from llamacrab._field_types import INT32_MAX, INT32_MIN, LAST_POSITION
 from llamacrab._native.call import ffi
 
 
-def _check_last_position(position: int) -> None:
-    if position > LAST_POSITION:
+def check_positions(low: int, high: int) -> None:
+    """Positions run from 0 to LAST_POSITION. llama.cpp takes -1 as the mark of an empty KV
+    cell (a token there is held but unseen) and a learned position table's row (BERT aborts)."""
+    if low < 0:
+        raise InvalidParameterError(f"position {low} is negative: positions start at 0")
+    if high > LAST_POSITION:
         raise InvalidParameterError(
-            f"position {position} leaves no next position: the highest is {LAST_POSITION}"
+            f"position {high} leaves no next position: the highest is {LAST_POSITION}"
         )
 
 
@@ -72,8 +76,7 @@ class Batch:
         if not 0 < n <= self.capacity:
             raise InvalidParameterError(f"{n} tokens do not fit a batch of {self.capacity}")
         self._check_seq_id(seq_id)
-        if not INT32_MIN <= start_pos <= INT32_MAX - n:
-            raise InvalidParameterError(f"positions from {start_pos} overflow int32")
+        check_positions(start_pos, start_pos + n - 1)
         self._tokens[:n] = _int32s("tokens", tokens)
         self._positions[:n] = np.arange(start_pos, start_pos + n, dtype=np.int32)
         self._seq_pointers[:n] = self._cells_address + 4 * seq_id
@@ -120,7 +123,7 @@ class Batch:
             raise InvalidParameterError(f"a seq_id outside 0..{self.n_seq_max - 1}")
         self._tokens[:n] = _int32s("tokens", tokens)
         positions = _int32s("positions", positions)
-        _check_last_position(int(positions.max()))
+        check_positions(int(positions.min()), int(positions.max()))
         self._positions[:n] = positions
         self._seq_pointers[:n] = self._cells_address + 4 * seq_ids.astype(np.uintp)
         self._logits[:n] = logits
@@ -149,9 +152,9 @@ class Batch:
         # The seq_id pointer must stay inside the cells (llama.cpp reads through it), and the
         # numbers must fit int32 (numpy would raise OverflowError).
         self._check_seq_id(seq_id)
-        if not (INT32_MIN <= token <= INT32_MAX and INT32_MIN <= pos <= INT32_MAX):
-            raise InvalidParameterError(f"token {token} or position {pos} overflows int32")
-        _check_last_position(pos)
+        if not INT32_MIN <= token <= INT32_MAX:
+            raise InvalidParameterError(f"token {token} overflows int32")
+        check_positions(pos, pos)
         self._tokens[0] = token
         self._positions[0] = pos
         self._seq_pointers[0] = self._cells_address + 4 * seq_id

@@ -491,7 +491,7 @@ class Context(NativeHandle):
         outputs of sequence ``seq_id`` (None: none, the CPU chain samples from raw logits).
         False when llama.cpp refused it. A chain can be given once in its life: llama.cpp
         initializes it for this context. Outputs of such a sequence have no raw logits."""
-        self._check_sequence(seq_id)
+        self.check_sequence(seq_id)
         if chain is None and seq_id not in self._graph_samplers:
             return True  # nothing to change: llama.cpp would not reserve its graphs again
         with self.exclusive() as ctx:
@@ -564,7 +564,7 @@ class Context(NativeHandle):
         check_range("count", count, 1, INT32_MAX)
         check_range("index", index, INT32_MIN, INT32_MAX - count + 1)
         if seq_id is not None:
-            self._check_sequence(seq_id)
+            self.check_sequence(seq_id)
         if not 0 < width <= row_width or count < 1 or (seq_id is not None and count != 1):
             raise InvalidParameterError(
                 f"{count} rows of {width} floats: a row holds {row_width} (one per sequence)"
@@ -785,7 +785,8 @@ class Context(NativeHandle):
             self._memory_changes_now(None)
             lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
 
-    def _check_sequence(self, seq_id: int) -> None:
+    def check_sequence(self, seq_id: int) -> None:
+        """Raise InvalidParameterError unless ``seq_id`` is one of this context's sequences."""
         check_range("seq_id", seq_id, INT32_MIN, INT32_MAX)  # what cffi takes
         if not 0 <= seq_id < self.params.n_seq_max:
             raise InvalidParameterError(
@@ -793,7 +794,7 @@ class Context(NativeHandle):
             )
 
     def _check_range(self, seq_id: int, p0: int, p1: int) -> None:
-        self._check_sequence(seq_id)
+        self.check_sequence(seq_id)
         check_range("p0", p0, INT32_MIN, INT32_MAX)
         check_range("p1", p1, INT32_MIN, INT32_MAX)
         if p0 < 0 or (p1 >= 0 and p1 < p0):
@@ -823,7 +824,7 @@ class Context(NativeHandle):
         With a memory per sequence (``kv_unified`` False and several sequences) the copy goes
         from one buffer to another: only whole sequences, and it replaces what ``dst`` held."""
         self._check_range(src, p0, p1)
-        self._check_sequence(dst)
+        self.check_sequence(dst)
         separate = not self.params.kv_unified and self.params.n_seq_max > 1
         if separate and src != dst and (p0 != 0 or p1 >= 0):
             # llama.cpp asserts (an abort) on a part of a sequence across buffers.
@@ -837,7 +838,7 @@ class Context(NativeHandle):
 
     def keep(self, seq_id: int) -> None:
         """Drop every sequence but ``seq_id``."""
-        self._check_sequence(seq_id)
+        self.check_sequence(seq_id)
         others = [other for other in range(self.params.n_seq_max) if other != seq_id]
         with self.exclusive() as ctx:
             memory = lib.llama_get_memory(ctx)
@@ -896,7 +897,7 @@ class Context(NativeHandle):
 
     def positions(self, seq_id: int) -> tuple[int, int] | None:
         """The smallest and largest position held for a sequence, or None if it is empty."""
-        self._check_sequence(seq_id)
+        self.check_sequence(seq_id)
         with self.exclusive() as ctx:
             memory = lib.llama_get_memory(ctx)
             low = int(lib.llama_memory_seq_pos_min(memory, seq_id))
@@ -990,7 +991,7 @@ class Context(NativeHandle):
     def _state_flags(self, seq_id: int | None, partial: bool) -> int:
         """llama.cpp's flags for a state of ``seq_id`` (None: the context), checked first."""
         if seq_id is not None:
-            self._check_sequence(seq_id)
+            self.check_sequence(seq_id)
         elif partial:
             raise InvalidParameterError("a partial state is one sequence's, not the context's")
         return _PARTIAL_ONLY if partial else 0

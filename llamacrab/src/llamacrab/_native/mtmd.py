@@ -20,8 +20,9 @@ from llamacrab._exceptions import (
     ModelLoadError,
     TokenizeError,
 )
-from llamacrab._field_types import file_path
+from llamacrab._field_types import INT32_MAX, INT32_MIN, check_range, file_path
 from llamacrab._native import projector_probe
+from llamacrab._native.batch import check_positions
 from llamacrab._native.call import c_path, c_string, call, call_bounded, ffi, lib
 from llamacrab._native.claims import Exclusive
 from llamacrab._native.context import Context
@@ -253,6 +254,11 @@ class Projector(NativeHandle):
         if context.model is not self.model:
             raise MediaError("this projector was made for another model than the context's; "
                              "evaluate with a projector of the context's model")  # fmt: skip
+        # libmtmd asserts on a sequence the context lacks (an abort) and places its tokens
+        # from n_past without a check: they must fit 0..LAST_POSITION, as a Batch's do.
+        context.check_sequence(seq_id)
+        check_range("n_past", n_past, INT32_MIN, INT32_MAX)
+        check_positions(n_past, n_past + max(chunks.n_pos, 1) - 1)
         new_n_past = ffi.new("llama_pos *")
         with (
             self.in_flight() as projector,
