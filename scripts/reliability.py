@@ -458,6 +458,18 @@ FOUND = [
      "memory inside llama.cpp's grammar sampler, then the OOM killer (glibc's abort under a "
      "4 GiB limit); the fan-out bound counted a rule matching nothing as no way on",
      "`_native/gbnf/fanout.py`: each copy of a rule counts at least one way"),
+    ("a review of positions in llama-batch.cpp, then lifecycle (2026-12-07: 15 of 1,000 "
+     "short programs with the fix undone, once raw batches went into a BERT reranker)",
+     "`Batch.set_one(token, -1)` (or `set`, `set_rows` from -1) decoded", "SIGABRT on a BERT "
+     "model: its learned position table read at row -1 (`GGML_ASSERT(i01 >= 0 && i01 < ne01)`, "
+     "ggml-cpu/ops.cpp:5363); on a decoder the KV cache held the token in a cell it counts as "
+     "empty", "`_native/batch.py`: positions start at 0"),
+    ("a review of positions, then lifecycle's project operation (2026-12-07: 6 of 1,000 "
+     "short programs with the fix undone)", "`Projector.evaluate(context, chunks, n_past, "
+     "seq_id)` with a `seq_id` the context lacks, or `n_past` -1 or near 2^31",
+     "SIGABRT: `GGML_ASSERT(idx >= 0)` in libmtmd's helper (mtmd-helper.cpp:231); a prompt at "
+     "-1, or past `INT32_MAX`", "`_native/mtmd.py`: the sequence and the prompt's positions "
+     "checked first"),
 ]  # fmt: skip
 
 

@@ -1,7 +1,8 @@
-"""Lifecycle fuzzing: generated sequences of operations on models, contexts, samplers, batches,
-LoRA adapters, Llama objects (one slot and parallel slots; with speculative decoding, a vision
-projector or a prompt cache on disk; completions, streams and ``evaluate`` calls) and their
-streams.
+"""Lifecycle fuzzing: generated sequences of operations on models (the tiny decoder and a BERT
+reranker), contexts, samplers, batches, LoRA adapters, Llama objects (one slot and parallel
+slots; with speculative decoding, a vision projector or a prompt cache on disk; completions,
+streams and ``evaluate`` calls; image prompts the projector evaluates at any position and
+sequence) and their streams.
 
 A program is a list of operations (JSON), drawn with hypothesis in the parent: create, use,
 cancel, close, drop (forget the reference), ``gc.collect``, run an operation on another thread
@@ -40,7 +41,14 @@ from reliability_kit.programs import THREAD_JOIN_SECONDS, Program, stacks
 
 KINDS = ("model", "context", "sampler", "batch", "adapter", "llama", "stream")
 TINY_VOCAB = 271  # scripts/make_tiny_gguf.py: 3 control, 256 bytes, 12 word pieces
+ENCODER_VOCAB = 24  # scripts/convert_bert.py's reranker: 5 special tokens, 19 words
 EXIT_EVERY = 40  # one program in 40 ends by leaving the interpreter mid-decode
+ENCODER_SETUP = [
+    {"op": "model", "vocab_only": False, "mmap": True, "encoder": True},
+    {"op": "context", "m": 0, "n_ctx": 256, "n_batch": 256, "n_ubatch": 256, "n_seq": 2,
+     "emb": True, "pooling": "rank", "flash": "auto", "type_k": "f16", "unified": False},
+    {"op": "batch", "capacity": 32, "n_seq": 2},
+]  # fmt: skip
 FORKED_CHILD_SECONDS = 30.0
 # What a custom sampler does, from inside a generation, to a Llama (its own or another).
 REENTRY_ACTIONS = ("close", "close_context", "close_model", "complete", "stream", "reset",
@@ -79,7 +87,11 @@ def strategies() -> Any:
     from hypothesis import strategies as st
 
     idx = st.integers(0, 3)
-    token = st.one_of(st.integers(0, TINY_VOCAB - 1), st.sampled_from([-1, TINY_VOCAB, 2**31 - 1]))
+    token = st.one_of(
+        st.integers(0, ENCODER_VOCAB - 1),
+        st.integers(0, TINY_VOCAB - 1),
+        st.sampled_from([-1, TINY_VOCAB, 2**31 - 1]),
+    )
     tokens = st.lists(token, max_size=40)
     position = st.sampled_from([0, 0, 1, 5, 60, 1000, 100_000, -1, -5, 2**31 - 1])
     seq = st.sampled_from([0, 0, 1, 2, 3, -1, 5, 1000, 2**20])
@@ -92,7 +104,7 @@ def strategies() -> Any:
 
     base = [
         (2, op("model", vocab_only=st.sampled_from([False, False, False, True]),
-               mmap=st.booleans())),
+               mmap=st.booleans(), encoder=st.sampled_from([False, False, False, True]))),
         (3, op("context", m=idx, n_ctx=st.sampled_from([8, 32, 64, 256]),
                n_batch=st.sampled_from([1, 8, 32, 512]), n_ubatch=st.sampled_from([1, 8, 512]),
                n_seq=st.sampled_from([1, 1, 2, 4]), emb=st.sampled_from([False, False, True]),
@@ -155,6 +167,7 @@ def strategies() -> Any:
         (2, op("llama_state", l=idx, action=st.sampled_from(["save", "save_context", "load",
                                                               "load_corrupt", "reset"]))),
         (1, op("embed", l=idx)),
+        (2, op("project", l=idx, pos=position, seq=seq)),
         (3, op("evaluate", l=idx, tokens=st.sampled_from(PROMPTS[5:]) | tokens,
                all_logits=st.booleans(), after=st.sampled_from([None, None, 0, 2, 1000, -1]),
                slot=st.sampled_from([None, None, 0, 1, 5, -1]))),
@@ -183,6 +196,15 @@ def strategies() -> Any:
             threaded if kind == "thread" else st.just({"op": "join"}) if kind == "join" else plain
         )
     )
+    # A raw batch of valid tokens decoded at once into a BERT reranker: a learned position
+    # table of 64 rows (a position outside it reads outside the table), no KV cache.
+    valid = st.lists(st.integers(0, ENCODER_VOCAB - 1), min_size=1, max_size=8)
+    encoder_fill = op("fill", b=st.just(0), how=st.sampled_from(["set", "one", "rows"]),
+                      tokens=valid, pos=position, seq=st.sampled_from([0, 1]),
+                      logits_all=st.booleans())[1]  # fmt: skip
+    encoder_prelude = encoder_fill.map(
+        lambda fill: [*ENCODER_SETUP, fill, {"op": "decode", "c": 0, "b": 0}]
+    )
     llama_prelude = [{"op": "llama", "parallel": None, "n_ctx": 128, "n_batch": 32,
                       "lora": False, "cache": False, "extra": "plain"}]  # fmt: skip
     preludes = st.sampled_from(
@@ -192,15 +214,17 @@ def strategies() -> Any:
             [{**llama_prelude[0], "parallel": 2}],
             [{**llama_prelude[0], "n_ctx": 512, "extra": "vision"}],
             [{**llama_prelude[0], "n_ctx": 512, "extra": "draft"}],
-            [{"op": "model", "vocab_only": False, "mmap": True},
+            [{"op": "model", "vocab_only": False, "mmap": True, "encoder": False},
              {"op": "context", "m": 0, "n_ctx": 64, "n_batch": 32, "n_ubatch": 32, "n_seq": 2,
               "emb": False, "pooling": "unspecified", "flash": "auto", "type_k": "f16",
               "unified": False},
              {"op": "batch", "capacity": 32, "n_seq": 2},
              {"op": "sampler", "m": 0, "temperature": 0.0, "top_k": 40, "grammar": None,
               "bias": {}, "mirostat": 0, "penalty": 1.0, "dry": 0.0, "xtc": 0.0, "seed": 0}],
+            "encoder",
         ]
     )  # fmt: skip
+    preludes = preludes.flatmap(lambda p: encoder_prelude if p == "encoder" else st.just(p))
     exit_modes = [
         "decoding_daemon",
         "decoding_thread",
@@ -255,15 +279,14 @@ def generate(count: int, seed: int) -> list[dict[str, Any]]:
 
 
 def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
-    return {"model": Path(config["model"]), "lora": Path(config["lora"]),
-            "vision": Path(config["vision"])}  # fmt: skip
+    return {key: Path(config[key]) for key in ("model", "lora", "vision", "encoder")}
 
 
 _EXITING: list[Machine] = []  # an "exit" program's objects, alive while the interpreter leaves
 
 
 def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
-    machine = Machine(state["model"], state["lora"], state["vision"])
+    machine = Machine(state["model"], state["lora"], state["vision"], state["encoder"])
     baseline = {t.ident for t in threading.enumerate()}
     for op in case["ops"]:
         machine.run(op)
@@ -324,9 +347,12 @@ def _wait_for_threads(baseline: set[int | None], seconds: float = 10.0) -> list[
 class Machine(Program):
     """The objects of one program and the interpreter of its operations."""
 
-    def __init__(self, model_path: Path, lora_path: Path, vision_path: Path) -> None:
+    def __init__(
+        self, model_path: Path, lora_path: Path, vision_path: Path, encoder_path: Path
+    ) -> None:
         super().__init__()
         self.model_path, self.lora_path, self.vision_path = model_path, lora_path, vision_path
+        self.encoder_path = encoder_path  # a BERT reranker: learned positions, no KV cache
         self.objects: dict[str, list[Any]] = {kind: [] for kind in KINDS}
         self.states: list[Any] = []
         self.disk_caches: list[tempfile.TemporaryDirectory[str]] = []
@@ -367,7 +393,8 @@ class Machine(Program):
         from llamacrab import Model, ModelParams
 
         params = ModelParams(vocab_only=op["vocab_only"], use_mmap=op["mmap"])
-        self.add("model", Model.load(self.model_path, params))
+        path = self.encoder_path if op["encoder"] else self.model_path
+        self.add("model", Model.load(path, params))
 
     def op_context(self, op: dict[str, Any]) -> None:
         from llamacrab import Context, ContextParams
@@ -606,6 +633,15 @@ class Machine(Program):
         shape = (len(tokens), TINY_VOCAB) if op["all_logits"] else (TINY_VOCAB,)
         if logits.shape != shape:
             raise RuntimeError(f"evaluate returned {logits.shape}, not {shape}")
+
+    def op_project(self, op: dict[str, Any]) -> None:
+        """An image prompt evaluated by the projector itself into the Llama's context, at any
+        position and sequence (a raw use: the Llama's slots are not told what it holds)."""
+        llm = self.get("llama", op["l"])
+        if llm is None:
+            return
+        with llm.tokenize_media("<__media__> the cat", [_image()]) as chunks:
+            chunks.projector.evaluate(llm.context, chunks, op["pos"], op["seq"])
 
     def op_llama_lora(self, op: dict[str, Any]) -> None:
         llm = self.get("llama", op["l"])
