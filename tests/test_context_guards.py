@@ -209,6 +209,10 @@ def test_a_negative_position_is_refused(loaded: Model) -> None:
             batch.set(np.array([5, 6], dtype=np.int32), -1)
         with pytest.raises(InvalidParameterError, match="position -7 is negative"):
             batch.set_rows(np.array([5, 6]), np.array([-7, 0]), np.array([0, 0]), np.array([0, 1]))
+        with pytest.raises(InvalidParameterError, match="start_pos must be an integer"):
+            batch.set(np.array([5, 6], dtype=np.int32), 1.5)  # type: ignore[arg-type]
+        with pytest.raises(InvalidParameterError, match="pos must be an integer"):
+            batch.set_one(5, 0.5)  # type: ignore[arg-type]
         decode(ctx, [5, 6])
         assert ctx.positions(0) == (0, 1)
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from llamacrab._exceptions import ClosedHandleError, InvalidParameterError
-from llamacrab._field_types import INT32_MAX, INT32_MIN, LAST_POSITION
+from llamacrab._field_types import INT32_MAX, INT32_MIN, LAST_POSITION, check_range
 from llamacrab._native.call import ffi
 
 
@@ -76,6 +76,7 @@ class Batch:
         if not 0 < n <= self.capacity:
             raise InvalidParameterError(f"{n} tokens do not fit a batch of {self.capacity}")
         self._check_seq_id(seq_id)
+        check_range("start_pos", start_pos, INT32_MIN, INT32_MAX)  # numpy would truncate 1.5
         check_positions(start_pos, start_pos + n - 1)
         self._tokens[:n] = _int32s("tokens", tokens)
         self._positions[:n] = np.arange(start_pos, start_pos + n, dtype=np.int32)
@@ -152,8 +153,8 @@ class Batch:
         # The seq_id pointer must stay inside the cells (llama.cpp reads through it), and the
         # numbers must fit int32 (numpy would raise OverflowError).
         self._check_seq_id(seq_id)
-        if not INT32_MIN <= token <= INT32_MAX:
-            raise InvalidParameterError(f"token {token} overflows int32")
+        check_range("token", token, INT32_MIN, INT32_MAX)
+        check_range("pos", pos, INT32_MIN, INT32_MAX)
         check_positions(pos, pos)
         self._tokens[0] = token
         self._positions[0] = pos
