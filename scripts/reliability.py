@@ -635,14 +635,15 @@ culprit, `lifecycle.py`, `tampered.py`, `inputs.py`, `states.py` and `media.py` 
 cases, `sections.py` holds the sizes. The cases are the same list in every process for a
 section, mode and seed (hypothesis draws them with `@seed` and no database, the media section
 with a seeded `random.Random`; the same hypothesis version, which each section's report
-records), with one known exception: hypothesis's draws also depend on what the drawing process
-imported and drew before (measured 2026-12-07: `import reliability_server`, which loads
-schemathesis, changes the inputs section's long list, and a replay in a fresh process drew
-another case for a failure of a run that had drawn nine sections first). A failure's case id,
-printed with the command that replays it, is enough where the replay finds the same case;
-the job file is the exact record. `python scripts/reliability.py --mode short --seed 2026
---replay lifecycle-2026-29` draws the cases again and runs that one alone in a child, printing
-its outcome; a failing batch's job file, which holds its exact cases, is also kept
+records). Hypothesis's draws also depend on what the drawing process imported and drew before
+(measured 2026-12-07: `import reliability_server`, which loads schemathesis, changed the
+inputs section's list, and a replay drew another case for a failure of a run that had drawn
+nine sections first), so each section's cases are drawn in a fresh process of their own
+(`reliability_kit/draw.py`, since 2026-12-07: case ids of hypothesis-drawn sections in
+earlier reports name other cases now). A failure's case id, printed with the command that
+replays it, is enough: `python scripts/reliability.py --mode short --seed 2026 --replay
+lifecycle-2026-29` draws the cases again and runs that one alone in a child, printing its
+outcome; a failing batch's job file, which holds its exact cases, is also kept
 (`PYTHONPATH=tests:scripts python -m reliability_kit.child JOB.json`).
 The server's load, fault and leak sections (`scripts/reliability_server.py`) have counts of
 their own: requests rather than cases, and 5xx answers and RSS growth as the failures.

@@ -35,6 +35,7 @@ from reliability_kit.children import (
     Report,
     Result,
     Runner,
+    kit_environment,
     poisoned_heap,
 )
 
@@ -231,6 +232,33 @@ def test_a_failing_case_id_replays_in_another_process(section: str) -> None:
                                     "drawn_with": sections.drawn_with()})  # fmt: skip
     report.results.append(Result(f"{section}-7-3", "crash", "killed by SIGSEGV"))
     assert "--mode short --seed 7 --replay CASE_ID (hypothesis " in report.summary()
+
+
+DRAWN = """
+import hashlib, json, sys
+from pathlib import Path
+from reliability_kit import children, lifecycle
+if sys.argv[1] == "after":
+    import reliability_server  # imports schemathesis, which changes what hypothesis draws here
+    lifecycle.generate(50, 1)
+cases = children.drawn("inputs", "short", Path(sys.argv[2]), 2026)[0]
+print(hashlib.sha256(json.dumps(cases).encode()).hexdigest())
+"""
+
+
+def test_a_section_s_cases_do_not_depend_on_what_its_process_imported(tmp_path: Path) -> None:
+    # scripts/reliability.py imports schemathesis (the server sections); drawn there, the inputs
+    # section's cases differed from those a test or another tool drew for the same seed, so a
+    # case id could name another case. Each section is drawn in a process of its own.
+    digests = []
+    for how in ("after", "bare"):
+        child = subprocess.run(
+            [sys.executable, "-c", DRAWN, how, str(tmp_path)], capture_output=True, text=True,
+            timeout=300, env=kit_environment(),
+        )  # fmt: skip
+        assert child.returncode == 0, child.stderr[-3000:]
+        digests.append(child.stdout.strip())
+    assert digests[0] == digests[1]
 
 
 # -- regressions: what the suite found ---------------------------------------------------------

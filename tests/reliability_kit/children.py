@@ -44,6 +44,26 @@ FAILURES = ("unclean", "crash", "hang")
 HEAP_BYTE, OTHER_HEAP_BYTE = 0xA5, 0x5A
 
 
+def kit_environment() -> dict[str, str]:
+    """This process's environment, with the kit and the scripts importable: a child's."""
+    path = os.pathsep.join([str(TESTS), str(REPO / "scripts"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def drawn(name: str, mode: str, workdir: Path, seed: int) -> tuple[list[Any], dict[str, Any]]:
+    """A section's cases and setup (``sections.prepare``), drawn in a fresh process
+    (``reliability_kit.draw``): the same whatever this process imported or drew before."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+        out = Path(scratch) / "drawn.json"
+        subprocess.run(
+            [sys.executable, "-m", "reliability_kit.draw", name, mode, str(workdir), str(seed),
+             str(out)], check=True, env=kit_environment(), cwd=REPO, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        drawn = json.loads(out.read_text())
+    return drawn["cases"], drawn["setup"]
+
+
 def poisoned_heap(byte: int) -> dict[str, str]:
     """Environment in which glibc fills each block malloc hands out from its heap with
     ``byte`` ^ 0xff and each freed one with ``byte`` (a tiny model's buffers once the mmap
@@ -220,9 +240,8 @@ class Runner:
                        "cases": cases}, job_file)  # fmt: skip
         log_path = Path(job_path).with_suffix(".log")
         read_end, write_end = os.pipe()
-        env = {**os.environ, **self.env, "GGML_NO_BACKTRACE": "1", "RELIABILITY_FD": str(write_end),
-               "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO / "scripts"),
-                                              os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        env = {**kit_environment(), **self.env, "GGML_NO_BACKTRACE": "1",
+               "RELIABILITY_FD": str(write_end)}  # fmt: skip
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "reliability_kit.child", job_path],

@@ -355,7 +355,7 @@ def run(
     section = SECTIONS[name]
     size = section.short if mode == "short" else section.long
     started = time.monotonic()
-    cases, setup = prepare(name, size, workdir, seed)
+    cases, setup = children.drawn(name, mode, workdir, seed)
     generated = time.monotonic() - started
     runner = children.Runner(
         name, name.split("-")[0], setup, workdir / "jobs", batch_size=section.batch_size,
@@ -421,8 +421,7 @@ def replay_job(case_ids: list[str], mode: str, workdir: Path, seed: int) -> Path
         raise ValueError(f"cases of one section at a time, not {sorted(names)}")
     name = names.pop()
     section = SECTIONS[name]
-    cases, setup = prepare(name, section.short if mode == "short" else section.long, workdir,
-                           seed)  # fmt: skip
+    cases, setup = children.drawn(name, mode, workdir, seed)
     chosen = [case for case in cases if case["id"] in case_ids]
     missing = set(case_ids) - {case["id"] for case in chosen}
     if missing:
