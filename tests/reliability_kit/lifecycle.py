@@ -1,8 +1,8 @@
-"""Lifecycle fuzzing: generated sequences of operations on models (the tiny decoder and a BERT
-reranker), contexts, samplers, batches, LoRA adapters, Llama objects (one slot and parallel
-slots; with speculative decoding, a vision projector or a prompt cache on disk; completions,
-streams and ``evaluate`` calls; image prompts the projector evaluates at any position and
-sequence) and their streams.
+"""Lifecycle fuzzing: generated sequences of operations on models (the tiny decoder, a BERT
+reranker and a T5), contexts, samplers, batches, LoRA adapters, Llama objects (one slot and
+parallel slots; with speculative decoding, a vision projector or a prompt cache on disk;
+completions, streams and ``evaluate`` calls; image prompts the projector evaluates at any
+position and sequence) and their streams.
 
 A program is a list of operations (JSON), drawn with hypothesis in the parent: create, use,
 cancel, close, drop (forget the reference), ``gc.collect``, run an operation on another thread
@@ -44,11 +44,23 @@ TINY_VOCAB = 271  # scripts/make_tiny_gguf.py: 3 control, 256 bytes, 12 word pie
 ENCODER_VOCAB = 24  # scripts/convert_bert.py's reranker: 5 special tokens, 19 words
 EXIT_EVERY = 40  # one program in 40 ends by leaving the interpreter mid-decode
 ENCODER_SETUP = [
-    {"op": "model", "vocab_only": False, "mmap": True, "encoder": True},
+    {"op": "model", "vocab_only": False, "mmap": True, "kind": "encoder"},
     {"op": "context", "m": 0, "n_ctx": 256, "n_batch": 256, "n_ubatch": 256, "n_seq": 2,
      "emb": True, "pooling": "rank", "flash": "auto", "type_k": "f16", "unified": False},
     {"op": "batch", "capacity": 32, "n_seq": 2},
 ]  # fmt: skip
+# A T5 context runs one sequence (llama.cpp keeps one encoder output per context).
+T5_SETUP = [
+    {"op": "model", "vocab_only": False, "mmap": True, "kind": "t5"},
+    {"op": "context", "m": 0, "n_ctx": 64, "n_batch": 32, "n_ubatch": 32, "n_seq": 1,
+     "emb": False, "pooling": "unspecified", "flash": "auto", "type_k": "f16", "unified": True},
+    {"op": "batch", "capacity": 32, "n_seq": 1},
+]  # fmt: skip
+# The decoder's first token (the start token, 0) at position 0 of sequence 0.
+T5_START = [
+    {"op": "fill", "b": 0, "how": "one", "tokens": [0], "pos": 0, "seq": 0, "logits_all": False},
+    {"op": "decode", "c": 0, "b": 0},
+]
 FORKED_CHILD_SECONDS = 30.0
 # What a custom sampler does, from inside a generation, to a Llama (its own or another).
 REENTRY_ACTIONS = ("close", "close_context", "close_model", "complete", "stream", "reset",
@@ -104,7 +116,7 @@ def strategies() -> Any:
 
     base = [
         (2, op("model", vocab_only=st.sampled_from([False, False, False, True]),
-               mmap=st.booleans(), encoder=st.sampled_from([False, False, False, True]))),
+               mmap=st.booleans(), kind=st.sampled_from(["decoder"] * 4 + ["encoder", "t5"]))),
         (3, op("context", m=idx, n_ctx=st.sampled_from([8, 32, 64, 256]),
                n_batch=st.sampled_from([1, 8, 32, 512]), n_ubatch=st.sampled_from([1, 8, 512]),
                n_seq=st.sampled_from([1, 1, 2, 4]), emb=st.sampled_from([False, False, True]),
@@ -125,6 +137,7 @@ def strategies() -> Any:
         (4, op("fill", b=idx, how=st.sampled_from(["set", "set", "one", "rows", "sequences"]),
                tokens=tokens, pos=position, seq=seq, logits_all=st.booleans())),
         (5, op("decode", c=idx, b=idx)),
+        (2, op("encode", c=idx, b=idx)),
         (2, op("logits", c=idx, index=index)),
         (2, op("embeddings", c=idx, width=st.sampled_from([64, 64, 1, 65, 10**7, 0]),
                seq=st.sampled_from([None, None, 0, 1]), index=index,
@@ -205,6 +218,14 @@ def strategies() -> Any:
     encoder_prelude = encoder_fill.map(
         lambda fill: [*ENCODER_SETUP, fill, {"op": "decode", "c": 0, "b": 0}]
     )
+    # An encoder-decoder model (T5): its input encoded, then the decoder's first token.
+    inputs = st.lists(st.integers(0, TINY_VOCAB - 1), min_size=1, max_size=8)
+    t5_fill = op("fill", b=st.just(0), how=st.sampled_from(["set", "one", "rows"]),
+                 tokens=inputs, pos=position, seq=st.just(0),
+                 logits_all=st.booleans())[1]  # fmt: skip
+    t5_prelude = t5_fill.map(
+        lambda fill: [*T5_SETUP, fill, {"op": "encode", "c": 0, "b": 0}, *T5_START]
+    )
     llama_prelude = [{"op": "llama", "parallel": None, "n_ctx": 128, "n_batch": 32,
                       "lora": False, "cache": False, "extra": "plain"}]  # fmt: skip
     preludes = st.sampled_from(
@@ -214,7 +235,7 @@ def strategies() -> Any:
             [{**llama_prelude[0], "parallel": 2}],
             [{**llama_prelude[0], "n_ctx": 512, "extra": "vision"}],
             [{**llama_prelude[0], "n_ctx": 512, "extra": "draft"}],
-            [{"op": "model", "vocab_only": False, "mmap": True, "encoder": False},
+            [{"op": "model", "vocab_only": False, "mmap": True, "kind": "decoder"},
              {"op": "context", "m": 0, "n_ctx": 64, "n_batch": 32, "n_ubatch": 32, "n_seq": 2,
               "emb": False, "pooling": "unspecified", "flash": "auto", "type_k": "f16",
               "unified": False},
@@ -222,9 +243,11 @@ def strategies() -> Any:
              {"op": "sampler", "m": 0, "temperature": 0.0, "top_k": 40, "grammar": None,
               "bias": {}, "mirostat": 0, "penalty": 1.0, "dry": 0.0, "xtc": 0.0, "seed": 0}],
             "encoder",
+            "t5",
         ]
     )  # fmt: skip
-    preludes = preludes.flatmap(lambda p: encoder_prelude if p == "encoder" else st.just(p))
+    drawn = {"encoder": encoder_prelude, "t5": t5_prelude}
+    preludes = preludes.flatmap(lambda p: drawn[p] if isinstance(p, str) else st.just(p))
     exit_modes = [
         "decoding_daemon",
         "decoding_thread",
@@ -279,14 +302,14 @@ def generate(count: int, seed: int) -> list[dict[str, Any]]:
 
 
 def setup(config: dict[str, Any], slot: int) -> dict[str, Any]:
-    return {key: Path(config[key]) for key in ("model", "lora", "vision", "encoder")}
+    return {key: Path(config[key]) for key in ("model", "lora", "vision", "encoder", "t5")}
 
 
 _EXITING: list[Machine] = []  # an "exit" program's objects, alive while the interpreter leaves
 
 
 def run_case(case: dict[str, Any], state: dict[str, Any]) -> tuple[str, str]:
-    machine = Machine(state["model"], state["lora"], state["vision"], state["encoder"])
+    machine = Machine(state)
     baseline = {t.ident for t in threading.enumerate()}
     for op in case["ops"]:
         machine.run(op)
@@ -347,12 +370,13 @@ def _wait_for_threads(baseline: set[int | None], seconds: float = 10.0) -> list[
 class Machine(Program):
     """The objects of one program and the interpreter of its operations."""
 
-    def __init__(
-        self, model_path: Path, lora_path: Path, vision_path: Path, encoder_path: Path
-    ) -> None:
+    def __init__(self, paths: dict[str, Path]) -> None:
         super().__init__()
-        self.model_path, self.lora_path, self.vision_path = model_path, lora_path, vision_path
-        self.encoder_path = encoder_path  # a BERT reranker: learned positions, no KV cache
+        self.model_path, self.lora_path = paths["model"], paths["lora"]
+        self.vision_path = paths["vision"]
+        # What a model operation loads: the tiny decoder, a BERT reranker (learned positions,
+        # no KV cache) or a T5 (an encoder, then a decoder attending to its output).
+        self.kinds = {"decoder": paths["model"], "encoder": paths["encoder"], "t5": paths["t5"]}
         self.objects: dict[str, list[Any]] = {kind: [] for kind in KINDS}
         self.states: list[Any] = []
         self.disk_caches: list[tempfile.TemporaryDirectory[str]] = []
@@ -393,8 +417,7 @@ class Machine(Program):
         from llamacrab import Model, ModelParams
 
         params = ModelParams(vocab_only=op["vocab_only"], use_mmap=op["mmap"])
-        path = self.encoder_path if op["encoder"] else self.model_path
-        self.add("model", Model.load(path, params))
+        self.add("model", Model.load(self.kinds[op["kind"]], params))
 
     def op_context(self, op: dict[str, Any]) -> None:
         from llamacrab import Context, ContextParams
@@ -451,6 +474,11 @@ class Machine(Program):
         context, batch = self.get("context", op["c"]), self.get("batch", op["b"])
         if context is not None and batch is not None:
             context.decode(batch)
+
+    def op_encode(self, op: dict[str, Any]) -> None:
+        context, batch = self.get("context", op["c"]), self.get("batch", op["b"])
+        if context is not None and batch is not None:
+            context.encode(batch)
 
     def op_logits(self, op: dict[str, Any]) -> None:
         context = self.get("context", op["c"])

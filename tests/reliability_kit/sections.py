@@ -76,12 +76,12 @@ SECTIONS = {
     "lifecycle": Section(
         "Lifecycle fuzzing",
         "sequences of create / use / cancel / close / drop / gc / other-thread / re-entry (from a "
-        "custom sampler) / fork / exit operations on models (the tiny decoder and a BERT "
-        "reranker, whose raw batches reach a learned position table), contexts, samplers, "
-        "batches, LoRA adapters, Llama (one slot and parallel slots; with speculative decoding, "
-        "a vision projector or a disk cache; completions, streams and evaluate calls; image "
-        "prompts the projector evaluates at any position and sequence) and streams, drawn with "
-        "hypothesis",
+        "custom sampler) / fork / exit operations on models (the tiny decoder, a BERT reranker "
+        "whose raw batches reach a learned position table, and a T5, encoded then decoded), "
+        "contexts, samplers, batches, LoRA adapters, Llama (one slot and parallel slots; with "
+        "speculative decoding, a vision projector or a disk cache; completions, streams and "
+        "evaluate calls; image prompts the projector evaluates at any position and sequence) "
+        "and streams, drawn with hypothesis",
         Size(1000, 150), Size(10_000, 3600), batch_size=50, case_timeout=60,
     ),
     "tampered-tiny": Section(
@@ -256,12 +256,9 @@ def prepare(name: str, size: Size, workdir: Path, seed: int) -> tuple[list[Any],
     tiny, lora = files["llama"], files["lora"]
     if name == "lifecycle":
         vision = media.projectors(workdir)["vision"]
-        setup = {
-            "model": str(tiny),
-            "lora": str(lora),
-            "vision": str(vision),
-            "encoder": str(reranker(workdir)),
-        }
+        t5 = made_once(workdir, "tiny-{}.gguf", {"t5": script("make_tiny_gguf").write_tiny_t5})
+        setup = {"model": str(tiny), "lora": str(lora), "vision": str(vision),
+                 "encoder": str(reranker(workdir)), "t5": t5["t5"]}  # fmt: skip
         return lifecycle.generate(size.cases or 1000, seed), setup
     if name == "inputs":
         setup = {"model": str(tiny), "workdir": str(workdir / "inputs")}
