@@ -43,19 +43,21 @@ KINDS = ("model", "context", "sampler", "batch", "adapter", "llama", "stream")
 TINY_VOCAB = 271  # scripts/make_tiny_gguf.py: 3 control, 256 bytes, 12 word pieces
 ENCODER_VOCAB = 24  # scripts/convert_bert.py's reranker: 5 special tokens, 19 words
 EXIT_EVERY = 40  # one program in 40 ends by leaving the interpreter mid-decode
-ENCODER_SETUP = [
-    {"op": "model", "vocab_only": False, "mmap": True, "kind": "encoder"},
-    {"op": "context", "m": 0, "n_ctx": 256, "n_batch": 256, "n_ubatch": 256, "n_seq": 2,
-     "emb": True, "pooling": "rank", "flash": "auto", "type_k": "f16", "unified": False},
-    {"op": "batch", "capacity": 32, "n_seq": 2},
-]  # fmt: skip
+
+
+def _model_prelude(kind: str, n_seq: int, **context: Any) -> list[dict[str, Any]]:
+    """Operations that load a model of ``kind``, make a context of it and a batch of 32."""
+    return [{"op": "model", "vocab_only": False, "mmap": True, "kind": kind},
+            {"op": "context", "m": 0, "n_seq": n_seq, "flash": "auto", "type_k": "f16",
+             **context},
+            {"op": "batch", "capacity": 32, "n_seq": n_seq}]  # fmt: skip
+
+
+ENCODER_SETUP = _model_prelude("encoder", 2, n_ctx=256, n_batch=256, n_ubatch=256, emb=True,
+                               pooling="rank", unified=False)  # fmt: skip
 # A T5 context runs one sequence (llama.cpp keeps one encoder output per context).
-T5_SETUP = [
-    {"op": "model", "vocab_only": False, "mmap": True, "kind": "t5"},
-    {"op": "context", "m": 0, "n_ctx": 64, "n_batch": 32, "n_ubatch": 32, "n_seq": 1,
-     "emb": False, "pooling": "unspecified", "flash": "auto", "type_k": "f16", "unified": True},
-    {"op": "batch", "capacity": 32, "n_seq": 1},
-]  # fmt: skip
+T5_SETUP = _model_prelude("t5", 1, n_ctx=64, n_batch=32, n_ubatch=32, emb=False,
+                          pooling="unspecified", unified=True)  # fmt: skip
 # The decoder's first token (the start token, 0) at position 0 of sequence 0.
 T5_START = [
     {"op": "fill", "b": 0, "how": "one", "tokens": [0], "pos": 0, "seq": 0, "logits_all": False},
@@ -209,21 +211,21 @@ def strategies() -> Any:
             threaded if kind == "thread" else st.just({"op": "join"}) if kind == "join" else plain
         )
     )
+
     # A raw batch of valid tokens decoded at once into a BERT reranker: a learned position
     # table of 64 rows (a position outside it reads outside the table), no KV cache.
-    valid = st.lists(st.integers(0, ENCODER_VOCAB - 1), min_size=1, max_size=8)
-    encoder_fill = op("fill", b=st.just(0), how=st.sampled_from(["set", "one", "rows"]),
-                      tokens=valid, pos=position, seq=st.sampled_from([0, 1]),
-                      logits_all=st.booleans())[1]  # fmt: skip
+    def first_fill(vocab: int, seq: Any) -> Any:
+        """Batch 0 filled with 1 to 8 valid tokens at a drawn position."""
+        return op("fill", b=st.just(0), how=st.sampled_from(["set", "one", "rows"]),
+                  tokens=st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8),
+                  pos=position, seq=seq, logits_all=st.booleans())[1]  # fmt: skip
+
+    encoder_fill = first_fill(ENCODER_VOCAB, st.sampled_from([0, 1]))
     encoder_prelude = encoder_fill.map(
         lambda fill: [*ENCODER_SETUP, fill, {"op": "decode", "c": 0, "b": 0}]
     )
     # An encoder-decoder model (T5): its input encoded, then the decoder's first token.
-    inputs = st.lists(st.integers(0, TINY_VOCAB - 1), min_size=1, max_size=8)
-    t5_fill = op("fill", b=st.just(0), how=st.sampled_from(["set", "one", "rows"]),
-                 tokens=inputs, pos=position, seq=st.just(0),
-                 logits_all=st.booleans())[1]  # fmt: skip
-    t5_prelude = t5_fill.map(
+    t5_prelude = first_fill(TINY_VOCAB, st.just(0)).map(
         lambda fill: [*T5_SETUP, fill, {"op": "encode", "c": 0, "b": 0}, *T5_START]
     )
     llama_prelude = [{"op": "llama", "parallel": None, "n_ctx": 128, "n_batch": 32,
