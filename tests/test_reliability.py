@@ -237,11 +237,11 @@ def test_a_failing_case_id_replays_in_another_process(section: str) -> None:
 DRAWN = """
 import hashlib, json, sys
 from pathlib import Path
-from reliability_kit import children, lifecycle
+from reliability_kit import draw, lifecycle
 if sys.argv[1] == "after":
     import reliability_server  # imports schemathesis, which changes what hypothesis draws here
     lifecycle.generate(50, 1)
-cases = children.drawn("inputs", "short", Path(sys.argv[2]), 2026)[0]
+cases = draw.drawn("inputs", "short", Path(sys.argv[2]), 2026)[0]
 print(hashlib.sha256(json.dumps(cases).encode()).hexdigest())
 """
 

@@ -50,20 +50,6 @@ def kit_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def drawn(name: str, mode: str, workdir: Path, seed: int) -> tuple[list[Any], dict[str, Any]]:
-    """A section's cases and setup (``sections.prepare``), drawn in a fresh process
-    (``reliability_kit.draw``): the same whatever this process imported or drew before."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=workdir) as scratch:
-        out = Path(scratch) / "drawn.json"
-        subprocess.run(
-            [sys.executable, "-m", "reliability_kit.draw", name, mode, str(workdir), str(seed),
-             str(out)], check=True, env=kit_environment(), cwd=REPO, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        drawn = json.loads(out.read_text())
-    return drawn["cases"], drawn["setup"]
-
-
 def poisoned_heap(byte: int) -> dict[str, str]:
     """Environment in which glibc fills each block malloc hands out from its heap with
     ``byte`` ^ 0xff and each freed one with ``byte`` (a tiny model's buffers once the mmap

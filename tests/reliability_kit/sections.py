@@ -16,6 +16,7 @@ from reliability_kit import (
     archs,
     children,
     compat,
+    draw,
     hub,
     inputs,
     interrupts,
@@ -49,6 +50,9 @@ class Section:
     # Each case that worked runs again in children with this environment, and must end the
     # same (its details, what it computed, included).
     again_with: dict[str, str] | None = None
+
+    def size(self, mode: str) -> Size:
+        return self.short if mode == "short" else self.long
 
 
 GIB = 1 << 30
@@ -350,9 +354,9 @@ def run(
     progress: Callable[[str], None] | None = None,
 ) -> children.Report:
     section = SECTIONS[name]
-    size = section.short if mode == "short" else section.long
+    size = section.size(mode)
     started = time.monotonic()
-    cases, setup = children.drawn(name, mode, workdir, seed)
+    cases, setup = draw.drawn(name, mode, workdir, seed)
     generated = time.monotonic() - started
     runner = children.Runner(
         name, name.split("-")[0], setup, workdir / "jobs", batch_size=section.batch_size,
@@ -418,7 +422,7 @@ def replay_job(case_ids: list[str], mode: str, workdir: Path, seed: int) -> Path
         raise ValueError(f"cases of one section at a time, not {sorted(names)}")
     name = names.pop()
     section = SECTIONS[name]
-    cases, setup = children.drawn(name, mode, workdir, seed)
+    cases, setup = draw.drawn(name, mode, workdir, seed)
     chosen = [case for case in cases if case["id"] in case_ids]
     missing = set(case_ids) - {case["id"] for case in chosen}
     if missing:
