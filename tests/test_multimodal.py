@@ -39,7 +39,10 @@ from llamacrab import (
 )
 from llamacrab._native import mtmd as mtmd_handles
 from llamacrab._native.call import call
-from llamacrab._native.mtmd import chunk_pointers, embeddings_refusal
+from llamacrab._native.context import Context, ContextParams
+from llamacrab._native.media import MAX_AUDIO_SECONDS
+from llamacrab._native.model import Model
+from llamacrab._native.mtmd import Projector, chunk_pointers, embeddings_refusal
 from llamacrab.server import ServerSettings
 from llamacrab.server._llama_kwargs import llama_kwargs
 from llamacrab.server._settings import parse_settings
@@ -954,3 +957,61 @@ def test_llama_cpp_python_s_chat_handlers_bring_their_projector(
         CompatLlama(str(files["text"]), verbose=False, chat_handler=on_cpu)
     with pytest.raises(UnsupportedParameterError, match="chat_handler=object"):
         CompatLlama(str(files["text"]), verbose=False, chat_handler=object())
+
+
+def test_a_projector_refuses_what_its_encodes_could_not_run_on(files: dict[str, Path]) -> None:
+    """Thread counts past ggml's bound: each image's encode asks OpenMP for them, and libgomp
+    exited the process (600 under a 4 GB address space) or it died of SIGSEGV (100,000)."""
+    with Model.load(files["text"]) as model:
+        for n_threads in (0, 513, 100_000):
+            with pytest.raises(InvalidParameterError, match="n_threads must be an integer"):
+                Projector(model, files["vision"], n_threads=n_threads)
+        projector = Projector(model, files["audio"], n_threads=2)
+        # libmtmd zero-fills the silence it counts: at most as long as a sound it takes.
+        longest = MAX_AUDIO_SECONDS * projector.sample_rate
+        assert projector.silence_tokens(longest // 3600) > 0
+        with pytest.raises(InvalidParameterError, match="n_samples"):
+            projector.silence_tokens(longest + 1)
+        with pytest.raises(MediaError, match="no audio encoder"):
+            Projector(model, files["vision"]).silence_tokens(16_000)
+
+
+def test_a_prompt_that_tokenizes_to_nothing_is_a_media_error(files: dict[str, Path]) -> None:
+    with Model.load(files["text"]) as model:
+        projector = Projector(model, files["vision"])
+        with pytest.raises(MediaError, match="empty"):  # was an IndexError
+            projector.tokenize("", [], add_special=False)
+        assert projector.tokenize("", []).n_pos == 1  # the BOS alone
+
+
+def test_an_encoder_decoder_model_takes_no_projector(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """libmtmd decodes into a T5's decoder with nothing encoded: llama.cpp aborted the process
+    at the first image (GGML_ASSERT "llama_encode must be called first", llama-graph.cpp)."""
+    t5 = tiny.write_tiny_t5(tmp_path / "t5.gguf")
+    with pytest.raises(MediaError, match="encoder-decoder model"):
+        Llama(t5, n_ctx=256, mmproj=files["vision"])
+    with Model.load(t5) as model, pytest.raises(MediaError, match="without running its encoder"):
+        Projector(model, files["vision"])
+
+
+def test_a_non_causal_image_leaves_a_non_causal_context_as_it_was(tmp_path: Path) -> None:
+    """libmtmd turns causal attention off for a Gemma 3 image and then on, whatever it was: an
+    embedding model's context computed with a causal mask after one image."""
+    convert = load_repo_module("scripts/convert_bert.py")
+    ranker = convert.write_tiny_reranker(tmp_path / "ranker.gguf", n_embd=32)
+    gemma3 = mmproj.write_tiny_gemma3_mmproj(tmp_path / "gemma3.gguf", n_embd_text=32)
+    with Model.load(ranker) as model:
+        projector = Projector(model, gemma3)
+        context = Context(model, ContextParams(n_ctx=256, n_ubatch=256, embeddings=True))
+
+        def causal() -> bool:
+            with context.exclusive() as pointer:
+                return bool(lib.llama_get_causal_attn(pointer))
+
+        assert not causal()
+        image = projector.bitmap(Image(pixels=PIXELS))
+        chunks = projector.tokenize(f"look {projector.marker} now", [image])
+        assert projector.evaluate(context, chunks, 0, 0) == chunks.n_pos
+        assert not causal()

@@ -81,6 +81,10 @@ def test_workers_listen_on_loopback_unless_the_network_is_declared_insecure() ->
         RpcWorkerOptions(host="example.org")
     with pytest.raises(InvalidParameterError):
         RpcWorkerOptions(threads=0)
+    # The worker's ggml starts that many OpenMP threads per graph: libgomp exits the process
+    # (or it dies of SIGSEGV) where it cannot, so ggml's own bound holds here too.
+    with pytest.raises(InvalidParameterError, match=r"threads must be an integer in 1\.\.512"):
+        RpcWorkerOptions(threads=513)
 
 
 def test_registry_entries_take_workers_like_llama(tmp_path: Path) -> None:

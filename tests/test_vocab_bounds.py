@@ -19,13 +19,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 from test_tokenize_regex_stack import VOCABS
 
-from llamacrab import InvalidModelError, Llama
+from llamacrab import InvalidModelError, Llama, TokenizeError
 from llamacrab._native.gguf import plamo2
 from llamacrab._native.gguf.check import validate_gguf
 from llamacrab._native.gguf.vocab_check import MAX_TRIE_TOKEN_BYTES
@@ -283,3 +284,50 @@ def test_llama_cpp_test_vocabularies_pass() -> None:
     assert len(paths) >= 19, VOCABS
     for path in paths:
         validate_gguf(path)
+
+
+DETOKENIZE_CHILD = """
+    import sys
+    from llamacrab import Llama, TokenizeError
+    with Llama(sys.argv[1], n_ctx=64, n_threads=1) as llm:
+        long = llm.vocab.n_tokens - 1
+        try:
+            llm.detokenize([long] * 3000)
+            print("detokenized")
+        except TokenizeError as error:
+            print("refused:", error)
+        print("after:", len(llm.detokenize([long, long])))
+"""
+
+
+def test_a_text_past_what_llama_cpp_s_detokenizer_counts_is_refused(tmp_path: Path) -> None:
+    """3,000 tokens of a 1 MiB piece: llama.cpp adds the pieces' lengths up in an int32, which
+    wrapped to -1.15 GB; it asked for that room again after each try (a loop allocating it)."""
+    piece = "x" * 2**20
+    path = tiny.write_tiny_llama(tmp_path / "long.gguf", extra_tokens=[(piece, NORMAL)])
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(DETOKENIZE_CHILD), str(path)],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "refused: the text of these 3000 tokens would take 3145728000 bytes" in child.stdout
+    assert f"after: {2 * len(piece)}" in child.stdout  # the Llama works on
+
+
+def test_text_no_token_covers_is_refused_where_llama_cpp_gave_minus_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An RWKV vocabulary without an unknown token, none of whose tokens starts with byte 0xFF:
+    llama.cpp's tokenizer stood -1 (LLAMA_TOKEN_NULL) for that byte, and tokenize returned it."""
+    rwkv_vocabulary = tiny.vocabulary
+
+    def without_ff(*args: Any, **kwargs: Any) -> tuple[list[str], list[float], list[int]]:
+        texts, scores, types = rwkv_vocabulary(*args, **kwargs)
+        if "\\xff" in texts:  # the RWKV spelling (its weights are sized by the other one)
+            texts[texts.index("\\xff")] = "\\xfe\\xfe"
+        return texts, scores, types
+
+    monkeypatch.setattr(tiny, "vocabulary", without_ff)
+    no_ff = tiny.write_tiny_llama(tmp_path / "no-ff.gguf", no_end_tokens=True)  # no unknown token
+    with Llama(no_ff, n_ctx=64, n_threads=1) as llm:
+        with pytest.raises(TokenizeError, match="no token of this vocabulary covers part of it"):
+            llm.tokenize(b"a\xffb", add_special=False)
+        assert min(llm.tokenize(b"a\xfeb", add_special=False)) >= 0

@@ -24,8 +24,9 @@ from typing import IO, Any, NoReturn
 
 from llamacrab._exceptions import InvalidParameterError, RpcError, RpcUnavailableError
 from llamacrab._exit_status import describe
+from llamacrab._field_types import check_range
 from llamacrab._native import rpc as _rpc
-from llamacrab._native.host_limits import default_threads
+from llamacrab._native.host_limits import GGML_MAX_N_THREADS, default_threads
 from llamacrab._native.rpc import DEFAULT_PORT, Device, Endpoint, local_devices, probe
 from llamacrab._parent_watch import watch_parent
 from llamacrab._ports import free_port
@@ -68,8 +69,8 @@ class RpcWorkerOptions:
             )
         if not 0 < self.port < 65536:
             raise InvalidParameterError(f"port must be 1-65535, not {self.port}")
-        if self.threads is not None and self.threads < 1:
-            raise InvalidParameterError(f"threads must be >= 1, not {self.threads}")
+        # The worker's ggml starts them at each graph (host_limits.GGML_MAX_N_THREADS).
+        check_range("threads", self.threads, 1, GGML_MAX_N_THREADS)
         object.__setattr__(self, "devices", tuple(self.devices))
 
     @property

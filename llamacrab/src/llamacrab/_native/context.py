@@ -42,14 +42,13 @@ from llamacrab._native.devices import accelerator_present
 from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.gguf import archs
 from llamacrab._native.handle import NativeHandle
-from llamacrab._native.host_limits import default_threads, host_memory_left
+from llamacrab._native.host_limits import GGML_MAX_N_THREADS, default_threads, host_memory_left
 from llamacrab._native.kv_layout import CELL_PAD, kv_streams, pad_cells
 from llamacrab._native.logging import log_lines, logger
 from llamacrab._native.model import Model
 from llamacrab._native.seq_state import SequenceMemory, check_sequence_state
 from llamacrab._native.signals import arm_sigint, held_signals
 
-GGML_MAX_N_THREADS = 512  # ggml.h
 KV_CELL_BYTES = 48  # llama_kv_cells: pos, shift and ext (x, y) int32s, a std::bitset<256>
 # llama_batch_allocr::ubatch_reserve zero-fills, per token of the micro-batch it reserves the
 # graph with, a token, up to 4 positions (M-RoPE), a sequence count, a sequence pointer and an
@@ -154,8 +153,6 @@ class ContextParams:
                 f"n_seq_max {self.n_seq_max} exceeds {lib.llama_max_parallel_sequences()}"
             )
         for name in ("n_threads", "n_threads_batch"):
-            # ggml's per-thread arrays hold GGML_MAX_N_THREADS; past what the system allows,
-            # libgomp exits the process when a thread cannot be created (4097 did here).
             check_range(name, getattr(self, name), 1, GGML_MAX_N_THREADS)
         check_range("yarn_orig_ctx", self.yarn_orig_ctx, 0, UINT32_MAX)
         for name in ("rope_freq_base", "rope_freq_scale", "yarn_ext_factor"):

@@ -27,6 +27,11 @@ from llamacrab._startup_cpus import allowed_cpus
 
 logger = logging.getLogger("llamacrab")
 
+# ggml's per-thread arrays hold GGML_MAX_N_THREADS (ggml.h); past what the system allows, GNU
+# OpenMP exits the process when it cannot start a thread (4097 did here, and a projector's 600
+# under a 4 GB address space): every thread count llamacrab hands to ggml is 1..this.
+GGML_MAX_N_THREADS = 512
+
 # cgroup v1 writes "no limit" as the largest page-aligned 63-bit number; anything this large is
 # no limit in practice.
 _UNLIMITED = 1 << 62

@@ -30,8 +30,10 @@ from llamacrab._native.fork import note_compute_threads, thread_limit
 from llamacrab._native.gguf import archs
 from llamacrab._native.gguf.check import validate_gguf
 from llamacrab._native.handle import NativeHandle
+from llamacrab._native.host_limits import GGML_MAX_N_THREADS
 from llamacrab._native.logging import log_lines
 from llamacrab._native.media import (
+    MAX_AUDIO_SECONDS,
     Image,
     Media,
     check_wav_format_chunks,
@@ -48,9 +50,15 @@ from llamacrab._native.signals import held_signals
 _ENCODER_ABORTS = hasattr(lib, "safe_mtmd_set_abort_callback")
 
 
-def embeddings_refusal(arch: str, rope_type: int) -> str | None:
-    """Why a text model of ``arch`` with ``rope_type`` (llama_model_rope_type) cannot decode a
-    projector's embeddings (its graph aborts on them), or None when it can."""
+def embeddings_refusal(arch: str, rope_type: int, encoder_decoder: bool = False) -> str | None:
+    """Why a text model of ``arch`` with ``rope_type`` (llama_model_rope_type), an
+    ``encoder_decoder`` one or not, cannot decode a projector's embeddings (its graph aborts
+    on them), or None when it can."""
+    if encoder_decoder:
+        return (
+            "libmtmd decodes a prompt into an encoder-decoder model's decoder without running "
+            "its encoder, and llama.cpp aborts on that"
+        )
     if arch in archs.TOKENS_ONLY:
         return f"llama.cpp's {arch} graph takes token ids only (it aborts on embeddings)"
     if arch in archs.EMBEDDINGS_NEED_MROPE and rope_type != lib.LLAMA_ROPE_TYPE_MROPE:
@@ -75,9 +83,10 @@ class Projector(NativeHandle):
         use_gpu: bool = True,
         probe: bool = True,
     ) -> None:
-        """``probe``: load the file in a child process first, and refuse it if that dies
-        (``projector_probe``: libmtmd cannot tell a file whose tensors disagree with its
-        description, and aborts on it); False saves that second load for trusted files."""
+        """``n_threads``: 1..512 (None: libmtmd's default). ``probe``: load the file in a child
+        process first, and refuse it if that dies (``projector_probe``: libmtmd cannot tell a
+        file whose tensors disagree with its description, and aborts on it); False saves that
+        second load for trusted files."""
         if not hasattr(lib, "mtmd_init_from_file"):
             # A llama.cpp a user brought may come without libmtmd (build_info()).
             raise ModelLoadError(
@@ -85,9 +94,10 @@ class Projector(NativeHandle):
                 "(multimodal): rebuild that llama.cpp with its tools to load a projector"
             )
         file = file_path("the projector path", path)
+        check_range("n_threads", n_threads, 1, GGML_MAX_N_THREADS)  # each encode starts them
         with model.in_flight() as model_pointer:
             rope_type = int(lib.llama_model_rope_type(model_pointer))
-        refusal = embeddings_refusal(model.arch, rope_type)
+        refusal = embeddings_refusal(model.arch, rope_type, model.encoder_decoder)
         if refusal is not None:
             raise MediaError(f"{model.path.name} cannot take images or audio: {refusal}")
         validate_gguf(file, kind="projector")
@@ -164,7 +174,11 @@ class Projector(NativeHandle):
     def silence_tokens(self, n_samples: int) -> int:
         """The embeddings ``n_samples`` of sound become, counted on silence: the count depends
         on the length alone. libmtmd still computes the spectrogram (~3.5 ms per second of
-        sound on one core), in one call nothing interrupts."""
+        sound on one core), in one call nothing interrupts. At most MAX_AUDIO_SECONDS: libmtmd
+        zero-fills the samples first."""
+        if self.sample_rate is None:
+            raise MediaError(f"{self.path.name} has no audio encoder: it cannot take audio")
+        check_range("n_samples", n_samples, 1, MAX_AUDIO_SECONDS * self.sample_rate)
         with held_signals():  # no data: libmtmd makes the silence (a placeholder bitmap)
             bitmap = Bitmap(self, call("mtmd_bitmap_init_from_audio", n_samples, ffi.NULL))
         try:
@@ -204,7 +218,11 @@ class Projector(NativeHandle):
             chunks.close()
             reason = log_lines.take_errors() or f"status {status}"
             raise MediaError(f"libmtmd could not tokenize the multimodal prompt: {reason}")
-        if chunks.media_tokens()[-1]:
+        media_tokens = chunks.media_tokens()
+        if media_tokens.size == 0:
+            chunks.close()
+            raise MediaError("the prompt is empty: it tokenized to nothing to evaluate")
+        if media_tokens[-1]:
             # An image's embeddings yield no logits: sampling after one would abort.
             chunks.close()
             raise MediaError("end the prompt with text after the last image or sound")
@@ -269,9 +287,15 @@ class Projector(NativeHandle):
             _check_micro_batch(self.path, projector, chunk_list, context.n_ubatch)
             held.enter_context(self._encoding_for(projector, context, stopped))
             context.hold_graph_samplers(pointer, held)
-            # Split by max_decode: a non-causal text model must not get more than n_ubatch.
-            status = call("mtmd_helper_eval_chunks", projector, pointer, chunk_list,
-                          n_past, seq_id, context.max_decode, True, new_n_past)  # fmt: skip
+            # libmtmd turns causal attention off for a non-causal image, then on, whatever it
+            # was: a non-causal context (an embedding model's) would stay causal for good.
+            causal = bool(lib.llama_get_causal_attn(pointer))
+            try:
+                # Split by max_decode: a non-causal text model must not get more than n_ubatch.
+                status = call("mtmd_helper_eval_chunks", projector, pointer, chunk_list,
+                              n_past, seq_id, context.max_decode, True, new_n_past)  # fmt: skip
+            finally:
+                call("llama_set_causal_attn", pointer, causal)
             aborted = status != 0 and context.abort_requested()
         if aborted:
             raise DecodeAbortedError("the multimodal prompt's evaluation was cancelled", status)

@@ -27,9 +27,11 @@ from llamacrab._exceptions import (
     RpcProtocolError,
     RpcUnavailableError,
 )
+from llamacrab._field_types import check_range
 from llamacrab._native import backend as _backend
 from llamacrab._native.call import c_string, call, ffi, lib
 from llamacrab._native.fork import note_compute_threads, thread_limit
+from llamacrab._native.host_limits import GGML_MAX_N_THREADS
 from llamacrab_sys import build_info
 
 RPC_CMD_HELLO = 14  # static_assert(RPC_CMD_HELLO == 14) in ggml-rpc.cpp: fixed across versions
@@ -286,6 +288,7 @@ def serve(
     """Run ggml's RPC server on this thread: it accepts one client at a time and returns only
     when it cannot listen or accept (then RpcError)."""
     require_rpc()
+    check_range("threads", n_threads, 1, GGML_MAX_N_THREADS)
     _backend.ensure_initialised()
     note_compute_threads()
     chosen = _worker_devices(devices)

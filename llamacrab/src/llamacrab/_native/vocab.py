@@ -12,7 +12,7 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from llamacrab._exceptions import InvalidModelError, NativeError, TokenizeError
-from llamacrab._field_types import utf8
+from llamacrab._field_types import INT32_MAX, utf8
 from llamacrab._native.call import call, ffi, lib
 from llamacrab._native.handle import NativeHandle
 from llamacrab._native.pretokenizer import may_recurse_per_char, run_bounded
@@ -31,6 +31,8 @@ class VocabFacts:
     regex_may_recurse: bool | None = None
     # An SPM vocabulary's bytes with a token to fall back on, and its tokens of one symbol.
     spm_fallback: tuple[frozenset[int], frozenset[bytes]] | None = None
+    # Each token's piece in bytes, control tokens as text (the longest a token renders).
+    piece_bytes: np.ndarray | None = None
 
 
 class Vocab:
@@ -244,6 +246,8 @@ class Vocab:
     def _tokenize(
         self, text: str | bytes, data: bytes, add_special: bool, parse_special: bool
     ) -> list[int]:
+        if len(data) > INT32_MAX - 8:  # llama.cpp counts the text's bytes in an int32
+            raise TokenizeError(f"text of {len(data)} bytes is too long to tokenize")
         capacity = len(data) + 8
         guarded = self.regex_may_recurse
         for _ in range(2):  # the first call tells the size needed when it is too small
@@ -254,11 +258,22 @@ class Vocab:
             else:
                 n = self._tokenize_into(data, out, capacity, add_special, parse_special)
             if n >= 0:
-                return list(ffi.unpack(out, n))
+                return self._known(list(ffi.unpack(out, n)))
             if n == -(2**31):
                 raise TokenizeError(f"text of {len(data)} bytes is too long to tokenize")
             capacity = -n
         raise TokenizeError(f"llama_tokenize kept asking for more room for {text[:40]!r}")
+
+    @staticmethod
+    def _known(tokens: list[int]) -> list[int]:
+        """``tokens``, unless one is -1: RWKV and WordPiece vocabularies without an unknown
+        token give that for what no token covers, and a decode would refuse it later."""
+        if tokens and min(tokens) < 0:
+            raise TokenizeError(
+                "cannot tokenize the text: no token of this vocabulary covers part of it, and "
+                "it has no unknown token to stand for that"
+            )
+        return tokens
 
     def _unencodable(self, data: bytes, error: NativeError) -> TokenizeError | None:
         """Why an SPM vocabulary could not tokenize ``data``, if it has no token for a byte of
@@ -330,16 +345,34 @@ class Vocab:
         array = self.check_tokens(tokens)
         if array.size == 0:
             return ""
+        # llama.cpp adds the pieces' lengths up in an int32: past 2 GiB it wraps, and asked
+        # for the room again and again (or cut the text short). Its text is never longer than
+        # the pieces together (it only strips spaces), so one buffer of that size holds it.
+        size = int(self._piece_bytes()[array].sum()) + 1
+        if size > INT32_MAX:
+            raise TokenizeError(
+                f"the text of these {array.size} tokens would take {size - 1} bytes, more "
+                f"than llama.cpp's detokenizer counts ({INT32_MAX - 1}): detokenize fewer at "
+                "a time"
+            )
         c_tokens = ffi.from_buffer("llama_token[]", array)
-        size = max(array.size * 8, 64)
-        while True:
-            buf = ffi.new("char[]", size)
+        buf = ffi.new("char[]", size)
+        with self.in_flight() as vocab:
+            n = call("llama_detokenize", vocab, c_tokens, array.size, buf, size, False, special)
+        if n < 0:
+            raise TokenizeError(f"llama_detokenize asked for {-n} bytes, past its tokens' pieces")
+        return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace")
+
+    def _piece_bytes(self) -> np.ndarray:
+        """Each token's piece in bytes, control tokens rendered (learned once per model)."""
+        if self._facts.piece_bytes is None:
+            lengths = np.zeros(self._n_tokens, dtype=np.int64)
+            room = ffi.new("char[]", 1)
             with self.in_flight() as vocab:
-                n = call("llama_detokenize", vocab, c_tokens, array.size, buf, size, False,
-                         special)  # fmt: skip
-            if n >= 0:
-                return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace")
-            size = -n
+                for token in range(self._n_tokens):  # in no room, each piece tells its length
+                    lengths[token] = -call("llama_token_to_piece", vocab, token, room, 0, 0, True)
+            self._facts.piece_bytes = lengths
+        return self._facts.piece_bytes
 
     def decoder(self, special: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, special)
