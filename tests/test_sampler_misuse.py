@@ -18,7 +18,14 @@ from live_server import LiveServer
 from test_crash_proof import assert_clean_exit, run_child
 from test_sampling import OnlyToken
 
-from llamacrab import CustomSampler, GrammarError, InvalidParameterError, Llama, SamplingOptions
+from llamacrab import (
+    CustomSampler,
+    GrammarError,
+    InvalidParameterError,
+    Llama,
+    SamplerChain,
+    SamplingOptions,
+)
 from llamacrab.compat import Llama as CompatLlama
 from llamacrab.compat import LogitsProcessorList
 from llamacrab.server import ServerSettings
@@ -555,3 +562,109 @@ def test_a_bias_of_an_integer_past_a_floats_range_is_refused_by_name() -> None:
     for bias in (-(10**400), 10**400):
         with pytest.raises(InvalidParameterError, match="logit_bias of token 1 is"):
             SamplingOptions(logit_bias={1: bias})
+
+
+_GRAMMAR_PICKS_AN_END_TOKEN = """
+    import math
+    from llamacrab import Llama
+    # The last sampler picked an end-of-generation token the grammar does not allow yet, and
+    # the grammar's accept aborted the process (llama-grammar.cpp, GGML_ABORT): the infill
+    # sampler puts its end token in when no text is likely enough, ...
+    letters = 'root ::= [a-j] "!"'
+    infill = SamplingOptions(grammar=letters, infill=True, top_k=0, top_p=1.0, min_p=0.0, seed=1)
+    refused(GrammarError, lambda: SamplerChain(model, infill).sample(context),
+            "the infill sampler ends the text")
+    # ... and with every candidate at -inf an end token is as good a pick as any.
+    starts_a = [t for t in range(n_vocab) if piece(t).startswith("a")]
+    ban = {t: -math.inf for t in starts_a}
+    grammar = 'root ::= "a" "!"'
+    chain = SamplerChain(model, SamplingOptions(grammar=grammar, top_k=3, seed=1, logit_bias=ban))
+    refused(GrammarError, lambda: chain.sample(context), "the grammar allows no token here")
+    llm = Llama(sys.argv[1], n_ctx=64)
+    refused(GrammarError, lambda: llm.create_completion(
+        "the cat", max_tokens=4, grammar=grammar, logit_bias=ban, top_k=3, seed=1
+    ), "the grammar allows no token here")
+    unbanned = SamplerChain(model, SamplingOptions(grammar=grammar, top_k=3, seed=1))
+    assert piece(unbanned.sample(context)).startswith("a")
+    print("done")
+"""
+
+
+def test_an_end_token_the_grammar_does_not_allow_yet_is_never_accepted(
+    tiny_model_path: Path,
+) -> None:
+    runs_to_the_end(_GRAMMAR_PICKS_AN_END_TOKEN, str(tiny_model_path))
+
+
+_GIVEN_TO_A_GRAPH = """
+    graph = decoded("on")
+    chain = SamplerChain(model, SamplingOptions(top_k=0, top_p=0.9, min_p=0.0, seed=1))
+    assert graph.set_graph_sampler(0, chain) and chain.in_graph
+    # llama.cpp initializes a chain for one graph once: a second time aborted
+    # (GGML_ASSERT "llama_sampler_chain_backend_init() called twice").
+    refused(InvalidParameterError, lambda: graph.set_graph_sampler(0, chain), "already")
+    refused(InvalidParameterError, lambda: chain.attach(graph, 0), "already")
+    # On the CPU it skips the samplers it runs in the graph: nothing selected, an abort.
+    refused(InvalidParameterError, lambda: chain.sample(context), "no token sampled")
+    # ggml's top_k asserted k <= n_vocab at the next decode.
+    wide = SamplerChain(model, SamplingOptions(top_k=n_vocab + 1, seed=1))
+    refused(InvalidParameterError, lambda: graph.set_graph_sampler(0, wide), "compute graph")
+    with Batch(8) as batch:
+        batch.set(np.array([261], np.int32), 2)
+        graph.decode(batch)
+    assert 0 <= chain.sample(graph) < n_vocab
+    print("done")
+"""
+
+
+def test_set_graph_sampler_takes_only_what_attach_would(tiny_model_path: Path) -> None:
+    runs_to_the_end(_GIVEN_TO_A_GRAPH, str(tiny_model_path))
+
+
+_TWO_THREADS = """
+    import threading
+    from llamacrab import ConcurrentUseError
+    # Two threads accepting into one chain died of SIGSEGV; a reset during an accept left a
+    # grammar's parse stack on an END element (an abort in llama-grammar.cpp).
+    inside, release = threading.Event(), threading.Event()
+
+    class Waits(CustomSampler):
+        def apply(self, candidates):
+            inside.set()
+            release.wait(30)
+
+    options = SamplingOptions(seed=1, grammar="root ::= [a-z]*", repeat_penalty=1.1,
+                              custom_samplers=(Waits(),))  # fmt: skip
+    chain = SamplerChain(model, options)
+    worker = threading.Thread(target=chain.sample, args=(context,))
+    worker.start()
+    assert inside.wait(30)
+    for action in (lambda: chain.accept(260), chain.reset, lambda: chain.accept_prompt([260])):
+        refused(ConcurrentUseError, action, "in use by another thread")
+    release.set()
+    worker.join()
+    chain.reset()
+    assert 0 <= chain.sample(context) < n_vocab
+    print("done")
+"""
+
+
+def test_one_chain_is_used_by_one_thread_at_a_time(tiny_model_path: Path) -> None:
+    runs_to_the_end(_TWO_THREADS, str(tiny_model_path))
+
+
+@pytest.mark.real_model
+def test_the_infill_sampler_gets_a_bounded_number_of_candidates(gemma: Llama) -> None:
+    """It compares every candidate's piece with every other's in one call: on Gemma 3's
+    262,144 tokens (top_k 0) a single pick ran for more than a minute (by its scale, an hour)."""
+    for options in ({"top_k": 0}, {"top_k": 5000}, {"top_k": 40, "order": ("top_p", "min_p")}):
+        with pytest.raises(InvalidParameterError, match="infill sampler would compare"):
+            SamplerChain(gemma.model, SamplingOptions(infill=True, **options))  # type: ignore[arg-type]
+    SamplerChain(gemma.model, SamplingOptions(infill=True, top_k=4096)).close()
+
+
+def test_a_dry_allowed_length_that_overflows_its_arithmetic_is_refused() -> None:
+    # DRY computes a repeat's length minus it in int32: INT32_MIN overflowed (UB).
+    with pytest.raises(InvalidParameterError, match="dry_allowed_length"):
+        SamplingOptions(dry_multiplier=0.8, dry_allowed_length=-(2**31))
+    assert SamplingOptions(dry_allowed_length=-5).dry_allowed_length == -5

@@ -204,6 +204,17 @@ class WeightsGuard(Protocol):
         ...
 
 
+class GraphSampler(Protocol):
+    """A sampler chain that can run inside a context's compute graph (a SamplerChain)."""
+
+    def in_flight(self) -> AbstractContextManager[Any]: ...
+
+    def claim_graph(self, context: Context) -> None:
+        """Raise unless the chain may go into ``context``'s graph, and mark it as given:
+        llama.cpp initializes a chain for one graph once in its life."""
+        ...
+
+
 class Context(NativeHandle):
     """A llama.cpp context. Not for concurrent use: a second thread entering raises
     ConcurrentUseError instead of corrupting state. ``cancel()`` may be called from any thread."""
@@ -253,7 +264,7 @@ class Context(NativeHandle):
         self._cvec: tuple[ControlVector, int, int] | None = None
         self._guards: weakref.WeakSet[WeightsGuard] = weakref.WeakSet()
         # Sampler chains llama.cpp runs inside the compute graph, by sequence (set_graph_sampler).
-        self._graph_samplers: dict[int, NativeHandle] = {}
+        self._graph_samplers: dict[int, GraphSampler] = {}
         # Why the logits buffer holds no outputs of the last call (None: it does): every output
         # was sampled in the graph, or the call was an encode.
         self._no_logits: str | None = None
@@ -483,12 +494,15 @@ class Context(NativeHandle):
 
     # -- sampling inside the compute graph -----------------------------------------------------
 
-    def set_graph_sampler(self, seq_id: int, chain: NativeHandle | None) -> bool:
+    def set_graph_sampler(self, seq_id: int, chain: GraphSampler | None) -> bool:
         """Have llama.cpp run the sampler chain ``chain`` inside the compute graph for the
         outputs of sequence ``seq_id`` (None: none, the CPU chain samples from raw logits).
         False when llama.cpp refused it. A chain can be given once in its life: llama.cpp
-        initializes it for this context. Outputs of such a sequence have no raw logits."""
+        initializes it for this context (``SamplerChain.attach`` says whether all of it
+        runs there). Outputs of such a sequence have no raw logits."""
         self.check_sequence(seq_id)
+        if chain is not None:  # llama.cpp asserts on a chain given twice, or one ggml cannot run
+            chain.claim_graph(self)
         if chain is None and seq_id not in self._graph_samplers:
             return True  # nothing to change: llama.cpp would not reserve its graphs again
         with self.exclusive() as ctx:
@@ -509,7 +523,7 @@ class Context(NativeHandle):
         for seq_id in list(self._graph_samplers):
             self.set_graph_sampler(seq_id, None)
 
-    def graph_sampler(self, seq_id: int) -> NativeHandle | None:
+    def graph_sampler(self, seq_id: int) -> GraphSampler | None:
         """The chain ``set_graph_sampler`` gave sequence ``seq_id``, if any."""
         return self._graph_samplers.get(seq_id)
 

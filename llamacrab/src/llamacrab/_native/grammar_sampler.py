@@ -18,6 +18,8 @@ from llamacrab._native.vocab import Vocab
 
 T = TypeVar("T")
 
+LLAMA_TOKEN_NULL = -1
+
 _REGEX_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}]")
 
 
@@ -102,6 +104,32 @@ def grammar_call(name: str, *args: Any, dead_end: str = NOTHING_ALLOWED) -> Any:
         if not error.message.startswith(_DEAD_END):
             raise
         raise GrammarDeadEnd(f"{dead_end} (llama.cpp: {error.message})") from error
+
+
+def candidates(ctx: Any, index: int, logits: Any, n_vocab: int) -> tuple[Any, np.ndarray]:
+    """Output ``index``'s ``logits`` (``n_vocab`` floats) as llama_sampler_sample hands them to
+    a chain's apply (a ``llama_token_data_array *``, and the array its data is), for a caller
+    that accepts the pick itself: a chain with a grammar must not accept what it refuses."""
+    # Another chain sampled this output inside the graph: llama.cpp would take that token.
+    if call("llama_get_sampled_token_ith", ctx, index) != LLAMA_TOKEN_NULL or any(
+        call(name, ctx, index) != ffi.NULL
+        for name in ("llama_get_sampled_logits_ith", "llama_get_sampled_probs_ith")
+    ):
+        raise GrammarError(f"output {index} was sampled inside the graph by another chain")
+    rows = np.zeros(n_vocab, dtype=TOKEN_DATA)
+    rows["id"] = np.arange(n_vocab, dtype=np.int32)
+    rows["logit"] = np.frombuffer(ffi.buffer(logits, 4 * n_vocab), dtype=np.float32)
+    data = ffi.from_buffer("llama_token_data[]", rows)
+    return ffi.new("llama_token_data_array *", (data, n_vocab, -1, False)), rows
+
+
+def selected(array: Any) -> int:
+    """The token a chain's apply selected in ``array``."""
+    if not 0 <= array.selected < array.size:  # llama_sampler_sample asserts this (an abort)
+        raise NativeError(
+            "llama_sampler_apply", lib.LLAMACRAB_UNKNOWN_EXCEPTION, "the chain selected no token"
+        )
+    return int(array.data[array.selected].id)  # a sampler may point data at its own array
 
 
 def refused(grammar: Any, tokens: np.ndarray) -> np.ndarray:

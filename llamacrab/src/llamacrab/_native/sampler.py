@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -20,19 +21,23 @@ from llamacrab._field_types import (
     is_number,
 )
 from llamacrab._native.call import call, call_each, ffi, lib
+from llamacrab._native.claims import Exclusive
 from llamacrab._native.context import Context
 from llamacrab._native.custom_sampler import CustomSampler, _Bridge
 from llamacrab._native.dry_sampler import check_breakers, dry_sampler
 from llamacrab._native.gbnf.bounds import check_grammar, check_trigger_words
 from llamacrab._native.gbnf.counts import exact_repetitions
 from llamacrab._native.grammar_sampler import (
+    LLAMA_TOKEN_NULL,
     NOTHING_ALLOWED,
     GrammarComplete,
     GrammarDeadEnd,
     GrammarEnd,
+    candidates,
     grammar_call,
     grammar_sampler,
     refused,
+    selected,
 )
 from llamacrab._native.greedy import NO_TOKEN_LEFT, NOTHING_TO_PICK, BiasedArgmax, banned_tokens
 from llamacrab._native.handle import NativeHandle
@@ -40,8 +45,6 @@ from llamacrab._native.infill_end import check_infill_end
 from llamacrab._native.model import Model
 from llamacrab._native.signals import held_signals
 from llamacrab_sys import python_sampler
-
-LLAMA_TOKEN_NULL = -1
 
 # llama.cpp's default order (common/common.h): filters first, temperature last, then `dist`.
 DEFAULT_ORDER = (
@@ -101,8 +104,9 @@ class SamplingOptions:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for name in ("top_k", "dry_allowed_length"):
-            check_range(name, getattr(self, name), INT32_MIN, INT32_MAX)  # C int32s
+        check_range("top_k", self.top_k, INT32_MIN, INT32_MAX)  # a C int32
+        # DRY subtracts it from a repeat's length (at most its window) in int32.
+        check_range("dry_allowed_length", self.dry_allowed_length, -MAX_PENALTY_WINDOW, INT32_MAX)
         for name in ("penalty_last_n", "dry_penalty_last_n"):
             # llama.cpp allocates (and zero-fills) a ring of this many tokens: 2^31 was 8 GB
             check_range(name, getattr(self, name), -1, MAX_PENALTY_WINDOW)
@@ -251,6 +255,7 @@ class SamplerChain(NativeHandle):
                 self.close()
                 raise
         self.in_graph = False  # given to a context, to run inside its compute graph
+        self._busy = Exclusive()
         # Where the grammar sits in the chain (after the Python samplers and the bias, see
         # _samplers), and the tokens its accept aborts on unless the grammar may end.
         self._grammar_at = (
@@ -289,6 +294,17 @@ class SamplerChain(NativeHandle):
             self._biased = ffi.new("llama_token[]", biased)
             self._scratch = ffi.new("llama_token_data[]", options.top_k + 2 * len(biased))
 
+    @contextmanager
+    def exclusive(self) -> Iterator[Any]:
+        """The pointer, for one thread's call that runs or changes the samplers' state (a
+        grammar's parse stacks, the penalties' ring): two threads at once corrupted it (a
+        SIGSEGV, a grammar's abort). Another thread's call is refused (ConcurrentUseError)."""
+        here = ("this sampler chain is in use by a call on this thread: a Python sampler "
+                "inside it cannot use it")  # fmt: skip
+        elsewhere = "this sampler chain is in use by another thread"
+        with self._busy.hold(here, elsewhere), self.in_flight() as pointer:
+            yield pointer
+
     @property
     def picks_in_numpy(self) -> bool:
         """Whether ``sample`` picks greedily in numpy instead of running the chain in C."""
@@ -305,19 +321,14 @@ class SamplerChain(NativeHandle):
         True when every sampler of it runs there. False at once, the chain left to the CPU,
         when ``graph_fits`` says one cannot. Once given to llama.cpp, a chain skips on the CPU
         the samplers it ran in the graph: on a later False, build a new chain for the CPU."""
-        if self.in_graph:
-            raise InvalidParameterError("this sampler chain was given to a context already")
-        self._check_vocabulary(context)
-        # Asked first: ggml asserts (an abort) on some chains llama.cpp takes (a top_k past
-        # the vocabulary), and a Python sampler has no graph implementation.
-        if self._bridges or not graph_fits(self.options, context.n_vocab):
+        self._check_given(context)
+        if not self._fits_graph(context):
             return False
-        self.in_graph = True
         if not context.set_graph_sampler(seq_id, self):
             return False
         # llama.cpp marks each sampler it runs in the graph with "+" in its name; a sampler
         # it cannot run there ("-") would leave the rest of the chain to the CPU.
-        with self.in_flight() as chain:
+        with self.exclusive() as chain:
             names = [
                 ffi.string(lib.llama_sampler_name(lib.llama_sampler_chain_get(chain, i)))
                 for i in range(lib.llama_sampler_chain_n(chain))
@@ -326,6 +337,29 @@ class SamplerChain(NativeHandle):
             return True
         context.set_graph_sampler(seq_id, None)
         return False
+
+    def claim_graph(self, context: Context) -> None:
+        """For ``Context.set_graph_sampler``: refused unless this chain was never given to a
+        graph and all of it can run in ``context``'s; then it is given (``in_graph``), and
+        samples only what a graph sampled: llama.cpp skips on the CPU what it initialized for
+        one (an abort where nothing is left to pick)."""
+        self._check_given(context)
+        if not self._fits_graph(context):
+            raise InvalidParameterError(
+                "this sampler chain cannot run inside a compute graph (a Python sampler, a "
+                "grammar, or a top_k past the vocabulary): sample it on the CPU"
+            )
+        self.in_graph = True
+
+    def _check_given(self, context: Context) -> None:
+        if self.in_graph:
+            raise InvalidParameterError("this sampler chain was given to a context already")
+        self._check_vocabulary(context)
+
+    def _fits_graph(self, context: Context) -> bool:
+        """Asked first: ggml asserts (an abort) on some chains llama.cpp takes (a top_k past
+        the vocabulary), and a Python sampler has no graph implementation."""
+        return not self._bridges and graph_fits(self.options, context.n_vocab)
 
     def sample(self, context: Context, index: int = -1, banned: np.ndarray | None = None) -> int:
         """Pick a token from the logits of output ``index`` and accept it into the chain state
@@ -357,7 +391,7 @@ class SamplerChain(NativeHandle):
         check_range("index", index, INT32_MIN, INT32_MAX)  # what cffi takes
         self._check_vocabulary(context)
         self._check_no_dead_end()
-        with self.in_flight() as chain, context.exclusive() as ctx:
+        with self.exclusive() as chain, context.exclusive() as ctx:
             # llama_sampler_sample asserts (an abort) when the output has no logits: none
             # decoded yet, an index out of range, a token decoded without logits.
             if self.in_graph:
@@ -380,12 +414,36 @@ class SamplerChain(NativeHandle):
                         "the chain selected no token, or a C++ exception",
                     )  # fmt: skip
                 return self._allowed(_finite(logits, token, index))
+            elif self._grammar_at is not None:
+                return self._grammar_pick(chain, ctx, index, logits)
             token = int(self._advance("llama_sampler_sample", chain, ctx, index,
                                       dead_end=NOTHING_ALLOWED))  # fmt: skip
             if not self.in_graph:  # (the graph copies out no logits to look at)
                 _finite(logits, token, index)
         self._raise_python_error()
         return self._allowed(token)
+
+    def _grammar_pick(self, chain: Any, ctx: Any, index: int, logits: Any) -> int:
+        """llama_sampler_sample for a chain with a grammar, its accept held back until the
+        grammar takes the pick: an end-of-generation token before the grammar is complete
+        aborts the process in the grammar's accept. The last sampler picks one anyway when
+        every candidate is at -inf (the bias or a Python sampler banned what the grammar
+        allows), and the infill sampler puts its end token in when no text is likely enough."""
+        array, rows = candidates(ctx, index, logits, self.n_vocab)
+        self._advance("llama_sampler_apply", chain, array, dead_end=NOTHING_ALLOWED)
+        token = self._allowed(selected(array))
+        del rows  # what array pointed into, alive until the pick was read
+        self._raise_python_error()
+        pick = np.array([token], dtype=np.int32)
+        if token in self._end_tokens and refused(self._grammar(chain), pick)[0]:
+            if self.options.infill:
+                raise GrammarDeadEnd(
+                    f"the infill sampler ends the text with token {token}, which the grammar "
+                    "does not allow here: what it accepted so far is not complete"
+                )
+            raise GrammarDeadEnd(NOTHING_ALLOWED)
+        self._advance("llama_sampler_accept", chain, token, dead_end=NOTHING_ALLOWED)
+        return _finite(logits, token, index)
 
     def _allowed(self, token: int, end_banned: bool = False) -> int:
         """``token``, unless it is banned (a -inf logit_bias; the end-of-generation tokens too
@@ -410,7 +468,7 @@ class SamplerChain(NativeHandle):
         """Record ``token`` as the one that came next (``sample`` accepts what it picks)."""
         token = self._checked_token(token)
         self._check_no_dead_end()
-        with self.in_flight() as chain:
+        with self.exclusive() as chain:
             if self._grammar_at is not None:
                 self._check_grammar_allows(chain, token)
             self._advance(
@@ -436,7 +494,7 @@ class SamplerChain(NativeHandle):
             return
         tail = self._vocab.check_tokens(list(tokens[-self._memory :])).tolist()
         skipped = {*range(len(self._bridges)), self._grammar_at}
-        with self.in_flight() as chain:
+        with self.exclusive() as chain:
             for i in range(lib.llama_sampler_chain_n(chain) - 1):
                 sampler = lib.llama_sampler_chain_get(chain, i)
                 # One without an accept keeps no state: nothing to call.
@@ -483,14 +541,7 @@ class SamplerChain(NativeHandle):
         does not fit, and aborts the process for an end-of-generation token that comes before
         the grammar is complete. Its apply is the same test without either: it sets the
         token's logit to -inf unless the grammar allows it here (or a lazy grammar waits)."""
-        grammar = lib.llama_sampler_chain_get(chain, self._grammar_at)
-        if grammar == ffi.NULL:
-            raise NativeError(
-                "llama_sampler_chain_get",
-                lib.LLAMACRAB_UNKNOWN_EXCEPTION,
-                "the chain has no sampler where its grammar was put",
-            )
-        if not refused(grammar, np.array([token], dtype=np.int32))[0]:
+        if not refused(self._grammar(chain), np.array([token], dtype=np.int32))[0]:
             return
         if token in self._end_tokens:
             raise GrammarError(
@@ -503,8 +554,19 @@ class SamplerChain(NativeHandle):
             "continue what the grammar accepted so far"
         )
 
+    def _grammar(self, chain: Any) -> Any:
+        """The chain's grammar sampler."""
+        grammar = lib.llama_sampler_chain_get(chain, self._grammar_at)
+        if grammar == ffi.NULL:
+            raise NativeError(
+                "llama_sampler_chain_get",
+                lib.LLAMACRAB_UNKNOWN_EXCEPTION,
+                "the chain has no sampler where its grammar was put",
+            )
+        return grammar
+
     def reset(self) -> None:
-        with self.in_flight() as chain:
+        with self.exclusive() as chain:
             call("llama_sampler_reset", chain)
         self._dead_end = None  # the grammar starts over from its root
         if self._grammar_end is not None:
@@ -733,12 +795,29 @@ def _samplers(
         yield _checked(_filter(model, o, name, seed), name)
     if o.infill:
         check_infill_end(model.vocab)  # a chain built without the feature layer's check too
+        _check_infill_candidates(o, n_vocab)
         yield _checked(call("llama_sampler_init_infill", model.vocab.pointer), "infill")
     if o.adaptive_p_target is not None:
         final = call("llama_sampler_init_adaptive_p", o.adaptive_p_target, o.adaptive_p_decay, seed)
     else:
         final = call("llama_sampler_init_dist", seed)
     yield _checked(final, "final")
+
+
+# llama.cpp's infill sampler compares every candidate's piece with every other's, in one call
+# nothing interrupts: 2,048 took 0.1 s, 32,768 17 s, Gemma 3's 262,144 would take an hour.
+MAX_INFILL_CANDIDATES = 4096
+
+
+def _check_infill_candidates(o: SamplingOptions, n_vocab: int) -> None:
+    """A top_k before the infill sampler leaves it at most MAX_INFILL_CANDIDATES."""
+    reaching = o.top_k if "top_k" in o.order and _active(o, "top_k") else n_vocab
+    if min(reaching, n_vocab) > MAX_INFILL_CANDIDATES:
+        raise InvalidParameterError(
+            f"the infill sampler would compare {min(reaching, n_vocab)} candidates pairwise, "
+            f"in one call nothing interrupts: give it a top_k of at most "
+            f"{MAX_INFILL_CANDIDATES} (in the sampler order)"
+        )
 
 
 # The samplers that can change which token a greedy pick takes: penalties and DRY change
