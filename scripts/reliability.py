@@ -470,6 +470,64 @@ FOUND = [
      "SIGABRT: `GGML_ASSERT(idx >= 0)` in libmtmd's helper (mtmd-helper.cpp:231); a prompt at "
      "-1, or past `INT32_MAX`", "`_native/mtmd.py`: the sequence and the prompt's positions "
      "checked first"),
+    ("a call-argument audit (2026-12-07: each llama.cpp function llamacrab calls read "
+     "against its guards, each finding proven in a child process)",
+     "`Projector(model, path, n_threads=600)` (or 100,000), then an image",
+     'libgomp exited the process ("Thread creation failed"), or SIGSEGV in '
+     "`GOMP_parallel`: a projector's thread count had no bound, a context's had",
+     "`_native/mtmd.py`, the RPC worker's options and `serve`: 1..512 "
+     "(`host_limits.GGML_MAX_N_THREADS`)"),
+    ("the same audit",
+     "`Llama(t5, mmproj=...)`, then an image in a completion",
+     'SIGABRT: `GGML_ASSERT(... "llama_encode must be called first")` '
+     "(llama-graph.cpp:1070): libmtmd decodes into the decoder with nothing encoded",
+     "`_native/mtmd.py` (`embeddings_refusal`): no projector for an encoder-decoder "
+     "model"),
+    ("the same audit",
+     "`Llama.detokenize` of tokens whose text passes 2 GiB (3,000 copies of a 1 MiB "
+     "token; 89 million of a 48-byte one of Gemma 3)",
+     "a hang: llama.cpp adds the pieces' lengths up in an int32, which wrapped, and "
+     "llamacrab asked again for the room it named, for ever (past 4 GiB: the text cut "
+     "short)",
+     "`_native/vocab.py`: one buffer sized from the pieces' lengths; past 2 GiB a "
+     "TokenizeError"),
+    ("the same audit",
+     "a `grammar` with `infill=True` (default settings); a grammar whose every allowed "
+     "token `logit_bias` bans, with `top_k=3`",
+     "SIGABRT: `GGML_ABORT` in the grammar's accept (llama-grammar.cpp:1487): the last "
+     "sampler picked an end-of-generation token the grammar does not allow yet (the "
+     "infill sampler's, or the last of candidates all at -inf)",
+     "`_native/sampler.py`: a chain with a grammar applies, checks its pick with the "
+     "grammar, then accepts it; a GrammarError"),
+    ("the same audit",
+     "`Context.set_graph_sampler(seq, chain)` with a chain given before, a `top_k` "
+     "past the vocabulary, or a chain given and then sampled on the CPU",
+     "SIGABRT: `backend_init() called twice` (llama-sampler.cpp:739); ggml's top_k at "
+     "the next decode; `cur_p.selected` in `llama_sampler_sample` "
+     "(llama-sampler.cpp:956)",
+     "`_native/sampler.py` (`claim_graph`): set_graph_sampler checks what attach does"),
+    ("the same audit",
+     "one `SamplerChain` accepting from two threads, or reset during an accept",
+     "SIGSEGV (1 run of 3); SIGABRT in the grammar (3 of 3)",
+     "`_native/sampler.py`: one thread's call at a time (ConcurrentUseError)"),
+    ("the same audit",
+     "`infill=True, top_k=0` on Gemma 3's 262,144 tokens",
+     "a hang: the infill sampler compares every pair of candidates in one call (65,536 "
+     "took 158 s)",
+     "`_native/sampler.py`: at most 4,096 candidates (a top_k before it)"),
+    ("the same audit",
+     '`Context.shift` or `divide` with `type_k="bf16"`; on a sliding-window model '
+     "whose layers all slide (`swa_full=True`)",
+     "SIGABRT at the next decode: ggml's CPU rope on bf16 keys (ops.cpp:6486); "
+     "`GGML_ASSERT(buffer)` (ggml-backend.cpp:205), the other layers' cache holding "
+     "none",
+     "`_native/context.py` (`_shiftable_memory`)"),
+    ("the same audit",
+     'a quantized `type_k` with `flash_attn="off"` on key heads its blocks do not '
+     "divide (the tiny model's 16 in q4_0's 32); a T5 context with `pooling=\"mean\"`",
+     "no signal: every attention score 0, the same logits whatever the prompt; a "
+     "decoder that ignored its prompt",
+     "`_native/context.py`: both refused"),
 ]  # fmt: skip
 
 

@@ -226,3 +226,63 @@ def test_a_recurrent_state_is_not_shifted_below_zero(loaded: Model) -> None:
         assert ctx.positions(0) is not None
         ctx.shift(0, -4)  # the state's position 4 to 0: allowed
         assert ctx.positions(0) is not None and ctx.positions(0)[1] == 0  # type: ignore[index]
+
+
+# -- what a context cannot do with some settings (a call-argument audit, 2026-12-07) -------------
+
+
+def test_keys_stored_as_bf16_are_not_shifted(models: dict[str, Path]) -> None:
+    """ggml's CPU rope rotates f32 and f16 keys in place (quantized ones through f32): the
+    decode after a shift of bf16 keys aborted (GGML_ABORT, ggml-cpu/ops.cpp)."""
+    with Model.load(models["llama"]) as model:
+        params = ContextParams(n_ctx=256, n_threads=1, type_k="bf16")
+        with Context(model, params) as ctx:
+            decode(ctx, [5, 6, 7, 8, 9])
+            with pytest.raises(InvalidParameterError, match='type_k="bf16"'):
+                ctx.shift(0, 2, p0=2)
+            with pytest.raises(InvalidParameterError, match='type_k="bf16"'):
+                ctx.divide(0, 2, p0=2)
+            assert ctx.positions(0) == (0, 4)
+            with Batch(1) as batch:  # the context works on
+                batch.set_one(10, 5)
+                ctx.decode(batch)
+        for type_k in ("f16", "f32"):
+            with Context(model, ContextParams(n_ctx=256, n_threads=1, type_k=type_k)) as ctx:
+                decode(ctx, [5, 6, 7, 8, 9])
+                ctx.shift(0, 2, p0=2)
+                assert ctx.positions(0) == (0, 6)
+
+
+def test_an_encoder_decoder_model_takes_no_pooling(models: dict[str, Path]) -> None:
+    """The decoder reads the encoder's output from a buffer only pooling "none" fills: with
+    another, every prompt generated the same tokens."""
+    with Model.load(models["t5"]) as model:
+        for pooling in ("mean", "cls", "last"):
+            params = ContextParams(n_ctx=256, n_threads=1, pooling=pooling)
+            with pytest.raises(ContextError, match=f"with pooling '{pooling}'"):
+                Context(model, params)
+        Context(model, ContextParams(n_ctx=256, n_threads=1, pooling="none")).close()
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"rope_freq_base": -1.0}, {"rope_freq_base": 1e39}, {"rope_freq_scale": -0.5},
+     {"rope_freq_scale": 1e39}, {"yarn_orig_ctx": 2**31}],
+)  # fmt: skip
+def test_rope_settings_that_make_every_position_nan_are_refused(setting: dict[str, float]) -> None:
+    with pytest.raises(InvalidParameterError, match=next(iter(setting))):
+        ContextParams(**setting)  # type: ignore[arg-type]
+
+
+def test_quantized_keys_need_heads_of_whole_blocks_without_flash_attention(
+    models: dict[str, Path],
+) -> None:
+    """llama.cpp checks a quantized key cache's block against the heads with flash attention
+    only; without it the tiny model's heads of 16 in blocks of 32 gave every attention score 0
+    (the same logits whatever came before)."""
+    with Model.load(models["llama"]) as model:
+        for type_k in ("q4_0", "q8_0", "q5_1"):
+            params = ContextParams(n_ctx=256, n_threads=1, type_k=type_k, flash_attn="off")
+            with pytest.raises(InvalidParameterError, match="blocks of 32"):
+                Context(model, params)
+        Context(model, ContextParams(n_ctx=256, n_threads=1, type_k="f16", flash_attn="off"))

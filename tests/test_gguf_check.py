@@ -1120,12 +1120,14 @@ def test_deepseek2_ocr_refuses_another_rope_base_from_the_context(tmp_path: Path
                 llm.create_completion("the cat", max_tokens=1, min_tokens=1).usage.completion_tokens
                 == 1
             )
-    bases = [{"rope_freq_base": base} for base in (5000.0, 10000.01, -10000.0)]
+    bases = [{"rope_freq_base": base} for base in (5000.0, 10000.01)]
     for options in bases:
         with pytest.raises(InvalidParameterError, match="deepseek2-ocr models need a rope base"):
             Llama(path, n_ctx=64, n_threads=1, **options)
     with pytest.raises(InvalidParameterError, match="rope_freq_base must be finite"):
         Llama(path, n_ctx=64, n_threads=1, rope_freq_base=float("nan"))  # (any architecture)
+    with pytest.raises(InvalidParameterError, match=r"rope_freq_base must be 0 .* or a positive"):
+        Llama(path, n_ctx=64, n_threads=1, rope_freq_base=-10000.0)  # (any architecture)
     # An override is checked with the file, as the value llama.cpp reads
     override = {"deepseek2-ocr.rope.freq_base": 5000.0}
     with pytest.raises(InvalidModelError, match=r"kv_overrides .* needs rope\.freq_base == 10000"):

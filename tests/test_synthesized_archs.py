@@ -14,7 +14,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+
+from llamacrab import Batch, Context, ContextParams, InvalidParameterError, Model
 
 from reliability_kit.children import HEAP_BYTE, OTHER_HEAP_BYTE, poisoned_heap
 
@@ -255,3 +258,20 @@ def test_an_rwkv7_head_off_the_kernel_step_is_refused_not_computed_on_garbage(
         f"{arch} with a head of 16 no longer reads memory nothing wrote: re-audit "
         f"docs/native-aborts.md\n{prints[0].stdout}"
     )
+
+
+def test_a_model_whose_layers_all_slide_is_not_shifted(tmp_path: Path) -> None:
+    """The synthesized cohere2 of two sliding-window layers: llama.cpp keeps a cache for the
+    other layers with none in it, and the decode after a shift or a divide aborted
+    (GGML_ASSERT(buffer), ggml-backend.cpp: an input no layer uses)."""
+    path = synthesized(tmp_path, "cohere2")
+    with Model.load(path) as model:
+        params = ContextParams(n_ctx=256, n_threads=1, swa_full=True)  # a cache that can shift
+        with Context(model, params) as ctx, Batch(6) as batch:
+            batch.set(np.array([1, 5, 6, 7, 8, 9], np.int32), 0)
+            ctx.decode(batch)
+            with pytest.raises(InvalidParameterError, match="layers all use a sliding window"):
+                ctx.shift(0, -1, p0=2)
+            with pytest.raises(InvalidParameterError, match="layers all use a sliding window"):
+                ctx.divide(0, 2, p0=2)
+            assert ctx.positions(0) == (0, 5)

@@ -154,10 +154,16 @@ class ContextParams:
             )
         for name in ("n_threads", "n_threads_batch"):
             check_range(name, getattr(self, name), 1, GGML_MAX_N_THREADS)
-        check_range("yarn_orig_ctx", self.yarn_orig_ctx, 0, UINT32_MAX)
+        check_range("yarn_orig_ctx", self.yarn_orig_ctx, 0, INT32_MAX)  # read as an int
         for name in ("rope_freq_base", "rope_freq_scale", "yarn_ext_factor"):
             if not math.isfinite(getattr(self, name)):  # NaN positions: every logit NaN
                 raise InvalidParameterError(f"{name} must be finite, not {getattr(self, name)}")
+        for name in ("rope_freq_base", "rope_freq_scale"):  # 0: the model's own
+            if not 0 <= getattr(self, name) <= FLOAT32_MAX:  # NaN positions too
+                raise InvalidParameterError(
+                    f"{name} must be 0 (the model's) or a positive 32-bit float, not "
+                    f"{getattr(self, name)}"
+                )
         _choice("flash_attn", self.flash_attn, FLASH_ATTN)
         _choice("pooling", self.pooling, POOLING)
         _choice("rope_scaling", self.rope_scaling, ROPE_SCALING)
@@ -238,6 +244,7 @@ class Context(NativeHandle):
             _check_encoder_decoder(model, params)
             c_params = params.to_c(model.n_ctx_train)  # reads the model: inside the call
             _fit_graph(model, params, c_params)
+            _check_quantized_keys(model, c_params)
             _check_host_memory(model, params, c_params)
             pointer = call("llama_init_from_model", model_pointer, c_params)
             if pointer == ffi.NULL:
@@ -251,6 +258,13 @@ class Context(NativeHandle):
                 self._setup(model, params, pointer)
             if params.embeddings and self.pooling == "rank":
                 self._check_classifier(model, params)
+            if self.encoder_decoder and (pooling := self.pooling) != "none":
+                self.close()
+                raise ContextError(
+                    f"{model!r} ({model.arch}) is an encoder-decoder model: with pooling "
+                    f"{pooling!r} llama.cpp hands its decoder an encoder output that only "
+                    'pooling "none" fills, and the decoder ignores the prompt'
+                )
         if params.warmup:
             self._warm_up()
 
@@ -869,15 +883,34 @@ class Context(NativeHandle):
         self._check_range(seq_id, p0, p1)
         check_range("delta", delta, INT32_MIN, INT32_MAX)
         with self.exclusive() as ctx:
-            memory = lib.llama_get_memory(ctx)
-            if not lib.llama_memory_can_shift(memory):
-                raise InvalidParameterError("this model's memory cannot shift positions")
+            memory = self._shiftable_memory(ctx)
             high = int(lib.llama_memory_seq_pos_max(memory, seq_id))  # -1: empty
             top = high if p1 < 0 else min(high, p1 - 1)  # the highest position it may move
             if top >= p0:
                 self._check_shift(seq_id, delta, top, recurrent_moves=top == high)
             self._memory_changes_now([seq_id])
             call("llama_memory_seq_add", memory, seq_id, p0, p1, delta)
+
+    def _shiftable_memory(self, ctx: Any) -> Any:
+        """The context's memory, where the next decode can rotate its keys to new positions:
+        llama.cpp would abort there (after the shift or divide was taken) on keys stored as
+        bf16, which ggml's CPU rope does not rotate (ops.cpp), and on a sliding-window model
+        whose layers all slide, whose cache for the others has no layer (ggml-backend.cpp)."""
+        memory = lib.llama_get_memory(ctx)
+        if not lib.llama_memory_can_shift(memory):
+            raise InvalidParameterError("this model's memory cannot shift positions")
+        if self.params.type_k == "bf16":
+            raise InvalidParameterError(
+                'keys stored as bf16 cannot be shifted (type_k="bf16"): ggml rotates f32, f16 '
+                "or quantized keys"
+            )
+        attending = [layer.sliding for layer in self.model.kv_layout.layers if layer.key_width]
+        if any(attending) and all(attending):
+            raise InvalidParameterError(
+                f"{self.model.path.name}'s layers all use a sliding window: llama.cpp cannot "
+                "shift its positions (its cache for the other layers holds none)"
+            )
+        return memory
 
     def _check_shift(self, seq_id: int, delta: int, top: int, recurrent_moves: bool) -> None:
         # llama.cpp adds in int32: past INT32_MAX positions wrapped negative (cells dropped);
@@ -900,9 +933,7 @@ class Context(NativeHandle):
         if divisor < 1:
             raise InvalidParameterError(f"divisor must be at least 1, not {divisor}")
         with self.exclusive() as ctx:
-            memory = lib.llama_get_memory(ctx)
-            if not lib.llama_memory_can_shift(memory):
-                raise InvalidParameterError("this model's memory cannot shift positions")
+            memory = self._shiftable_memory(ctx)
             self._memory_changes_now([seq_id])
             call("llama_memory_seq_div", memory, seq_id, p0, p1, divisor)
 
@@ -1009,6 +1040,22 @@ class Context(NativeHandle):
 
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx}{' closed' if self.closed else ''}>"
+
+
+def _check_quantized_keys(model: Model, c_params: Any) -> None:
+    """Quantized keys need heads a whole number of blocks long: llama.cpp checks that only
+    with flash attention, and without it computed every attention score as 0 (the tiny
+    model's heads of 16 in q4_0's blocks of 32: the same logits whatever the prompt)."""
+    if c_params.flash_attn_type != lib.LLAMA_FLASH_ATTN_TYPE_DISABLED:
+        return
+    block = int(lib.ggml_blck_size(c_params.type_k))
+    heads = {layer.key_head for layer in model.kv_layout.layers if layer.key_width}
+    if block > 1 and any(head % block for head in heads):
+        raise InvalidParameterError(
+            f"keys of type {ffi.string(lib.ggml_type_name(c_params.type_k)).decode()} come in "
+            f"blocks of {block}, which {model.path.name}'s key heads ({sorted(heads)}) do not "
+            "divide into: use another type_k"
+        )
 
 
 def _check_encoder_decoder(model: Model, params: ContextParams) -> None:

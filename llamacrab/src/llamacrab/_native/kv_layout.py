@@ -37,6 +37,7 @@ class LayerKv:
     key_width: int
     value_width: int
     sliding: bool
+    key_head: int = 0  # one key head's elements
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,6 @@ def kv_layout(reader: Reader, arch: str, metadata: dict[str, Any]) -> KvLayout:
         sliding = swa[1][layer] if layer < len(swa[1]) else False
         head = sizes[1] if sliding else sizes[0]
         heads = n_head_kv[layer]
-        layers.append(LayerKv(heads * head.key, heads * head.value, sliding))
+        layers.append(LayerKv(heads * head.key, heads * head.value, sliding, head.key))
     window = uint(metadata, f"{arch}.attention.sliding_window") or 0
     return KvLayout(tuple(layers), window)
