@@ -528,6 +528,14 @@ FOUND = [
      "no signal: every attention score 0, the same logits whatever the prompt; a "
      "decoder that ignored its prompt",
      "`_native/context.py`: both refused"),
+    ("archs (long, on two heaps, seed 2026, 2026-12-07)",
+     "cohere2moe with `attention.key_length_swa` or `value_length_swa` = 1000 (its "
+     "layers mix sliding-window and full attention)",
+     "SIGABRT when the context was made: `GGML_ASSERT(a->ne[0] == b->ne[0])` in "
+     "`ggml_set_rows` (the graph sizes every layer's heads by layer 0's, the KV cache "
+     "each by its kind); the same for granite_swa files a test had called accepted",
+     "`_native/gguf/attention.py` (`_check_mixed_kinds`): the _swa sizes equal the "
+     "others where the kinds mix, but for `archs.HEADS_BY_LAYER_KIND`"),
 ]  # fmt: skip
 
 

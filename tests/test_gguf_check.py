@@ -387,16 +387,36 @@ def test_graphs_that_need_equal_key_and_value_heads_are_protected(
     ("arch", "keys"),
     [
         ("gemma3", {"attention.value_length": 8}),  # its graph uses both sizes
-        ("granite_swa", {"attention.sliding_window_pattern": [1, 0], "attention.key_length_swa": 8,
+        ("gemma4", {"attention.sliding_window_pattern": [1, 0], "attention.key_length_swa": 8,
+                    "attention.value_length_swa": 8, "rope.dimension_count_swa": 8}),  # by kind
+        ("granite_swa", {"attention.sliding_window_pattern": [1, 1], "attention.key_length_swa": 8,
                          "attention.value_length_swa": 8, "rope.dimension_count_swa": 8}),
-        ("granite_swa", {"attention.sliding_window_pattern": [0, 1], "attention.key_length_swa": 8,
-                         "rope.dimension_count_swa": 8}),  # layer 0 is full attention
     ],
 )  # fmt: skip
 def test_head_sizes_llama_cpp_accepts_validate(
     tmp_path: Path, arch: str, keys: dict[str, Any]
 ) -> None:
     validate_gguf(header(tmp_path / "m.gguf", keys, arch))
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"attention.sliding_window_pattern": [1, 0], "attention.key_length_swa": 8,
+         "attention.value_length_swa": 8, "rope.dimension_count_swa": 8},
+        {"attention.sliding_window_pattern": [0, 1], "attention.key_length_swa": 8,
+         "rope.dimension_count_swa": 8},  # layer 0 is full attention
+    ],
+)  # fmt: skip
+def test_mixed_layers_with_other_sliding_window_heads_are_refused(
+    tmp_path: Path, keys: dict[str, Any]
+) -> None:
+    """granite_swa sizes every layer's heads by layer 0's, and its KV cache each layer's by its
+    kind: both files aborted when a context was made (GGML_ASSERT(a->ne[0] == b->ne[0]) in
+    ggml_set_rows, synthesized and run with the checks off)."""
+    rejects(
+        header(tmp_path / "m.gguf", keys, "granite_swa"), "sizes every layer's heads by layer 0's"
+    )
 
 
 # -- sliding-window layers -------------------------------------------------------------------

@@ -73,6 +73,11 @@ HEADS_K_EQ_V_EQ_ROT = frozenset({
 })  # fmt: skip
 # gemma4 asserts key == value head size on every layer (its SWA sizes are checked by a throw).
 HEADS_K_EQ_V_EVERY_LAYER = frozenset({"gemma4"})
+# Graphs that size a layer's heads by its own kind (sliding-window or not: n_embd_head_k(il),
+# or MLA sizes of each kind). Every other graph sizes them all by layer 0's, while the KV cache
+# takes each layer's, so where the kinds mix their head sizes must agree (cohere2moe with
+# attention.key_length_swa = 1000 aborted in ggml_set_rows when its context was made).
+HEADS_BY_LAYER_KIND = frozenset({"dots3note", "gemma4", "gemma4-assistant", "lfm2", "spark2-5"})
 # Graphs whose Q/K/V are rope-dimension heads on every layer (gpt-oss and bailingmoe size
 # their tensors by rope.dimension_count): the full and sliding-window key and value lengths
 # (and rope dimensions) must all equal it, else the KV cache is another width.

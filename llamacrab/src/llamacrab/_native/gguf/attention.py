@@ -97,8 +97,23 @@ def check_attention(
     if any(key in metadata for key in swa_keys):
         _check_rope(reader, arch, swa_keys[1], sliding)
     _check_head_equality(reader, arch, full, sliding, layer0)
+    if swa is not None and arch not in archs.HEADS_BY_LAYER_KIND:
+        _check_mixed_kinds(reader, arch, swa[1], full, sliding)
     _check_mrope(reader, arch, metadata, layer0.rope)
     return layer0
+
+
+def _check_mixed_kinds(
+    reader: Reader, arch: str, sliding_layers: list[bool], full: HeadSize, sliding: HeadSize
+) -> None:
+    """archs.HEADS_BY_LAYER_KIND: a graph that sizes every layer's heads by layer 0's."""
+    if len(set(sliding_layers)) > 1 and (full.key, full.value) != (sliding.key, sliding.value):
+        raise reader.fail(
+            f"{arch} sizes every layer's heads by layer 0's, and its layers mix sliding-window "
+            f"and full attention: attention.key_length_swa and value_length_swa "
+            f"({sliding.key}, {sliding.value}) must equal key_length and value_length "
+            f"({full.key}, {full.value})"
+        )
 
 
 def _check_rope(reader: Reader, arch: str, key: str, size: HeadSize) -> None:
