@@ -23,6 +23,7 @@ from llamacrab import (
     Llama,
     Model,
 )
+from llamacrab._field_types import LAST_POSITION
 from llamacrab._native import context as context_module
 from llamacrab._native.host_limits import Limit
 
@@ -180,21 +181,34 @@ def _keep_and_start_again(loaded: Model, params: ContextParams) -> None:
 def test_a_shift_past_int32_is_refused(loaded: Model) -> None:
     with Context(loaded, ContextParams(n_ctx=256, n_threads=1)) as ctx:
         decode(ctx, [5, 6, 7, 8, 9])  # positions 0..4
-        with pytest.raises(InvalidParameterError, match="past 2147483646"):
-            ctx.shift(0, 2**31 - 4)  # 4 to INT32_MAX + 1
-        with pytest.raises(InvalidParameterError, match="past 2147483646"):
-            ctx.shift(0, 2**31 - 3, p0=2, p1=4)  # position 3 is the highest it moves
-        with pytest.raises(InvalidParameterError, match="past 2147483646"):
-            ctx.shift(0, 2**31 - 5, p0=3)  # 4 to INT32_MAX: the next decode's next overflows
+        past = f"past {LAST_POSITION}"
+        with pytest.raises(InvalidParameterError, match=past):
+            ctx.shift(0, 2**31 - 4)  # 4 to INT32_MAX + 1: wrapped negative
+        with pytest.raises(InvalidParameterError, match=past):
+            ctx.shift(0, LAST_POSITION - 2, p0=2, p1=4)  # position 3 is the highest it moves
+        with pytest.raises(InvalidParameterError, match=past):
+            ctx.shift(0, LAST_POSITION - 3, p0=3)  # 4 one past the last
         assert ctx.positions(0) == (0 if loaded.arch == "llama" else 4, 4)
-        ctx.shift(0, 2**31 - 5 - 1, p0=3)  # 4 lands on INT32_MAX - 1: allowed
+        ctx.shift(0, LAST_POSITION - 4, p0=3)  # 4 lands on LAST_POSITION: allowed
         assert ctx.positions(0) is not None
-        assert ctx.positions(0)[1] == 2**31 - 2  # type: ignore[index]
+        assert ctx.positions(0)[1] == LAST_POSITION  # type: ignore[index]
     if loaded.arch == "llama":  # KV cells shifted below 0 are dropped, as llama.cpp does
         with Context(loaded, ContextParams(n_ctx=256, n_threads=1)) as ctx:
             decode(ctx, [5, 6, 7, 8, 9])
             ctx.shift(0, -3)
             assert ctx.positions(0) == (0, 1)
+
+
+def test_positions_where_the_attention_mask_s_reach_overflows_are_refused() -> None:
+    """llama.cpp's attention mask looks back from a token's position + 32 + the sliding window,
+    in int32: three tokens at 2^31 - 4 decoded together and one at a time differed by 0.47 in a
+    logit (undefined behaviour, no signal)."""
+    with Batch(3) as batch:
+        with pytest.raises(InvalidParameterError, match="past the highest"):
+            batch.set(np.array([5, 6, 7], dtype=np.int32), 2**31 - 4)
+        with pytest.raises(InvalidParameterError, match="past the highest"):
+            batch.set_one(5, 2**31 - 33)
+    assert LAST_POSITION + 32 + 2**23 < 2**31 - 1  # room for windows of 8 million positions
 
 
 @pytest.mark.parametrize("loaded", ["llama"], indirect=True)

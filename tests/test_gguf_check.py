@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import pytest
 
-from llamacrab import InvalidModelError, InvalidParameterError, Llama
+from llamacrab import InvalidModelError, InvalidParameterError, Llama, ModelLoadError
 from llamacrab._native import gguf_reader
 from llamacrab._native.gguf.check import LLAMA_MAX_EXPERTS, validate_gguf
 from llamacrab._native.gguf_reader import LLAMA_MAX_LAYERS
@@ -1195,3 +1195,13 @@ def test_a_centred_lfm2_convolution_of_even_width_is_refused(tmp_path: Path) -> 
     assert_checked_else_dies(path, "odd shortconv.l_cache", "bx->ne[0] > conv->ne[0]")
     good = tiny_lfm2(tmp_path / "good.gguf", {**keys, "shortconv.l_cache": 3})
     assert load_in_child(good, "checked").stdout.startswith("loaded")
+
+
+def test_deepseek4_without_an_embedding_length_is_left_to_llama_cpp(tmp_path: Path) -> None:
+    """Its rules read layer 0's head sizes, which need an embedding length: they failed an
+    assert (an AssertionError escaping validate_gguf, 2 of the archs section's 40,000 long
+    cases) where llama.cpp itself refuses the file (a key it requires)."""
+    path = header(tmp_path / "m.gguf", {**V4, "embedding_length": None}, "deepseek4")
+    validate_gguf(path)
+    with pytest.raises(ModelLoadError, match="key not found in model"):
+        Llama(path, n_ctx=64, n_threads=1)

@@ -37,6 +37,7 @@ from llamacrab import (
     MediaPolicy,
     ModelLoadError,
 )
+from llamacrab._field_types import LAST_POSITION
 from llamacrab._native import mtmd as mtmd_handles
 from llamacrab._native.call import call
 from llamacrab._native.context import Context, ContextParams
@@ -916,7 +917,7 @@ def test_evaluate_refuses_a_sequence_or_position_the_context_cannot_take(
         "refused: sequence -1 outside 0..1 (n_seq_max)",
     ]
     assert lines[2] == "refused: position -1 is negative: positions start at 0"
-    assert "leaves no next position: the highest is 2147483646" in lines[3]
+    assert f"leaves room for, {LAST_POSITION}" in lines[3]
     assert lines[4].startswith("refused: n_past must be an integer in")
     new_n_past, n_pos = (int(word) for word in lines[5].split()[1:])
     assert new_n_past == n_pos > IMAGE_TOKENS  # the context is still usable

@@ -39,6 +39,7 @@ from llamacrab import (
     StateCheckpoint,
     StateError,
 )
+from llamacrab._field_types import LAST_POSITION
 
 from support import load_repo_module
 
@@ -81,19 +82,20 @@ def test_no_token_goes_where_no_position_can_follow(tiny_llama: Llama) -> None:
     context.decode(batch)
     state = bytearray(context.state_bytes(0))
     # magic, source sequence, stream count, cell count; cells of (position, 1, sequence id)
-    struct.pack_into("<i", state, 16 + 12, 2**31 - 1)
-    with pytest.raises(StateError, match="past position 2147483646, which leaves no next"):
+    struct.pack_into("<i", state, 16 + 12, LAST_POSITION + 1)
+    with pytest.raises(StateError, match=f"past position {LAST_POSITION}, the highest"):
         context.load_state_bytes(bytes(state), 0)
     assert context.positions(0) is None
     context.load_state_bytes(context.state_bytes(0), 0)  # still usable
     batch.set(np.array([1, 260], dtype=np.int32), 0, seq_id=0)
     context.decode(batch)
     assert context.positions(0) == (0, 1)
-    for fill in (lambda: batch.set_one(1, 2**31 - 1),
-                 lambda: batch.set_rows(*np.array([[1], [2**31 - 1], [0], [1]]))):  # fmt: skip
-        with pytest.raises(InvalidParameterError, match="leaves no next position"):
+    past = LAST_POSITION + 1
+    for fill in (lambda: batch.set_one(1, past),
+                 lambda: batch.set_rows(*np.array([[1], [past], [0], [1]]))):  # fmt: skip
+        with pytest.raises(InvalidParameterError, match="past the highest"):
             fill()
-    batch.set_one(1, 2**31 - 2)
+    batch.set_one(1, LAST_POSITION)
     context.close()
 
 

@@ -28,9 +28,12 @@ import numpy as np
 from llamacrab._exceptions import InvalidParameterError, LlamaError
 
 INT32_MIN, INT32_MAX, UINT32_MAX = -(2**31), 2**31 - 1, 2**32 - 1
-# The highest position a token may take: every decode computes each sequence's next position
-# (its last + 1) in int32, an overflow past a token at INT32_MAX (llama_batch_compat::init).
-LAST_POSITION = INT32_MAX - 1
+# The highest position a token may take. llama.cpp computes past a token's position in int32:
+# each sequence's next position (last + 1) at every decode, and how far back the attention
+# mask looks (position + 32 + the sliding window, llama-kv-cache.cpp), which overflowed within
+# 33 of INT32_MAX (undefined behaviour; three tokens decoded together or one at a time differed
+# by 0.47 in a logit). 2^24 of room covers windows of 16.7 million positions.
+LAST_POSITION = INT32_MAX - 2**24
 FLOAT32_MAX = 3.4028234663852886e38  # past it a C float is infinite
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 

@@ -18,7 +18,8 @@ def check_positions(low: int, high: int) -> None:
         raise InvalidParameterError(f"position {low} is negative: positions start at 0")
     if high > LAST_POSITION:
         raise InvalidParameterError(
-            f"position {high} leaves no next position: the highest is {LAST_POSITION}"
+            f"position {high} is past the highest llama.cpp's int32 arithmetic leaves room "
+            f"for, {LAST_POSITION}"
         )
 
 

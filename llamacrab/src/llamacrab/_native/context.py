@@ -879,7 +879,7 @@ class Context(NativeHandle):
     def shift(self, seq_id: int, delta: int, p0: int = 0, p1: int = -1) -> None:
         """Add ``delta`` to the positions [p0, p1) of a sequence (context shifting). Cells of a
         KV cache shifted below 0 are dropped; a recurrent state cannot drop its past, so its
-        position may not go below 0. No position may go past LAST_POSITION (INT32_MAX - 1)."""
+        position may not go below 0. No position may go past LAST_POSITION (INT32_MAX - 2^24)."""
         self._check_range(seq_id, p0, p1)
         check_range("delta", delta, INT32_MIN, INT32_MAX)
         with self.exclusive() as ctx:
@@ -1026,8 +1026,8 @@ class Context(NativeHandle):
         if past:
             raise StateError(
                 f"the state puts a token of sequence {past[0]} past position {LAST_POSITION}, "
-                "which leaves no next position (corrupted or altered); the context's memory "
-                "is cleared"
+                "the highest llama.cpp's int32 arithmetic leaves room for (corrupted or "
+                "altered); the context's memory is cleared"
             )
 
     def _state_flags(self, seq_id: int | None, partial: bool) -> int:

@@ -320,8 +320,8 @@ def _graph_rules(m: _Model) -> list[Rule]:
         return [(m.n_main == 1, "block_count - nextn_predict_layers == 1")]
     if m.arch == "llama4":
         return _llama4_rules(m)
-    if m.arch == "deepseek4":
-        return _deepseek4_rules(m)
+    if m.arch == "deepseek4":  # (without embedding_length llama.cpp refuses the file)
+        return _deepseek4_rules(m) if m.layer0 is not None else []
     if m.arch in archs.INDEXER_ROTATED:  # the indexer's cache (and rotation) needs main layers
         rules = [(m.n_main > 0, "block_count > nextn_predict_layers (its indexer's layers)")]
         if m.arch == "dots3note" and m.has("attention.indexer.types"):
