@@ -37,7 +37,7 @@ class LayerKv:
     key_width: int
     value_width: int
     sliding: bool
-    key_head: int = 0  # one key head's elements
+    key_head: int  # one key head's elements
 
 
 @dataclass(frozen=True)

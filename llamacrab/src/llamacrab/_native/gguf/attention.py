@@ -106,7 +106,9 @@ def check_attention(
 def _check_mixed_kinds(
     reader: Reader, arch: str, sliding_layers: list[bool], full: HeadSize, sliding: HeadSize
 ) -> None:
-    """archs.HEADS_BY_LAYER_KIND: a graph that sizes every layer's heads by layer 0's."""
+    """Where sliding-window and full-attention layers mix, their head sizes agree: the KV cache
+    sizes each layer's by its kind, and a graph (all but archs.HEADS_BY_LAYER_KIND) all of
+    them by layer 0's."""
     if len(set(sliding_layers)) > 1 and (full.key, full.value) != (sliding.key, sliding.value):
         raise reader.fail(
             f"{arch} sizes every layer's heads by layer 0's, and its layers mix sliding-window "
