@@ -544,14 +544,14 @@ pooling = "rank"
 """,
     )
     settings = parse_settings(["--models", config, "--n-ctx", "320", "--n-batch", "64",
-                               "--flash-attn", "off", "--cache-type-k", "q8_0", "--cache-type-v",
+                               "--flash-attn", "off", "--cache-type-k", "bf16", "--cache-type-v",
                                "f16", "--n-threads", "1", "--preset", "low-ram",
                                "--parallel", "2"], environ={})  # fmt: skip
     registry = open_registry(settings)
     options = {name: dict(registry.entry(name).options) for name in registry.names()}
     plain = options["plain"]
     assert (plain["n_ctx"], plain["n_batch"], plain["flash_attn"]) == (320, 64, "off")
-    assert (plain["type_k"], plain["type_v"], plain["n_threads"]) == ("q8_0", "f16", 1)
+    assert (plain["type_k"], plain["type_v"], plain["n_threads"]) == ("bf16", "f16", 1)
     assert (plain["n_ubatch"], plain["parallel"]) == (128, 2)  # --preset low-ram's; the flag's
     assert (options["own"]["n_ctx"], options["own"]["type_k"]) == (384, "f16")  # its own win
     # An entry's preset is its own: it overrides the flags, its options override it.
@@ -567,7 +567,7 @@ pooling = "rank"
     with registry:
         params = registry.get("plain").context.params
         assert (params.n_ctx, params.n_batch, params.n_seq_max) == (320, 64, 2)
-        assert (params.flash_attn, params.type_k, params.swa_full) == ("off", "q8_0", False)
+        assert (params.flash_attn, params.type_k, params.swa_full) == ("off", "bf16", False)
 
 
 def test_flags_left_at_their_defaults_yield_to_presets(folder: Path) -> None:
