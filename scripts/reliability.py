@@ -536,6 +536,17 @@ FOUND = [
      "each by its kind); the same for granite_swa files a test had called accepted",
      "`_native/gguf/attention.py` (`_check_mixed_kinds`): the _swa sizes equal the "
      "others where the kinds mix, but for `archs.HEADS_BY_LAYER_KIND`"),
+    ("a server test failing in CI 1 run in about 20, then a stress of mixed LoRA requests "
+     "(2026-12-07: 883 of 3,556 innocent requests failed)",
+     "a request whose LoRA scale overflows (1e30) on a prompt longer than the next one on "
+     "its slot; a `Llama` likewise",
+     "no signal: NaN left in the cells its sequence freed, read again through the "
+     "attention mask (the CPU's flash attention multiplies whole tiles, the V product "
+     "without it every cell): later prompts came out NaN, a 500 (or a 400 blaming a "
+     "scale of 0.5) for innocent requests, a context broken for good",
+     "llamacrab-sys patch `llama-memory-seq-rm-zeroed`; `_native/context.py` "
+     "(`note_non_finite`): after a NaN output each sequence's next removal zeroes the "
+     "cells it frees"),
 ]  # fmt: skip
 
 

@@ -324,3 +324,24 @@ def test_a_lora_scale_that_overflows_is_a_decode_error_not_text(
         llm.set_lora_adapters({adapter: 0.0})
         again = llm.create_completion("the cat", max_tokens=3, temperature=0).choices[0]
         assert again.tokens == expected.tokens
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_a_decode_that_overflowed_leaves_no_nan_for_the_prompts_after_it(
+    tiny_model_path: Path, files: dict[str, Path], flash_attn: str
+) -> None:
+    # Freed cells kept the NaN it computed, and attention reads freed cells through its mask
+    # (the CPU's flash attention in tiles of 64 rows, the V product without it): every prompt
+    # after it whose attention reached them came out NaN, a context broken for good.
+    prompt = [1, *(10 + i % 250 for i in range(150))]
+    with Llama(tiny_model_path, n_ctx=256, n_threads=2, flash_attn=flash_attn,
+               lora=[(str(files["lora"]), 0.0)]) as llm:  # fmt: skip
+        (adapter,) = llm.adapters
+
+        def greedy(n: int) -> list[int]:
+            return llm.create_completion(prompt[-n:], max_tokens=3, temperature=0).choices[0].tokens
+
+        expected = {n: greedy(n) for n in (8, 70, 100)}
+        with pytest.raises(DecodeError, match="computed a logit of nan"):
+            llm.create_completion(prompt, max_tokens=3, lora={adapter: 3e38})
+        assert {n: greedy(n) for n in (70, 8, 100)} == expected

@@ -33,6 +33,16 @@ _ENCODE_ABORT_WHY = (
     "clip's backends at the context's abort flags for the encode, as llama_decode's are."
 )
 
+_ZEROED_WHY = (
+    "Freed KV cells keep their data, and some attention kernels read cells their mask "
+    "excludes: the CPU's flash attention multiplies whole tiles (NaN + -inf is NaN), and "
+    "without flash attention the V product multiplies every cell by its weight (0 * NaN is "
+    "NaN). A decode whose output overflowed (a LoRA scale of 1e30) leaves NaN in its cells, "
+    "and every later prompt whose attention reaches them came out NaN too: one bad request "
+    "broke a context, and on a server with a unified cache the other slots' requests. "
+    "llamacrab removes a sequence with this function once a decode's output was not finite. "
+    "Retired when upstream kernels skip masked cells or freed cells are cleared."
+)
 
 PATCHES: tuple[SourcePatch, ...] = (
     SourcePatch(
@@ -556,6 +566,115 @@ PATCHES: tuple[SourcePatch, ...] = (
             ),
         ),
         why=_ENCODE_ABORT_WHY,
+    ),
+    SourcePatch(
+        name="llama-memory-seq-rm-zeroed",
+        path="include/llama.h",
+        edits=(
+            (
+                "    LLAMA_API bool llama_memory_seq_rm(\n"
+                "            llama_memory_t mem,\n"
+                "              llama_seq_id seq_id,\n"
+                "                 llama_pos p0,\n"
+                "                 llama_pos p1);\n",
+                "    LLAMA_API bool llama_memory_seq_rm(\n"
+                "            llama_memory_t mem,\n"
+                "              llama_seq_id seq_id,\n"
+                "                 llama_pos p0,\n"
+                "                 llama_pos p1);\n\n"
+                "    // llamacrab: llama_memory_seq_rm, and the K and V data of the cells it "
+                "frees set to zero\n"
+                "    LLAMA_API bool llama_memory_seq_rm_zeroed(\n"
+                "            llama_memory_t mem,\n"
+                "              llama_seq_id seq_id,\n"
+                "                 llama_pos p0,\n"
+                "                 llama_pos p1);\n",
+            ),
+        ),
+        why=_ZEROED_WHY,
+    ),
+    SourcePatch(
+        name="llama-memory-seq-rm-zeroed",
+        path="src/llama-kv-cache.cpp",
+        edits=(
+            (
+                "bool llama_kv_cache::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {\n",
+                "// llamacrab: set while llama_memory_seq_rm_zeroed runs\n"
+                "static thread_local bool llamacrab_zero_freed = false;\n\n"
+                "bool llama_memory_seq_rm_zeroed(llama_memory_t mem, llama_seq_id seq_id, "
+                "llama_pos p0, llama_pos p1) {\n"
+                "    if (!mem) {\n"
+                "        return true;\n"
+                "    }\n"
+                "    struct unset { ~unset() { llamacrab_zero_freed = false; } } on_return;\n"
+                "    llamacrab_zero_freed = true;\n"
+                "    return mem->seq_rm(seq_id, p0, p1);\n"
+                "}\n\n"
+                "bool llama_kv_cache::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {\n"
+                "    // llamacrab: the runs of cells this frees, by stream, [first, end)\n"
+                "    std::vector<std::vector<std::pair<uint32_t, uint32_t>>> freed(\n"
+                "        llamacrab_zero_freed ? n_stream : 0);\n"
+                "    auto note_freed = [&](uint32_t s, uint32_t i) {\n"
+                "        if (freed.empty()) {\n"
+                "            return;\n"
+                "        }\n"
+                "        auto & runs = freed[s];\n"
+                "        if (!runs.empty() && runs.back().second == i) {\n"
+                "            runs.back().second = i + 1;\n"
+                "        } else {\n"
+                "            runs.emplace_back(i, i + 1);\n"
+                "        }\n"
+                "    };\n",
+            ),
+            (
+                "            if (cells.seq_has(i, seq_id) && cells.seq_rm(i, seq_id)) {\n"
+                "                if (new_head == cells.size()) {\n",
+                "            if (cells.seq_has(i, seq_id) && cells.seq_rm(i, seq_id)) {\n"
+                "                note_freed(seq_to_stream[seq_id], i);\n"
+                "                if (new_head == cells.size()) {\n",
+            ),
+            (
+                "                cells.rm(i);\n\n                if (new_head == cells.size()) {\n",
+                "                cells.rm(i);\n"
+                "                note_freed(s, i);\n\n"
+                "                if (new_head == cells.size()) {\n",
+            ),
+            (
+                "    return true;\n}\n\nvoid llama_kv_cache::seq_cp(",
+                "    if (!freed.empty()) {\n"
+                "        // set_tensor from zeros: every buffer type has it (not so memset)\n"
+                "        const std::vector<uint8_t> zeros(1 << 20, 0);\n"
+                "        auto zero = [&](ggml_tensor * t, size_t offset, size_t size) {\n"
+                "            for (size_t done = 0; done < size; done += zeros.size()) {\n"
+                "                const size_t n = std::min(zeros.size(), size - done);\n"
+                "                ggml_backend_tensor_set(t, zeros.data(), offset + done, n);\n"
+                "            }\n"
+                "        };\n"
+                "        for (uint32_t s = 0; s < n_stream; ++s) {\n"
+                "            for (const auto & layer : layers) {\n"
+                "                ggml_tensor * k = layer.k_stream[s];\n"
+                "                ggml_tensor * v = layer.v_stream[s];\n"
+                "                for (const auto & [first, end] : freed[s]) {\n"
+                "                    if (k) {\n"
+                "                        zero(k, first*k->nb[1], (end - first)*k->nb[1]);\n"
+                "                    }\n"
+                "                    if (v && !v_trans) {\n"
+                "                        zero(v, first*v->nb[1], (end - first)*v->nb[1]);\n"
+                "                    } else if (v) {  // cell i of row d at d*kv_size + i\n"
+                "                        const size_t size = ggml_type_size(v->type);\n"
+                "                        for (int64_t d = 0; d < v->ne[0]; ++d) {\n"
+                "                            zero(v, (d*v->ne[1] + first)*size, "
+                "(end - first)*size);\n"
+                "                        }\n"
+                "                    }\n"
+                "                }\n"
+                "            }\n"
+                "        }\n"
+                "    }\n\n"
+                "    return true;\n}\n\nvoid llama_kv_cache::seq_cp(",
+            ),
+        ),
+        why=_ZEROED_WHY,
     ),
 )
 

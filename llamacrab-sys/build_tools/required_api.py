@@ -148,8 +148,9 @@ OPTIONAL_GROUPS = (
 )
 
 # Added by llamacrab's patches to the pinned source (build_tools/patches.py): an install a user
-# brings lacks them, and llamacrab does without (an image's encoding then runs to its end).
-PATCH_FUNCTIONS = ("mtmd_set_abort_callback",)
+# brings lacks them, and llamacrab does without (an image's encoding then runs to its end; cells
+# freed after an output that overflowed keep their NaN).
+PATCH_FUNCTIONS = ("mtmd_set_abort_callback", "llama_memory_seq_rm_zeroed")
 
 
 class ApiTooOldError(SystemExit):

@@ -91,6 +91,9 @@ KV_SETTINGS = ("rope_scaling", "rope_freq_base", "rope_freq_scale", "yarn_ext_fa
 # samples). On the CPU backend the graph's sampling costs more than the CPU chain at the pin
 # (docs/graph-sampling.md), hence "auto".
 GRAPH_SAMPLING = ("auto", "on", "off")
+# Added by llamacrab's patch to llama.cpp: a build a user brings lacks it, and its removals
+# leave freed cells as they were.
+ZEROES_FREED_CELLS = hasattr(lib, "safe_llama_memory_seq_rm_zeroed")
 
 # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, a #define cffi does not carry: a sequence state of the
 # sliding-window layers only (and the recurrent states of hybrid models).
@@ -288,6 +291,8 @@ class Context(NativeHandle):
         # remove, copy into it, keep, shift, divide, a state loaded): the engine tells its own
         # changes from a user's by these (memory_generation).
         self._memory_changes = [0] * params.n_seq_max
+        # The sequences whose next removal zeroes the cells it frees (note_non_finite).
+        self._zero_when_removed: set[int] = set()
         # llama.cpp loads a state only into as many KV streams as it was saved from: one per
         # sequence without kv_unified (a recurrent model's memory has none).
         attends = not lib.llama_model_is_recurrent(model.pointer)
@@ -808,7 +813,15 @@ class Context(NativeHandle):
     def clear(self) -> None:
         with self.exclusive() as ctx:
             self._memory_changes_now(None)
-            lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+            lib.llama_memory_clear(lib.llama_get_memory(ctx), True)  # the data zeroed too
+            self._zero_when_removed.clear()
+
+    def note_non_finite(self) -> None:
+        """A decode computed a NaN or infinite output. Its cells may hold NaN, and freed cells
+        keep their data, which some attention kernels read through the mask (the CPU's flash
+        attention tiles, the V product without flash attention): every later output reaching
+        them would be NaN too. So each sequence's next removal zeroes the cells it frees."""
+        self._zero_when_removed.update(range(self.params.n_seq_max))
 
     def check_sequence(self, seq_id: int) -> None:
         """Raise InvalidParameterError unless ``seq_id`` is one of this context's sequences."""
@@ -835,8 +848,11 @@ class Context(NativeHandle):
         with self.exclusive() as ctx:
             memory = lib.llama_get_memory(ctx)
             self._memory_changes_now([seq_id])
-            if not call("llama_memory_seq_rm", memory, seq_id, p0, p1):
+            zeroing = seq_id in self._zero_when_removed and ZEROES_FREED_CELLS
+            removal = "llama_memory_seq_rm_zeroed" if zeroing else "llama_memory_seq_rm"
+            if not call(removal, memory, seq_id, p0, p1):
                 return False
+            self._zero_when_removed.discard(seq_id)
             if p1 >= 0 or p0 == 0 or self.n_swa == 0:
                 return True
             oldest = int(lib.llama_memory_seq_pos_min(memory, seq_id))  # windowed layers' own

@@ -400,7 +400,7 @@ class SamplerChain(NativeHandle):
             elif (logits := call("llama_get_logits_ith", ctx, index)) == ffi.NULL:
                 raise InvalidParameterError(f"no logits for output {index} of the last decode")
             elif self._argmax is not None:  # logit_bias and greedy keep no state to accept
-                return _finite(logits, self._argmax.pick(logits, banned), index)
+                return _finite(context, logits, self._argmax.pick(logits, banned), index)
             elif self._top_k_first:
                 k, biased = self.options.top_k, self._biased
                 ban = ffi.NULL if banned is None else ffi.from_buffer("llama_token[]", banned)
@@ -413,17 +413,17 @@ class SamplerChain(NativeHandle):
                         "llamacrab_sample_top_k_first", lib.LLAMACRAB_UNKNOWN_EXCEPTION,
                         "the chain selected no token, or a C++ exception",
                     )  # fmt: skip
-                return self._allowed(_finite(logits, token, index))
+                return self._allowed(_finite(context, logits, token, index))
             elif self._grammar_at is not None:
-                return self._grammar_pick(chain, ctx, index, logits)
+                return self._grammar_pick(context, chain, ctx, index, logits)
             token = int(self._advance("llama_sampler_sample", chain, ctx, index,
                                       dead_end=NOTHING_ALLOWED))  # fmt: skip
             if not self.in_graph:  # (the graph copies out no logits to look at)
-                _finite(logits, token, index)
+                _finite(context, logits, token, index)
         self._raise_python_error()
         return self._allowed(token)
 
-    def _grammar_pick(self, chain: Any, ctx: Any, index: int, logits: Any) -> int:
+    def _grammar_pick(self, context: Context, chain: Any, ctx: Any, index: int, logits: Any) -> int:
         """llama_sampler_sample for a chain with a grammar, its accept held back until the
         grammar takes the pick: an end-of-generation token before the grammar is complete
         aborts the process in the grammar's accept. The last sampler picks one anyway when
@@ -443,7 +443,7 @@ class SamplerChain(NativeHandle):
                 )
             raise GrammarDeadEnd(NOTHING_ALLOWED)
         self._advance("llama_sampler_accept", chain, token, dead_end=NOTHING_ALLOWED)
-        return _finite(logits, token, index)
+        return _finite(context, logits, token, index)
 
     def _allowed(self, token: int, end_banned: bool = False) -> int:
         """``token``, unless it is banned (a -inf logit_bias; the end-of-generation tokens too
@@ -579,11 +579,13 @@ class SamplerChain(NativeHandle):
             bridge.raise_error()
 
 
-def _finite(logits: Any, token: int, index: int) -> int:
+def _finite(context: Context, logits: Any, token: int, index: int) -> int:
     """``token``, unless the model's logit for it is NaN or infinite: the model computed
     nothing usable there (weights, an adapter's scale or a control vector that overflowed), and
-    every pick would be the same arbitrary token, output as if it were text."""
+    every pick would be the same arbitrary token, output as if it were text. The context then
+    zeroes the cells its removals free (``Context.note_non_finite``)."""
     if not math.isfinite(logits[token]):
+        context.note_non_finite()
         raise DecodeError(
             f"the model computed a logit of {logits[token]} for output {index} (weights, a LoRA "
             "scale or a control vector strength that overflows): nothing to sample from",
