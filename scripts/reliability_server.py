@@ -14,6 +14,8 @@ writes them into RELIABILITY.md; tests/test_reliability_server.py runs the short
 - ``models`` and ``isolated``: 16 clients against a server of several models under churn, the
   second with models in processes of their own killed at random moments
   (scripts/reliability_models.py).
+- ``lora_mix``: per-request LoRA sets on two slots, one request in four with a scale that
+  overflows: every other request answers the Python API's text (scripts/reliability_lora.py).
 - ``schemathesis``: requests generated from ``/openapi.json`` for every operation, valid and
   invalid: no 5xx.
 - ``leaks``: short completions (``max_tokens=1``) through the Python API and through the server:
@@ -50,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 import convert_bert  # noqa: E402
+from reliability_lora import lora_mix  # noqa: E402
 from reliability_models import isolated_churn, model_churn  # noqa: E402
 from server_process import (  # noqa: E402
     ServerProcess,
@@ -516,12 +519,14 @@ SHORT = {
     "schemathesis_examples": 5,
     "leak_count": 2_000,
     "churn_seconds": 15.0,
+    "lora_seconds": 15.0,
 }
 LONG = {
     "load_seconds": 60.0,
     "schemathesis_examples": 50,
     "leak_count": 10_000,
     "churn_seconds": 120.0,
+    "lora_seconds": 120.0,
 }
 
 
@@ -538,6 +543,7 @@ def run_server_sections(
             "disconnect_storm": disconnect_storm(work, 100, seed),
             "models": model_churn(work, 16, sizes["churn_seconds"], seed),
             "isolated": isolated_churn(work, 16, sizes["churn_seconds"], seed),
+            "lora_mix": lora_mix(work, 3, sizes["lora_seconds"], seed),
             "schemathesis": schemathesis_run(work, int(sizes["schemathesis_examples"]), seed),
             "leaks": leak_test(work, int(sizes["leak_count"]), warm_up=1_000),
         }
@@ -556,7 +562,7 @@ def server_sections_markdown(result: dict[str, Any]) -> str:
     """A Markdown section for RELIABILITY.md from ``run_server_sections``' result."""
     load, storm, churn = result["load"], result["disconnect_storm"], result["models"]
     isolated = result["isolated"]
-    fuzz, leaks = result["schemathesis"], result["leaks"]
+    fuzz, leaks, mix = result["schemathesis"], result["leaks"], result["lora_mix"]
     size = "short" if result["short"] else "long"
     rows = [
         ("load", f"{load['requests']:,} requests, {load['clients']} clients, "
@@ -572,6 +578,12 @@ def server_sections_markdown(result: dict[str, Any]) -> str:
         _churn_row("models", churn, "4 models with room for 1"),
         _churn_row("isolated", isolated, "3 models in processes of their own and 1 in the "
                    f"server's, room for 2; {isolated['killed']} model processes killed"),
+        ("LoRA mix", f"{mix['requests']:,} completions, {mix['clients']} clients, "
+         f"{mix['seconds']:.0f} s, 2 slots", mix["crashes"], mix["hangs"], mix["server_errors"],
+         f"{mix['verdicts'].get('right', 0):,} of a set, each the Python API's text, "
+         f"{mix['verdicts'].get('wrong', 0)} not; overflowing: "
+         f"{mix['verdicts'].get('overflow_refused', 0):,} refused (400), "
+         f"{mix['verdicts'].get('overflow_answered', 0)} finite nonsense of 1e30 answered"),
         ("schemathesis", f"{fuzz['cases']:,} generated requests, {fuzz['operations']} "
          "operations", fuzz["crashes"], fuzz["hangs"], fuzz["server_errors"],
          ", ".join(f"{n} x {status}" for status, n in fuzz["statuses"].items())),

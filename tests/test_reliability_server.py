@@ -1,6 +1,7 @@
 """The short versions of the server's reliability sections (scripts/reliability_server.py; the
 long ones run from scripts/reliability.py): load, a disconnect storm, several models churning
-(in the server's process, and in processes of their own killed at random), schemathesis, leaks."""
+(in the server's process, and in processes of their own killed at random), per-request LoRA
+sets with overflowing scales among them, schemathesis, leaks."""
 
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ def test_models_in_processes_of_their_own_killed_under_churn(workdir: Path) -> N
     # Killed processes were seen by requests (a 502, or an error event in a stream).
     assert any(code.startswith("model_process_failed") for code in result["codes"]), result
     _served_every_kind(result)
+
+
+def test_per_request_lora_sets_some_overflowing_leave_every_other_answer_exact(
+    workdir: Path,
+) -> None:
+    result = sections.lora_mix(workdir, clients=3, seconds=sections.SHORT["lora_seconds"])
+    assert result["ok"], _shown(result)
+    verdicts = result["verdicts"]
+    assert verdicts["right"] >= 100 and verdicts["overflow_refused"] >= 20, verdicts
 
 
 def test_error_codes_are_read_from_every_api_shape() -> None:
