@@ -558,6 +558,16 @@ def _churn_row(name: str, churn: dict[str, Any], models: str) -> tuple[object, .
             churn["server_errors"], f"{codes}; afterwards {afterwards}")  # fmt: skip
 
 
+def lora_row(mix: dict[str, Any]) -> tuple[object, ...]:
+    verdicts = Counter(mix["verdicts"])
+    return ("LoRA mix", f"{mix['requests']:,} completions, {mix['clients']} clients, "
+            f"{mix['seconds']:.0f} s, 2 slots", mix["crashes"], mix["hangs"],
+            mix["server_errors"], f"{verdicts['right']:,} of a set, each the Python API's "
+            f"text, {verdicts['wrong']} not; overflowing: {verdicts['overflow_refused']:,} "
+            f"refused (400), {verdicts['overflow_answered']} of 1e30 answered from its finite "
+            "nonsense")  # fmt: skip
+
+
 def server_sections_markdown(result: dict[str, Any]) -> str:
     """A Markdown section for RELIABILITY.md from ``run_server_sections``' result."""
     load, storm, churn = result["load"], result["disconnect_storm"], result["models"]
@@ -578,12 +588,7 @@ def server_sections_markdown(result: dict[str, Any]) -> str:
         _churn_row("models", churn, "4 models with room for 1"),
         _churn_row("isolated", isolated, "3 models in processes of their own and 1 in the "
                    f"server's, room for 2; {isolated['killed']} model processes killed"),
-        ("LoRA mix", f"{mix['requests']:,} completions, {mix['clients']} clients, "
-         f"{mix['seconds']:.0f} s, 2 slots", mix["crashes"], mix["hangs"], mix["server_errors"],
-         f"{mix['verdicts'].get('right', 0):,} of a set, each the Python API's text, "
-         f"{mix['verdicts'].get('wrong', 0)} not; overflowing: "
-         f"{mix['verdicts'].get('overflow_refused', 0):,} refused (400), "
-         f"{mix['verdicts'].get('overflow_answered', 0)} finite nonsense of 1e30 answered"),
+        lora_row(mix),
         ("schemathesis", f"{fuzz['cases']:,} generated requests, {fuzz['operations']} "
          "operations", fuzz["crashes"], fuzz["hangs"], fuzz["server_errors"],
          ", ".join(f"{n} x {status}" for status, n in fuzz["statuses"].items())),
