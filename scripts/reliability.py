@@ -547,6 +547,12 @@ FOUND = [
      "llamacrab-sys patch `llama-memory-seq-rm-zeroed`; `_native/context.py` "
      "(`note_non_finite`): after a NaN output each sequence's next removal zeroes the "
      "cells it frees"),
+    ("the call-argument audit (2026-12-07), fixed the session after",
+     "`Context.divide(seq, 2)` (self-extend) on any model with rope",
+     "no signal: llama.cpp recorded the keys' rotation with the wrong sign (pos_div), "
+     "turning them away from their new positions: the next logits 7.7 apart from an "
+     "equal shift's on Gemma 3 (scale 61)",
+     "llamacrab-sys patch `llama-kv-cells-divide-shift-sign`"),
 ]  # fmt: skip
 
 

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -265,6 +265,30 @@ def test_keys_stored_as_bf16_are_not_shifted(models: dict[str, Path]) -> None:
                 decode(ctx, [5, 6, 7, 8, 9])
                 ctx.shift(0, 2, p0=2)
                 assert ctx.positions(0) == (0, 6)
+
+
+def test_a_divide_turns_keys_to_their_new_positions(models: dict[str, Path]) -> None:
+    """llama.cpp recorded a division's rotation with the sign of the old position minus the
+    new one (a shift records the new minus the old): the keys were turned away from where they
+    went, and the next token attended with wrong positions."""
+    with Model.load(models["llama"]) as model, Context(model, ContextParams(n_ctx=256)) as ctx:
+
+        def next_logits(move: Callable[[], None]) -> np.ndarray:
+            ctx.clear()
+            decode(ctx, [5, 6, 7, 8])
+            move()  # positions 0, 1, 2, 3 to 0, 0, 1, 1
+            with Batch(1) as batch:
+                batch.set_one(9, 2)
+                ctx.decode(batch)
+            return ctx.logits(-1).copy()
+
+        divided = next_logits(lambda: ctx.divide(0, 2))
+
+        def shifted() -> None:
+            ctx.shift(0, -1, p0=1, p1=3)
+            ctx.shift(0, -2, p0=3)
+
+        assert np.allclose(divided, next_logits(shifted), atol=1e-4)
 
 
 def test_an_encoder_decoder_model_takes_no_pooling(models: dict[str, Path]) -> None:

@@ -568,6 +568,27 @@ PATCHES: tuple[SourcePatch, ...] = (
         why=_ENCODE_ABORT_WHY,
     ),
     SourcePatch(
+        name="llama-kv-cells-divide-shift-sign",
+        path="src/llama-kv-cells.h",
+        edits=(
+            (
+                "        pos[i]   /= d;\n        shift[i] += p_old - pos[i];\n",
+                "        pos[i]   /= d;\n"
+                "        shift[i] += pos[i] - p_old;  // llamacrab: the new minus the old, as "
+                "pos_add\n",
+            ),
+        ),
+        why=(
+            "A division recorded the rotation its keys were owed as the old position minus "
+            "the new one, where a shift (pos_add) records the new minus the old: the next "
+            "decode turned divided keys away from their new positions by as much as they "
+            "moved, so self-extend (Context.divide) attended with wrong positions (the next "
+            "logits after dividing 0, 1 by 2 differed from those after moving 1 to 0 by 7.7 "
+            "on Gemma 3, whose scale is 61). Retired when upstream records the sign as "
+            "pos_add does."
+        ),
+    ),
+    SourcePatch(
         name="llama-memory-seq-rm-zeroed",
         path="include/llama.h",
         edits=(
