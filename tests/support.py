@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import math
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ import pytest
 from llamacrab import CompletionChoice, CustomSampler, DecodeAbortedError
 from llamacrab._native.batch import Batch
 from llamacrab._native.context import Context
+from llamacrab._native.sampler import SamplerChain as NativeChain
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,3 +111,53 @@ def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
         out.setframerate(rate)
         out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
     return buffer.getvalue()
+
+
+def chain_distribution(
+    logits: np.ndarray, top_k: int, top_p: float, min_p: float, temp: float
+) -> dict:
+    """llama.cpp's chain top_k -> top_p -> min_p -> temperature -> dist, in numpy."""
+    order = np.argsort(-logits, kind="stable")[:top_k]
+    kept = logits[order].astype(np.float64)
+    probs = np.exp(kept - kept[0])
+    probs /= probs.sum()
+    cut = int(np.searchsorted(np.cumsum(probs), top_p)) + 1  # up to the first reaching p
+    order, kept = order[:cut], kept[:cut]
+    keep = kept >= kept[0] + np.log(min_p)
+    order, kept = order[keep], kept[keep]
+    final = np.exp((kept - kept[0]) / temp)
+    return dict(zip(order.tolist(), (final / final.sum()).tolist(), strict=True))
+
+
+def chi_square(counts: dict[int, int], expected: dict[int, float], n: int) -> tuple[float, int]:
+    assert set(counts) <= set(expected), "a token outside the kept set was sampled"
+    # Pool the rare tokens (expected count < 5) into one bin, as the test needs.
+    big = [t for t, p in expected.items() if p * n >= 5]
+    rare = [t for t in expected if t not in big]
+    observed = [counts.get(t, 0) for t in big]
+    wanted = [expected[t] * n for t in big]
+    if rare:
+        observed.append(sum(counts.get(t, 0) for t in rare))
+        wanted.append(sum(expected[t] for t in rare) * n)
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted, strict=True))
+    return stat, len(observed) - 1
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """P(X > x) for chi-square with k degrees of freedom (Wilson-Hilferty, ample here)."""
+    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def count_whole_chain_picks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many picks of chains with a grammar applied it to every candidate, counted as they
+    happen (the first item)."""
+    counts = [0]
+    whole_chain = NativeChain._constrained_pick
+
+    def counted(self: NativeChain, *args: object) -> int:
+        counts[0] += 1
+        return whole_chain(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NativeChain, "_constrained_pick", counted)
+    return counts

@@ -3,7 +3,6 @@ same distribution, the CPU chain kept for what the graph cannot run, slots and s
 
 from __future__ import annotations
 
-import math
 import threading
 from pathlib import Path
 
@@ -17,6 +16,8 @@ from llamacrab._native.batch import Batch
 from llamacrab._native.devices import accelerator_present
 from llamacrab._native.sampler import Samplers, graph_fits, greedy_filters
 from llamacrab.server import parse_settings
+
+from support import chain_distribution, chi2_sf, chi_square
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
@@ -174,20 +175,6 @@ def test_a_greedy_pick_after_penalties_matches_the_cpu_chain(
     assert bound == [*in_graph, True] + [False] * (len(cases) + 1)
 
 
-def _expected(logits: np.ndarray, top_k: int, top_p: float, min_p: float, temp: float) -> dict:
-    """llama.cpp's chain top_k -> top_p -> min_p -> temperature -> dist, in numpy."""
-    order = np.argsort(-logits, kind="stable")[:top_k]
-    kept = logits[order].astype(np.float64)
-    probs = np.exp(kept - kept[0])
-    probs /= probs.sum()
-    cut = int(np.searchsorted(np.cumsum(probs), top_p)) + 1  # up to the first reaching p
-    order, kept = order[:cut], kept[:cut]
-    keep = kept >= kept[0] + np.log(min_p)
-    order, kept = order[keep], kept[keep]
-    final = np.exp((kept - kept[0]) / temp)
-    return dict(zip(order.tolist(), (final / final.sum()).tolist(), strict=True))
-
-
 def _draws(tiny_model_path: Path, mode: str, options: SamplingOptions, n: int) -> list[int]:
     """``n`` tokens sampled after the same prompt: the last prompt token is decoded again
     for each draw (the chain's random state moves on)."""
@@ -214,26 +201,6 @@ def _draws(tiny_model_path: Path, mode: str, options: SamplingOptions, n: int) -
         return tokens
 
 
-def _chi_square(counts: dict[int, int], expected: dict[int, float], n: int) -> tuple[float, int]:
-    assert set(counts) <= set(expected), "a token outside the kept set was sampled"
-    # Pool the rare tokens (expected count < 5) into one bin, as the test needs.
-    big = [t for t, p in expected.items() if p * n >= 5]
-    rare = [t for t in expected if t not in big]
-    observed = [counts.get(t, 0) for t in big]
-    wanted = [expected[t] * n for t in big]
-    if rare:
-        observed.append(sum(counts.get(t, 0) for t in rare))
-        wanted.append(sum(expected[t] for t in rare) * n)
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted, strict=True))
-    return stat, len(observed) - 1
-
-
-def _chi2_sf(x: float, k: int) -> float:
-    """P(X > x) for chi-square with k degrees of freedom (Wilson-Hilferty, ample here)."""
-    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
 def test_sampled_distribution_matches_the_softmax(tiny_model_path: Path) -> None:
     """Both paths' token frequencies over 3,000 seeded draws against the probabilities the
     chain defines (numpy, from the logits). Fixed seeds: the outcome is the same every run."""
@@ -242,14 +209,14 @@ def test_sampled_distribution_matches_the_softmax(tiny_model_path: Path) -> None
     cpu = _draws(tiny_model_path, "off", options, n)
     logits = _draws.logits  # type: ignore[attr-defined]
     graph = _draws(tiny_model_path, "on", options, n)
-    expected = _expected(logits, 12, 0.9, 0.02, 0.8)
+    expected = chain_distribution(logits, 12, 0.9, 0.02, 0.8)
     assert len(expected) >= 4  # a real distribution, not a near-greedy one
     for tokens in (cpu, graph):
         counts: dict[int, int] = {}
         for t in tokens:
             counts[t] = counts.get(t, 0) + 1
-        stat, dof = _chi_square(counts, expected, n)
-        assert _chi2_sf(stat, dof) > 1e-3, (stat, dof, counts, expected)
+        stat, dof = chi_square(counts, expected, n)
+        assert chi2_sf(stat, dof) > 1e-3, (stat, dof, counts, expected)
     # The two paths draw the same uniform numbers from the same seed.
     agree = sum(a == b for a, b in zip(cpu, graph, strict=True)) / n
     assert agree > 0.95

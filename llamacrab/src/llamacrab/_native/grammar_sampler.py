@@ -132,6 +132,16 @@ def selected(array: Any) -> int:
     return int(array.data[array.selected].id)  # a sampler may point data at its own array
 
 
+def pick_without(chain: Any, left_out: int | None, array: Any) -> int:
+    """The token ``chain``'s samplers but the one at ``left_out`` select in ``array``, each
+    applied as the chain's apply runs them."""
+    for i in range(lib.llama_sampler_chain_n(chain)):
+        sampler = lib.llama_sampler_chain_get(chain, i)
+        if i != left_out and sampler.iface.apply != ffi.NULL:
+            call("llama_sampler_apply", sampler, array)
+    return selected(array)
+
+
 def refused(grammar: Any, tokens: np.ndarray) -> np.ndarray:
     """Which of ``tokens`` (int32 ids) ``grammar`` does not allow next: its apply sets their
     logits to -inf (a lazy grammar waiting for its trigger allows every token)."""
