@@ -553,6 +553,13 @@ FOUND = [
      "turning them away from their new positions: the next logits 7.7 apart from an "
      "equal shift's on Gemma 3 (scale 61)",
      "llamacrab-sys patch `llama-kv-cells-divide-shift-sign`"),
+    ("a review of the zeroing fix above (2026-12-07)",
+     "`Context.keep(seq)`, or a sequence's state load, after an overflowing decode on "
+     "another sequence (or that one)",
+     "no signal: llama.cpp's keep and a state load free cells through their own removal, "
+     "which left the NaN in them: the next prompts (8, 70, 100 tokens) came out NaN",
+     "`_native/context.py` (`_seq_rm`): a marked sequence is removed with the zeroing "
+     "removal first"),
 ]  # fmt: skip
 
 

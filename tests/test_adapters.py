@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 from llamacrab import (
+    Batch,
+    Context,
+    ContextParams,
     ControlVector,
     DecodeError,
     InvalidModelError,
@@ -17,6 +20,8 @@ from llamacrab import (
     Llama,
     ModelLoadError,
     RamCache,
+    SamplerChain,
+    SamplingOptions,
 )
 
 from support import load_repo_module
@@ -345,3 +350,37 @@ def test_a_decode_that_overflowed_leaves_no_nan_for_the_prompts_after_it(
         with pytest.raises(DecodeError, match="computed a logit of nan"):
             llm.create_completion(prompt, max_tokens=3, lora={adapter: 3e38})
         assert {n: greedy(n) for n in (70, 8, 100)} == expected
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+@pytest.mark.parametrize("freed_by", ["keep", "state load"])
+def test_cells_an_overflow_left_are_zeroed_when_keep_or_a_state_load_frees_them(
+    tiny_model_path: Path, files: dict[str, Path], flash_attn: str, freed_by: str
+) -> None:
+    # keep() and a sequence's state load free cells through llama.cpp's own removal, which
+    # left the NaN an overflowing decode wrote in them for the next prompts to read.
+    prompt = [1, *(10 + i % 250 for i in range(150))]
+    with Llama(tiny_model_path, n_ctx=64, n_threads=2, lora=[(str(files["lora"]), 0.0)]) as llm:
+        (adapter,) = llm.adapters
+        params = ContextParams(n_ctx=512, n_batch=256, n_seq_max=2, kv_unified=True, n_threads=2,
+                               flash_attn=flash_attn, graph_sampling="off")  # fmt: skip
+        with Context(llm.model, params) as context, Batch(256, 2) as batch:
+
+            def last_logits(tokens: list[int], seq_id: int, lora: float = 0.0) -> np.ndarray:
+                context.remove(seq_id)
+                batch.set(np.array(tokens, dtype=np.int32), 0, seq_id)
+                context.decode(batch, {adapter: lora})
+                return context.logits()
+
+            expected = {n: last_logits(prompt[-n:], 0) for n in (8, 70, 100)}
+            saved = context.state_bytes(0)  # the 100-token prompt's
+            last_logits(prompt, 1, lora=3e38)
+            chain = SamplerChain(llm.model, SamplingOptions(temperature=0))
+            with chain, pytest.raises(DecodeError, match="computed a logit of nan"):
+                chain.sample(context)
+            if freed_by == "keep":
+                context.keep(0)
+            else:
+                context.load_state_bytes(saved, 1)
+            for n in (70, 8, 100):  # the cells in other places: sums in another order
+                np.testing.assert_allclose(last_logits(prompt[-n:], 0), expected[n], atol=1e-5)

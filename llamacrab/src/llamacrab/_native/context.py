@@ -848,17 +848,24 @@ class Context(NativeHandle):
         with self.exclusive() as ctx:
             memory = lib.llama_get_memory(ctx)
             self._memory_changes_now([seq_id])
-            zeroing = seq_id in self._zero_when_removed and ZEROES_FREED_CELLS
-            removal = "llama_memory_seq_rm_zeroed" if zeroing else "llama_memory_seq_rm"
-            if not call(removal, memory, seq_id, p0, p1):
+            if not self._seq_rm(memory, seq_id, p0, p1):
                 return False
-            self._zero_when_removed.discard(seq_id)
             if p1 >= 0 or p0 == 0 or self.n_swa == 0:
                 return True
             oldest = int(lib.llama_memory_seq_pos_min(memory, seq_id))  # windowed layers' own
         # The token at p0 attends to positions after p0 - n_swa in windowed layers: every one
         # of them must still be there (one more, as llama-server asks, covers chunked windows).
         return 0 <= oldest <= max(0, p0 - self.n_swa)
+
+    def _seq_rm(self, memory: Any, seq_id: int, p0: int, p1: int) -> bool:
+        """llama_memory_seq_rm, under ``exclusive()``: zeroing the cells it frees where
+        ``note_non_finite`` marked the sequence (with llamacrab-sys's patch)."""
+        zeroing = seq_id in self._zero_when_removed and ZEROES_FREED_CELLS
+        removal = "llama_memory_seq_rm_zeroed" if zeroing else "llama_memory_seq_rm"
+        if not call(removal, memory, seq_id, p0, p1):
+            return False
+        self._zero_when_removed.discard(seq_id)
+        return True
 
     def copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         """Make positions [p0, p1) of sequence ``src`` part of ``dst`` too (shared cells).
@@ -884,13 +891,16 @@ class Context(NativeHandle):
         with self.exclusive() as ctx:
             memory = lib.llama_get_memory(ctx)
             self._memory_changes_now(others)
+            # llama.cpp's keep frees cells without zeroing them: a marked sequence goes first.
+            for other in self._zero_when_removed.intersection(others):
+                self._seq_rm(memory, other, -1, -1)
             if self.params.kv_unified or self.params.n_seq_max == 1:
                 call("llama_memory_seq_keep", memory, seq_id)
                 return
             # With a stream per sequence llama.cpp's keep walks only seq_id's own stream:
             # the others' cells stayed. Each of them is removed instead.
             for other in others:
-                call("llama_memory_seq_rm", memory, other, -1, -1)
+                self._seq_rm(memory, other, -1, -1)
 
     def shift(self, seq_id: int, delta: int, p0: int = 0, p1: int = -1) -> None:
         """Add ``delta`` to the positions [p0, p1) of a sequence (context shifting). Cells of a
@@ -1015,8 +1025,8 @@ class Context(NativeHandle):
             if seq_id is None:
                 read = call("llama_state_set_data", ctx, buffer, len(buffer))
             else:
-                if not partial:
-                    lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
+                if not partial:  # (llama.cpp's own removal would not zero a marked one's)
+                    self._seq_rm(lib.llama_get_memory(ctx), seq_id, 0, -1)
                 read = call("llama_state_seq_set_data_ext", ctx, buffer, len(buffer), seq_id, flags)
         if read == 0:
             reason = log_lines.take_errors() or "see the llamacrab logger"
