@@ -33,12 +33,14 @@ class _Unchanged(CustomSampler):
         pass
 
 
+@pytest.mark.parametrize("min_tokens", [0, 25])  # 25: the end tokens banned by a Python sampler
 def test_greedy_with_a_grammar_picks_what_the_whole_chain_picks(
-    gemma: Llama, monkeypatch: pytest.MonkeyPatch
+    gemma: Llama, monkeypatch: pytest.MonkeyPatch, min_tokens: int
 ) -> None:
     full_picks = count_whole_chain_picks(monkeypatch)
     prompt = "Describe a crab as JSON with its name, age and hobbies:\n"
-    options = {"grammar": schema_to_grammar(SCHEMA), "max_tokens": 40, "temperature": 0}
+    options = {"grammar": schema_to_grammar(SCHEMA), "max_tokens": 40, "temperature": 0,
+               "min_tokens": min_tokens}  # fmt: skip
     checked = gemma.create_completion(prompt, **options).choices[0]
     refused_picks = full_picks[0]
     whole = gemma.create_completion(prompt, custom_samplers=[_Unchanged()], **options).choices[0]

@@ -262,6 +262,9 @@ class SamplerChain(NativeHandle):
         self._grammar_at = (
             len(self._bridges) + bool(options.logit_bias) if options.grammar is not None else None
         )
+        # A pick checked by the grammar alone (_unconstrained_pick) drawn again runs the
+        # Python samplers twice on a token's candidates: not a caller's, which may keep state.
+        self._checks_one_pick = all(isinstance(b.sampler, _EndBan) for b in self._bridges)
         self._end_tokens = frozenset(model.vocab.eog_tokens)
         self._bans = banned_tokens(options.logit_bias)  # the tokens a pick must never be
         # Every end token banned (llama-server's ignore_eos), as none in the vocabulary
@@ -428,7 +431,9 @@ class SamplerChain(NativeHandle):
         """llama_sampler_sample for a chain with a grammar, its accept held back until the
         grammar takes the pick: an end-of-generation token before the grammar is complete
         aborts the process in the grammar's accept."""
-        token = None if self._bridges else self._unconstrained_pick(chain, ctx, index, logits)
+        token = (
+            self._unconstrained_pick(chain, ctx, index, logits) if self._checks_one_pick else None
+        )
         if token is None:
             token = self._constrained_pick(chain, ctx, index, logits)
         self._advance("llama_sampler_accept", chain, token, dead_end=NOTHING_ALLOWED)
@@ -438,13 +443,13 @@ class SamplerChain(NativeHandle):
         """As llama-server samples with a grammar: the chain without it first, then its pick
         checked by the grammar alone, one token where the grammar's apply checks every one of
         the vocabulary (two thirds of a token's time on Gemma 3's 262k). None when the grammar
-        or a ban refuses the pick: the chain picks again with the grammar. Not with Python
-        samplers, which would see a refused pick's candidates twice."""
+        or a ban refuses the pick: the chain picks again with the grammar."""
         array, rows = candidates(ctx, index, logits, self.n_vocab)
         token = pick_without(chain, self._grammar_at, array)
         del rows  # what array pointed into, alive until the pick was read
-        pick = np.array([token], dtype=np.int32)
-        if token in self._bans or refused(self._grammar(chain), pick)[0]:
+        self._raise_python_error()
+        banned = token in self._bans or any(b.left_out(token) for b in self._bridges)
+        if banned or refused(self._grammar(chain), np.array([token], dtype=np.int32))[0]:
             return None
         return token
 
