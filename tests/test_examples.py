@@ -28,6 +28,11 @@ pytestmark = pytest.mark.real_model
         ("quantize.py", "Q8_0   278.0 MiB  greedy: ' France"),
         ("evaluate.py", "most likely: ' Paris'"),
         ("classify.py", "   sports  (sports "),
+        (
+            "grammar.py",
+            "json: {'name': 'crab', 'legs': 10}\nlazy: ' Crab is a type of arachnids. "
+            "ANSWER: 8\\n' eos",
+        ),
     ],
 )
 def test_example_runs(script: str, expected: str, tmp_path: Path) -> None:
