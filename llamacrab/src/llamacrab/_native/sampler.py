@@ -449,7 +449,7 @@ class SamplerChain(NativeHandle):
         del rows  # what array pointed into, alive until the pick was read
         self._raise_python_error()
         banned = token in self._bans or any(b.left_out(token) for b in self._bridges)
-        if banned or refused(self._grammar(chain), np.array([token], dtype=np.int32))[0]:
+        if banned or self._grammar_refuses(chain, token):
             return None
         return token
 
@@ -463,8 +463,7 @@ class SamplerChain(NativeHandle):
         token = self._allowed(selected(array))
         del rows
         self._raise_python_error()
-        pick = np.array([token], dtype=np.int32)
-        if token in self._end_tokens and refused(self._grammar(chain), pick)[0]:
+        if token in self._end_tokens and self._grammar_refuses(chain, token):
             if self.options.infill:
                 raise GrammarDeadEnd(
                     f"the infill sampler ends the text with token {token}, which the grammar "
@@ -569,7 +568,7 @@ class SamplerChain(NativeHandle):
         does not fit, and aborts the process for an end-of-generation token that comes before
         the grammar is complete. Its apply is the same test without either: it sets the
         token's logit to -inf unless the grammar allows it here (or a lazy grammar waits)."""
-        if not refused(self._grammar(chain), np.array([token], dtype=np.int32))[0]:
+        if not self._grammar_refuses(chain, token):
             return
         if token in self._end_tokens:
             raise GrammarError(
@@ -581,6 +580,10 @@ class SamplerChain(NativeHandle):
             f"the grammar does not allow token {token} here: its text {piece!r} does not "
             "continue what the grammar accepted so far"
         )
+
+    def _grammar_refuses(self, chain: Any, token: int) -> bool:
+        """Whether the chain's grammar does not allow ``token`` next (``refused``)."""
+        return bool(refused(self._grammar(chain), np.array([token], dtype=np.int32))[0])
 
     def _grammar(self, chain: Any) -> Any:
         """The chain's grammar sampler."""
