@@ -144,7 +144,9 @@ def test_a_stop_string_that_cannot_match_is_refused(
         ):
             with pytest.raises(InvalidParameterError, match=rf"stop=.*{why}"):
                 call()
-    assert tiny_llama.create_completion("the cat", max_tokens=2).usage.completion_tokens == 2
+    # Still usable; greedy: the default sampling may draw an end token first (CI, 1 run).
+    after = tiny_llama.create_completion("the cat", max_tokens=2, temperature=0)
+    assert after.usage.completion_tokens == 2
 
 
 def test_the_server_skips_an_empty_stop_string(tiny_model_path: Path) -> None:
